@@ -1,0 +1,332 @@
+"""The claims of annotated/transformer.py, one test each.
+
+Tolerances: float64 results of the two attention forms differ only by the
+order of floating-point additions (one matmul over h*d columns vs h matmuls
+and a sum), which moves the result by a few ulps of values of order 1, far
+below 1e-12. float32 ulps are about 1e-7; 1e-5 leaves room for the same
+reordering over sums of up to a few hundred terms.
+"""
+import math
+
+import pytest
+import torch
+
+import annotated.transformer as T
+from annotated.transformer import (
+    BOS, EOS, PAD, FusedAttention, PerHeadAttention, TransformerConfig, convert_model, fuse,
+    greedy_decode, make_model, padding_mask, split, subsequent_mask, target_mask,
+)
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def random_biases(module, gen):
+    """Fresh modules have zero biases; make them non-zero so the tests see them."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if ".b_" in f".{name}" or name.startswith("b_"):
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def pair(d_model=12, h=3, d_k=None, d_v=None, bias=True, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    ph = PerHeadAttention(d_model, h, d_k, d_v, bias=bias).to(dtype)
+    random_biases(ph, torch.Generator().manual_seed(seed))
+    return ph, fuse(ph)
+
+
+def random_mask(B, T_q, T_k, gen):
+    pad = torch.rand(B, 1, T_k, generator=gen) > 0.3
+    pad[:, :, 0] = True  # at least one real key per sentence
+    return pad
+
+
+# --- attention --------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("kind", ["self", "cross", "causal"])
+def test_per_head_and_fused_agree(dtype, bias, kind):
+    ph, fu = pair(d_model=12, h=3, d_k=5, d_v=7, bias=bias, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    B, T_q = 3, 6
+    T_k = 4 if kind == "cross" else T_q
+    x = torch.randn(B, T_q, 12, generator=gen, dtype=dtype)
+    m = torch.randn(B, T_k, 12, generator=gen, dtype=dtype) if kind == "cross" else x
+    mask = random_mask(B, T_q, T_k, gen)
+    if kind == "causal":
+        mask = mask & subsequent_mask(T_q)
+    out_ph, p_ph = ph(x, m, mask, return_attention=True)
+    out_fu, p_fu = fu(x, m, mask, return_attention=True)
+    assert out_ph.shape == out_fu.shape == (B, T_q, 12)
+    assert p_ph.shape == p_fu.shape == (B, 3, T_q, T_k)
+    assert (out_ph - out_fu).abs().max() <= TOL[dtype]
+    assert (p_ph - p_fu).abs().max() <= TOL[dtype]
+
+
+@pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
+def test_sdpa_path_matches_explicit_path(cls, monkeypatch):
+    torch.manual_seed(0)
+    att = cls(16, 4).double()
+    random_biases(att, torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
+    mask = random_mask(2, 5, 5, gen) & subsequent_mask(5)
+    monkeypatch.setattr(T, "FAST_PATH", True)
+    fast, p = att(x, x, mask)
+    assert p is None  # nobody asked: the fast path ran
+    monkeypatch.setattr(T, "FAST_PATH", False)
+    slow, _ = att(x, x, mask)
+    assert (fast - slow).abs().max() <= 1e-12
+
+
+def test_attention_weights_are_a_distribution_over_allowed_keys():
+    ph, _ = pair()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 12, generator=gen, dtype=torch.float64)
+    mask = random_mask(2, 5, 5, gen)
+    _, p = ph(x, x, mask, return_attention=True)
+    assert torch.all(p[~mask.unsqueeze(1).expand_as(p)] == 0)  # blocked keys: exactly 0
+    assert torch.allclose(p.sum(-1), torch.ones(2, 3, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fully_masked_query_gives_zeros(fast, monkeypatch):
+    monkeypatch.setattr(T, "FAST_PATH", fast)
+    q = torch.randn(1, 3, 4)
+    k = v = torch.randn(1, 5, 4)
+    mask = torch.ones(1, 3, 5, dtype=torch.bool)
+    mask[0, 1] = False  # query 1 may attend to nothing
+    out, _ = T.attention(q, k, v, mask)
+    _, p = T.attention(q, k, v, mask, return_attention=True)
+    assert torch.all(out[0, 1] == 0) and torch.all(p[0, 1] == 0)
+    assert not torch.isnan(out).any()
+    assert torch.all(out[0, 0] != 0)
+
+
+def test_scaling_keeps_score_variance_at_one():
+    # The prose's variance argument, on unit-variance random q and k.
+    gen = torch.Generator().manual_seed(0)
+    for d_k in (16, 64, 256):
+        q, k = torch.randn(50_000, d_k, generator=gen), torch.randn(50_000, d_k, generator=gen)
+        raw = (q * k).sum(-1)
+        assert abs(raw.var().item() / d_k - 1) < 0.05
+        assert abs((raw / math.sqrt(d_k)).var().item() - 1) < 0.05
+
+
+def test_shared_query_key_matrix_gives_symmetric_scores():
+    # Why W_Q and W_K both exist: with one matrix W, X W (X W)^T is symmetric.
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    W, W2 = (torch.randn(8, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    shared = (X @ W) @ (X @ W).T
+    assert torch.allclose(shared, shared.T)
+    separate = (X @ W) @ (X @ W2).T
+    assert not torch.allclose(separate, separate.T)
+
+
+def test_per_head_parameters_are_rectangular():
+    ph = PerHeadAttention(d_model=10, h=2, d_k=3, d_v=4)
+    assert len(ph.W_Q) == len(ph.W_K) == len(ph.W_V) == len(ph.W_O) == 2
+    assert tuple(ph.W_Q[0].shape) == tuple(ph.W_K[1].shape) == (10, 3)
+    assert tuple(ph.W_V[0].shape) == (10, 4) and tuple(ph.W_O[0].shape) == (4, 10)
+    fu = fuse(ph)
+    assert tuple(fu.W_Q.shape) == (10, 6) and tuple(fu.W_V.shape) == (10, 8) and tuple(fu.W_O.shape) == (8, 10)
+
+
+def test_fused_view_picks_out_column_block_i():
+    ph, fu = pair(d_model=8, h=4, d_k=3, d_v=2)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    Q = fu._heads(x, fu.W_Q, fu.b_Q, fu.d_k)  # (B, h, T, d_k)
+    for i in range(4):
+        assert torch.equal(Q[:, i], (x @ fu.W_Q + fu.b_Q)[..., 3 * i:3 * (i + 1)])
+        assert torch.allclose(Q[:, i], x @ ph.W_Q[i] + ph.b_Q[i], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fuse_split_round_trip_is_bit_identical(bias):
+    ph, fu = pair(d_model=12, h=4, d_k=2, d_v=5, bias=bias)
+    back = split(fu)
+    for (n1, a), (n2, b) in zip(ph.named_parameters(), back.named_parameters()):
+        assert n1 == n2 and torch.equal(a, b)
+    again = fuse(back)
+    for (n1, a), (n2, b) in zip(fu.named_parameters(), again.named_parameters()):
+        assert n1 == n2 and torch.equal(a, b)
+
+
+def test_default_head_size_needs_divisible_d_model():
+    with pytest.raises(ValueError, match="d_model=10 is not divisible by h=3"):
+        FusedAttention(10, 3)
+    assert FusedAttention(10, 3, d_k=4, d_v=4).W_Q.shape == (10, 12)
+
+
+@pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
+def test_bad_attention_inputs_name_the_shapes(cls):
+    att = cls(8, 2)
+    with pytest.raises(ValueError, match=r"query input must have shape \(B, T, d_model=8\), got \(2, 3, 7\)"):
+        att(torch.randn(2, 3, 7), torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        att(torch.randn(2, 3, 8), torch.randn(3, 3, 8))
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 3, 4\) does not broadcast"):
+        att(torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.ones(2, 3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="must be a bool tensor"):
+        att(torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.ones(2, 3, 3))
+
+
+# --- the model --------------------------------------------------------------
+
+def small_config(**kw):
+    base = dict(src_vocab=17, tgt_vocab=19, N=2, d_model=16, d_ff=32, h=4, dropout=0.0, max_len=40)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def model_inputs(cfg, B=3, S=7, T_len=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(3, cfg.src_vocab, (B, S), generator=gen)
+    tgt = torch.randint(3, cfg.tgt_vocab, (B, T_len), generator=gen)
+    src[0, -2:] = PAD  # some padding
+    return src, tgt
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_whole_model_converts_between_forms(norm):
+    torch.manual_seed(0)
+    cfg = small_config(norm=norm, attention="per_head")
+    m = make_model(cfg).double().eval()
+    fm = convert_model(m, "fused")
+    assert fm.config.attention == "fused"
+    assert isinstance(fm.encoder.layers[0].self_attn, FusedAttention)
+    src, tgt = model_inputs(cfg)
+    a = m(src, tgt, padding_mask(src, PAD), target_mask(tgt, PAD))
+    b = fm(src, tgt, padding_mask(src, PAD), target_mask(tgt, PAD))
+    assert (a - b).abs().max() <= 1e-12
+    back = convert_model(fm, "per_head")
+    for (n1, p1), (n2, p2) in zip(m.named_parameters(), back.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+@pytest.mark.parametrize("attention", ["per_head", "fused"])
+def test_decoder_does_not_see_the_future(attention):
+    """Changing target tokens after position t leaves outputs at <= t unchanged, for every t."""
+    torch.manual_seed(0)
+    cfg = small_config(attention=attention)
+    m = make_model(cfg).double().eval()
+    src, tgt = model_inputs(cfg, B=2, T_len=8)
+    src_mask = padding_mask(src, PAD)
+    memory = m.encode(src, src_mask)
+    base = m.decode(memory, src_mask, tgt, target_mask(tgt, PAD))  # (B, T, d_model)
+    gen = torch.Generator().manual_seed(5)
+    for t in range(tgt.size(1) - 1):
+        changed = tgt.clone()
+        changed[:, t + 1:] = torch.randint(3, cfg.tgt_vocab, changed[:, t + 1:].shape, generator=gen)
+        assert not torch.equal(changed, tgt)
+        out = m.decode(memory, src_mask, changed, target_mask(changed, PAD))
+        assert torch.equal(out[:, :t + 1], base[:, :t + 1]) or \
+            (out[:, :t + 1] - base[:, :t + 1]).abs().max() <= 1e-12
+        assert (out[:, t + 1:] - base[:, t + 1:]).abs().max() > 1e-6  # the later ones did change
+
+
+@pytest.mark.parametrize("attention", ["per_head", "fused"])
+def test_appending_padding_changes_no_real_output(attention):
+    torch.manual_seed(0)
+    cfg = small_config(attention=attention)
+    m = make_model(cfg).double().eval()
+    src, tgt = model_inputs(cfg, B=2)
+    logits = m(src, tgt, padding_mask(src, PAD), target_mask(tgt, PAD))
+    src_p = torch.cat([src, torch.full((2, 4), PAD)], dim=1)
+    tgt_p = torch.cat([tgt, torch.full((2, 3), PAD)], dim=1)
+    logits_p = m(src_p, tgt_p, padding_mask(src_p, PAD), target_mask(tgt_p, PAD))
+    assert (logits_p[:, :tgt.size(1)] - logits).abs().max() <= 1e-12
+
+
+def test_norm_placement_matches_prose():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8)
+    sub = lambda z: (2 * z + 1, None)  # noqa: E731  any sublayer
+    post = T.Residual(8, 0.0, "post")
+    pre = T.Residual(8, 0.0, "pre")
+    assert torch.allclose(post(x, sub)[0], post.ln(x + sub(x)[0]))        # LayerNorm(x + Sublayer(x))
+    assert torch.allclose(pre(x, sub)[0], x + sub(pre.ln(x))[0])          # x + Sublayer(LayerNorm(x))
+    assert isinstance(make_model(small_config(norm="post")).encoder.final_ln, torch.nn.Identity)
+    assert isinstance(make_model(small_config(norm="pre")).decoder.final_ln, torch.nn.LayerNorm)
+
+
+def test_embeddings_are_scaled_and_tied():
+    torch.manual_seed(0)
+    m = make_model(small_config(src_vocab=19, share_embeddings=True, tie_generator=True))
+    assert m.src_embed is m.tgt_embed and m.generator.weight is m.tgt_embed.weight
+    ids = torch.tensor([[3, 4]])
+    assert torch.allclose(m.src_embed(ids), m.src_embed.weight[ids] * 4.0)  # sqrt(16)
+    untied = make_model(small_config())
+    assert untied.generator.weight is not untied.tgt_embed.weight
+    assert untied.src_embed is not untied.tgt_embed
+
+
+def test_positional_encoding_formula():
+    pe = T.sinusoidal_encoding(30, 8)
+    pos, i = 17, 2
+    assert math.isclose(pe[pos, 2 * i].item(), math.sin(pos / 10000 ** (2 * i / 8)), abs_tol=1e-6)
+    assert math.isclose(pe[pos, 2 * i + 1].item(), math.cos(pos / 10000 ** (2 * i / 8)), abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("attention", ["per_head", "fused"])
+def test_cached_decoding_equals_full_recomputation(attention):
+    torch.manual_seed(0)
+    cfg = small_config(attention=attention, src_vocab=19, tgt_vocab=19)
+    m = make_model(cfg).double().eval()
+    src, _ = model_inputs(cfg, B=4)
+    mask = padding_mask(src, PAD)
+    cached = greedy_decode(m, src, mask, max_len=12, bos=BOS, eos=EOS, pad=PAD, use_cache=True)
+    full = greedy_decode(m, src, mask, max_len=12, bos=BOS, eos=EOS, pad=PAD, use_cache=False)
+    assert torch.equal(cached, full)
+    # and the cached decoder states equal the full ones, position by position
+    tgt = torch.cat([torch.full((4, 1), BOS), full[:, :-1]], dim=1)
+    memory = m.encode(src, mask)
+    whole = m.decode(memory, mask, tgt, subsequent_mask(tgt.size(1)))
+    cache = m.new_cache()
+    steps = [m.decode(memory, mask, tgt[:, t:t + 1], None, cache=cache, start=t) for t in range(tgt.size(1))]
+    assert (torch.cat(steps, dim=1) - whole).abs().max() <= 1e-12
+
+
+def test_greedy_decode_stops_each_sentence_at_eos():
+    torch.manual_seed(0)
+    m = make_model(small_config(src_vocab=19, tgt_vocab=19)).eval()
+    with torch.no_grad():  # make eos the only likely token after two steps
+        m.generator.bias.zero_()
+    src, _ = model_inputs(m.config, B=5)
+    out = greedy_decode(m, src, padding_mask(src, PAD), max_len=10, bos=BOS, eos=EOS, pad=PAD)
+    for row in out.tolist():
+        if EOS in row:
+            k = row.index(EOS)
+            assert all(t == PAD for t in row[k + 1:])
+
+
+def test_config_rejects_bad_settings():
+    with pytest.raises(ValueError, match="norm must be 'post' or 'pre'"):
+        small_config(norm="middle")
+    with pytest.raises(ValueError, match="attention must be 'fused' or 'per_head'"):
+        small_config(attention="square")
+    with pytest.raises(ValueError, match="share_embeddings needs src_vocab == tgt_vocab"):
+        small_config(share_embeddings=True)
+    with pytest.raises(ValueError, match="not divisible"):
+        small_config(d_model=18)
+
+
+def test_model_rejects_bad_token_ids_and_long_inputs():
+    m = make_model(small_config(max_len=8)).eval()
+    src = torch.tensor([[3, 4, 99]])
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 17\)"):
+        m.encode(src, None)
+    with pytest.raises(ValueError, match="exceeds the model's max_len=8"):
+        m.encode(torch.full((1, 9), 3), None)
+
+
+# --- the copy task ----------------------------------------------------------
+
+@pytest.mark.parametrize("attention", ["fused", "per_head"])
+def test_copy_task_learns_to_copy(attention):
+    model = T.train_copy_task(attention)
+    acc = T.copy_accuracy(model)
+    print(f"copy task, {attention}: {acc:.1%}")
+    assert acc >= 0.99
