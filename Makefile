@@ -13,11 +13,13 @@ PY    := $(PYTHON)
 SETUP :=
 endif
 
-.PHONY: help setup test copy clean
+.PHONY: help setup test copy train clean
 
 help:
 	@echo "make test         create .venv, install, run the whole test suite"
 	@echo "make copy         train the copy task with both attention forms (CPU, ~1 min)"
+	@echo "make train        train de->en on Multi30k (preset gpu with CUDA, else cpu; PRESET=smoke|cpu|gpu,"
+	@echo "                  NPROC=2 for torchrun, ARGS='--src en --tgt de' for more)"
 	@echo "PYTHON=python3    use an existing interpreter instead of .venv"
 
 $(VENV)/.installed: requirements.txt
@@ -33,6 +35,18 @@ test: $(SETUP)
 
 copy: $(SETUP)
 	$(PY) -m annotated.transformer
+
+PRESET ?=
+NPROC  ?= 1
+ARGS   ?=
+TRAIN_ARGS := $(if $(PRESET),--preset $(PRESET)) $(ARGS)
+
+train: $(SETUP)
+ifeq ($(NPROC),1)
+	$(PY) train_wmt.py $(TRAIN_ARGS)
+else
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train_wmt.py $(TRAIN_ARGS)
+endif
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -898,12 +898,13 @@ def copy_batch(batch_size: int, max_symbols: int, vocab: int, generator: torch.G
 
 def train_copy_task(attention: str = "fused", steps: int = 800, seed: int = 0, vocab: int = 13,
                     max_symbols: int = 10, batch_size: int = 128, factor: float = 0.3,
-                    warmup: int = 100) -> EncoderDecoder:
+                    warmup: int = 100, norm: str = "post") -> EncoderDecoder:
     """Train a small model to copy; returns it in eval mode."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     model = make_model(src_vocab=vocab, tgt_vocab=vocab, N=2, d_model=64, d_ff=128, h=4, dropout=0.0,
-                       max_len=max_symbols + 2, attention=attention, share_embeddings=True, tie_generator=True)
+                       max_len=max_symbols + 2, attention=attention, norm=norm, share_embeddings=True,
+                       tie_generator=True)
     opt = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: rate(s + 1, 64, warmup=warmup, factor=factor))
     model.train()

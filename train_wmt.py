@@ -1,0 +1,84 @@
+"""Train a Transformer translator on Multi30k (or your own parallel text).
+
+A thin command line over `annotated.train.train`; see that module for the
+recipe. Examples:
+
+    python train_wmt.py                          # preset gpu if CUDA is available, else cpu
+    python train_wmt.py --preset smoke           # a few seconds, for a first look
+    python train_wmt.py --src en --tgt de --attention per_head
+    python train_wmt.py --resume --run-dir runs/cpu-de-en-20261122-1200
+    torchrun --nproc_per_node=2 train_wmt.py --preset gpu
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=("gpu", "cpu", "smoke"),
+                   help="settings bundle (default: gpu when CUDA is available, else cpu)")
+    p.add_argument("--src", dest="src_lang", help="source language: en, de, fr, cs (default de)")
+    p.add_argument("--tgt", dest="tgt_lang", help="target language (default en)")
+    p.add_argument("--attention", choices=("fused", "per_head"), help="multi-head attention form")
+    p.add_argument("--norm", choices=("post", "pre"), help="layer norm placement")
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--max-minutes", type=float, help="stop training after this many minutes")
+    p.add_argument("--max-tokens", type=int, help="tokens per batch")
+    p.add_argument("--accum", type=int, help="batches per optimizer step")
+    p.add_argument("--vocab-size", type=int)
+    p.add_argument("--beam-size", type=int)
+    p.add_argument("--average-last", type=int, help="average the last N epoch checkpoints at the end")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    p.add_argument("--run-dir", type=Path, help="where checkpoints, logs and results go "
+                                                "(default runs/<preset>-<src>-<tgt>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from last.pt")
+    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--data-url", help="base URL of the Multi30k raw files (default $MULTI30K_URL, "
+                                      "else the dataset's GitHub home); file:// URLs work")
+    p.add_argument("--cache-dir", type=Path, help="download and tokenizer cache (default $ANNOTATED_CACHE "
+                                                  "or ~/.cache/annotated)")
+    p.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="your own parallel text instead")
+    p.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"))
+    p.add_argument("--test-files", nargs=2, metavar=("SRC", "TGT"))
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from annotated.checkpoint import CheckpointError
+    from annotated.train import PRESETS, TrainingError, train
+
+    preset = args.preset or ("gpu" if torch.cuda.is_available() else "cpu")
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(PRESETS[preset])
+                 if getattr(args, f.name, None) is not None}
+    try:
+        cfg = dataclasses.replace(PRESETS[preset], **overrides)
+        if args.resume and args.run_dir is None:
+            raise ValueError("--resume needs --run-dir (the run to continue)")
+        user_files = (args.train_files, args.val_files, args.test_files)
+        if any(user_files) and not all(user_files):
+            raise ValueError("give all three of --train-files, --val-files and --test-files, or none")
+        run_dir = args.run_dir or Path("runs") / f"{preset}-{cfg.src_lang}-{cfg.tgt_lang}-{time.strftime('%Y%m%d-%H%M%S')}"
+        train(cfg, run_dir, data_url=args.data_url, cache_dir=args.cache_dir, device=args.device,
+              resume=args.resume, progress=not args.no_progress and sys.stderr.isatty() or
+              os.environ.get("FORCE_PROGRESS") == "1",
+              train_files=args.train_files, val_files=args.val_files, test_files=args.test_files)
+    except (ValueError, CheckpointError, TrainingError) as e:  # DataError and CheckpointError are ValueErrors
+        print(f"train_wmt.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
