@@ -13,13 +13,16 @@ PY    := $(PYTHON)
 SETUP :=
 endif
 
-.PHONY: help setup test copy train clean
+.PHONY: help setup test copy train clean equivalence
 
 help:
 	@echo "make test         create .venv, install, run the whole test suite"
 	@echo "make copy         train the copy task with both attention forms (CPU, ~1 min)"
 	@echo "make train        train de->en on Multi30k (preset gpu with CUDA, else cpu; PRESET=smoke|cpu|gpu,"
 	@echo "                  NPROC=2 for torchrun, ARGS='--src en --tgt de' for more)"
+	@echo "make equivalence  prove per-head and fused attention are one function: sympy identities,"
+	@echo "                  generated cases, nn.MultiheadAttention, whole models (CPU, ~1 min;"
+	@echo "                  CHECKPOINT=path.pt also checks a trained checkpoint)"
 	@echo "PYTHON=python3    use an existing interpreter instead of .venv"
 
 $(VENV)/.installed: requirements.txt
@@ -50,3 +53,41 @@ endif
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# make translate TEXT="Ein Hund rennt über die Wiese."   (no TEXT: reads stdin, one sentence a line)
+# CHECKPOINT=runs/<run>/best.pt (default: runs/latest/best.pt, else the newest runs/*/best.pt);
+# ARGS="--beam 1" etc. for more (python -m annotated.translate --help).
+CHECKPOINT ?=
+TEXT       ?=
+.PHONY: translate
+translate: $(SETUP)
+	$(PY) -m annotated.translate $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS) $(if $(TEXT),'$(subst ','\'',$(TEXT))')
+
+# make equivalence [CHECKPOINT=runs/<run>/best.pt]: the proof suite of annotated/equivalence.py;
+# exits non-zero if any check fails.
+equivalence: $(SETUP)
+	$(PY) -m annotated.equivalence $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
+
+# `make bench`: training-step and decoding speed against torch.nn.Transformer
+# (benchmarks/bench.py; ARGS='--sizes cpu --quick' etc.); writes benchmarks/results/<device>-<date>.json.
+.PHONY: bench
+bench: $(SETUP)
+	$(PY) benchmarks/bench.py $(ARGS)
+
+# make attention [CHECKPOINT=runs/<run>/best.pt] [ARGS='--n 5' or ARGS='"Ein Hund rennt."']: dump, draw and
+# browse every attention weight (annotated/attention.py); default: best.pt of the latest run, first 3 test
+# sentences; writes attention/ next to the checkpoint (index.json, sentence_*.npz, *.png, viewer.html).
+.PHONY: attention
+attention: $(SETUP)
+	$(PY) -m annotated.attention $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
+
+# make docs: annotated/*.py rendered into docs/_build/index.html (math as MathML, figures drawn by the
+# modules' own code; offline). Attention figure from CHECKPOINT=..., else runs/latest/best.pt or the newest
+# runs/*/best.pt, else the copy task (trained once, ~20 s, cached in docs/_build/.cache).
+# make notebook: annotated/transformer.py as docs/_build/transformer.ipynb (jupytext).
+.PHONY: docs notebook
+docs: $(SETUP)
+	$(PY) -m docs.build $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
+
+notebook: $(SETUP)
+	$(PY) -m docs.build --notebook

@@ -30,6 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--norm", choices=("post", "pre"), help="layer norm placement")
     p.add_argument("--epochs", type=int)
     p.add_argument("--max-minutes", type=float, help="stop training after this many minutes")
+    p.add_argument("--max-steps", type=int, help="stop training after this many optimizer steps")
     p.add_argument("--max-tokens", type=int, help="tokens per batch")
     p.add_argument("--accum", type=int, help="batches per optimizer step")
     p.add_argument("--vocab-size", type=int)
@@ -70,14 +71,14 @@ def main(argv=None) -> int:
         if any(user_files) and not all(user_files):
             raise ValueError("give all three of --train-files, --val-files and --test-files, or none")
         run_dir = args.run_dir or Path("runs") / f"{preset}-{cfg.src_lang}-{cfg.tgt_lang}-{time.strftime('%Y%m%d-%H%M%S')}"
-        train(cfg, run_dir, data_url=args.data_url, cache_dir=args.cache_dir, device=args.device,
+        result = train(cfg, run_dir, data_url=args.data_url, cache_dir=args.cache_dir, device=args.device,
               resume=args.resume, progress=not args.no_progress and sys.stderr.isatty() or
               os.environ.get("FORCE_PROGRESS") == "1",
               train_files=args.train_files, val_files=args.val_files, test_files=args.test_files)
     except (ValueError, CheckpointError, TrainingError) as e:  # DataError and CheckpointError are ValueErrors
         print(f"train_wmt.py: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 130 if result.get("interrupted") else 0  # 130: the shell's code for "stopped by Ctrl-C"
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ class TrainConfig:
     accum: int = 1                   # batches per optimizer step
     epochs: int = 20
     max_minutes: Optional[float] = None  # stop training after this wall time (checked between steps)
+    max_steps: Optional[int] = None      # stop training after this many optimizer steps (in total)
     warmup: int = 2000
     lr_factor: float = 1.0
     label_smoothing: float = 0.1
@@ -79,6 +80,7 @@ class TrainConfig:
     beam_size: int = 4
     length_penalty: float = 0.6
     val_bleu_sentences: Optional[int] = None  # translate only the first n val sentences each epoch
+    test_sentences: Optional[int] = None      # score only the first n test sentences (smoke runs)
     average_last: int = 0            # average the last n epoch checkpoints at the end
     # hardware / reproducibility
     compile: bool = False
@@ -107,9 +109,9 @@ PRESETS = {
     "cpu": TrainConfig(N=2, d_model=128, d_ff=512, h=4, dropout=0.1, vocab_size=5000, max_tokens=2500,
                        epochs=30, max_minutes=13.0, warmup=800, lr_factor=2.0, beam_size=4,
                        val_bleu_sentences=300),
-    "smoke": TrainConfig(N=1, d_model=32, d_ff=64, h=2, dropout=0.0, vocab_size=200, max_tokens=800,
+    "smoke": TrainConfig(N=1, d_model=32, d_ff=64, h=2, dropout=0.0, vocab_size=500, max_tokens=800,
                          epochs=2, warmup=20, train_limit=300, beam_size=2, val_bleu_sentences=20,
-                         max_len=128),
+                         test_sentences=20, max_len=64),
 }
 
 # %% [markdown]
@@ -391,6 +393,8 @@ def prepare_data(cfg: TrainConfig, cache_dir: Optional[Path], data_url: Optional
     if cfg.train_limit:
         train_pairs = train_pairs[:cfg.train_limit]
     val_pairs, test_pairs = load("val", val_files), load("test_2016_flickr", test_files)
+    if cfg.test_sentences:
+        test_pairs = test_pairs[:cfg.test_sentences]
     texts = [s for s, _ in train_pairs] + [t for _, t in train_pairs]
     tokenizer = data.train_tokenizer(texts, cfg.vocab_size, cache_dir=cache_dir)
     return tokenizer, train_pairs, val_pairs, test_pairs
@@ -456,7 +460,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
         n_params = sum(p.numel() for p in model.parameters())
         say(f"run {run_dir}: {len(train_enc)} training pairs, vocab {tokenizer.vocab_size}, "
-            f"{n_params / 1e6:.1f}M parameters, device {dev}, world size {world}")
+            f"{n_params:,} parameters, device {dev}, world size {world}")
 
     meta = {"src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "train_config": dataclasses.asdict(cfg)}
     t_start = time.perf_counter()
@@ -500,7 +504,12 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
                         if progress and hasattr(bar, "set_postfix"):
                             bar.set_postfix(loss=f"{loss.item() / max(n, 1):.3f}", tok_s=f"{tok_s:,.0f}",
                                             lr=f"{lr:.2e}")
+                    if main:
+                        with open(run_dir / "train_loss.tsv", "a") as f:  # every step's loss, for plots and tests
+                            f.write(f"{state.step}\t{loss.item() / max(n, 1):.8f}\n")
                     if cfg.max_minutes is not None and time.perf_counter() - t_start > 60 * cfg.max_minutes:
+                        out_of_time = True
+                    if cfg.max_steps is not None and state.step >= cfg.max_steps:
                         out_of_time = True
                     if stop.requested or out_of_time:
                         break
@@ -589,7 +598,8 @@ def finish(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev, say, pro
     """Test BLEU of the best (and averaged) checkpoint, greedy and beam; writes results.json."""
     from annotated.checkpoint import load_checkpoint
 
-    candidates = {"best": run_dir / "best.pt"}
+    # a run stopped before its first epoch ended has no best.pt yet: use last.pt
+    candidates = {"best": run_dir / "best.pt" if (run_dir / "best.pt").exists() else run_dir / "last.pt"}
     epochs = sorted(run_dir.glob("epoch*.pt"), key=lambda p: int(p.stem[5:]))
     if cfg.average_last >= 2 and len(epochs) >= 2:
         atomic_torch_save(average_checkpoints(epochs[-cfg.average_last:]), run_dir / "averaged.pt")

@@ -1,4 +1,5 @@
 """annotated/train.py: the loss, the schedule, and a whole (smoke) run."""
+import dataclasses
 import json
 import math
 import os
@@ -53,3 +54,72 @@ def test_presets_are_valid_and_bad_settings_are_named():
         T.TrainConfig(src_lang="de", tgt_lang="de")
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         T.TrainConfig(label_smoothing=1.5)
+
+
+# --- whole runs (smoke preset, real Multi30k files) ---------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data_url():
+    url = os.environ.get("MULTI30K_URL") or (REPO.parent / "shared" / "data" / "multi30k").as_uri() + "/"
+    if url.startswith("file://") and not Path(url[len("file://"):]).is_dir():
+        pytest.skip(f"no Multi30k files at {url}; set MULTI30K_URL")
+    return url
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def losses(run_dir: Path) -> list[tuple[int, str]]:
+    rows = [line.split("\t") for line in (run_dir / "train_loss.tsv").read_text().splitlines()]
+    return [(int(step), loss) for step, loss in rows]
+
+
+def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, data_url, cache):
+    from annotated.checkpoint import load_checkpoint
+
+    run = tmp_path / "run"
+    results = T.train(T.PRESETS["smoke"], run, data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    on_disk = json.loads((run / "results.json").read_text())
+    assert on_disk["test"]["best"]["beam"]["bleu"] == results["test"]["best"]["beam"]["bleu"]
+    for kind in ("greedy", "beam"):
+        r = on_disk["test"]["best"][kind]
+        assert r["sentences"] == 20 and 0 <= r["bleu"] <= 100 and "13a" in r["signature"]["bleu"]
+    assert [h["epoch"] for h in on_disk["history"]] == [1, 2]
+    steps = losses(run)
+    assert [s for s, _ in steps] == list(range(1, len(steps) + 1))
+    assert float(steps[-1][1]) < float(steps[0][1])  # it learned something
+    model, tok, meta = load_checkpoint(run / "best.pt")
+    assert meta["src_lang"] == "de" and tok.vocab_size == model.config.src_vocab
+    assert list((run / "tb").iterdir())  # tensorboard event file
+    assert (run.parent / "latest").resolve() == run.resolve()
+    assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_resume_reproduces_the_uninterrupted_losses(tmp_path, data_url, cache):
+    """Stop after 7 steps (mid-epoch), resume, and compare every step's loss with one uninterrupted run.
+
+    Same seed, same batches, restored optimizer and random-number states: on the CPU the
+    arithmetic is the same, so the losses agree to every printed digit.
+    """
+    cfg = dataclasses.replace(T.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2)
+    quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    T.train(cfg, tmp_path / "whole", **quiet)
+    T.train(dataclasses.replace(cfg, max_steps=7), tmp_path / "parts", **quiet)
+    assert len(losses(tmp_path / "parts")) == 7
+    with pytest.raises(T.TrainingError, match="already holds a run"):
+        T.train(cfg, tmp_path / "parts", **quiet)
+    T.train(cfg, tmp_path / "parts", resume=True, **quiet)
+    assert losses(tmp_path / "parts") == losses(tmp_path / "whole")
+
+
+def test_resume_with_other_model_settings_is_refused(tmp_path, data_url, cache):
+    cfg = dataclasses.replace(T.PRESETS["smoke"], max_steps=2, test_sentences=2)
+    quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    T.train(cfg, tmp_path / "r", **quiet)
+    with pytest.raises(T.CheckpointError, match="d_model: checkpoint 32 vs now 64"):
+        T.train(dataclasses.replace(cfg, d_model=64), tmp_path / "r", resume=True, **quiet)

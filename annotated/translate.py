@@ -1,0 +1,287 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The translator: a checkpoint, a sentence in, a sentence out
+#
+# ```sh
+# python -m annotated.translate --checkpoint runs/<run>/best.pt "Ein Hund rennt über die Wiese."
+# echo "Zwei Männer spielen Fußball." | python -m annotated.translate   # the latest run's best.pt
+# make translate TEXT="Ein Hund rennt über die Wiese."
+# ```
+#
+# With sentences on the command line it translates each and prints one line
+# per sentence. Without, it reads standard input, one sentence a line, and
+# prints one translation a line, flushed at once, so it can sit at the end of
+# a pipe or serve another program line by line. Output line `i` always
+# answers input line `i`: a bad line gets an (empty) answer too, and the
+# reason goes to standard error.
+#
+# Everything the model needs comes from the checkpoint (see
+# `annotated/checkpoint.py`): the config, the parameters, and the
+# sentencepiece model the training data was cut with, so the translator
+# splits words into exactly the subwords the model knows.
+
+# %%
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Iterable, Optional, TextIO
+
+import torch
+
+from annotated.checkpoint import CheckpointError, load_checkpoint
+from annotated.decoding import beam_search, greedy
+from annotated.transformer import EOS, PAD, EncoderDecoder, padding_mask
+
+# %% [markdown]
+# ## 1. Which checkpoint
+#
+# Training writes each run into `runs/<name>/`, with `best.pt` (best
+# validation BLEU) and `last.pt`, and points `runs/latest` at the newest run
+# (a symlink, or a text file holding the run directory's name). Without
+# `--checkpoint` the translator takes, in this order:
+#
+# 1. `runs/latest/best.pt`, where `runs/latest` is a symlink to a run
+#    directory or a text file naming one (relative to `runs/`, or as a path);
+# 2. else the most recently written `runs/*/best.pt`;
+# 3. else it stops with an error that says how to get a checkpoint.
+
+# %%
+def latest_checkpoint(runs_dir: str | Path = "runs") -> Path:
+    """The best checkpoint of the latest training run under `runs_dir`."""
+    runs = Path(runs_dir)
+    latest = runs / "latest"
+    if latest.is_dir():  # a symlink to the run directory
+        if (latest / "best.pt").is_file():
+            return latest / "best.pt"
+    elif latest.is_file():  # a text file naming it
+        name = latest.read_text(encoding="utf-8", errors="replace").strip()
+        for run in (runs / name, Path(name)):
+            if name and (run / "best.pt").is_file():
+                return run / "best.pt"
+    found = [p for p in runs.glob("*/best.pt") if p.is_file()]
+    if found:
+        return max(found, key=lambda p: p.stat().st_mtime)
+    raise CheckpointError(f"no checkpoint found: neither {latest}/best.pt nor any {runs}/*/best.pt exists; "
+                          f"train one (`make train`) or pass --checkpoint PATH")
+
+
+# %% [markdown]
+# ## 2. From text to subword ids, and the input rules
+#
+# A line of text becomes the model's source by sentencepiece alone: no `bos`,
+# no `eos`, exactly as training and evaluation encode sources. Some input
+# cannot be used as it stands; each case has one rule, and the process goes
+# on with the next line:
+#
+# | input | what happens |
+# | --- | --- |
+# | empty, or only whitespace | an empty output line; on stderr `line N: empty input, printed an empty line` |
+# | more subwords than the model's `max_len` | the first `max_len` subwords are translated; on stderr `line N: K subwords, more than the model's max_len=M; translated the first M` |
+# | characters never seen in training | spelled as UTF-8 byte pieces by the tokenizer's byte fallback (`annotated/data.py`); translated as usual |
+# | bytes that are not UTF-8 (stdin) | each undecodable byte becomes U+FFFD, itself an unseen character; on stderr `line N: not valid UTF-8, undecodable bytes replaced by U+FFFD` |
+# | anything else the decoder rejects with a `ValueError` | an empty output line; on stderr `line N: error: ...` |
+#
+# Standard input is read as bytes and decoded line by line for this reason:
+# a text-mode `sys.stdin` would raise on the first bad byte and end the
+# process, losing every later line. Lines are counted from 1; a sentence on
+# the command line is "argument N".
+
+# %%
+def decode_line(raw: bytes) -> tuple[str, Optional[str]]:
+    """UTF-8 bytes (newline already removed) -> (text, note or None); bad bytes become U+FFFD.
+
+    >>> decode_line("Straße".encode())
+    ('Straße', None)
+    >>> text, note = decode_line(b"Stra\\xdfe")  # latin-1, not UTF-8
+    >>> text == "Stra\\ufffde", note
+    (True, 'not valid UTF-8, undecodable bytes replaced by U+FFFD')
+    """
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", errors="replace"), "not valid UTF-8, undecodable bytes replaced by U+FFFD"
+
+
+def source_ids(text: str, tokenizer, max_len: int) -> tuple[list[int], Optional[str]]:
+    """Subword ids of one sentence, cut to `max_len`, and a note saying what a rule did (or None)."""
+    if not text.strip():
+        return [], "empty input, printed an empty line"
+    ids = tokenizer.encode(text)
+    if not ids:
+        return [], "no subwords after tokenisation, printed an empty line"
+    if len(ids) > max_len:
+        return ids[:max_len], (f"{len(ids)} subwords, more than the model's max_len={max_len}; "
+                               f"translated the first {max_len}")
+    return ids, None
+
+
+# %% [markdown]
+# ## 3. One sentence
+#
+# The source goes through `beam_search` (or `greedy` for `--beam 1`, which is
+# the same search, faster; see `annotated/decoding.py`). The output may be
+# at most `min(max_len, S + max_extra)` subwords for a source of `S`
+# subwords: the Transformer paper's "input length + 50" (section 6.1),
+# capped by the model's positional table. The ids up to `eos` are turned
+# back into text by sentencepiece. The output must stay one line per
+# sentence, but byte pieces can spell any character, a line break included:
+# each line break in a translation becomes a space.
+
+# %%
+def translate_ids(model: EncoderDecoder, ids: list[int], beam_size: int = 4, length_penalty: float = 0.6,
+                  max_extra: int = 50) -> list[int]:
+    """Source subword ids -> output subword ids (up to, not including, eos)."""
+    if not ids:
+        raise ValueError("cannot translate an empty source")
+    device = next(model.parameters()).device
+    src = torch.tensor([ids], dtype=torch.long, device=device)  # (1, S)
+    src_mask = padding_mask(src, PAD)  # (1, 1, S)
+    max_len = min(model.config.max_len, len(ids) + max_extra)
+    if beam_size == 1:
+        out = greedy(model, src, src_mask, max_len)  # (1, L)
+    else:
+        out = beam_search(model, src, src_mask, max_len, beam_size=beam_size, length_penalty=length_penalty)
+    row = out[0].tolist()
+    return row[:row.index(EOS)] if EOS in row else row
+
+
+def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, length_penalty: float = 0.6,
+              max_extra: int = 50) -> tuple[str, Optional[str]]:
+    """One sentence -> (translation on one line, note from the input rules or None)."""
+    ids, note = source_ids(text, tokenizer, model.config.max_len)
+    if not ids:
+        return "", note
+    translation = tokenizer.decode(translate_ids(model, ids, beam_size, length_penalty, max_extra))
+    return " ".join(translation.splitlines()), note  # a line break from byte pieces would shift the output
+
+
+# %% [markdown]
+# ## 4. The command line
+#
+# Expected failures end the process with one line on stderr and exit code 2,
+# without a traceback: a missing, corrupt or incompatible checkpoint (the
+# message names the file), a checkpoint without a tokenizer, or bad options.
+# Ctrl-C and a closed output pipe (`... | head -1`) end it quietly.
+
+# %%
+RULES = """\
+input rules (each bad line still gets one output line, and the next line is served):
+  empty or whitespace-only line  -> prints an empty line; message on stderr
+  more subwords than max_len     -> translates the first max_len subwords; warning on stderr
+                                    naming the line and both lengths
+  characters unseen in training  -> spelled as byte pieces by the tokenizer; translated as usual
+  non-UTF-8 bytes on stdin       -> replaced by U+FFFD; warning on stderr naming the line
+  any other error for one line   -> prints an empty line; the error on stderr
+output length: at most min(max_len, source subwords + --max-extra) subwords.
+checkpoint missing, corrupt or incompatible: one line on stderr naming the file, exit code 2.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m annotated.translate", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Translate sentences with a trained checkpoint: the arguments if given, "
+                    "else stdin, one sentence a line, one translation a line.",
+        epilog=RULES)
+    p.add_argument("sentences", nargs="*", help="sentences to translate (default: read stdin)")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="checkpoint file (default: runs/latest/best.pt, else the newest runs/*/best.pt)")
+    p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where to look without --checkpoint")
+    p.add_argument("--beam", type=int, default=4, help="beam width; 1 = greedy (default 4)")
+    p.add_argument("--length-penalty", type=float, default=0.6,
+                   help="GNMT alpha: score = log P / ((5 + |Y|) / 6)^alpha (default 0.6)")
+    p.add_argument("--max-extra", type=int, default=50,
+                   help="output at most source length + this many subwords, capped at max_len (default 50)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    return p
+
+
+def _say(stream: TextIO, message: str) -> None:
+    print(message, file=stream, flush=True)
+
+
+def _lines(sentences: list[str], stdin) -> Iterable[tuple[str, str, Optional[str]]]:
+    """(where, text, decoding note) for each command-line sentence, or each line of stdin (bytes)."""
+    if sentences:
+        for i, s in enumerate(sentences, 1):
+            # arguments undecodable in the locale arrive as surrogate escapes: same rule as stdin
+            yield (f"argument {i}", *decode_line(s.encode("utf-8", errors="surrogateescape")))
+        return
+    for i, raw in enumerate(stdin, 1):
+        yield (f"line {i}", *decode_line(raw.rstrip(b"\r\n")))
+
+
+def main(argv: Optional[list[str]] = None, stdin=None, stdout=None, stderr: Optional[TextIO] = None) -> int:
+    """Run the translator; `stdin`/`stdout` are binary streams (default: the process's)."""
+    args = build_parser().parse_args(argv)
+    stdin = sys.stdin.buffer if stdin is None else stdin
+    stdout = sys.stdout.buffer if stdout is None else stdout
+    stderr = sys.stderr if stderr is None else stderr
+    error = _check_options(args)
+    if error:
+        _say(stderr, f"translate: error: {error}")
+        return 2
+    try:
+        path = args.checkpoint if args.checkpoint is not None else latest_checkpoint(args.runs_dir)
+        if args.checkpoint is None:
+            _say(stderr, f"translate: using {path}")
+        model, tokenizer, _ = load_checkpoint(path)
+        if tokenizer is None:
+            raise CheckpointError(f"checkpoint {path} holds no tokenizer, so it cannot translate text")
+    except CheckpointError as e:
+        _say(stderr, f"translate: error: {e}")
+        return 2
+    model = model.to(args.device)
+    try:
+        for where, text, note in _lines(args.sentences, stdin):
+            if note:
+                _say(stderr, f"{where}: {note}")
+            try:
+                translation, rule = translate(model, tokenizer, text, args.beam, args.length_penalty,
+                                              args.max_extra)
+            except ValueError as e:  # a clear error about this input: report it, answer empty, go on
+                translation, rule = "", f"error: {e}; printed an empty line"
+            if rule:
+                _say(stderr, f"{where}: {rule}")
+            stdout.write((translation + "\n").encode("utf-8"))
+            stdout.flush()
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head -1`): stop quietly
+        if stdout is getattr(sys.stdout, "buffer", None):  # and keep Python's exit-time flush quiet
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return 0
+
+
+def _check_options(args) -> Optional[str]:
+    """Check the numbers and resolve --device; returns an error message or None."""
+    if args.beam < 1:
+        return f"--beam must be >= 1, got {args.beam}"
+    if not args.length_penalty >= 0:
+        return f"--length-penalty must be >= 0, got {args.length_penalty}"
+    if args.max_extra < 0:
+        return f"--max-extra must be >= 0, got {args.max_extra}"
+    try:
+        args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, ValueError) as e:
+        return f"--device {args.device!r} is not a device ({e})"
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {args.device} asked for, but CUDA is not available here"
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

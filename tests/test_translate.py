@@ -1,0 +1,215 @@
+"""annotated/translate.py: the command line, its input rules, and finding the checkpoint.
+
+The checkpoint is a tiny untrained model with a real sentencepiece tokenizer
+(trained on a few sentences), written by `save_checkpoint`. Its translations
+are nonsense, so the tests compare the command line's output with the same
+search run in this process: the same checkpoint, tokenizer and decoder must
+give the same text.
+"""
+import io
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from annotated.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from annotated.data import train_tokenizer
+from annotated.translate import latest_checkpoint, main, translate
+from annotated.transformer import make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_LEN = 24
+TEXTS = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park.",
+         "A dog runs across the meadow.", "Two men play football in the park.",
+         "Eine Frau liest ein Buch.", "A woman reads a book."] * 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """Path of a tiny checkpoint (model + tokenizer)."""
+    d = tmp_path_factory.mktemp("ckpt")
+    tok = train_tokenizer(TEXTS, 320, cache_dir=d)
+    torch.manual_seed(0)
+    model = make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2,
+                       dropout=0.0, max_len=MAX_LEN, share_embeddings=True, tie_generator=True)
+    path = d / "best.pt"
+    save_checkpoint(path, model, tok, {"src_lang": "de", "tgt_lang": "en"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return load_checkpoint(ckpt)[:2]
+
+
+def expected(loaded, text, beam=4):
+    model, tok = loaded
+    return translate(model, tok, text, beam_size=beam)[0]
+
+
+def run_cli(*args, stdin=b""):
+    args = [a if isinstance(a, bytes) else str(a) for a in args]
+    return subprocess.run([sys.executable, "-m", "annotated.translate", *args], input=stdin, capture_output=True,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+
+
+# --- the command line, in a real process --------------------------------------
+
+def test_sentences_as_arguments(ckpt, loaded):
+    unseen = "Ein Hund 🐕 läuft 東京"  # an emoji and characters the tokenizer never saw
+    latin1 = b"Stra\xdfe"  # an argument that is not UTF-8
+    r = run_cli("--checkpoint", ckpt, "Ein Hund rennt über die Wiese.", unseen, latin1, "--beam", "2")
+    assert r.returncode == 0, r.stderr.decode()
+    lines = r.stdout.decode("utf-8").split("\n")
+    assert lines == [expected(loaded, "Ein Hund rennt über die Wiese.", 2), expected(loaded, unseen, 2),
+                     expected(loaded, "Stra\ufffde", 2), ""]
+    assert r.stderr.decode() == "argument 3: not valid UTF-8, undecodable bytes replaced by U+FFFD\n"
+
+
+def test_stdin_serves_line_by_line_and_survives_bad_lines(ckpt, loaded):
+    """Each answer is flushed before the next line is sent, so a waiting reader gets it."""
+    long_line = " ".join(["Hund"] * 40)
+    n_long = len(loaded[1].encode(long_line))
+    assert n_long > MAX_LEN
+    lines = [b"Ein Hund rennt.", b"", b"   \t", long_line.encode(), b"Stra\xdfe und \xff Hund", b"Eine Frau."]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-m", "annotated.translate", "--checkpoint", str(ckpt)], cwd=ROOT,
+                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    killer = threading.Timer(120, p.kill)  # a guard against a hang, not a timing assertion
+    killer.start()
+    try:
+        answers = []
+        for line in lines:
+            p.stdin.write(line + b"\n")
+            p.stdin.flush()
+            answers.append(p.stdout.readline())  # would block forever without the flush
+        p.stdin.close()
+        rest, err = p.stdout.read(), p.stderr.read().decode()
+        assert p.wait() == 0, err
+    finally:
+        killer.cancel()
+    answers = [a.decode("utf-8") for a in answers]
+    assert all(a.endswith("\n") for a in answers) and rest == b""
+    assert answers[0][:-1] == expected(loaded, "Ein Hund rennt.")
+    assert answers[1] == answers[2] == "\n"
+    cut = loaded[1].decode(loaded[1].encode(long_line)[:MAX_LEN])
+    assert answers[3][:-1] == expected(loaded, cut)
+    assert answers[4][:-1] == expected(loaded, "Stra\ufffde und \ufffd Hund")
+    assert answers[5][:-1] == expected(loaded, "Eine Frau.")  # still serving after all that
+    assert "line 2: empty input, printed an empty line" in err
+    assert "line 3: empty input, printed an empty line" in err
+    assert f"line 4: {n_long} subwords, more than the model's max_len={MAX_LEN}; translated the first {MAX_LEN}" in err
+    assert "line 5: not valid UTF-8, undecodable bytes replaced by U+FFFD" in err
+    assert "line 1" not in err and "line 6" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_bad_checkpoint_is_one_line_and_exit_2(ckpt, tmp_path, damage):
+    path = tmp_path / "broken.pt"
+    if damage == "truncated":
+        data = ckpt.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    r = run_cli("--checkpoint", path, "Ein Hund.")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and r.stdout == b""
+    assert str(path) in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+# --- in-process: options, help, checkpoints without a tokenizer ---------------
+
+def run_main(*args, stdin=b""):
+    out, err = io.BytesIO(), io.StringIO()
+    code = main([str(a) for a in args], stdin=io.BytesIO(stdin), stdout=out, stderr=err)
+    return code, out.getvalue().decode("utf-8"), err.getvalue()
+
+
+def test_in_process_run_matches_and_counts_arguments(ckpt, loaded):
+    code, out, err = run_main("--checkpoint", ckpt, "--beam", "1", "Ein Hund.", " ", "Eine Frau.")
+    assert code == 0
+    assert out.split("\n") == [expected(loaded, "Ein Hund.", 1), "", expected(loaded, "Eine Frau.", 1), ""]
+    assert err == "argument 2: empty input, printed an empty line\n"
+
+
+def test_help_states_the_rules(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for phrase in ("empty or whitespace-only line", "more subwords than max_len", "non-UTF-8 bytes",
+                   "characters unseen in training", "exit code 2", "--max-extra"):
+        assert phrase in text
+
+
+@pytest.mark.parametrize("option, message", [(["--beam", "0"], "--beam must be >= 1"),
+                                             (["--length-penalty", "-1"], "--length-penalty must be >= 0"),
+                                             (["--max-extra", "-3"], "--max-extra must be >= 0"),
+                                             (["--device", "nonsense"], "--device 'nonsense' is not a device")])
+def test_bad_options_exit_2(ckpt, option, message):
+    code, out, err = run_main("--checkpoint", ckpt, *option, "Ein Hund.")
+    assert code == 2 and out == "" and message in err
+
+
+def test_checkpoint_without_tokenizer_or_not_a_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "no_tok.pt"
+    save_checkpoint(path, make_model(src_vocab=11, tgt_vocab=11, N=1, d_model=8, d_ff=16, h=2), None)
+    code, out, err = run_main("--checkpoint", path, "Ein Hund.")
+    assert code == 2 and out == ""
+    assert err == f"translate: error: checkpoint {path} holds no tokenizer, so it cannot translate text\n"
+    (tmp_path / "text.pt").write_text("hello")
+    code, out, err = run_main("--checkpoint", tmp_path / "text.pt", "Ein Hund.")
+    assert code == 2 and out == "" and str(tmp_path / "text.pt") in err and err.count("\n") == 1
+
+
+def test_a_translation_is_always_one_line(loaded):
+    """Byte pieces can spell a line break; the output line must not break."""
+    model, tok = loaded
+
+    class Spells:  # the real tokenizer, except that decoding yields line breaks
+        encode = staticmethod(tok.encode)
+
+        def decode(self, ids):
+            return "a\nb\r\nc\u2028d"
+
+    assert translate(model, Spells(), "Ein Hund.") == ("a b c d", None)
+
+
+# --- which checkpoint without --checkpoint ------------------------------------
+
+def make_run(runs, name, mtime):
+    (runs / name).mkdir(parents=True)
+    best = runs / name / "best.pt"
+    best.write_bytes(b"x")
+    (runs / name / "last.pt").write_bytes(b"x")
+    os.utime(best, (mtime, mtime))
+    return best
+
+
+def test_latest_checkpoint_follows_runs_latest_then_the_newest(tmp_path):
+    runs = tmp_path / "runs"
+    with pytest.raises(CheckpointError, match="no checkpoint found.*--checkpoint PATH"):
+        latest_checkpoint(runs)
+    old = make_run(runs, "a", 1_000)
+    new = make_run(runs, "b", 2_000)
+    assert latest_checkpoint(runs) == new  # no runs/latest: the newest best.pt
+    (runs / "latest").symlink_to("a")
+    assert latest_checkpoint(runs).resolve() == old.resolve()  # runs/latest wins over the newest
+    (runs / "latest").unlink()
+    (runs / "latest").write_text("a\n")  # a text file naming the run
+    assert latest_checkpoint(runs) == old
+    (runs / "latest").write_text(str(runs / "a"))  # or giving its path
+    assert latest_checkpoint(runs) == old
+    (runs / "latest").write_text("gone")  # naming a run without best.pt: the newest instead
+    assert latest_checkpoint(runs) == new
+
+
+def test_without_checkpoint_option_uses_the_latest_run(ckpt, loaded, tmp_path):
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    (tmp_path / "runs" / "r1" / "best.pt").symlink_to(ckpt)
+    (tmp_path / "runs" / "latest").symlink_to("r1")
+    code, out, err = run_main("--runs-dir", tmp_path / "runs", stdin="Ein Hund.\n".encode())
+    assert code == 0 and out == expected(loaded, "Ein Hund.") + "\n"
+    assert err == f"translate: using {tmp_path / 'runs' / 'latest' / 'best.pt'}\n"
