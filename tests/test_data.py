@@ -15,6 +15,8 @@ import random
 import socket
 import threading
 import unicodedata
+import urllib.parse
+import urllib.request
 import warnings
 from functools import partial
 from pathlib import Path
@@ -40,7 +42,7 @@ def base_url():
     url = os.environ.get(URL_ENV) or SHARED.as_uri() + "/"
     resolved = data.resolve_base_url(url)
     if resolved.startswith("file://"):
-        folder = Path(resolved[len("file://"):])
+        folder = Path(urllib.request.url2pathname(urllib.parse.urlparse(resolved).path))
         if not folder.is_dir():
             pytest.skip(f"no Multi30k data source: {folder} does not exist (set {URL_ENV} to a copy of the "
                         f"raw files, e.g. file:///path/to/multi30k/)")
@@ -293,8 +295,8 @@ def test_tokenizer_round_trip_is_exact(tokenizer, source):
 def test_text_that_is_not_unicode_is_named(tokenizer):
     with pytest.raises(ValueError, match=r"text 1 is not valid Unicode: '\\udcff' at position 2"):
         tokenizer.encode_batch(["ok", "ab\udcff"])  # what errors="surrogateescape" makes of byte 0xff
-    with pytest.raises(TypeError, match="text 0 is a bytes, not a str"):
-        tokenizer.encode(b"bytes")
+    with pytest.raises(TypeError, match="text 0 is a NoneType, not a str"):
+        tokenizer.encode(None)
 
 
 def test_prose_numbers_of_the_full_training_split(base_url, cache):
@@ -309,7 +311,7 @@ def test_prose_numbers_of_the_full_training_split(base_url, cache):
     assert tok.pieces(tok.encode("Wasserballspieler")) == ["▁Wasser", "ball", "spieler"]
     # ids: 4 reserved, 256 bytes, then merges, single characters last
     assert tok.pieces(range(4, 260)) == [f"<0x{b:02X}>" for b in range(256)]
-    assert len(tok.pieces([260])[0].lstrip("▁")) >= 1 and len(tok.pieces([8000 - 1])[0]) == 1
+    assert len(tok.pieces([260])[0]) >= 2 and len(tok.pieces([8000 - 1])[0]) == 1
 
 
 def test_unseen_characters_are_spelled_in_bytes(tokenizer):
@@ -338,8 +340,8 @@ def test_tokenizer_bytes_and_pickle_round_trip(tokenizer):
 
 
 def test_tokenizer_cache_hit_returns_identical_bytes(train_texts, tokenizer, cache, tmp_path, monkeypatch):
-    model_files = list((cache / "sentencepiece").glob("*.model"))
-    assert [f.read_bytes() for f in model_files] == [tokenizer.to_bytes()]
+    model_file = cache / "sentencepiece" / f"{data.tokenizer_cache_key(train_texts, 500)}.model"
+    assert model_file.read_bytes() == tokenizer.to_bytes()
     # training is deterministic: a fresh cache gives the same bytes
     assert train_tokenizer(train_texts, 500, cache_dir=tmp_path).to_bytes() == tokenizer.to_bytes()
 
