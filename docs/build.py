@@ -1,0 +1,625 @@
+# %% [markdown]
+# # `make docs`: the annotated modules as one page
+#
+# The page is generated from the source, so the two cannot disagree. Each
+# module under `annotated/` is a chapter; the chapters follow `READING_ORDER`
+# (modules that do not exist are skipped, and the page says so). Inside a
+# chapter the cells keep the file's order:
+#
+# * the file is split into cells by **jupytext** (the same parser `make
+#   notebook` uses), so page and notebook see the same cells;
+# * prose cells go through **markdown-it-py**; `$...$` and `$$...$$` (the
+#   `dollarmath` plugin) become MathML via **latex2mathml**, which browsers
+#   draw natively, with no script and no network; a formula latex2mathml does
+#   not understand stops the build with the file and line, instead of showing
+#   raw TeX;
+# * doctest examples in prose (`>>>` lines up to the next blank line, as
+#   Python's `doctest` reads them) become highlighted console blocks instead of
+#   Markdown block quotes;
+# * code cells are highlighted by **Pygments**, each labelled with its file and
+#   line range (and checked to be the file's text verbatim);
+# * figures come from `docs/figures.py`, drawn at build time, and sit after
+#   the prose they illustrate.
+#
+# Output: `docs/_build/index.html` and `docs/_build/figures/*.png`, with an
+# inline stylesheet and no external resource of any kind; a
+# Content-Security-Policy in the page forbids the browser to fetch anything
+# but the page's own images.
+#
+# This builder lives in `docs/`, not in the `annotated` package: the package is
+# the book; the builder is tooling, not a chapter (and so is neither rendered
+# nor doctested with the chapters).
+
+# %%
+from __future__ import annotations
+
+import argparse
+import html
+import re
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python docs/build.py` as well as `python -m docs.build`
+    sys.path.insert(0, str(ROOT))
+
+import jupytext  # noqa: E402
+from latex2mathml.converter import convert as _latex2mathml  # noqa: E402
+from markdown_it import MarkdownIt  # noqa: E402
+from mdit_py_plugins.dollarmath import dollarmath_plugin  # noqa: E402
+from pygments import highlight as _pygments_highlight  # noqa: E402
+from pygments.formatters import HtmlFormatter  # noqa: E402
+from pygments.lexers import PythonLexer, get_lexer_by_name  # noqa: E402
+from pygments.util import ClassNotFound  # noqa: E402
+
+from docs import figures as figs  # noqa: E402
+
+READING_ORDER: tuple[str, ...] = ("transformer", "equivalence", "data", "decoding", "train", "checkpoint",
+                                  "translate", "attention")
+DEFAULT_OUT = ROOT / "docs" / "_build"
+TITLE = "The Transformer, annotated"
+
+
+class DocsError(ValueError):
+    """The sources cannot be rendered faithfully; the message names the file and line."""
+
+
+# %% [markdown]
+# ## 1. Cells, with their place in the file
+
+# %%
+@dataclass(frozen=True)
+class Cell:
+    kind: str    # "markdown" or "code"
+    source: str  # the cell's text (prose without its "# " prefixes)
+    line: int    # first line of the cell's text in the file (1-based)
+    end: int     # last line
+
+
+def _commented(prose: str) -> str:
+    """How jupytext writes a prose line block in a percent-format file."""
+    return "\n".join(f"# {line}" if line else "#" for line in prose.split("\n"))
+
+
+def read_cells(path: Path) -> list[Cell]:
+    """Split a percent-format module into cells (via jupytext) and locate each in the file.
+
+    A code cell whose text does not appear verbatim in the file would make
+    the page disagree with the source: that raises DocsError.
+    """
+    text = path.read_text(encoding="utf-8")
+    notebook = jupytext.reads(text, fmt="py:percent")
+    cells, pos = [], 0
+    for cell in notebook.cells:
+        if not cell.source.strip():
+            continue
+        needle = cell.source if cell.cell_type == "code" else _commented(cell.source)
+        at = text.find(needle, pos)
+        if at < 0 and cell.cell_type == "code":
+            raise DocsError(f"{path}: a code cell is not the file's text verbatim (jupytext changed it?): "
+                            f"{cell.source.splitlines()[0]!r}")
+        if at >= 0:
+            pos = at + len(needle)
+        line = text.count("\n", 0, max(at, 0)) + 1 if at >= 0 else (cells[-1].end + 1 if cells else 1)
+        cells.append(Cell(cell.cell_type, cell.source, line, line + cell.source.count("\n")))
+    return cells
+
+
+# %% [markdown]
+# ## 2. Math: LaTeX to MathML, checked
+#
+# latex2mathml passes an unknown command through as text (`\foo` becomes an
+# identifier "\foo") and builds a fraction with one argument from `\frac{a}`.
+# Both would show broken math without any error, so the result is parsed and
+# checked: no backslash command left in any text, and every MathML element
+# that takes a fixed number of arguments has them.
+
+# %%
+_MATHML = "{http://www.w3.org/1998/Math/MathML}"
+_ARITY = {"mfrac": 2, "msub": 2, "msup": 2, "msubsup": 3, "mroot": 2, "munder": 2, "mover": 2, "munderover": 3}
+ET.register_namespace("", _MATHML[1:-1])  # serialise as <math xmlns=...>, not <ns0:math>
+
+
+def latex_to_mathml(tex: str, display: bool, where: str = "<formula>") -> str:
+    """One formula as a <math> element (display block or inline); DocsError if it does not convert.
+
+    >>> latex_to_mathml("x^2", display=False)
+    '<math xmlns="http://www.w3.org/1998/Math/MathML" display="inline" alttext="x^2"><mrow><msup><mi>x</mi><mn>2</mn></msup></mrow></math>'
+    >>> latex_to_mathml(r"\\log p", display=False)  # a thin space after "log", as TeX sets it
+    '<math xmlns="http://www.w3.org/1998/Math/MathML" display="inline" alttext="\\\\log p"><mrow><mi>log</mi><mspace width="0.1667em" /><mi>p</mi></mrow></math>'
+    >>> latex_to_mathml(r"\\nosuchcommand x", display=True)
+    Traceback (most recent call last):
+    ...
+    docs.build.DocsError: <formula>: the formula $\\nosuchcommand x$ uses \\nosuchcommand, which latex2mathml does not know
+    """
+    try:
+        mathml = _latex2mathml(tex, display="block" if display else "inline")
+        root = ET.fromstring(mathml)
+    except Exception as e:  # latex2mathml raises many kinds on bad input
+        raise DocsError(f"{where}: cannot convert the formula ${tex}$ to MathML ({type(e).__name__}: {e})") from None
+    for element in root.iter():
+        unknown = re.search(r"\\[A-Za-z]+", element.text or "")
+        if unknown:
+            raise DocsError(f"{where}: the formula ${tex}$ uses {unknown.group()}, which latex2mathml does not know")
+        tag = element.tag.removeprefix(_MATHML)
+        if tag in _ARITY and len(element) != _ARITY[tag]:
+            raise DocsError(f"{where}: the formula ${tex}$ gives <{tag}> {len(element)} arguments instead of "
+                            f"{_ARITY[tag]} (a missing brace group?)")
+    _polish(root)
+    root.set("alttext", tex)  # what screen readers and copy-paste get
+    return ET.tostring(root, encoding="unicode")
+
+
+# MathML Core (what browsers implement) dropped the named space widths latex2mathml still writes.
+_NAMED_SPACES = {"negativeveryverythinmathspace": "-0.0556em", "negativeverythinmathspace": "-0.1111em",
+                 "negativethinmathspace": "-0.1667em", "negativemediummathspace": "-0.2222em",
+                 "negativethickmathspace": "-0.2778em", "veryverythinmathspace": "0.0556em",
+                 "verythinmathspace": "0.1111em", "thinmathspace": "0.1667em", "mediummathspace": "0.2222em",
+                 "thickmathspace": "0.2778em"}
+
+
+def _polish(root: ET.Element) -> None:
+    """Named widths to ems, and TeX's thin space after an operator name (`\\log p`) that browsers omit."""
+    for element in root.iter():
+        if element.get("width") in _NAMED_SPACES:
+            element.set("width", _NAMED_SPACES[element.get("width")])
+    for parent in list(root.iter()):
+        children = list(parent)
+        for i in reversed(range(len(children) - 1)):
+            name, following = children[i], children[i + 1]
+            if (name.tag == f"{_MATHML}mi" and len((name.text or "").strip()) > 1
+                    and following.tag != f"{_MATHML}mo"):
+                parent.insert(i + 1, ET.Element(f"{_MATHML}mspace", {"width": "0.1667em"}))
+
+
+
+# %% [markdown]
+# ## 3. Prose: Markdown, math, doctest blocks, headings with anchors
+
+# %%
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def fence_doctests(prose: str) -> str:
+    """Wrap each doctest example block (`>>>` up to the next blank line) in a ```pycon fence.
+
+    >>> fence_doctests("Text:\\n\\n>>> 1 + 1\\n2\\n\\nMore.").split("\\n")
+    ['Text:', '', '```pycon', '>>> 1 + 1', '2', '```', '', 'More.']
+    """
+    lines, out, i, fence = prose.split("\n"), [], 0, None
+    while i < len(lines):
+        line = lines[i]
+        opening = _FENCE.match(line)
+        if fence is not None:  # inside a fenced block: copy until its closing fence
+            if opening and opening.group(1)[0] == fence[0] and len(opening.group(1)) >= len(fence):
+                fence = None
+        elif opening:
+            fence = opening.group(1)
+        elif line.lstrip().startswith(">>>"):
+            indent = len(line) - len(line.lstrip())
+            out.append("```pycon")
+            while i < len(lines) and lines[i].strip():
+                out.append(lines[i][indent:] if not lines[i][:indent].strip() else lines[i].lstrip())
+                i += 1
+            out.append("```")
+            continue
+        out.append(line)
+        i += 1
+    return "\n".join(out)
+
+
+def highlight_code(code: str, lang: str = "python") -> str:
+    """Pygments HTML (class-based; the stylesheet is inline in the page) in a <pre>."""
+    try:
+        lexer = get_lexer_by_name(lang) if lang else PythonLexer()
+    except ClassNotFound:
+        lexer = get_lexer_by_name("text")
+    body = _pygments_highlight(code, lexer, HtmlFormatter(nowrap=True))
+    return f'<pre class="highlight"><code>{body}</code></pre>\n'
+
+
+def slugify(text: str) -> str:
+    """'1. Attention: a soft lookup' -> '1-attention-a-soft-lookup'."""
+    slug = re.sub(r"[^\w\s-]", "", text.lower()).strip()
+    return re.sub(r"[\s_-]+", "-", slug) or "section"
+
+
+def _heading_text(inline) -> str:
+    return "".join(child.content for child in (inline.children or [])
+                   if child.type in ("text", "code_inline", "math_inline")).strip()
+
+
+def _where(env: dict, snippet: str) -> str:
+    """'file:line' of `snippet` in the prose being rendered (env holds file, first line, source)."""
+    if "file" not in env:
+        return env.get("where", "<prose>")
+    offset = env["source"].find(snippet)
+    line = env["line"] + (env["source"].count("\n", 0, offset) if offset >= 0 else 0)
+    return f"{env['file']}:{line}"
+
+
+def make_markdown() -> MarkdownIt:
+    """CommonMark + tables + $math$; raw HTML in prose is escaped, not passed through."""
+    md = MarkdownIt("commonmark", {"html": False, "highlight": lambda code, lang, attrs: highlight_code(code, lang)})
+    md.enable("table")
+    dollarmath_plugin(md, allow_labels=False, allow_space=False, allow_digits=False)
+
+    def math_inline(self, tokens, idx, options, env):
+        return latex_to_mathml(tokens[idx].content, False, _where(env, tokens[idx].content))
+
+    def math_block(self, tokens, idx, options, env):
+        return latex_to_mathml(tokens[idx].content.strip(), True, _where(env, tokens[idx].content.strip())) + "\n"
+
+    def heading_close(self, tokens, idx, options, env):
+        anchor = tokens[idx].meta.get("id")
+        link = f' <a class="anchor" href="#{anchor}" aria-label="link to this section">¶</a>' if anchor else ""
+        return f"{link}</{tokens[idx].tag}>\n"
+
+    md.add_render_rule("math_inline", math_inline)
+    md.add_render_rule("math_block", math_block)
+    md.add_render_rule("heading_close", heading_close)
+    return md
+
+
+# %% [markdown]
+# ## 4. Chapters
+#
+# A chapter renders its cells in order. Headings get ids that are unique on
+# the page (prefixed by the chapter's name) and feed the table of contents.
+# A figure goes after the prose of the heading it names: before the next
+# heading of the same cell, or at the cell's end.
+
+# %%
+@dataclass
+class Heading:
+    level: int
+    text_html: str
+    id: str
+
+
+@dataclass
+class Page:
+    """What the chapters accumulate: ids in use, headings, figures placed."""
+
+    md: MarkdownIt
+    figure_html: dict[str, str]                     # figure name -> <figure> element (number filled in later)
+    ids: set[str] = field(default_factory=set)
+    headings: list[Heading] = field(default_factory=list)
+    placed: list[str] = field(default_factory=list)  # figure names, in page order
+
+    def unique_id(self, base: str) -> str:
+        candidate, n = base, 2
+        while candidate in self.ids:
+            candidate, n = f"{base}-{n}", n + 1
+        self.ids.add(candidate)
+        return candidate
+
+
+def _figure_slot(name: str) -> str:
+    return f"<!--figure:{name}-->"
+
+
+def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs.Figure],
+                 first_h1: bool) -> tuple[str, bool]:
+    """HTML of one prose cell (figures marked by slots); returns (html, whether the chapter id was used)."""
+    env = {"file": rel, "line": cell.line, "source": cell.source}
+    tokens = page.md.parse(fence_doctests(cell.source), env)
+    inserts: dict[int, list[str]] = {}
+    open_headings = [i for i, t in enumerate(tokens) if t.type == "heading_open"]
+    for n, i in enumerate(open_headings):
+        level, text = int(tokens[i].tag[1]), _heading_text(tokens[i + 1])
+        if level == 1 and first_h1:
+            anchor, first_h1 = page.unique_id(chapter), False
+        else:
+            anchor = page.unique_id(f"{chapter}-{slugify(text)}")
+        tokens[i].attrSet("id", anchor)
+        tokens[i + 2].meta["id"] = anchor  # heading_close, for the permalink
+        page.headings.append(Heading(level, page.md.renderer.renderInline(tokens[i + 1].children, page.md.options, env),
+                                     anchor))
+        for fig in want:
+            if fig.heading is not None and fig.name not in page.placed and text.startswith(fig.heading):
+                at = open_headings[n + 1] if n + 1 < len(open_headings) else len(tokens)
+                inserts.setdefault(at, []).append(fig.name)
+                page.placed.append(fig.name)
+    parts, start = [], 0
+    for at in sorted(inserts):
+        parts.append(page.md.renderer.render(tokens[start:at], page.md.options, env))
+        parts.extend(_figure_slot(name) for name in inserts[at])
+        start = at
+    parts.append(page.md.renderer.render(tokens[start:], page.md.options, env))
+    return "".join(parts), not first_h1
+
+
+def render_chapter(page: Page, name: str, path: Path, root: Path, want: list[figs.Figure]) -> str:
+    rel = path.relative_to(root).as_posix()
+    cells = read_cells(path)
+    parts, used_chapter_id = [], False
+    for cell in cells:
+        if cell.kind == "markdown":
+            body, used = render_prose(page, name, cell, rel, want, first_h1=not used_chapter_id)
+            used_chapter_id |= used
+            parts.append(f'<div class="prose">\n{body}</div>\n')
+        else:
+            anchor = page.unique_id(f"{name}-L{cell.line}")
+            parts.append(f'<div class="code" id="{anchor}"><div class="where"><a href="#{anchor}">{rel}, '
+                         f'lines {cell.line}–{cell.end}</a></div>\n{highlight_code(cell.source)}</div>\n')
+    if not used_chapter_id:  # a module without a title: give it one
+        page.ids.add(name)
+        page.headings.append(Heading(1, f"<code>{rel}</code>", name))
+        parts.insert(0, f'<h1 id="{name}"><code>{rel}</code></h1>\n')
+    for fig in want:
+        if fig.heading is None and fig.name not in page.placed:
+            parts.append(_figure_slot(fig.name))
+            page.placed.append(fig.name)
+    lines = sum(1 for _ in path.open(encoding="utf-8"))
+    source = f'<p class="source">Source: <code>{rel}</code>, {lines} lines. <a href="#contents">Contents</a></p>\n'
+    title = next(i for i, part in enumerate(parts) if f'<h1 id="{name}"' in part)
+    head, tail = parts[title].split("</h1>\n", 1)  # right under the chapter's title
+    parts[title] = f"{head}</h1>\n{source}{tail}"
+    return f'<article class="chapter">\n{"".join(parts)}</article>\n'
+
+
+def link_module_mentions(body: str, chapters: Sequence[str]) -> str:
+    """`annotated/<name>.py` in prose links to that chapter when it is on the page."""
+    def link(m: re.Match) -> str:
+        return f'<a href="#{m.group(2)}">{m.group(0)}</a>' if m.group(2) in chapters else m.group(0)
+    return re.sub(r"<code>(annotated/(\w+)\.py)</code>", link, body)
+
+
+# %% [markdown]
+# ## 5. The page
+
+# %%
+CSS = """
+:root { color-scheme: light; }
+body { margin: 0 auto; max-width: 58rem; padding: 1rem 1.5rem 5rem; color: #1f2328; background: #fff;
+       font: 17px/1.6 "DejaVu Serif", Georgia, "Times New Roman", serif; }
+h1, h2, h3, h4 { font-family: "DejaVu Sans", "Helvetica Neue", Arial, sans-serif; line-height: 1.25;
+                 margin: 2.2em 0 0.6em; }
+h1 { font-size: 2rem; border-bottom: 2px solid #d0d7de; padding-bottom: 0.3em; }
+h2 { font-size: 1.45rem; } h3 { font-size: 1.15rem; }
+a { color: #0550ae; } a.anchor { color: #afb8c1; text-decoration: none; font-size: 0.8em; }
+h1:hover a.anchor, h2:hover a.anchor, h3:hover a.anchor { color: #0550ae; }
+code, pre { font-family: "DejaVu Sans Mono", Menlo, Consolas, monospace; font-size: 0.8rem; }
+:not(pre) > code { background: #f3f4f6; padding: 0.1em 0.3em; border-radius: 4px; }
+pre { background: #f6f8fa; padding: 0.7em 0.9em; overflow-x: auto; line-height: 1.45; border-radius: 6px;
+      margin: 0.6em 0; }
+.code { margin: 1.2em 0; border-left: 3px solid #8c959f; }
+.code pre { border-radius: 0 6px 6px 0; margin: 0; }
+.where { font: 0.75rem "DejaVu Sans", Arial, sans-serif; color: #57606a; padding: 0 0 0.2em 0.9em; }
+.where a { color: inherit; text-decoration: none; }
+.source { color: #57606a; font-size: 0.9rem; margin-top: -0.3em; }
+math { font-size: 1.1em; } math[display="block"] { margin: 0.8em 0; overflow-x: auto; overflow-y: hidden; }
+table { border-collapse: collapse; margin: 1em 0; display: block; max-width: 100%; overflow-x: auto; }
+th, td { border: 1px solid #d0d7de; padding: 0.3em 0.6em; vertical-align: top; }
+figure { margin: 1.5em 0; text-align: center; }
+figure img { max-width: 100%; height: auto; }
+figcaption { font-size: 0.9rem; color: #424a53; text-align: left; margin-top: 0.4em; }
+nav#contents { background: #f6f8fa; border: 1px solid #d0d7de; border-radius: 6px; padding: 0.5em 1.2em;
+               font-family: "DejaVu Sans", Arial, sans-serif; font-size: 0.92rem; }
+nav#contents h2 { margin: 0.4em 0; font-size: 1.2rem; }
+nav#contents ol { padding-left: 1.4em; margin: 0.2em 0; } nav#contents > ol > li { margin-top: 0.4em; }
+nav#contents ul { list-style: none; padding-left: 0.9em; margin: 0.1em 0; columns: 2 18rem; }
+.notes { border-left: 3px solid #bf8700; background: #fff8c5; padding: 0.4em 1em; font-size: 0.9rem; }
+footer { margin-top: 4em; color: #57606a; font-size: 0.85rem; }
+"""
+
+# The browser may load nothing but this page's own images: no scripts, fonts, frames or connections.
+CSP = "default-src 'none'; img-src 'self'; style-src 'unsafe-inline'"
+
+
+def _toc(headings: list[Heading]) -> str:
+    items, chapter_open = [], False
+    for hd in headings:
+        if hd.level == 1:
+            if chapter_open:
+                items.append("</ul></li>")
+            items.append(f'<li><a href="#{hd.id}">{hd.text_html}</a><ul>')
+            chapter_open = True
+        elif hd.level == 2:
+            items.append(f'<li><a href="#{hd.id}">{hd.text_html}</a></li>')
+    if chapter_open:
+        items.append("</ul></li>")
+    return "<ol>" + "".join(items).replace("<ul></ul>", "") + "</ol>"
+
+
+def render_page(chapters_html: list[str], page: Page, notes: list[str], appendix: str) -> str:
+    body = "".join(chapters_html) + appendix
+    for number, name in enumerate(page.placed, start=1):
+        body = body.replace(_figure_slot(name), page.figure_html[name].replace("{number}", str(number)))
+    notes_html = ("<div class=\"notes\"><p>Build notes:</p><ul>"
+                  + "".join(f"<li>{page.md.renderInline(n)}</li>" for n in notes) + "</ul></div>") if notes else ""
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta http-equiv="Content-Security-Policy" content="{CSP}">
+<title>{TITLE}</title>
+<style>{HtmlFormatter(style="default").get_style_defs(".highlight")}
+{CSS}</style>
+</head>
+<body>
+<header>
+<p class="source">Generated by <code>make docs</code> from the modules in <code>annotated/</code>; edit those,
+not this page.</p>
+<nav id="contents"><h2>Contents</h2>
+{_toc(page.headings)}
+</nav>
+{notes_html}
+</header>
+<main>
+{body}</main>
+<footer>Rendered from the source by <code>docs/build.py</code>: prose with markdown-it-py, math with
+latex2mathml (MathML, drawn by the browser), code with Pygments, figures with matplotlib from the modules'
+own functions.</footer>
+</body>
+</html>
+"""
+
+
+# %% [markdown]
+# ## 6. Building: figures, chapters, page
+
+# %%
+@dataclass
+class BuildResult:
+    index: Path
+    chapters: list[str]          # modules rendered, in page order
+    skipped: list[str]           # modules of READING_ORDER that do not exist
+    figures: list[Path]          # PNG files written
+    placed: dict[str, str]       # figure name -> chapter it was placed in ("appendix" if none)
+    notes: list[str]
+
+
+def chapter_list(root: Path, modules: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """(present modules in reading order, then unlisted ones alphabetically; missing; unlisted)."""
+    present = [m for m in modules if (root / "annotated" / f"{m}.py").is_file()]
+    missing = [m for m in modules if m not in present]
+    unlisted = sorted(p.stem for p in (root / "annotated").glob("*.py")
+                      if not p.stem.startswith("_") and p.stem not in modules)
+    return present + unlisted, missing, unlisted
+
+
+def draw_figures(out: Path, ctx: figs.FigureContext, selected: Sequence[figs.Figure], md: MarkdownIt,
+                 progress: bool = True) -> tuple[dict[str, str], list[Path]]:
+    """Draw each figure to out/figures/<name>.png; returns (name -> <figure> html, files)."""
+    from tqdm.auto import tqdm
+
+    html_of, files = {}, []
+    for fig in tqdm(selected, desc="figures", disable=not progress, leave=False):
+        mpl_figure, caption = fig.draw(ctx)
+        data = figs.png_bytes(mpl_figure)
+        path = out / "figures" / f"{fig.name}.png"
+        figs.write_atomic(path, data)
+        files.append(path)
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")  # PNG IHDR
+        env = {"where": f"docs/figures.py ({fig.name})"}
+        alt = html.escape(re.sub(r"[`$\\]", "", caption.split(". ")[0]), quote=True)
+        html_of[fig.name] = (f'<figure id="fig-{fig.name}"><img src="figures/{fig.name}.png" width="{width}" '
+                             f'height="{height}" alt="{alt}">\n<figcaption><strong>Figure {{number}}.</strong> '
+                             f'{md.renderInline(caption, env)}</figcaption></figure>\n')
+    return html_of, files
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    figs.write_atomic(path, text.encode("utf-8"))
+
+
+def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] = READING_ORDER,
+          checkpoint: Optional[Path | str] = "auto", copy_steps: int = 300, with_figures: bool = True,
+          progress: bool = True, say=print) -> BuildResult:
+    """Render the modules into out/index.html (+ out/figures/). Returns what was built.
+
+    `checkpoint`: "auto" uses runs/latest/best.pt or the newest runs/*/best.pt
+    for the attention figure if one exists (else the copy task); a path uses
+    that checkpoint (an error if it does not load); None always uses the copy task.
+    """
+    out, root = Path(out), Path(root)
+    if copy_steps < 0:
+        raise ValueError(f"copy_steps must be >= 0, got {copy_steps}")
+    chapters, missing, unlisted = chapter_list(root, modules)
+    if not chapters:
+        raise DocsError(f"no module of {list(modules)} exists under {root / 'annotated'}")
+    notes = [f"`annotated/{m}.py` does not exist yet: its chapter is missing." for m in missing]
+    notes += [f"`annotated/{m}.py` is not in READING_ORDER (docs/build.py): shown at the end." for m in unlisted]
+    md = make_markdown()
+
+    auto = checkpoint == "auto"
+    ckpt = figs.find_checkpoint(root) if auto else (Path(checkpoint) if checkpoint is not None else None)
+    ctx = figs.FigureContext(root=root, checkpoint=ckpt, copy_steps=copy_steps, cache_dir=out / ".cache",
+                             say=say, checkpoint_required=not auto)
+    selected = list(figs.FIGURES) if with_figures else []
+    figure_html, files = draw_figures(out, ctx, selected, md, progress)
+    notes += ctx.notes
+
+    page = Page(md, figure_html)
+    page.ids.update({"contents", "appendix-figures"} | {f"fig-{f.name}" for f in selected})
+    chapters_html = []
+    for name in chapters:
+        chapters_html.append(render_chapter(page, name, root / "annotated" / f"{name}.py", root,
+                                            [f for f in selected if f.module == name]))
+    placed = {name: next(f.module for f in selected if f.name == name) for name in page.placed}
+    leftover = [f for f in selected if f.name not in page.placed]
+    appendix = ""
+    if leftover:
+        appendix = ('<article class="chapter"><h1 id="appendix-figures">Figures without a place</h1>\n'
+                    "<p>These figures illustrate chapters that are not on this page, or prose headings that "
+                    "were renamed (see <code>FIGURES</code> in <code>docs/figures.py</code>).</p>\n")
+        page.headings.append(Heading(1, "Figures without a place", "appendix-figures"))
+        for f in leftover:
+            why = "not built" if f.module not in chapters else f"no heading starting “{f.heading}”"
+            notes.append(f"figure `{f.name}` belongs to `annotated/{f.module}.py` ({why}): shown in the appendix.")
+            appendix += _figure_slot(f.name)
+            page.placed.append(f.name)
+            placed[f.name] = "appendix"
+        appendix += "</article>\n"
+    body = [link_module_mentions(c, chapters) for c in chapters_html]
+    index = out / "index.html"
+    _write_text_atomic(index, render_page(body, page, notes, appendix))
+    keep = {p.name for p in files}
+    for stale in (out / "figures").glob("*.png") if (out / "figures").is_dir() else []:
+        if stale.name not in keep:
+            stale.unlink()
+    return BuildResult(index, chapters, missing, files, placed, notes)
+
+
+# %% [markdown]
+# ## 7. The notebook
+#
+# `make notebook` writes the chapter as a Jupyter notebook with jupytext:
+# the same cells, prose as Markdown cells. Only `annotated/transformer.py` by
+# default: it imports nothing from the package, so the notebook runs from any
+# directory; the other chapters import `annotated` and need the repository
+# root on `sys.path`.
+
+# %%
+def build_notebook(module: str = "transformer", out: Path = DEFAULT_OUT, root: Path = ROOT) -> Path:
+    """annotated/<module>.py -> out/<module>.ipynb (written atomically)."""
+    src = Path(root) / "annotated" / f"{module}.py"
+    if not src.is_file():
+        raise DocsError(f"no module {src} to convert to a notebook")
+    notebook = jupytext.read(src, fmt="py:percent")
+    target = Path(out) / f"{module}.ipynb"
+    _write_text_atomic(target, jupytext.writes(notebook, fmt="ipynb"))
+    return target
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="Render annotated/*.py into docs/_build/index.html, "
+                                            "or convert a chapter to a notebook.")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default docs/_build)")
+    p.add_argument("--checkpoint", default="auto",
+                   help="checkpoint for the attention figure: auto (runs/latest/best.pt or newest "
+                        "runs/*/best.pt, else the copy task), none (copy task), or a path")
+    p.add_argument("--copy-steps", type=int, default=300, help="training steps of the copy-task model")
+    p.add_argument("--no-figures", action="store_true", help="skip drawing figures (faster)")
+    p.add_argument("--notebook", nargs="*", metavar="MODULE", default=None,
+                   help="write notebooks instead of the page (default: transformer)")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # the figures' models are tiny: more threads only contend for the cores
+    try:
+        if args.notebook is not None:
+            for module in args.notebook or ["transformer"]:
+                print(f"wrote {build_notebook(module, args.out)}")
+            return 0
+        checkpoint = None if args.checkpoint == "none" else args.checkpoint
+        result = build(args.out, checkpoint=checkpoint, copy_steps=args.copy_steps,
+                       with_figures=not args.no_figures)
+    except (DocsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"wrote {result.index} ({len(result.chapters)} chapters: {', '.join(result.chapters)}; "
+          f"{len(result.figures)} figures)\nopen {result.index.resolve().as_uri()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,437 @@
+"""The rendered page (docs/build.py, docs/figures.py), seen by a browser, and the notebook.
+
+The page is built once per test session into a temporary folder, with the
+copy-task model trained for only a few steps (its attention picture need not
+be good to test the page). The browser test drives headless Chromium through
+its DevTools protocol over a pipe (`--remote-debugging-pipe`, standard library
+only), so it can watch every network request the page makes.
+"""
+import base64
+import codeop
+import doctest
+import html
+import io
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+import types
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+from annotated import transformer as T
+from docs import build as B
+from docs import figures as F
+
+ROOT = Path(__file__).resolve().parent.parent
+COPY_STEPS = 20  # the page's attention picture needs a model, not a good one
+CHROMIUM = shutil.which("chromium")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    result = B.build(out, checkpoint=None, copy_steps=COPY_STEPS, progress=False, say=lambda s: None)
+    return result, result.index.read_text(encoding="utf-8")
+
+
+def _text(fragment: str) -> str:
+    """The text of an HTML fragment (tags dropped, entities decoded)."""
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment))
+
+
+def _chapter(page: str, name: str) -> str:
+    """The HTML of one chapter: from its <h1 id=name> to the next chapter."""
+    start = page.index(f'<h1 id="{name}"')
+    end = page.find('<article class="chapter">', start)
+    return page[start:end if end >= 0 else len(page)]
+
+
+# ---------------------------------------------------------------- the page's content
+
+def test_build_doctests():
+    result = doctest.testmod(B, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 3 and result.failed == 0
+
+
+def test_chapters_follow_reading_order_and_skip_missing_modules(site):
+    result, page = site
+    present = [m for m in B.READING_ORDER if (ROOT / "annotated" / f"{m}.py").is_file()]
+    assert result.chapters[:len(present)] == present
+    assert result.skipped == [m for m in B.READING_ORDER if m not in present]
+    positions = [page.index(f'<h1 id="{m}"') for m in result.chapters]
+    assert positions == sorted(positions)
+    for m in result.skipped:  # a missing module is named on the page, not silently dropped
+        assert f"annotated/{m}.py</code> does not exist yet" in page
+
+
+def test_missing_module_is_skipped_with_a_note(tmp_path):
+    result = B.build(tmp_path, modules=("no_such_module", "transformer"), with_figures=False, progress=False)
+    assert result.chapters[0] == "transformer" and result.skipped == ["no_such_module"]
+    assert "annotated/no_such_module.py</code> does not exist yet" in result.index.read_text(encoding="utf-8")
+
+
+def test_code_is_the_files_code_verbatim_in_source_order(site):
+    _, page = site
+    chapter = _chapter(page, "transformer")
+    shown = [_text(block) for block in re.findall(r'<div class="code" id="transformer-L\d+">.*?</pre>',
+                                                   chapter, flags=re.S)]
+    shown = [re.sub(r"^annotated/transformer\.py, lines \d+–\d+\n", "", s) for s in shown]
+    lines = (ROOT / "annotated" / "transformer.py").read_text(encoding="utf-8").split("\n")
+    cells = [c for c in B.read_cells(ROOT / "annotated" / "transformer.py") if c.kind == "code"]
+    assert len(shown) == len(cells) > 10
+    for text, cell in zip(shown, cells):
+        assert text.rstrip("\n") == "\n".join(lines[cell.line - 1:cell.end])
+    assert any("def attention_explicit" in s for s in shown) and 'if __name__ == "__main__":' in shown[-1]
+
+
+def test_math_becomes_mathml_and_no_tex_is_left(site):
+    _, page = site
+    chapter = _chapter(page, "transformer")
+    source = (ROOT / "annotated" / "transformer.py").read_text(encoding="utf-8")
+    display = re.findall(r"\$\$(.+?)\$\$", source)  # every $$...$$ of the prose
+    assert len(display) >= 5
+    assert chapter.count("<math ") > len(display)  # the display formulas and the inline ones
+    assert chapter.count('display="block"') == len(display)
+    prose = re.sub(r'<math .*?</math>|<pre class="highlight">.*?</pre>', "", chapter, flags=re.S)
+    assert "$$" not in prose and "\\frac" not in prose and "\\mathrm" not in prose
+
+
+def test_latex_errors_name_the_file_and_line(tmp_path):
+    (tmp_path / "annotated").mkdir()
+    module = tmp_path / "annotated" / "transformer.py"
+    for formula, complaint in ((r"\nosuch{x}", r"\nosuch"), (r"\frac{a}", "<mfrac> 1 arguments")):
+        module.write_text(f"# %% [markdown]\n# # Title\n#\n# Broken: ${formula}$\n\n# %%\nx = 1\n",
+                          encoding="utf-8")
+        with pytest.raises(B.DocsError, match=re.escape(f"annotated/transformer.py:4: the formula ${formula}$")) as e:
+            B.build(tmp_path / "out", root=tmp_path, with_figures=False, progress=False)
+        assert complaint in str(e.value)
+        assert not (tmp_path / "out" / "index.html").exists()  # nothing half-written
+
+
+def test_doctest_examples_render_as_highlighted_code_not_quotes(site):
+    _, page = site
+    chapter = _chapter(page, "transformer")
+    source = (ROOT / "annotated" / "transformer.py").read_text(encoding="utf-8")
+    prose_blocks = len(re.findall(r"(?m)^#$\n^# >>> ", source))  # doctest blocks in prose start after a blank
+    assert prose_blocks >= 2
+    assert chapter.count('<pre class="highlight"><code><span class="gp">&gt;&gt;&gt; </span>') == prose_blocks
+    assert "<blockquote>" not in chapter
+    assert "&gt;&gt;&gt; d_k = 64" not in _text(chapter) and ">>> d_k = 64" in _text(chapter)
+    assert '<span class="gp">&gt;&gt;&gt; </span>' in chapter  # Pygments' console prompt token
+
+
+def test_figures_sit_after_the_prose_they_illustrate(site):
+    result, page = site
+    assert len(result.figures) == len(F.FIGURES)
+    for fig in F.FIGURES:
+        if fig.module not in result.chapters:
+            assert result.placed[fig.name] == "appendix"
+            continue
+        assert result.placed[fig.name] == fig.module
+        chapter = _chapter(page, fig.module)
+        at = chapter.index(f'<figure id="fig-{fig.name}">')
+        if fig.heading is None:  # end of the chapter: no heading after it
+            assert not re.search(r"<h[1-3] ", chapter[at:])
+            continue
+        headings = [(m.start(), _text(m.group(1))) for m in re.finditer(r"<h[1-3] [^>]*>(.*?)</h[1-3]>", chapter)]
+        before = [text for pos, text in headings if pos < at]
+        assert before and before[-1].startswith(fig.heading), (fig.name, before[-1:])
+
+
+def test_figure_files_are_pngs_of_the_stated_size(site):
+    import matplotlib.image
+
+    result, page = site
+    for path in result.figures:
+        pixels = matplotlib.image.imread(path)
+        h, w = pixels.shape[:2]
+        assert f'src="figures/{path.name}" width="{w}" height="{h}"' in page
+        assert pixels[..., :3].std() > 0.05  # a drawing, not a blank canvas
+
+
+def test_no_external_resources_and_every_local_one_exists(site):
+    result, page = site
+
+    class Refs(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.refs = []
+
+        def handle_starttag(self, tag, attrs):
+            for key, value in attrs:
+                if key in ("src", "href", "srcset", "poster", "data", "action", "formaction"):
+                    self.refs.append((tag, key, value))
+
+    parser = Refs()
+    parser.feed(page)
+    assert parser.refs
+    for tag, key, value in parser.refs:
+        assert not re.match(r"^\s*([a-z][a-z0-9+.-]*:|//)", value, re.I), (tag, key, value)  # no scheme at all
+        if not value.startswith("#"):
+            assert (result.index.parent / value).is_file(), (tag, key, value)
+    for tag in ("script", "iframe", "object", "embed", "link"):
+        assert f"<{tag}" not in page
+    styles = "".join(re.findall(r"<style>(.*?)</style>", page, re.S))
+    assert "@import" not in styles and "url(" not in styles
+    assert "default-src 'none'" in page  # the page's CSP forbids any fetch but its own images
+
+
+def test_find_checkpoint_prefers_latest_then_newest(tmp_path):
+    assert F.find_checkpoint(tmp_path) is None
+    older, newer = tmp_path / "runs" / "a" / "best.pt", tmp_path / "runs" / "b" / "best.pt"
+    for i, p in enumerate((older, newer)):
+        p.parent.mkdir(parents=True)
+        p.write_bytes(b"x")
+        os.utime(p, (1000 + i, 1000 + i))
+    assert F.find_checkpoint(tmp_path) == newer
+    (tmp_path / "runs" / "latest").symlink_to("a")
+    assert F.find_checkpoint(tmp_path) == tmp_path / "runs" / "latest" / "best.pt"
+
+
+def test_unusable_checkpoint_falls_back_only_when_found_automatically(tmp_path):
+    bad = tmp_path / "runs" / "x" / "best.pt"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"not a checkpoint")
+    (tmp_path / "annotated").mkdir()
+    shutil.copy(ROOT / "annotated" / "transformer.py", tmp_path / "annotated" / "transformer.py")
+    ctx = F.FigureContext(root=tmp_path, checkpoint=bad, copy_steps=0, say=lambda s: None)
+    fig, caption = F.draw_attention(ctx)
+    assert "copy-task model" in caption and str(bad) in ctx.notes[0]
+    panels = _panels(fig)  # encoder self-attention and cross-attention, every head
+    assert len(panels) == 2 * 4 and all(abs(p.sum(axis=1) - 1).max() < 1e-5 for p in panels)
+    ctx = F.FigureContext(root=tmp_path, checkpoint=bad, copy_steps=0, checkpoint_required=True)
+    with pytest.raises(ValueError, match=re.escape(str(bad))):
+        F.draw_attention(ctx)
+
+
+# ---------------------------------------------------------------- the browser
+
+class DevTools:
+    """Headless Chromium driven over --remote-debugging-pipe: JSON messages ending in NUL on fds 3 and 4."""
+
+    def __init__(self, binary: str, profile: Path, log: Path):
+        cmd_r, self.cmd_w = os.pipe()   # we write commands; Chromium reads them on its fd 3
+        self.res_r, res_w = os.pipe()   # Chromium writes replies and events on its fd 4
+
+        def onto_3_and_4():
+            a, b = os.dup(cmd_r), os.dup(res_w)
+            os.dup2(a, 3)
+            os.dup2(b, 4)
+
+        args = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
+                f"--user-data-dir={profile}", "--no-first-run", "--no-default-browser-check",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-quic", "--disable-extensions", "--disable-dev-shm-usage",
+                "--host-resolver-rules=MAP * ~NOTFOUND", "about:blank"]
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                         preexec_fn=onto_3_and_4, close_fds=False)
+        os.close(cmd_r)
+        os.close(res_w)
+        self.buffer, self.events, self.next_id = b"", [], 0
+
+    def _read(self, deadline: float) -> dict:
+        while b"\0" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.res_r], [], [], left)[0]:
+                raise TimeoutError("no answer from Chromium")
+            chunk = os.read(self.res_r, 1 << 20)
+            if not chunk:
+                raise RuntimeError(f"Chromium closed the pipe (exit code {self.proc.poll()})")
+            self.buffer += chunk
+        message, self.buffer = self.buffer.split(b"\0", 1)
+        return json.loads(message)
+
+    def send(self, method: str, params: dict = None, session: str = None, timeout: float = 30) -> dict:
+        self.next_id += 1
+        message = {"id": self.next_id, "method": method, "params": params or {}}
+        if session:
+            message["sessionId"] = session
+        data = json.dumps(message).encode() + b"\0"
+        while data:
+            data = data[os.write(self.cmd_w, data):]
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self._read(deadline)
+            if reply.get("id") == self.next_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply["result"]
+            self.events.append(reply)
+
+    def wait_for(self, method: str, timeout: float = 30) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            for event in self.events:
+                if event.get("method") == method:
+                    return event
+            self.events.append(self._read(deadline))
+
+    def close(self):
+        try:
+            self.send("Browser.close", timeout=5)
+        except Exception:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.cmd_w)
+        os.close(self.res_r)
+
+
+PAGE_REPORT = """(async () => {
+  const images = [...document.images];
+  await Promise.all(images.map(i => i.complete ? null : new Promise(r => { i.onload = i.onerror = r; })));
+  const maths = [...document.querySelectorAll('math')];
+  const laidOut = m => { const r = m.getBoundingClientRect(), d = getComputedStyle(m).display;
+                         return r.width > 0 && r.height > 0 && ['math', 'inline math', 'block math'].includes(d); };
+  const hrefs = [...document.querySelectorAll('a[href]')].map(a => a.getAttribute('href'));
+  const frac = document.querySelector('math[display="block"] mfrac');
+  return {
+    title: document.title,
+    images: images.map(i => ({src: i.getAttribute('src'), loaded: i.complete && i.naturalWidth > 0})),
+    math: maths.length,
+    mathml: maths.filter(m => m instanceof MathMLElement).length,
+    laid_out: maths.filter(laidOut).length,
+    fraction_stacked: frac ? frac.children[0].getBoundingClientRect().bottom
+                             <= frac.children[1].getBoundingClientRect().top + 1 : null,
+    internal_links: hrefs.filter(h => h.startsWith('#')).length,
+    broken_links: hrefs.filter(h => h.startsWith('#') && !document.getElementById(decodeURIComponent(h.slice(1)))),
+    other_links: hrefs.filter(h => !h.startsWith('#')),
+  };
+})()"""
+
+
+def browse(index: Path, tmp: Path, width: int = 1000, height: int = 1300, scroll_to: str = None):
+    """Open the page; returns (report from PAGE_REPORT, request URLs, failed loads, log entries, PNG bytes)."""
+    browser = DevTools(CHROMIUM, tmp / "profile", tmp / "chromium.log")
+    try:
+        target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for domain in ("Network", "Page", "Runtime", "Log"):
+            browser.send(f"{domain}.enable", session=session)
+        browser.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
+                                                           "deviceScaleFactor": 1, "mobile": False}, session)
+        browser.send("Page.navigate", {"url": index.resolve().as_uri()}, session)
+        browser.wait_for("Page.loadEventFired")
+        report = browser.send("Runtime.evaluate", {"expression": PAGE_REPORT, "awaitPromise": True,
+                                                   "returnByValue": True}, session)["result"]["value"]
+        if scroll_to:
+            browser.send("Runtime.evaluate", {"expression": f"document.getElementById({scroll_to!r})"
+                                                            ".scrollIntoView()"}, session)
+            time.sleep(0.3)
+        png = base64.b64decode(browser.send("Page.captureScreenshot", {"format": "png"}, session)["data"])
+        requests = [e["params"]["request"]["url"] for e in browser.events
+                    if e.get("method") == "Network.requestWillBeSent"]
+        failed = [e["params"] for e in browser.events if e.get("method") == "Network.loadingFailed"]
+        log = [e["params"]["entry"] for e in browser.events if e.get("method") == "Log.entryAdded"]
+        return report, requests, failed, log, png
+    finally:
+        browser.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (.ci/run installs Debian's package)")
+def test_page_in_headless_chromium(site, tmp_path):
+    import matplotlib.image
+
+    result, page = site
+    report, requests, failed, log, png = browse(result.index, tmp_path)
+    # the page and its figures, nothing else, all from disk
+    assert requests[0] == result.index.resolve().as_uri()
+    assert all(url.startswith("file://") for url in requests), requests
+    assert sorted(u.rsplit("/", 1)[1] for u in requests[1:]) == sorted(p.name for p in result.figures)
+    assert not failed and not [entry for entry in log if entry["level"] == "error"], (failed, log)
+    # every figure loaded
+    assert len(report["images"]) == len(result.figures) and all(i["loaded"] for i in report["images"])
+    # math present, parsed as MathML, laid out by the browser's MathML engine
+    assert report["math"] == page.count("<math ") >= 20
+    assert report["mathml"] == report["math"] and report["laid_out"] == report["math"]
+    assert report["fraction_stacked"] is True  # numerator drawn above denominator: real math layout
+    # internal links all land; there are no others
+    assert report["internal_links"] > 50 and report["broken_links"] == [] and report["other_links"] == []
+    assert report["title"] == B.TITLE
+    # the screenshot shows something
+    pixels = matplotlib.image.imread(io.BytesIO(png), format="png")
+    assert pixels.shape[:2] == (1300, 1000)
+    assert pixels[..., :3].std() > 0.05 and (pixels[..., :3] < 0.5).mean() > 0.005  # dark text on light
+
+
+# ---------------------------------------------------------------- the notebook
+
+def test_notebook_has_the_same_cells_and_executes_top_to_bottom(tmp_path, monkeypatch):
+    path = B.build_notebook("transformer", tmp_path)
+    nbformat = pytest.importorskip("nbformat")  # installed with jupytext
+    nbformat.validate(nbformat.reads(path.read_text(encoding="utf-8"), as_version=4))  # a valid notebook
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    cells = B.read_cells(ROOT / "annotated" / "transformer.py")
+    assert [c["cell_type"] for c in nb["cells"]] == [c.kind for c in cells]
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code == [c.source for c in cells if c.kind == "code"]
+
+    # Run the cells in order in one fresh module namespace, as a kernel would. codeop.Compile carries
+    # `from __future__ import annotations` from the first cell to the later ones, like IPython does.
+    # __name__ is not "__main__", so the last cell's copy-task demo does not run (in Jupyter it would).
+    module = types.ModuleType("transformer_notebook")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    compiler = codeop.Compile()
+    for i, source in enumerate(code):
+        exec(compiler(source, f"<notebook cell {i}>", "exec"), module.__dict__)
+    ns = module.__dict__
+    for name in ("attention", "PerHeadAttention", "FusedAttention", "fuse", "split", "TransformerConfig",
+                 "make_model", "convert_model", "greedy_decode", "rate", "train_copy_task", "copy_accuracy"):
+        assert callable(ns[name]), name
+    assert ns["FusedAttention"] is not T.FusedAttention  # defined by the notebook, not imported
+
+    # The notebook's own definitions work together: both attention forms, one function.
+    torch.manual_seed(0)
+    model = ns["make_model"](src_vocab=11, tgt_vocab=11, N=1, d_model=16, d_ff=32, h=2, dropout=0.0).eval()
+    src, tgt = torch.randint(3, 11, (2, 5)), torch.randint(3, 11, (2, 4))
+    src_mask, tgt_mask = ns["padding_mask"](src, 0), ns["target_mask"](tgt, 0)
+    logits = model(src, tgt, src_mask, tgt_mask)  # (2, 4, 11)
+    other = ns["convert_model"](model, "per_head")(src, tgt, src_mask, tgt_mask)
+    assert logits.shape == (2, 4, 11)
+    torch.testing.assert_close(other, logits, rtol=1e-5, atol=1e-5)
+    out = ns["greedy_decode"](model, src, src_mask, max_len=6, bos=1, eos=2, pad=0)
+    assert out.shape[0] == 2 and out.shape[1] <= 6
+
+
+def _panels(fig):
+    """The attention matrices drawn in a figure, one per panel."""
+    return [ax.images[0].get_array() for ax in fig.axes if ax.images]
+
+
+def test_attention_figure_from_a_checkpoint(tmp_path):
+    data = pytest.importorskip("annotated.data", reason="annotated/data.py (the tokenizer) not written yet")
+    from annotated.checkpoint import save_checkpoint
+
+    words = ("zwei junge männer spielen fußball auf einer wiese ein hund läuft durch das hohe gras eine frau "
+             "liest ein buch im park kinder bauen eine sandburg am strand der mann fährt fahrrad").split()
+    gen = torch.Generator().manual_seed(0)
+    texts = [" ".join(words[i] for i in torch.randint(len(words), (6,), generator=gen)).capitalize() + "."
+             for _ in range(300)]
+    tokenizer = data.train_tokenizer(texts, 350, cache_dir=tmp_path / "cache")
+    model = T.make_model(src_vocab=tokenizer.vocab_size, tgt_vocab=tokenizer.vocab_size, N=1, d_model=16, d_ff=32,
+                         h=4, max_len=40, dropout=0.0)
+    run = tmp_path / "runs" / "r1"
+    save_checkpoint(run / "best.pt", model, tokenizer, {"src_lang": "de", "tgt_lang": "en"})
+    sentence = "Zwei junge Männer spielen."
+    (run / "results.json").write_text(json.dumps({"samples": [{"source": sentence}]}), encoding="utf-8")
+
+    ctx = F.FigureContext(root=tmp_path, checkpoint=F.find_checkpoint(tmp_path), checkpoint_required=True)
+    fig, caption = F.draw_attention(ctx)
+    assert "r1/best.pt" in caption and sentence in caption and "de→en" in caption
+    panels = _panels(fig)
+    assert len(panels) == 4  # every head of the last decoder layer
+    for probs in panels:  # (target positions, source subwords), each row a distribution
+        assert probs.shape[1] == len(tokenizer.encode(sentence))
+        torch.testing.assert_close(torch.as_tensor(probs.sum(axis=1)), torch.ones(probs.shape[0], dtype=torch.float32))
