@@ -42,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                 "(default runs/<preset>-<src>-<tgt>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from last.pt")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice, one per core)")
     p.add_argument("--data-url", help="base URL of the Multi30k raw files (default $MULTI30K_URL, "
                                       "else the dataset's GitHub home); file:// URLs work")
     p.add_argument("--cache-dir", type=Path, help="download and tokenizer cache (default $ANNOTATED_CACHE "
@@ -50,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"))
     p.add_argument("--test-files", nargs=2, metavar=("SRC", "TGT"))
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--dump-attention", type=int, metavar="N", default=0,
+                   help="after training, dump the attention of the first N test sentences into RUN_DIR/attention "
+                        "(see annotated/attention.py)")
     return p.parse_args(argv)
 
 
@@ -60,9 +64,12 @@ def main(argv=None) -> int:
     from annotated.checkpoint import CheckpointError
     from annotated.train import PRESETS, TrainingError, train
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     preset = args.preset or ("gpu" if torch.cuda.is_available() else "cpu")
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(PRESETS[preset])
                  if getattr(args, f.name, None) is not None}
+    run_dir = None
     try:
         cfg = dataclasses.replace(PRESETS[preset], **overrides)
         if args.resume and args.run_dir is None:
@@ -75,11 +82,29 @@ def main(argv=None) -> int:
               resume=args.resume, progress=not args.no_progress and sys.stderr.isatty() or
               os.environ.get("FORCE_PROGRESS") == "1",
               train_files=args.train_files, val_files=args.val_files, test_files=args.test_files)
+        if args.dump_attention and not result.get("interrupted") and result.get("run_dir"):
+            from annotated.attention import dump
+            out = dump(Path(result["test"]["best"]["checkpoint"]), n=args.dump_attention, data_url=args.data_url,
+                       cache_dir=args.cache_dir)
+            print(f"attention dump: {out}", flush=True)
     except (ValueError, CheckpointError, TrainingError) as e:  # DataError and CheckpointError are ValueErrors
         print(f"train_wmt.py: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (data, final test), or a second one inside it
+        last = Path(run_dir) / "last.pt" if run_dir is not None else None
+        if last is not None and last.is_file():
+            print(f"train_wmt.py: interrupted; {last} holds the last completed save (checkpoint writes are "
+                  f"atomic); continue with --resume --run-dir {run_dir}", file=sys.stderr)
+        else:
+            print("train_wmt.py: interrupted before the first checkpoint was written; nothing to resume",
+                  file=sys.stderr)
+        return 130
     return 130 if result.get("interrupted") else 0  # 130: the shell's code for "stopped by Ctrl-C"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # while starting up (importing torch), before main() can catch it
+        print("train_wmt.py: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,521 @@
+"""Tests of annotated/attention.py: dumps, pictures, tensorboard, the HTML viewer, the command line.
+
+Models are tiny and random (the properties checked do not need training); the
+tokenizer is trained on the first 300 Multi30k training pairs, read from
+$MULTI30K_URL or the shared copy beside the repository (tests skip, saying so,
+when neither exists).
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from annotated import attention as A
+from annotated.checkpoint import CheckpointError, save_checkpoint
+from annotated.transformer import BOS, PAD, convert_model, make_model, padding_mask
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data" / "multi30k"
+MAX_LEN = 20  # the tiny models' positional table: translations stay short, so pictures draw fast
+SENTENCES = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball."]
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def base_url():
+    from annotated import data
+
+    url = os.environ.get(data.URL_ENV) or SHARED.as_uri() + "/"
+    resolved = data.resolve_base_url(url)
+    if resolved.startswith("file://") and not Path(resolved[len("file://"):]).is_dir():
+        pytest.skip(f"no Multi30k data source: {resolved} does not exist (set {data.URL_ENV})")
+    return url
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(base_url, cache):
+    """A joint BPE tokenizer of 800 pieces on 300 training pairs (its 256 byte pieces leave room for words)."""
+    from annotated.data import load_multi30k, train_tokenizer
+
+    pairs = load_multi30k("train", "de", "en", cache_dir=cache, base_url=base_url)[:300]
+    return train_tokenizer([s for s, _ in pairs] + [t for _, t in pairs], 800, cache_dir=cache)
+
+
+def tiny_model(vocab: int, attention: str = "per_head", dtype=torch.float64, seed: int = 0, h: int = 2,
+               max_len: int = MAX_LEN):
+    torch.manual_seed(seed)
+    model = make_model(src_vocab=vocab, tgt_vocab=vocab, N=2, d_model=16, d_ff=32, h=h, max_len=max_len,
+                       attention=attention, share_embeddings=True, tie_generator=True)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tokenizer, tmp_path_factory):
+    """A per-head float64 model and its fused conversion, saved as two checkpoints."""
+    d = tmp_path_factory.mktemp("ckpt")
+    per_head = tiny_model(tokenizer.vocab_size)
+    fused = convert_model(per_head, "fused")
+    meta = {"src_lang": "de", "tgt_lang": "en"}
+    save_checkpoint(d / "per_head.pt", per_head, tokenizer, meta)
+    save_checkpoint(d / "fused.pt", fused, tokenizer, meta)
+    return d / "per_head.pt", d / "fused.pt"
+
+
+@pytest.fixture(scope="module")
+def full_dump(checkpoints, tmp_path_factory):
+    """A float32 dump of two sentences with every picture and the viewer."""
+    out = tmp_path_factory.mktemp("dump") / "attention"
+    A.dump(checkpoints[1], SENTENCES, out, references=["A dog runs across the meadow.", None])
+    return out
+
+
+# ---------------------------------------------------------------- the arrays
+
+def test_shapes_rows_and_masks(tokenizer):
+    model = tiny_model(tokenizer.vocab_size)
+    src = tokenizer.encode(SENTENCES[0])
+    tgt = A.translate_greedy(model, src)
+    attn = A.collect_attention(model, src, tgt, dtype=np.float64)
+    S, T, h = len(src), len(tgt), model.config.h
+    assert set(attn) == set(A.KINDS)
+    for kind, (q, k) in {"encoder": (S, S), "decoder_self": (T, T), "cross": (T, S)}.items():
+        assert len(attn[kind]) == model.config.N
+        for a in attn[kind]:
+            assert a.shape == (1, h, q, k) and a.dtype == np.float64
+            # every query's weights are a distribution over the keys (no padding here)
+            np.testing.assert_allclose(a.sum(-1), 1.0, atol=1e-12)
+            assert (a >= 0).all()
+    for a in attn["decoder_self"]:
+        assert not np.triu(a[0], 1).any(), "a future position got weight: the causal mask leaked"
+        np.testing.assert_array_equal(a[0, :, 0], np.eye(T)[np.zeros(h, dtype=int)])  # <s> sees only itself
+    assert A.collect_attention(model, src, tgt)["encoder"][0].dtype == np.float32  # the default
+
+
+def test_rows_are_the_steps_of_greedy_decoding(tokenizer):
+    """Row t of the teacher-forced pass is decoding step t: same weights, and it predicts tgt_ids[t]."""
+    model = tiny_model(tokenizer.vocab_size, seed=3)
+    src_ids = tokenizer.encode(SENTENCES[1])
+    tgt_ids = A.translate_greedy(model, src_ids)
+    attn = A.collect_attention(model, src_ids, tgt_ids, dtype=np.float64)
+    src = torch.tensor([src_ids])
+    mask = padding_mask(src, PAD)
+    cache, memory = model.new_cache(), model.encode(src, mask)
+    inputs = [BOS] + tgt_ids[:-1]
+    with torch.no_grad():
+        for t, token in enumerate(inputs):
+            y, p_self, p_cross = model.decode(memory, mask, torch.tensor([[token]]), None, cache=cache, start=t,
+                                              return_attention=True)
+            assert int(model.generator(y[:, -1]).argmax()) == tgt_ids[t]
+            for layer in range(model.config.N):
+                np.testing.assert_allclose(attn["decoder_self"][layer][0, :, t, :t + 1], p_self[layer][0, :, 0],
+                                           rtol=0, atol=1e-12)
+                np.testing.assert_allclose(attn["cross"][layer][0, :, t], p_cross[layer][0, :, 0], rtol=0,
+                                           atol=1e-12)
+
+
+def test_per_head_and_fused_give_identical_dumps(checkpoints, tmp_path):
+    """float64: the two forms are the same function, so the dumps agree to rounding (<= 1e-12)."""
+    outs = [A.dump(c, SENTENCES, tmp_path / c.stem, pictures=False, viewer=False, dtype=np.float64)
+            for c in checkpoints]
+    (ia, ib) = (A.read_index(o) for o in outs)
+    assert ia["model_config"]["attention"] == "per_head" and ib["model_config"]["attention"] == "fused"
+    assert {k: v for k, v in ia["model_config"].items() if k != "attention"} == \
+           {k: v for k, v in ib["model_config"].items() if k != "attention"}
+    for key in ("src_tokens", "tgt_in_tokens", "tgt_out_tokens", "translation", "shapes"):
+        assert [s[key] for s in ia["sentences"]] == [s[key] for s in ib["sentences"]]
+    worst = 0.0
+    for i in range(len(SENTENCES)):
+        a, _ = A.load_sentence(outs[0], i)
+        b, _ = A.load_sentence(outs[1], i)
+        for kind in A.KINDS:
+            for x, y in zip(a[kind], b[kind]):
+                assert x.dtype == y.dtype == np.float64 and x.shape == y.shape
+                worst = max(worst, float(np.abs(x - y).max()))
+    assert worst <= 1e-12, worst
+
+
+# ---------------------------------------------------------------- files and bertviz
+
+def test_dump_files_and_index(full_dump, checkpoints, tokenizer):
+    index = A.read_index(full_dump)
+    assert index["checkpoint"] == str(checkpoints[1].resolve())
+    assert index["model_config"]["N"] == index["layers"] == 2 and index["heads"] == 2
+    assert index["meta"]["src_lang"] == "de" and index["dtype"] == "float32"
+    assert [s["source"] for s in index["sentences"]] == SENTENCES
+    assert index["sentences"][0]["reference"] == "A dog runs across the meadow."
+    for i, entry in enumerate(index["sentences"]):
+        assert entry["src_ids"] == tokenizer.encode(SENTENCES[i])
+        assert entry["src_tokens"] == tokenizer.pieces(entry["src_ids"])
+        assert entry["tgt_in_tokens"][0] == "<s>" and entry["tgt_in_tokens"][1:] == entry["tgt_out_tokens"][:-1]
+        assert entry["translation"] == tokenizer.decode(entry["tgt_out_ids"])
+        with np.load(full_dump / entry["file"]) as f:
+            assert sorted(f.files) == sorted(f"{k}_layer{l}" for k in A.KINDS for l in range(2))
+            for kind in A.KINDS:
+                rows, cols = (entry[name] for name in index["rows_cols"][kind])
+                for layer in range(2):
+                    a = f[f"{kind}_layer{layer}"]
+                    assert list(a.shape) == entry["shapes"][kind] == [1, 2, len(rows), len(cols)]
+        for name in entry["pictures"].values():
+            png = full_dump / name
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            assert png.stat().st_size < 400_000
+    assert not [p for p in full_dump.parent.iterdir() if p.name.startswith(".")], "temporary directory left"
+
+
+def test_bertviz_layout(full_dump):
+    """bertviz's head_view/model_view input: per kind a tuple of (1, h, q, k) tensors, layer order kept."""
+    attn, entry = A.load_sentence(full_dump, 1)
+    args = A.bertviz_args(attn, entry)
+    S, T = len(entry["src_tokens"]), len(entry["tgt_in_tokens"])
+    with np.load(full_dump / entry["file"]) as f:
+        for name, kind, (q, k) in (("encoder_attention", "encoder", (S, S)),
+                                   ("decoder_attention", "decoder_self", (T, T)),
+                                   ("cross_attention", "cross", (T, S))):
+            layers = args[name]
+            assert isinstance(layers, tuple) and len(layers) == 2
+            for layer, tensor in enumerate(layers):
+                assert isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == (1, 2, q, k)
+                np.testing.assert_array_equal(tensor.numpy(), f[f"{kind}_layer{layer}"])
+            # what bertviz does with it (util.format_attention and head_view's token checks)
+            assert all(len(t.shape) == 4 for t in layers)
+            stacked = torch.stack([t.squeeze(0) for t in layers])  # (layers, heads, q, k)
+            left = args["decoder_tokens"] if kind != "encoder" else args["encoder_tokens"]
+            right = args["encoder_tokens"] if kind != "decoder_self" else args["decoder_tokens"]
+            assert len(stacked[0][0]) == len(left) and len(stacked[0][0][0]) == len(right)
+
+
+def test_pictures_show_what_the_prose_says(full_dump):
+    attn, entry = A.load_sentence(full_dump, 0)
+    fig = A.grid_figure(attn["decoder_self"], entry["tgt_in_tokens"], entry["tgt_in_tokens"], "decoder_self")
+    axes = [ax for ax in fig.axes if ax.images]
+    assert len(axes) == 4  # 2 layers x 2 heads
+    T = len(entry["tgt_in_tokens"])
+    for ax in axes:
+        shown = ax.images[0].get_array()
+        np.testing.assert_array_equal(np.ma.getmaskarray(shown), np.triu(np.ones((T, T), bool), 1))
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == entry["tgt_in_tokens"]  # left column labelled
+    assert not axes[1].get_yticklabels()
+    fig = A.alignment_figure(attn["cross"][1], entry["src_tokens"], entry["tgt_out_tokens"], per_head=True)
+    panels = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title() for ax in panels] == ["mean over heads", "head 0", "head 1"]
+    np.testing.assert_allclose(panels[0].images[0].get_array(), attn["cross"][1][0].mean(0), rtol=1e-6)
+    np.testing.assert_array_equal(panels[2].images[0].get_array(), attn["cross"][1][0, 1])
+    assert [t.get_text() for t in panels[0].get_xticklabels()] == entry["src_tokens"]
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == entry["tgt_out_tokens"]
+    assert A.label_font_size(60, 3.0) < A.label_font_size(10, 3.0)  # more tokens, smaller labels
+    assert A._tex_safe("$5") == r"\$5"  # a '$' token does not start a formula
+
+
+# ---------------------------------------------------------------- tensorboard
+
+def test_tensorboard_alignment_image(tokenizer, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    model = tiny_model(tokenizer.vocab_size, dtype=torch.float32).train()
+    rng = torch.get_rng_state()
+    with SummaryWriter(log_dir=str(tmp_path)) as writer:
+        image = A.log_alignment_image(writer, model, tokenizer, SENTENCES[0], step=7)
+    assert model.training, "the model must be back in training mode"
+    assert torch.equal(rng, torch.get_rng_state()), "logging drew random numbers"
+    assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3 and image.std() > 10
+    events = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    events.Reload()
+    assert "attention/alignment" in events.Tags()["images"]
+    [logged] = events.Images("attention/alignment")
+    assert logged.step == 7 and (logged.height, logged.width) == image.shape[:2]
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_failed_dump_leaves_nothing(checkpoints, tmp_path, monkeypatch):
+    out = tmp_path / "attention"
+    A.dump(checkpoints[0], SENTENCES[:1], out, pictures=False, viewer=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("disk on fire")
+        return real(*args, **kwargs)
+
+    real = A.collect_attention
+    monkeypatch.setattr(A, "collect_attention", failing)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        A.dump(checkpoints[0], SENTENCES, out, pictures=False, viewer=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old dump, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attention"]  # no temporary directory left
+    monkeypatch.setattr(A, "collect_attention", real)
+    with pytest.raises(ValueError, match=r"sentence 2 is empty"):
+        A.dump(checkpoints[0], [SENTENCES[0], "   "], tmp_path / "new")
+    with pytest.raises(ValueError, match=r"sentence 1 has \d+ subwords, more than the model's max_len=20"):
+        A.dump(checkpoints[0], [" ".join(["Hund"] * 30)], tmp_path / "new")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="is not an attention dump"):
+        A.dump(checkpoints[0], SENTENCES[:1], tmp_path / "mine", pictures=False, viewer=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attention", "mine"]
+    with pytest.raises(CheckpointError, match="no such file"):
+        A.dump(tmp_path / "missing.pt", SENTENCES, tmp_path / "new")
+    with pytest.raises(ValueError, match="eval mode"):
+        A.collect_attention(tiny_model(50).train(), [5], [6])
+
+
+def run_cli(*args, cwd=ROOT):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "annotated.attention", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["missing", "incompatible", "empty", "too_long"])
+def test_cli_bad_input_exits_2_and_writes_nothing(case, checkpoints, tmp_path, capsys):
+    ckpt = checkpoints[0]
+    sentences = ["Ein Hund."]
+    if case == "missing":
+        ckpt = tmp_path / "nope.pt"
+    elif case == "incompatible":
+        ckpt = tmp_path / "other.pt"
+        torch.save({"format": "annotated-checkpoint-v1", "config": {"src_vocab": 10, "tgt_vocab": 10, "N": 1},
+                    "model": {"weight": torch.zeros(2)}, "tokenizer": None, "meta": {}}, ckpt)
+    elif case == "empty":
+        sentences = ["Ein Hund.", ""]
+    else:
+        sentences = ["Ein " + "sehr " * 40 + "großer Hund."]
+    out = tmp_path / "out"
+    code = A.main(["--checkpoint", str(ckpt), "--out", str(out), *sentences])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("attention: error: ")
+    assert "Traceback" not in err
+    want = {"missing": "no such file", "incompatible": "do not match its config", "empty": "sentence 2 is empty",
+            "too_long": "more than the model's max_len=20"}[case]
+    assert want in err
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name != "other.pt"] == []
+
+
+def test_cli_defaults_in_a_real_process(tokenizer, base_url, tmp_path):
+    """No --checkpoint: runs/latest/best.pt; no sentences: the first --n of test_2016_flickr (de)."""
+    from annotated.data import load_multi30k
+
+    run = tmp_path / "runs" / "run-1"
+    run.mkdir(parents=True)
+    model = tiny_model(tokenizer.vocab_size, max_len=40)  # room for the test sentences' 25 subwords
+    save_checkpoint(run / "best.pt", model, tokenizer, {"src_lang": "de", "tgt_lang": "en"})
+    (tmp_path / "runs" / "latest").symlink_to("run-1")
+    r = run_cli("--n", 2, "--no-pictures", "--data-url", base_url, "--cache-dir", tmp_path / "cache", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    index = A.read_index(run / "attention")
+    test = load_multi30k("test_2016_flickr", "de", "en", cache_dir=tmp_path / "cache", base_url=base_url)[:2]
+    assert [(s["source"], s["reference"]) for s in index["sentences"]] == test
+    assert (run / "attention" / "viewer.html").is_file() and "run-1/attention" in r.stdout
+
+
+def test_cli_without_any_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    assert A.main(["Ein Hund."]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attention: error: no checkpoint found") and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- the viewer in a browser
+
+class Chromium:
+    """Headless Chromium driven through the DevTools protocol over a pipe (stdlib only).
+
+    `--remote-debugging-pipe` makes Chromium read JSON commands from fd 3 and
+    write replies and events to fd 4, each message ending in a NUL byte.
+    """
+
+    FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--host-resolver-rules=MAP * ~NOTFOUND", "--remote-debugging-pipe"]
+
+    def __init__(self, binary: str, profile: Path):
+        to_child_r, self._to_child = os.pipe()
+        self._from_child, from_child_w = os.pipe()
+
+        def wire_fds():  # in the child: our pipe ends become its fds 3 and 4
+            a, b = os.dup(to_child_r), os.dup(from_child_w)
+            os.dup2(a, 3)
+            os.dup2(b, 4)
+
+        self.proc = subprocess.Popen([binary, *self.FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                                     preexec_fn=wire_fds, close_fds=False, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self._buf, self._id, self.events = b"", 0, []
+        target = self.send("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+
+    def _next_message(self, deadline: float) -> dict:
+        while b"\0" not in self._buf:
+            ready, _, _ = select.select([self._from_child], [], [], max(0.0, deadline - time.time()))
+            if not ready:
+                raise TimeoutError("Chromium did not answer in time")
+            chunk = os.read(self._from_child, 1 << 20)
+            if not chunk:
+                raise EOFError("Chromium closed the DevTools pipe")
+            self._buf += chunk
+        raw, self._buf = self._buf.split(b"\0", 1)
+        message = json.loads(raw)
+        if "method" in message:
+            self.events.append(message)
+        return message
+
+    def send(self, method: str, session: bool = False, timeout: float = 60, **params) -> dict:
+        self._id += 1
+        message = {"id": self._id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = self.session
+        os.write(self._to_child, json.dumps(message).encode() + b"\0")
+        deadline = time.time() + timeout
+        while True:
+            reply = self._next_message(deadline)
+            if reply.get("id") == self._id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply.get("result", {})
+
+    def page(self, method: str, **params) -> dict:
+        return self.send(method, session=True, **params)
+
+    def wait_event(self, method: str, timeout: float = 60) -> dict:
+        deadline = time.time() + timeout
+        seen = [e for e in self.events if e["method"] == method]
+        if seen:
+            self.events.remove(seen[0])
+            return seen[0]
+        while True:
+            message = self._next_message(deadline)
+            if message.get("method") == method:
+                self.events.remove(message)
+                return message
+
+    def js(self, expression: str):
+        result = self.page("Runtime.evaluate", expression=expression, returnByValue=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def wait_js(self, expression: str, timeout: float = 20):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.js(expression):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"never true: {expression}")
+
+    def requests(self) -> list[str]:
+        return [e["params"]["request"]["url"] for e in self.events if e["method"] == "Network.requestWillBeSent"]
+
+    def close(self):
+        try:
+            self.send("Browser.close", timeout=10)
+        except Exception:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self._to_child)
+        os.close(self._from_child)
+
+
+def png_pixels(data: bytes) -> np.ndarray:
+    import matplotlib.image
+
+    return matplotlib.image.imread(io.BytesIO(data), format="png")  # (H, W, 3 or 4) floats in [0, 1]
+
+
+def test_viewer_in_headless_chromium(full_dump, tmp_path):
+    binary = shutil.which("chromium")
+    if binary is None:
+        pytest.skip("no `chromium` on PATH (Debian's package; .ci/run installs it): the viewer is not opened")
+    page = full_dump / "viewer.html"
+    text = page.read_text(encoding="utf-8")
+    # statically: nothing in the page can fetch anything
+    for pattern in ("<link", "src=", "href=", "@import", "url(", "fetch(", "XMLHttpRequest", "WebSocket"):
+        assert pattern not in text, f"the viewer contains {pattern!r}"
+    index = A.read_index(full_dump)
+    browser = Chromium(binary, tmp_path / "profile")
+    try:
+        browser.page("Network.enable")
+        browser.page("Page.enable")
+        browser.page("Emulation.setDeviceMetricsOverride", width=1200, height=900, deviceScaleFactor=1, mobile=False)
+        browser.page("Page.navigate", url=page.as_uri())
+        browser.wait_event("Page.loadEventFired")
+        assert browser.js("document.body.dataset.rendered") == "0/encoder/0/0"
+
+        # every kind draws one cell per (query, key) and one token element per query and per key
+        for s, entry in enumerate(index["sentences"]):
+            for kind in A.KINDS:
+                rows, cols = (entry[name] for name in index["rows_cols"][kind])
+                state = f"{s}/{kind}/1/mean"
+                browser.js(f"location.hash = 's={s}&kind={kind}&layer=1&head=mean'")
+                browser.wait_js(f"document.body.dataset.rendered === '{state}'")
+                counts = browser.js("[document.querySelectorAll('td.cell').length, "
+                                    "document.querySelectorAll('td.blocked').length, "
+                                    "[...document.querySelectorAll('span.tok.q')].map(t => t.textContent), "
+                                    "[...document.querySelectorAll('span.tok.k')].map(t => t.textContent)]")
+                blocked = len(rows) * (len(rows) - 1) // 2 if kind == "decoder_self" else 0
+                assert counts == [len(rows) * len(cols), blocked, rows, cols], (s, kind)
+
+        # a real hover (mouse moved by the browser's input layer) shades the keys by the query's row
+        attn, entry = A.load_sentence(full_dump, 0)
+        browser.js("location.hash = 's=0&kind=cross&layer=1&head=0'")
+        browser.wait_js("document.body.dataset.rendered === '0/cross/1/0'")
+
+        def hover(selector: str):
+            x, y = browser.js(f"(() => {{ const e = document.querySelector('{selector}'); e.scrollIntoView(); "
+                              f"const r = e.getBoundingClientRect(); "
+                              f"return [r.x + r.width / 2, r.y + r.height / 2]; }})()")
+            browser.page("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+
+        q = 2
+        hover(f'span.tok.q[data-i="{q}"]')
+        shaded = browser.js("[...document.querySelectorAll('span.tok.k')].map(t => parseFloat(t.dataset.w))")
+        np.testing.assert_allclose(shaded, attn["cross"][1][0, 0, q], atol=1.1e-4)  # 4 decimals stored and shown
+        k = 1
+        hover(f'span.tok.k[data-i="{k}"]')
+        shaded = browser.js("[...document.querySelectorAll('span.tok.q')].map(t => parseFloat(t.dataset.w))")
+        np.testing.assert_allclose(shaded, attn["cross"][1][0, 0, :, k], atol=1.1e-4)
+        assert "is read by the queries" in browser.js("document.getElementById('status').textContent")
+
+        shot = png_pixels(base64.b64decode(browser.page("Page.captureScreenshot", format="png")["data"]))
+        assert shot.shape[:2] == (900, 1200)
+        not_white = (shot[..., :3] < 0.95).any(axis=-1).mean()
+        assert 0.02 < not_white < 0.95 and len(np.unique(shot[..., :3].reshape(-1, 3), axis=0)) > 20
+
+        # the only request the page caused is the page itself
+        assert browser.requests() == [page.as_uri()]
+        # and the check can fail: a page with an external image shows up in the log
+        control = tmp_path / "control.html"
+        control.write_text('<img src="http://example.invalid/x.png">')
+        browser.page("Page.navigate", url=control.as_uri())
+        browser.wait_event("Page.loadEventFired")
+        assert "http://example.invalid/x.png" in browser.requests()
+    finally:
+        browser.close()
