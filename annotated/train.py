@@ -286,7 +286,7 @@ def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.devi
 #
 # With several processes (`torchrun`), each rank trains on its own share of
 # every epoch's batches and DistributedDataParallel averages the gradients;
-# only rank 0 evaluates, logs and writes files.
+# only rank 0 evaluates, logs and writes files (next section).
 
 # %%
 class TrainingError(RuntimeError):
@@ -300,6 +300,7 @@ class RunState:
     step: int = 0                 # optimizer steps taken
     best_bleu: float = -1.0
     history: list = field(default_factory=list)
+    world_size: int = 1           # processes of the run (batch_in_epoch counts the batches of each one)
 
 
 def _rng_state() -> dict:
@@ -352,15 +353,140 @@ def average_checkpoints(paths: list[Path]) -> dict:
     return base
 
 
-def _distributed() -> tuple[int, int]:
-    """(rank, world size) from torchrun's environment; initialises the process group once."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
+# %% [markdown]
+# ## Several processes: DistributedDataParallel
+#
+# `torchrun --nproc_per_node=W train_wmt.py ...` starts `W` copies of this
+# program (one per GPU, or `W` CPU processes) and gives each its `RANK`,
+# `LOCAL_RANK` and `WORLD_SIZE`. They join one process group (NCCL between
+# GPUs, gloo between CPU processes; a process uses the GPU numbered by its
+# `LOCAL_RANK` on its machine) and train one model together:
+#
+# * **Same data.** Rank 0 reads the data and trains the tokenizer; the others
+#   receive both from it, so every rank batches the same examples with the
+#   same vocabulary (and no other machine needs the data). Every rank builds
+#   the epoch's batches from the same seed and keeps every `W`-th one
+#   (`data.make_batches`), which also gives every rank the same number of
+#   batches.
+# * **One step.** Each rank runs forward and backward on its own `accum`
+#   batches; DistributedDataParallel (DDP) averages the gradients over the
+#   ranks, and every rank applies the same Adam update to its identical copy
+#   of the parameters.
+# * **Normalisation.** A step's gradient is that of the summed loss of all
+#   its `W * accum` batches divided by the number `N` of target tokens they
+#   predict:
+#
+#   $$g = \frac{1}{N} \sum_{r=1}^{W} \sum_{b \in B_r} \nabla L_b, \qquad N = \sum_{r=1}^{W} \sum_{b \in B_r} n_b$$
+#
+#   where `B_r` are rank `r`'s batches of the step, `L_b` a batch's summed
+#   loss and `n_b` its token count. One all-reduce per epoch tells every rank
+#   each step's `N`; rank `r` backpropagates `(W / N) sum_b L_b`, and DDP's
+#   mean over the `W` ranks gives exactly `g`. So `W` processes take the step
+#   one process takes on the union of their batches, and one process with
+#   `accum = W` on the same batches computes the same gradient
+#   (`test_each_step_applies_the_gradient_of_the_union_of_the_two_shards`,
+#   `test_ddp_run_equals_single_process_with_accumulation`). Averaging the
+#   batches' own means instead would weigh a token of a short batch more than
+#   one of a long batch.
+# * **Effective batch and learning rate.** A step consumes
+#   `W * accum` batches of at most `max_tokens` tokens each, and the
+#   learning-rate schedule counts steps. Keep `W * accum` fixed and the recipe
+#   is unchanged: 4 GPUs with `accum = 1` train like 1 GPU with `accum = 4`,
+#   only faster. With `W` times larger steps and nothing else changed, an
+#   epoch has `W` times fewer steps, so the warm-up lasts `W` times more
+#   examples; nothing is rescaled automatically.
+# * **Rank 0 alone** logs, writes tensorboard, evaluates BLEU and writes the
+#   checkpoints, from the unwrapped model (no DDP `module.` prefix), so a
+#   checkpoint of a `W`-process run is an ordinary one: it loads, translates
+#   and resumes in a single process, and the other way round.
+# * **Agreement.** A collective operation waits until every rank has entered
+#   it, so a rank that leaves the loop alone leaves the others waiting
+#   forever. After each step one all-reduce sums the step's loss (for the
+#   log) and each rank's stop requests (Ctrl-C or SIGTERM, which torchrun
+#   forwards to all workers; the time limit), and all ranks stop at that step
+#   if any asks (`test_ctrl_c_on_one_rank_stops_all_ranks_at_one_step_and_saves`).
+#   At an epoch end the others wait in the same kind of all-reduce while
+#   rank 0 evaluates (the process group's timeout, 30 minutes, bounds that
+#   wait). After the last step all ranks leave the process group together,
+#   and rank 0 scores the test set alone. A rank that fails (an error on
+#   rank 0 is sent to the others, `test_failure_on_rank_0_stops_every_rank`)
+#   exits, and torchrun then ends the other workers.
+# * **Resume.** `last.pt` stores `batch_in_epoch` per rank and the world size.
+#   Resumed with another number of processes, the run keeps the number of
+#   batches done over all ranks, `batch_in_epoch * W_old // W_new`. When no
+#   batch had to be split for either world size (the epoch's length buckets
+#   are a multiple of both), the epoch's batch list is the same and this is
+#   exact; otherwise the other split and shuffle may repeat or skip a few
+#   examples of that one epoch. Rank 0's random state is restored on
+#   every rank (`test_distributed_checkpoint_resumes_in_one_process`,
+#   `test_single_process_checkpoint_resumes_under_torchrun_with_accumulation`).
+
+# %%
+def _distributed(dev: torch.device) -> tuple[int, int, torch.device, bool]:
+    """(rank, world size, this rank's device, whether we joined the group here) from torchrun's environment."""
     import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), world
+
+    if dist.is_available() and dist.is_initialized():  # a caller set it up (and will tear it down)
+        owned = False
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        owned = True
+    else:
+        return 0, 1, dev, False
+    if dev.type == "cuda":  # one GPU per process: the LOCAL_RANK-th of this machine
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"process LOCAL_RANK={local} needs GPU {local}, but this machine has "
+                             f"{torch.cuda.device_count()}: start at most that many processes per machine "
+                             f"(--nproc_per_node), or train on CPUs with --device cpu")
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    if owned:
+        from datetime import timedelta
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    return dist.get_rank(), dist.get_world_size(), dev, owned
+
+
+def _from_rank0(fn: Callable, rank: int, world: int):
+    """fn() run on rank 0 and sent to every rank; if it fails there, every rank stops with an error."""
+    if world == 1:
+        return fn()
+    import torch.distributed as dist
+
+    box = [None]
+    if rank == 0:
+        try:
+            box = [(True, fn())]
+        except Exception as e:
+            dist.broadcast_object_list([(False, f"{type(e).__name__}: {e}")], src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise TrainingError(f"rank {rank}: stopped because rank 0 failed: {value}")
+    return value
+
+
+def _sum_over_ranks(values: list[float], world: int, device: torch.device) -> list[float]:
+    """Element-wise sum over all ranks (float64: token counts stay exact); a synchronisation point."""
+    if world == 1 or not values:
+        return values
+    import torch.distributed as dist
+
+    total = torch.tensor(values, dtype=torch.float64, device=device)  # (len(values),)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+def step_tokens(batches, accum: int, world: int = 1, device: torch.device = torch.device("cpu")) -> list[int]:
+    """N of each optimizer step of an epoch: the target tokens of its `accum` batches, summed over all ranks.
+
+    >>> from annotated.data import collate
+    >>> batches = [collate([([5], [6] * n)], [0]) for n in (3, 1, 4)]  # n target ids + eos each
+    >>> step_tokens(batches, accum=2)
+    [6, 5]
+    """
+    local = [sum(b.ntokens for b in batches[i:i + accum]) for i in range(0, len(batches), accum)]
+    return [int(n) for n in _sum_over_ranks(local, world, device)]
 
 
 def _log_line(run_dir: Path, text: str) -> None:
@@ -406,25 +532,21 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
     """Train (or resume) a run in `run_dir`; returns the final results (also in results.json)."""
     from annotated import data
 
-    rank, world = _distributed()
+    rank, world, dev, owns_group = _distributed(pick_device(device))
     main = rank == 0
-    dev = pick_device(device)
-    if dev.type == "cuda" and world > 1:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(dev)
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     say = log or (lambda s: _log_line(run_dir, s))
-    if main:
+    if main:  # the other ranks never touch the run directory
+        run_dir.mkdir(parents=True, exist_ok=True)
         _point_latest(run_dir)
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    tokenizer, train_pairs, val_pairs, test_pairs = prepare_data(cfg, cache_dir, data_url,
-                                                                 train_files, val_files, test_files)
+    tokenizer, train_pairs, val_pairs, test_pairs = _from_rank0(  # the same data and vocabulary on every rank
+        lambda: prepare_data(cfg, cache_dir, data_url, train_files, val_files, test_files), rank, world)
     train_enc = data.encode_pairs(train_pairs, tokenizer)
     kept, too_long = data.split_long(train_enc, cfg.max_len)
     if too_long and main:
@@ -438,18 +560,28 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
     model = make_model(**cfg.model_config(tokenizer.vocab_size)).to(dev)
     opt, sched = make_optimizer(model, cfg)
     state = RunState()
-    if resume:
-        state = _resume(run_dir / "last.pt", cfg, model, opt, sched)
+    if resume:  # rank 0 reads last.pt and sends it to the others
+        state = _resume(run_dir / "last.pt", cfg, model, opt, sched, tokenizer,
+                        read=lambda path: _from_rank0(lambda: read_checkpoint(path), rank, world))
+        if state.world_size != world:  # keep the number of batches done over all ranks ("Several processes")
+            if main:
+                say(f"note: last.pt was written by {state.world_size} process(es), this run has {world}")
+            state.batch_in_epoch = state.batch_in_epoch * state.world_size // world
         if main:
             say(f"resumed {run_dir / 'last.pt'} at epoch {state.epoch}, batch {state.batch_in_epoch}, "
                 f"step {state.step}")
-    elif (run_dir / "last.pt").exists():
+    elif _from_rank0(lambda: (run_dir / "last.pt").exists(), rank, world):
         raise TrainingError(f"{run_dir} already holds a run (last.pt); pass --resume to continue it "
                             f"or choose another --run-dir")
-    model_for_step = model
-    if world > 1:
+    state.world_size = world
+    model_for_step, ddp = model, None
+    if world > 1:  # copies rank 0's parameters to every rank, then averages gradients in backward
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model_for_step = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        import inspect  # the one buffer, the positional table, is constant: no copy before each forward
+        no_buffer_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                          else "broadcast_buffers")  # newer torch's name for it, and the older one
+        ddp = model_for_step = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                   **{no_buffer_sync: False})
     if cfg.compile:
         model_for_step = torch.compile(model_for_step, dynamic=True)
 
@@ -464,12 +596,13 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
 
     meta = {"src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "train_config": dataclasses.asdict(cfg)}
     t_start = time.perf_counter()
-    out_of_time = False
+    out_of_time = stopping = False  # decisions agreed by all ranks (stop.requested is this rank's own)
     with _StopFlag() as stop:
-        while state.epoch < cfg.epochs and not stop.requested and not out_of_time:
+        while state.epoch < cfg.epochs and not stopping and not out_of_time:
             batches = data.make_batches(train_enc, cfg.max_tokens, shuffle=True, seed=cfg.seed + state.epoch,
                                         rank=rank, world_size=world)
-            epoch_loss, epoch_tokens, t_epoch = 0.0, 0, time.perf_counter()
+            tokens = step_tokens(batches, cfg.accum, world, dev)  # N of each step: its batches on all ranks
+            epoch_loss, epoch_tokens, step_loss, t_epoch = 0.0, 0, 0.0, time.perf_counter()
             bar = range(state.batch_in_epoch, len(batches))
             if progress and main:
                 from tqdm.auto import tqdm
@@ -479,39 +612,53 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
             for i in bar:
                 b = batches[i]
                 src, tgt = b.src.to(dev, non_blocking=True), b.tgt.to(dev, non_blocking=True)
-                with autocast_for(dev):
+                last = (i + 1) % cfg.accum == 0 or i + 1 == len(batches)  # this batch completes a step
+                # DDP averages the gradients in the backward pass of a step's last batch only
+                no_sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
+                with no_sync, autocast_for(dev):
                     loss, n = batch_loss(model_for_step, src, tgt, cfg.label_smoothing)
                 if not math.isfinite(loss.item()):
                     raise TrainingError(f"the loss became {loss.item()} at step {state.step + 1} (epoch "
                                         f"{state.epoch + 1}, batch {i}); stopped, the last good checkpoint "
                                         f"{run_dir / 'last.pt'} is kept")
-                (loss / max(n, 1) / cfg.accum).backward()
-                epoch_loss, epoch_tokens = epoch_loss + loss.item(), epoch_tokens + n
+                # (W / N) sum_b L_b on this rank; DDP's mean over the W ranks makes it sum_b L_b / N over all
+                (loss / max(tokens[i // cfg.accum], 1) * world).backward()
+                step_loss += loss.item()
                 state.batch_in_epoch = i + 1
-                if (i + 1) % cfg.accum == 0 or i + 1 == len(batches):
+                if last:
                     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm or float("inf"))
+                    if not math.isfinite(float(gnorm)):  # a finite loss can still have an inf/NaN gradient
+                        raise TrainingError(f"the gradient norm became {float(gnorm)} at step {state.step + 1} "
+                                            f"(epoch {state.epoch + 1}, batch {i}); stopped before the update, "
+                                            f"the last good checkpoint {run_dir / 'last.pt'} is kept")
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     sched.step()
                     state.step += 1
-                    if main:
-                        lr = sched.get_last_lr()[0]
-                        tok_s = epoch_tokens * world / max(time.perf_counter() - t_epoch, 1e-9)
-                        writer.add_scalar("train/loss", loss.item() / max(n, 1), state.step)
-                        writer.add_scalar("train/lr", lr, state.step)
-                        writer.add_scalar("train/grad_norm", float(gnorm), state.step)
-                        writer.add_scalar("train/tokens_per_s", tok_s, state.step)
-                        if progress and hasattr(bar, "set_postfix"):
-                            bar.set_postfix(loss=f"{loss.item() / max(n, 1):.3f}", tok_s=f"{tok_s:,.0f}",
-                                            lr=f"{lr:.2e}")
-                    if main:
-                        with open(run_dir / "train_loss.tsv", "a") as f:  # every step's loss, for plots and tests
-                            f.write(f"{state.step}\t{loss.item() / max(n, 1):.8f}\n")
                     if cfg.max_minutes is not None and time.perf_counter() - t_start > 60 * cfg.max_minutes:
                         out_of_time = True
                     if cfg.max_steps is not None and state.step >= cfg.max_steps:
                         out_of_time = True
-                    if stop.requested or out_of_time:
+                    # one all-reduce: the step's loss over all ranks, and whether any rank asks to stop
+                    step_loss, asked, late = _sum_over_ranks([step_loss, stop.requested, out_of_time], world, dev)
+                    stopping, out_of_time = asked > 0, late > 0
+                    n_step = tokens[i // cfg.accum]
+                    epoch_loss, epoch_tokens = epoch_loss + step_loss, epoch_tokens + n_step
+                    step_mean, step_loss = step_loss / max(n_step, 1), 0.0  # loss per token of this step
+                    if main:
+                        lr = sched.get_last_lr()[0]
+                        tok_s = epoch_tokens / max(time.perf_counter() - t_epoch, 1e-9)
+                        writer.add_scalar("train/loss", step_mean, state.step)
+                        writer.add_scalar("train/lr", lr, state.step)
+                        writer.add_scalar("train/grad_norm", float(gnorm), state.step)
+                        writer.add_scalar("train/tokens_per_s", tok_s, state.step)
+                        if progress and hasattr(bar, "set_postfix"):
+                            bar.set_postfix(loss=f"{step_mean:.3f}", tok_s=f"{tok_s:,.0f}",
+                                            lr=f"{lr:.2e}")
+                    if main:
+                        with open(run_dir / "train_loss.tsv", "a") as f:  # every step's loss, for plots and tests
+                            f.write(f"{state.step}\t{step_mean:.8f}\n")
+                    if stopping or out_of_time:
                         break
             if hasattr(bar, "close"):
                 bar.close()
@@ -522,14 +669,19 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
             if main:
                 _end_of_epoch(cfg, state, model, tokenizer, val_batches, val_pairs, dev, writer, run_dir, meta,
                               opt, sched, epoch_loss / max(epoch_tokens, 1), epoch_done, say)
-            if stop.requested:
+            # the other ranks wait here while rank 0 evaluates; a Ctrl-C meanwhile stops all of them
+            stopping = _sum_over_ranks([stopping or stop.requested], world, dev)[0] > 0
+            if stopping:
                 if main:
                     say(f"interrupted: saved {run_dir / 'last.pt'} at epoch {state.epoch}, batch "
                         f"{state.batch_in_epoch}; continue with --resume --run-dir {run_dir}")
                 break
     if writer is not None:
         writer.close()
-    if stop.requested:
+    if owns_group:  # all ranks left the loop at the same agreed point; rank 0 goes on alone
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    if stopping:
         return {"interrupted": True, "run_dir": str(run_dir)}
     if not main:
         return {}
@@ -550,6 +702,9 @@ def _end_of_epoch(cfg, state, model, tokenizer, val_batches, val_pairs, dev, wri
     val_loss = evaluate_loss(model, val_batches, cfg.label_smoothing, dev)
     subset = val_pairs[:cfg.val_bleu_sentences] if cfg.val_bleu_sentences else val_pairs
     val, _ = evaluate_bleu(model, tokenizer, subset, beam_size=1, length_penalty=0.0, device=dev)
+    from annotated.attention import log_alignment_image  # the first val sentence's alignment, in tensorboard
+    with contextlib.suppress(ValueError):  # (an empty or over-long first sentence: no picture)
+        log_alignment_image(writer, model, tokenizer, val_pairs[0][0], state.step)
     _set_rng_state(rng)
     model.train()
     record = {"epoch": state.epoch, "step": state.step, "train_loss": round(train_loss, 4),
@@ -575,8 +730,9 @@ def _end_of_epoch(cfg, state, model, tokenizer, val_batches, val_pairs, dev, wri
         f"{'  *best*' if improved else ''}")
 
 
-def _resume(path: Path, cfg: TrainConfig, model, opt, sched) -> RunState:
-    state = read_checkpoint(path)
+def _resume(path: Path, cfg: TrainConfig, model, opt, sched, tokenizer=None,
+            read=read_checkpoint) -> RunState:
+    state = read(path)
     if "run_state" not in state:
         raise CheckpointError(f"checkpoint {path} has no training state; it cannot be resumed")
     saved = state.get("meta", {}).get("train_config", {})
@@ -586,6 +742,10 @@ def _resume(path: Path, cfg: TrainConfig, model, opt, sched) -> RunState:
     if diff:
         raise CheckpointError(f"checkpoint {path} was trained with different settings; cannot resume: " +
                               ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items()))
+    if tokenizer is not None and state.get("tokenizer") not in (None, tokenizer.to_bytes()):
+        raise CheckpointError(f"checkpoint {path} was trained with another tokenizer than the one built from "
+                              f"the training data now (the data or the sentencepiece version changed); "
+                              f"cannot resume")
     loaded = model_from_state(state, path)
     model.load_state_dict(loaded.state_dict())
     opt.load_state_dict(state["optimizer"])

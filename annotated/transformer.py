@@ -277,6 +277,11 @@ class _Attention(nn.Module):
         if x_kv is not None and x_kv.size(0) != x_q.size(0):
             raise ValueError(f"batch sizes differ: query input {tuple(x_q.shape)}, "
                              f"key/value input {tuple(x_kv.shape)}")
+        dtype = next(self.parameters()).dtype
+        for name, x in (("query input", x_q), ("key/value input", x_kv)):
+            if x is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+                raise ValueError(f"{name} has dtype {x.dtype} but the weights have {dtype}; "
+                                 f"convert one to the other")
 
     def forward(self, x_q: Tensor, x_kv: Optional[Tensor] = None, mask: Optional[Tensor] = None, *,
                 kv=None, return_attention: bool = False) -> tuple[Tensor, Optional[Tensor]]:
@@ -293,7 +298,8 @@ class _Attention(nn.Module):
                 raise ValueError("give the key/value input x_kv (or precomputed kv)")
             kv = self.keys_values(x_kv)
         if mask is not None:
-            T_k = kv[0][0].size(-2)  # keys: h x (B, T_k, d_k) or (B, h, T_k, d_k)
+            keys = kv[0]  # h x (B, T_k, d_k) or (B, h, T_k, d_k)
+            T_k = (keys if isinstance(keys, Tensor) else keys[0]).size(-2)
             _check_mask(mask, (x_q.size(0), x_q.size(1), T_k))  # the same mask for every head
         return self._attend(x_q, kv, mask, return_attention)
 
@@ -411,7 +417,7 @@ class FusedAttention(_Attention):
         B, T_q, _ = x_q.shape
         Q = self._heads(x_q, self.W_Q, getattr(self, "b_Q", None), self.d_k)  # (B, h, T_q, d_k)
         if mask is not None:
-            mask = mask.unsqueeze(-3)  # (B, 1, T_q, T_k) the same mask for every head
+            mask = mask.expand(B, T_q, K.size(-2)).unsqueeze(1)  # (B, 1, T_q, T_k) the same mask for every head
         heads, p = attention(Q, K, V, mask, dropout_p=self.dropout if self.training else 0.0,
                              return_attention=return_attention)  # (B, h, T_q, d_v)
         concat = heads.transpose(1, 2).reshape(B, T_q, self.h * self.d_v)  # (B, T_q, h*d_v)
@@ -419,7 +425,7 @@ class FusedAttention(_Attention):
         out = concat @ self.W_O  # (B, T_q, d_model)
         if self.bias:
             out = out + self.b_O  # (B, T_q, d_model)
-        return out, p  # p: (B, h, T_q, T_k) or None
+        return out, (p if return_attention else None)  # p: (B, h, T_q, T_k)
 
 
 # %% [markdown]
@@ -521,6 +527,9 @@ class Embeddings(nn.Module):
         self.d_model = d_model
 
     def forward(self, tokens: Tensor) -> Tensor:
+        if tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() != 2:
+            raise ValueError(f"token ids must be an int64 or int32 tensor of shape (B, T), got {tokens.dtype} "
+                             f"{tuple(tokens.shape)}")
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.weight.size(0)):
             raise ValueError(f"token ids must lie in [0, {self.weight.size(0)}), got "
                              f"min {int(tokens.min())}, max {int(tokens.max())}")
@@ -552,6 +561,8 @@ class PositionalEncoding(nn.Module):
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
         """Add PE for positions start, start+1, ... to x (B, T, d_model)."""
         T, max_len = x.size(1), self.pe.size(0)
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
         if start + T > max_len:
             raise ValueError(f"sequence of length {start + T} exceeds the model's max_len={max_len}")
         return self.dropout(x + self.pe[start:start + T].to(x.dtype))  # (B, T, d_model)
