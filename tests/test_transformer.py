@@ -139,7 +139,7 @@ def test_fused_view_picks_out_column_block_i():
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     Q = fu._heads(x, fu.W_Q, fu.b_Q, fu.d_k)  # (B, h, T, d_k)
     for i in range(4):
-        assert torch.equal(Q[:, i], (x @ fu.W_Q + fu.b_Q)[..., 3 * i:3 * (i + 1)])
+        assert torch.equal(Q[:, i], T.affine(x, fu.W_Q, fu.b_Q)[..., 3 * i:3 * (i + 1)])  # exactly block i
         assert torch.allclose(Q[:, i], x @ ph.W_Q[i] + ph.b_Q[i], atol=1e-12, rtol=0)
 
 
@@ -330,3 +330,25 @@ def test_copy_task_learns_to_copy(attention):
     acc = T.copy_accuracy(model)
     print(f"copy task, {attention}: {acc:.1%}")
     assert acc >= 0.99
+
+
+@pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
+def test_key_bias_does_not_change_attention(cls):
+    torch.manual_seed(0)
+    att = cls(12, 3).double()
+    random_biases(att, torch.Generator().manual_seed(0))
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    mask = subsequent_mask(5)
+    out, p = att(x, x, mask, return_attention=True)
+    with torch.no_grad():
+        for name, b in att.named_parameters():
+            if "b_K" in name:
+                b.add_(torch.randn_like(b) * 10)
+    out2, p2 = att(x, x, mask, return_attention=True)
+    assert (out - out2).abs().max() <= 1e-12 and (p - p2).abs().max() <= 1e-12
+    out2.sum().backward()
+    for name, b in att.named_parameters():
+        if "b_K" in name:
+            assert b.grad.abs().max() <= 1e-12  # zero up to rounding
+        elif "W_Q" in name:
+            assert b.grad.abs().max() > 1e-3   # a parameter that does matter

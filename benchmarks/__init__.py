@@ -1,0 +1,1 @@
+"""Benchmarks of the annotated Transformer (`make bench`, see benchmarks/bench.py)."""
