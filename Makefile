@@ -17,12 +17,17 @@ endif
 
 help:
 	@echo "make test         create .venv, install, run the whole test suite"
-	@echo "make copy         train the copy task with both attention forms (CPU, ~1 min)"
+	@echo "make copy         train the copy task with both attention forms (CPU, 1.5-3 min)"
 	@echo "make train        train de->en on Multi30k (preset gpu with CUDA, else cpu; PRESET=smoke|cpu|gpu,"
 	@echo "                  NPROC=2 for torchrun, ARGS='--src en --tgt de' for more)"
 	@echo "make equivalence  prove per-head and fused attention are one function: sympy identities,"
 	@echo "                  generated cases, nn.MultiheadAttention, whole models (CPU, ~1 min;"
 	@echo "                  CHECKPOINT=path.pt also checks a trained checkpoint)"
+	@echo "make translate    TEXT='Ein Hund rennt.' [CHECKPOINT=...]; no TEXT: one sentence a line on stdin"
+	@echo "make attention    dump, draw and browse the attention of the latest run [CHECKPOINT=...]"
+	@echo "make docs         the annotated source as a page: docs/_build/index.html (offline)"
+	@echo "make notebook     annotated/transformer.py as docs/_build/transformer.ipynb"
+	@echo "make bench        speed and memory against torch.nn.Transformer [ARGS='--sizes cpu --quick']"
 	@echo "PYTHON=python3    use an existing interpreter instead of .venv"
 
 $(VENV)/.installed: requirements.txt
