@@ -17,7 +17,7 @@ endif
 
 help:
 	@echo "make test         create .venv, install, run the whole test suite"
-	@echo "make copy         train the copy task with both attention forms (CPU, 1.5-3 min)"
+	@echo "make copy         train the copy task with both attention forms (CPU, about 1.5 min)"
 	@echo "make train        train de->en on Multi30k (preset gpu with CUDA, else cpu; PRESET=smoke|cpu|gpu,"
 	@echo "                  NPROC=2 for torchrun, ARGS='--src en --tgt de' for more)"
 	@echo "make equivalence  prove per-head and fused attention are one function: sympy identities,"

@@ -904,8 +904,9 @@ def greedy_decode(model: EncoderDecoder, src: Tensor, src_mask: Optional[Tensor]
 # prints exact-match accuracy on fresh sequences.
 #
 # The defaults (N = 2, d_model = 64, h = 4, 800 steps of 128 sequences, peak
-# learning rate 0.3 x the formula's) take 45-95 s per form on one core of our
-# 2-core machine, depending on what else runs there. With seed 0 both forms copy 99.8% of 1000 fresh sequences exactly
+# learning rate 0.3 x the formula's) take 43 s (fused) and 53 s (per-head) on
+# one core of our idle 2-core machine, up to 95 s when other jobs share it.
+# With seed 0 both forms copy 99.8% of 1000 fresh sequences exactly
 # (`test_copy_task_learns_to_copy` asserts >= 99%). The seed matters at this
 # budget: in our runs seed 1 reached 96.5% (fused) and 97.5% (per-head) after
 # 800 steps, and seeds 1 and 3 reached 100% (fused) after 1500 steps.
