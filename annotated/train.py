@@ -21,19 +21,17 @@ import math
 import os
 import random
 import signal
-import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from annotated.checkpoint import (CheckpointError, atomic_torch_save, model_from_state, read_checkpoint,
                                   save_checkpoint)
-from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, make_model, padding_mask, rate, target_mask
+from annotated.transformer import EOS, PAD, EncoderDecoder, make_model, padding_mask, rate, target_mask
 
 # %% [markdown]
 # ## Presets

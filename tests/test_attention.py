@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import os
-import select
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +20,7 @@ import pytest
 import torch
 
 from annotated import attention as A
+from browser import Chromium
 from annotated.checkpoint import CheckpointError, save_checkpoint
 from annotated.transformer import BOS, PAD, convert_model, make_model, padding_mask
 
@@ -339,110 +337,6 @@ def test_cli_without_any_run(tmp_path, monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------- the viewer in a browser
-
-class Chromium:
-    """Headless Chromium driven through the DevTools protocol over a pipe (stdlib only).
-
-    `--remote-debugging-pipe` makes Chromium read JSON commands from fd 3 and
-    write replies and events to fd 4, each message ending in a NUL byte.
-    """
-
-    FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--host-resolver-rules=MAP * ~NOTFOUND", "--remote-debugging-pipe"]
-
-    def __init__(self, binary: str, profile: Path):
-        to_child_r, self._to_child = os.pipe()
-        self._from_child, from_child_w = os.pipe()
-
-        def wire_fds():  # in the child: our pipe ends become its fds 3 and 4
-            a, b = os.dup(to_child_r), os.dup(from_child_w)
-            os.dup2(a, 3)
-            os.dup2(b, 4)
-
-        self.proc = subprocess.Popen([binary, *self.FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                                     preexec_fn=wire_fds, close_fds=False, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        os.close(to_child_r)
-        os.close(from_child_w)
-        self._buf, self._id, self.events = b"", 0, []
-        target = self.send("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-
-    def _next_message(self, deadline: float) -> dict:
-        while b"\0" not in self._buf:
-            ready, _, _ = select.select([self._from_child], [], [], max(0.0, deadline - time.time()))
-            if not ready:
-                raise TimeoutError("Chromium did not answer in time")
-            chunk = os.read(self._from_child, 1 << 20)
-            if not chunk:
-                raise EOFError("Chromium closed the DevTools pipe")
-            self._buf += chunk
-        raw, self._buf = self._buf.split(b"\0", 1)
-        message = json.loads(raw)
-        if "method" in message:
-            self.events.append(message)
-        return message
-
-    def send(self, method: str, session: bool = False, timeout: float = 60, **params) -> dict:
-        self._id += 1
-        message = {"id": self._id, "method": method, "params": params}
-        if session:
-            message["sessionId"] = self.session
-        os.write(self._to_child, json.dumps(message).encode() + b"\0")
-        deadline = time.time() + timeout
-        while True:
-            reply = self._next_message(deadline)
-            if reply.get("id") == self._id:
-                if "error" in reply:
-                    raise RuntimeError(f"{method}: {reply['error']}")
-                return reply.get("result", {})
-
-    def page(self, method: str, **params) -> dict:
-        return self.send(method, session=True, **params)
-
-    def wait_event(self, method: str, timeout: float = 60) -> dict:
-        deadline = time.time() + timeout
-        seen = [e for e in self.events if e["method"] == method]
-        if seen:
-            self.events.remove(seen[0])
-            return seen[0]
-        while True:
-            message = self._next_message(deadline)
-            if message.get("method") == method:
-                self.events.remove(message)
-                return message
-
-    def js(self, expression: str):
-        result = self.page("Runtime.evaluate", expression=expression, returnByValue=True)
-        if "exceptionDetails" in result:
-            raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
-        return result["result"].get("value")
-
-    def wait_js(self, expression: str, timeout: float = 20):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.js(expression):
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"never true: {expression}")
-
-    def requests(self) -> list[str]:
-        return [e["params"]["request"]["url"] for e in self.events if e["method"] == "Network.requestWillBeSent"]
-
-    def close(self):
-        try:
-            self.send("Browser.close", timeout=10)
-        except Exception:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        os.close(self._to_child)
-        os.close(self._from_child)
-
 
 def png_pixels(data: bytes) -> np.ndarray:
     import matplotlib.image

@@ -48,19 +48,6 @@ def test_step_tokens_counts_each_step_of_the_epoch():
 
 # --- whole runs: torchrun with 2 processes against one process ----------------
 
-@pytest.fixture(scope="module")
-def data_url():
-    url = os.environ.get("MULTI30K_URL") or (REPO.parent / "shared" / "data" / "multi30k").as_uri() + "/"
-    if url.startswith("file://") and not Path(url[len("file://"):]).is_dir():
-        pytest.skip(f"no Multi30k files at {url}; set MULTI30K_URL")
-    return url
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
 def _descendants(pid: int) -> list[int]:
     """Every process below pid (read from Linux's /proc; none found elsewhere)."""
     children: dict[int, list[int]] = {}

@@ -14,9 +14,7 @@ import io
 import json
 import os
 import re
-import select
 import shutil
-import subprocess
 import sys
 import time
 import types
@@ -27,12 +25,12 @@ import pytest
 import torch
 
 from annotated import transformer as T
+from browser import CHROMIUM, Chromium
 from docs import build as B
 from docs import figures as F
 
 ROOT = Path(__file__).resolve().parent.parent
 COPY_STEPS = 20  # the page's attention picture needs a model, not a good one
-CHROMIUM = shutil.which("chromium")
 
 
 @pytest.fixture(scope="module")
@@ -214,81 +212,6 @@ def test_unusable_checkpoint_falls_back_only_when_found_automatically(tmp_path):
 
 # ---------------------------------------------------------------- the browser
 
-class DevTools:
-    """Headless Chromium driven over --remote-debugging-pipe: JSON messages ending in NUL on fds 3 and 4."""
-
-    def __init__(self, binary: str, profile: Path, log: Path):
-        cmd_r, self.cmd_w = os.pipe()   # we write commands; Chromium reads them on its fd 3
-        self.res_r, res_w = os.pipe()   # Chromium writes replies and events on its fd 4
-
-        def onto_3_and_4():
-            a, b = os.dup(cmd_r), os.dup(res_w)
-            os.dup2(a, 3)
-            os.dup2(b, 4)
-
-        args = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
-                f"--user-data-dir={profile}", "--no-first-run", "--no-default-browser-check",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-quic", "--disable-extensions", "--disable-dev-shm-usage",
-                "--host-resolver-rules=MAP * ~NOTFOUND", "about:blank"]
-        with open(log, "wb") as err:
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                         preexec_fn=onto_3_and_4, close_fds=False)
-        os.close(cmd_r)
-        os.close(res_w)
-        self.buffer, self.events, self.next_id = b"", [], 0
-
-    def _read(self, deadline: float) -> dict:
-        while b"\0" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.res_r], [], [], left)[0]:
-                raise TimeoutError("no answer from Chromium")
-            chunk = os.read(self.res_r, 1 << 20)
-            if not chunk:
-                raise RuntimeError(f"Chromium closed the pipe (exit code {self.proc.poll()})")
-            self.buffer += chunk
-        message, self.buffer = self.buffer.split(b"\0", 1)
-        return json.loads(message)
-
-    def send(self, method: str, params: dict = None, session: str = None, timeout: float = 30) -> dict:
-        self.next_id += 1
-        message = {"id": self.next_id, "method": method, "params": params or {}}
-        if session:
-            message["sessionId"] = session
-        data = json.dumps(message).encode() + b"\0"
-        while data:
-            data = data[os.write(self.cmd_w, data):]
-        deadline = time.monotonic() + timeout
-        while True:
-            reply = self._read(deadline)
-            if reply.get("id") == self.next_id:
-                if "error" in reply:
-                    raise RuntimeError(f"{method}: {reply['error']}")
-                return reply["result"]
-            self.events.append(reply)
-
-    def wait_for(self, method: str, timeout: float = 30) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            for event in self.events:
-                if event.get("method") == method:
-                    return event
-            self.events.append(self._read(deadline))
-
-    def close(self):
-        try:
-            self.send("Browser.close", timeout=5)
-        except Exception:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        os.close(self.cmd_w)
-        os.close(self.res_r)
-
-
 PAGE_REPORT = """(async () => {
   const images = [...document.images];
   await Promise.all(images.map(i => i.complete ? null : new Promise(r => { i.onload = i.onerror = r; })));
@@ -314,28 +237,23 @@ PAGE_REPORT = """(async () => {
 
 def browse(index: Path, tmp: Path, width: int = 1000, height: int = 1300, scroll_to: str = None):
     """Open the page; returns (report from PAGE_REPORT, request URLs, failed loads, log entries, PNG bytes)."""
-    browser = DevTools(CHROMIUM, tmp / "profile", tmp / "chromium.log")
+    browser = Chromium(CHROMIUM, tmp / "profile", tmp / "chromium.log")
     try:
-        target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Network", "Page", "Runtime", "Log"):
-            browser.send(f"{domain}.enable", session=session)
-        browser.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
-                                                           "deviceScaleFactor": 1, "mobile": False}, session)
-        browser.send("Page.navigate", {"url": index.resolve().as_uri()}, session)
-        browser.wait_for("Page.loadEventFired")
-        report = browser.send("Runtime.evaluate", {"expression": PAGE_REPORT, "awaitPromise": True,
-                                                   "returnByValue": True}, session)["result"]["value"]
+            browser.page(f"{domain}.enable")
+        browser.page("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
+                     mobile=False)
+        browser.page("Page.navigate", url=index.resolve().as_uri())
+        browser.wait_event("Page.loadEventFired")
+        report = browser.page("Runtime.evaluate", expression=PAGE_REPORT, awaitPromise=True,
+                              returnByValue=True)["result"]["value"]
         if scroll_to:
-            browser.send("Runtime.evaluate", {"expression": f"document.getElementById({scroll_to!r})"
-                                                            ".scrollIntoView()"}, session)
+            browser.js(f"document.getElementById({scroll_to!r}).scrollIntoView()")
             time.sleep(0.3)
-        png = base64.b64decode(browser.send("Page.captureScreenshot", {"format": "png"}, session)["data"])
-        requests = [e["params"]["request"]["url"] for e in browser.events
-                    if e.get("method") == "Network.requestWillBeSent"]
+        png = base64.b64decode(browser.page("Page.captureScreenshot", format="png")["data"])
         failed = [e["params"] for e in browser.events if e.get("method") == "Network.loadingFailed"]
         log = [e["params"]["entry"] for e in browser.events if e.get("method") == "Log.entryAdded"]
-        return report, requests, failed, log, png
+        return report, browser.requests(), failed, log, png
     finally:
         browser.close()
 

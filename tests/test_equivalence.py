@@ -19,7 +19,7 @@ from annotated.equivalence import (
     Case, MhaCase, compare_forms, compare_with_torch_mha, copy_attention, fused_parameters, from_torch_mha,
     mha_fastpath, to_torch_mha, torch_mha_masks,
 )
-from annotated.transformer import FusedAttention, PerHeadAttention, fuse, make_model, split
+from annotated.transformer import FusedAttention, PerHeadAttention, make_model, split
 
 CORNER_CASES = ["h = 1", "h = d_model", "h*d_k != d_model", "d_k != d_v", "T_q = 1", "T_k = 1", "self-attention",
                 "cross-attention", "padding mask", "causal mask", "padding + causal", "a query with no visible key",

@@ -52,19 +52,6 @@ ROOT = Path(__file__).resolve().parents[1]
 GUARD = 240  # seconds: a guard against a hung child process, never a timing assertion
 
 
-@pytest.fixture(scope="module")
-def data_url():
-    url = os.environ.get("MULTI30K_URL") or (ROOT.parent / "shared" / "data" / "multi30k").as_uri() + "/"
-    if url.startswith("file://") and not Path(url[len("file://"):]).is_dir():
-        pytest.skip(f"no Multi30k files at {url}; set MULTI30K_URL")
-    return url
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
 def quiet(data_url, cache):
     return dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
 

@@ -2,7 +2,6 @@
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -59,19 +58,6 @@ def test_presets_are_valid_and_bad_settings_are_named():
 # --- whole runs (smoke preset, real Multi30k files) ---------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def data_url():
-    url = os.environ.get("MULTI30K_URL") or (REPO.parent / "shared" / "data" / "multi30k").as_uri() + "/"
-    if url.startswith("file://") and not Path(url[len("file://"):]).is_dir():
-        pytest.skip(f"no Multi30k files at {url}; set MULTI30K_URL")
-    return url
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
 
 
 def losses(run_dir: Path) -> list[tuple[int, str]]:
