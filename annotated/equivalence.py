@@ -97,7 +97,7 @@ from tqdm import tqdm
 import annotated.transformer as T
 from annotated.transformer import (
     BOS, EOS, PAD, FusedAttention, PerHeadAttention, convert_model, fuse, greedy_decode, padding_mask,
-    split, target_mask,
+    split, subsequent_mask, target_mask,  # subsequent_mask: used by the doctests
 )
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
