@@ -279,8 +279,10 @@ def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.devi
 #
 # All of them are written atomically (see `annotated/checkpoint.py`). Ctrl-C
 # finishes the current step, writes `last.pt` and stops; `--resume` continues
-# from there. A loss that becomes NaN or infinite stops the run without
-# overwriting the last good checkpoint.
+# from there. A loss that becomes NaN or infinite stops the run at the end of
+# that step, before the update and without overwriting the last good
+# checkpoint; with several processes every rank learns of it in the step's
+# all-reduce and all of them stop there together.
 #
 # With several processes (`torchrun`), each rank trains on its own share of
 # every epoch's batches and DistributedDataParallel averages the gradients;
@@ -601,6 +603,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
                                         rank=rank, world_size=world)
             tokens = step_tokens(batches, cfg.accum, world, dev)  # N of each step: its batches on all ranks
             epoch_loss, epoch_tokens, step_loss, t_epoch = 0.0, 0, 0.0, time.perf_counter()
+            bad_loss = None  # (value, batch) of this rank's first non-finite loss
             bar = range(state.batch_in_epoch, len(batches))
             if progress and main:
                 from tqdm.auto import tqdm
@@ -615,15 +618,25 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
                 no_sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
                 with no_sync, autocast_for(dev):
                     loss, n = batch_loss(model_for_step, src, tgt, cfg.label_smoothing)
-                if not math.isfinite(loss.item()):
-                    raise TrainingError(f"the loss became {loss.item()} at step {state.step + 1} (epoch "
-                                        f"{state.epoch + 1}, batch {i}); stopped, the last good checkpoint "
-                                        f"{run_dir / 'last.pt'} is kept")
+                if bad_loss is None and not math.isfinite(loss.item()):  # stop at this step's end, all ranks
+                    bad_loss = (loss.item(), i)
                 # (W / N) sum_b L_b on this rank; DDP's mean over the W ranks makes it sum_b L_b / N over all
                 (loss / max(tokens[i // cfg.accum], 1) * world).backward()
                 step_loss += loss.item()
                 state.batch_in_epoch = i + 1
                 if last:
+                    if cfg.max_minutes is not None and time.perf_counter() - t_start > 60 * cfg.max_minutes:
+                        out_of_time = True
+                    if cfg.max_steps is not None and state.step + 1 >= cfg.max_steps:
+                        out_of_time = True
+                    # one all-reduce before the update: the step's loss over all ranks, whether any rank asks
+                    # to stop or is out of time, and which ranks saw a non-finite loss (they all stop together)
+                    step_loss, asked, late, *bad_on = _sum_over_ranks(
+                        [step_loss, stop.requested, out_of_time, *(float(r == rank and bad_loss is not None)
+                                                                     for r in range(world))], world, dev)
+                    stopping, out_of_time = asked > 0, late > 0
+                    if any(bad_on):
+                        raise TrainingError(_non_finite_loss_message(bad_loss, bad_on, rank, state, run_dir))
                     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm or float("inf"))
                     if not math.isfinite(float(gnorm)):  # a finite loss can still have an inf/NaN gradient
                         raise TrainingError(f"the gradient norm became {float(gnorm)} at step {state.step + 1} "
@@ -633,13 +646,6 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
                     opt.zero_grad(set_to_none=True)
                     sched.step()
                     state.step += 1
-                    if cfg.max_minutes is not None and time.perf_counter() - t_start > 60 * cfg.max_minutes:
-                        out_of_time = True
-                    if cfg.max_steps is not None and state.step >= cfg.max_steps:
-                        out_of_time = True
-                    # one all-reduce: the step's loss over all ranks, and whether any rank asks to stop
-                    step_loss, asked, late = _sum_over_ranks([step_loss, stop.requested, out_of_time], world, dev)
-                    stopping, out_of_time = asked > 0, late > 0
                     n_step = tokens[i // cfg.accum]
                     epoch_loss, epoch_tokens = epoch_loss + step_loss, epoch_tokens + n_step
                     step_mean, step_loss = step_loss / max(n_step, 1), 0.0  # loss per token of this step
@@ -684,6 +690,20 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
     if not main:
         return {}
     return finish(cfg, run_dir, tokenizer, test_pairs, dev, say, progress)
+
+
+def _non_finite_loss_message(bad_loss, bad_on, rank, state, run_dir) -> str:
+    """What every rank says when some rank's loss was NaN or infinite in the step just computed."""
+    where = f"at step {state.step + 1} (epoch {state.epoch + 1}, batch {bad_loss[1]})" if bad_loss else \
+        f"at step {state.step + 1} (epoch {state.epoch + 1})"
+    ranks = [r for r, f in enumerate(bad_on) if f > 0]
+    if len(bad_on) == 1:
+        what = f"the loss became {bad_loss[0]} {where}"
+    elif bad_loss is not None:
+        what = f"the loss became {bad_loss[0]} on rank {rank} {where}"
+    else:
+        what = f"the loss became non-finite on rank(s) {', '.join(map(str, ranks))} {where}"
+    return f"{what}; stopped, the last good checkpoint {run_dir / 'last.pt'} is kept"
 
 
 def _save_last(run_dir, model, tokenizer, meta, opt, sched, state: RunState):

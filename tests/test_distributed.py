@@ -76,10 +76,10 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-def _launch(args, data_url, cache) -> subprocess.Popen:
+def _launch(args, data_url, cache, script="train_wmt.py") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4()}",
-           "train_wmt.py", "--preset", "smoke", "--data-url", data_url, "--cache-dir", str(cache),
+           str(script), "--preset", "smoke", "--data-url", data_url, "--cache-dir", str(cache),
            "--no-progress", *map(str, args)]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="20",
                PYTHONUNBUFFERED="1")
@@ -297,3 +297,42 @@ def test_ctrl_c_on_one_rank_stops_all_ranks_at_one_step_and_saves(tmp_path, data
     state = read_checkpoint(run / "last.pt")["run_state"]
     assert state["world_size"] == 2 and state["step"] == losses(run)[-1][0]
     assert code != 0  # the workers exit with 130 (stopped by a signal), which torchrun reports as a failure
+
+
+# Rank 1's loss becomes NaN at its 3rd training batch of epoch 2; rank 0's stays finite.
+POISON_RANK_1 = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import annotated.train as T
+import train_wmt
+
+real, seen = T.batch_loss, []
+
+def poisoned(model, src, tgt, eps):
+    loss, n = real(model, src, tgt, eps)
+    if model.training and os.environ["RANK"] == "1" and os.path.exists({last!r}):
+        seen.append(1)
+        if len(seen) == 3:
+            return loss * float("nan"), n
+    return loss, n
+
+T.batch_loss = poisoned
+sys.exit(train_wmt.main())
+"""
+
+
+def test_non_finite_loss_on_one_rank_stops_every_rank_at_that_step(tmp_path, data_url, cache):
+    """Only rank 1 sees a NaN loss. Both ranks must stop at the end of that step, before the update,
+    each saying why (no rank left waiting in an all-reduce), with epoch 1's last.pt untouched."""
+    run = tmp_path / "run"
+    script = tmp_path / "poison_rank_1.py"
+    script.write_text(POISON_RANK_1.format(repo=str(REPO), last=str(run / "last.pt")))
+    code, out = _finish(_launch(["--epochs", 3, "--run-dir", run], data_url, cache, script=script), timeout=120)
+    saved = read_checkpoint(run / "last.pt")["run_state"]
+    E = saved["step"]  # steps of epoch 1, all saved in last.pt
+    assert code != 0 and saved["epoch"] == 1, out[-3000:]
+    kept = f"; stopped, the last good checkpoint {run / 'last.pt'} is kept"
+    assert f"error: the loss became nan on rank 1 at step {E + 3} (epoch 2, batch 2){kept}" in out, out[-3000:]
+    assert f"error: the loss became non-finite on rank(s) 1 at step {E + 3} (epoch 2){kept}" in out, out[-3000:]
+    assert [s for s, _ in losses(run)] == list(range(1, E + 3))  # steps E+1, E+2 logged; E+3 never applied
+    assert "TrainingError" not in out, out[-3000:]  # our error is a message; torchrun's own report follows it
