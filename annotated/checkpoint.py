@@ -52,6 +52,7 @@ try:
 except ImportError:  # pragma: no cover
     fcntl = None
 
+from annotated.data import new_file_mode
 from annotated.transformer import EncoderDecoder, TransformerConfig, make_model
 
 FORMAT = "annotated-checkpoint-v1"
@@ -72,6 +73,7 @@ def atomic_torch_save(obj: Any, path: os.PathLike | str) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+            os.chmod(tmp, new_file_mode())  # mkstemp's files are private (0o600); give the usual mode
             os.replace(tmp, path)  # still locked, so no cleaner can take it for a leftover
     except BaseException:
         if os.path.exists(tmp):

@@ -238,7 +238,7 @@ def fetch(name: str, cache_dir: PathLike, base_url: Optional[str] = None, *, tim
             raise DataError(f"{name} from {url} has sha256 {digest}, but annotated/data.py pins "
                             f"{SHA256[name]}: the file is damaged or not the Multi30k release this code "
                             f"expects; nothing was cached; {_how_to_fix()}")
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, new_file_mode())
         os.replace(tmp, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -531,13 +531,24 @@ def tokenizer_cache_key(texts: Sequence[str], vocab_size: int, settings: Optiona
     return h.hexdigest()
 
 
+def new_file_mode() -> int:
+    """The permissions a plain `open(path, "w")` would give a new file: 0o666 less the umask.
+
+    Temporary files from `tempfile.mkstemp` are private (0o600); the files we rename into
+    place (cache, checkpoints) get this mode first, so they look like any other file.
+    """
+    mask = os.umask(0)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):

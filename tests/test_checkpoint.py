@@ -1,4 +1,7 @@
 """annotated/checkpoint.py: round trip, atomic writes, clear errors."""
+import os
+import stat
+
 import pytest
 import torch
 
@@ -55,3 +58,17 @@ def test_failed_write_keeps_the_previous_file(tmp_path):
         atomic_torch_save({"format": "x", "big": torch.zeros(1000), "bad": Unpicklable()}, path)
     assert load_checkpoint(path)[2] == {"version": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt"]  # no temporary file left
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoints_get_the_mode_a_plain_open_would_give(tmp_path, umask):
+    """Written through a private temporary file, but renamed into place with 0o666 less the umask."""
+    old = os.umask(umask)
+    try:
+        save_checkpoint(tmp_path / "a.pt", tiny_model(), None)
+        with open(tmp_path / "plain", "w"):
+            pass
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.pt").stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+    assert stat.S_IMODE((tmp_path / "a.pt").stat().st_mode) == 0o666 & ~umask

@@ -13,6 +13,7 @@ import os
 import pickle
 import random
 import socket
+import stat
 import threading
 import unicodedata
 import urllib.parse
@@ -113,6 +114,15 @@ def test_fetch_verifies_and_caches(base_url, tmp_path):
     assert path == tmp_path / "val.de.gz"
     assert hashlib.sha256(path.read_bytes()).hexdigest() == SHA256["val.de.gz"]
     assert leftovers(tmp_path) == ["val.de.gz"]  # no temporary file left behind
+
+
+def test_cached_files_get_the_mode_a_plain_open_would_give(base_url, tmp_path):
+    old = os.umask(0o027)
+    try:
+        path = fetch("val.de.gz", tmp_path, base_url)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640  # 0o666 less the umask, not mkstemp's private 0o600
 
 
 def test_second_fetch_reads_only_the_cache(base_url, tmp_path):
