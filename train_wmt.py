@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="your own parallel text instead")
     p.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"))
     p.add_argument("--test-files", nargs=2, metavar=("SRC", "TGT"))
+    p.add_argument("--empty-lines", choices=("error", "skip", "keep"), default="error",
+                   help="pairs of your own files with an empty side: stop with an error naming the line (default), "
+                        "skip them with a warning, or keep them")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--dump-attention", type=int, metavar="N", default=0,
                    help="after training, dump the attention of the first N test sentences into RUN_DIR/attention "
@@ -81,7 +84,8 @@ def main(argv=None) -> int:
         result = train(cfg, run_dir, data_url=args.data_url, cache_dir=args.cache_dir, device=args.device,
               resume=args.resume, progress=not args.no_progress and sys.stderr.isatty() or
               os.environ.get("FORCE_PROGRESS") == "1",
-              train_files=args.train_files, val_files=args.val_files, test_files=args.test_files)
+              train_files=args.train_files, val_files=args.val_files, test_files=args.test_files,
+              empty_lines=args.empty_lines)
         if args.dump_attention and not result.get("interrupted") and result.get("run_dir"):
             from annotated.attention import dump
             out = dump(Path(result["test"]["best"]["checkpoint"]), n=args.dump_attention, data_url=args.data_url,

@@ -324,7 +324,7 @@ def read_parallel(src_path: PathLike, tgt_path: PathLike, *, empty: str = "error
         where = src_path if not pairs[i][0].strip() else tgt_path
         raise DataError(f"{where}: line {i + 1} is empty ({len(blank)} pair(s) of {src_path} / {tgt_path} have "
                         f"an empty side); an empty line usually means the files are misaligned; remove those "
-                        f"pairs, or read with empty='skip' or empty='keep'")
+                        f"pairs, or read with empty='skip' or empty='keep' (train_wmt.py --empty-lines skip|keep)")
     if blank and empty == "skip":
         warnings.warn(f"{src_path} / {tgt_path}: skipped {len(blank)} pair(s) with an empty side "
                       f"(lines {', '.join(str(i + 1) for i in blank[:5])}{', ...' if len(blank) > 5 else ''})",

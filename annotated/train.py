@@ -506,13 +506,17 @@ def _point_latest(run_dir: Path) -> None:
 
 
 def prepare_data(cfg: TrainConfig, cache_dir: Optional[Path], data_url: Optional[str],
-                 train_files: Optional[tuple[str, str]] = None, val_files=None, test_files=None):
-    """Load the three splits (Multi30k or the user's files) and the tokenizer trained on train only."""
+                 train_files: Optional[tuple[str, str]] = None, val_files=None, test_files=None,
+                 empty_lines: str = "error"):
+    """Load the three splits (Multi30k or the user's files) and the tokenizer trained on train only.
+
+    `empty_lines` is `read_parallel`'s rule for the user's pairs with an empty side: error, skip or keep.
+    """
     from annotated import data
 
     def load(split, files):
         if files:
-            return data.read_parallel(*files)
+            return data.read_parallel(*files, empty=empty_lines)
         return data.load_multi30k(split, cfg.src_lang, cfg.tgt_lang, cache_dir=cache_dir, base_url=data_url)
 
     train_pairs = load("train", train_files)
@@ -528,7 +532,8 @@ def prepare_data(cfg: TrainConfig, cache_dir: Optional[Path], data_url: Optional
 
 def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, cache_dir: Optional[Path] = None,
           device: Optional[str] = None, resume: bool = False, progress: bool = True,
-          train_files=None, val_files=None, test_files=None, log: Callable[[str], None] | None = None) -> dict:
+          train_files=None, val_files=None, test_files=None, empty_lines: str = "error",
+          log: Callable[[str], None] | None = None) -> dict:
     """Train (or resume) a run in `run_dir`; returns the final results (also in results.json)."""
     from annotated import data
 
@@ -546,7 +551,8 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     tokenizer, train_pairs, val_pairs, test_pairs = _from_rank0(  # the same data and vocabulary on every rank
-        lambda: prepare_data(cfg, cache_dir, data_url, train_files, val_files, test_files), rank, world)
+        lambda: prepare_data(cfg, cache_dir, data_url, train_files, val_files, test_files, empty_lines), rank,
+        world)
     train_enc = data.encode_pairs(train_pairs, tokenizer)
     kept, too_long = data.split_long(train_enc, cfg.max_len)
     if too_long and main:

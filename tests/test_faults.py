@@ -45,6 +45,7 @@ from annotated import train as T
 from annotated import translate
 from annotated.checkpoint import (CheckpointError, load_checkpoint, read_checkpoint, remove_stale_temporaries,
                                   save_checkpoint)
+from annotated.data import DataWarning
 from annotated.transformer import (PerHeadAttention, convert_model, fuse, make_model, padding_mask, subsequent_mask,
                                    target_mask)
 
@@ -381,6 +382,32 @@ def test_resume_with_other_training_data_is_refused(stopped_run, tmp_path, data_
                            "--no-progress", "--train-files", *files, "--val-files", *files, "--test-files", *files])
     err = capsys.readouterr().err
     assert code == 2 and f"checkpoint {run / 'last.pt'} was trained with another tokenizer" in err, err
+
+
+@pytest.mark.parametrize("rule", ["error", "skip"])
+def test_empty_lines_in_user_files_follow_the_flag(rule, tmp_path, data_url, cache, capsys):
+    """An empty target line in the user's training files: exit 2 naming the line (default), or skipped
+    with a warning under --empty-lines skip, and the run trains on the other pairs."""
+    from annotated.data import load_multi30k
+
+    pairs = load_multi30k("val", "de", "en", cache_dir=cache, base_url=data_url)[:300]
+    (tmp_path / "src.txt").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
+    (tmp_path / "tgt.txt").write_text("".join(("" if i == 6 else t) + "\n" for i, (_, t) in enumerate(pairs)),
+                                      encoding="utf-8")
+    good = [str(tmp_path / "src.txt"), str(tmp_path / "src.txt")]  # val/test: any aligned pair of files
+    run = tmp_path / "run"
+    args = ["--preset", "smoke", "--run-dir", str(run), "--cache-dir", str(cache), "--no-progress", "--epochs", "1",
+            "--train-files", str(tmp_path / "src.txt"), str(tmp_path / "tgt.txt"), "--val-files", *good,
+            "--test-files", *good]
+    if rule == "error":
+        code = train_wmt.main(args)
+        err = capsys.readouterr().err
+        assert code == 2 and f"{tmp_path / 'tgt.txt'}: line 7 is empty (1 pair(s)" in err and "--empty-lines" in err
+        assert not (run / "last.pt").exists()
+    else:
+        with pytest.warns(DataWarning, match=r"skipped 1 pair\(s\) with an empty side \(lines 7\)"):
+            code = train_wmt.main([*args, "--empty-lines", "skip"])
+        assert code == 0 and (run / "results.json").exists()
 
 
 def test_resume_from_a_damaged_checkpoint_in_a_real_process(stopped_run, tmp_path, data_url, cache):
