@@ -65,6 +65,23 @@ def losses(run_dir: Path) -> list[tuple[int, str]]:
     return [(int(step), loss) for step, loss in rows]
 
 
+def test_gpu_preset_is_the_transformer_tiny_recipe(data_url, cache):
+    """The numbers the prose gives for the gpu preset: Wu et al.'s peak learning rate of 0.005 after 2000
+    warm-up steps, and about their 8000 updates (60 batches of <= 8192 tokens an epoch, 134 epochs)."""
+    from annotated import data
+
+    cfg = T.PRESETS["gpu"]
+    assert (cfg.N, cfg.d_model, cfg.d_ff, cfg.h, cfg.dropout, cfg.tie_embeddings) == (4, 128, 256, 4, 0.3, True)
+    peak = rate(cfg.warmup, cfg.d_model, cfg.warmup, cfg.lr_factor)
+    assert abs(peak - 0.005) <= 1e-5 and max(rate(s, cfg.d_model, cfg.warmup, cfg.lr_factor)
+                                             for s in range(1, 8001)) == peak
+    tokenizer, train_pairs, _, _ = T.prepare_data(cfg, cache, data_url)
+    encoded = data.encode_pairs(train_pairs, tokenizer)
+    kept, _ = data.split_long(encoded, cfg.max_len)
+    batches = data.make_batches([encoded[i] for i in kept], cfg.max_tokens, shuffle=True, seed=cfg.seed)
+    assert len(batches) == 60 and 7900 <= cfg.epochs * len(batches) <= 8100
+
+
 def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, data_url, cache):
     from annotated.checkpoint import load_checkpoint
 
