@@ -12,9 +12,12 @@ recipe. Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,12 +63,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@contextlib.contextmanager
+def ctrl_c_deferred():
+    """Hold a Ctrl-C that arrives inside the block and raise it as KeyboardInterrupt at the block's end.
+
+    Python raises KeyboardInterrupt wherever the interpreter happens to be. Inside a C++ extension's
+    initialisation (importing torch, sentencepiece, tensorboard's protobuf) it cannot unwind: once in
+    our test suite (torch 2.11's CUDA wheel, a busy machine) a Ctrl-C half a second after start aborted
+    the process ("terminate called after throwing an instance of 'pybind11::error_already_set'",
+    exit -6, no message). So while the heavy imports run, the handler only takes note.
+    """
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
+    with ctrl_c_deferred():  # the extensions' start-up cannot be interrupted safely (see above)
+        import sentencepiece  # noqa: F401
+        import torch
+        import torch.utils.tensorboard  # noqa: F401
 
-    from annotated.checkpoint import CheckpointError
-    from annotated.train import PRESETS, TrainingError, train
+        from annotated.checkpoint import CheckpointError
+        from annotated.train import PRESETS, TrainingError, train
 
     if args.threads:
         torch.set_num_threads(args.threads)

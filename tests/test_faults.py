@@ -189,6 +189,20 @@ def test_a_second_sigint_stops_at_once_without_a_traceback(tmp_path, data_url, c
     assert temporaries(run / "last.pt") == []
 
 
+def test_ctrl_c_during_the_heavy_imports_is_held_until_they_finish():
+    """A SIGINT inside `ctrl_c_deferred` lets the block run to its end, then raises KeyboardInterrupt there
+    (a KeyboardInterrupt inside a C++ extension's start-up would abort the process instead)."""
+    reached, before = [], signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with train_wmt.ctrl_c_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # Python checks for signals between bytecodes: plenty of chances here
+                sum(range(100))
+            reached.append("end of block")
+    assert reached == ["end of block"]
+    assert signal.getsignal(signal.SIGINT) is before  # the previous handler is back
+
+
 def test_sigint_at_start_up_exits_130_without_a_traceback(tmp_path, data_url, cache):
     """Ctrl-C before training starts (importing torch, reading data): exit 130, one line, nothing to resume."""
     p = subprocess.Popen(train_cli("--run-dir", tmp_path / "run", "--data-url", data_url, "--cache-dir", cache),
