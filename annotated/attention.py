@@ -55,6 +55,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from annotated.checkpoint import CheckpointError, load_checkpoint
+from annotated.data import new_file_mode
 from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, padding_mask, subsequent_mask
 from annotated.translate import latest_checkpoint
 
@@ -718,7 +719,7 @@ def staged_directory(out_dir: os.PathLike | str):
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
         yield tmp
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, new_file_mode(0o777))  # mkdtemp's 0o700 -> what mkdir would give
         old = None
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))

@@ -531,15 +531,17 @@ def tokenizer_cache_key(texts: Sequence[str], vocab_size: int, settings: Optiona
     return h.hexdigest()
 
 
-def new_file_mode() -> int:
+def new_file_mode(base: int = 0o666) -> int:
     """The permissions a plain `open(path, "w")` would give a new file: 0o666 less the umask.
 
     Temporary files from `tempfile.mkstemp` are private (0o600); the files we rename into
     place (cache, checkpoints) get this mode first, so they look like any other file.
+    With `base=0o777` it is the mode `mkdir` would give a directory (`tempfile.mkdtemp`'s
+    directories are 0o700; attention dumps are renamed into place the same way).
     """
     mask = os.umask(0)  # reading the umask means setting it; put it straight back
     os.umask(mask)
-    return 0o666 & ~mask
+    return base & ~mask
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -11,6 +11,7 @@ import base64
 import io
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -243,6 +244,19 @@ def test_tensorboard_alignment_image(tokenizer, tmp_path):
 
 
 # ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_dump_directory_gets_the_mode_mkdir_would_give(checkpoints, tmp_path, umask):
+    """Staged in a private mkdtemp directory (0o700), renamed into place as 0o777 less the umask."""
+    old = os.umask(umask)
+    try:
+        A.dump(checkpoints[0], SENTENCES[:1], tmp_path / "attention", pictures=False, viewer=False)
+        (tmp_path / "plain").mkdir()
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((tmp_path / "attention").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o777 & ~umask
+
 
 def test_failed_dump_leaves_nothing(checkpoints, tmp_path, monkeypatch):
     out = tmp_path / "attention"
