@@ -34,9 +34,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Iterable, Optional, TextIO
+
+
+def _exit_quietly(signum, frame):
+    """Ctrl-C while the command starts (torch and the model load): nothing is written yet; exit 130."""
+    os._exit(130)
+
+
+if __name__ == "__main__":  # as a command; `main()` hands Ctrl-C back to Python once the model is loaded
+    signal.signal(signal.SIGINT, _exit_quietly)  # a KeyboardInterrupt inside torch's import is a traceback
 
 import torch
 
@@ -173,7 +183,8 @@ def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, l
 # Expected failures end the process with one line on stderr and exit code 2,
 # without a traceback: a missing, corrupt or incompatible checkpoint (the
 # message names the file), a checkpoint without a tokenizer, or bad options.
-# Ctrl-C and a closed output pipe (`... | head -1`) end it quietly.
+# Ctrl-C ends it quietly with exit code 130, also while torch and the model
+# are still loading; a closed output pipe (`... | head -1`) ends it with 0.
 
 # %%
 RULES = """\
@@ -244,6 +255,8 @@ def main(argv: Optional[list[str]] = None, stdin=None, stdout=None, stderr: Opti
         _say(stderr, f"translate: error: {e}")
         return 2
     model = model.to(args.device)
+    if signal.getsignal(signal.SIGINT) is _exit_quietly:  # loaded: now Ctrl-C ends the loop below, exit 130
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for where, text, note in _lines(args.sentences, stdin):
             if note:

@@ -8,9 +8,11 @@ give the same text.
 """
 import io
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -105,6 +107,55 @@ def test_stdin_serves_line_by_line_and_survives_bad_lines(ckpt, loaded):
     assert f"line 4: {n_long} subwords, more than the model's max_len={MAX_LEN}; translated the first {MAX_LEN}" in err
     assert "line 5: not valid UTF-8, undecodable bytes replaced by U+FFFD" in err
     assert "line 1" not in err and "line 6" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("when", ["while torch loads", "while waiting for a line"])
+def test_ctrl_c_exits_130_without_a_traceback(ckpt, when):
+    """Ctrl-C is how people stop a translator reading stdin: exit code 130, nothing on stderr, at any moment.
+
+    Python would raise KeyboardInterrupt inside `import torch` (a traceback; on torch 2.11 once an
+    abort); the command exits quietly until the model is loaded, then the loop catches it."""
+    p = subprocess.Popen([sys.executable, "-m", "annotated.translate", "--checkpoint", str(ckpt)], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    killer = threading.Timer(120, p.kill)  # a guard against a hang, not a timing assertion
+    killer.start()
+    try:
+        if when == "while torch loads":
+            time.sleep(0.3)  # importing torch takes a second or more here; the outcome is the same at any moment
+        else:
+            p.stdin.write(b"Ein Hund.\n")
+            p.stdin.flush()
+            assert p.stdout.readline().endswith(b"\n")  # answered: loaded and waiting for the next line
+        p.send_signal(signal.SIGINT)
+        rc = p.wait()  # stdin stays open: only the Ctrl-C can end it
+        err = p.stderr.read().decode()
+    finally:
+        killer.cancel()
+        p.kill()
+    assert rc == 130 and err == "", (rc, err)
+
+
+def test_a_reader_that_goes_away_ends_it_quietly(ckpt):
+    """`... | head -1`: once the reader has closed the pipe, the next answer cannot be written; exit 0, no noise."""
+    p = subprocess.Popen([sys.executable, "-m", "annotated.translate", "--checkpoint", str(ckpt)], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    killer = threading.Timer(120, p.kill)  # a guard against a hang, not a timing assertion
+    killer.start()
+    try:
+        p.stdin.write(b"Ein Hund.\n")
+        p.stdin.flush()
+        assert p.stdout.readline().endswith(b"\n")
+        p.stdout.close()  # the reader goes away
+        p.stdin.write(b"Eine Frau.\n")  # its answer meets a closed pipe
+        p.stdin.flush()
+        rc = p.wait()  # stdin is still open: only the broken pipe can end it
+        err = p.stderr.read().decode()
+    finally:
+        killer.cancel()
+        p.kill()
+    assert rc == 0 and err == "", (rc, err)
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
