@@ -31,6 +31,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tgt", dest="tgt_lang", help="target language (default en)")
     p.add_argument("--attention", choices=("fused", "per_head"), help="multi-head attention form")
     p.add_argument("--norm", choices=("post", "pre"), help="layer norm placement")
+    p.add_argument("--layers", dest="N", type=int, help="encoder and decoder layers N")
+    p.add_argument("--d-model", dest="d_model", type=int, help="model width d_model")
+    p.add_argument("--d-ff", dest="d_ff", type=int, help="feed-forward width d_ff")
+    p.add_argument("--heads", dest="h", type=int, help="attention heads h (d_k = d_model / h)")
+    p.add_argument("--dropout", type=float)
+    p.add_argument("--label-smoothing", type=float)
+    p.add_argument("--warmup", type=int, help="learning-rate warm-up steps")
+    p.add_argument("--lr-factor", type=float, help="scale of the paper's learning-rate schedule (peak lr = "
+                                                   "factor * d_model^-0.5 * warmup^-0.5)")
+    p.add_argument("--val-bleu-sentences", type=int, help="translate only the first n val sentences each epoch")
     p.add_argument("--epochs", type=int)
     p.add_argument("--max-minutes", type=float, help="stop training after this many minutes")
     p.add_argument("--max-steps", type=int, help="stop training after this many optimizer steps")
@@ -61,6 +71,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="after training, dump the attention of the first N test sentences into RUN_DIR/attention "
                         "(see annotated/attention.py)")
     return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace, cuda: bool):
+    """(preset name, TrainConfig): the preset, with every flag the user gave laid over it."""
+    from annotated.train import PRESETS
+    preset = args.preset or ("gpu" if cuda else "cpu")
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(PRESETS[preset])
+                 if getattr(args, f.name, None) is not None}
+    return preset, dataclasses.replace(PRESETS[preset], **overrides)
 
 
 @contextlib.contextmanager
@@ -94,16 +113,13 @@ def main(argv=None) -> int:
         import torch.utils.tensorboard  # noqa: F401
 
         from annotated.checkpoint import CheckpointError
-        from annotated.train import PRESETS, TrainingError, train
+        from annotated.train import TrainingError, train
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    preset = args.preset or ("gpu" if torch.cuda.is_available() else "cpu")
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(PRESETS[preset])
-                 if getattr(args, f.name, None) is not None}
     run_dir = None
     try:
-        cfg = dataclasses.replace(PRESETS[preset], **overrides)
+        preset, cfg = config_from_args(args, cuda=torch.cuda.is_available())
         if args.resume and args.run_dir is None:
             raise ValueError("--resume needs --run-dir (the run to continue)")
         user_files = (args.train_files, args.val_files, args.test_files)

@@ -941,4 +941,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from annotated.cli import run_command
+    run_command(main, "python -m annotated.attention")  # Ctrl-C: one line and exit code 130, not a traceback

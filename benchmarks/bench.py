@@ -984,4 +984,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from annotated.cli import run_command
+    run_command(main, "benchmarks/bench.py")  # Ctrl-C: one line and exit code 130, not a traceback

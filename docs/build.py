@@ -622,4 +622,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from annotated.cli import run_command
+    run_command(main, "docs/build.py")  # Ctrl-C: one line and exit code 130, not a traceback

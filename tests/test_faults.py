@@ -219,6 +219,35 @@ def test_sigint_at_start_up_exits_130_without_a_traceback(tmp_path, data_url, ca
     assert not (tmp_path / "run" / "last.pt").exists()
 
 
+@pytest.mark.parametrize("command, started", [
+    (["-m", "annotated.equivalence", "--examples", "100000"], "per-head = fused"),
+    ([str(ROOT / "benchmarks" / "bench.py"), "--quick", "--sizes", "cpu", "--device", "cpu"], "bench:"),
+], ids=["equivalence", "bench"])
+def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command, started):
+    """`make equivalence` and `make bench` stopped by Ctrl-C while they work: one line, exit 130.
+    (Each writes its results only at the end, atomically: nothing is left half-written.)"""
+    out_file = tmp_path / "bench.json"
+    p = subprocess.Popen([sys.executable, *command, *(["--out", str(out_file)] if "bench:" == started else [])],
+                         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        err = b""
+        while started.encode() not in err:  # its progress bar: past the imports, working
+            chunk = p.stderr.read1(4096)
+            assert chunk, f"{command} ended before it started working: {err.decode(errors='replace')}"
+            err += chunk
+        p.send_signal(signal.SIGINT)
+        out, rest = p.communicate(timeout=GUARD)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = (err + rest).decode(errors="replace")
+    name = f"python -m {command[1]}" if command[0] == "-m" else "benchmarks/bench.py"
+    assert p.returncode == 130, err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]  # (progress bars use \r)
+    assert "Traceback" not in err and lines[-1] == f"{name}: interrupted", err[-500:]
+    assert not out_file.exists() and not list(tmp_path.iterdir())
+
+
 # --------------------------------------------------------------- SIGKILL during a checkpoint write
 
 def _write_forever(path, first_version, conn, model):

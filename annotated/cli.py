@@ -1,0 +1,43 @@
+"""What the commands (`make equivalence`, `make bench`, `make attention`, `make docs`) do on Ctrl-C.
+
+One line on stderr, exit code 130 (the shell's code for "stopped by Ctrl-C"),
+no traceback. A Ctrl-C that lands while PyTorch's C++ code is calling back
+into Python can reach the caller as another error (the KeyboardInterrupt is
+turned into a RuntimeError on the way out); `ctrl_c_requested()` tells such an
+error from a real one, so that it is not reported as a failed check.
+"""
+import signal
+import sys
+from typing import Callable
+
+_requested = False
+
+
+def ctrl_c_requested() -> bool:
+    """Whether a Ctrl-C arrived while `run_command` ran."""
+    return _requested
+
+
+def _on_sigint(signum, frame):
+    global _requested
+    _requested = True
+    raise KeyboardInterrupt
+
+
+def run_command(main: Callable[[], object], name: str) -> None:
+    """Run a command's `main()` and exit with its code (0 when it returns no int); Ctrl-C: one line, 130.
+
+    A Ctrl-C anywhere counts, even one an extension swallowed: what `main()` did after it is not trusted."""
+    signal.signal(signal.SIGINT, _on_sigint)
+    code = None
+    try:
+        code = main()
+    except Exception:  # possibly a KeyboardInterrupt changed into another error inside an extension
+        if not _requested:
+            raise
+    except KeyboardInterrupt:
+        pass
+    if _requested:
+        print(f"\n{name}: interrupted", file=sys.stderr)  # (a new line: a progress bar may be open)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
