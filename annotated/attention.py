@@ -48,6 +48,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
+    from annotated.cli import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("python -m annotated.attention")
+
 import numpy as np
 import torch
 import matplotlib

@@ -6,6 +6,7 @@ into Python can reach the caller as another error (the KeyboardInterrupt is
 turned into a RuntimeError on the way out); `ctrl_c_requested()` tells such an
 error from a real one, so that it is not reported as a failed check.
 """
+import os
 import signal
 import sys
 from typing import Callable
@@ -22,6 +23,18 @@ def _on_sigint(signum, frame):
     global _requested
     _requested = True
     raise KeyboardInterrupt
+
+
+def quiet_ctrl_c_while_starting(name: str) -> None:
+    """Call before the heavy imports: a Ctrl-C while torch loads prints one line and exits 130 at once.
+
+    Nothing has been computed or written yet, and a KeyboardInterrupt raised inside `import torch` would
+    otherwise end in a traceback (or, inside a C++ extension's start-up, abort the process).
+    `run_command` replaces this handler once the command's own work begins."""
+    def _exit(signum, frame):
+        print(f"{name}: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
+    signal.signal(signal.SIGINT, _exit)
 
 
 def run_command(main: Callable[[], object], name: str) -> None:

@@ -93,6 +93,10 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
+    from annotated.cli import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("python -m annotated.equivalence")
+
 import hypothesis
 import sympy
 import torch

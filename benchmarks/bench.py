@@ -64,6 +64,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/bench.py` runs from the repository without installing
     sys.path.insert(0, str(ROOT))
 
+if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
+    from annotated.cli import quiet_ctrl_c_while_starting  # noqa: E402
+    quiet_ctrl_c_while_starting("benchmarks/bench.py")
+
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 

@@ -46,6 +46,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python docs/build.py` as well as `python -m docs.build`
     sys.path.insert(0, str(ROOT))
 
+if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
+    from annotated.cli import quiet_ctrl_c_while_starting  # noqa: E402
+    quiet_ctrl_c_while_starting("docs/build.py")
+
 import jupytext  # noqa: E402
 from latex2mathml.converter import convert as _latex2mathml  # noqa: E402
 from markdown_it import MarkdownIt  # noqa: E402

@@ -248,6 +248,27 @@ def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command
     assert not out_file.exists() and not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("command, name", [
+    (["-m", "annotated.equivalence"], "python -m annotated.equivalence"),
+    (["-m", "annotated.attention", "--checkpoint", "none.pt"], "python -m annotated.attention"),
+    ([str(ROOT / "benchmarks" / "bench.py")], "benchmarks/bench.py"),
+    ([str(ROOT / "docs" / "build.py"), "--out", "{tmp}/site"], "docs/build.py"),
+], ids=["equivalence", "attention", "bench", "docs"])
+def test_other_commands_exit_130_on_ctrl_c_while_torch_loads(tmp_path, command, name):
+    """A Ctrl-C in the first second (the interpreter is importing torch): one line, exit 130, nothing written."""
+    p = subprocess.Popen([sys.executable, *(c.format(tmp=tmp_path) for c in command)], cwd=tmp_path,
+                         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.4)  # past the interpreter's own start (~0.05 s), inside `import torch` (over 1 s here)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=GUARD)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and err == f"{name}: interrupted\n", (p.returncode, err[-800:])
+    assert not list(tmp_path.iterdir())
+
+
 # --------------------------------------------------------------- SIGKILL during a checkpoint write
 
 def _write_forever(path, first_version, conn, model):
