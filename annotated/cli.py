@@ -1,4 +1,5 @@
-"""What the commands (`make equivalence`, `make bench`, `make attention`, `make docs`) do on Ctrl-C.
+"""What the commands (`make equivalence`, `make bench`, `make attention`, `make docs`, and the
+translator while it starts) do on Ctrl-C.
 
 One line on stderr, exit code 130 (the shell's code for "stopped by Ctrl-C"),
 no traceback. A Ctrl-C that lands while PyTorch's C++ code is calling back
@@ -6,10 +7,11 @@ into Python can reach the caller as another error (the KeyboardInterrupt is
 turned into a RuntimeError on the way out); `ctrl_c_requested()` tells such an
 error from a real one, so that it is not reported as a failed check.
 """
+import functools
 import os
 import signal
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 _requested = False
 
@@ -25,16 +27,26 @@ def _on_sigint(signum, frame):
     raise KeyboardInterrupt
 
 
-def quiet_ctrl_c_while_starting(name: str) -> None:
-    """Call before the heavy imports: a Ctrl-C while torch loads prints one line and exits 130 at once.
+def _exit_while_starting(name: Optional[str], signum, frame):
+    if name:
+        print(f"{name}: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def quiet_ctrl_c_while_starting(name: Optional[str]) -> None:
+    """Call before the heavy imports: a Ctrl-C while torch loads exits 130 at once, after the line
+    "<name>: interrupted" (no line when `name` is None).
 
     Nothing has been computed or written yet, and a KeyboardInterrupt raised inside `import torch` would
-    otherwise end in a traceback (or, inside a C++ extension's start-up, abort the process).
-    `run_command` replaces this handler once the command's own work begins."""
-    def _exit(signum, frame):
-        print(f"{name}: interrupted", file=sys.stderr, flush=True)
-        os._exit(130)
-    signal.signal(signal.SIGINT, _exit)
+    otherwise end in a traceback. `run_command` replaces this handler once the command's own work begins;
+    a command without it checks `still_starting()` and hands Ctrl-C back itself."""
+    signal.signal(signal.SIGINT, functools.partial(_exit_while_starting, name))
+
+
+def still_starting() -> bool:
+    """True while the handler of `quiet_ctrl_c_while_starting` is the one in place."""
+    handler = signal.getsignal(signal.SIGINT)
+    return isinstance(handler, functools.partial) and handler.func is _exit_while_starting
 
 
 def run_command(main: Callable[[], object], name: str) -> None:

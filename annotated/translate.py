@@ -40,13 +40,10 @@ from pathlib import Path
 from typing import Iterable, Optional, TextIO
 
 
-def _exit_quietly(signum, frame):
-    """Ctrl-C while the command starts (torch and the model load): nothing is written yet; exit 130."""
-    os._exit(130)
-
+from annotated.cli import quiet_ctrl_c_while_starting, still_starting
 
 if __name__ == "__main__":  # as a command; `main()` hands Ctrl-C back to Python once the model is loaded
-    signal.signal(signal.SIGINT, _exit_quietly)  # a KeyboardInterrupt inside torch's import is a traceback
+    quiet_ctrl_c_while_starting(None)  # Ctrl-C while torch and the model load: exit 130, stderr stays empty
 
 import torch
 
@@ -255,7 +252,7 @@ def main(argv: Optional[list[str]] = None, stdin=None, stdout=None, stderr: Opti
         _say(stderr, f"translate: error: {e}")
         return 2
     model = model.to(args.device)
-    if signal.getsignal(signal.SIGINT) is _exit_quietly:  # loaded: now Ctrl-C ends the loop below, exit 130
+    if still_starting():  # loaded: now Ctrl-C ends the loop below, exit 130
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for where, text, note in _lines(args.sentences, stdin):
