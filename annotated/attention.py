@@ -59,7 +59,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from annotated.checkpoint import CheckpointError, load_checkpoint
-from annotated.data import new_file_mode
+from annotated.files import new_file_mode
 from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, padding_mask, subsequent_mask
 from annotated.translate import latest_checkpoint
 

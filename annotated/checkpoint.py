@@ -38,21 +38,14 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-try:
-    import fcntl  # POSIX; without it (Windows) stale temporary files are left alone
-except ImportError:  # pragma: no cover
-    fcntl = None
-
-from annotated.data import new_file_mode
+from annotated.files import atomic_write, remove_stale_temporaries  # noqa: F401 (re-exported)
 from annotated.transformer import EncoderDecoder, TransformerConfig, make_model
 
 FORMAT = "annotated-checkpoint-v1"
@@ -63,48 +56,8 @@ class CheckpointError(ValueError):
 
 
 def atomic_torch_save(obj: Any, path: os.PathLike | str) -> None:
-    """torch.save to `path` via a temporary file and an atomic rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            _lock(f)  # "being written": held until this file is closed
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-            os.chmod(tmp, new_file_mode())  # mkstemp's files are private (0o600); give the usual mode
-            os.replace(tmp, path)  # still locked, so no cleaner can take it for a leftover
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    remove_stale_temporaries(path)
-
-
-def _lock(f) -> None:
-    if fcntl is not None:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:  # a file system without locks: write anyway (only cleaning relies on the lock)
-            pass
-
-
-def remove_stale_temporaries(path: os.PathLike | str) -> list[Path]:
-    """Delete the `.<name>.*.tmp` files of `path` that no living writer holds; returns them."""
-    path = Path(path)
-    removed: list[Path] = []
-    if fcntl is None:
-        return removed
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        try:
-            with open(tmp, "rb") as f:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a writer holds it
-                os.unlink(tmp)
-        except OSError:  # in use (BlockingIOError), renamed or removed meanwhile, or no locks here
-            continue
-        removed.append(tmp)
-    return removed
+    """torch.save to `path`, written whole or not at all (`annotated.files.atomic_write`)."""
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save_checkpoint(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: Optional[dict] = None,

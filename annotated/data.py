@@ -38,7 +38,6 @@
 # %%
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
 import http.client
@@ -47,7 +46,6 @@ import json
 import os
 import random
 import re
-import tempfile
 import urllib.error
 import urllib.request
 import warnings
@@ -59,6 +57,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from annotated.files import atomic_write, new_file_mode
 from annotated.transformer import BOS, EOS, PAD
 
 UNK = 3  # the fourth reserved id: a subword the vocabulary cannot spell (never produced, see section 3)
@@ -204,10 +203,12 @@ def _download(url: str, out, name: str, timeout: float) -> str:
     return h.hexdigest()
 
 
-def _check_gzip(path: Path, name: str, url: str) -> None:
-    """Decompress to the end: a truncated or damaged gzip stream raises DataError."""
+def _check_gzip(fd: int, name: str, url: str) -> None:
+    """Decompress the open file `fd` to the end: a truncated or damaged gzip stream raises DataError."""
     try:
-        with gzip.open(path, "rb") as f:
+        with open(fd, "rb", closefd=False) as raw:
+            raw.seek(0)
+            f = gzip.open(raw, "rb")
             while f.read(1 << 20):
                 pass
     except (EOFError, OSError, zlib.error) as e:
@@ -227,22 +228,16 @@ def fetch(name: str, cache_dir: PathLike, base_url: Optional[str] = None, *, tim
         warnings.warn(f"cached {target} does not match its pinned sha256 (damaged?); downloading it again",
                       DataWarning, stacklevel=2)
     url = resolve_base_url(base_url) + name
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=cache_dir, prefix=f".{name}.", suffix=".part")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            digest = _download(url, out, name, timeout)
-        _check_gzip(tmp, name, url)
+    def download_and_verify(out) -> None:  # runs inside atomic_write: raising here caches nothing
+        digest = _download(url, out, name, timeout)
+        out.flush()
+        _check_gzip(out.fileno(), name, url)
         if digest != SHA256[name]:
             raise DataError(f"{name} from {url} has sha256 {digest}, but annotated/data.py pins "
                             f"{SHA256[name]}: the file is damaged or not the Multi30k release this code "
                             f"expects; nothing was cached; {_how_to_fix()}")
-        os.chmod(tmp, new_file_mode())
-        os.replace(tmp, target)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+
+    atomic_write(target, download_and_verify)
     return target
 
 
@@ -531,32 +526,6 @@ def tokenizer_cache_key(texts: Sequence[str], vocab_size: int, settings: Optiona
     return h.hexdigest()
 
 
-def new_file_mode(base: int = 0o666) -> int:
-    """The permissions a plain `open(path, "w")` would give a new file: 0o666 less the umask.
-
-    Temporary files from `tempfile.mkstemp` are private (0o600); the files we rename into
-    place (cache, checkpoints) get this mode first, so they look like any other file.
-    With `base=0o777` it is the mode `mkdir` would give a directory (`tempfile.mkdtemp`'s
-    directories are 0o700; attention dumps are renamed into place the same way).
-    """
-    mask = os.umask(0)  # reading the umask means setting it; put it straight back
-    os.umask(mask)
-    return base & ~mask
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, new_file_mode())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-
-
 def _train_spm(texts: Sequence[str], vocab_size: int) -> bytes:
     import sentencepiece as spm
 
@@ -599,7 +568,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Optional[P
                           stacklevel=2)
     model = _train_spm(texts, vocab_size)
     tokenizer = Tokenizer.from_bytes(model)
-    _atomic_write_bytes(path, model)
+    atomic_write(path, model)
     return tokenizer
 
 

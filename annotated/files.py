@@ -1,0 +1,101 @@
+"""Files written whole or not at all: the project's one atomic write and its one permission policy.
+
+Every file the project writes for the user (checkpoints, cached data and tokenizers, results, attention
+dumps, pages, benchmark results) goes through `atomic_write`: the bytes go to a temporary file in the same
+directory, are flushed to disk, and `os.replace` renames it over the target. On POSIX that rename is
+atomic, so a reader sees the old file or the new one, never half of one, and a crash or Ctrl-C in the
+middle leaves the old file as it was.
+
+**Permissions.** `tempfile.mkstemp` makes private files (0o600); before the rename the file gets the mode
+a plain `open(path, "w")` would have given it, 0o666 less the umask (`new_file_mode`).
+
+**Leftovers of a killed write.** A Ctrl-C or an exception removes the temporary file; a process killed
+outright (`kill -9`, the out-of-memory killer) cannot, and leaves `.<name>.<random>.tmp` beside the target.
+Nothing reads such names. Each writer holds an exclusive `flock` on its temporary file until the rename
+(the kernel drops it when the process dies), so the next successful write of the same target can delete
+exactly the leftovers that no living writer holds (`remove_stale_temporaries`).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Callable, Union
+
+try:
+    import fcntl  # POSIX; without it (Windows) stale temporary files are left alone
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+Content = Union[bytes, str, Callable[[BinaryIO], None]]
+
+
+def new_file_mode(base: int = 0o666) -> int:
+    """The permissions a plain `open(path, "w")` would give a new file: `base` less the umask.
+
+    With `base=0o777` it is the mode `mkdir` gives a directory.
+
+    >>> old = os.umask(0o027); mode = new_file_mode(); _ = os.umask(old); oct(mode)
+    '0o640'
+    """
+    mask = os.umask(0)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return base & ~mask
+
+
+def atomic_write(path: os.PathLike | str, content: Content, *, fsync: bool = True) -> Path:
+    """Write `content` (bytes, text as UTF-8, or a function that writes to a binary file) to `path`
+    via a locked temporary file in the same directory and an atomic rename. Returns the path.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.txt"
+    >>> atomic_write(p, "hello").read_text(), atomic_write(p, b"bye").read_text()
+    ('hello', 'bye')
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            _lock(f)  # "being written": held until this file is closed
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode("utf-8") if isinstance(content, str) else content)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+            os.chmod(tmp, new_file_mode())
+            os.replace(tmp, path)  # still locked, so no cleaner can take it for a leftover
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    remove_stale_temporaries(path)
+    return path
+
+
+def _lock(f) -> None:
+    if fcntl is not None:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: write anyway (only cleaning relies on the lock)
+            pass
+
+
+def remove_stale_temporaries(path: os.PathLike | str) -> list[Path]:
+    """Delete the `.<name>.*.tmp` files of `path` that no living writer holds; returns them."""
+    path = Path(path)
+    removed: list[Path] = []
+    if fcntl is None:
+        return removed
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        try:
+            with open(tmp, "rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a writer holds it
+                os.unlink(tmp)
+        except OSError:  # in use (BlockingIOError), renamed or removed meanwhile, or no locks here
+            continue
+        removed.append(tmp)
+    return removed
