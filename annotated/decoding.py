@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, greedy_decode, subsequent_mask
+from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, greedy_decode, padding_mask, subsequent_mask
 
 # %% [markdown]
 # ## 1. What every decoder checks first
@@ -372,3 +372,49 @@ def _finish_at_max_len(finished, alive, ys, scores, short, alpha, k) -> None:
             if math.isfinite(logP):
                 ids = ys[a * k + j, 1:].tolist()
                 finished[b].append((logP / lp(len(ids), alpha), ids))
+
+
+# %% [markdown]
+# ## 7. Translating many sentences
+#
+# `translate_ids` is what the rest of the project calls: lists of subword ids
+# in, lists of subword ids out, with greedy (`beam_size=1`) or beam search.
+
+# %%
+@torch.no_grad()
+def translate_ids(model: EncoderDecoder, sources: list[list[int]], beam_size: int = 1,
+                  length_penalty: float = 0.6, batch_size: int = 64, max_extra: int = 50,
+                  device: Optional[torch.device] = None, progress: bool = False) -> list[list[int]]:
+    """Translate subword-id sequences; returns output ids (up to, not including, eos), in input order.
+
+    The one translate helper of the project: training's BLEU, the translator and the attention viewer
+    all decode through it. Sentences go in batches of similar length (fewer pad positions); a source
+    longer than the model's `max_len` is cut to `max_len` (the entry points say so to the user), and an
+    output may be at most `min(max_len, S + max_extra)` subwords for a source of `S` (the paper's
+    "input length + 50", section 6.1). `beam_size=1` is greedy.
+    """
+    device = device or next(model.parameters()).device
+    limit = model.config.max_len
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    out: list[list[int]] = [[] for _ in sources]
+    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    if progress:
+        from tqdm.auto import tqdm
+        chunks = tqdm(chunks, desc="translate", leave=False)
+    for idx in chunks:
+        seqs = [sources[i][:limit] for i in idx]
+        S = max(1, max(len(s) for s in seqs))
+        src = torch.full((len(seqs), S), PAD, dtype=torch.long)  # (B, S)
+        for r, s in enumerate(seqs):
+            src[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+        src = src.to(device)
+        max_len = min(limit, S + max_extra)
+        if beam_size > 1:
+            ys = beam_search(model, src, padding_mask(src, PAD), max_len, beam_size=beam_size,
+                             length_penalty=length_penalty)
+        else:
+            ys = greedy(model, src, padding_mask(src, PAD), max_len)
+        for r, i in enumerate(idx):
+            row = ys[r].tolist()
+            out[i] = row[:row.index(EOS)] if EOS in row else [t for t in row if t != PAD]
+    return out

@@ -31,7 +31,8 @@ from torch import Tensor
 
 from annotated.checkpoint import (CheckpointError, atomic_torch_save, model_from_state, read_checkpoint,
                                   save_checkpoint)
-from annotated.transformer import EOS, PAD, EncoderDecoder, make_model, padding_mask, rate, target_mask
+from annotated import decoding
+from annotated.transformer import PAD, EncoderDecoder, make_model, padding_mask, rate, target_mask
 
 # %% [markdown]
 # ## Presets
@@ -214,40 +215,6 @@ def pick_device(name: Optional[str] = None) -> torch.device:
 # counted in the results).
 
 # %%
-@torch.no_grad()
-def translate_ids(model: EncoderDecoder, sources: list[list[int]], beam_size: int = 1,
-                  length_penalty: float = 0.6, batch_size: int = 64, max_extra: int = 50,
-                  device: Optional[torch.device] = None, progress: bool = False) -> list[list[int]]:
-    """Translate subword-id sequences; returns output ids (eos and pad removed), in input order."""
-    from annotated import decoding
-
-    device = device or next(model.parameters()).device
-    limit = model.config.max_len
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    out: list[list[int]] = [[] for _ in sources]
-    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    if progress:
-        from tqdm.auto import tqdm
-        chunks = tqdm(chunks, desc="translate", leave=False)
-    for idx in chunks:
-        seqs = [sources[i][:limit] for i in idx]
-        S = max(1, max(len(s) for s in seqs))
-        src = torch.full((len(seqs), S), PAD, dtype=torch.long)  # (B, S)
-        for r, s in enumerate(seqs):
-            src[r, :len(s)] = torch.tensor(s, dtype=torch.long)
-        src = src.to(device)
-        max_len = min(limit, S + max_extra)
-        if beam_size > 1:
-            ys = decoding.beam_search(model, src, padding_mask(src, PAD), max_len, beam_size=beam_size,
-                                      length_penalty=length_penalty)
-        else:
-            ys = decoding.greedy(model, src, padding_mask(src, PAD), max_len)
-        for r, i in enumerate(idx):
-            row = ys[r].tolist()
-            out[i] = row[:row.index(EOS)] if EOS in row else [t for t in row if t != PAD]
-    return out
-
-
 def score(hypotheses: list[str], references: list[str]) -> dict:
     """sacreBLEU cased and lowercased BLEU, and chrF, with their signatures."""
     import sacrebleu
@@ -265,7 +232,7 @@ def evaluate_bleu(model, tokenizer, pairs: list[tuple[str, str]], beam_size: int
                   device=None, progress: bool = False) -> tuple[dict, list[str]]:
     sources = [tokenizer.encode(s) for s, _ in pairs]
     truncated = sum(len(s) > model.config.max_len for s in sources)
-    hyp_ids = translate_ids(model, sources, beam_size, length_penalty, device=device, progress=progress)
+    hyp_ids = decoding.translate_ids(model, sources, beam_size, length_penalty, device=device, progress=progress)
     hyps = [tokenizer.decode(h) for h in hyp_ids]
     result = score(hyps, [t for _, t in pairs])
     result.update(sentences=len(pairs), truncated_sources=truncated, beam_size=beam_size)

@@ -48,8 +48,8 @@ if __name__ == "__main__":  # as a command; `main()` hands Ctrl-C back to Python
 import torch
 
 from annotated.checkpoint import CheckpointError, load_checkpoint
-from annotated.decoding import beam_search, greedy
-from annotated.transformer import EOS, PAD, EncoderDecoder, padding_mask
+from annotated.decoding import translate_ids
+from annotated.transformer import EncoderDecoder
 
 # %% [markdown]
 # ## 1. Which checkpoint
@@ -147,30 +147,13 @@ def source_ids(text: str, tokenizer, max_len: int) -> tuple[list[int], Optional[
 # each line break in a translation becomes a space.
 
 # %%
-def translate_ids(model: EncoderDecoder, ids: list[int], beam_size: int = 4, length_penalty: float = 0.6,
-                  max_extra: int = 50) -> list[int]:
-    """Source subword ids -> output subword ids (up to, not including, eos)."""
-    if not ids:
-        raise ValueError("cannot translate an empty source")
-    device = next(model.parameters()).device
-    src = torch.tensor([ids], dtype=torch.long, device=device)  # (1, S)
-    src_mask = padding_mask(src, PAD)  # (1, 1, S)
-    max_len = min(model.config.max_len, len(ids) + max_extra)
-    if beam_size == 1:
-        out = greedy(model, src, src_mask, max_len)  # (1, L)
-    else:
-        out = beam_search(model, src, src_mask, max_len, beam_size=beam_size, length_penalty=length_penalty)
-    row = out[0].tolist()
-    return row[:row.index(EOS)] if EOS in row else row
-
-
 def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, length_penalty: float = 0.6,
               max_extra: int = 50) -> tuple[str, Optional[str]]:
     """One sentence -> (translation on one line, note from the input rules or None)."""
     ids, note = source_ids(text, tokenizer, model.config.max_len)
     if not ids:
         return "", note
-    translation = tokenizer.decode(translate_ids(model, ids, beam_size, length_penalty, max_extra))
+    translation = tokenizer.decode(translate_ids(model, [ids], beam_size, length_penalty, max_extra=max_extra)[0])
     return " ".join(translation.splitlines()), note  # a line break from byte pieces would shift the output
 
 

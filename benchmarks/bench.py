@@ -90,7 +90,7 @@ from annotated.transformer import (BOS, EOS, PAD, TransformerConfig, convert_mod
 # CPU the larger models get small batches, so that the whole `make bench`
 # stays within about ten minutes (the ratios are per step, and the batch is
 # the same for every implementation in a row).
-# Decoding batches hold 64 sentences, as `train.translate_ids` uses, except
+# Decoding batches hold 64 sentences, as `decoding.translate_ids` uses, except
 # for the larger models on the CPU (32).
 #
 # **Sentences like Multi30k's.** test_2016_flickr, cut into subwords by a

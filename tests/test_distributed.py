@@ -29,6 +29,7 @@ import torch
 from annotated import train as T
 from annotated.checkpoint import load_checkpoint, read_checkpoint
 from annotated.data import collate
+from annotated.decoding import translate_ids
 from annotated.transformer import make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,7 +218,7 @@ def test_only_rank_0_writes_and_its_checkpoints_load_in_one_process(runs):
     model, tok, meta = load_checkpoint(run / "best.pt")
     assert not any(k.startswith("module.") for k in model.state_dict())
     assert meta["epoch"] == 1 and tok.vocab_size == model.config.src_vocab
-    [hyp] = T.translate_ids(model, [tok.encode("Ein Hund läuft.")], beam_size=1)
+    [hyp] = translate_ids(model, [tok.encode("Ein Hund läuft.")], beam_size=1)
     assert len(hyp) <= model.config.max_len
 
 
