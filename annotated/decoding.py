@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from annotated.checks import check_token_ids
 from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, greedy_decode, padding_mask, subsequent_mask
 
 # %% [markdown]
@@ -58,6 +59,10 @@ from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, greedy_decode, 
 #   `max_len - 1` generated tokens, at positions `0 ... max_len - 1`, so
 #   `max_len` may not exceed the model's positional table (`config.max_len`);
 #   nor may the source.
+# - **token ids.** Every source id must index the embedding table. The model
+#   itself does not check (a range check reads the ids back to the host, a
+#   stall on a GPU at every training step), so the decoders check once, here,
+#   with `check_token_ids` from `annotated/checks.py`.
 
 # %%
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -73,6 +78,7 @@ def _check_decode_args(model: EncoderDecoder, src: Tensor, src_mask: Optional[Te
         raise ValueError(f"src must be a (B, S) tensor of token ids (torch.long), got "
                          f"{tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__}"
                          f"{' ' + str(src.dtype) if isinstance(src, Tensor) else ''}")
+    check_token_ids(src, model.config.src_vocab)
     B, S = src.shape
     if src_mask is not None and (src_mask.dim() != 3 or src_mask.size(0) not in (1, B)
                                  or src_mask.size(-1) != S):

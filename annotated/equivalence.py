@@ -107,6 +107,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
 import annotated.transformer as T
+from annotated.checks import check_token_ids
 from annotated.cli import ctrl_c_requested
 from annotated.transformer import (
     BOS, EOS, PAD, FusedAttention, PerHeadAttention, convert_model, fuse, greedy_decode, padding_mask,
@@ -947,6 +948,8 @@ def logits_tolerance(dtype: torch.dtype, logits: Tensor) -> float:
 
 def compare_model_forms(model: T.EncoderDecoder, src: Tensor, tgt: Tensor, max_len: int) -> dict:
     """Convert `model` to the other attention form; compare logits (float32, float64) and greedy decodes."""
+    check_token_ids(src, model.config.src_vocab)
+    check_token_ids(tgt, model.config.tgt_vocab)
     other = "fused" if model.config.attention == "per_head" else "per_head"
     a = copy.deepcopy(model).eval()  # the caller's model keeps its dtype and mode
     b = convert_model(a, other).eval()

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import annotated.transformer as T
+from annotated.checks import check_token_ids
+from annotated.decoding import beam_search, greedy
 from annotated.transformer import (
     BOS, EOS, PAD, FusedAttention, PerHeadAttention, TransformerConfig, convert_model, fuse,
     greedy_decode, make_model, padding_mask, split, subsequent_mask, target_mask,
@@ -313,11 +315,24 @@ def test_config_rejects_bad_settings():
         small_config(d_model=18)
 
 
-def test_model_rejects_bad_token_ids_and_long_inputs():
+def test_bad_token_ids_are_rejected_at_the_door():
     m = make_model(small_config(max_len=8)).eval()
     src = torch.tensor([[3, 4, 99]])
+    check_token_ids(torch.tensor([[0, 16]]), 17)  # the whole range passes
+    for bad, why in ((src, r"token ids must lie in \[0, 17\).*max 99"),
+                     (torch.tensor([[-1, 3]]), r"must lie in \[0, 17\).*min -1"),
+                     (torch.tensor([[3.0, 4.0]]), "int64 or int32 tensor of shape"),
+                     (torch.tensor([3, 4]), r"shape \(B, T\), got torch.int64 \(2,\)")):
+        with pytest.raises(ValueError, match=why):
+            check_token_ids(bad, 17)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 17\)"):  # the decoders' entry check
+        greedy(m, src, None, 5)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 17\)"):
-        m.encode(src, None)
+        beam_search(m, src, None, 5)
+
+
+def test_model_rejects_long_inputs():
+    m = make_model(small_config(max_len=8)).eval()
     with pytest.raises(ValueError, match="exceeds the model's max_len=8"):
         m.encode(torch.full((1, 9), 3), None)
 
