@@ -18,7 +18,7 @@
 #
 # ```sh
 # make attention                                   # best.pt of runs/latest, first 3 test sentences
-# python -m annotated.attention --checkpoint runs/x/best.pt "Ein Hund rennt über die Wiese."
+# python -m annotated.attention_maps --checkpoint runs/x/best.pt "Ein Hund rennt über die Wiese."
 # ```
 #
 # A Transformer translator has three kinds of attention, each with `N` layers
@@ -31,7 +31,7 @@
 # | `cross` | target positions | source tokens (the encoder output) | `(1, h, T, S)` |
 #
 # Section 6 explains how to read each picture. Every claim that can be checked
-# is checked in `tests/test_attention.py` (test names in parentheses).
+# is checked in `tests/test_attention_maps.py` (test names in parentheses).
 
 # %%
 from __future__ import annotations
@@ -40,9 +40,11 @@ import argparse
 import contextlib
 import dataclasses
 import html
+import importlib.resources
 import json
 import os
 import shutil
+import string
 import sys
 import tempfile
 from pathlib import Path
@@ -50,7 +52,7 @@ from typing import Optional, Sequence
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
     from annotated.cli import quiet_ctrl_c_while_starting
-    quiet_ctrl_c_while_starting("python -m annotated.attention")
+    quiet_ctrl_c_while_starting("python -m annotated.attention_maps")
 
 import numpy as np
 import torch
@@ -58,10 +60,10 @@ import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from annotated.checkpoint import CheckpointError, load_checkpoint
+from annotated.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from annotated.files import new_file_mode
 from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, padding_mask, subsequent_mask
-from annotated.translate import latest_checkpoint
+
 
 KINDS = ("encoder", "decoder_self", "cross")
 FORMAT = "annotated-attention-v1"
@@ -487,196 +489,45 @@ def figure_rgb(fig: Figure) -> np.ndarray:
 # ## 7. The HTML viewer
 #
 # `viewer.html` is one self-contained file: the data is inlined as JSON, the
-# script and style are plain JavaScript and CSS written below, nothing is
-# fetched (no CDN, no fonts, no images). Open it from disk in any browser.
-# Choose a sentence, a kind, a layer and a head (or the mean over heads); the
-# heatmap shows the chosen matrix, and two token columns show the queries and
-# the keys. Hovering a query token (or a heatmap row) shades the keys by how
-# much it attends to each; hovering a key token shades the queries by how much
-# they attend to it. The state is kept in the address (`#s=0&kind=cross&layer=1&head=mean`)
-# so a view can be bookmarked. (`test_viewer_in_headless_chromium` opens it,
-# hovers a token, compares the shading with the arrays, and checks that the
-# page made no network request.)
+# page, its script and its style are the plain files
+# `annotated/viewer/viewer.{html,js,css}` (read with `importlib.resources`),
+# copied into the page; nothing is fetched (no CDN, no fonts, no images). Open
+# it from disk in any browser. Choose a sentence, a kind, a layer and a head
+# (or the mean over heads); the heatmap shows the chosen matrix, and two
+# token columns show the queries and the keys. Hovering a query token (or a
+# heatmap row) shades the keys by how much it attends to each; hovering a key
+# token shades the queries by how much they attend to it. The state is kept
+# in the address (`#s=0&kind=cross&layer=1&head=mean`) so a view can be
+# bookmarked. (`test_viewer_in_headless_chromium` opens it, hovers a token,
+# compares the shading with the arrays, and checks that the page made no
+# network request.)
+#
+# The sentences are data, and data must not become markup. Inside a
+# `<script>` element the HTML parser looks only for `</script` and, after a
+# `<!--`, for `<script`: a sentence holding `<!--<script>` would swallow the
+# viewer's own script. So every `<`, `>` and `&` of the JSON is written as its
+# `\u003c`-style escape (JSON reads them back unchanged), and so are U+2028
+# and U+2029, which some JavaScript parsers take for line ends
+# (`test_viewer_survives_markup_in_the_sentences`).
 
 # %%
-_VIEWER_CSS = """
-body { font-family: sans-serif; margin: 1em 2em; color: #222; }
-#controls label { margin-right: 1.2em; }
-#caption { margin: .6em 0; font-size: 90%; color: #444; }
-#main { display: flex; gap: 2.5em; align-items: flex-start; }
-table.heat { border-collapse: collapse; font-size: 11px; }
-table.heat td.cell { width: 16px; height: 16px; border: 1px solid #fff; padding: 0; }
-table.heat td.blocked { background: #d8d8d8; }
-table.heat th.col { writing-mode: vertical-rl; transform: rotate(180deg); font-weight: normal; padding: 2px; }
-table.heat th.row { text-align: right; font-weight: normal; padding-right: 4px; white-space: nowrap; }
-table.heat tr.hl th.row, table.heat th.col.hl { color: #c05000; font-weight: bold; }
-#tokens { display: flex; gap: 3em; }
-.tokcol { display: flex; flex-direction: column; gap: 2px; }
-.tokcol h4 { margin: 0 0 .3em 0; font-size: 90%; color: #555; }
-span.tok { padding: 1px 6px; border-radius: 3px; cursor: default; white-space: pre; }
-span.tok.active { outline: 2px solid #c05000; }
-#status { height: 1.4em; font-size: 90%; color: #444; }
-"""
+_SCRIPT_SAFE = {ord(c): f"\\u{ord(c):04x}" for c in "<>&\u2028\u2029"}
 
-_VIEWER_JS = r"""
-const DATA = JSON.parse(document.getElementById('attention-data').textContent);
-const state = {s: 0, kind: 'encoder', layer: 0, head: 0};
-const $ = id => document.getElementById(id);
 
-function readHash() {
-  for (const part of location.hash.replace(/^#/, '').split('&')) {
-    const [k, v] = part.split('=');
-    if (k === 'kind' && DATA.kinds.includes(v)) state.kind = v;
-    else if (k === 'head' && v === 'mean') state.head = 'mean';
-    else if (k in state && v !== undefined && /^\d+$/.test(v)) state[k] = parseInt(v, 10);
-  }
-  state.s = Math.min(state.s, DATA.sentences.length - 1);
-  state.layer = Math.min(state.layer, DATA.layers - 1);
-  if (state.head !== 'mean') state.head = Math.min(state.head, DATA.heads - 1);
-}
+def script_json(value) -> str:
+    """JSON that can sit inside a <script> element: no character of it can end or open an element.
 
-function writeHash() {
-  history.replaceState(null, '', `#s=${state.s}&kind=${state.kind}&layer=${state.layer}&head=${state.head}`);
-}
+    >>> script_json({"s": "<!--<script>&"})
+    '{"s": "\\\\u003c!--\\\\u003cscript\\\\u003e\\\\u0026"}'
+    >>> json.loads(script_json(["</script>"]))
+    ['</script>']
+    """
+    return json.dumps(value, ensure_ascii=False).translate(_SCRIPT_SAFE)
 
-function option(sel, value, text) {
-  const o = document.createElement('option'); o.value = value; o.textContent = text; sel.appendChild(o);
-}
 
-function buildControls() {
-  DATA.sentences.forEach((s, i) => option($('sentence'), i, `${i}: ${s.source}`));
-  DATA.kinds.forEach(k => option($('kind'), k, DATA.kind_names[k]));
-  for (let l = 0; l < DATA.layers; l++) option($('layer'), l, `layer ${l}`);
-  option($('head'), 'mean', 'mean over heads');
-  for (let h = 0; h < DATA.heads; h++) option($('head'), h, `head ${h}`);
-  for (const [id, key] of [['sentence', 's'], ['kind', 'kind'], ['layer', 'layer'], ['head', 'head']]) {
-    $(id).addEventListener('change', e => {
-      const v = e.target.value;
-      state[key] = (key === 'kind' || v === 'mean') ? v : parseInt(v, 10);
-      render();
-    });
-  }
-}
-
-function matrix() {
-  const per = DATA.sentences[state.s].attn[state.kind][state.layer];
-  if (state.head !== 'mean') return per[state.head];
-  return per[0].map((row, q) => row.map((_, k) => per.reduce((a, h) => a + h[q][k], 0) / per.length));
-}
-
-function labels() {
-  const s = DATA.sentences[state.s], [r, c] = DATA.rows_cols[state.kind];
-  return [s[r], s[c]];
-}
-
-function shade(el, w, rgb) {
-  el.style.background = `rgba(${rgb}, ${w.toFixed(3)})`;
-  el.dataset.w = w.toFixed(4);
-}
-
-function clearHighlight() {
-  document.querySelectorAll('span.tok').forEach(t => {
-    t.style.background = ''; delete t.dataset.w; t.classList.remove('active');
-  });
-  document.querySelectorAll('.hl').forEach(t => t.classList.remove('hl'));
-  $('status').textContent = '';
-}
-
-function highlightQuery(q) {
-  const W = matrix(); clearHighlight();
-  document.querySelectorAll('span.tok.k').forEach((t, k) => shade(t, W[q][k], '230, 120, 0'));
-  document.querySelector(`span.tok.q[data-i="${q}"]`).classList.add('active');
-  document.querySelector(`tr[data-q="${q}"]`).classList.add('hl');
-  const [rows] = labels();
-  $('status').textContent = `query ${q} (${rows[q]}) attends to the keys shaded on the right`;
-}
-
-function highlightKey(k) {
-  const W = matrix(); clearHighlight();
-  document.querySelectorAll('span.tok.q').forEach((t, q) => shade(t, W[q][k], '0, 110, 200'));
-  document.querySelector(`span.tok.k[data-i="${k}"]`).classList.add('active');
-  document.querySelector(`th.col[data-k="${k}"]`).classList.add('hl');
-  const [, cols] = labels();
-  $('status').textContent = `key ${k} (${cols[k]}) is read by the queries shaded on the left`;
-}
-
-function render() {
-  writeHash();
-  $('sentence').value = state.s; $('kind').value = state.kind;
-  $('layer').value = state.layer; $('head').value = state.head;
-  const s = DATA.sentences[state.s], W = matrix(), [rows, cols] = labels();
-  const [rname, cname] = DATA.rows_cols[state.kind];
-  $('caption').textContent =
-    `source: ${s.source}  |  translation: ${s.translation}  |  rows: ${rname}, columns: ${cname}`;
-  const table = document.createElement('table'); table.className = 'heat';
-  const head = table.insertRow(); head.appendChild(document.createElement('th'));
-  cols.forEach((c, k) => {
-    const th = document.createElement('th'); th.className = 'col'; th.dataset.k = k; th.textContent = c;
-    head.appendChild(th);
-  });
-  rows.forEach((r, q) => {
-    const tr = table.insertRow(); tr.dataset.q = q;
-    const th = document.createElement('th'); th.className = 'row'; th.textContent = r; tr.appendChild(th);
-    cols.forEach((_, k) => {
-      const td = tr.insertCell(); td.className = 'cell'; td.dataset.q = q; td.dataset.k = k;
-      if (state.kind === 'decoder_self' && k > q) {
-        td.classList.add('blocked'); td.title = 'blocked by the causal mask';
-      } else {
-        td.style.background = `rgba(33, 102, 172, ${W[q][k].toFixed(3)})`;
-        td.title = `${r} -> ${cols[k]}: ${W[q][k].toFixed(3)}`;
-      }
-      td.addEventListener('mouseenter', () => highlightQuery(q));
-    });
-    th.addEventListener('mouseenter', () => highlightQuery(q));
-  });
-  table.addEventListener('mouseleave', clearHighlight);
-  $('heatmap').replaceChildren(table);
-  const qcol = document.createElement('div'), kcol = document.createElement('div');
-  qcol.className = kcol.className = 'tokcol';
-  qcol.innerHTML = '<h4>queries (hover)</h4>'; kcol.innerHTML = '<h4>keys (hover)</h4>';
-  rows.forEach((r, q) => {
-    const t = document.createElement('span'); t.className = 'tok q'; t.dataset.i = q; t.textContent = r;
-    if (state.kind === 'cross') t.title = `reads ${s.tgt_in_tokens[q]}, produces ${s.tgt_out_tokens[q]}`;
-    t.addEventListener('mouseenter', () => highlightQuery(q)); t.addEventListener('mouseleave', clearHighlight);
-    qcol.appendChild(t);
-  });
-  cols.forEach((c, k) => {
-    const t = document.createElement('span'); t.className = 'tok k'; t.dataset.i = k; t.textContent = c;
-    t.addEventListener('mouseenter', () => highlightKey(k)); t.addEventListener('mouseleave', clearHighlight);
-    kcol.appendChild(t);
-  });
-  $('tokens').replaceChildren(qcol, kcol);
-  document.body.dataset.rendered = `${state.s}/${state.kind}/${state.layer}/${state.head}`;
-}
-
-readHash(); buildControls(); render();
-window.addEventListener('hashchange', () => { readHash(); render(); });
-"""
-
-_VIEWER_HTML = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>Attention viewer: {title}</title>
-<style>{css}</style>
-</head>
-<body>
-<h2>Attention viewer</h2>
-<div id="controls">
-<label>sentence <select id="sentence"></select></label>
-<label>kind <select id="kind"></select></label>
-<label>layer <select id="layer"></select></label>
-<label>head <select id="head"></select></label>
-</div>
-<div id="caption"></div>
-<div id="status"></div>
-<div id="main"><div id="heatmap"></div><div id="tokens"></div></div>
-<p style="font-size:80%;color:#666">{footer}</p>
-<script type="application/json" id="attention-data">{data}</script>
-<script>{js}</script>
-</body>
-</html>
-"""
+def viewer_file(name: str) -> str:
+    """The text of `annotated/viewer/<name>` (package data)."""
+    return importlib.resources.files("annotated").joinpath("viewer", name).read_text(encoding="utf-8")
 
 
 def viewer_html(index: dict, arrays: list[dict], decimals: int = 4) -> str:
@@ -692,12 +543,11 @@ def viewer_html(index: dict, arrays: list[dict], decimals: int = 4) -> str:
             "kind_names": {"encoder": "encoder self-attention", "decoder_self": "decoder masked self-attention",
                            "cross": "cross-attention (decoder -> encoder)"},
             "sentences": sentences}
-    # "</" inside a <script> element would end it early; JSON allows the escaped form "<\/".
-    payload = json.dumps(data, ensure_ascii=False).replace("</", "<\\/")
     footer = html.escape(f"checkpoint: {index.get('checkpoint')}; {index['layers']} layers x {index['heads']} heads; "
                          f"weights rounded to {decimals} decimals")
-    return _VIEWER_HTML.format(title=html.escape(str(index.get("checkpoint"))), css=_VIEWER_CSS, footer=footer,
-                               data=payload, js=_VIEWER_JS)
+    page = string.Template(viewer_file("viewer.html"))
+    return page.substitute(title=html.escape(str(index.get("checkpoint"))), css=viewer_file("viewer.css"),
+                           footer=footer, data=script_json(data), js=viewer_file("viewer.js"))
 
 
 # %% [markdown]
@@ -705,25 +555,57 @@ def viewer_html(index: dict, arrays: list[dict], decimals: int = 4) -> str:
 #
 # A dump is written into a fresh temporary directory next to the target and
 # renamed into place only when every file is complete; an error on the way
-# removes the temporary directory, so a reader never finds half a dump. An
-# existing dump at the target is replaced (it is first renamed aside, then
-# deleted); a directory that is not a dump is never overwritten.
-# (`test_failed_dump_leaves_nothing`.)
+# removes the temporary directory, so a reader never finds half a dump.
+#
+# The target may be missing, an empty directory, or **one of our dumps**,
+# which is replaced (renamed aside, then deleted). A dump is recognised
+# positively: its `index.json` carries our format marker, and every entry of
+# the directory is a plain file that the index names (`index.json`,
+# `viewer.html`, the sentence files and their pictures). Anything else, a
+# file, a link, a folder holding one file of the user's, is refused with one
+# line before anything is computed, and left untouched.
+# (`test_failed_dump_leaves_nothing`, `test_out_dir_that_is_not_our_dump_is_refused_untouched`.)
 
 # %%
+def not_a_dump(out_dir: os.PathLike | str) -> Optional[str]:
+    """Why `out_dir` may not be replaced by a dump, or None (missing, empty, or a dump of ours)."""
+    out_dir = Path(out_dir)
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        return "it is not a directory" if not out_dir.is_symlink() else "it is a symbolic link"
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        return None
+    try:
+        index = json.loads((out_dir / "index.json").read_text(encoding="utf-8"))
+        ours = {"index.json", index.get("viewer") or "viewer.html"}
+        for entry in index["sentences"]:
+            ours |= {entry["file"], *(entry.get("pictures") or {}).values()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return "it has no readable index.json of an attention dump"
+    if index.get("format") != FORMAT:
+        return f"its index.json does not carry the format {FORMAT!r}"
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in ours or p.is_symlink() or not p.is_file())
+    return f"it holds {foreign[0]!r}, which is no file of a dump" if foreign else None
+
+
+def check_output_dir(out_dir: os.PathLike | str) -> None:
+    """ValueError naming the fix when `out_dir` is neither missing, empty, nor one of our dumps."""
+    why = not_a_dump(out_dir)
+    if why:
+        raise ValueError(f"{out_dir} exists and is not an attention dump ({why}); it was left untouched: "
+                         f"choose another --out, or move it away yourself")
+
+
 @contextlib.contextmanager
 def staged_directory(out_dir: os.PathLike | str):
     """Yield a temporary directory that becomes `out_dir` only if the block succeeds."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and not (out_dir.is_dir() and (not any(out_dir.iterdir())
-                                                       or (out_dir / "index.json").is_file())):
-        raise ValueError(f"{out_dir} exists and is not an attention dump (no index.json); "
-                         f"refusing to replace it, choose another output directory")
+    check_output_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
         yield tmp
         os.chmod(tmp, new_file_mode(0o777))  # mkdtemp's 0o700 -> what mkdir would give
+        check_output_dir(out_dir)  # still missing, empty or ours after the work
         old = None
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
@@ -837,14 +719,15 @@ def dump(checkpoint_path: os.PathLike | str, sentences: Optional[Sequence[str]] 
     model runs in float64 too (exact comparisons). Raises CheckpointError for an
     unusable checkpoint, ValueError for bad sentences, before writing anything.
     """
+    checkpoint = Path(checkpoint_path).resolve()
+    out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent / "attention"
+    check_output_dir(out_dir)  # before any work
     model, tokenizer, meta = load_checkpoint(checkpoint_path)
     if tokenizer is None:
         raise CheckpointError(f"checkpoint {checkpoint_path} holds no tokenizer; cannot turn sentences into ids")
     model = model.to(device or "cpu", torch.float64 if np.dtype(dtype) == np.float64 else torch.float32)
     if sentences is None:
         sentences, references = flickr_test_sentences(meta, n, data_url, cache_dir)
-    checkpoint = Path(checkpoint_path).resolve()
-    out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent / "attention"
     return dump_model(model, tokenizer, sentences, out_dir, checkpoint=str(checkpoint), meta=meta,
                       references=references, pictures=pictures, viewer=viewer, dtype=dtype, progress=progress)
 
@@ -896,10 +779,10 @@ def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: 
 # %% [markdown]
 # ## 10. The command line
 #
-# `python -m annotated.attention [--checkpoint PATH] [--out DIR] [--n 3] [sentence ...]`
+# `python -m annotated.attention_maps [--checkpoint PATH] [--out DIR] [--n 3] [sentence ...]`
 # (also `make attention ARGS='...'`). Without `--checkpoint` it takes the
 # best checkpoint of the most recent training run, `runs/latest/best.pt`,
-# found exactly as `annotated.translate` finds it (`latest_checkpoint`);
+# found by `latest_checkpoint` (`annotated/checkpoint.py`), as the translator finds it;
 # without sentences, the first `--n` sentences of Multi30k's
 # `test_2016_flickr` in the checkpoint's source language (downloaded as in
 # training; `$MULTI30K_URL` or `--data-url` choose the mirror), with their
@@ -912,7 +795,7 @@ def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: 
 
 # %%
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m annotated.attention",
+    p = argparse.ArgumentParser(prog="python -m annotated.attention_maps",
                                 description="Dump, draw and browse every attention weight of a trained translator.")
     p.add_argument("sentences", nargs="*", help="source sentences (default: the first --n of test_2016_flickr)")
     p.add_argument("--checkpoint", type=Path, help="checkpoint file (default: runs/latest/best.pt)")
@@ -946,4 +829,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     from annotated.cli import run_command
-    run_command(main, "python -m annotated.attention")  # Ctrl-C: one line and exit code 130, not a traceback
+    run_command(main, "python -m annotated.attention_maps")  # Ctrl-C: one line and exit code 130, not a traceback

@@ -26,7 +26,17 @@
 #
 # **Clear failures.** Loading a missing, truncated or foreign file, or one
 # whose parameters do not fit its own config, raises `CheckpointError` naming
-# the file and what is wrong. A flipped bit is caught too: `torch.save` writes
+# the file and what is wrong. The file is read with `weights_only=True`, so
+# it can hold tensors and plain data but no code; one that holds anything
+# else is refused as such (we do not suggest loading it unsafely).
+#
+# **A config is data too.** The stored config says how big a model to build,
+# so a crafted one (a vocabulary of ten million, forty layers, `max_len=NaN`)
+# could ask for gigabytes before anything fails. It is checked first: every
+# field has its type and range, and the parameter shapes it implies (worked
+# out on PyTorch's `meta` device, which allocates nothing) must be the stored
+# tensors' shapes. Only then is the model built.
+# (`test_a_crafted_config_is_refused_before_anything_is_built`.) A flipped bit is caught too: `torch.save` writes
 # a zip archive with a CRC-32 for every member, but `torch.load` does not
 # check them, so a changed byte in a tensor's data loads silently as a
 # different number (in a small checkpoint, a third of all single-byte changes
@@ -39,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
@@ -77,6 +88,9 @@ def save_checkpoint(path: os.PathLike | str, model: EncoderDecoder, tokenizer, m
 def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:
     """The raw checkpoint dict, after checking that it is one of ours."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a directory; give the checkpoint file in it "
+                              f"(for example {path / 'best.pt'})")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
@@ -86,6 +100,9 @@ def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except CheckpointError:
         raise
+    except pickle.UnpicklingError:  # torch's message suggests weights_only=False: never for a file we did not write
+        raise CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain data; "
+                              f"it is not an annotated checkpoint and is not loaded") from None
     except Exception as e:  # truncated zip, not a torch file, ...
         raise CheckpointError(f"checkpoint {path} is corrupt or not a torch file ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
@@ -111,13 +128,67 @@ def _zip_damage(path: Path) -> Optional[str]:
     return f"member {bad} fails its CRC-32 check (the bytes changed after writing)" if bad else None
 
 
-def model_from_state(state: dict, path: os.PathLike | str = "<checkpoint>") -> EncoderDecoder:
-    """Rebuild the model from the stored config and load its parameters strictly."""
+MAX_POSITIONS = 65536  # max_len above this is refused: the positional table alone is max_len x d_model floats
+
+
+def _check_field(name: str, kind: str, value) -> Optional[str]:
+    """What is wrong with one config value of declared type `kind` ("int", "int | None", ...), or None."""
+    kinds = {part.strip() for part in kind.split("|")}
+    if value is None and "None" in kinds:
+        return None
+    if "bool" in kinds:
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if "int" in kinds:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"must be a whole number >= 1, got {value!r}"
+        return None
+    if "float" in kinds:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+        return None if ok else f"must be a number in [0, 1), got {value!r}"
+    return None if isinstance(value, str) else f"must be a string, got {value!r}"
+
+
+def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>") -> TransformerConfig:
+    """The stored config as a TransformerConfig, checked field by field and against the stored tensors'
+    shapes, without building the model (CheckpointError naming the field otherwise)."""
+    fields = {f.name: str(f.type) for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(config) - set(fields), key=str)
+    if unknown:
+        raise CheckpointError(f"checkpoint {path}: its config has unknown fields {unknown}")
+    for name, kind in fields.items():
+        problem = _check_field(name, kind, config[name]) if name in config else None
+        if problem:
+            raise CheckpointError(f"checkpoint {path}: its config's {name} {problem}")
+    bounds = {"max_len": MAX_POSITIONS, "N": len(tensors)}  # every layer stores tensors of its own
+    if config.get("attention") == "per_head":
+        bounds["h"] = len(tensors)  # and so does every head of the per-head form
+    for name, most in bounds.items():
+        if config.get(name, 0) > most:
+            raise CheckpointError(f"checkpoint {path}: its config's {name}={config[name]} is more than {most}")
     try:
-        config = TransformerConfig(**state["config"])
+        cfg = TransformerConfig(**config)
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            wanted = {k: tuple(v.shape) for k, v in make_model(cfg).state_dict().items()}
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: its config is invalid: {e}") from None
-    model = make_model(config)
+    stored = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in tensors.items()}
+    for name in sorted(wanted.keys() | stored.keys()):
+        if name not in stored:
+            problem = f"the config needs {name} {list(wanted[name])}, which the file does not hold"
+        elif name not in wanted:
+            problem = f"the file holds {name}, which the config does not make"
+        elif stored[name] != wanted[name]:
+            problem = (f"{name} is stored as {list(stored[name]) if stored[name] is not None else 'no tensor'} "
+                       f"but the config needs {list(wanted[name])}")
+        else:
+            continue
+        raise CheckpointError(f"checkpoint {path}: parameters do not match its config: {problem}")
+    return cfg
+
+
+def model_from_state(state: dict, path: os.PathLike | str = "<checkpoint>") -> EncoderDecoder:
+    """Rebuild the model from the stored config (checked first) and load its parameters strictly."""
+    model = make_model(check_config(state["config"], state["model"], path))
     try:
         model.load_state_dict(state["model"], strict=True)
     except RuntimeError as e:
@@ -145,3 +216,36 @@ def load_checkpoint(path: os.PathLike | str, map_location: str = "cpu"):
                                   f"model's vocabularies have {cfg.src_vocab} (source) and {cfg.tgt_vocab} "
                                   f"(target); they do not belong together")
     return model, tokenizer, state.get("meta", {})
+
+
+# %% [markdown]
+# ## Which checkpoint
+#
+# Training writes each run into `runs/<name>/`, with `best.pt` (best
+# validation BLEU) and `last.pt`, and points `runs/latest` at the newest run
+# (a symlink, or a text file holding the run directory's name). Without
+# `--checkpoint` the translator and `make attention` take, in this order:
+#
+# 1. `runs/latest/best.pt`, where `runs/latest` is a symlink to a run
+#    directory or a text file naming one (relative to `runs/`, or as a path);
+# 2. else the most recently written `runs/*/best.pt`;
+# 3. else it stops with an error that says how to get a checkpoint.
+
+# %%
+def latest_checkpoint(runs_dir: str | Path = "runs") -> Path:
+    """The best checkpoint of the latest training run under `runs_dir`."""
+    runs = Path(runs_dir)
+    latest = runs / "latest"
+    if latest.is_dir():  # a symlink to the run directory
+        if (latest / "best.pt").is_file():
+            return latest / "best.pt"
+    elif latest.is_file():  # a text file naming it
+        name = latest.read_text(encoding="utf-8", errors="replace").strip()
+        for run in (runs / name, Path(name)):
+            if name and (run / "best.pt").is_file():
+                return run / "best.pt"
+    found = [p for p in runs.glob("*/best.pt") if p.is_file()]
+    if found:
+        return max(found, key=lambda p: p.stat().st_mtime)
+    raise CheckpointError(f"no checkpoint found: neither {latest}/best.pt nor any {runs}/*/best.pt exists; "
+                          f"train one (`make train`) or pass --checkpoint PATH")

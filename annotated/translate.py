@@ -47,42 +47,17 @@ if __name__ == "__main__":  # as a command; `main()` hands Ctrl-C back to Python
 
 import torch
 
-from annotated.checkpoint import CheckpointError, load_checkpoint
+from annotated.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from annotated.decoding import translate_ids
 from annotated.transformer import EncoderDecoder
 
 # %% [markdown]
 # ## 1. Which checkpoint
 #
-# Training writes each run into `runs/<name>/`, with `best.pt` (best
-# validation BLEU) and `last.pt`, and points `runs/latest` at the newest run
-# (a symlink, or a text file holding the run directory's name). Without
-# `--checkpoint` the translator takes, in this order:
-#
-# 1. `runs/latest/best.pt`, where `runs/latest` is a symlink to a run
-#    directory or a text file naming one (relative to `runs/`, or as a path);
-# 2. else the most recently written `runs/*/best.pt`;
-# 3. else it stops with an error that says how to get a checkpoint.
-
-# %%
-def latest_checkpoint(runs_dir: str | Path = "runs") -> Path:
-    """The best checkpoint of the latest training run under `runs_dir`."""
-    runs = Path(runs_dir)
-    latest = runs / "latest"
-    if latest.is_dir():  # a symlink to the run directory
-        if (latest / "best.pt").is_file():
-            return latest / "best.pt"
-    elif latest.is_file():  # a text file naming it
-        name = latest.read_text(encoding="utf-8", errors="replace").strip()
-        for run in (runs / name, Path(name)):
-            if name and (run / "best.pt").is_file():
-                return run / "best.pt"
-    found = [p for p in runs.glob("*/best.pt") if p.is_file()]
-    if found:
-        return max(found, key=lambda p: p.stat().st_mtime)
-    raise CheckpointError(f"no checkpoint found: neither {latest}/best.pt nor any {runs}/*/best.pt exists; "
-                          f"train one (`make train`) or pass --checkpoint PATH")
-
+# `--checkpoint PATH`, or else the best checkpoint of the latest training
+# run, found by `latest_checkpoint` (`annotated/checkpoint.py`, section
+# "Which checkpoint"): `runs/latest/best.pt`, else the most recently written
+# `runs/*/best.pt`, else an error that says how to get one.
 
 # %% [markdown]
 # ## 2. From text to subword ids, and the input rules

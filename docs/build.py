@@ -59,6 +59,7 @@ from pygments.formatters import HtmlFormatter  # noqa: E402
 from pygments.lexers import PythonLexer, get_lexer_by_name  # noqa: E402
 from pygments.util import ClassNotFound  # noqa: E402
 
+from annotated.files import atomic_write  # noqa: E402
 from docs import figures as figs  # noqa: E402
 
 READING_ORDER: tuple[str, ...] = ("transformer", "equivalence", "data", "decoding", "train", "checkpoint",
@@ -498,7 +499,7 @@ def draw_figures(out: Path, ctx: figs.FigureContext, selected: Sequence[figs.Fig
         mpl_figure, caption = fig.draw(ctx)
         data = figs.png_bytes(mpl_figure)
         path = out / "figures" / f"{fig.name}.png"
-        figs.write_atomic(path, data)
+        atomic_write(path, data)
         files.append(path)
         width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")  # PNG IHDR
         env = {"where": f"docs/figures.py ({fig.name})"}
@@ -507,10 +508,6 @@ def draw_figures(out: Path, ctx: figs.FigureContext, selected: Sequence[figs.Fig
                              f'height="{height}" alt="{alt}">\n<figcaption><strong>Figure {{number}}.</strong> '
                              f'{md.renderInline(caption, env)}</figcaption></figure>\n')
     return html_of, files
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    figs.write_atomic(path, text.encode("utf-8"))
 
 
 def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] = READING_ORDER,
@@ -563,7 +560,7 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
         appendix += "</article>\n"
     body = [link_module_mentions(c, chapters) for c in chapters_html]
     index = out / "index.html"
-    _write_text_atomic(index, render_page(body, page, notes, appendix))
+    atomic_write(index, render_page(body, page, notes, appendix))
     keep = {p.name for p in files}
     for stale in (out / "figures").glob("*.png") if (out / "figures").is_dir() else []:
         if stale.name not in keep:
@@ -588,7 +585,7 @@ def build_notebook(module: str = "transformer", out: Path = DEFAULT_OUT, root: P
         raise DocsError(f"no module {src} to convert to a notebook")
     notebook = jupytext.read(src, fmt="py:percent")
     target = Path(out) / f"{module}.ipynb"
-    _write_text_atomic(target, jupytext.writes(notebook, fmt="ipynb"))
+    atomic_write(target, jupytext.writes(notebook, fmt="ipynb"))
     return target
 
 

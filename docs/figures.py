@@ -19,8 +19,6 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -60,21 +58,6 @@ def png_bytes(fig: MplFigure) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight", metadata={"Software": None})
     return buf.getvalue()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write bytes to `path` via a temporary file in the same directory and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the page and its figures are for reading
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # %% [markdown]
@@ -248,12 +231,13 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
 
 # %%
 def find_checkpoint(root: Path) -> Optional[Path]:
-    """runs/latest/best.pt, else the most recently written runs/*/best.pt, else None."""
-    latest = root / "runs" / "latest" / "best.pt"
-    if latest.is_file():
-        return latest
-    found = sorted((root / "runs").glob("*/best.pt"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
+    """The translator's default checkpoint (`latest_checkpoint` of root/runs), or None when there is none."""
+    from annotated.checkpoint import CheckpointError, latest_checkpoint
+
+    try:
+        return latest_checkpoint(root / "runs")
+    except CheckpointError:
+        return None
 
 
 def copy_task_model(ctx: FigureContext) -> T.EncoderDecoder:

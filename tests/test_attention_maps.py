@@ -1,4 +1,4 @@
-"""Tests of annotated/attention.py: dumps, pictures, tensorboard, the HTML viewer, the command line.
+"""Tests of annotated/attention_maps.py: dumps, pictures, tensorboard, the HTML viewer, the command line.
 
 Models are tiny and random (the properties checked do not need training); the
 tokenizer is trained on the first 300 Multi30k training pairs, read from
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import shutil
 import stat
@@ -20,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from annotated import attention as A
-from browser import Chromium
+from annotated import attention_maps as A
+from browser import CHROMIUM, NO_CHROMIUM, Chromium
 from annotated.checkpoint import CheckpointError, save_checkpoint
 from annotated.transformer import BOS, PAD, convert_model, make_model, padding_mask
 
@@ -292,9 +293,47 @@ def test_failed_dump_leaves_nothing(checkpoints, tmp_path, monkeypatch):
         A.collect_attention(tiny_model(50).train(), [5], [6])
 
 
+def tree(path: Path) -> dict:
+    """Every file and folder under `path` with its bytes (None for folders, the target for links)."""
+    return {str(p.relative_to(path)): (os.readlink(p) if p.is_symlink() else None if p.is_dir() else p.read_bytes())
+            for p in sorted(path.rglob("*"))}
+
+
+@pytest.mark.parametrize("case", ["foreign index", "dump plus a user file", "dump plus a folder", "a file",
+                                  "index without marker", "a link"])
+def test_out_dir_that_is_not_our_dump_is_refused_untouched(case, checkpoints, tmp_path, capsys):
+    """Only a dump of ours (format marker, nothing but the files its index names) is ever replaced."""
+    out = tmp_path / "out"
+    if case == "foreign index":  # the old rule: any file named index.json made a folder "a dump"
+        (out / "photos").mkdir(parents=True)
+        (out / "index.json").write_text('{"pages": [1, 2]}')
+        (out / "photos" / "a.jpg").write_bytes(b"\xff\xd8 holiday")
+    elif case in ("dump plus a user file", "dump plus a folder"):
+        A.dump(checkpoints[0], SENTENCES[:1], out, pictures=False)
+        if case == "dump plus a user file":
+            (out / "thesis.tex").write_text("chapter 1")
+        else:
+            (out / "drafts").mkdir()
+    elif case == "a file":
+        out.write_text("a file, not a folder")
+    elif case == "index without marker":
+        out.mkdir()
+        (out / "index.json").write_text('{"sentences": []}')
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "keep.txt").write_text("keep")
+        out.symlink_to("elsewhere")
+    before = tree(tmp_path)
+    code = A.main(["--checkpoint", str(checkpoints[0]), "--out", str(out), "--no-pictures", SENTENCES[0]])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "is not an attention dump" in err and "choose another --out" in err
+    assert tree(tmp_path) == before  # nothing changed, nothing added beside it
+
+
 def run_cli(*args, cwd=ROOT):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "annotated.attention", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "annotated.attention_maps", *map(str, args)], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=300)
 
 
@@ -427,3 +466,30 @@ def test_viewer_in_headless_chromium(full_dump, tmp_path):
         assert "http://example.invalid/x.png" in browser.requests()
     finally:
         browser.close()
+
+
+HOSTILE = "Ein Hund <!--<script> rennt & </script> über\u2028die\u2029Wiese > 1."
+
+
+def test_viewer_survives_markup_in_the_sentences(tokenizer, tmp_path):
+    """Text that HTML would read as markup inside <script> (`<!--<script>`, `</script>`) stays text."""
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
+    model = tiny_model(tokenizer.vocab_size, max_len=80)  # room for the byte pieces of the markup
+    out = A.dump_model(model, tokenizer, [HOSTILE, SENTENCES[1]], tmp_path / "dump", pictures=False)
+    page = (out / "viewer.html").read_text(encoding="utf-8")
+    data = page.split('id="attention-data">', 1)[1].split("</script>", 1)[0]
+    assert not set("<>&\u2028\u2029") & set(data)  # every one escaped
+    assert json.loads(data)["sentences"][0]["source"] == HOSTILE  # and read back unchanged
+    browser = Chromium(CHROMIUM, tmp_path / "profile")
+    try:
+        browser.page("Page.enable")
+        browser.page("Page.navigate", url=(out / "viewer.html").as_uri())
+        browser.wait_event("Page.loadEventFired")
+        assert browser.js("document.body.dataset.rendered") == "0/encoder/0/0"  # the script ran
+        assert browser.js("DATA.sentences[0].source") == HOSTILE
+        assert HOSTILE in browser.js("document.getElementById('caption').textContent")
+        assert browser.js("document.querySelectorAll('script').length") == 2  # no element made from the text
+    finally:
+        browser.close()
+

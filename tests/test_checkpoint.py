@@ -72,3 +72,61 @@ def test_checkpoints_get_the_mode_a_plain_open_would_give(tmp_path, umask):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "a.pt").stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode)
     assert stat.S_IMODE((tmp_path / "a.pt").stat().st_mode) == 0o666 & ~umask
+
+
+CRAFTED = {  # config change -> what the one-line error says
+    "huge vocabulary": ({"src_vocab": 10_000_000, "tgt_vocab": 10_000_000, "d_model": 4096},
+                        "parameters do not match its config"),
+    "forty layers": ({"N": 40}, "the config needs decoder.layers.1."),
+    "a layer per tensor and more": ({"N": 10_000}, "N=10000 is more than"),
+    "max_len NaN": ({"max_len": float("nan")}, "max_len must be a whole number >= 1, got nan"),
+    "max_len huge": ({"max_len": 10**9}, "max_len=1000000000 is more than 65536"),
+    "dropout 2": ({"dropout": 2.0}, "dropout must be a number in [0, 1)"),
+    "d_model a string": ({"d_model": "8"}, "d_model must be a whole number >= 1, got '8'"),
+    "layers as a bool": ({"N": True}, "N must be a whole number >= 1, got True"),
+    "negative d_ff": ({"d_ff": -16}, "d_ff must be a whole number >= 1"),
+    "unknown field": ({"flux": 1}, "unknown fields ['flux']"),
+    "no vocabulary": ({"src_vocab": None}, "src_vocab must be a whole number >= 1, got None"),
+    "wider feed-forward": ({"d_ff": 32}, "parameters do not match its config: decoder.layers.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_config_is_refused_before_anything_is_built(case, tmp_path, monkeypatch):
+    """A config that passes weights_only loading but asks for a model its tensors are not: one clear error,
+    and no model is built (only shapes are worked out, on the meta device)."""
+    from annotated import checkpoint
+
+    save_checkpoint(tmp_path / "a.pt", tiny_model(), None)
+    state = read_checkpoint(tmp_path / "a.pt")
+    change, message = CRAFTED[case]
+    state["config"].update(change)
+    torch.save(state, tmp_path / "crafted.pt")
+    real_builds = []
+
+    def spy(*args, **kwargs):
+        if torch.empty(0).device.type != "meta":
+            real_builds.append(case)
+            raise AssertionError("a model was built before its config was checked")
+        return make_model(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "make_model", spy)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path / "crafted.pt")
+    assert message in str(e.value) and "crafted.pt" in str(e.value) and "\n" not in str(e.value)
+    assert real_builds == []
+
+
+class Anything:
+    """Any class: weights_only loading refuses to rebuild it."""
+
+
+def test_a_folder_or_a_file_with_code_is_refused_without_the_unsafe_hint(tmp_path, capsys):
+    from annotated import translate
+
+    torch.save({"format": "annotated-checkpoint-v1", "config": {}, "model": {}, "x": Anything()}, tmp_path / "code.pt")
+    for path, message in ((tmp_path, "is a directory"), (tmp_path / "code.pt", "holds Python objects")):
+        assert translate.main(["--checkpoint", str(path), "Hallo"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+        assert "weights_only" not in err and "can still be loaded" not in err

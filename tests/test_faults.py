@@ -250,7 +250,7 @@ def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command
 
 @pytest.mark.parametrize("command, name", [
     (["-m", "annotated.equivalence"], "python -m annotated.equivalence"),
-    (["-m", "annotated.attention", "--checkpoint", "none.pt"], "python -m annotated.attention"),
+    (["-m", "annotated.attention_maps", "--checkpoint", "none.pt"], "python -m annotated.attention_maps"),
     ([str(ROOT / "benchmarks" / "bench.py")], "benchmarks/bench.py"),
     ([str(ROOT / "docs" / "build.py"), "--out", "{tmp}/site"], "docs/build.py"),
 ], ids=["equivalence", "attention", "bench", "docs"])

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from annotated.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from annotated.data import train_tokenizer
-from annotated.translate import latest_checkpoint, main, translate
+from annotated.translate import main, translate
 from annotated.transformer import make_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,132 @@
+const DATA = JSON.parse(document.getElementById('attention-data').textContent);
+const state = {s: 0, kind: 'encoder', layer: 0, head: 0};
+const $ = id => document.getElementById(id);
+
+function readHash() {
+  for (const part of location.hash.replace(/^#/, '').split('&')) {
+    const [k, v] = part.split('=');
+    if (k === 'kind' && DATA.kinds.includes(v)) state.kind = v;
+    else if (k === 'head' && v === 'mean') state.head = 'mean';
+    else if (k in state && v !== undefined && /^\d+$/.test(v)) state[k] = parseInt(v, 10);
+  }
+  state.s = Math.min(state.s, DATA.sentences.length - 1);
+  state.layer = Math.min(state.layer, DATA.layers - 1);
+  if (state.head !== 'mean') state.head = Math.min(state.head, DATA.heads - 1);
+}
+
+function writeHash() {
+  history.replaceState(null, '', `#s=${state.s}&kind=${state.kind}&layer=${state.layer}&head=${state.head}`);
+}
+
+function option(sel, value, text) {
+  const o = document.createElement('option'); o.value = value; o.textContent = text; sel.appendChild(o);
+}
+
+function buildControls() {
+  DATA.sentences.forEach((s, i) => option($('sentence'), i, `${i}: ${s.source}`));
+  DATA.kinds.forEach(k => option($('kind'), k, DATA.kind_names[k]));
+  for (let l = 0; l < DATA.layers; l++) option($('layer'), l, `layer ${l}`);
+  option($('head'), 'mean', 'mean over heads');
+  for (let h = 0; h < DATA.heads; h++) option($('head'), h, `head ${h}`);
+  for (const [id, key] of [['sentence', 's'], ['kind', 'kind'], ['layer', 'layer'], ['head', 'head']]) {
+    $(id).addEventListener('change', e => {
+      const v = e.target.value;
+      state[key] = (key === 'kind' || v === 'mean') ? v : parseInt(v, 10);
+      render();
+    });
+  }
+}
+
+function matrix() {
+  const per = DATA.sentences[state.s].attn[state.kind][state.layer];
+  if (state.head !== 'mean') return per[state.head];
+  return per[0].map((row, q) => row.map((_, k) => per.reduce((a, h) => a + h[q][k], 0) / per.length));
+}
+
+function labels() {
+  const s = DATA.sentences[state.s], [r, c] = DATA.rows_cols[state.kind];
+  return [s[r], s[c]];
+}
+
+function shade(el, w, rgb) {
+  el.style.background = `rgba(${rgb}, ${w.toFixed(3)})`;
+  el.dataset.w = w.toFixed(4);
+}
+
+function clearHighlight() {
+  document.querySelectorAll('span.tok').forEach(t => {
+    t.style.background = ''; delete t.dataset.w; t.classList.remove('active');
+  });
+  document.querySelectorAll('.hl').forEach(t => t.classList.remove('hl'));
+  $('status').textContent = '';
+}
+
+function highlightQuery(q) {
+  const W = matrix(); clearHighlight();
+  document.querySelectorAll('span.tok.k').forEach((t, k) => shade(t, W[q][k], '230, 120, 0'));
+  document.querySelector(`span.tok.q[data-i="${q}"]`).classList.add('active');
+  document.querySelector(`tr[data-q="${q}"]`).classList.add('hl');
+  const [rows] = labels();
+  $('status').textContent = `query ${q} (${rows[q]}) attends to the keys shaded on the right`;
+}
+
+function highlightKey(k) {
+  const W = matrix(); clearHighlight();
+  document.querySelectorAll('span.tok.q').forEach((t, q) => shade(t, W[q][k], '0, 110, 200'));
+  document.querySelector(`span.tok.k[data-i="${k}"]`).classList.add('active');
+  document.querySelector(`th.col[data-k="${k}"]`).classList.add('hl');
+  const [, cols] = labels();
+  $('status').textContent = `key ${k} (${cols[k]}) is read by the queries shaded on the left`;
+}
+
+function render() {
+  writeHash();
+  $('sentence').value = state.s; $('kind').value = state.kind;
+  $('layer').value = state.layer; $('head').value = state.head;
+  const s = DATA.sentences[state.s], W = matrix(), [rows, cols] = labels();
+  const [rname, cname] = DATA.rows_cols[state.kind];
+  $('caption').textContent =
+    `source: ${s.source}  |  translation: ${s.translation}  |  rows: ${rname}, columns: ${cname}`;
+  const table = document.createElement('table'); table.className = 'heat';
+  const head = table.insertRow(); head.appendChild(document.createElement('th'));
+  cols.forEach((c, k) => {
+    const th = document.createElement('th'); th.className = 'col'; th.dataset.k = k; th.textContent = c;
+    head.appendChild(th);
+  });
+  rows.forEach((r, q) => {
+    const tr = table.insertRow(); tr.dataset.q = q;
+    const th = document.createElement('th'); th.className = 'row'; th.textContent = r; tr.appendChild(th);
+    cols.forEach((_, k) => {
+      const td = tr.insertCell(); td.className = 'cell'; td.dataset.q = q; td.dataset.k = k;
+      if (state.kind === 'decoder_self' && k > q) {
+        td.classList.add('blocked'); td.title = 'blocked by the causal mask';
+      } else {
+        td.style.background = `rgba(33, 102, 172, ${W[q][k].toFixed(3)})`;
+        td.title = `${r} -> ${cols[k]}: ${W[q][k].toFixed(3)}`;
+      }
+      td.addEventListener('mouseenter', () => highlightQuery(q));
+    });
+    th.addEventListener('mouseenter', () => highlightQuery(q));
+  });
+  table.addEventListener('mouseleave', clearHighlight);
+  $('heatmap').replaceChildren(table);
+  const qcol = document.createElement('div'), kcol = document.createElement('div');
+  qcol.className = kcol.className = 'tokcol';
+  qcol.innerHTML = '<h4>queries (hover)</h4>'; kcol.innerHTML = '<h4>keys (hover)</h4>';
+  rows.forEach((r, q) => {
+    const t = document.createElement('span'); t.className = 'tok q'; t.dataset.i = q; t.textContent = r;
+    if (state.kind === 'cross') t.title = `reads ${s.tgt_in_tokens[q]}, produces ${s.tgt_out_tokens[q]}`;
+    t.addEventListener('mouseenter', () => highlightQuery(q)); t.addEventListener('mouseleave', clearHighlight);
+    qcol.appendChild(t);
+  });
+  cols.forEach((c, k) => {
+    const t = document.createElement('span'); t.className = 'tok k'; t.dataset.i = k; t.textContent = c;
+    t.addEventListener('mouseenter', () => highlightKey(k)); t.addEventListener('mouseleave', clearHighlight);
+    kcol.appendChild(t);
+  });
+  $('tokens').replaceChildren(qcol, kcol);
+  document.body.dataset.rendered = `${state.s}/${state.kind}/${state.layer}/${state.head}`;
+}
+
+readHash(); buildControls(); render();
+window.addEventListener('hashchange', () => { readHash(); render(); });
