@@ -590,11 +590,20 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Optional[P
 # - `index` `(B,)`: where each row came from in the list given to
 #   `make_batches`, to put translations back in order.
 #
-# **The budget.** A batch obeys `B * max(S, T) <= max_tokens`: neither
-# rectangle has more than `max_tokens` entries.
+# **Few shapes.** `make_batches` pads every batch a little further, so that
+# `S` and the decoder's `T - 1` columns are multiples of `pad_to = 8` (never
+# past what a model of `max_len` positions reads, when `max_len` is given).
+# Padding is masked out of attention and loss, so it changes no result; it
+# costs a few columns and buys two things: a compiled model
+# (`torch.compile`, CUDA graphs) sees a handful of shapes instead of one per
+# sentence length, and matrix shapes that are multiples of 8 suit the GPU's
+# tensor cores. `collate` alone pads to the longest row (`pad_to=1`).
+#
+# **The budget.** A batch obeys `B * max(S, T) <= max_tokens`, counting the
+# padded columns: neither rectangle has more than `max_tokens` entries.
 #
 # **Length bucketing.** Sentences are sorted by length (`max(len(x),
-# len(y) + 2)`, the width they force) and cut greedily into consecutive
+# len(y) + 2)`, the width they force, padded as above) and cut greedily into consecutive
 # runs that fit the budget, so each batch holds sentences of nearly equal
 # length and little padding. With `shuffle=True` the sentences are first
 # shuffled (so equal lengths come in a different order each epoch) and the
@@ -637,36 +646,60 @@ def encode_pairs(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer) -> list
     return list(zip(src, tgt))
 
 
-def _width(pair: tuple[Sequence[int], Sequence[int]]) -> int:
-    """Columns this pair needs: its source, or its target with bos and eos."""
-    return max(len(pair[0]), len(pair[1]) + 2)
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
-def collate(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], index: Sequence[int]) -> Batch:
-    """The padded Batch of the examples encoded[i] for i in index.
+def _columns(src_len: int, tgt_len: int, pad_to: int = 1, max_len: Optional[int] = None) -> tuple[int, int]:
+    """(S, T) of a batch whose longest source has src_len ids and longest target tgt_len ids (bos/eos excluded):
+    S and the decoder's T - 1 rounded up to multiples of pad_to, capped at max_len.
+
+    >>> _columns(5, 9), _columns(5, 9, pad_to=8), _columns(5, 9, pad_to=8, max_len=12)
+    ((5, 11), (8, 17), (8, 13))
+    """
+    S, T = max(1, src_len), tgt_len + 2
+    if pad_to > 1:
+        S, T = _round_up(S, pad_to), _round_up(T - 1, pad_to) + 1
+        if max_len is not None:
+            S, T = min(S, max(max_len, src_len, 1)), min(T, max(max_len + 1, tgt_len + 2))
+    return S, T
+
+
+def _width(pair: tuple[Sequence[int], Sequence[int]], pad_to: int = 1, max_len: Optional[int] = None) -> int:
+    """Columns this pair needs: its source, or its target with bos and eos (padded as a batch would be)."""
+    return max(_columns(len(pair[0]), len(pair[1]), pad_to, max_len))
+
+
+def collate(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], index: Sequence[int], pad_to: int = 1,
+            max_len: Optional[int] = None) -> Batch:
+    """The padded Batch of the examples encoded[i] for i in index (columns as in `_columns`).
 
     >>> b = collate([([5, 6, 7], [8]), ([9], [10, 11])], [0, 1])
     >>> b.src.tolist(), b.tgt.tolist(), b.ntokens  # ntokens: 8 eos + 10 11 eos
     ([[5, 6, 7], [9, 0, 0]], [[1, 8, 2, 0], [1, 10, 11, 2]], 5)
+    >>> b = collate([([5, 6, 7], [8]), ([9], [10, 11])], [0, 1], pad_to=8)
+    >>> tuple(b.src.shape), tuple(b.tgt[:, :-1].shape), b.ntokens  # the same tokens, 8 columns each
+    ((2, 8), (2, 8), 5)
     """
     srcs = [list(encoded[i][0]) for i in index]
     tgts = [[BOS, *encoded[i][1], EOS] for i in index]
-    S, T = max(1, *map(len, srcs)), max(map(len, tgts))
+    S, T = _columns(max(map(len, srcs)), max(map(len, tgts)) - 2, pad_to, max_len)
     src = torch.tensor([s + [PAD] * (S - len(s)) for s in srcs], dtype=torch.long)  # (B, S)
     tgt = torch.tensor([t + [PAD] * (T - len(t)) for t in tgts], dtype=torch.long)  # (B, T)
     return Batch(src, tgt, torch.tensor(list(index), dtype=torch.long))  # index (B,)
 
 
-def _bucket(encoded, max_tokens: int, rng: Optional[random.Random]) -> list[list[int]]:
-    """Indices sorted by width, cut greedily into runs with B * width <= max_tokens."""
+def _bucket(encoded, max_tokens: int, rng: Optional[random.Random], pad_to: int = 1,
+            max_len: Optional[int] = None) -> list[list[int]]:
+    """Indices sorted by width, cut greedily into runs with B * (padded width) <= max_tokens."""
     order = list(range(len(encoded)))
     if rng is not None:
         rng.shuffle(order)
-    order.sort(key=lambda i: (_width(encoded[i]), len(encoded[i][0])))  # stable: ties stay shuffled
+    order.sort(key=lambda i: (_width(encoded[i], pad_to, max_len), len(encoded[i][0])))  # stable: ties stay shuffled
     groups: list[list[int]] = []
     current: list[int] = []
     for i in order:
-        w = _width(encoded[i])  # the widest so far, since the order is sorted
+        w = _width(encoded[i], pad_to, max_len)  # the widest so far, since the order is sorted
         if current and (len(current) + 1) * w > max_tokens:
             groups.append(current)
             current = []
@@ -711,36 +744,45 @@ def _split_to_multiple(groups: list[list[int]], world_size: int) -> list[list[in
 
 
 def make_batches(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], max_tokens: int, shuffle: bool = False,
-                 seed: int = 0, rank: int = 0, world_size: int = 1) -> list[Batch]:
+                 seed: int = 0, rank: int = 0, world_size: int = 1, pad_to: int = 8,
+                 max_len: Optional[int] = None) -> list[Batch]:
     """This process's batches: length-bucketed, B * max(S, T) <= max_tokens, each example once over all ranks.
 
     Seven pairs of widths 3 ... 9 (n source ids, n target ids + bos + eos) in three batches of at most 18
     entries; for two processes the largest batch is split, giving each two batches:
 
     >>> encoded = [([7] * n, [8] * n) for n in range(1, 8)]
-    >>> [b.index.tolist() for b in make_batches(encoded, max_tokens=18)]
+    >>> [b.index.tolist() for b in make_batches(encoded, max_tokens=18, pad_to=1)]
     [[0, 1, 2], [3, 4], [5, 6]]
-    >>> [[b.index.tolist() for b in make_batches(encoded, 18, rank=r, world_size=2)] for r in (0, 1)]
+    >>> [[b.index.tolist() for b in make_batches(encoded, 18, rank=r, world_size=2, pad_to=1)] for r in (0, 1)]
     [[[0], [3, 4]], [[1, 2], [5, 6]]]
+
+    With the default `pad_to=8` every batch of these pairs is 9 target columns wide (8 for the decoder):
+
+    >>> [(b.index.tolist(), tuple(b.tgt.shape)) for b in make_batches(encoded, max_tokens=18)]
+    [([0, 1], (2, 9)), ([2, 3], (2, 9)), ([4, 5], (2, 9)), ([6], (1, 9))]
     """
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if not isinstance(pad_to, int) or pad_to < 1:
+        raise ValueError(f"pad_to must be a positive int, got {pad_to!r}")
     if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
     if not encoded:
         return []
     rng = random.Random(seed) if shuffle else None
-    groups = _bucket(encoded, max_tokens, rng)
-    over = [g[0] for g in groups if _width(encoded[g[0]]) > max_tokens]
+    groups = _bucket(encoded, max_tokens, rng, pad_to, max_len)
+    over = [g[0] for g in groups if _width(encoded[g[0]], pad_to, max_len) > max_tokens]
     if over:
         warnings.warn(f"{len(over)} example(s) are wider than max_tokens={max_tokens} "
-                      f"(widest: {max(_width(encoded[i]) for i in over)} columns); each gets a batch of its own",
+                      f"(widest: {max(_width(encoded[i], pad_to, max_len) for i in over)} columns); each gets "
+                      f"a batch of its own",
                       DataWarning, stacklevel=2)
     if world_size > 1:
         groups = _split_to_multiple(groups, world_size)
     if rng is not None:
         rng.shuffle(groups)
-    return [collate(encoded, g) for g in groups[rank::world_size]]
+    return [collate(encoded, g, pad_to, max_len) for g in groups[rank::world_size]]
 
 
 # %% [markdown]

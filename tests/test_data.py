@@ -407,13 +407,22 @@ def random_encoded(n, max_len, seed):
              [rng.randrange(4, 50) for _ in range(rng.randrange(0, max_len))]) for _ in range(n)]
 
 
-def check_batch(b, encoded):
-    """Rows hold exactly their example: ids then pad; bos + ids + eos then pad."""
+def up8(n):
+    return (n + 7) // 8 * 8
+
+
+def check_batch(b, encoded, pad_to=8):
+    """Rows hold exactly their example: ids then pad; bos + ids + eos then pad. With pad_to=8 (make_batches'
+    default) the source and the decoder input tgt[:, :-1] have the longest row's columns rounded up to 8."""
     B, S = b.src.shape
     assert b.src.dtype == b.tgt.dtype == b.index.dtype == torch.long
     assert b.tgt.size(0) == b.index.size(0) == B >= 1
-    assert S == max(1, max(len(encoded[i][0]) for i in b.index.tolist()))
-    assert b.tgt.size(1) == max(len(encoded[i][1]) + 2 for i in b.index.tolist())
+    longest_src = max(1, max(len(encoded[i][0]) for i in b.index.tolist()))
+    longest_tgt = max(len(encoded[i][1]) + 2 for i in b.index.tolist())
+    if pad_to == 8:
+        assert S == up8(longest_src) and b.tgt.size(1) - 1 == up8(longest_tgt - 1)
+    else:
+        assert S == longest_src and b.tgt.size(1) == longest_tgt
     for r, i in enumerate(b.index.tolist()):
         x, y = encoded[i]
         assert b.src[r].tolist() == x + [PAD] * (S - len(x))
@@ -435,7 +444,7 @@ def test_every_example_once_and_budget_respected(shuffle, max_tokens):
 
 def test_batches_are_length_buckets_and_seeded():
     encoded = random_encoded(400, 40, seed=1)
-    width = [max(len(x), len(y) + 2) for x, y in encoded]
+    width = [max(up8(max(1, len(x))), up8(len(y) + 1) + 1) for x, y in encoded]  # padded, as the budget counts
     batches = make_batches(encoded, 400)
     # without shuffling, batches are consecutive runs of the examples sorted by width
     for a, b in zip(batches, batches[1:]):
@@ -458,19 +467,51 @@ def test_batches_are_length_buckets_and_seeded():
 
 def test_padding_and_ntokens():
     encoded = [([5, 6, 7], [8]), ([], [9, 10, 11])]
-    [b] = make_batches(encoded, 100)
-    check_batch(b, encoded)
+    [b] = make_batches(encoded, 100, pad_to=1)
+    check_batch(b, encoded, pad_to=1)
     assert b.index.tolist() == [0, 1]  # width 3 and 5
     assert b.src.tolist() == [[5, 6, 7], [PAD, PAD, PAD]]
     assert b.tgt.tolist() == [[BOS, 8, EOS, PAD, PAD], [BOS, 9, 10, 11, EOS]]
     assert b.ntokens == 2 + 4
-    [empty_src] = make_batches([([], [4])], 10)  # an empty source still has one (pad) column
+    [empty_src] = make_batches([([], [4])], 10, pad_to=1)  # an empty source still has one (pad) column
     assert empty_src.src.tolist() == [[PAD]]
+    # the default pads to 8 source and 8 decoder columns: the same rows, more pad, the same ntokens
+    [b8] = make_batches(encoded, 100)
+    rows = b8.index.tolist()  # (both now 9 columns wide: the shorter source comes first)
+    assert b8.src.tolist() == [b.src[i].tolist() + [PAD] * 5 for i in rows]
+    assert b8.tgt.tolist() == [b.tgt[i].tolist() + [PAD] * 4 for i in rows] and b8.ntokens == b.ntokens
+
+
+def test_padding_never_passes_the_model_length():
+    """With max_len given, padding stops at what the model reads: S <= max_len, decoder input T - 1 <= max_len."""
+    encoded = [([4] * 10, [5] * 9), ([4] * 3, [5] * 2)]
+    for b in make_batches(encoded, 1000, max_len=10):
+        assert b.src.size(1) <= 10 and b.tgt[:, :-1].size(1) <= 10
+    [b] = make_batches(encoded, 1000, max_len=10)
+    assert tuple(b.src.shape) == (2, 10) and tuple(b.tgt.shape) == (2, 11) and b.ntokens == 10 + 3
+
+
+def test_padded_batches_give_the_same_loss():
+    """Padding is masked out of attention and loss: the summed loss of a batch padded to 8 columns equals the
+    unpadded one's (float32, a few hundred terms: relative 1e-5 covers the different reduction order)."""
+    from annotated.train import batch_loss
+    from annotated.transformer import make_model
+
+    torch.manual_seed(0)
+    model = make_model(src_vocab=60, tgt_vocab=60, N=1, d_model=32, d_ff=64, h=2, dropout=0.0).eval()
+    encoded = random_encoded(12, 15, seed=4)
+    plain, padded = collate(encoded, range(12)), collate(encoded, range(12), pad_to=8)
+    assert padded.src.size(1) % 8 == 0 and (padded.tgt.size(1) - 1) % 8 == 0
+    assert padded.src.size(1) > plain.src.size(1) or padded.tgt.size(1) > plain.tgt.size(1)
+    (a, n), (b, m) = (batch_loss(model, x.src, x.tgt, 0.1) for x in (plain, padded))
+    assert int(n) == int(m) == plain.ntokens
+    assert abs(a.item() - b.item()) <= 1e-5 * abs(a.item())
 
 
 def test_over_budget_example_gets_its_own_batch():
     encoded = [([4] * 3, [5] * 3)] * 6 + [([4] * 50, [5] * 2), ([4] * 3, [5] * 40)]
-    with pytest.warns(DataWarning, match=r"2 example\(s\) are wider than max_tokens=20 \(widest: 50"):
+    # widest: 50 source ids, padded to 56 columns
+    with pytest.warns(DataWarning, match=r"2 example\(s\) are wider than max_tokens=20 \(widest: 56"):
         batches = make_batches(encoded, 20)
     alone = [b.index.tolist() for b in batches if max(b.src.numel(), b.tgt.numel()) > 20]
     assert sorted(alone) == [[6], [7]]
@@ -514,7 +555,7 @@ def test_batching_properties(lengths, max_tokens, world_size, shuffle, seed):
         return
     assert len({len(s) for s in shares}) == 1
     assert sorted(i for s in shares for b in s for i in b.index.tolist()) == list(range(len(encoded)))
-    over = {i for i, (x, y) in enumerate(encoded) if max(len(x), len(y) + 2) > max_tokens}
+    over = {i for i, (x, y) in enumerate(encoded) if max(up8(max(1, len(x))), up8(len(y) + 1) + 1) > max_tokens}
     assert bool(over) == any(issubclass(w.category, DataWarning) for w in caught)
     for s in shares:
         for b in s:
