@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from annotated.checks import check_token_ids
-from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, greedy_decode, padding_mask, subsequent_mask
+from annotated.transformer import BOS, EOS, PAD, Cache, EncoderDecoder, greedy_decode, padding_mask, subsequent_mask
 
 # %% [markdown]
 # ## 1. What every decoder checks first
@@ -181,36 +181,29 @@ def lp(length: int, alpha: float) -> float:
 # `model.decode(memory, src_mask, y_t, None, cache=cache, start=t)` feeds only
 # the newest token, appends its keys and values to `cache[layer]["self"]`,
 # and computes the cross-attention keys and values of the memory once, into
-# `cache[layer]["cross"]`. For the fused form an entry is a pair of tensors
-# `(B, h, T, d)`; for the per-head form a pair of lists of `h` tensors
-# `(B, T, d)`. In both, **the batch is dim 0 of every tensor**.
+# `cache[layer]["cross"]`. Whatever the attention form, an entry is a pair
+# (keys, values) of tensors `(B, h, T, d_k)` and `(B, h, T, d_v)`: **the batch
+# is dim 0 of every tensor**.
 #
 # Beam search runs `B * k` rows, one per hypothesis. After each step the new
 # `k` best prefixes of a sentence may descend from any of its old ones: row
 # `r` of the next step continues old row `index[r]`. Its cached keys and
 # values must follow it, so every tensor in the cache is re-indexed along
-# dim 0. `reorder_cache` does this generically: it walks any nesting of lists,
-# tuples and dicts, so it needs to know nothing about the attention form. The
-# same call also *drops* rows (an index that omits them), which is how a
-# finished sentence leaves the batch. It returns a new cache; the old one is
-# left unchanged (doctest of `reorder_cache`;
+# dim 0. The same call also *drops* rows (an index that omits them), which is
+# how a finished sentence leaves the batch. `reorder_cache` returns a new
+# cache; the old one is left unchanged (doctest of `reorder_cache`;
 # `test_reorder_cache_moves_and_drops_rows_of_a_real_cache`).
 
 # %%
-def reorder_cache(cache, index: Tensor):
-    """A copy of `cache` whose every tensor t becomes t.index_select(0, index).
+def reorder_cache(cache: Cache, index: Tensor) -> Cache:
+    """A copy of `cache` whose keys and values K, V become K[index], V[index] (along the batch, dim 0).
 
-    >>> cache = [{"self": (torch.tensor([[1.], [2.], [3.]]), [torch.tensor([10, 20, 30])])}]
-    >>> reorder_cache(cache, torch.tensor([2, 2, 0]))  # row r of the result continues old row index[r]
-    [{'self': (tensor([[3.], [3.], [1.]]), [tensor([30, 30, 10])])}]
+    >>> K, V = torch.tensor([[1.], [2.], [3.]]), torch.tensor([[10], [20], [30]])
+    >>> reorder_cache([{"self": (K, V)}], torch.tensor([2, 2, 0]))  # row r continues old row index[r]
+    [{'self': (tensor([[3.], [3.], [1.]]), tensor([[30], [30], [10]]))}]
     """
-    if isinstance(cache, Tensor):
-        return cache.index_select(0, index)  # (len(index), ...)
-    if isinstance(cache, dict):
-        return {key: reorder_cache(value, index) for key, value in cache.items()}
-    if isinstance(cache, (list, tuple)):
-        return type(cache)(reorder_cache(value, index) for value in cache)
-    raise TypeError(f"a cache holds tensors in lists, tuples and dicts, got {type(cache).__name__}")
+    return [{name: (K.index_select(0, index), V.index_select(0, index))  # (len(index), h, T, d)
+             for name, (K, V) in layer.items()} for layer in cache]
 
 
 # %% [markdown]
@@ -277,8 +270,8 @@ def reorder_cache(cache, index: Tensor):
 # each step recomputes the decoder over the whole prefix, which is slower
 # and gives the same tokens (`test_cached_beam_equals_recomputed_beam`).
 # The cross-attention entries are reordered too: within a sentence they are
-# all equal, so only the dropping of done sentences changes them, but the one
-# generic call keeps the code independent of the cache's layout.
+# all equal, so only the dropping of done sentences changes them, but one
+# call for every entry keeps the loop simple.
 
 # %%
 @torch.no_grad()

@@ -179,7 +179,7 @@ class TableModel(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.config = SimpleNamespace(max_len=8, N=1)
+        self.config = SimpleNamespace(max_len=8, N=1, src_vocab=6)
         self.generator = nn.Identity()
 
     def encode(self, src, src_mask):
@@ -189,9 +189,9 @@ class TableModel(nn.Module):
         return [{}]
 
     def decode(self, memory, src_mask, tgt, tgt_mask, *, cache=None, start=0):
-        if cache is not None:
-            tgt = torch.cat([cache[0]["self"], tgt], dim=1) if "self" in cache[0] else tgt
-            cache[0]["self"] = tgt
+        if cache is not None:  # the words so far stand in for both keys and values
+            tgt = torch.cat([cache[0]["self"][0], tgt], dim=1) if "self" in cache[0] else tgt
+            cache[0]["self"] = (tgt, tgt)
         rows = []
         for prefix in tgt[:, 1:].tolist():
             probs = self.table.get(tuple(prefix), {EOS: 1.0})
@@ -226,12 +226,10 @@ def test_reorder_cache_moves_and_drops_rows_of_a_real_cache():
             m.decode(memory, None, torch.full((3, 1), BOS), None, cache=cache, start=0)
         index = torch.tensor([2, 0])
         moved = reorder_cache(cache, index)
-        tensors = lambda c: [t for layer in c for kv in layer.values() for part in kv
-                             for t in (part if isinstance(part, list) else [part])]
-        for before, after in zip(tensors(cache), tensors(moved)):
-            assert after.size(0) == 2 and torch.equal(after, before[index])
-    with pytest.raises(TypeError, match="int"):
-        reorder_cache([{"self": 3}], torch.tensor([0]))
+        tensors = lambda c: [t for layer in c for kv in layer.values() for t in kv]  # noqa: E731
+        assert len(tensors(cache)) == 2 * 2 * 2  # layers x (self, cross) x (keys, values)
+        for before, after in zip(tensors(cache), tensors(moved), strict=True):
+            assert after.shape == (2, 2) + before.shape[2:] and torch.equal(after, before[index])  # (2, h, T, d)
 
 
 def test_bad_arguments_are_named(copy_models):

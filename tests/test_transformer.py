@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import annotated.transformer as T
-from annotated.checks import check_token_ids
+from annotated.checks import check_attention_inputs, check_model_inputs, check_token_ids
 from annotated.decoding import beam_search, greedy
 from annotated.transformer import (
     BOS, EOS, PAD, FusedAttention, PerHeadAttention, TransformerConfig, convert_model, fuse,
@@ -164,15 +164,22 @@ def test_default_head_size_needs_divisible_d_model():
 
 @pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
 def test_bad_attention_inputs_name_the_shapes(cls):
+    """The attentions assume good inputs; `check_attention_inputs` is their door."""
     att = cls(8, 2)
+    check = lambda *args: check_attention_inputs(att, *args)  # noqa: E731
+    check(torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.ones(2, 1, 5, dtype=torch.bool))  # good: no error
     with pytest.raises(ValueError, match=r"query input must have shape \(B, T, d_model=8\), got \(2, 3, 7\)"):
-        att(torch.randn(2, 3, 7), torch.randn(2, 3, 8))
+        check(torch.randn(2, 3, 7), torch.randn(2, 3, 8))
     with pytest.raises(ValueError, match="batch sizes differ"):
-        att(torch.randn(2, 3, 8), torch.randn(3, 3, 8))
+        check(torch.randn(2, 3, 8), torch.randn(3, 3, 8))
     with pytest.raises(ValueError, match=r"mask of shape \(2, 3, 4\) does not broadcast"):
-        att(torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.ones(2, 3, 4, dtype=torch.bool))
+        check(torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.ones(2, 3, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="must be a bool tensor"):
-        att(torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.ones(2, 3, 3))
+        check(torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.ones(2, 3, 3))
+    with pytest.raises(ValueError, match="query input has dtype torch.float64 but the weights have torch.float32"):
+        check(torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(2, 3, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast, any floating dtype may come in
+        check(torch.randn(2, 3, 8, dtype=torch.bfloat16), torch.randn(2, 3, 8))
 
 
 # --- the model --------------------------------------------------------------
@@ -333,8 +340,16 @@ def test_bad_token_ids_are_rejected_at_the_door():
 
 def test_model_rejects_long_inputs():
     m = make_model(small_config(max_len=8)).eval()
-    with pytest.raises(ValueError, match="exceeds the model's max_len=8"):
+    with pytest.raises(ValueError, match="sequence of length 9 exceeds the model's max_len"):
         m.encode(torch.full((1, 9), 3), None)
+    with pytest.raises(ValueError, match="source length 9 exceeds the model's max_len=8"):
+        check_model_inputs(m, src=torch.full((1, 9), 3))
+    with pytest.raises(ValueError, match=r"target positions 5 to 8 must lie in \[0, max_len=8\)"):
+        check_model_inputs(m, memory=torch.zeros(1, 3, 16), tgt=torch.full((1, 4), 3), start=5)
+    with pytest.raises(ValueError, match="memory has dtype torch.float64 but the model has torch.float32"):
+        check_model_inputs(m, memory=torch.zeros(1, 3, 16, dtype=torch.float64), tgt=torch.full((1, 4), 3))
+    with pytest.raises(ValueError, match=r"src_mask of shape \(1, 1, 4\) does not broadcast"):
+        check_model_inputs(m, src=torch.full((1, 3), 3), src_mask=torch.ones(1, 1, 4, dtype=torch.bool))
 
 
 # --- the copy task ----------------------------------------------------------
