@@ -599,11 +599,14 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Optional[P
 # sentence length, and matrix shapes that are multiples of 8 suit the GPU's
 # tensor cores. `collate` alone pads to the longest row (`pad_to=1`).
 #
-# **The budget.** A batch obeys `B * max(S, T) <= max_tokens`, counting the
-# padded columns: neither rectangle has more than `max_tokens` entries.
+# **The budget.** A batch obeys `B * max(S, T) <= max_tokens` before that
+# padding (the longest row's columns): neither rectangle holds more than
+# `max_tokens` entries of its sentences, so the examples a batch holds, and
+# hence a training recipe, do not depend on `pad_to`; the padding adds at
+# most 7 columns.
 #
 # **Length bucketing.** Sentences are sorted by length (`max(len(x),
-# len(y) + 2)`, the width they force, padded as above) and cut greedily into consecutive
+# len(y) + 2)`, the width they force) and cut greedily into consecutive
 # runs that fit the budget, so each batch holds sentences of nearly equal
 # length and little padding. With `shuffle=True` the sentences are first
 # shuffled (so equal lengths come in a different order each epoch) and the
@@ -665,9 +668,9 @@ def _columns(src_len: int, tgt_len: int, pad_to: int = 1, max_len: Optional[int]
     return S, T
 
 
-def _width(pair: tuple[Sequence[int], Sequence[int]], pad_to: int = 1, max_len: Optional[int] = None) -> int:
-    """Columns this pair needs: its source, or its target with bos and eos (padded as a batch would be)."""
-    return max(_columns(len(pair[0]), len(pair[1]), pad_to, max_len))
+def _width(pair: tuple[Sequence[int], Sequence[int]]) -> int:
+    """Columns this pair needs: its source, or its target with bos and eos."""
+    return max(len(pair[0]), len(pair[1]) + 2)
 
 
 def collate(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], index: Sequence[int], pad_to: int = 1,
@@ -689,17 +692,16 @@ def collate(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], index: Seque
     return Batch(src, tgt, torch.tensor(list(index), dtype=torch.long))  # index (B,)
 
 
-def _bucket(encoded, max_tokens: int, rng: Optional[random.Random], pad_to: int = 1,
-            max_len: Optional[int] = None) -> list[list[int]]:
-    """Indices sorted by width, cut greedily into runs with B * (padded width) <= max_tokens."""
+def _bucket(encoded, max_tokens: int, rng: Optional[random.Random]) -> list[list[int]]:
+    """Indices sorted by width, cut greedily into runs with B * width <= max_tokens."""
     order = list(range(len(encoded)))
     if rng is not None:
         rng.shuffle(order)
-    order.sort(key=lambda i: (_width(encoded[i], pad_to, max_len), len(encoded[i][0])))  # stable: ties stay shuffled
+    order.sort(key=lambda i: (_width(encoded[i]), len(encoded[i][0])))  # stable: ties stay shuffled
     groups: list[list[int]] = []
     current: list[int] = []
     for i in order:
-        w = _width(encoded[i], pad_to, max_len)  # the widest so far, since the order is sorted
+        w = _width(encoded[i])  # the widest so far, since the order is sorted
         if current and (len(current) + 1) * w > max_tokens:
             groups.append(current)
             current = []
@@ -757,10 +759,10 @@ def make_batches(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], max_tok
     >>> [[b.index.tolist() for b in make_batches(encoded, 18, rank=r, world_size=2, pad_to=1)] for r in (0, 1)]
     [[[0], [3, 4]], [[1, 2], [5, 6]]]
 
-    With the default `pad_to=8` every batch of these pairs is 9 target columns wide (8 for the decoder):
+    With the default `pad_to=8` the same batches are 9 target columns wide (8 for the decoder):
 
     >>> [(b.index.tolist(), tuple(b.tgt.shape)) for b in make_batches(encoded, max_tokens=18)]
-    [([0, 1], (2, 9)), ([2, 3], (2, 9)), ([4, 5], (2, 9)), ([6], (1, 9))]
+    [([0, 1, 2], (3, 9)), ([3, 4], (2, 9)), ([5, 6], (2, 9))]
     """
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
@@ -771,12 +773,11 @@ def make_batches(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], max_tok
     if not encoded:
         return []
     rng = random.Random(seed) if shuffle else None
-    groups = _bucket(encoded, max_tokens, rng, pad_to, max_len)
-    over = [g[0] for g in groups if _width(encoded[g[0]], pad_to, max_len) > max_tokens]
+    groups = _bucket(encoded, max_tokens, rng)
+    over = [g[0] for g in groups if _width(encoded[g[0]]) > max_tokens]
     if over:
         warnings.warn(f"{len(over)} example(s) are wider than max_tokens={max_tokens} "
-                      f"(widest: {max(_width(encoded[i], pad_to, max_len) for i in over)} columns); each gets "
-                      f"a batch of its own",
+                      f"(widest: {max(_width(encoded[i]) for i in over)} columns); each gets a batch of its own",
                       DataWarning, stacklevel=2)
     if world_size > 1:
         groups = _split_to_multiple(groups, world_size)

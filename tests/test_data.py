@@ -411,6 +411,12 @@ def up8(n):
     return (n + 7) // 8 * 8
 
 
+def budget(b, encoded):
+    """What the budget counts: B * the longest row's columns (source, or target with bos and eos), unpadded."""
+    rows = b.index.tolist()
+    return len(rows) * max(max(len(encoded[i][0]), len(encoded[i][1]) + 2) for i in rows)
+
+
 def check_batch(b, encoded, pad_to=8):
     """Rows hold exactly their example: ids then pad; bos + ids + eos then pad. With pad_to=8 (make_batches'
     default) the source and the decoder input tgt[:, :-1] have the longest row's columns rounded up to 8."""
@@ -438,13 +444,14 @@ def test_every_example_once_and_budget_respected(shuffle, max_tokens):
     seen = sorted(i for b in batches for i in b.index.tolist())
     assert seen == list(range(len(encoded)))
     for b in batches:
-        assert max(b.src.numel(), b.tgt.numel()) <= max_tokens
+        assert budget(b, encoded) <= max_tokens
+        assert max(b.src.numel(), b.tgt.numel()) <= len(b) * (budget(b, encoded) // len(b) + 7)  # + padding
         check_batch(b, encoded)
 
 
 def test_batches_are_length_buckets_and_seeded():
     encoded = random_encoded(400, 40, seed=1)
-    width = [max(up8(max(1, len(x))), up8(len(y) + 1) + 1) for x, y in encoded]  # padded, as the budget counts
+    width = [max(len(x), len(y) + 2) for x, y in encoded]
     batches = make_batches(encoded, 400)
     # without shuffling, batches are consecutive runs of the examples sorted by width
     for a, b in zip(batches, batches[1:]):
@@ -477,9 +484,8 @@ def test_padding_and_ntokens():
     assert empty_src.src.tolist() == [[PAD]]
     # the default pads to 8 source and 8 decoder columns: the same rows, more pad, the same ntokens
     [b8] = make_batches(encoded, 100)
-    rows = b8.index.tolist()  # (both now 9 columns wide: the shorter source comes first)
-    assert b8.src.tolist() == [b.src[i].tolist() + [PAD] * 5 for i in rows]
-    assert b8.tgt.tolist() == [b.tgt[i].tolist() + [PAD] * 4 for i in rows] and b8.ntokens == b.ntokens
+    assert b8.index.tolist() == [0, 1] and b8.src.tolist() == [row + [PAD] * 5 for row in b.src.tolist()]
+    assert b8.tgt.tolist() == [row + [PAD] * 4 for row in b.tgt.tolist()] and b8.ntokens == b.ntokens
 
 
 def test_padding_never_passes_the_model_length():
@@ -510,10 +516,9 @@ def test_padded_batches_give_the_same_loss():
 
 def test_over_budget_example_gets_its_own_batch():
     encoded = [([4] * 3, [5] * 3)] * 6 + [([4] * 50, [5] * 2), ([4] * 3, [5] * 40)]
-    # widest: 50 source ids, padded to 56 columns
-    with pytest.warns(DataWarning, match=r"2 example\(s\) are wider than max_tokens=20 \(widest: 56"):
+    with pytest.warns(DataWarning, match=r"2 example\(s\) are wider than max_tokens=20 \(widest: 50"):
         batches = make_batches(encoded, 20)
-    alone = [b.index.tolist() for b in batches if max(b.src.numel(), b.tgt.numel()) > 20]
+    alone = [b.index.tolist() for b in batches if budget(b, encoded) > 20]
     assert sorted(alone) == [[6], [7]]
     assert sorted(i for b in batches for i in b.index.tolist()) == list(range(8))
 
@@ -530,7 +535,7 @@ def test_ranks_share_all_examples_once(world_size, n):
         assert seen == list(range(n))
         for s in shares:
             for b in s:
-                assert max(b.src.numel(), b.tgt.numel()) <= 120
+                assert budget(b, encoded) <= 120
                 check_batch(b, encoded)
 
 
@@ -555,12 +560,12 @@ def test_batching_properties(lengths, max_tokens, world_size, shuffle, seed):
         return
     assert len({len(s) for s in shares}) == 1
     assert sorted(i for s in shares for b in s for i in b.index.tolist()) == list(range(len(encoded)))
-    over = {i for i, (x, y) in enumerate(encoded) if max(up8(max(1, len(x))), up8(len(y) + 1) + 1) > max_tokens}
+    over = {i for i, (x, y) in enumerate(encoded) if max(len(x), len(y) + 2) > max_tokens}
     assert bool(over) == any(issubclass(w.category, DataWarning) for w in caught)
     for s in shares:
         for b in s:
             check_batch(b, encoded)
-            if max(b.src.numel(), b.tgt.numel()) > max_tokens:
+            if budget(b, encoded) > max_tokens:
                 assert len(b) == 1 and b.index.item() in over
 
 
