@@ -37,7 +37,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Iterable, Optional, TextIO
+from typing import Iterable, Iterator, Optional, TextIO
 
 
 from annotated.cli import quiet_ctrl_c_while_starting, still_starting
@@ -49,6 +49,7 @@ import torch
 
 from annotated.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from annotated.decoding import translate_ids
+from annotated.options import Parser, at_least, device, number
 from annotated.transformer import EncoderDecoder
 
 # %% [markdown]
@@ -70,6 +71,7 @@ from annotated.transformer import EncoderDecoder
 # | input | what happens |
 # | --- | --- |
 # | empty, or only whitespace | an empty output line; on stderr `line N: empty input, printed an empty line` |
+# | longer than `MAX_LINE_BYTES` (64 KiB) | an empty output line; on stderr `line N: longer than 65536 bytes, printed an empty line` |
 # | more subwords than the model's `max_len` | the first `max_len` subwords are translated; on stderr `line N: K subwords, more than the model's max_len=M; translated the first M` |
 # | characters never seen in training | spelled as UTF-8 byte pieces by the tokenizer's byte fallback (`annotated/data.py`); translated as usual |
 # | bytes that are not UTF-8 (stdin) | each undecodable byte becomes U+FFFD, itself an unseen character; on stderr `line N: not valid UTF-8, undecodable bytes replaced by U+FFFD` |
@@ -77,10 +79,37 @@ from annotated.transformer import EncoderDecoder
 #
 # Standard input is read as bytes and decoded line by line for this reason:
 # a text-mode `sys.stdin` would raise on the first bad byte and end the
-# process, losing every later line. Lines are counted from 1; a sentence on
-# the command line is "argument N".
+# process, losing every later line. It is read at most `MAX_LINE_BYTES + 2`
+# bytes at a time, so a line of 50 MB costs no more memory than a short one:
+# the rest of a line that long is read and dropped in pieces of that size
+# (`test_a_huge_line_is_never_held_in_memory`). No sentence comes near the
+# limit: the models' `max_len` subwords are a few hundred words. Lines are
+# counted from 1; a sentence on the command line is "argument N".
 
 # %%
+MAX_LINE_BYTES = 1 << 16
+
+
+def read_lines(stream, limit: int = MAX_LINE_BYTES) -> Iterator[Optional[bytes]]:
+    """Each line of a binary stream without its line end, or None for a line longer than `limit` bytes.
+
+    >>> import io
+    >>> list(read_lines(io.BytesIO(b"short\\r\\n" + b"x" * 9 + b"\\nlast"), limit=8))
+    [b'short', None, b'last']
+    """
+    while True:
+        chunk = stream.readline(limit + 2)  # room for the content and "\r\n"
+        if not chunk:
+            return
+        if len(chunk) == limit + 2 and not chunk.endswith(b"\n"):
+            while chunk and not chunk.endswith(b"\n"):  # drop the rest of the line, piece by piece
+                chunk = stream.readline(limit + 2)
+            yield None
+            continue
+        line = chunk.rstrip(b"\r\n")
+        yield line if len(line) <= limit else None
+
+
 def decode_line(raw: bytes) -> tuple[str, Optional[str]]:
     """UTF-8 bytes (newline already removed) -> (text, note or None); bad bytes become U+FFFD.
 
@@ -145,19 +174,20 @@ def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, l
 RULES = """\
 input rules (each bad line still gets one output line, and the next line is served):
   empty or whitespace-only line  -> prints an empty line; message on stderr
+  line longer than 65536 bytes   -> prints an empty line; message on stderr (memory stays flat)
   more subwords than max_len     -> translates the first max_len subwords; warning on stderr
                                     naming the line and both lengths
   characters unseen in training  -> spelled as byte pieces by the tokenizer; translated as usual
   non-UTF-8 bytes on stdin       -> replaced by U+FFFD; warning on stderr naming the line
   any other error for one line   -> prints an empty line; the error on stderr
 output length: at most min(max_len, source subwords + --max-extra) subwords.
-checkpoint missing, corrupt or incompatible: one line on stderr naming the file, exit code 2.
+checkpoint missing, corrupt or incompatible, or a bad option: one line on stderr, exit code 2.
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m annotated.translate", formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = Parser(
+        prog="python -m annotated.translate", name="translate", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Translate sentences with a trained checkpoint: the arguments if given, "
                     "else stdin, one sentence a line, one translation a line.",
         epilog=RULES)
@@ -165,12 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="checkpoint file (default: runs/latest/best.pt, else the newest runs/*/best.pt)")
     p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where to look without --checkpoint")
-    p.add_argument("--beam", type=int, default=4, help="beam width; 1 = greedy (default 4)")
-    p.add_argument("--length-penalty", type=float, default=0.6,
+    p.add_argument("--beam", type=at_least(1), default=4, help="beam width; 1 = greedy (default 4)")
+    p.add_argument("--length-penalty", type=number(0, None), default=0.6,
                    help="GNMT alpha: score = log P / ((5 + |Y|) / 6)^alpha (default 0.6)")
-    p.add_argument("--max-extra", type=int, default=50,
+    p.add_argument("--max-extra", type=at_least(0), default=50,
                    help="output at most source length + this many subwords, capped at max_len (default 50)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--device", type=device, default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     return p
 
 
@@ -178,27 +208,32 @@ def _say(stream: TextIO, message: str) -> None:
     print(message, file=stream, flush=True)
 
 
-def _lines(sentences: list[str], stdin) -> Iterable[tuple[str, str, Optional[str]]]:
-    """(where, text, decoding note) for each command-line sentence, or each line of stdin (bytes)."""
+def _lines(sentences: list[str], stdin) -> Iterable[tuple[str, Optional[str], Optional[str]]]:
+    """(where, text or None when too long, note) for each command-line sentence, or each line of stdin."""
     if sentences:
-        for i, s in enumerate(sentences, 1):
-            # arguments undecodable in the locale arrive as surrogate escapes: same rule as stdin
-            yield (f"argument {i}", *decode_line(s.encode("utf-8", errors="surrogateescape")))
-        return
-    for i, raw in enumerate(stdin, 1):
-        yield (f"line {i}", *decode_line(raw.rstrip(b"\r\n")))
+        # arguments undecodable in the locale arrive as surrogate escapes: same rule as stdin
+        raws = (s.encode("utf-8", errors="surrogateescape") for s in sentences)
+        raws = (raw if len(raw) <= MAX_LINE_BYTES else None for raw in raws)
+    else:
+        raws = read_lines(stdin)
+    for i, raw in enumerate(raws, 1):
+        where = f"{'argument' if sentences else 'line'} {i}"
+        if raw is None:
+            yield where, None, f"longer than {MAX_LINE_BYTES} bytes, printed an empty line"
+        else:
+            yield (where, *decode_line(raw))
 
 
 def main(argv: Optional[list[str]] = None, stdin=None, stdout=None, stderr: Optional[TextIO] = None) -> int:
     """Run the translator; `stdin`/`stdout` are binary streams (default: the process's)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad option (2, its one line already on stderr)
+        return e.code
     stdin = sys.stdin.buffer if stdin is None else stdin
     stdout = sys.stdout.buffer if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
-    error = _check_options(args)
-    if error:
-        _say(stderr, f"translate: error: {error}")
-        return 2
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         path = args.checkpoint if args.checkpoint is not None else latest_checkpoint(args.runs_dir)
         if args.checkpoint is None:
@@ -217,8 +252,8 @@ def main(argv: Optional[list[str]] = None, stdin=None, stdout=None, stderr: Opti
             if note:
                 _say(stderr, f"{where}: {note}")
             try:
-                translation, rule = translate(model, tokenizer, text, args.beam, args.length_penalty,
-                                              args.max_extra)
+                translation, rule = ("", None) if text is None else translate(
+                    model, tokenizer, text, args.beam, args.length_penalty, args.max_extra)
             except ValueError as e:  # a clear error about this input: report it, answer empty, go on
                 translation, rule = "", f"error: {e}; printed an empty line"
             if rule:
@@ -232,23 +267,6 @@ def main(argv: Optional[list[str]] = None, stdin=None, stdout=None, stderr: Opti
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return 0
-
-
-def _check_options(args) -> Optional[str]:
-    """Check the numbers and resolve --device; returns an error message or None."""
-    if args.beam < 1:
-        return f"--beam must be >= 1, got {args.beam}"
-    if not args.length_penalty >= 0:
-        return f"--length-penalty must be >= 0, got {args.length_penalty}"
-    if args.max_extra < 0:
-        return f"--max-extra must be >= 0, got {args.max_extra}"
-    try:
-        args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except (RuntimeError, ValueError) as e:
-        return f"--device {args.device!r} is not a device ({e})"
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        return f"--device {args.device} asked for, but CUDA is not available here"
-    return None
 
 
 if __name__ == "__main__":
