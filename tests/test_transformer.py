@@ -106,25 +106,101 @@ def test_fully_masked_query_gives_zeros(fast, monkeypatch):
     assert torch.all(out[0, 0] != 0)
 
 
-def test_scaling_keeps_score_variance_at_one():
-    # The prose's variance argument, on unit-variance random q and k.
+@pytest.mark.parametrize("fast", [True, False])
+def test_scaling_keeps_score_variance_at_one(fast, monkeypatch):
+    """attention() divides q.k by sqrt(d_k): its scores have variance 1 for unit-variance q and k.
+
+    With two keys and values e_1, e_2, the output is the probabilities, and log(p_1 / p_2) = s_1 - s_2,
+    whose variance is 2 var(s) for independent scores. 50,000 queries: the sample variance of a variance-2
+    normal quantity is within 0.1 of 2 by about 8 standard errors. A scale of 1/d_k or none fails by far.
+    """
+    monkeypatch.setattr(T, "FAST_PATH", fast)  # the SDPA kernel and the explicit form
     gen = torch.Generator().manual_seed(0)
+    n = 50_000
+    v = torch.eye(2, dtype=torch.float64).expand(n, 2, 2)  # (n, T_k=2, d_v=2)
     for d_k in (16, 64, 256):
-        q, k = torch.randn(50_000, d_k, generator=gen), torch.randn(50_000, d_k, generator=gen)
-        raw = (q * k).sum(-1)
-        assert abs(raw.var().item() / d_k - 1) < 0.05
-        assert abs((raw / math.sqrt(d_k)).var().item() - 1) < 0.05
+        q = torch.randn(n, 1, d_k, generator=gen, dtype=torch.float64)  # (n, 1, d_k)
+        k = torch.randn(n, 2, d_k, generator=gen, dtype=torch.float64)  # (n, 2, d_k)
+        out, _ = T.attention(q, k, v)  # (n, 1, 2): the two probabilities
+        diff = (out[:, 0, 0].log() - out[:, 0, 1].log())  # s_1 - s_2
+        assert abs(diff.var().item() / 2 - 1) < 0.05, d_k
+
+
+def _score_cycles(p):
+    """For probabilities p (T, T) of scores S: S_ij - S_ji + S_jk - S_kj + S_ki - S_ik for all i, j, k.
+
+    log p_ij = S_ij - c_i with an unknown row constant c_i, which cancels around a cycle; the sums are all
+    zero iff S is symmetric up to rounding."""
+    L = p.log()
+    A = L - L.T  # (T, T)
+    return A[:, :, None] + A[None, :, :] + A.T[:, None, :]  # [i, j, k] = A_ij + A_jk + A_ki
 
 
 def test_shared_query_key_matrix_gives_symmetric_scores():
-    # Why W_Q and W_K both exist: with one matrix W, X W (X W)^T is symmetric.
+    # Why W_Q and W_K both exist: with one matrix W, the scores X W (X W)^T / sqrt(d_k) are symmetric.
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(6, 8, generator=gen, dtype=torch.float64)
     W, W2 = (torch.randn(8, 4, generator=gen, dtype=torch.float64) for _ in range(2))
-    shared = (X @ W) @ (X @ W).T
-    assert torch.allclose(shared, shared.T)
-    separate = (X @ W) @ (X @ W2).T
-    assert not torch.allclose(separate, separate.T)
+    v = torch.eye(6, dtype=torch.float64)
+    _, p_shared = T.attention(X @ W, X @ W, v, return_attention=True)  # (6, 6)
+    _, p_two = T.attention(X @ W, X @ W2, v, return_attention=True)
+    # attention() computes exactly softmax(Q K^T / sqrt(d_k)): a wrong scale fails here
+    assert torch.allclose(p_shared, ((X @ W) @ (X @ W).T / 2.0).softmax(-1), atol=1e-12, rtol=0)
+    assert torch.allclose(p_two, ((X @ W) @ (X @ W2).T / 2.0).softmax(-1), atol=1e-12, rtol=0)
+    assert _score_cycles(p_shared).abs().max() < 1e-9  # symmetric scores
+    assert _score_cycles(p_two).abs().max() > 1.0  # not symmetric
+    assert torch.linalg.matrix_rank(W @ W2.T) == 4  # the bilinear form W_Q W_K^T has rank d_k, not d_model
+
+
+@pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
+def test_attention_ignores_the_order_of_keys_and_values(cls):
+    att = cls(12, 3).double().eval()
+    random_biases(att, torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(4)
+    x, m = torch.randn(2, 3, 12, generator=gen, dtype=torch.float64), torch.randn(2, 5, 12, generator=gen,
+                                                                                   dtype=torch.float64)
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    out, p = att(x, m, return_attention=True)
+    out_perm, p_perm = att(x, m[:, perm], return_attention=True)  # keys and values permuted together
+    assert (out - out_perm).abs().max() <= 1e-12
+    assert (p[..., perm] - p_perm).abs().max() <= 1e-12  # each key keeps its weight (sums in another order)
+    K, V = att.keys_values(m)  # permuting only the values does change the result
+    out_v, _ = att(x, kv=(K, V[:, :, perm]))
+    assert (out - out_v).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
+@pytest.mark.parametrize("fast", [True, False])
+def test_attention_dropout_is_off_in_eval_mode(cls, fast, monkeypatch):
+    """An attention with dropout 0.5 in eval mode is deterministic and equals the same weights at dropout 0."""
+    monkeypatch.setattr(T, "FAST_PATH", fast)
+    torch.manual_seed(0)
+    att = cls(12, 3, dropout=0.5).double()
+    random_biases(att, torch.Generator().manual_seed(0))
+    ref = cls(12, 3, dropout=0.0).double()
+    ref.load_state_dict(att.state_dict())
+    x = torch.randn(2, 6, 12, dtype=torch.float64)
+    att.eval()
+    for ra in (False, True):
+        a1, p1 = att(x, x, return_attention=ra)
+        a2, p2 = att(x, x, return_attention=ra)
+        r, pr = ref(x, x, return_attention=ra)
+        assert torch.equal(a1, a2) and (a1 - r).abs().max() <= 1e-12
+        if ra:
+            assert torch.equal(p1, p2) and (p1 - pr).abs().max() <= 1e-12
+    att.train()  # and dropout really is on in training
+    assert not torch.equal(att(x, x)[0], att(x, x)[0])
+
+
+@pytest.mark.parametrize("attention", ["fused", "per_head"])
+def test_model_with_dropout_is_deterministic_in_eval_mode(attention):
+    torch.manual_seed(0)
+    m = make_model(small_config(attention=attention, dropout=0.3)).double().eval()
+    ref = make_model(small_config(attention=attention, dropout=0.0)).double().eval()
+    ref.load_state_dict(m.state_dict())
+    src, tgt = model_inputs(m.config)
+    args = (src, tgt, padding_mask(src, PAD), target_mask(tgt, PAD))
+    assert torch.equal(m(*args), m(*args)) and (m(*args) - ref(*args)).abs().max() <= 1e-12
 
 
 def test_per_head_parameters_are_rectangular():
@@ -298,17 +374,55 @@ def test_cached_decoding_equals_full_recomputation(attention):
     assert (torch.cat(steps, dim=1) - whole).abs().max() <= 1e-12
 
 
-def test_greedy_decode_stops_each_sentence_at_eos():
-    torch.manual_seed(0)
-    m = make_model(small_config(src_vocab=19, tgt_vocab=19)).eval()
-    with torch.no_grad():  # make eos the only likely token after two steps
-        m.generator.bias.zero_()
-    src, _ = model_inputs(m.config, B=5)
-    out = greedy_decode(m, src, padding_mask(src, PAD), max_len=10, bos=BOS, eos=EOS, pad=PAD)
-    for row in out.tolist():
-        if EOS in row:
-            k = row.index(EOS)
-            assert all(t == PAD for t in row[k + 1:])
+class StepModel(torch.nn.Module):
+    """A stand-in model for greedy_decode: sentence b emits the token 3 + t at step t until step len_b - 1,
+    where it emits eos; after that it would go on emitting 3 + t, which greedy_decode must turn into pad."""
+
+    def encode(self, src, src_mask):
+        return (src != PAD).sum(1, keepdim=True).double().unsqueeze(-1)  # (B, 1, 1): the source length
+
+    def new_cache(self):
+        return [{}]
+
+    def decode(self, memory, src_mask, tgt, tgt_mask, *, cache=None, start=0):
+        pos = torch.arange(start, start + tgt.size(1), dtype=torch.float64).expand(tgt.size(0), -1)  # (B, T)
+        return torch.stack([pos, memory[:, :, 0].expand_as(pos)], dim=-1)  # (B, T, 2): position, length
+
+    def generator(self, y):
+        pos, length = y[..., 0].long(), y[..., 1].long()  # (B,)
+        token = torch.where(pos + 1 >= length, EOS, 3 + pos)  # (B,)
+        return torch.nn.functional.one_hot(token, 20).double()  # (B, 20) logits
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_decode_stops_each_sentence_at_eos(use_cache):
+    src = torch.tensor([[5, PAD, PAD], [5, 6, 7], [5, 6, PAD]])  # lengths 1, 3, 2
+    out = greedy_decode(StepModel(), src, None, max_len=10, bos=BOS, eos=EOS, pad=PAD, use_cache=use_cache)
+    # each sentence stops at its own eos, pad after it, and decoding stops when the last one is done
+    assert out.tolist() == [[EOS, PAD, PAD], [3, 4, EOS], [3, EOS, PAD]]
+    out = greedy_decode(StepModel(), src, None, max_len=2, bos=BOS, eos=EOS, pad=PAD, use_cache=use_cache)
+    assert out.tolist() == [[EOS, PAD], [3, 4], [3, EOS]]  # max_len cuts the sentence without eos
+
+
+@pytest.mark.parametrize("attention", ["fused", "per_head"])
+def test_cached_greedy_gives_the_tokens_of_recomputed_greedy(attention):
+    """float32: cached and recomputed logits agree to rounding (the prose's 1.6e-6 on logits up to 4)."""
+    for seed in range(3):
+        torch.manual_seed(seed)
+        m = make_model(src_vocab=50, tgt_vocab=50, N=2, d_model=64, d_ff=128, h=4, dropout=0.0,
+                       attention=attention).eval()
+        src, tgt = torch.randint(3, 50, (8, 12)), torch.randint(3, 50, (8, 10))
+        mask = padding_mask(src, PAD)
+        with torch.no_grad():
+            memory = m.encode(src, mask)
+            whole = m.generator(m.decode(memory, mask, tgt, subsequent_mask(10)))  # (8, 10, 50)
+            cache = m.new_cache()
+            steps = torch.cat([m.generator(m.decode(memory, mask, tgt[:, t:t + 1], None, cache=cache, start=t))
+                               for t in range(10)], dim=1)  # (8, 10, 50)
+        assert whole.abs().max() <= 4.5 and (whole - steps).abs().max() <= 1.6e-6
+        a = greedy_decode(m, src, mask, 10, BOS, EOS, PAD, use_cache=True)
+        b = greedy_decode(m, src, mask, 10, BOS, EOS, PAD, use_cache=False)
+        assert torch.equal(a, b)
 
 
 def test_config_rejects_bad_settings():
