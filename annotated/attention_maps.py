@@ -62,6 +62,7 @@ from matplotlib.figure import Figure
 
 from annotated.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from annotated.files import new_file_mode
+from annotated.options import Parser, at_least, device, writable_dir
 from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, padding_mask, subsequent_mask
 
 
@@ -789,21 +790,22 @@ def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: 
 # reference translations in the index. The dump goes to `--out`, by default
 # `attention/` next to the checkpoint. Bad input (a missing or incompatible
 # checkpoint, an empty sentence, a sentence longer than the model's
-# `max_len`) prints one line on stderr and exits with status 2, writing
-# nothing. From Python the same defaults are `dump(checkpoint)`; after a
+# `max_len`, an `--out` that is not one of our dumps, an option out of range:
+# `--n 0`, `--device tpu`, an unwritable `--cache-dir`) prints one line on
+# stderr and exits with status 2, writing nothing. From Python the same defaults are `dump(checkpoint)`; after a
 # training run, `dump(run_dir / "best.pt")` writes `run_dir/attention/`.
 
 # %%
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m annotated.attention_maps",
-                                description="Dump, draw and browse every attention weight of a trained translator.")
+    p = Parser(prog="python -m annotated.attention_maps", name="attention",
+               description="Dump, draw and browse every attention weight of a trained translator.")
     p.add_argument("sentences", nargs="*", help="source sentences (default: the first --n of test_2016_flickr)")
     p.add_argument("--checkpoint", type=Path, help="checkpoint file (default: runs/latest/best.pt)")
     p.add_argument("--out", type=Path, help="output directory (default: attention/ next to the checkpoint)")
-    p.add_argument("--n", type=int, default=3, help="how many test sentences when none are given (default 3)")
+    p.add_argument("--n", type=at_least(1), default=3, help="how many test sentences when none are given (default 3)")
     p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")
-    p.add_argument("--cache-dir", type=Path, help="download cache (default as in training)")
-    p.add_argument("--device", help="cpu, cuda, ... (default cpu)")
+    p.add_argument("--cache-dir", type=writable_dir, help="download cache (default as in training)")
+    p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 (default cpu)")
     p.add_argument("--no-pictures", action="store_true", help="skip the PNG files")
     p.add_argument("--no-viewer", action="store_true", help="skip viewer.html")
     return p.parse_args(argv)
@@ -812,8 +814,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        if args.n < 1:
-            raise ValueError(f"--n must be at least 1, got {args.n}")
         ckpt = args.checkpoint if args.checkpoint is not None else latest_checkpoint()
         out = dump(ckpt, args.sentences or None, args.out, n=args.n, data_url=args.data_url,
                    cache_dir=args.cache_dir, pictures=not args.no_pictures, viewer=not args.no_viewer,

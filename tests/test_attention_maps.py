@@ -381,6 +381,21 @@ def test_cli_defaults_in_a_real_process(tokenizer, base_url, tmp_path):
     assert (run / "attention" / "viewer.html").is_file() and "run-1/attention" in r.stdout
 
 
+@pytest.mark.parametrize("option, message", [
+    (["--n", "0"], "argument --n: must be a whole number >= 1, got '0'"),
+    (["--n", "-5"], "argument --n: must be a whole number >= 1, got '-5'"),
+    (["--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N"),
+    (["--device", "meta"], "argument --device: must be cpu, cuda or cuda:N"),
+    (["--cache-dir", "/dev/null/cache"], "argument --cache-dir: '/dev/null/cache': /dev/null is not a folder"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_cli_bad_options_exit_2_with_one_line_before_any_work(option, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        A.main(["--checkpoint", str(tmp_path / "none.pt"), "--out", str(tmp_path / "out"), *option])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"attention: error: {message}") and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli_without_any_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no runs/ here
     assert A.main(["Ein Hund."]) == 2
