@@ -11,55 +11,58 @@ recipe. Examples:
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
+from annotated import cli
+from annotated.cli import non_negative_int, positive_float, positive_int, writable_dir
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def parse_args(argv=None):
+    """The options; a value that makes no sense is one line on stderr and exit 2, before any work."""
+    p = cli.ArgumentParser(prog="train_wmt.py", description=__doc__.split("\n\n")[0],
+                           formatter_class=cli.argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=("gpu", "cpu", "smoke"),
                    help="settings bundle (default: gpu when CUDA is available, else cpu)")
     p.add_argument("--src", dest="src_lang", help="source language: en, de, fr, cs (default de)")
     p.add_argument("--tgt", dest="tgt_lang", help="target language (default en)")
     p.add_argument("--attention", choices=("fused", "per_head"), help="multi-head attention form")
     p.add_argument("--norm", choices=("post", "pre"), help="layer norm placement")
-    p.add_argument("--layers", dest="N", type=int, help="encoder and decoder layers N")
-    p.add_argument("--d-model", dest="d_model", type=int, help="model width d_model")
-    p.add_argument("--d-ff", dest="d_ff", type=int, help="feed-forward width d_ff")
-    p.add_argument("--heads", dest="h", type=int, help="attention heads h (d_k = d_model / h)")
+    p.add_argument("--layers", dest="N", type=positive_int, help="encoder and decoder layers N")
+    p.add_argument("--d-model", dest="d_model", type=positive_int, help="model width d_model")
+    p.add_argument("--d-ff", dest="d_ff", type=positive_int, help="feed-forward width d_ff")
+    p.add_argument("--heads", dest="h", type=positive_int, help="attention heads h (d_k = d_model / h)")
     p.add_argument("--dropout", type=float)
     p.add_argument("--label-smoothing", type=float)
-    p.add_argument("--warmup", type=int, help="learning-rate warm-up steps")
-    p.add_argument("--lr-factor", type=float, help="scale of the paper's learning-rate schedule (peak lr = "
-                                                   "factor * d_model^-0.5 * warmup^-0.5)")
-    p.add_argument("--val-bleu-sentences", type=int, help="translate only the first n val sentences each epoch")
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--max-minutes", type=float, help="stop training after this many minutes")
-    p.add_argument("--max-steps", type=int, help="stop training after this many optimizer steps")
-    p.add_argument("--max-tokens", type=int, help="tokens per batch")
-    p.add_argument("--accum", type=int, help="batches per optimizer step")
-    p.add_argument("--vocab-size", type=int)
-    p.add_argument("--beam-size", type=int)
-    p.add_argument("--average-last", type=int, help="average the last N epoch checkpoints at the end")
+    p.add_argument("--warmup", type=positive_int, help="learning-rate warm-up steps")
+    p.add_argument("--lr-factor", type=positive_float, help="scale of the paper's learning-rate schedule (peak lr "
+                                                            "= factor * d_model^-0.5 * warmup^-0.5)")
+    p.add_argument("--val-bleu-sentences", type=positive_int,
+                   help="translate only the first n val sentences each epoch")
+    p.add_argument("--epochs", type=positive_int, help="an upper bound on epochs")
+    p.add_argument("--max-steps", type=positive_int, help="optimizer steps of the run (the preset's budget)")
+    p.add_argument("--max-minutes", type=positive_float, help="an optional cap on training minutes")
+    p.add_argument("--log-every", type=positive_int, help="steps between two reads of the loss (default 50)")
+    p.add_argument("--max-tokens", type=positive_int, help="tokens per batch")
+    p.add_argument("--accum", type=positive_int, help="batches per optimizer step")
+    p.add_argument("--vocab-size", type=positive_int)
+    p.add_argument("--beam-size", type=positive_int)
+    p.add_argument("--average-last", type=non_negative_int, help="average the last N epoch checkpoints at the end")
     p.add_argument("--seed", type=int)
-    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
-    p.add_argument("--run-dir", type=Path, help="where checkpoints, logs and results go "
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the model (CUDA graphs on a GPU)")
+    p.add_argument("--run-dir", type=Path, help="a new folder for checkpoints, logs and results "
                                                 "(default runs/<preset>-<src>-<tgt>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from last.pt")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice, one per core)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: one per core)")
     p.add_argument("--data-url", help="base URL of the Multi30k raw files (default $MULTI30K_URL, "
                                       "else the dataset's GitHub home); file:// URLs work")
-    p.add_argument("--cache-dir", type=Path, help="download and tokenizer cache (default $ANNOTATED_CACHE "
-                                                  "or ~/.cache/annotated)")
+    p.add_argument("--cache-dir", type=writable_dir, help="download and tokenizer cache (default "
+                                                          "$ANNOTATED_CACHE or ~/.cache/annotated)")
     p.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="your own parallel text instead")
     p.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"))
     p.add_argument("--test-files", nargs=2, metavar=("SRC", "TGT"))
@@ -67,13 +70,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pairs of your own files with an empty side: stop with an error naming the line (default), "
                         "skip them with a warning, or keep them")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--dump-attention", type=int, metavar="N", default=0,
+    p.add_argument("--dump-attention", type=non_negative_int, metavar="N", default=0,
                    help="after training, dump the attention of the first N test sentences into RUN_DIR/attention "
-                        "(see annotated/attention.py)")
-    return p.parse_args(argv)
+                        "(see annotated/attention_maps.py)")
+    args = p.parse_args(argv)
+    if args.resume and args.run_dir is None:
+        p.error("--resume needs --run-dir (the run to continue)")
+    user_files = (args.train_files, args.val_files, args.test_files)
+    if any(user_files) and not all(user_files):
+        p.error("give all three of --train-files, --val-files and --test-files, or none")
+    return args
 
 
-def config_from_args(args: argparse.Namespace, cuda: bool):
+def config_from_args(args, cuda: bool):
     """(preset name, TrainConfig): the preset, with every flag the user gave laid over it."""
     from annotated.train import PRESETS
     preset = args.preset or ("gpu" if cuda else "cpu")
@@ -82,61 +91,35 @@ def config_from_args(args: argparse.Namespace, cuda: bool):
     return preset, dataclasses.replace(PRESETS[preset], **overrides)
 
 
-@contextlib.contextmanager
-def ctrl_c_deferred():
-    """Hold a Ctrl-C that arrives inside the block and raise it as KeyboardInterrupt at the block's end.
-
-    Python raises KeyboardInterrupt wherever the interpreter happens to be. Inside a C++ extension's
-    initialisation (importing torch, sentencepiece, tensorboard's protobuf) it cannot unwind: once in
-    our test suite (torch 2.11's CUDA wheel, a busy machine) a Ctrl-C half a second after start aborted
-    the process ("terminate called after throwing an instance of 'pybind11::error_already_set'",
-    exit -6, no message). So while the heavy imports run, the handler only takes note.
-    """
-    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
-
-
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    with ctrl_c_deferred():  # the extensions' start-up cannot be interrupted safely (see above)
+    with cli.starting("train_wmt.py"):  # a Ctrl-C while the extensions load: one line, exit 130 (annotated.cli)
+        args = parse_args(argv)
         import sentencepiece  # noqa: F401
         import torch
         import torch.utils.tensorboard  # noqa: F401
 
         from annotated.checkpoint import CheckpointError
+        from annotated.distributed import RankError
         from annotated.train import TrainingError, train
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     run_dir = None
     try:
-        preset, cfg = config_from_args(args, cuda=torch.cuda.is_available())
-        if args.resume and args.run_dir is None:
-            raise ValueError("--resume needs --run-dir (the run to continue)")
-        user_files = (args.train_files, args.val_files, args.test_files)
-        if any(user_files) and not all(user_files):
-            raise ValueError("give all three of --train-files, --val-files and --test-files, or none")
+        device = cli.check_device(args.device)
+        preset, cfg = config_from_args(args, cuda=device.type == "cuda")
+        if args.threads:
+            torch.set_num_threads(args.threads)
         run_dir = args.run_dir or Path("runs") / f"{preset}-{cfg.src_lang}-{cfg.tgt_lang}-{time.strftime('%Y%m%d-%H%M%S')}"
-        result = train(cfg, run_dir, data_url=args.data_url, cache_dir=args.cache_dir, device=args.device,
-              resume=args.resume, progress=not args.no_progress and sys.stderr.isatty() or
-              os.environ.get("FORCE_PROGRESS") == "1",
-              train_files=args.train_files, val_files=args.val_files, test_files=args.test_files,
-              empty_lines=args.empty_lines)
+        result = train(cfg, run_dir, data_url=args.data_url, cache_dir=args.cache_dir, device=str(device),
+                       resume=args.resume, progress=not args.no_progress and sys.stderr.isatty() or
+                       os.environ.get("FORCE_PROGRESS") == "1",
+                       train_files=args.train_files, val_files=args.val_files, test_files=args.test_files,
+                       empty_lines=args.empty_lines)
         if args.dump_attention and not result.get("interrupted") and result.get("run_dir"):
-            from annotated.attention import dump
+            from annotated.attention_maps import dump
             out = dump(Path(result["test"]["best"]["checkpoint"]), n=args.dump_attention, data_url=args.data_url,
                        cache_dir=args.cache_dir)
             print(f"attention dump: {out}", flush=True)
-    except (ValueError, CheckpointError, TrainingError) as e:  # DataError and CheckpointError are ValueErrors
+    except (ValueError, CheckpointError, TrainingError, RankError) as e:  # DataError is a ValueError
         print(f"train_wmt.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (data, final test), or a second one inside it
@@ -154,6 +137,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except KeyboardInterrupt:  # while starting up (importing torch), before main() can catch it
+    except KeyboardInterrupt:  # in the instant before main() installs its handler
         print("train_wmt.py: interrupted", file=sys.stderr)
         sys.exit(130)

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import random
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,33 +28,31 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from annotated import data, decoding, distributed
 from annotated.checkpoint import (CheckpointError, atomic_torch_save, model_from_state, read_checkpoint,
                                   save_checkpoint)
-from annotated import decoding
+from annotated.cli import StopFlag
+from annotated.files import atomic_write
 from annotated.transformer import PAD, EncoderDecoder, make_model, padding_mask, rate, target_mask
 
 # %% [markdown]
 # ## Presets
 #
-# One dataclass holds every setting. Three presets cover the usual cases:
+# One dataclass holds every setting. A preset is defined by its number of
+# optimizer steps, `max_steps`, never by wall time: the same command gives the
+# same model on an idle and on a busy machine, on a CPU or a GPU.
+# `max_minutes` stays available as an optional cap.
 #
-# * `gpu`: one GPU, about 10 minutes; aims at >= 40 BLEU on test_2016_flickr.
-#   It is the `cpu` recipe below (measured: 36.6 lowercased BLEU after 2,169
-#   steps on two CPU cores) with batches of 8192 tokens instead of 2500, up to
-#   9 minutes of training instead of 13, beam 5 and the average of the last 5
-#   epochs. On a GPU a model this small should be bound by kernel launches
-#   more than by arithmetic, so that a step of 8192 tokens costs little more
-#   than one of 2500 and buys 3.3 times the data (expected, not measured). On
-#   two CPU cores it learned faster per step than the `cpu` preset: greedy
-#   validation BLEU 25.2 at step 390, against 19.2 at step 418 and 24.0 at
-#   step 836. Not yet run on a GPU. The recipe it replaced, the published
-#   "Transformer-tiny" baseline of multimodal MT (Wu et al., ACL 2021: 4 + 4
-#   layers, `d_model` 128, dropout 0.3, warm-up 2000 steps to a peak learning
-#   rate of 0.005, 8000 steps), ran on one H100 for 7 minutes: 2,940 steps,
-#   18.7 lowercased BLEU de -> en; at step 840 its validation BLEU was 10.0,
-#   where the `cpu` recipe's is 24.0 at step 836.
-# * `cpu`: a smaller model that finishes in about 15 minutes on 2 cores and
-#   still translates sensibly.
+# * `cpu`: 2 + 2 layers, `d_model` 128, a joint vocabulary of 5,000 subwords,
+#   batches of 2500 tokens, 2,200 steps (about 11 epochs of Multi30k) with 800
+#   warm-up steps to a peak learning rate twice the paper's formula. Small
+#   enough to train on two CPU cores.
+# * `gpu`: the same model and schedule with batches of 8192 tokens (3.3 times
+#   the data per step), 4,200 steps (about 65 epochs), beam 5, and the
+#   average of the last 5 epoch checkpoints. A model this small is bound by
+#   kernel launches more than by arithmetic on a GPU, so a bigger batch costs
+#   little per step; the step never waits for the host (below), and batches of
+#   few shapes (`data.make_batches`) let `--compile` replay CUDA graphs.
 # * `smoke`: a few seconds, a few hundred sentences; for the tests.
 #
 # Embeddings are tied by default: one joint sentencepiece vocabulary, one
@@ -80,15 +77,16 @@ class TrainConfig:
     tie_embeddings: bool = True
     max_len: int = 256               # longest subword sequence the model accepts
     # optimisation
-    max_tokens: int = 4096           # tokens per batch (padded, source or target, whichever is larger)
+    max_tokens: int = 4096           # tokens per batch (source or target, whichever is larger, before padding)
     accum: int = 1                   # batches per optimizer step
-    epochs: int = 20
-    max_minutes: Optional[float] = None  # stop training after this wall time (checked between steps)
-    max_steps: Optional[int] = None      # stop training after this many optimizer steps (in total)
+    max_steps: Optional[int] = None  # optimizer steps of the run (in total); the budget that defines a preset
+    epochs: Optional[int] = 20       # an upper bound on epochs (None: max_steps alone decides)
+    max_minutes: Optional[float] = None  # an optional cap on training wall time (checked between steps)
     warmup: int = 2000
     lr_factor: float = 1.0
     label_smoothing: float = 0.1
     clip_norm: Optional[float] = 1.0
+    log_every: int = 50              # steps between two reads of the running loss (the only host syncs)
     # evaluation
     beam_size: int = 4
     length_penalty: float = 0.6
@@ -106,8 +104,15 @@ class TrainConfig:
                              f"got {self.src_lang!r} -> {self.tgt_lang!r}")
         if not 0 <= self.label_smoothing < 1:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.max_tokens < 1 or self.accum < 1 or self.epochs < 1 or self.vocab_size < 8:
-            raise ValueError(f"max_tokens, accum, epochs must be >= 1 and vocab_size >= 8: {self}")
+        if min(self.max_tokens, self.accum, self.log_every, self.beam_size) < 1 or self.vocab_size < 8:
+            raise ValueError(f"max_tokens, accum, log_every, beam_size must be >= 1 and vocab_size >= 8: {self}")
+        for name in ("max_steps", "epochs", "val_bleu_sentences", "test_sentences"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (or None), got {getattr(self, name)}")
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("a run needs a budget: max_steps (or epochs)")
+        if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
+            raise ValueError(f"max_minutes must be a positive number (or None), got {self.max_minutes}")
         if min(self.N, self.d_model, self.d_ff, self.h, self.warmup) < 1 or self.d_model % self.h:
             raise ValueError(f"N, d_model, d_ff, h and warmup must be >= 1 and d_model divisible by h "
                              f"(d_k = d_model / h), got N={self.N}, d_model={self.d_model}, d_ff={self.d_ff}, "
@@ -122,15 +127,15 @@ class TrainConfig:
                     share_embeddings=self.tie_embeddings, tie_generator=self.tie_embeddings)
 
 
+_CPU = TrainConfig(N=2, d_model=128, d_ff=512, h=4, dropout=0.1, vocab_size=5000, max_tokens=2500, epochs=None,
+                   max_steps=2200, warmup=800, lr_factor=2.0, beam_size=4, val_bleu_sentences=300)
 PRESETS = {
-    "gpu": TrainConfig(N=2, d_model=128, d_ff=512, h=4, dropout=0.1, vocab_size=5000, max_tokens=8192,
-                       epochs=100, max_minutes=9.0, warmup=800, lr_factor=2.0, beam_size=5, average_last=5),
-    "cpu": TrainConfig(N=2, d_model=128, d_ff=512, h=4, dropout=0.1, vocab_size=5000, max_tokens=2500,
-                       epochs=30, max_minutes=13.0, warmup=800, lr_factor=2.0, beam_size=4,
-                       val_bleu_sentences=300),
+    "gpu": dataclasses.replace(_CPU, max_tokens=8192, max_steps=4200, beam_size=5, average_last=5,
+                               val_bleu_sentences=None),
+    "cpu": _CPU,
     "smoke": TrainConfig(N=1, d_model=32, d_ff=64, h=2, dropout=0.0, vocab_size=500, max_tokens=800,
-                         epochs=2, warmup=20, train_limit=300, beam_size=2, val_bleu_sentences=20,
-                         test_sentences=20, max_len=64),
+                         epochs=None, max_steps=28, warmup=20, train_limit=300, beam_size=2,
+                         val_bleu_sentences=20, test_sentences=20, max_len=64),  # 28 steps: 2 epochs of 14
 }
 
 # %% [markdown]
@@ -176,15 +181,16 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, eps: float, pad: int = P
 # the first chapter.
 
 # %%
-def batch_loss(model: EncoderDecoder, src: Tensor, tgt: Tensor, eps: float) -> tuple[Tensor, int]:
-    """(summed loss, number of predicted tokens) for one batch."""
+def batch_loss(model: EncoderDecoder, src: Tensor, tgt: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(summed loss, number of predicted tokens), both 0-d tensors on the batch's device (nothing is read)."""
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T-1), (B, T-1)
     logits = model(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD))  # (B, T-1, V)
-    return label_smoothed_loss(logits, tgt_out, eps), int((tgt_out != PAD).sum())
+    return label_smoothed_loss(logits, tgt_out, eps), (tgt_out != PAD).sum()
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
-    opt = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+    """Adam as in the paper, fused (one kernel for all parameters; it can skip a step on the device, below)."""
+    opt = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: rate(s + 1, cfg.d_model, cfg.warmup, cfg.lr_factor))
     return opt, sched
@@ -201,6 +207,82 @@ def pick_device(name: Optional[str] = None) -> torch.device:
     if name:
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# %% [markdown]
+# ## A step that never waits for the host
+#
+# The host queues a GPU's kernels and runs ahead, unless it needs a value
+# back: each `loss.item()` or `float(grad_norm)` waits until the queue is
+# empty. A model of this size is small enough that such waits, several a
+# step, cost more than the arithmetic. So a step reads nothing:
+#
+# * the loss and the token count of each step are added to running sums **on
+#   the device** (`Meter`), read once every `log_every` steps, at each epoch's
+#   end and where the run stops: a row of `train_loss.tsv` and of tensorboard
+#   per read, the mean loss per token since the previous one;
+# * the non-finite check is done on the device too, as `torch.amp.GradScaler`
+#   does it: `found_inf = 1` when the gradient norm is NaN or infinite (a NaN
+#   or infinite loss makes it so), and the fused Adam kernel, given
+#   `found_inf`, leaves parameters and moments untouched. The next read sees
+#   the count of skipped steps and stops the run with an error, before any
+#   checkpoint is written, so the last good one is kept;
+# * token-id checks live where ids are made (data, translator input), not in
+#   the model.
+#
+# `tests/test_train_syncs.py` counts the synchronising operators a run of
+# steps dispatches (`annotated/syncs.py`): none between two reads.
+
+# %%
+def train_step(model: torch.nn.Module, opt, sched, batches, n_tokens: int, cfg: TrainConfig,
+               dev: torch.device, world: int = 1, ddp=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One optimizer step over `batches` (up to `accum` of them, `n_tokens` predicted tokens over all ranks).
+    Returns (summed loss, tokens, gradient norm, found_inf), device tensors that nobody reads here."""
+    loss_sum, tokens = torch.zeros((), device=dev), torch.zeros((), dtype=torch.long, device=dev)
+    for j, b in enumerate(batches):
+        # DDP averages the gradients in the backward pass of the step's last batch only
+        sync = ddp is None or j == len(batches) - 1
+        with (contextlib.nullcontext() if sync else ddp.no_sync()), autocast_for(dev):
+            loss, n = batch_loss(model, b.src.to(dev, non_blocking=True), b.tgt.to(dev, non_blocking=True),
+                                 cfg.label_smoothing)
+        # (W / N) sum_b L_b on this rank; DDP's mean over the W ranks makes it sum_b L_b / N ("Several processes")
+        (loss * (world / max(n_tokens, 1))).backward()
+        loss_sum, tokens = loss_sum + loss.detach().float(), tokens + n
+    params = [p for group in opt.param_groups for p in group["params"]]
+    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm or float("inf"))  # () on the device
+    found_inf = (~torch.isfinite(gnorm)).float()  # (): 1.0 makes fused Adam skip this update
+    opt.found_inf = found_inf
+    opt.step()
+    del opt.found_inf
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    return loss_sum, tokens, gnorm, found_inf
+
+
+class Meter:
+    """Running sums on the device between two reads: loss, tokens, gradient norms, steps, skipped steps, and the
+    step number, loss and gradient norm of the first skipped one."""
+
+    def __init__(self, dev: torch.device):
+        self.sums = torch.zeros(8, dtype=torch.float64, device=dev)  # (8,)
+
+    def add(self, loss: Tensor, tokens: Tensor, gnorm: Tensor, found_inf: Tensor) -> None:
+        s = self.sums
+        first = (found_inf > 0) & (s[4] == 0)  # (): the first skipped step since the last read
+        row = torch.stack([loss.double(), tokens.double(), gnorm.double(), torch.ones_like(s[0]),
+                           found_inf.double(), s[3] + 1, loss.double(), gnorm.double()])  # (8,)
+        s[:5] += row[:5]
+        s[5:] = torch.where(first, row[5:], s[5:])
+
+    def read(self, world: int, *flags: bool) -> list[float]:
+        """The sums (over all ranks) and the sum of each flag over the ranks; then zero. The one sync."""
+        extra = torch.tensor([float(f) for f in flags], dtype=torch.float64)  # (F,)
+        values = distributed.sum_over_ranks(torch.cat([self.sums, extra.to(self.sums.device)]), world)
+        out = values.cpu().tolist()
+        self.sums.zero_()
+        for k in (2, 3, 4, 5, 7):  # the same on every rank (from the all-reduced gradient): not a sum
+            out[k] /= world
+        return out
 
 
 # %% [markdown]
@@ -243,41 +325,46 @@ def evaluate_bleu(model, tokenizer, pairs: list[tuple[str, str]], beam_size: int
 def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.device) -> float:
     """Label-smoothed loss per predicted token over all batches."""
     model.eval()
-    total, tokens = 0.0, 0
+    total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
     for b in batches:
         with autocast_for(device):
-            loss, n = batch_loss(model, b.src.to(device), b.tgt.to(device), eps)
-        total, tokens = total + loss.item(), tokens + n
-    return total / max(tokens, 1)
+            loss, _ = batch_loss(model, b.src.to(device), b.tgt.to(device), eps)
+        total, tokens = total + loss.double(), tokens + b.ntokens  # (ntokens: counted on the host)
+    return total.item() / max(tokens, 1)
 
 
 # %% [markdown]
 # ## The training loop
 #
-# `train()` runs epochs of token-count batches (a new shuffle each epoch,
-# seeded, so a resumed run sees the same batches), steps the optimizer every
-# `accum` batches, and at each epoch end measures validation loss and BLEU,
-# logs them (tqdm bar, tensorboard, one plain line), and writes checkpoints:
+# `train()` sets a run up and then reads like any training loop: epochs of
+# token-count batches (a new shuffle each epoch, seeded, so a resumed run sees
+# the same batches), `train_step` for every `accum` batches, a read of the
+# running sums at each log point, and at each epoch's end validation loss and
+# BLEU, one plain log line, and checkpoints:
 #
 # * `last.pt`: everything needed to resume (model, optimizer, scheduler,
 #   random-number states, position in the epoch);
 # * `best.pt`: the model with the best validation BLEU so far;
 # * `epoch{n}.pt`: kept only when `average_last` asks for checkpoint averaging.
 #
-# All of them are written atomically (see `annotated/checkpoint.py`). Ctrl-C
-# finishes the current step, writes `last.pt` and stops; `--resume` continues
-# from there. A loss that becomes NaN or infinite stops the run at the end of
-# that step, before the update and without overwriting the last good
-# checkpoint; with several processes every rank learns of it in the step's
-# all-reduce and all of them stop there together.
+# All of them are written atomically (`annotated/files.py`). Ctrl-C finishes
+# the current step, writes `last.pt` and stops (a second Ctrl-C stops at
+# once); `--resume` continues from there, first cutting `train_loss.tsv`
+# back to the checkpoint's step. A non-finite step stops the run at the next
+# read, without writing a checkpoint.
+#
+# **The run folder** is the user's: a new or empty folder, or, with
+# `--resume`, one that holds `last.pt`; anything else is refused before any
+# work. `latest` beside it becomes a link to the run once the run has a
+# checkpoint, and only where `latest` is absent or already such a link.
 #
 # With several processes (`torchrun`), each rank trains on its own share of
 # every epoch's batches and DistributedDataParallel averages the gradients;
-# only rank 0 evaluates, logs and writes files (next section).
+# only rank 0 evaluates, logs and writes files (`annotated/distributed.py`).
 
 # %%
 class TrainingError(RuntimeError):
-    """A run that cannot go on (non-finite loss, incompatible resume)."""
+    """A run that cannot go on (non-finite loss, a run folder that is not ours, incompatible resume)."""
 
 
 @dataclass
@@ -290,178 +377,139 @@ class RunState:
     world_size: int = 1           # processes of the run (batch_in_epoch counts the batches of each one)
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+@dataclass
+class Run:
+    """What every part of the loop needs: the settings, the model and its optimizer, data, and where to write."""
+    cfg: TrainConfig
+    run_dir: Path
+    model: EncoderDecoder             # the plain model (checkpoints, evaluation)
+    model_for_step: torch.nn.Module   # what the step calls: the model, or DDP / torch.compile around it
+    opt: torch.optim.Optimizer
+    sched: object
+    dev: torch.device
+    tokenizer: object
+    train_enc: list
+    val_batches: list
+    val_pairs: list
+    meta: dict
+    say: Callable[[str], None]
+    rank: int = 0
+    world: int = 1
+    ddp: object = None
+    writer: object = None
+    bar: object = None
+    t_start: float = field(default_factory=time.perf_counter)
+    epoch_loss: float = 0.0           # this epoch's summed loss and tokens, as read at its log points
+    epoch_tokens: float = 0.0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def out_of_time(self) -> bool:
+        return self.cfg.max_minutes is not None and time.perf_counter() - self.t_start > 60 * self.cfg.max_minutes
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class _StopFlag:
-    """Turns the first Ctrl-C (SIGINT) or SIGTERM into a request to stop after the current step."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = {}
-
-    def __enter__(self):
-        def handler(signum, frame):
-            if self.requested:  # a second Ctrl-C: stop now
-                raise KeyboardInterrupt
-            self.requested = True
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-def average_checkpoints(paths: list[Path]) -> dict:
-    """Element-wise mean of the model parameters of several checkpoints (same config)."""
-    states = [read_checkpoint(p) for p in paths]
-    base = dict(states[-1])
-    base["model"] = {k: sum(s["model"][k].double() for s in states).div(len(states)).to(v.dtype)
-                     for k, v in states[-1]["model"].items()}
-    base["meta"] = dict(base.get("meta", {}), averaged=[str(p) for p in paths])
-    for key in ("optimizer", "scheduler", "rng", "run_state"):
-        base.pop(key, None)
-    return base
-
-
-# %% [markdown]
-# ## Several processes: DistributedDataParallel
-#
-# `torchrun --nproc_per_node=W train_wmt.py ...` starts `W` copies of this
-# program (one per GPU, or `W` CPU processes) and gives each its `RANK`,
-# `LOCAL_RANK` and `WORLD_SIZE`. They join one process group (NCCL between
-# GPUs, gloo between CPU processes; a process uses the GPU numbered by its
-# `LOCAL_RANK` on its machine) and train one model together:
-#
-# * **Same data.** Rank 0 reads the data and trains the tokenizer; the others
-#   receive both from it, so every rank batches the same examples with the
-#   same vocabulary (and no other machine needs the data). Every rank builds
-#   the epoch's batches from the same seed and keeps every `W`-th one
-#   (`data.make_batches`), which also gives every rank the same number of
-#   batches.
-# * **One step.** Each rank runs forward and backward on its own `accum`
-#   batches; DistributedDataParallel (DDP) averages the gradients over the
-#   ranks, and every rank applies the same Adam update to its identical copy
-#   of the parameters.
-# * **Normalisation.** A step's gradient is that of the summed loss of all
-#   its `W * accum` batches divided by the number `N` of target tokens they
-#   predict:
-#
-#   $$g = \frac{1}{N} \sum_{r=1}^{W} \sum_{b \in B_r} \nabla L_b, \qquad N = \sum_{r=1}^{W} \sum_{b \in B_r} n_b$$
-#
-#   where `B_r` are rank `r`'s batches of the step, `L_b` a batch's summed
-#   loss and `n_b` its token count. One all-reduce per epoch tells every rank
-#   each step's `N`; rank `r` backpropagates `(W / N) sum_b L_b`, and DDP's
-#   mean over the `W` ranks gives exactly `g`. So `W` processes take the step
-#   one process takes on the union of their batches, and one process with
-#   `accum = W` on the same batches computes the same gradient
-#   (`test_each_step_applies_the_gradient_of_the_union_of_the_two_shards`,
-#   `test_ddp_run_equals_single_process_with_accumulation`). Averaging the
-#   batches' own means instead would weigh a token of a short batch more than
-#   one of a long batch.
-# * **Effective batch and learning rate.** A step consumes
-#   `W * accum` batches of at most `max_tokens` tokens each, and the
-#   learning-rate schedule counts steps. Keep `W * accum` fixed and the recipe
-#   is unchanged: 4 GPUs with `accum = 1` train like 1 GPU with `accum = 4`,
-#   only faster. With `W` times larger steps and nothing else changed, an
-#   epoch has `W` times fewer steps, so the warm-up lasts `W` times more
-#   examples; nothing is rescaled automatically.
-# * **Rank 0 alone** logs, writes tensorboard, evaluates BLEU and writes the
-#   checkpoints, from the unwrapped model (no DDP `module.` prefix), so a
-#   checkpoint of a `W`-process run is an ordinary one: it loads, translates
-#   and resumes in a single process, and the other way round.
-# * **Agreement.** A collective operation waits until every rank has entered
-#   it, so a rank that leaves the loop alone leaves the others waiting
-#   forever. After each step one all-reduce sums the step's loss (for the
-#   log) and each rank's stop requests (Ctrl-C or SIGTERM, which torchrun
-#   forwards to all workers; the time limit), and all ranks stop at that step
-#   if any asks (`test_ctrl_c_on_one_rank_stops_all_ranks_at_one_step_and_saves`).
-#   At an epoch end the others wait in the same kind of all-reduce while
-#   rank 0 evaluates (the process group's timeout, 30 minutes, bounds that
-#   wait). After the last step all ranks leave the process group together,
-#   and rank 0 scores the test set alone. A rank that fails (an error on
-#   rank 0 is sent to the others, `test_failure_on_rank_0_stops_every_rank`)
-#   exits, and torchrun then ends the other workers.
-# * **Resume.** `last.pt` stores `batch_in_epoch` per rank and the world size.
-#   Resumed with another number of processes, the run keeps the number of
-#   batches done over all ranks, `batch_in_epoch * W_old // W_new`. When no
-#   batch had to be split for either world size (the epoch's length buckets
-#   are a multiple of both), the epoch's batch list is the same and this is
-#   exact; otherwise the other split and shuffle may repeat or skip a few
-#   examples of that one epoch. Rank 0's random state is restored on
-#   every rank (`test_distributed_checkpoint_resumes_in_one_process`,
-#   `test_single_process_checkpoint_resumes_under_torchrun_with_accumulation`).
-
-# %%
-def _distributed(dev: torch.device) -> tuple[int, int, torch.device, bool]:
-    """(rank, world size, this rank's device, whether we joined the group here) from torchrun's environment."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # a caller set it up (and will tear it down)
-        owned = False
-    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        owned = True
-    else:
-        return 0, 1, dev, False
-    if dev.type == "cuda":  # one GPU per process: the LOCAL_RANK-th of this machine
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if local >= torch.cuda.device_count():
-            raise ValueError(f"process LOCAL_RANK={local} needs GPU {local}, but this machine has "
-                             f"{torch.cuda.device_count()}: start at most that many processes per machine "
-                             f"(--nproc_per_node), or train on CPUs with --device cpu")
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-    if owned:
-        from datetime import timedelta
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
-    return dist.get_rank(), dist.get_world_size(), dev, owned
-
-
-def _from_rank0(fn: Callable, rank: int, world: int):
-    """fn() run on rank 0 and sent to every rank; if it fails there, every rank stops with an error."""
-    if world == 1:
-        return fn()
-    import torch.distributed as dist
-
-    box = [None]
+def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, cache_dir: Optional[Path] = None,
+          device: Optional[str] = None, resume: bool = False, progress: bool = True,
+          train_files=None, val_files=None, test_files=None, empty_lines: str = "error",
+          log: Callable[[str], None] | None = None) -> dict:
+    """Train (or resume) a run in `run_dir`; returns the final results (also in results.json)."""
+    rank, world, dev, owns_group = distributed.join(pick_device(device))
+    run_dir = Path(run_dir)
     if rank == 0:
-        try:
-            box = [(True, fn())]
-        except Exception as e:
-            dist.broadcast_object_list([(False, f"{type(e).__name__}: {e}")], src=0)
-            raise
-    dist.broadcast_object_list(box, src=0)
-    ok, value = box[0]
-    if not ok:
-        raise TrainingError(f"rank {rank}: stopped because rank 0 failed: {value}")
-    return value
+        check_run_dir(run_dir, resume)
+    try:
+        run, state, test_pairs = setup(cfg, run_dir, rank, world, dev, resume, data_url, cache_dir, log,
+                                       (train_files, val_files, test_files), empty_lines)
+        stopped = loop(run, state, progress)
+    finally:
+        if owns_group:  # all ranks leave the loop at the same agreed point; rank 0 goes on alone
+            distributed.leave()
+    if run.writer is not None:
+        run.writer.close()
+    if stopped:
+        return {"interrupted": True, "run_dir": str(run_dir)}
+    if not run.main:
+        return {}
+    return finish(cfg, run_dir, run.tokenizer, test_pairs, dev, run.say, progress, test_files)
 
 
-def _sum_over_ranks(values: list[float], world: int, device: torch.device) -> list[float]:
-    """Element-wise sum over all ranks (float64: token counts stay exact); a synchronisation point."""
-    if world == 1 or not values:
-        return values
-    import torch.distributed as dist
+def loop(run: Run, state: RunState, progress: bool) -> bool:
+    """Epochs until the budget is spent; True when a Ctrl-C stopped the run."""
+    cfg = run.cfg
+    with StopFlag() as stop:
+        if progress and run.main:
+            from tqdm.auto import tqdm
+            run.bar = tqdm(total=cfg.max_steps, initial=state.step, unit="step", dynamic_ncols=True)
+        while cfg.epochs is None or state.epoch < cfg.epochs:
+            t_epoch, why = time.perf_counter(), run_epoch(run, state, stop)
+            if run.dev.type == "cuda":  # the queued kernels belong to this epoch's training time
+                torch.cuda.synchronize(run.dev)
+            end_of_epoch(run, state, time.perf_counter() - t_epoch)
+            # the other ranks wait here while rank 0 evaluates; a Ctrl-C meanwhile stops all of them
+            flags = torch.tensor([float(why == "stop" or stop.requested)], dtype=torch.float64, device=run.dev)
+            if distributed.sum_over_ranks(flags, run.world).item() > 0:
+                if run.main:
+                    run.say(f"interrupted: saved {run.run_dir / 'last.pt'} at epoch {state.epoch}, batch "
+                            f"{state.batch_in_epoch}; continue with --resume --run-dir {run.run_dir}")
+                return True
+            if why is not None:  # out of steps or of time
+                break
+        if run.bar is not None:
+            run.bar.close()
+    return False
 
-    total = torch.tensor(values, dtype=torch.float64, device=device)  # (len(values),)
-    dist.all_reduce(total)
-    return total.tolist()
+
+def run_epoch(run: Run, state: RunState, stop: StopFlag) -> Optional[str]:
+    """Train the rest of the current epoch. None when it is done, else why it stopped: "stop" (Ctrl-C),
+    "steps" (max_steps reached) or "time" (max_minutes)."""
+    cfg = run.cfg
+    batches = data.make_batches(run.train_enc, cfg.max_tokens, shuffle=True, seed=cfg.seed + state.epoch,
+                                rank=run.rank, world_size=run.world, max_len=cfg.max_len)
+    tokens = step_tokens(batches, cfg.accum, run.world, run.dev)  # N of each step: its batches on all ranks
+    meter, run.epoch_loss, run.epoch_tokens = Meter(run.dev), 0.0, 0.0
+    run.model_for_step.train()
+    why = None
+    while state.batch_in_epoch < len(batches):
+        i = state.batch_in_epoch
+        step_batches = batches[i:(i // cfg.accum + 1) * cfg.accum]
+        meter.add(*train_step(run.model_for_step, run.opt, run.sched, step_batches, tokens[i // cfg.accum],
+                              cfg, run.dev, run.world, run.ddp))
+        state.batch_in_epoch, state.step = i + len(step_batches), state.step + 1
+        if run.bar is not None:
+            run.bar.update(1)
+        steps_done = cfg.max_steps is not None and state.step >= cfg.max_steps
+        ask = run.world == 1 and (stop.requested or run.out_of_time())  # one process decides alone, at once
+        if state.step % cfg.log_every == 0 or state.batch_in_epoch == len(batches) or steps_done or ask:
+            why = log_point(run, state, meter, stop.requested, run.out_of_time()) or ("steps" if steps_done else None)
+            if why:
+                break
+    if state.batch_in_epoch == len(batches):
+        state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+    return why
+
+
+def log_point(run: Run, state: RunState, meter: Meter, asked: bool, late: bool) -> Optional[str]:
+    """Read the running sums (all ranks agree here), stop on a skipped step, log a row. "stop", "time" or None."""
+    loss, tokens, gnorm, steps, skipped, bad_step, bad_loss, bad_gnorm, asked_n, late_n = meter.read(
+        run.world, asked, late)
+    if skipped:
+        what = (f"the loss became {bad_loss}" if not math.isfinite(bad_loss) else
+                f"the gradient norm became {bad_gnorm}")
+        raise TrainingError(f"{what} at step {state.step - int(steps) + int(bad_step)} (epoch {state.epoch + 1}); "
+                            f"{int(skipped)} step(s) with a non-finite loss or gradient were skipped; stopped at "
+                            f"step {state.step}, the last good checkpoint {run.run_dir / 'last.pt'} is kept")
+    run.epoch_loss, run.epoch_tokens = run.epoch_loss + loss, run.epoch_tokens + tokens
+    if run.main:
+        mean, lr = loss / max(tokens, 1), run.sched.get_last_lr()[0]
+        with open(run.run_dir / "train_loss.tsv", "a") as f:  # one row per read, for plots and tests
+            f.write(f"{state.step}\t{mean:.8f}\n")
+        for key, value in (("loss", mean), ("lr", lr), ("grad_norm", gnorm / max(steps, 1))):
+            run.writer.add_scalar(f"train/{key}", value, state.step)
+        if run.bar is not None:
+            run.bar.set_postfix(loss=f"{mean:.3f}", lr=f"{lr:.2e}")
+    return "stop" if asked_n else "time" if late_n else None
 
 
 def step_tokens(batches, accum: int, world: int = 1, device: torch.device = torch.device("cpu")) -> list[int]:
@@ -473,23 +521,55 @@ def step_tokens(batches, accum: int, world: int = 1, device: torch.device = torc
     [6, 5]
     """
     local = [sum(b.ntokens for b in batches[i:i + accum]) for i in range(0, len(batches), accum)]
-    return [int(n) for n in _sum_over_ranks(local, world, device)]
+    if world == 1 or not local:
+        return local
+    total = distributed.sum_over_ranks(torch.tensor(local, dtype=torch.float64, device=device), world)
+    return [int(n) for n in total.cpu().tolist()]
+
+
+# %% [markdown]
+# ## Setting a run up
+
+# %%
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """A new or empty folder, or with resume one holding last.pt; else one line saying what to do."""
+    if run_dir.resolve() == Path.cwd().resolve() or run_dir.name in ("", ".", ".."):
+        raise TrainingError(f"--run-dir {run_dir}: the run needs a folder of its own; choose a new one, "
+                            f"e.g. runs/my-run")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainingError(f"--run-dir {run_dir} is a file, not a folder; choose another --run-dir")
+    if resume:
+        if not (run_dir / "last.pt").is_file():
+            raise CheckpointError(f"{run_dir / 'last.pt'}: no such file; --resume continues the run whose "
+                                  f"last.pt is in --run-dir")
+    elif (run_dir / "last.pt").exists():
+        raise TrainingError(f"{run_dir} already holds a run (last.pt); pass --resume to continue it "
+                            f"or choose another --run-dir")
+    elif run_dir.is_dir() and any(run_dir.iterdir()):
+        raise TrainingError(f"{run_dir} is not empty and holds no run; training writes checkpoints, logs and "
+                            f"results there, so choose a new or empty --run-dir")
+
+
+def point_latest(run_dir: Path) -> None:
+    """<parent>/latest -> this run (an atomically replaced symlink), unless `latest` is the user's own file."""
+    link = run_dir.parent / "latest"
+    if (link.exists() or link.is_symlink()) and not link.is_symlink():
+        return
+    tmp = run_dir.parent / f".latest.{os.getpid()}.tmp"
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        tmp.symlink_to(run_dir.name)
+        os.replace(tmp, link)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
 
 
 def _log_line(run_dir: Path, text: str) -> None:
     print(text, flush=True)
     with open(run_dir / "train.log", "a", encoding="utf-8") as f:
         f.write(text + "\n")
-
-
-def _point_latest(run_dir: Path) -> None:
-    """runs/latest -> this run (an atomically replaced symlink)."""
-    link = run_dir.parent / "latest"
-    tmp = run_dir.parent / f".latest.{os.getpid()}"
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    tmp.symlink_to(run_dir.name)
-    os.replace(tmp, link)
 
 
 def prepare_data(cfg: TrainConfig, cache_dir: Optional[Path], data_url: Optional[str],
@@ -499,8 +579,6 @@ def prepare_data(cfg: TrainConfig, cache_dir: Optional[Path], data_url: Optional
 
     `empty_lines` is `read_parallel`'s rule for the user's pairs with an empty side: error, skip or keep.
     """
-    from annotated import data
-
     def load(split, files):
         if files:
             return data.read_parallel(*files, empty=empty_lines)
@@ -517,240 +595,143 @@ def prepare_data(cfg: TrainConfig, cache_dir: Optional[Path], data_url: Optional
     return tokenizer, train_pairs, val_pairs, test_pairs
 
 
-def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, cache_dir: Optional[Path] = None,
-          device: Optional[str] = None, resume: bool = False, progress: bool = True,
-          train_files=None, val_files=None, test_files=None, empty_lines: str = "error",
-          log: Callable[[str], None] | None = None) -> dict:
-    """Train (or resume) a run in `run_dir`; returns the final results (also in results.json)."""
-    from annotated import data
-
-    rank, world, dev, owns_group = _distributed(pick_device(device))
+def setup(cfg, run_dir, rank, world, dev, resume, data_url, cache_dir, log, files, empty_lines):
+    """Data, model, optimizer and state (resumed or new) of a run: (Run, RunState, test pairs)."""
     main = rank == 0
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    run_dir = Path(run_dir)
     say = log or (lambda s: _log_line(run_dir, s))
     if main:  # the other ranks never touch the run directory
         run_dir.mkdir(parents=True, exist_ok=True)
-        _point_latest(run_dir)
-
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    tokenizer, train_pairs, val_pairs, test_pairs = _from_rank0(  # the same data and vocabulary on every rank
-        lambda: prepare_data(cfg, cache_dir, data_url, train_files, val_files, test_files, empty_lines), rank,
-        world)
+    tokenizer, train_pairs, val_pairs, test_pairs = distributed.from_rank0(  # the same data on every rank
+        lambda: prepare_data(cfg, cache_dir, data_url, *files, empty_lines), rank, world)
     train_enc = data.encode_pairs(train_pairs, tokenizer)
     kept, too_long = data.split_long(train_enc, cfg.max_len)
     if too_long and main:
         say(f"note: {len(too_long)} of {len(train_enc)} training pairs are longer than max_len={cfg.max_len} "
             f"subwords and are left out of training (rule: long pairs are skipped, never truncated)")
-    train_enc = [train_enc[i] for i in kept]
     val_enc = data.encode_pairs(val_pairs, tokenizer)
-    val_kept, _ = data.split_long(val_enc, cfg.max_len)
-    val_batches = data.make_batches([val_enc[i] for i in val_kept], cfg.max_tokens)
-
+    val_batches = data.make_batches([val_enc[i] for i in data.split_long(val_enc, cfg.max_len)[0]],
+                                    cfg.max_tokens, max_len=cfg.max_len)
     model = make_model(**cfg.model_config(tokenizer.vocab_size)).to(dev)
     opt, sched = make_optimizer(model, cfg)
     state = RunState()
     if resume:  # rank 0 reads last.pt and sends it to the others
         state = _resume(run_dir / "last.pt", cfg, model, opt, sched, tokenizer,
-                        read=lambda path: _from_rank0(lambda: read_checkpoint(path), rank, world))
-        if state.world_size != world:  # keep the number of batches done over all ranks ("Several processes")
+                        read=lambda path: distributed.from_rank0(lambda: read_checkpoint(path), rank, world))
+        if state.world_size != world:  # keep the number of batches done over all ranks (distributed.py)
             if main:
                 say(f"note: last.pt was written by {state.world_size} process(es), this run has {world}")
             state.batch_in_epoch = state.batch_in_epoch * state.world_size // world
         if main:
+            _truncate_log(run_dir / "train_loss.tsv", state.step)
             say(f"resumed {run_dir / 'last.pt'} at epoch {state.epoch}, batch {state.batch_in_epoch}, "
                 f"step {state.step}")
-    elif _from_rank0(lambda: (run_dir / "last.pt").exists(), rank, world):
-        raise TrainingError(f"{run_dir} already holds a run (last.pt); pass --resume to continue it "
-                            f"or choose another --run-dir")
     state.world_size = world
-    model_for_step, ddp = model, None
-    if world > 1:  # copies rank 0's parameters to every rank, then averages gradients in backward
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        import inspect  # the one buffer, the positional table, is constant: no copy before each forward
-        no_buffer_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                          else "broadcast_buffers")  # newer torch's name for it, and the older one
-        ddp = model_for_step = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                   **{no_buffer_sync: False})
-    if cfg.compile:
-        model_for_step = torch.compile(model_for_step, dynamic=True)
-
-    writer = None
+    model_for_step = ddp = distributed.wrap(model, dev) if world > 1 else None
+    model_for_step = model_for_step or model
+    if cfg.compile:  # CUDA graphs on a GPU (batches come in few shapes); inductor's default on the CPU
+        model_for_step = torch.compile(model_for_step, dynamic=True,
+                                       mode="reduce-overhead" if dev.type == "cuda" else None)
+    meta = {"src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "train_config": dataclasses.asdict(cfg)}
+    run = Run(cfg, run_dir, model, model_for_step, opt, sched, dev, tokenizer, [train_enc[i] for i in kept],
+              val_batches, val_pairs, meta, say, rank, world, ddp)
     if main:
         from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(log_dir=str(run_dir / "tb"))
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-        n_params = sum(p.numel() for p in model.parameters())
-        say(f"run {run_dir}: {len(train_enc)} training pairs, vocab {tokenizer.vocab_size}, "
-            f"{n_params:,} parameters, device {dev}, world size {world}")
-
-    meta = {"src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "train_config": dataclasses.asdict(cfg)}
-    t_start = time.perf_counter()
-    out_of_time = stopping = False  # decisions agreed by all ranks (stop.requested is this rank's own)
-    with _StopFlag() as stop:
-        while state.epoch < cfg.epochs and not stopping and not out_of_time:
-            batches = data.make_batches(train_enc, cfg.max_tokens, shuffle=True, seed=cfg.seed + state.epoch,
-                                        rank=rank, world_size=world)
-            tokens = step_tokens(batches, cfg.accum, world, dev)  # N of each step: its batches on all ranks
-            epoch_loss, epoch_tokens, step_loss, t_epoch = 0.0, 0, 0.0, time.perf_counter()
-            bad_loss = None  # (value, batch) of this rank's first non-finite loss
-            bar = range(state.batch_in_epoch, len(batches))
-            if progress and main:
-                from tqdm.auto import tqdm
-                bar = tqdm(bar, total=len(batches), initial=state.batch_in_epoch,
-                           desc=f"epoch {state.epoch + 1}/{cfg.epochs}", dynamic_ncols=True)
-            model_for_step.train()
-            for i in bar:
-                b = batches[i]
-                src, tgt = b.src.to(dev, non_blocking=True), b.tgt.to(dev, non_blocking=True)
-                last = (i + 1) % cfg.accum == 0 or i + 1 == len(batches)  # this batch completes a step
-                # DDP averages the gradients in the backward pass of a step's last batch only
-                no_sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
-                with no_sync, autocast_for(dev):
-                    loss, n = batch_loss(model_for_step, src, tgt, cfg.label_smoothing)
-                if bad_loss is None and not math.isfinite(loss.item()):  # stop at this step's end, all ranks
-                    bad_loss = (loss.item(), i)
-                # (W / N) sum_b L_b on this rank; DDP's mean over the W ranks makes it sum_b L_b / N over all
-                (loss / max(tokens[i // cfg.accum], 1) * world).backward()
-                step_loss += loss.item()
-                state.batch_in_epoch = i + 1
-                if last:
-                    if cfg.max_minutes is not None and time.perf_counter() - t_start > 60 * cfg.max_minutes:
-                        out_of_time = True
-                    if cfg.max_steps is not None and state.step + 1 >= cfg.max_steps:
-                        out_of_time = True
-                    # one all-reduce before the update: the step's loss over all ranks, whether any rank asks
-                    # to stop or is out of time, and which ranks saw a non-finite loss (they all stop together)
-                    step_loss, asked, late, *bad_on = _sum_over_ranks(
-                        [step_loss, stop.requested, out_of_time, *(float(r == rank and bad_loss is not None)
-                                                                     for r in range(world))], world, dev)
-                    stopping, out_of_time = asked > 0, late > 0
-                    if any(bad_on):
-                        raise TrainingError(_non_finite_loss_message(bad_loss, bad_on, rank, state, run_dir))
-                    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm or float("inf"))
-                    if not math.isfinite(float(gnorm)):  # a finite loss can still have an inf/NaN gradient
-                        raise TrainingError(f"the gradient norm became {float(gnorm)} at step {state.step + 1} "
-                                            f"(epoch {state.epoch + 1}, batch {i}); stopped before the update, "
-                                            f"the last good checkpoint {run_dir / 'last.pt'} is kept")
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    sched.step()
-                    state.step += 1
-                    n_step = tokens[i // cfg.accum]
-                    epoch_loss, epoch_tokens = epoch_loss + step_loss, epoch_tokens + n_step
-                    step_mean, step_loss = step_loss / max(n_step, 1), 0.0  # loss per token of this step
-                    if main:
-                        lr = sched.get_last_lr()[0]
-                        tok_s = epoch_tokens / max(time.perf_counter() - t_epoch, 1e-9)
-                        writer.add_scalar("train/loss", step_mean, state.step)
-                        writer.add_scalar("train/lr", lr, state.step)
-                        writer.add_scalar("train/grad_norm", float(gnorm), state.step)
-                        writer.add_scalar("train/tokens_per_s", tok_s, state.step)
-                        if progress and hasattr(bar, "set_postfix"):
-                            bar.set_postfix(loss=f"{step_mean:.3f}", tok_s=f"{tok_s:,.0f}",
-                                            lr=f"{lr:.2e}")
-                    if main:
-                        with open(run_dir / "train_loss.tsv", "a") as f:  # every step's loss, for plots and tests
-                            f.write(f"{state.step}\t{step_mean:.8f}\n")
-                    if stopping or out_of_time:
-                        break
-            if hasattr(bar, "close"):
-                bar.close()
-            if dev.type == "cuda":  # the queued kernels belong to this epoch's training time
-                torch.cuda.synchronize(dev)
-            train_s = time.perf_counter() - t_epoch
-            epoch_done = state.batch_in_epoch >= len(batches)
-            if epoch_done:
-                state.epoch += 1
-                state.batch_in_epoch = 0
-            if main:
-                _end_of_epoch(cfg, state, model, tokenizer, val_batches, val_pairs, dev, writer, run_dir, meta,
-                              opt, sched, epoch_loss / max(epoch_tokens, 1), epoch_done, say,
-                              timing=(train_s, epoch_tokens))
-            # the other ranks wait here while rank 0 evaluates; a Ctrl-C meanwhile stops all of them
-            stopping = _sum_over_ranks([stopping or stop.requested], world, dev)[0] > 0
-            if stopping:
-                if main:
-                    say(f"interrupted: saved {run_dir / 'last.pt'} at epoch {state.epoch}, batch "
-                        f"{state.batch_in_epoch}; continue with --resume --run-dir {run_dir}")
-                break
-    if writer is not None:
-        writer.close()
-    if owns_group:  # all ranks left the loop at the same agreed point; rank 0 goes on alone
-        import torch.distributed as dist
-        dist.destroy_process_group()
-    if stopping:
-        return {"interrupted": True, "run_dir": str(run_dir)}
-    if not main:
-        return {}
-    return finish(cfg, run_dir, tokenizer, test_pairs, dev, say, progress)
+        run.writer = SummaryWriter(log_dir=str(run_dir / "tb"))
+        atomic_write(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        say(f"run {run_dir}: {len(run.train_enc)} training pairs, vocab {tokenizer.vocab_size}, "
+            f"{sum(p.numel() for p in model.parameters()):,} parameters, device {dev}, world size {world}")
+    return run, state, test_pairs
 
 
-def _non_finite_loss_message(bad_loss, bad_on, rank, state, run_dir) -> str:
-    """What every rank says when some rank's loss was NaN or infinite in the step just computed."""
-    where = f"at step {state.step + 1} (epoch {state.epoch + 1}, batch {bad_loss[1]})" if bad_loss else \
-        f"at step {state.step + 1} (epoch {state.epoch + 1})"
-    ranks = [r for r, f in enumerate(bad_on) if f > 0]
-    if len(bad_on) == 1:
-        what = f"the loss became {bad_loss[0]} {where}"
-    elif bad_loss is not None:
-        what = f"the loss became {bad_loss[0]} on rank {rank} {where}"
-    else:
-        what = f"the loss became non-finite on rank(s) {', '.join(map(str, ranks))} {where}"
-    return f"{what}; stopped, the last good checkpoint {run_dir / 'last.pt'} is kept"
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop the rows of train_loss.tsv after `step` (written after the checkpoint a resumed run starts from)."""
+    if path.is_file():
+        rows = path.read_text().splitlines(keepends=True)
+        atomic_write(path, "".join(r for r in rows if r.strip() and int(r.split("\t")[0]) <= step))
 
 
-def _save_last(run_dir, model, tokenizer, meta, opt, sched, state: RunState):
-    save_checkpoint(run_dir / "last.pt", model, tokenizer, meta, optimizer=opt.state_dict(),
-                    scheduler=sched.state_dict(), rng=_rng_state(), run_state=dataclasses.asdict(state))
+# %% [markdown]
+# ## Checkpoints, epoch ends and resuming
+
+# %%
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
-def _end_of_epoch(cfg, state, model, tokenizer, val_batches, val_pairs, dev, writer, run_dir, meta, opt, sched,
-                  train_loss, epoch_done, say, timing=(0.0, 0)):
-    """Validate, checkpoint and log one finished epoch. `timing`: (seconds of training, target tokens) of
-    the epoch, so that the log shows where the time goes (training vs evaluation)."""
-    if not epoch_done:  # interrupted or out of time mid-epoch: just make it resumable
-        _save_last(run_dir, model, tokenizer, meta, opt, sched, state)
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _save_last(run: Run, state: RunState) -> None:
+    save_checkpoint(run.run_dir / "last.pt", run.model, run.tokenizer, run.meta, optimizer=run.opt.state_dict(),
+                    scheduler=run.sched.state_dict(), rng=_rng_state(), run_state=dataclasses.asdict(state))
+    point_latest(run.run_dir)  # the run has a checkpoint now
+
+
+def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
+    """Rank 0: validate, checkpoint and log a finished epoch; a run stopped mid-epoch only saves last.pt."""
+    cfg, model = run.cfg, run.model
+    if not run.main:
+        return
+    if state.batch_in_epoch:  # interrupted or out of budget mid-epoch: just make it resumable
+        _save_last(run, state)
         return
     t_eval = time.perf_counter()
     rng = _rng_state()  # evaluation must not change the training's random stream
-    val_loss = evaluate_loss(model, val_batches, cfg.label_smoothing, dev)
-    subset = val_pairs[:cfg.val_bleu_sentences] if cfg.val_bleu_sentences else val_pairs
-    val, _ = evaluate_bleu(model, tokenizer, subset, beam_size=1, length_penalty=0.0, device=dev)
-    from annotated.attention import log_alignment_image  # the first val sentence's alignment, in tensorboard
+    val_loss = evaluate_loss(model, run.val_batches, cfg.label_smoothing, run.dev)
+    subset = run.val_pairs[:cfg.val_bleu_sentences] if cfg.val_bleu_sentences else run.val_pairs
+    val, _ = evaluate_bleu(model, run.tokenizer, subset, beam_size=1, length_penalty=0.0, device=run.dev)
+    from annotated.attention_maps import log_alignment_image  # the first val sentence's alignment, in tensorboard
     with contextlib.suppress(ValueError):  # (an empty or over-long first sentence: no picture)
-        log_alignment_image(writer, model, tokenizer, val_pairs[0][0], state.step)
+        log_alignment_image(run.writer, model, run.tokenizer, run.val_pairs[0][0], state.step)
     _set_rng_state(rng)
     model.train()
-    eval_s = time.perf_counter() - t_eval  # validation loss, BLEU and the picture (not the saves below)
+    train_loss = run.epoch_loss / max(run.epoch_tokens, 1)
     record = {"epoch": state.epoch, "step": state.step, "train_loss": round(train_loss, 4),
               "val_loss": round(val_loss, 4), "val_bleu": val["bleu"], "val_chrf": val["chrf"],
-              "lr": sched.get_last_lr()[0], "train_s": round(timing[0], 2),
-              "tokens_per_s": round(timing[1] / max(timing[0], 1e-9)), "eval_s": round(eval_s, 2)}
+              "lr": run.sched.get_last_lr()[0], "train_s": round(train_s, 2),
+              "tokens_per_s": round(run.epoch_tokens / max(train_s, 1e-9)),
+              "eval_s": round(time.perf_counter() - t_eval, 2)}  # validation loss, BLEU and the picture
     state.history.append(record)
-    for key in ("val_loss", "val_bleu", "val_chrf"):
-        writer.add_scalar(key.replace("_", "/", 1), record[key], state.step)
-    writer.add_scalar("train/epoch_loss", train_loss, state.step)
-    writer.add_scalar("time/train_s", record["train_s"], state.step)
-    writer.add_scalar("time/eval_s", record["eval_s"], state.step)
-    writer.flush()
+    for key in ("val_loss", "val_bleu", "val_chrf", "train_s", "eval_s"):
+        run.writer.add_scalar(key.replace("_", "/", 1), record[key], state.step)
+    run.writer.flush()
     improved = val["bleu"] > state.best_bleu
     if improved:
         state.best_bleu = val["bleu"]
-        save_checkpoint(run_dir / "best.pt", model, tokenizer, dict(meta, **record))
+        save_checkpoint(run.run_dir / "best.pt", model, run.tokenizer, dict(run.meta, **record))
     if cfg.average_last:
-        save_checkpoint(run_dir / f"epoch{state.epoch}.pt", model, tokenizer, dict(meta, **record))
-        old = run_dir / f"epoch{state.epoch - cfg.average_last}.pt"
+        save_checkpoint(run.run_dir / f"epoch{state.epoch}.pt", model, run.tokenizer, dict(run.meta, **record))
         with contextlib.suppress(FileNotFoundError):
-            old.unlink()
-    _save_last(run_dir, model, tokenizer, meta, opt, sched, state)
-    say(f"epoch {state.epoch:3d} step {state.step:6d}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  "
-        f"val BLEU {val['bleu']:5.2f} (greedy, {val['sentences']} sentences)  chrF {val['chrf']:5.2f}"
-        f"{'  *best*' if improved else ''}  [train {record['train_s']:.1f} s, {record['tokens_per_s']:,} "
-        f"tok/s; eval {record['eval_s']:.1f} s]")
+            (run.run_dir / f"epoch{state.epoch - cfg.average_last}.pt").unlink()
+    _save_last(run, state)
+    run.say(f"epoch {state.epoch:3d} step {state.step:6d}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  "
+            f"val BLEU {val['bleu']:5.2f} (greedy, {val['sentences']} sentences)  chrF {val['chrf']:5.2f}"
+            f"{'  *best*' if improved else ''}  [train {record['train_s']:.1f} s, {record['tokens_per_s']:,} "
+            f"tok/s; eval {record['eval_s']:.1f} s]")
+
+
+def average_checkpoints(paths: list[Path]) -> dict:
+    """Element-wise mean of the model parameters of several checkpoints (same config)."""
+    states = [read_checkpoint(p) for p in paths]
+    base = dict(states[-1])
+    base["model"] = {k: sum(s["model"][k].double() for s in states).div(len(states)).to(v.dtype)
+                     for k, v in states[-1]["model"].items()}
+    base["meta"] = dict(base.get("meta", {}), averaged=[str(p) for p in paths])
+    for key in ("optimizer", "scheduler", "rng", "run_state"):
+        base.pop(key, None)
+    return base
 
 
 def _resume(path: Path, cfg: TrainConfig, model, opt, sched, tokenizer=None,
@@ -777,7 +758,8 @@ def _resume(path: Path, cfg: TrainConfig, model, opt, sched, tokenizer=None,
     return RunState(**state["run_state"])
 
 
-def finish(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev, say, progress=True) -> dict:
+def finish(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev, say, progress=True,
+           test_files=None) -> dict:
     """Test BLEU of the best (and averaged) checkpoint, greedy and beam; writes results.json."""
     from annotated.checkpoint import load_checkpoint
 
@@ -787,8 +769,11 @@ def finish(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev, say, pro
     if cfg.average_last >= 2 and len(epochs) >= 2:
         atomic_torch_save(average_checkpoints(epochs[-cfg.average_last:]), run_dir / "averaged.pt")
         candidates["averaged"] = run_dir / "averaged.pt"
+    test_set = f"{test_files[0]} + {test_files[1]}" if test_files else "test_2016_flickr"  # named by its files
     results = {"run_dir": str(run_dir), "device": str(dev), "torch": torch.__version__,
-               "train_config": dataclasses.asdict(cfg), "test_set": "test_2016_flickr", "test": {}}
+               "train_config": dataclasses.asdict(cfg), "test_set": test_set, "test": {}}
+    if test_files:
+        results["test_files"] = [str(f) for f in test_files]
     last = read_checkpoint(run_dir / "last.pt")
     results["history"] = last["run_state"]["history"]
     samples = []
@@ -800,16 +785,14 @@ def finish(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev, say, pro
                                         progress)
         results["test"][name] = {"checkpoint": str(path), "epoch": meta.get("epoch"), "greedy": greedy,
                                  "beam": dict(beam, length_penalty=cfg.length_penalty)}
-        say(f"test_2016_flickr {cfg.src_lang}->{cfg.tgt_lang} [{name}]: greedy BLEU {greedy['bleu']:.2f} "
+        say(f"{test_set} {cfg.src_lang}->{cfg.tgt_lang} [{name}]: greedy BLEU {greedy['bleu']:.2f} "
             f"(lowercased {greedy['bleu_lowercase']:.2f}), beam {cfg.beam_size} BLEU {beam['bleu']:.2f} "
             f"(lowercased {beam['bleu_lowercase']:.2f}), chrF {beam['chrf']:.2f}")
         if not samples:
             samples = [{"source": s, "reference": r, "greedy": g, "beam": b}
                        for (s, r), g, b in list(zip(test_pairs, hyps, beam_hyps))[:5]]
     results["samples"] = samples
-    tmp = run_dir / ".results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=2, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, run_dir / "results.json")
+    atomic_write(run_dir / "results.json", json.dumps(results, indent=2, ensure_ascii=False))
     for s in samples[:3]:
         say(f"  src : {s['source']}\n  ref : {s['reference']}\n  beam: {s['beam']}")
     say(f"results: {run_dir / 'results.json'}; checkpoints: {run_dir}; tensorboard --logdir {run_dir / 'tb'}")

@@ -1,0 +1,156 @@
+# %% [markdown]
+# # Several processes: DistributedDataParallel
+#
+# `torchrun --nproc_per_node=W train_wmt.py ...` starts `W` copies of the
+# training program (one per GPU, or `W` CPU processes) and gives each its
+# `RANK`, `LOCAL_RANK` and `WORLD_SIZE`. They join one process group (NCCL
+# between GPUs, gloo between CPU processes; a process uses the GPU numbered by
+# its `LOCAL_RANK` on its machine) and train one model together:
+#
+# * **Same data.** Rank 0 reads the data and trains the tokenizer; the others
+#   receive both from it (`from_rank0`), so every rank batches the same
+#   examples with the same vocabulary (and no other machine needs the data).
+#   Every rank builds the epoch's batches from the same seed and keeps every
+#   `W`-th one (`data.make_batches`), which also gives every rank the same
+#   number of batches.
+# * **One step.** Each rank runs forward and backward on its own `accum`
+#   batches; DistributedDataParallel (DDP) averages the gradients over the
+#   ranks, and every rank applies the same Adam update to its identical copy
+#   of the parameters.
+# * **Normalisation.** A step's gradient is that of the summed loss of all
+#   its `W * accum` batches divided by the number `N` of target tokens they
+#   predict:
+#
+#   $$g = \frac{1}{N} \sum_{r=1}^{W} \sum_{b \in B_r} \nabla L_b, \qquad N = \sum_{r=1}^{W} \sum_{b \in B_r} n_b$$
+#
+#   where `B_r` are rank `r`'s batches of the step, `L_b` a batch's summed
+#   loss and `n_b` its token count. One all-reduce per epoch tells every rank
+#   each step's `N` (`train.step_tokens`); rank `r` backpropagates
+#   `(W / N) sum_b L_b`, and DDP's mean over the `W` ranks gives exactly `g`.
+#   So `W` processes take the step one process takes on the union of their
+#   batches, and one process with `accum = W` on the same batches computes the
+#   same gradient (`test_each_step_applies_the_gradient_of_the_union_of_the_two_shards`,
+#   `test_ddp_run_equals_single_process_with_accumulation`). Averaging the
+#   batches' own means instead would weigh a token of a short batch more than
+#   one of a long batch.
+# * **Effective batch and learning rate.** A step consumes `W * accum`
+#   batches of at most `max_tokens` tokens each, and the learning-rate
+#   schedule counts steps. Keep `W * accum` fixed and the recipe is
+#   unchanged: 4 GPUs with `accum = 1` train like 1 GPU with `accum = 4`, only
+#   faster. With `W` times larger steps and nothing else changed, an epoch has
+#   `W` times fewer steps, so the warm-up lasts `W` times more examples;
+#   nothing is rescaled automatically.
+# * **Rank 0 alone** logs, writes tensorboard, evaluates BLEU and writes the
+#   checkpoints, from the unwrapped model (no DDP `module.` prefix), so a
+#   checkpoint of a `W`-process run is an ordinary one: it loads, translates
+#   and resumes in a single process, and the other way round.
+# * **Agreement.** A collective operation waits until every rank has entered
+#   it, so a rank that leaves the loop alone leaves the others waiting
+#   forever. The ranks need no message to agree on a skipped step: the
+#   all-reduced gradient, hence its norm and the decision to skip, is the same
+#   on every rank. They agree on everything else at the log points (every
+#   `log_every` steps and each epoch end), in the one all-reduce that also
+#   sums the losses for the log (`sum_over_ranks`): each rank's stop requests
+#   (Ctrl-C or SIGTERM, which torchrun forwards to all workers; the time
+#   limit) and whether any step was non-finite. All ranks stop at the same log
+#   point if any asks (`test_ctrl_c_on_one_rank_stops_all_ranks_at_one_step_and_saves`);
+#   so under torchrun a Ctrl-C takes effect at the next log point, in one
+#   process at the end of the current step. At an epoch end the others wait in
+#   the same kind of all-reduce while rank 0 evaluates (the process group's
+#   timeout, 30 minutes, bounds that wait). After the last step all ranks
+#   leave the process group together, and rank 0 scores the test set alone. A
+#   rank that fails (an error on rank 0 is sent to the others,
+#   `test_failure_on_rank_0_stops_every_rank`) exits, and torchrun then ends
+#   the other workers.
+# * **Resume.** `last.pt` stores `batch_in_epoch` per rank and the world size.
+#   Resumed with another number of processes, the run keeps the number of
+#   batches done over all ranks, `batch_in_epoch * W_old // W_new`. When no
+#   batch had to be split for either world size (the epoch's length buckets
+#   are a multiple of both), the epoch's batch list is the same and this is
+#   exact; otherwise the other split and shuffle may repeat or skip a few
+#   examples of that one epoch. Rank 0's random state is restored on every
+#   rank (`test_distributed_checkpoint_resumes_in_one_process`,
+#   `test_single_process_checkpoint_resumes_under_torchrun_with_accumulation`).
+
+# %%
+from __future__ import annotations
+
+import inspect
+import os
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+
+class RankError(RuntimeError):
+    """This rank stops because rank 0 failed."""
+
+
+def join(dev: torch.device) -> tuple[int, int, torch.device, bool]:
+    """(rank, world size, this rank's device, whether we joined the group here) from torchrun's environment."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # a caller set it up (and will tear it down)
+        owned = False
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        owned = True
+    else:
+        return 0, 1, dev, False
+    if dev.type == "cuda":  # one GPU per process: the LOCAL_RANK-th of this machine
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"process LOCAL_RANK={local} needs GPU {local}, but this machine has "
+                             f"{torch.cuda.device_count()}: start at most that many processes per machine "
+                             f"(--nproc_per_node), or train on CPUs with --device cpu")
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    if owned:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    return dist.get_rank(), dist.get_world_size(), dev, owned
+
+
+def leave() -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def wrap(model: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
+    """DDP around `model`: copies rank 0's parameters to every rank, then averages gradients in backward."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # the one buffer, the positional table, is constant: no copy before each forward (newer torch's name for
+    # that setting, else the older one)
+    no_buffer_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                      else "broadcast_buffers")
+    return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, **{no_buffer_sync: False})
+
+
+def from_rank0(fn: Callable, rank: int, world: int):
+    """fn() run on rank 0 and sent to every rank; if it fails there, every rank stops with an error."""
+    if world == 1:
+        return fn()
+    import torch.distributed as dist
+
+    box = [None]
+    if rank == 0:
+        try:
+            box = [(True, fn())]
+        except Exception as e:
+            dist.broadcast_object_list([(False, f"{type(e).__name__}: {e}")], src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise RankError(f"rank {rank}: stopped because rank 0 failed: {value}")
+    return value
+
+
+def sum_over_ranks(values: torch.Tensor, world: int) -> torch.Tensor:
+    """Element-wise sum over all ranks of a float64 tensor (token counts stay exact); a synchronisation point."""
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(values)
+    return values
