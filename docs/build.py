@@ -2,9 +2,12 @@
 # # `make docs`: the annotated modules as one page
 #
 # The page is generated from the source, so the two cannot disagree. Each
-# module under `annotated/` is a chapter; the chapters follow `READING_ORDER`
-# (modules that do not exist are skipped, and the page says so). Inside a
-# chapter the cells keep the file's order:
+# module under `annotated/` is a chapter; the chapters follow `READING_ORDER`,
+# which names every module (`test_reading_order_names_every_module`). What
+# the build has to say about itself (a module missing or not in the order, a
+# figure drawn from the copy task instead of a checkpoint) goes to the
+# console, never onto the reader's page. Inside a chapter the cells keep the
+# file's order:
 #
 # * the file is split into cells by **jupytext** (the same parser `make
 #   notebook` uses), so page and notebook see the same cells;
@@ -21,7 +24,8 @@
 # * figures come from `docs/figures.py`, drawn at build time, and sit after
 #   the prose they illustrate.
 #
-# Output: `docs/_build/index.html` and `docs/_build/figures/*.png`, with an
+# Output: `docs/_build/index.html` and `docs/_build/figures/*.png` (and the
+# record `.docs-build.json` of what was written, section 6), with an
 # inline stylesheet and no external resource of any kind; a
 # Content-Security-Policy in the page forbids the browser to fetch anything
 # but the page's own images.
@@ -33,8 +37,8 @@
 # %%
 from __future__ import annotations
 
-import argparse
 import html
+import json
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -59,11 +63,17 @@ from pygments.formatters import HtmlFormatter  # noqa: E402
 from pygments.lexers import PythonLexer, get_lexer_by_name  # noqa: E402
 from pygments.util import ClassNotFound  # noqa: E402
 
+from annotated.checkpoint import CheckpointError  # noqa: E402
 from annotated.files import atomic_write  # noqa: E402
+from annotated.options import Parser, at_least  # noqa: E402
 from docs import figures as figs  # noqa: E402
 
-READING_ORDER: tuple[str, ...] = ("transformer", "equivalence", "data", "decoding", "train", "checkpoint",
-                                  "translate", "attention")
+READING_ORDER: tuple[str, ...] = (
+    "transformer", "mha_convert", "equivalence", "proof_harness", "checks",  # the model; the proof of its two forms
+    "data", "decoding", "train", "distributed", "syncs",              # training a translator
+    "checkpoint", "files", "cli", "options",                          # what the commands share
+    "translate", "attention_maps", "heads", "head_inspect", "prune", "heads_cli")  # using a trained model
+NOT_CHAPTERS = frozenset({"attention"})  # the former name of attention_maps, kept so that old imports work
 DEFAULT_OUT = ROOT / "docs" / "_build"
 TITLE = "The Transformer, annotated"
 
@@ -408,7 +418,6 @@ nav#contents { background: #f6f8fa; border: 1px solid #d0d7de; border-radius: 6p
 nav#contents h2 { margin: 0.4em 0; font-size: 1.2rem; }
 nav#contents ol { padding-left: 1.4em; margin: 0.2em 0; } nav#contents > ol > li { margin-top: 0.4em; }
 nav#contents ul { list-style: none; padding-left: 0.9em; margin: 0.1em 0; columns: 2 18rem; }
-.notes { border-left: 3px solid #bf8700; background: #fff8c5; padding: 0.4em 1em; font-size: 0.9rem; }
 footer { margin-top: 4em; color: #57606a; font-size: 0.85rem; }
 """
 
@@ -431,12 +440,10 @@ def _toc(headings: list[Heading]) -> str:
     return "<ol>" + "".join(items).replace("<ul></ul>", "") + "</ol>"
 
 
-def render_page(chapters_html: list[str], page: Page, notes: list[str], appendix: str) -> str:
+def render_page(chapters_html: list[str], page: Page, appendix: str) -> str:
     body = "".join(chapters_html) + appendix
     for number, name in enumerate(page.placed, start=1):
         body = body.replace(_figure_slot(name), page.figure_html[name].replace("{number}", str(number)))
-    notes_html = ("<div class=\"notes\"><p>Build notes:</p><ul>"
-                  + "".join(f"<li>{page.md.renderInline(n)}</li>" for n in notes) + "</ul></div>") if notes else ""
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -454,7 +461,6 @@ not this page.</p>
 <nav id="contents"><h2>Contents</h2>
 {_toc(page.headings)}
 </nav>
-{notes_html}
 </header>
 <main>
 {body}</main>
@@ -467,7 +473,56 @@ own functions.</footer>
 
 
 # %% [markdown]
-# ## 6. Building: figures, chapters, page
+# ## 6. The output folder: only our own files are replaced or removed
+#
+# `--out` may be a folder that holds other things. A build records what it
+# wrote in `.docs-build.json` (paths relative to the folder: the page and
+# its figures under `"page"`, notebooks under `"notebooks"`). The next build
+# removes only the recorded page files it no longer writes, and replaces
+# only recorded files: a file it would write that is there but not recorded
+# (your own `index.html`, a picture of yours in `figures/`) stops the build
+# before any work, with one line naming `--overwrite`, which allows it.
+# Everything else in the folder is never looked at. The record is written
+# before the files it lists, so a build stopped half-way leaves nothing
+# the next build would take for foreign. (`test_a_build_replaces_and_removes_only_its_own_files`.)
+
+# %%
+MANIFEST = ".docs-build.json"
+MANIFEST_FORMAT = "annotated-docs-build-v1"
+
+
+class OutputError(ValueError):
+    """The output folder holds a file the build would replace but did not write; the message names the fix."""
+
+
+def read_manifest(out: Path) -> dict[str, list[str]]:
+    """{"page": [...], "notebooks": [...]}: what earlier builds wrote into `out` (empty lists if unknown)."""
+    try:
+        record = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+        if record.get("format") == MANIFEST_FORMAT:
+            return {kind: [str(p) for p in record.get(kind, [])] for kind in ("page", "notebooks")}
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+    return {"page": [], "notebooks": []}
+
+
+def write_manifest(out: Path, record: dict[str, list[str]]) -> None:
+    atomic_write(out / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, **record}, indent=1) + "\n")
+
+
+def check_output(out: Path, files: Sequence[str], record: dict[str, list[str]], overwrite: bool) -> None:
+    """OutputError unless every file of `files` (relative to `out`) is new, recorded, or --overwrite is given."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out} is a file, not a folder; choose another --out")
+    ours = set(record["page"]) | set(record["notebooks"])
+    for name in files:
+        if (out / name).exists() and name not in ours and not overwrite:
+            raise OutputError(f"{out / name} exists and was not written by a docs build; it was left untouched: "
+                              f"pass --overwrite to replace it, or choose another --out")
+
+
+# %% [markdown]
+# ## 7. Building: figures, chapters, page
 
 # %%
 @dataclass
@@ -477,7 +532,8 @@ class BuildResult:
     skipped: list[str]           # modules of READING_ORDER that do not exist
     figures: list[Path]          # PNG files written
     placed: dict[str, str]       # figure name -> chapter it was placed in ("appendix" if none)
-    notes: list[str]
+    notes: list[str]             # for the console, never on the page
+    removed: list[Path] = field(default_factory=list)  # files of the previous build this one no longer writes
 
 
 def chapter_list(root: Path, modules: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
@@ -485,7 +541,7 @@ def chapter_list(root: Path, modules: Sequence[str]) -> tuple[list[str], list[st
     present = [m for m in modules if (root / "annotated" / f"{m}.py").is_file()]
     missing = [m for m in modules if m not in present]
     unlisted = sorted(p.stem for p in (root / "annotated").glob("*.py")
-                      if not p.stem.startswith("_") and p.stem not in modules)
+                      if not p.stem.startswith("_") and p.stem not in modules and p.stem not in NOT_CHAPTERS)
     return present + unlisted, missing, unlisted
 
 
@@ -512,12 +568,13 @@ def draw_figures(out: Path, ctx: figs.FigureContext, selected: Sequence[figs.Fig
 
 def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] = READING_ORDER,
           checkpoint: Optional[Path | str] = "auto", copy_steps: int = 300, with_figures: bool = True,
-          progress: bool = True, say=print) -> BuildResult:
+          progress: bool = True, say=print, overwrite: bool = False) -> BuildResult:
     """Render the modules into out/index.html (+ out/figures/). Returns what was built.
 
     `checkpoint`: "auto" uses runs/latest/best.pt or the newest runs/*/best.pt
     for the attention figure if one exists (else the copy task); a path uses
     that checkpoint (an error if it does not load); None always uses the copy task.
+    `overwrite`: replace files in `out` that no docs build wrote (else OutputError).
     """
     out, root = Path(out), Path(root)
     if copy_steps < 0:
@@ -525,15 +582,19 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
     chapters, missing, unlisted = chapter_list(root, modules)
     if not chapters:
         raise DocsError(f"no module of {list(modules)} exists under {root / 'annotated'}")
-    notes = [f"`annotated/{m}.py` does not exist yet: its chapter is missing." for m in missing]
-    notes += [f"`annotated/{m}.py` is not in READING_ORDER (docs/build.py): shown at the end." for m in unlisted]
+    notes = [f"annotated/{m}.py does not exist: its chapter is missing." for m in missing]
+    notes += [f"annotated/{m}.py is not in READING_ORDER (docs/build.py): shown at the end." for m in unlisted]
+    selected = list(figs.FIGURES) if with_figures else []
+    writes = ["index.html"] + [f"figures/{f.name}.png" for f in selected]
+    record = read_manifest(out)
+    check_output(out, writes, record, overwrite)  # before any work
+    write_manifest(out, {"page": sorted(set(record["page"]) | set(writes)), "notebooks": record["notebooks"]})
     md = make_markdown()
 
     auto = checkpoint == "auto"
     ckpt = figs.find_checkpoint(root) if auto else (Path(checkpoint) if checkpoint is not None else None)
     ctx = figs.FigureContext(root=root, checkpoint=ckpt, copy_steps=copy_steps, cache_dir=out / ".cache",
                              say=say, checkpoint_required=not auto)
-    selected = list(figs.FIGURES) if with_figures else []
     figure_html, files = draw_figures(out, ctx, selected, md, progress)
     notes += ctx.notes
 
@@ -553,23 +614,23 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
         page.headings.append(Heading(1, "Figures without a place", "appendix-figures"))
         for f in leftover:
             why = "not built" if f.module not in chapters else f"no heading starting “{f.heading}”"
-            notes.append(f"figure `{f.name}` belongs to `annotated/{f.module}.py` ({why}): shown in the appendix.")
+            notes.append(f"figure {f.name} belongs to annotated/{f.module}.py ({why}): shown in the appendix.")
             appendix += _figure_slot(f.name)
             page.placed.append(f.name)
             placed[f.name] = "appendix"
         appendix += "</article>\n"
     body = [link_module_mentions(c, chapters) for c in chapters_html]
     index = out / "index.html"
-    atomic_write(index, render_page(body, page, notes, appendix))
-    keep = {p.name for p in files}
-    for stale in (out / "figures").glob("*.png") if (out / "figures").is_dir() else []:
-        if stale.name not in keep:
-            stale.unlink()
-    return BuildResult(index, chapters, missing, files, placed, notes)
+    atomic_write(index, render_page(body, page, appendix))
+    removed = [out / name for name in record["page"] if name not in writes and (out / name).is_file()]
+    for stale in removed:  # recorded by an earlier build, not written by this one
+        stale.unlink()
+    write_manifest(out, {"page": writes, "notebooks": record["notebooks"]})
+    return BuildResult(index, chapters, missing, files, placed, notes, removed)
 
 
 # %% [markdown]
-# ## 7. The notebook
+# ## 8. The notebook
 #
 # `make notebook` writes the chapter as a Jupyter notebook with jupytext:
 # the same cells, prose as Markdown cells. Only `annotated/transformer.py` by
@@ -578,43 +639,51 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
 # root on `sys.path`.
 
 # %%
-def build_notebook(module: str = "transformer", out: Path = DEFAULT_OUT, root: Path = ROOT) -> Path:
-    """annotated/<module>.py -> out/<module>.ipynb (written atomically)."""
-    src = Path(root) / "annotated" / f"{module}.py"
+def build_notebook(module: str = "transformer", out: Path = DEFAULT_OUT, root: Path = ROOT,
+                   overwrite: bool = False) -> Path:
+    """annotated/<module>.py -> out/<module>.ipynb (written atomically; recorded like the page's files)."""
+    src, out = Path(root) / "annotated" / f"{module}.py", Path(out)
     if not src.is_file():
         raise DocsError(f"no module {src} to convert to a notebook")
+    record = read_manifest(out)
+    check_output(out, [f"{module}.ipynb"], record, overwrite)
+    record["notebooks"] = sorted(set(record["notebooks"]) | {f"{module}.ipynb"})
+    write_manifest(out, record)
     notebook = jupytext.read(src, fmt="py:percent")
-    target = Path(out) / f"{module}.ipynb"
-    atomic_write(target, jupytext.writes(notebook, fmt="ipynb"))
-    return target
+    return atomic_write(out / f"{module}.ipynb", jupytext.writes(notebook, fmt="ipynb"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="Render annotated/*.py into docs/_build/index.html, "
-                                            "or convert a chapter to a notebook.")
+    p = Parser(prog="python -m docs.build", name="docs",
+               description="Render annotated/*.py into docs/_build/index.html, or convert a chapter to a notebook.")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default docs/_build)")
     p.add_argument("--checkpoint", default="auto",
                    help="checkpoint for the attention figure: auto (runs/latest/best.pt or newest "
                         "runs/*/best.pt, else the copy task), none (copy task), or a path")
-    p.add_argument("--copy-steps", type=int, default=300, help="training steps of the copy-task model")
+    p.add_argument("--copy-steps", type=at_least(0), default=300, help="training steps of the copy-task model")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace files in --out that no docs build wrote (an index.html of yours, say)")
     p.add_argument("--no-figures", action="store_true", help="skip drawing figures (faster)")
     p.add_argument("--notebook", nargs="*", metavar="MODULE", default=None,
                    help="write notebooks instead of the page (default: transformer)")
     args = p.parse_args(argv)
+    if args.checkpoint not in ("auto", "none") and not Path(args.checkpoint).is_file():
+        what = "is a directory" if Path(args.checkpoint).is_dir() else "does not exist"
+        p.error(f"argument --checkpoint: {args.checkpoint} {what}; give a checkpoint file, auto or none")
     import torch
 
     torch.set_num_threads(1)  # the figures' models are tiny: more threads only contend for the cores
     try:
         if args.notebook is not None:
             for module in args.notebook or ["transformer"]:
-                print(f"wrote {build_notebook(module, args.out)}")
+                print(f"wrote {build_notebook(module, args.out, overwrite=args.overwrite)}")
             return 0
         checkpoint = None if args.checkpoint == "none" else args.checkpoint
         result = build(args.out, checkpoint=checkpoint, copy_steps=args.copy_steps,
-                       with_figures=not args.no_figures)
-    except (DocsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+                       with_figures=not args.no_figures, overwrite=args.overwrite)
+    except (DocsError, ValueError) as e:  # a refused --out or checkpoint: 2, like other bad input; else 1
+        print(f"docs: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, (OutputError, CheckpointError)) else 1
     for note in result.notes:
         print(f"note: {note}")
     print(f"wrote {result.index} ({len(result.chapters)} chapters: {', '.join(result.chapters)}; "

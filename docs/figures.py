@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -51,6 +52,21 @@ class Figure:
     module: str               # the chapter it illustrates (annotated/<module>.py)
     heading: Optional[str]    # placed after the prose of the heading starting with this; None: chapter end
     draw: Callable[[FigureContext], tuple[MplFigure, str]]
+
+
+def as_text(value) -> str:
+    r"""Text from data (a sentence of results.json, a translation, a run's name) for a Markdown caption:
+    every ASCII punctuation character backslash-escaped, so it can be neither math, nor markup, nor an image.
+
+    >>> print(as_text(r"$\frac{$ ![t](https://x.invalid/a.png)"))
+    \$\\frac\{\$ \!\[t\]\(https\:\/\/x\.invalid\/a\.png\)
+    """
+    return re.sub(r"([!-/:-@\[-`{-~])", r"\\\1", str(value))
+
+
+def label_text(token: str) -> str:
+    """A token as a matplotlib label: a `$` would start mathtext."""
+    return token.replace("$", r"\$")
 
 
 def png_bytes(fig: MplFigure) -> bytes:
@@ -272,8 +288,9 @@ def _attention_grid(panels: list[tuple[str, torch.Tensor, list[str], list[str]]]
         title, probs, q_labels, k_labels = panels[j]
         ax.imshow(probs.numpy(), cmap="viridis", vmin=0, vmax=1)
         ax.set_title(title, fontsize="small")
-        ax.set_xticks(range(len(k_labels)), k_labels, rotation=90, fontsize="x-small")
-        ax.set_yticks(range(len(q_labels)), q_labels if j % ncols == 0 else [], fontsize="x-small")
+        ax.set_xticks(range(len(k_labels)), [label_text(t) for t in k_labels], rotation=90, fontsize="x-small")
+        ax.set_yticks(range(len(q_labels)), [label_text(t) for t in q_labels] if j % ncols == 0 else [],
+                      fontsize="x-small")
     return fig
 
 
@@ -344,9 +361,10 @@ def _checkpoint_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
     fig = _attention_grid(panels, ncols=min(4, len(panels)), width=12)
     translation = tokenizer.decode(out[0].tolist())
     run = ctx.checkpoint.parent.name
-    caption = (f"Cross-attention of the last decoder layer of the trained translator `{run}/"
-               f"{ctx.checkpoint.name}` ({meta.get('src_lang', '?')}→{meta.get('tgt_lang', '?')}), "
-               f"every head, translating “{sentence}” greedily into “{translation}”. Rows are target "
+    languages = as_text(f"{meta.get('src_lang', '?')}→{meta.get('tgt_lang', '?')}")
+    caption = (f"Cross-attention of the last decoder layer of the trained translator "
+               f"{as_text(f'{run}/{ctx.checkpoint.name}')} ({languages}), every head, translating "
+               f"“{as_text(sentence)}” greedily into “{as_text(translation)}”. Rows are target "
                "subwords (queries), columns source subwords (keys); each row sums to 1.")
     return fig, caption
 

@@ -66,14 +66,59 @@ def test_chapters_follow_reading_order_and_skip_missing_modules(site):
     assert result.skipped == [m for m in B.READING_ORDER if m not in present]
     positions = [page.index(f'<h1 id="{m}"') for m in result.chapters]
     assert positions == sorted(positions)
-    for m in result.skipped:  # a missing module is named on the page, not silently dropped
-        assert f"annotated/{m}.py</code> does not exist yet" in page
+    assert "Build notes" not in page and 'class="notes"' not in page  # the reader sees chapters, not the build
 
 
-def test_missing_module_is_skipped_with_a_note(tmp_path):
+def test_reading_order_names_every_module():
+    modules = {p.stem for p in (ROOT / "annotated").glob("*.py") if not p.stem.startswith("_")} - B.NOT_CHAPTERS
+    assert sorted(modules - set(B.READING_ORDER)) == []
+    assert len(set(B.READING_ORDER)) == len(B.READING_ORDER)
+
+
+def test_missing_module_is_skipped_with_a_note_for_the_console_only(tmp_path):
     result = B.build(tmp_path, modules=("no_such_module", "transformer"), with_figures=False, progress=False)
     assert result.chapters[0] == "transformer" and result.skipped == ["no_such_module"]
-    assert "annotated/no_such_module.py</code> does not exist yet" in result.index.read_text(encoding="utf-8")
+    assert "annotated/no_such_module.py does not exist: its chapter is missing." in result.notes
+    assert "no_such_module" not in result.index.read_text(encoding="utf-8")
+
+
+def files_under(path: Path) -> dict:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_build_replaces_and_removes_only_its_own_files(tmp_path, monkeypatch, capsys):
+    """Only what an earlier build recorded is removed; a file of the user's is never overwritten without
+    --overwrite (the old rule removed every unknown figures/*.png and replaced any index.html)."""
+    cheap = {f.name: f for f in F.FIGURES if f.name in ("subsequent_mask", "positional_encoding")}
+    out = tmp_path / "site"
+    (out / "figures").mkdir(parents=True)
+    mine = {"figures/holiday.png": b"\x89PNG my picture", "notes.txt": b"my notes"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    kw = dict(modules=("transformer",), checkpoint=None, copy_steps=0, progress=False, say=lambda s: None)
+    monkeypatch.setattr(F, "FIGURES", tuple(cheap.values()))
+    first = B.build(out, **kw)
+    assert sorted(p.name for p in first.figures) == ["positional_encoding.png", "subsequent_mask.png"]
+    monkeypatch.setattr(F, "FIGURES", (cheap["subsequent_mask"],))
+    second = B.build(out, **kw)  # the page and its own figure replaced, the figure it no longer draws removed
+    assert second.removed == [out / "figures" / "positional_encoding.png"]
+    after = files_under(out)
+    assert {k: after[k] for k in mine} == mine  # the user's files, byte for byte
+    assert sorted(after) == [".docs-build.json", "figures/holiday.png", "figures/subsequent_mask.png",
+                             "index.html", "notes.txt"]
+
+    theirs = tmp_path / "theirs"  # a folder with someone else's page
+    theirs.mkdir()
+    (theirs / "index.html").write_text("<h1>my home page</h1>")
+    before = files_under(theirs)
+    with pytest.raises(B.OutputError, match="index.html exists and was not written by a docs build"):
+        B.build(theirs, **kw)
+    assert B.main(["--out", str(theirs), "--no-figures", "--checkpoint", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("docs: error: ") and "--overwrite" in err and len(err.splitlines()) == 1
+    assert files_under(theirs) == before  # untouched, nothing added
+    B.build(theirs, overwrite=True, **kw)
+    assert "my home page" not in (theirs / "index.html").read_text(encoding="utf-8")
 
 
 def test_code_is_the_files_code_verbatim_in_source_order(site):
@@ -328,7 +373,8 @@ def _panels(fig):
     return [ax.images[0].get_array() for ax in fig.axes if ax.images]
 
 
-def test_attention_figure_from_a_checkpoint(tmp_path):
+def tiny_run(tmp_path, sentence: str) -> Path:
+    """runs/r1/best.pt (a 1-layer model with a tokenizer) and a results.json whose first sample is `sentence`."""
     data = pytest.importorskip("annotated.data", reason="annotated/data.py (the tokenizer) not written yet")
     from annotated.checkpoint import save_checkpoint
 
@@ -339,15 +385,35 @@ def test_attention_figure_from_a_checkpoint(tmp_path):
              for _ in range(300)]
     tokenizer = data.train_tokenizer(texts, 350, cache_dir=tmp_path / "cache")
     model = T.make_model(src_vocab=tokenizer.vocab_size, tgt_vocab=tokenizer.vocab_size, N=1, d_model=16, d_ff=32,
-                         h=4, max_len=40, dropout=0.0)
+                         h=4, max_len=80, dropout=0.0)
     run = tmp_path / "runs" / "r1"
     save_checkpoint(run / "best.pt", model, tokenizer, {"src_lang": "de", "tgt_lang": "en"})
-    sentence = "Zwei junge Männer spielen."
     (run / "results.json").write_text(json.dumps({"samples": [{"source": sentence}]}), encoding="utf-8")
+    return run / "best.pt"
 
+
+def test_text_from_data_stays_text_in_the_caption(tmp_path):
+    """A results.json sentence is data: no math (`$\\frac{$` once stopped the build), no remote image, no markup."""
+    sentence = "Er zahlt $\\frac{$ für ![t](https://example.invalid/t.png) <b>*so*</b> & $x$."
+    tiny_run(tmp_path, sentence)
     ctx = F.FigureContext(root=tmp_path, checkpoint=F.find_checkpoint(tmp_path), checkpoint_required=True)
     fig, caption = F.draw_attention(ctx)
-    assert "r1/best.pt" in caption and sentence in caption and "de→en" in caption
+    assert F.png_bytes(fig).startswith(b"\x89PNG")  # the `$` of the token labels is no mathtext either
+    rendered = B.make_markdown().renderInline(caption)
+    for markup in ("<math", "<img", "<b>", "<em>", "<a "):
+        assert markup not in rendered
+    assert f"“{sentence}”" in html.unescape(rendered)  # shown exactly as written
+
+
+def test_attention_figure_from_a_checkpoint(tmp_path):
+    from annotated.checkpoint import load_checkpoint
+
+    sentence = "Zwei junge Männer spielen."
+    _, tokenizer, _ = load_checkpoint(tiny_run(tmp_path, sentence))
+    ctx = F.FigureContext(root=tmp_path, checkpoint=F.find_checkpoint(tmp_path), checkpoint_required=True)
+    fig, caption = F.draw_attention(ctx)
+    text = html.unescape(_text(B.make_markdown().renderInline(caption)))
+    assert "r1/best.pt" in text and sentence in text and "de→en" in text
     panels = _panels(fig)
     assert len(panels) == 4  # every head of the last decoder layer
     for probs in panels:  # (target positions, source subwords), each row a distribution
