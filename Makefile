@@ -62,11 +62,14 @@ clean:
 # make translate TEXT="Ein Hund rennt über die Wiese."   (no TEXT: reads stdin, one sentence a line)
 # CHECKPOINT=runs/<run>/best.pt (default: runs/latest/best.pt, else the newest runs/*/best.pt);
 # ARGS="--beam 1" etc. for more (python -m annotated.translate --help).
+# TEXT and CHECKPOINT reach the command exactly as typed: `$(call quoted,NAME)` is the variable's unexpanded
+# value in single quotes (so `$5`, `$HOME`, spaces and `;` stay text), each ' written as '\''.
 CHECKPOINT ?=
 TEXT       ?=
+quoted = '$(subst ','\'',$(value $(1)))'
 .PHONY: translate
 translate: $(SETUP)
-	$(PY) -m annotated.translate $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS) $(if $(TEXT),'$(subst ','\'',$(TEXT))')
+	$(PY) -m annotated.translate $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS) $(if $(value TEXT),$(call quoted,TEXT))
 
 # make equivalence [CHECKPOINT=runs/<run>/best.pt]: the proof suite of annotated/equivalence.py;
 # exits non-zero if any check fails.
@@ -80,11 +83,11 @@ bench: $(SETUP)
 	$(PY) benchmarks/bench.py $(ARGS)
 
 # make attention [CHECKPOINT=runs/<run>/best.pt] [ARGS='--n 5' or ARGS='"Ein Hund rennt."']: dump, draw and
-# browse every attention weight (annotated/attention.py); default: best.pt of the latest run, first 3 test
+# browse every attention weight (annotated/attention_maps.py); default: best.pt of the latest run, first 3 test
 # sentences; writes attention/ next to the checkpoint (index.json, sentence_*.npz, *.png, viewer.html).
 .PHONY: attention
 attention: $(SETUP)
-	$(PY) -m annotated.attention $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
+	$(PY) -m annotated.attention_maps $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 # make docs: annotated/*.py rendered into docs/_build/index.html (math as MathML, figures drawn by the
 # modules' own code; offline). Attention figure from CHECKPOINT=..., else runs/latest/best.pt or the newest
@@ -92,7 +95,7 @@ attention: $(SETUP)
 # make notebook: annotated/transformer.py as docs/_build/transformer.ipynb (jupytext).
 .PHONY: docs notebook
 docs: $(SETUP)
-	$(PY) -m docs.build $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
+	$(PY) -m docs.build $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT))
 
 notebook: $(SETUP)
 	$(PY) -m docs.build --notebook
