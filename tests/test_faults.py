@@ -121,7 +121,7 @@ def test_sigint_saves_a_resumable_checkpoint_and_resume_finishes_the_run(tmp_pat
     """
     run = tmp_path / "run"
     common = ["--run-dir", run, "--data-url", data_url, "--cache-dir", cache]
-    p = subprocess.Popen(train_cli("--epochs", 50, *common), cwd=tmp_path, env=child_env(),
+    p = subprocess.Popen(train_cli("--max-steps", 1000, "--log-every", 1, *common), cwd=tmp_path, env=child_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + GUARD
     try:
@@ -144,7 +144,7 @@ def test_sigint_saves_a_resumable_checkpoint_and_resume_finishes_the_run(tmp_pat
 
     stale = run / ".last.pt.killed.tmp"
     stale.write_bytes((run / "last.pt").read_bytes()[:1000])
-    r = subprocess.run(train_cli("--epochs", 50, "--resume", "--max-steps", k + 3, *common), cwd=tmp_path,
+    r = subprocess.run(train_cli("--log-every", 1, "--resume", "--max-steps", k + 3, *common), cwd=tmp_path,
                        env=child_env(), capture_output=True, text=True, timeout=GUARD)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert (run / "results.json").is_file() and not stale.exists()
@@ -152,7 +152,7 @@ def test_sigint_saves_a_resumable_checkpoint_and_resume_finishes_the_run(tmp_pat
     assert [s for s, _ in resumed] == list(range(1, k + 4))
 
     whole = tmp_path / "whole"
-    T.train(dataclasses.replace(T.PRESETS["smoke"], epochs=50, max_steps=k + 3), whole, **quiet(data_url, cache))
+    T.train(dataclasses.replace(T.PRESETS["smoke"], max_steps=k + 3, log_every=1), whole, **quiet(data_url, cache))
     for (step, a), (_, b) in zip(resumed, losses(whole), strict=True):
         assert math.isclose(a, b, rel_tol=1e-6), (step, a, b)
 
@@ -165,7 +165,8 @@ def test_a_second_sigint_stops_at_once_without_a_traceback(tmp_path, data_url, c
     (If the first one's orderly stop wins the race, stderr stays empty; same exit code.)
     """
     run = tmp_path / "run"
-    p = subprocess.Popen(train_cli("--epochs", 50, "--run-dir", run, "--data-url", data_url, "--cache-dir", cache),
+    p = subprocess.Popen(train_cli("--max-steps", 1000, "--log-every", 1, "--run-dir", run, "--data-url", data_url,
+                                   "--cache-dir", cache),
                          cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + GUARD
     try:
@@ -189,18 +190,23 @@ def test_a_second_sigint_stops_at_once_without_a_traceback(tmp_path, data_url, c
     assert temporaries(run / "last.pt") == []
 
 
-def test_ctrl_c_during_the_heavy_imports_is_held_until_they_finish():
-    """A SIGINT inside `ctrl_c_deferred` lets the block run to its end, then raises KeyboardInterrupt there
-    (a KeyboardInterrupt inside a C++ extension's start-up would abort the process instead)."""
-    reached, before = [], signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt):
-        with train_wmt.ctrl_c_deferred():
-            os.kill(os.getpid(), signal.SIGINT)
-            for _ in range(1000):  # Python checks for signals between bytecodes: plenty of chances here
-                sum(range(100))
-            reached.append("end of block")
-    assert reached == ["end of block"]
-    assert signal.getsignal(signal.SIGINT) is before  # the previous handler is back
+def test_train_wmt_uses_the_one_start_up_policy_and_gives_the_handler_back():
+    """train_wmt.main() runs its imports under `cli.starting` (a Ctrl-C there: one line, exit 130, no unwinding
+    through an extension's start-up) and leaves the caller's SIGINT handler as it found it."""
+    from annotated import cli
+
+    before, seen = signal.getsignal(signal.SIGINT), []
+    real = cli.quiet_ctrl_c_while_starting
+
+    def spy(name):
+        real(name)
+        seen.append((name, cli.still_starting()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli, "quiet_ctrl_c_while_starting", spy)
+        with pytest.raises(SystemExit):
+            train_wmt.main(["--beam-size", "0"])
+    assert seen == [("train_wmt.py", True)] and signal.getsignal(signal.SIGINT) is before
 
 
 def test_sigint_at_start_up_exits_130_without_a_traceback(tmp_path, data_url, cache):
@@ -535,9 +541,10 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(bad, tmp_pa
     E = saved["run_state"]["step"]  # steps in epoch 1
     assert saved["run_state"]["epoch"] == 1 and sha(run / "last.pt") == last_at_fault["sha"]
     assert code == 2 and err.count("\n") == 1, err
-    assert (f"train_wmt.py: error: the loss became {bad} at step {E + 3} (epoch 2, batch 2); stopped, the last "
-            f"good checkpoint {run / 'last.pt'} is kept") in err
-    assert len(losses(run)) == E + 2 and not (run / "results.json").exists()
+    assert (f"train_wmt.py: error: the loss became {bad} at step {E + 3} (epoch 2); 1 step(s) with a non-finite "
+            f"loss or gradient were skipped; stopped at step {2 * E}, the last good checkpoint {run / 'last.pt'} "
+            f"is kept") in err  # (the read at epoch 2's end: log_every 50 > the 2 x 14 steps)
+    assert [s for s, _ in losses(run)] == [E] and not (run / "results.json").exists()
     model, _, _ = load_checkpoint(run / "last.pt")
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -563,7 +570,7 @@ def test_non_finite_gradient_at_an_epoch_end_does_not_reach_the_checkpoint(tmp_p
     """
     run = tmp_path / "run"
     T.train(dataclasses.replace(SMOKE, epochs=1), run, **quiet(data_url, cache))
-    E = len(losses(run))
+    E = read_checkpoint(run / "last.pt")["run_state"]["step"]  # steps of epoch 1
     kept = {name: sha(run / name) for name in ("last.pt", "best.pt")}
     real, seen = T.batch_loss, []
 
@@ -576,9 +583,10 @@ def test_non_finite_gradient_at_an_epoch_end_does_not_reach_the_checkpoint(tmp_p
         return loss, n
 
     monkeypatch.setattr(T, "batch_loss", poisoned)
-    with pytest.raises(T.TrainingError, match=rf"the gradient norm became (nan|inf) at step {2 * E} \(epoch 2, "
-                                              rf"batch {E - 1}\); stopped before the update, the last good "
-                                              rf"checkpoint .*last\.pt is kept"):
+    with pytest.raises(T.TrainingError, match=rf"the gradient norm became (nan|inf) at step {2 * E} \(epoch 2\); "
+                                              rf"1 step\(s\) with a non-finite loss or gradient were skipped; "
+                                              rf"stopped at step {2 * E}, the last good checkpoint .*last\.pt is "
+                                              rf"kept"):
         T.train(dataclasses.replace(SMOKE, epochs=2), run, resume=True, **quiet(data_url, cache))
     assert {name: sha(run / name) for name in kept} == kept
     model, _, _ = load_checkpoint(run / "last.pt")
