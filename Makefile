@@ -25,6 +25,8 @@ help:
 	@echo "                  CHECKPOINT=path.pt also checks a trained checkpoint)"
 	@echo "make translate    TEXT='Ein Hund rennt.' [CHECKPOINT=...]; no TEXT: one sentence a line on stdin"
 	@echo "make attention    dump, draw and browse the attention of the latest run [CHECKPOINT=...]"
+	@echo "make heads        what each head does: importance, ablation, inspection [CHECKPOINT=...];"
+	@echo "                  ARGS='--prune' also removes heads (pruned.pt) and measures BLEU and speed"
 	@echo "make docs         the annotated source as a page: docs/_build/index.html (offline)"
 	@echo "make notebook     annotated/transformer.py as docs/_build/transformer.ipynb"
 	@echo "make bench        speed and memory against torch.nn.Transformer [ARGS='--sizes cpu --quick']"
@@ -88,6 +90,13 @@ bench: $(SETUP)
 .PHONY: attention
 attention: $(SETUP)
 	$(PY) -m annotated.attention_maps $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
+
+# make heads [CHECKPOINT=runs/<run>/best.pt] [ARGS='--prune --threshold 0.5 --sentences 300']: per head,
+# importance, validation BLEU and loss without it, and its attention by relative position (python -m
+# annotated.heads --help); writes heads.json and pictures beside the checkpoint (--out elsewhere).
+.PHONY: heads
+heads: $(SETUP)
+	$(PY) -m annotated.heads $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 # make docs: annotated/*.py rendered into docs/_build/index.html (math as MathML, figures drawn by the
 # modules' own code; offline). Attention figure from CHECKPOINT=..., else runs/latest/best.pt or the newest

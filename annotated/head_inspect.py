@@ -120,8 +120,8 @@ def position_profiles(model: EncoderDecoder, batches: Iterable, window: int = 4,
     for b in batches:
         src, tgt_in = b.src.to(device), b.tgt[:, :-1].to(device)  # (B, S), (B, T)
         src_mask = padding_mask(src, PAD)  # (B, 1, S)
-        memory, enc = model.encode(src, src_mask, return_attention=True)
-        _, dec_self, cross = model.decode(memory, src_mask, tgt_in, target_mask(tgt_in, PAD), return_attention=True)
+        memory, enc = model.encode_with_attention(src, src_mask)
+        _, dec_self, cross = model.decode_with_attention(memory, src_mask, tgt_in, target_mask(tgt_in, PAD))
         src_real, tgt_real = (src != PAD), (tgt_in != PAD)  # (B, S), (B, T)
         src_len = src_real.sum(-1)  # (B,)
         for kind, ps, real in (("enc_self", enc, src_real), ("dec_self", dec_self, tgt_real), ("cross", cross, tgt_real)):

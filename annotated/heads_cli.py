@@ -1,4 +1,4 @@
-"""`python -m annotated.heads --checkpoint PATH [--prune [--threshold 0.5]] [--sentences N]` (and `make heads`).
+"""`python -m annotated.heads [--checkpoint PATH] [--prune [--threshold 0.5]] [--sentences N]` (`make heads`).
 
 For every head of every attention: Michel et al.'s importance, validation BLEU and loss without it, and its
 average attention by relative position; one table on stdout, `heads.json`, one heat map per attention kind
@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from annotated.options import Parser, at_least, device, fail, number, writable_dir
 from annotated.heads import KINDS, ablate, attention_at, head_importance, normalise_per_attention, sites
 
 NAME = "python -m annotated.heads"
@@ -26,29 +27,22 @@ WINDOW = 4  # offsets -4 ... +4 in the position profiles
 SPEED_ROUNDS = 3  # timings alternate unpruned / pruned this many times; the fastest of each counts
 
 
-class UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=NAME, description=__doc__.split("\n\n")[1].replace("\n", " "))
-    p.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint file (best.pt of a run)")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default: the checkpoint's folder)")
-    p.add_argument("--sentences", type=int, default=300,
+    p = Parser(prog=NAME, description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="checkpoint file (default: runs/latest/best.pt, else the newest runs/*/best.pt)")
+    p.add_argument("--out", type=writable_dir, default=None, help="output folder (default: the checkpoint's folder)")
+    p.add_argument("--sentences", type=at_least(1), default=300,
                    help="validation sentences for ablation, importance and the pruning search (default 300)")
     p.add_argument("--prune", action="store_true", help="prune heads greedily and save pruned.pt")
-    p.add_argument("--threshold", type=float, default=None,
+    p.add_argument("--threshold", type=number(0, None), default=None,
                    help="with --prune: the most validation BLEU the pruned model may lose (default 0.5)")
-    p.add_argument("--beam", type=int, default=4, help="beam width for test BLEU and speed with --prune (default 4)")
-    p.add_argument("--test-sentences", type=int, default=None,
+    p.add_argument("--beam", type=at_least(1), default=4,
+                   help="beam width for test BLEU and speed with --prune (default 4)")
+    p.add_argument("--test-sentences", type=at_least(1), default=None,
                    help="with --prune: score and time only the first n test sentences (default: all 1,000)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, ... (default cpu)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--force", action="store_true", help="overwrite outputs of an earlier run in the output folder")
     return p
 
@@ -58,39 +52,29 @@ def outputs(prune: bool) -> list[str]:
     return names + (["pruned.pt"] if prune else [])
 
 
-def check_options(args) -> Optional[str]:
-    """An error message for bad options (before any data or model work), or None."""
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The options, checked before any data or model work: one line and exit 2 (SystemExit) if wrong."""
+    args = build_parser().parse_args(argv)
+    if args.checkpoint is None:
+        from annotated.checkpoint import CheckpointError, latest_checkpoint
+
+        try:
+            args.checkpoint = latest_checkpoint("runs")
+        except CheckpointError as e:
+            fail(NAME, str(e))
+        print(f"{NAME}: using {args.checkpoint}", file=sys.stderr)
     if not args.checkpoint.is_file():
-        return f"--checkpoint {args.checkpoint}: no such file"
-    if args.sentences < 1:
-        return f"--sentences must be >= 1, got {args.sentences}"
-    if args.threshold is not None and not args.prune:
-        return "--threshold only applies with --prune (add --prune, or drop --threshold)"
-    if args.threshold is None:
-        args.threshold = 0.5
-    if not (args.threshold >= 0 and math.isfinite(args.threshold)):
-        return f"--threshold must be a finite number of BLEU points >= 0, got {args.threshold}"
-    if args.test_sentences is not None and not args.prune:
-        return "--test-sentences only applies with --prune (add --prune, or drop --test-sentences)"
-    if args.test_sentences is not None and args.test_sentences < 1:
-        return f"--test-sentences must be >= 1, got {args.test_sentences}"
-    if args.beam < 1:
-        return f"--beam must be >= 1, got {args.beam}"
-    if args.threads is not None and args.threads < 1:
-        return f"--threads must be >= 1, got {args.threads}"
-    try:
-        args.device = torch.device(args.device)
-    except (RuntimeError, ValueError):
-        return f"--device {args.device!r} is not a device (cpu, cuda, cuda:1, ...)"
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        return f"--device {args.device} asked for, but CUDA is not available here"
+        fail(NAME, f"--checkpoint {args.checkpoint}: no such file")
+    for flag, value in (("--threshold", args.threshold), ("--test-sentences", args.test_sentences)):
+        if value is not None and not args.prune:
+            fail(NAME, f"{flag} only applies with --prune (add --prune, or drop {flag})")
+    args.threshold = 0.5 if args.threshold is None else args.threshold
     args.out = args.out if args.out is not None else args.checkpoint.parent
-    if args.out.exists() and not args.out.is_dir():
-        return f"--out {args.out} exists and is not a folder"
     existing = [n for n in outputs(args.prune) if (args.out / n).exists()]
     if existing and not args.force:
-        return f"{args.out / existing[0]} exists (from an earlier run); add --force to overwrite, or pick --out"
-    return None
+        fail(NAME, f"{args.out / existing[0]} exists (from an earlier run); add --force to overwrite, or pick --out")
+    args.device = torch.device(args.device)
+    return args
 
 
 # ---------------------------------------------------------------- data and evaluation
@@ -127,19 +111,23 @@ def _grid(rows: list[list[float]]) -> np.ndarray:
     return np.array([list(r) + [math.nan] * (width - len(r)) for r in rows], dtype=float)
 
 
-def heat_map(kind: str, panels: list[tuple[str, list[list[float]]]], path: Path) -> None:
+def heat_map(kind: str, panels: list[tuple[str, list[list[float]], bool]], path: Path) -> None:
+    """One row of (N layers x h heads) panels; a panel marked True is a change, coloured around 0."""
     from annotated.head_inspect import save_figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(4.2 * len(panels), 1.2 + 0.7 * len(panels[0][1])))
     FigureCanvasAgg(fig)
-    for ax, (title, rows) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+    for ax, (title, rows, change) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         data = _grid(rows)
-        im = ax.imshow(data, cmap="viridis", aspect="auto")
+        top = float(np.nanmax(np.abs(data))) or 1.0
+        im = ax.imshow(data, cmap="RdBu" if change else "viridis", aspect="auto",
+                       **({"vmin": -top, "vmax": top} if change else {}))
         for (l, i), v in np.ndenumerate(data):
             if not math.isnan(v):
-                ax.text(i, l, f"{v:.3g}", ha="center", va="center", color="w", fontsize=8)
+                ax.text(i, l, f"{v:+.3g}" if change else f"{v:.3g}", ha="center", va="center",
+                        color="k" if change else "w", fontsize=8)
         ax.set_xticks(range(data.shape[1]))
         ax.set_yticks(range(data.shape[0]))
         ax.set_xlabel("head")
@@ -256,13 +244,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from annotated.prune import load_model
 
     try:
-        args = build_parser().parse_args(argv)
-        error = check_options(args)
-    except UsageError as e:
-        error = str(e)
-    if error:
-        print(f"{NAME}: error: {error}", file=sys.stderr)
-        return 2
+        args = parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad option, already reported in one line (2)
+        return e.code if isinstance(e.code, int) else 2
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -284,9 +268,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     atomic_write(args.out / "heads.json", json.dumps(_json_ready(report), indent=1))
     for kind in KINDS:
         k = report["kinds"][kind]
-        heat_map(kind, [("importance E|dL/dxi|", k["importance"]),
-                        ("val BLEU without the head", k["ablation_bleu"]),
-                        ("val loss without the head", k["ablation_loss"])], args.out / f"heads_{kind}.png")
+        base = report["baseline"]
+        heat_map(kind, [("importance E|dL/dxi|", k["importance"], False),
+                        ("val BLEU change without the head", [[b - base["bleu"] for b in r] for r in k["ablation_bleu"]],
+                         True),
+                        ("val loss change without the head", [[c - base["loss"] for c in r] for r in k["ablation_loss"]],
+                         True)], args.out / f"heads_{kind}.png")
     save_figure(inspect_figure(model, {k: report["kinds"][k]["position_profile"] for k in KINDS}, WINDOW,
                                title=str(args.checkpoint)), args.out / "heads_inspect.png")
     print(f"wrote {args.out / 'heads.json'}, heads_<kind>.png and heads_inspect.png in {args.out}", flush=True)

@@ -192,18 +192,19 @@ def run_main(argv, capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--checkpoint", "no/such.pt"], "no such file"),
-    (["--checkpoint", "{ckpt}", "--sentences", "0"], "--sentences must be >= 1"),
+    (["--checkpoint", "{ckpt}", "--sentences", "0"], "--sentences: must be a whole number >= 1"),
     (["--checkpoint", "{ckpt}", "--threshold", "0.5"], "--threshold only applies with --prune"),
-    (["--checkpoint", "{ckpt}", "--prune", "--threshold", "-1"], "--threshold must be"),
-    (["--checkpoint", "{ckpt}", "--prune", "--threshold", "nan"], "--threshold must be"),
+    (["--checkpoint", "{ckpt}", "--prune", "--threshold", "-1"], "--threshold: must be a finite number >= 0"),
+    (["--checkpoint", "{ckpt}", "--prune", "--threshold", "nan"], "--threshold: must be a finite number >= 0"),
     (["--checkpoint", "{ckpt}", "--test-sentences", "5"], "--test-sentences only applies with --prune"),
-    (["--checkpoint", "{ckpt}", "--beam", "0"], "--beam must be >= 1"),
-    (["--checkpoint", "{ckpt}", "--threads", "0"], "--threads must be >= 1"),
-    (["--checkpoint", "{ckpt}", "--sentences", "many"], "invalid int value"),
+    (["--checkpoint", "{ckpt}", "--beam", "0"], "--beam: must be a whole number >= 1"),
+    (["--checkpoint", "{ckpt}", "--threads", "0"], "--threads: must be a whole number >= 1"),
+    (["--checkpoint", "{ckpt}", "--sentences", "many"], "--sentences: must be a whole number"),
     (["--checkpoint", "{ckpt}", "--bogus"], "unrecognized arguments"),
-    ([], "--checkpoint"),
+    (["--checkpoint"], "--checkpoint: expected one argument"),
     (["--checkpoint", "{ckpt}", "--out", "{ckpt}"], "is not a folder"),
     (["--checkpoint", "{ckpt}", "--out", "{old}"], "add --force"),
+    (["--checkpoint", "{ckpt}", "--device", "tpu"], "--device: must be cpu, cuda or cuda:N"),
 ])
 def test_bad_options_give_one_line_and_exit_2(argv, words, tmp_path, capsys):
     ckpt = tmp_path / "model.pt"
@@ -223,6 +224,12 @@ def test_bad_checkpoint_file_is_one_line_exit_2(tmp_path, capsys):
     code, err = run_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "model.pt" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_without_a_checkpoint_or_a_run_it_says_how_to_get_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    code, err = run_main([], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no checkpoint found" in err
 
 
 def test_command_misuse_exits_2_without_traceback():
