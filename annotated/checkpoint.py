@@ -154,17 +154,18 @@ def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>"
     fields = {f.name: str(f.type) for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(config) - set(fields), key=str)
     if unknown:
-        raise CheckpointError(f"checkpoint {path}: its config has unknown fields {unknown}")
+        raise CheckpointError(f"checkpoint {path}: its config is invalid: unknown fields {unknown}")
     for name, kind in fields.items():
         problem = _check_field(name, kind, config[name]) if name in config else None
         if problem:
-            raise CheckpointError(f"checkpoint {path}: its config's {name} {problem}")
+            raise CheckpointError(f"checkpoint {path}: its config is invalid: {name} {problem}")
     bounds = {"max_len": MAX_POSITIONS, "N": len(tensors)}  # every layer stores tensors of its own
     if config.get("attention") == "per_head":
         bounds["h"] = len(tensors)  # and so does every head of the per-head form
     for name, most in bounds.items():
         if config.get(name, 0) > most:
-            raise CheckpointError(f"checkpoint {path}: its config's {name}={config[name]} is more than {most}")
+            raise CheckpointError(f"checkpoint {path}: its config is invalid: {name}={config[name]} is more than "
+                                  f"{most}")
     try:
         cfg = TransformerConfig(**config)
         with torch.device("meta"):  # shapes only: nothing is allocated
