@@ -126,8 +126,8 @@ def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
 # Greedy decoding produces the translation one token at a time. To get its
 # attention we do not record anything during decoding and we keep no state on
 # the modules: we run the model **once more**, teacher-forced, on the finished
-# translation, and keep the probabilities that `encode(..., return_attention=True)`
-# and `decode(..., return_attention=True)` hand back.
+# translation, and keep the probabilities that `encode_with_attention` and
+# `decode_with_attention` hand back.
 #
 # This gives exactly the weights the model used while translating: under the
 # causal mask position `t` sees the same inputs `<s> y_1 ... y_{t-1}` in both
@@ -186,9 +186,9 @@ def collect_attention(model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Se
     tgt_in = torch.tensor([[BOS] + tgt_ids[:-1]], dtype=torch.long, device=device)  # (1, T)
     src_mask = padding_mask(src, PAD)  # (1, 1, S)
     tgt_mask = subsequent_mask(tgt_in.size(1)).to(device)  # (1, T, T)
-    memory, enc = model.encode(src, src_mask, return_attention=True)  # (1, S, d_model), N x (1, h, S, S)
-    _, dec_self, cross = model.decode(memory, src_mask, tgt_in, tgt_mask,
-                                      return_attention=True)  # N x (1, h, T, T), N x (1, h, T, S)
+    memory, enc = model.encode_with_attention(src, src_mask)  # (1, S, d_model), N x (1, h, S, S)
+    _, dec_self, cross = model.decode_with_attention(memory, src_mask, tgt_in,
+                                                     tgt_mask)  # N x (1, h, T, T), N x (1, h, T, S)
     wide = torch.float64 if np.dtype(dtype) == np.float64 else torch.float32
 
     def to_numpy(probs):

@@ -302,8 +302,8 @@ def _copy_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
     out = T.greedy_decode(model, src, src_mask, max_len=src.size(1) + 1, bos=T.BOS, eos=T.EOS, pad=T.PAD)
     tgt = torch.cat([torch.tensor([[T.BOS]]), out], dim=1)  # (1, T)
     with torch.no_grad():
-        memory, enc = model.encode(src, src_mask, return_attention=True)
-        _, _, cross = model.decode(memory, src_mask, tgt, T.target_mask(tgt, T.PAD), return_attention=True)
+        memory, enc = model.encode_with_attention(src, src_mask)
+        _, _, cross = model.decode_with_attention(memory, src_mask, tgt, T.target_mask(tgt, T.PAD))
     names = {T.BOS: "<s>", T.EOS: "</s>", T.PAD: "<pad>"}
     label = lambda ids: [names.get(t, str(t)) for t in ids.tolist()]  # noqa: E731
     src_l, tgt_l = label(src[0]), label(tgt[0])
@@ -352,7 +352,7 @@ def _checkpoint_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
     tgt = torch.cat([torch.tensor([[T.BOS]]), out], dim=1)  # (1, T)
     with torch.no_grad():
         memory = model.encode(src, src_mask)
-        _, _, cross = model.decode(memory, src_mask, tgt, T.target_mask(tgt, T.PAD), return_attention=True)
+        _, _, cross = model.decode_with_attention(memory, src_mask, tgt, T.target_mask(tgt, T.PAD))
     names = {T.BOS: "<s>", T.EOS: "</s>", T.PAD: "<pad>"}
     label = lambda ids: [names.get(t) or "".join(tokenizer.pieces([t])) for t in ids]  # noqa: E731
     src_l, tgt_l = label(ids), label(tgt[0].tolist())  # one label per position

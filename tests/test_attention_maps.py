@@ -121,8 +121,8 @@ def test_rows_are_the_steps_of_greedy_decoding(tokenizer):
     inputs = [BOS] + tgt_ids[:-1]
     with torch.no_grad():
         for t, token in enumerate(inputs):
-            y, p_self, p_cross = model.decode(memory, mask, torch.tensor([[token]]), None, cache=cache, start=t,
-                                              return_attention=True)
+            y, p_self, p_cross = model.decode_with_attention(memory, mask, torch.tensor([[token]]), None,
+                                                             cache=cache, start=t)
             assert int(model.generator(y[:, -1]).argmax()) == tgt_ids[t]
             for layer in range(model.config.N):
                 np.testing.assert_allclose(attn["decoder_self"][layer][0, :, t, :t + 1], p_self[layer][0, :, 0],
