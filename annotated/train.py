@@ -417,9 +417,8 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
     """Train (or resume) a run in `run_dir`; returns the final results (also in results.json)."""
     rank, world, dev, owns_group = distributed.join(pick_device(device))
     run_dir = Path(run_dir)
-    if rank == 0:
-        check_run_dir(run_dir, resume)
     try:
+        distributed.from_rank0(lambda: check_run_dir(run_dir, resume), rank, world)  # before any work
         run, state, test_pairs = setup(cfg, run_dir, rank, world, dev, resume, data_url, cache_dir, log,
                                        (train_files, val_files, test_files), empty_lines)
         stopped = loop(run, state, progress)
