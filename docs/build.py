@@ -73,7 +73,6 @@ READING_ORDER: tuple[str, ...] = (
     "data", "decoding", "train", "distributed", "syncs",              # training a translator
     "checkpoint", "files", "cli", "options",                          # what the commands share
     "translate", "attention_maps", "heads", "head_inspect", "prune", "heads_cli")  # using a trained model
-NOT_CHAPTERS = frozenset({"attention"})  # the former name of attention_maps, kept so that old imports work
 DEFAULT_OUT = ROOT / "docs" / "_build"
 TITLE = "The Transformer, annotated"
 
@@ -541,7 +540,7 @@ def chapter_list(root: Path, modules: Sequence[str]) -> tuple[list[str], list[st
     present = [m for m in modules if (root / "annotated" / f"{m}.py").is_file()]
     missing = [m for m in modules if m not in present]
     unlisted = sorted(p.stem for p in (root / "annotated").glob("*.py")
-                      if not p.stem.startswith("_") and p.stem not in modules and p.stem not in NOT_CHAPTERS)
+                      if not p.stem.startswith("_") and p.stem not in modules)
     return present + unlisted, missing, unlisted
 
 
