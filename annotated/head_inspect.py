@@ -62,8 +62,8 @@ from annotated.transformer import PAD, EncoderDecoder, FusedAttention, padding_m
 # are zero up to rounding, which is the rank bound; we keep the first `d_k`
 # (`d_v`):
 #
-# >>> att = FusedAttention(d_model=16, h=4)
-# >>> s = torch.linalg.svdvals((split(att).W_Q[0] @ split(att).W_K[0].T).double())
+# >>> att = split(FusedAttention(d_model=16, h=4)).double()
+# >>> s = torch.linalg.svdvals(att.W_Q[0] @ att.W_K[0].T)  # all 16 singular values
 # >>> bool(s[att.d_k:].abs().max() < 1e-12 * s[0]), tuple(bilinear_spectra(att)["qk"].shape)
 # (True, (4, 4))
 

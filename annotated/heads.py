@@ -21,11 +21,11 @@
 # that many can go with little loss of BLEU; they ranked heads by a
 # gradient-based importance score. Voita et al. (ACL 2019) found a few
 # specialised heads doing most of the work. Here both experiments run on the
-# model you trained, in a few minutes:
+# model you trained, on a CPU:
 #
 # * **ablation**: validation BLEU and loss with one head removed (this file);
-# * **importance**: Michel et al.'s score, from one backward pass per batch
-#   (this file);
+# * **importance**: Michel et al.'s score, from one backward pass per
+#   sentence (this file);
 # * **pruning**: remove heads for real, so the model gets smaller and faster
 #   (`annotated/prune.py`);
 # * **inspection**: what each head's matrices and attention look like
@@ -43,7 +43,7 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one li
 
 import copy
 import math
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
