@@ -37,8 +37,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -70,7 +68,7 @@ def _score_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _check_decode_args(model: EncoderDecoder, src: Tensor, src_mask: Optional[Tensor], max_len: int) -> None:
+def _check_decode_args(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int) -> None:
     if model.training:
         raise ValueError("decoding needs the model in eval mode (call model.eval()): "
                          "dropout would make every step random")
@@ -101,7 +99,7 @@ def _check_decode_args(model: EncoderDecoder, src: Tensor, src_mask: Optional[Te
 # sentence. (`test_beam_finds_what_greedy_misses` builds such a case.)
 
 # %%
-def greedy(model: EncoderDecoder, src: Tensor, src_mask: Optional[Tensor], max_len: int,
+def greedy(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int,
            bos: int = BOS, eos: int = EOS, pad: int = PAD, use_cache: bool = True) -> Tensor:
     """(B, S) source ids -> (B, <= max_len) ids (bos excluded, eos kept, pad after it)."""
     _check_decode_args(model, src, src_mask, max_len)
@@ -121,7 +119,7 @@ def greedy(model: EncoderDecoder, src: Tensor, src_mask: Optional[Tensor], max_l
 
 # %%
 @torch.no_grad()
-def sequence_logprob(model: EncoderDecoder, src: Tensor, src_mask: Optional[Tensor], ys: Tensor,
+def sequence_logprob(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, ys: Tensor,
                      bos: int = BOS, eos: int = EOS) -> tuple[Tensor, Tensor]:
     """log P(Y | X) of decoder outputs `ys` (B, L), as returned by `greedy` or `beam_search`.
 
@@ -275,7 +273,7 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 
 # %%
 @torch.no_grad()
-def beam_search(model: EncoderDecoder, src: Tensor, src_mask: Optional[Tensor], max_len: int,
+def beam_search(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int,
                 beam_size: int = 4, length_penalty: float = 0.6, bos: int = BOS, eos: int = EOS,
                 pad: int = PAD, use_cache: bool = True, return_scores: bool = False):
     """(B, S) source ids -> (B, <= max_len) best ids (bos excluded, eos kept, pad after it).
@@ -383,7 +381,7 @@ def _finish_at_max_len(finished, alive, ys, scores, short, alpha, k) -> None:
 @torch.no_grad()
 def translate_ids(model: EncoderDecoder, sources: list[list[int]], beam_size: int = 1,
                   length_penalty: float = 0.6, batch_size: int = 64, max_extra: int = 50,
-                  device: Optional[torch.device] = None, progress: bool = False) -> list[list[int]]:
+                  device: torch.device | None = None, progress: bool = False) -> list[list[int]]:
     """Translate subword-id sequences; returns output ids (up to, not including, eos), in input order.
 
     The one translate helper of the project: training's BLEU, the translator and the attention viewer

@@ -16,7 +16,7 @@ import torch
 
 import annotated.equivalence as E
 from annotated.mha_convert import fused_parameters
-import annotated.transformer as TF
+import annotated.transformer as T
 from annotated.proof_harness import (
     TOL, Case, MhaCase, compare_forms, compare_with_torch_mha, max_scaled, mha_cases, mha_fastpath, random_biases,
 )
@@ -78,9 +78,9 @@ def _attend_without_transpose(self, x_q, K, V, mask, return_attention):
     Q = self._heads(x_q, self.W_Q, self.b_Q, self.d_k)
     if mask is not None:
         mask = mask.expand(B, T_q, K.size(-2)).unsqueeze(1)
-    heads, p = TF.attention(Q, K, V, mask, return_attention=return_attention)  # (B, h, T_q, d_v)
+    heads, p = T.attention(Q, K, V, mask, return_attention=return_attention)  # (B, h, T_q, d_v)
     concat = heads.reshape(B, T_q, self.h * self.d_v)  # the bug: no transpose(1, 2)
-    return TF.affine(concat, self.W_O, self.b_O), p
+    return T.affine(concat, self.W_O, self.b_O), p
 
 
 SMALL = dict(h=range(1, 5), d=range(1, 4), BT=((2, 3),))  # enough sizes to show each bug
@@ -195,9 +195,9 @@ def test_fast_path_really_runs_and_flag_is_restored():
 # --- 4. kernels and whole models ----------------------------------------------
 
 def test_sdpa_path_matches_explicit_path_on_generated_cases():
-    before = TF.FAST_PATH
+    before = T.FAST_PATH
     assert_all_pass(E.check_sdpa_paths(examples=100))
-    assert TF.FAST_PATH == before
+    assert T.FAST_PATH == before
 
 
 def test_whole_copy_model_converts_with_same_logits_and_decodes():
