@@ -329,8 +329,8 @@ class PerHeadAttention(_Attention):
         self.W_K = nn.ParameterList(nn.Parameter(_xavier(d_model, d_k, d_model, h * d_k)) for _ in range(h))
         self.W_V = nn.ParameterList(nn.Parameter(_xavier(d_model, d_v, d_model, h * d_v)) for _ in range(h))
         self.W_O = nn.ParameterList(nn.Parameter(_xavier(d_v, d_model, h * d_v, d_model)) for _ in range(h))
-        zeros = lambda d: nn.ParameterList(nn.Parameter(torch.zeros(d)) for _ in range(h)) if bias else None  # noqa: E731
-        self.b_Q, self.b_K, self.b_V = zeros(d_k), zeros(d_k), zeros(d_v)
+        zeros = lambda d: nn.ParameterList(nn.Parameter(torch.zeros(d)) for _ in range(h))  # noqa: E731
+        self.b_Q, self.b_K, self.b_V = (zeros(d_k), zeros(d_k), zeros(d_v)) if bias else (None, None, None)
         self.b_O = nn.Parameter(torch.zeros(d_model)) if bias else None
 
     @staticmethod
@@ -488,7 +488,8 @@ def split(fused: FusedAttention) -> PerHeadAttention:
     per_head = _like(fused, PerHeadAttention)
     for name, (dim, width) in BLOCKS.items():
         if getattr(fused, name) is not None:
-            for block_i, block in zip(getattr(per_head, name), getattr(fused, name).split(getattr(fused, width), dim)):
+            blocks = getattr(fused, name).split(getattr(fused, width), dim)  # h blocks
+            for block_i, block in zip(getattr(per_head, name), blocks):
                 block_i.copy_(block)  # (d_model, d), (d_v, d_model) or (d,)
     if fused.b_O is not None:
         per_head.b_O.copy_(fused.b_O)

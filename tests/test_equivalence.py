@@ -90,7 +90,8 @@ def test_tracers_catch_two_layout_bugs(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(FusedAttention, "_heads", _heads_swapping_1_and_2(FusedAttention._heads))
         rows = {r.check.split(":")[0]: r for r in E.tracer_checks(sizes=SMALL)}
-        assert not rows["FusedAttention._heads"].passed and not rows["whole forward of both forms, identity weights"].passed
+        assert not rows["FusedAttention._heads"].passed
+        assert not rows["whole forward of both forms, identity weights"].passed
         assert "(3, " in rows["FusedAttention._heads"].notes[0]  # the first failing size has h = 3
         assert rows["fuse puts head i's entries in block i (W_O"].passed  # fuse/split do not use _heads
         assert not E.check_exact_whole(40)[0].passed
