@@ -241,8 +241,10 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 #
 # The paper uses `d_k = d_v = d_model / h`, so that "the total computational
 # cost is similar to that of single-head attention with full dimensionality":
-# the projections cost the same, while the `T_q x T_k` score and softmax work
-# is done once per head and so grows with `h`. Here `d_k` and `d_v` are free,
+# the matrix products cost the same number of operations for any `h`, while
+# the softmax handles `h` times as many `T_q x T_k` scores
+# (`test_cost_of_h_heads_is_similar_to_one_full_width_head`). Here `d_k` and
+# `d_v` are free,
 # and `d_model / h` is only their default (which then requires `h` to divide
 # `d_model`).
 

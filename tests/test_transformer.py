@@ -232,6 +232,23 @@ def test_fuse_split_round_trip_is_bit_identical(bias):
         assert n1 == n2 and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
+def test_cost_of_h_heads_is_similar_to_one_full_width_head(cls, monkeypatch):
+    """With d_k = d_v = d_model / h the matrix products cost exactly as many FLOPs for h = 8 as for h = 1;
+    the softmax handles h times as many scores (the prose's "similar")."""
+    from torch.utils.flop_counter import FlopCounterMode
+    monkeypatch.setattr(T, "FAST_PATH", False)  # count the explicit form's products
+    flops, scores = {}, {}
+    for h in (1, 8):
+        att = cls(64, h).eval()
+        x = torch.randn(2, 10, 64)
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            _, p = att(x, x, return_attention=True)
+        flops[h], scores[h] = counter.get_total_flops(), p.numel()
+    assert flops[1] == flops[8] > 0
+    assert scores[8] == 8 * scores[1] == 8 * 2 * 10 * 10
+
+
 def test_default_head_size_needs_divisible_d_model():
     with pytest.raises(ValueError, match="d_model=10 is not divisible by h=3"):
         FusedAttention(10, 3)
