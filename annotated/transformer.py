@@ -315,7 +315,7 @@ class _Attention(nn.Module):
         replaces `x_kv`. Returns (output (B, T_q, d_model), probabilities
         (B, h, T_q, T_k) if `return_attention` else None).
         """
-        assert (x_kv is None) != (kv is None), "give x_kv or precomputed kv, not both"
+        assert (x_kv is None) != (kv is None), "give exactly one of x_kv and precomputed kv"
         K, V = self.keys_values(x_kv) if kv is None else kv  # (B, h, T_k, d_k), (B, h, T_k, d_v)
         return self._attend(x_q, K, V, mask, return_attention)
 
