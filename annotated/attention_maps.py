@@ -61,6 +61,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from annotated.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from annotated.decoding import translate_ids
 from annotated.files import new_file_mode
 from annotated.options import Parser, at_least, device, writable_dir
 from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, padding_mask, subsequent_mask
@@ -77,8 +78,8 @@ FORMAT = "annotated-attention-v1"
 # probability distribution (non-negative, sums to one). The pictures are only
 # honest if the labels on each axis are exactly the tokens at those
 # positions, so here they are, for a source `x_1 ... x_S` and a translation
-# `y_1 ... y_n` (the model's own greedy output, `eos` included when it was
-# produced):
+# `y_1 ... y_n` (the model's own output, as `make translate` prints it,
+# `eos` included when it was produced):
 #
 # * **source tokens** (`src_tokens`, length `S`): the subwords of the
 #   sentence, `x_1 ... x_S`; the source carries no `bos`/`eos` (as in
@@ -123,8 +124,8 @@ def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
 # %% [markdown]
 # ## 2. One teacher-forced pass collects everything
 #
-# Greedy decoding produces the translation one token at a time. To get its
-# attention we do not record anything during decoding and we keep no state on
+# The decoder (section 3) produces the translation one token at a time. To get
+# its attention we do not record anything during decoding and we keep no state on
 # the modules: we run the model **once more**, teacher-forced, on the finished
 # translation, and keep the probabilities that `encode_with_attention` and
 # `decode_with_attention` hand back.
@@ -133,9 +134,11 @@ def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
 # causal mask position `t` sees the same inputs `<s> y_1 ... y_{t-1}` in both
 # runs, so its attention row is the same (the cached decoder equals the full
 # recomputation, `test_cached_decoding_equals_full_recomputation` in the first
-# chapter). `test_rows_are_the_steps_of_greedy_decoding` checks it row by row
-# against the incremental decoder, and that position `t`'s logits pick
-# `tgt_out_tokens[t]`. (`test_shapes_rows_and_masks` checks that every row
+# chapter). A beam search keeps several prefixes, but the one it returns was
+# extended one token at a time like any other, so the same holds.
+# `test_rows_are_the_steps_of_greedy_decoding` checks it row by row against
+# the incremental decoder, and, for greedy decoding, that position `t`'s
+# logits pick `tgt_out_tokens[t]`. (`test_shapes_rows_and_masks` checks that every row
 # sums to one and that the decoder's future is exactly zero.)
 #
 # `tgt_ids` may be any target, not only the model's output (for instance a
@@ -200,8 +203,17 @@ def collect_attention(model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Se
 # %% [markdown]
 # ## 3. Translating, and what counts as bad input
 #
-# The translation is greedy (`annotated.decoding.greedy`), at most 50 tokens
-# longer than the source and never longer than the model's positional table.
+# The translation is the translator's: `translate_ids` of
+# `annotated/decoding.py` with `make translate`'s settings (beam search of
+# width 4, length penalty 0.6; `--beam 1` is greedy), at most 50 tokens longer
+# than the source and never longer than the model's positional table, so the
+# viewer and the translator show the same sentence
+# (`test_the_dump_translates_as_the_translator_does`). `translate_ids` returns
+# the ids before `eos`; a translation shorter than its limit stopped at `eos`,
+# which is put back: the position that produced it is a row of the pictures
+# too. (Training's tensorboard picture, section 9, decodes greedily: it is
+# drawn every epoch, and the cheapest search shows the alignment as well.)
+#
 # A sentence is rejected, before anything is computed or written, when it is
 # empty (nothing to look at) or longer than the model's `max_len` subwords
 # (the model has no position for the rest; truncating would show attention on
@@ -219,6 +231,15 @@ def encode_sentence(tokenizer, sentence: str, max_len: int, name: str = "sentenc
         short = sentence if len(sentence) <= 60 else sentence[:57] + "..."
         raise ValueError(f"{name} has {len(ids)} subwords, more than the model's max_len={max_len}: {short!r}")
     return ids
+
+
+@torch.no_grad()
+def translate_sentence(model: EncoderDecoder, src_ids: Sequence[int], beam_size: int = 4,
+                       length_penalty: float = 0.6, max_extra: int = 50) -> list[int]:
+    """What `make translate` prints for `src_ids`, as ids y_1 ... y_n (eos kept when the search stopped there)."""
+    ids = translate_ids(model, [list(src_ids)], beam_size, length_penalty, max_extra=max_extra)[0]
+    limit = min(model.config.max_len, len(src_ids) + max_extra)
+    return ids + [EOS] if len(ids) < limit else ids
 
 
 @torch.no_grad()
@@ -498,10 +519,19 @@ def figure_rgb(fig: Figure) -> np.ndarray:
 # token columns show the queries and the keys. Hovering a query token (or a
 # heatmap row) shades the keys by how much it attends to each; hovering a key
 # token shades the queries by how much they attend to it. The state is kept
-# in the address (`#s=0&kind=cross&layer=1&head=mean`) so a view can be
-# bookmarked. (`test_viewer_in_headless_chromium` opens it, hovers a token,
+# in the address (`#s=0&kind=cross&layer=1&head=mean&view=head`) so a view can
+# be bookmarked. (`test_viewer_in_headless_chromium` opens it, hovers a token,
 # compares the shading with the arrays, and checks that the page made no
 # network request.)
+#
+# The **model view** (`view=model`) shows every layer x head of one kind at
+# once, as in bertviz's model view: one thumbnail per head, one pixel per
+# (query, key) weight, in the heatmap's colours (a legend gives the scale).
+# Clicking a thumbnail zooms into that head. When `python -m annotated.heads`
+# has written `heads.json` beside the checkpoint, each head's importance
+# score (Michel et al., 2019: how much the loss depends on the head) is
+# written under its thumbnail and beside the zoomed head.
+# (`test_model_view_in_headless_chromium`.)
 #
 # The sentences are data, and data must not become markup. Inside a
 # `<script>` element the HTML parser looks only for `</script` and, after a
@@ -543,9 +573,11 @@ def viewer_html(index: dict, arrays: list[dict], decimals: int = 4) -> str:
             "rows_cols": {k: list(v) for k, v in ROWS_COLS.items()},
             "kind_names": {"encoder": "encoder self-attention", "decoder_self": "decoder masked self-attention",
                            "cross": "cross-attention (decoder -> encoder)"},
-            "sentences": sentences}
+            "importance": index.get("head_importance"), "sentences": sentences}
+    decoder = index.get("decoder") or {}
+    search = f"beam {decoder['beam_size']}" if decoder.get("beam_size", 1) > 1 else "greedy"
     footer = html.escape(f"checkpoint: {index.get('checkpoint')}; {index['layers']} layers x {index['heads']} heads; "
-                         f"weights rounded to {decimals} decimals")
+                         f"translated as make translate does ({search}); weights rounded to {decimals} decimals")
     page = string.Template(viewer_file("viewer.html"))
     return page.substitute(title=html.escape(str(index.get("checkpoint"))), css=viewer_file("viewer.css"),
                            footer=footer, data=script_json(data), js=viewer_file("viewer.js"))
@@ -661,8 +693,11 @@ def _pictures(tmp: Path, stem: str, attn: dict, entry: dict) -> dict:
 def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_dir: os.PathLike | str, *,
                checkpoint: Optional[str] = None, meta: Optional[dict] = None,
                references: Optional[Sequence[Optional[str]]] = None, pictures: bool = True,
-               viewer: bool = True, dtype=np.float32, progress: bool = False) -> Path:
-    """Translate `sentences` greedily and write their attention dump into `out_dir` (atomically)."""
+               viewer: bool = True, dtype=np.float32, progress: bool = False, beam_size: int = 4,
+               importance: Optional[dict] = None) -> Path:
+    """Translate `sentences` as the translator does and write their attention dump into `out_dir` (atomically).
+
+    `importance`: each head's score per kind, {kind: [per layer [per head]]} (see `read_head_importance`)."""
     if model.training:
         raise ValueError("dump needs the model in eval mode (call model.eval())")
     if not sentences:
@@ -677,7 +712,8 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
              "layer_order": "layer 0 is nearest the embeddings, layer N-1 feeds the output",
              "head_order": "head i uses W_Q[i], W_K[i], W_V[i] (per-head form) = column block i (fused form)",
              "rows_cols": {k: list(v) for k, v in ROWS_COLS.items()},
-             "dtype": np.dtype(dtype).name, "sentences": []}
+             "dtype": np.dtype(dtype).name, "decoder": {"beam_size": beam_size, "length_penalty": 0.6},
+             "head_importance": importance, "sentences": []}
     all_arrays = []
     items = list(enumerate(zip(sentences, sources)))
     if progress:
@@ -685,12 +721,13 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
         items = tqdm(items, desc="attention", leave=False)
     with staged_directory(out_dir) as tmp:
         for i, (sentence, src_ids) in items:
-            tgt_ids = translate_greedy(model, src_ids)
+            tgt_ids = translate_sentence(model, src_ids, beam_size)
             attn = collect_attention(model, src_ids, tgt_ids, dtype=dtype)
             stem = f"sentence_{i:03d}"
+            words = tokenizer.decode(tgt_ids[:-1] if tgt_ids[-1:] == [EOS] else tgt_ids)
             entry = {"index": i, "file": f"{stem}.npz", "source": sentence,
                      "reference": references[i] if references is not None else None,
-                     "translation": tokenizer.decode(tgt_ids), "src_ids": src_ids, "tgt_out_ids": tgt_ids,
+                     "translation": " ".join(words.splitlines()), "src_ids": src_ids, "tgt_out_ids": tgt_ids,
                      "src_tokens": token_labels(tokenizer, src_ids),
                      "tgt_in_tokens": token_labels(tokenizer, [BOS] + tgt_ids[:-1]),
                      "tgt_out_tokens": token_labels(tokenizer, tgt_ids),
@@ -711,13 +748,15 @@ def dump(checkpoint_path: os.PathLike | str, sentences: Optional[Sequence[str]] 
          out_dir: Optional[os.PathLike | str] = None, *, n: int = 3, data_url: Optional[str] = None,
          cache_dir: Optional[os.PathLike | str] = None, references: Optional[Sequence[Optional[str]]] = None,
          pictures: bool = True, viewer: bool = True, dtype=np.float32, device: Optional[str] = None,
-         progress: bool = False) -> Path:
+         progress: bool = False, beam_size: int = 4, say=None) -> Path:
     """Load a checkpoint and write the attention dump of `sentences` into `out_dir`; returns `out_dir`.
 
     No `sentences`: the first `n` of Multi30k's test_2016_flickr in the checkpoint's
     source language, with their references (`data_url`, `cache_dir` as in training).
     No `out_dir`: `attention/` next to the checkpoint. With `dtype=np.float64` the
-    model runs in float64 too (exact comparisons). Raises CheckpointError for an
+    model runs in float64 too (exact comparisons). Each head's importance comes from
+    `heads.json` beside the checkpoint when there is one for this model (`say` gets a
+    line when one is there but does not fit). Raises CheckpointError for an
     unusable checkpoint, ValueError for bad sentences, before writing anything.
     """
     checkpoint = Path(checkpoint_path).resolve()
@@ -729,8 +768,40 @@ def dump(checkpoint_path: os.PathLike | str, sentences: Optional[Sequence[str]] 
     model = model.to(device or "cpu", torch.float64 if np.dtype(dtype) == np.float64 else torch.float32)
     if sentences is None:
         sentences, references = flickr_test_sentences(meta, n, data_url, cache_dir)
+    importance, note = read_head_importance(checkpoint, model.config)
+    if note and say:
+        say(note)
     return dump_model(model, tokenizer, sentences, out_dir, checkpoint=str(checkpoint), meta=meta,
-                      references=references, pictures=pictures, viewer=viewer, dtype=dtype, progress=progress)
+                      references=references, pictures=pictures, viewer=viewer, dtype=dtype, progress=progress,
+                      beam_size=beam_size, importance=importance)
+
+
+HEADS_KINDS = {"enc_self": "encoder", "dec_self": "decoder_self", "cross": "cross"}  # heads.json -> ours
+
+
+def read_head_importance(checkpoint: os.PathLike | str, cfg) -> tuple[Optional[dict], Optional[str]]:
+    """({kind: [per layer [per head score]]}, None) from `heads.json` beside `checkpoint`
+    (written by `python -m annotated.heads`); (None, None) without one; (None, why) when it does not fit."""
+    path = Path(checkpoint).parent / "heads.json"
+    if not path.is_file():
+        return None, None
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        scores = {ours: report["kinds"][theirs]["importance"] for theirs, ours in HEADS_KINDS.items()}
+        owner = report.get("checkpoint")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return None, f"{path} is not readable as head scores ({type(e).__name__}); the viewer shows none"
+    if owner is not None and Path(str(owner)).resolve() != Path(checkpoint).resolve():
+        return None, f"{path} scores {owner}, not this checkpoint; the viewer shows no head scores"
+    for table in scores.values():
+        fits = isinstance(table, list) and len(table) == cfg.N and all(
+            isinstance(row, list) and len(row) == cfg.h and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in row)
+            for row in table)
+        if not fits:
+            return None, (f"{path} does not hold {cfg.N} layers x {cfg.h} finite head scores per kind (another "
+                          f"model's?); the viewer shows no head scores")
+    return {k: [[float(x) for x in row] for row in v] for k, v in scores.items()}, None
 
 
 def flickr_test_sentences(meta: dict, n: int, data_url: Optional[str] = None,
@@ -780,7 +851,7 @@ def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: 
 # %% [markdown]
 # ## 10. The command line
 #
-# `python -m annotated.attention_maps [--checkpoint PATH] [--out DIR] [--n 3] [sentence ...]`
+# `python -m annotated.attention_maps [--checkpoint PATH] [--out DIR] [--n 3] [--beam 4] [sentence ...]`
 # (also `make attention ARGS='...'`). Without `--checkpoint` it takes the
 # best checkpoint of the most recent training run, `runs/latest/best.pt`,
 # found by `latest_checkpoint` (`annotated/checkpoint.py`), as the translator finds it;
@@ -806,6 +877,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")
     p.add_argument("--cache-dir", type=writable_dir, help="download cache (default as in training)")
     p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 (default cpu)")
+    p.add_argument("--beam", type=at_least(1), default=4,
+                   help="beam width of the translation, as for make translate (default 4; 1 = greedy)")
     p.add_argument("--no-pictures", action="store_true", help="skip the PNG files")
     p.add_argument("--no-viewer", action="store_true", help="skip viewer.html")
     return p.parse_args(argv)
@@ -817,7 +890,8 @@ def main(argv=None) -> int:
         ckpt = args.checkpoint if args.checkpoint is not None else latest_checkpoint()
         out = dump(ckpt, args.sentences or None, args.out, n=args.n, data_url=args.data_url,
                    cache_dir=args.cache_dir, pictures=not args.no_pictures, viewer=not args.no_viewer,
-                   device=args.device, progress=sys.stderr.isatty())
+                   device=args.device, progress=sys.stderr.isatty(), beam_size=args.beam,
+                   say=lambda line: print(f"attention: note: {line}", file=sys.stderr))
     except (ValueError, OSError) as e:  # CheckpointError and the data errors are ValueErrors
         print(f"attention: error: {e}", file=sys.stderr)
         return 2

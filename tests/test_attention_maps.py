@@ -508,3 +508,105 @@ def test_viewer_survives_markup_in_the_sentences(tokenizer, tmp_path):
     finally:
         browser.close()
 
+
+def test_the_dump_translates_as_the_translator_does(full_dump, checkpoints):
+    """The viewer and `make translate` show the same sentence: same decoder (beam 4), same settings."""
+    from annotated.checkpoint import load_checkpoint
+    from annotated.translate import translate
+
+    model, tokenizer, _ = load_checkpoint(checkpoints[1])
+    index = A.read_index(full_dump)
+    assert index["decoder"] == {"beam_size": 4, "length_penalty": 0.6}
+    for entry in index["sentences"]:
+        assert entry["translation"] == translate(model, tokenizer, entry["source"])[0]
+        ids = entry["tgt_out_ids"]
+        assert tokenizer.decode(ids[:-1] if ids[-1] == A.EOS else ids) == entry["translation"]
+
+
+def test_head_scores_are_read_only_when_they_fit_the_checkpoint(checkpoints, tmp_path):
+    model = tiny_model(50)
+    ckpt = tmp_path / "best.pt"
+    assert A.read_head_importance(ckpt, model.config) == (None, None)  # no heads.json: nothing to say
+    scores = heads_json(model.config, ckpt)
+    (tmp_path / "heads.json").write_text(json.dumps(scores))
+    importance, note = A.read_head_importance(ckpt, model.config)
+    assert note is None and importance["decoder_self"] == scores["kinds"]["dec_self"]["importance"]
+    scores["kinds"]["cross"]["importance"][1].pop()  # a pruned model's table: one head short
+    (tmp_path / "heads.json").write_text(json.dumps(scores))
+    assert A.read_head_importance(ckpt, model.config)[0] is None
+    assert "does not hold 2 layers x 2 finite head scores" in A.read_head_importance(ckpt, model.config)[1]
+    (tmp_path / "heads.json").write_text(json.dumps(heads_json(model.config, tmp_path / "other.pt")))
+    assert "not this checkpoint" in A.read_head_importance(ckpt, model.config)[1]
+
+
+def heads_json(cfg, checkpoint: Path) -> dict:
+    """A heads.json as `python -m annotated.heads` writes it, with distinct made-up scores."""
+    kinds = {kind: {"importance": [[round(0.1 * (k + 1) + 0.01 * layer + 0.001 * head, 6) for head in range(cfg.h)]
+                                   for layer in range(cfg.N)]} for k, kind in enumerate(("enc_self", "dec_self",
+                                                                                          "cross"))}
+    return {"checkpoint": str(checkpoint), "kinds": kinds}
+
+
+def test_model_view_in_headless_chromium(checkpoints, tmp_path):
+    """Every layer x head as a thumbnail (pixels = the weights), its importance under it, click to zoom,
+    a colour legend, and nothing fetched."""
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
+    ckpt = tmp_path / "run" / "best.pt"
+    ckpt.parent.mkdir()
+    shutil.copy(checkpoints[0], ckpt)
+    model, _, _ = A.load_checkpoint(ckpt)
+    scores = heads_json(model.config, ckpt)
+    (ckpt.parent / "heads.json").write_text(json.dumps(scores))
+    out = A.dump(ckpt, SENTENCES, pictures=False)
+    index = A.read_index(out)
+    assert index["head_importance"]["cross"] == scores["kinds"]["cross"]["importance"]
+    page = out / "viewer.html"
+    browser = Chromium(CHROMIUM, tmp_path / "profile")
+    try:
+        browser.page("Network.enable")
+        browser.page("Page.enable")
+        browser.page("Emulation.setDeviceMetricsOverride", width=1200, height=900, deviceScaleFactor=1, mobile=False)
+        browser.page("Page.navigate", url=page.as_uri() + "#s=1&kind=cross&view=model")
+        browser.wait_event("Page.loadEventFired")
+        browser.wait_js("document.body.dataset.rendered === '1/cross/model'")
+        attn, entry = A.load_sentence(out, 1)
+        for kind in A.KINDS:
+            browser.js(f"location.hash = 's=1&kind={kind}&view=model'")
+            browser.wait_js(f"document.body.dataset.rendered === '1/{kind}/model'")
+            thumbs = browser.js("""[...document.querySelectorAll('td.thumb')].map(td => {
+                const c = td.querySelector('canvas'), px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                return {layer: +td.dataset.layer, head: +td.dataset.head, w: c.width, h: c.height,
+                        rgba: [...px], score: td.querySelector('.score').textContent}; })""")
+            assert len(thumbs) == index["layers"] * index["heads"]
+            theirs = {"encoder": "enc_self", "decoder_self": "dec_self", "cross": "cross"}[kind]
+            for t in thumbs:
+                weights = attn[kind][t["layer"]][0, t["head"]]  # (q, k)
+                assert (t["h"], t["w"]) == weights.shape
+                rgba = np.array(t["rgba"]).reshape(t["h"], t["w"], 4)
+                blocked = np.triu(np.ones(weights.shape, dtype=bool), 1) if kind == "decoder_self" else \
+                    np.zeros(weights.shape, dtype=bool)
+                assert (rgba[blocked] == [216, 216, 216, 255]).all()  # the causal mask's grey
+                np.testing.assert_allclose(rgba[~blocked][:, 3] / 255, weights[~blocked], atol=0.6 / 255 + 1e-4)
+                opaque = rgba[~blocked & (rgba[..., 3] >= 128)]  # (canvas keeps premultiplied colour: faint ones blur)
+                assert (abs(opaque[:, :3] - [33, 102, 172]) <= 2).all()
+                want = scores["kinds"][theirs]["importance"][t["layer"]][t["head"]]
+                assert t["score"] == f"importance {want:.3f}"
+        legend = browser.js("(() => { const r = document.querySelector('#legend .bar').getBoundingClientRect(); "
+                            "return [r.width, r.height, document.getElementById('legend').textContent]; })()")
+        assert legend[0] > 50 and legend[1] > 5 and "attention weight" in legend[2] and "causal mask" in legend[2]
+
+        # a real click on the thumbnail of layer 1, head 0 zooms into that head
+        x, y = browser.js("(() => { const e = document.querySelector('td.thumb[data-layer=\"1\"][data-head=\"0\"]'); "
+                          "e.scrollIntoView(); const r = e.getBoundingClientRect(); "
+                          "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        for kind in ("mousePressed", "mouseReleased"):
+            browser.page("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+        browser.wait_js("document.body.dataset.rendered === '1/cross/1/0'")
+        assert browser.js("document.getElementById('model').hidden") is True
+        want = scores["kinds"]["cross"]["importance"][1][0]
+        assert f"importance of layer 1, head 0: {want:.3f}" in browser.js("document.getElementById('importance').textContent")
+        assert [url.split("#")[0] for url in browser.requests()] == [page.as_uri()]
+    finally:
+        browser.close()
+

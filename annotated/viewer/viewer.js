@@ -1,11 +1,13 @@
 const DATA = JSON.parse(document.getElementById('attention-data').textContent);
-const state = {s: 0, kind: 'encoder', layer: 0, head: 0};
+const state = {s: 0, kind: 'encoder', layer: 0, head: 0, view: 'head'};
+const COLOUR = '33, 102, 172';  // one hue; the weight is its opacity on white (the legend shows the scale)
 const $ = id => document.getElementById(id);
 
 function readHash() {
   for (const part of location.hash.replace(/^#/, '').split('&')) {
     const [k, v] = part.split('=');
     if (k === 'kind' && DATA.kinds.includes(v)) state.kind = v;
+    else if (k === 'view' && (v === 'head' || v === 'model')) state.view = v;
     else if (k === 'head' && v === 'mean') state.head = 'mean';
     else if (k in state && v !== undefined && /^\d+$/.test(v)) state[k] = parseInt(v, 10);
   }
@@ -15,7 +17,8 @@ function readHash() {
 }
 
 function writeHash() {
-  history.replaceState(null, '', `#s=${state.s}&kind=${state.kind}&layer=${state.layer}&head=${state.head}`);
+  history.replaceState(null, '',
+    `#s=${state.s}&kind=${state.kind}&layer=${state.layer}&head=${state.head}&view=${state.view}`);
 }
 
 function option(sel, value, text) {
@@ -28,19 +31,27 @@ function buildControls() {
   for (let l = 0; l < DATA.layers; l++) option($('layer'), l, `layer ${l}`);
   option($('head'), 'mean', 'mean over heads');
   for (let h = 0; h < DATA.heads; h++) option($('head'), h, `head ${h}`);
-  for (const [id, key] of [['sentence', 's'], ['kind', 'kind'], ['layer', 'layer'], ['head', 'head']]) {
+  option($('view'), 'head', 'one head');
+  option($('view'), 'model', 'model view: every layer x head');
+  for (const [id, key] of [['view', 'view'], ['sentence', 's'], ['kind', 'kind'], ['layer', 'layer'],
+                           ['head', 'head']]) {
     $(id).addEventListener('change', e => {
       const v = e.target.value;
-      state[key] = (key === 'kind' || v === 'mean') ? v : parseInt(v, 10);
+      state[key] = (key === 'kind' || key === 'view' || v === 'mean') ? v : parseInt(v, 10);
       render();
     });
   }
 }
 
-function matrix() {
-  const per = DATA.sentences[state.s].attn[state.kind][state.layer];
-  if (state.head !== 'mean') return per[state.head];
+function matrix(layer = state.layer, head = state.head) {
+  const per = DATA.sentences[state.s].attn[state.kind][layer];
+  if (head !== 'mean') return per[head];
   return per[0].map((row, q) => row.map((_, k) => per.reduce((a, h) => a + h[q][k], 0) / per.length));
+}
+
+function importance(layer, head) {  // Michel et al.'s score from heads.json, or null
+  const table = DATA.importance && DATA.importance[state.kind];
+  return table && head !== 'mean' ? table[layer][head] : null;
 }
 
 function labels() {
@@ -79,14 +90,66 @@ function highlightKey(k) {
   $('status').textContent = `key ${k} (${cols[k]}) is read by the queries shaded on the left`;
 }
 
+function thumbnail(layer, head) {
+  // one canvas pixel per (query, key), scaled up without smoothing; the same colours as the big heatmap
+  const W = matrix(layer, head), q = W.length, k = W[0].length;
+  const canvas = document.createElement('canvas'); canvas.width = k; canvas.height = q;
+  const scale = Math.max(1, Math.min(8, Math.floor(110 / Math.max(q, k))));
+  canvas.style.width = `${k * scale}px`; canvas.style.height = `${q * scale}px`;
+  const ctx = canvas.getContext('2d');
+  for (let r = 0; r < q; r++) {
+    for (let c = 0; c < k; c++) {
+      const blocked = state.kind === 'decoder_self' && c > r;
+      ctx.fillStyle = blocked ? '#d8d8d8' : `rgba(${COLOUR}, ${W[r][c].toFixed(4)})`;
+      ctx.fillRect(c, r, 1, 1);
+    }
+  }
+  return canvas;
+}
+
+function renderModel() {
+  const table = document.createElement('table'); table.className = 'model';
+  const top = table.insertRow(); top.appendChild(document.createElement('th'));
+  for (let h = 0; h < DATA.heads; h++) {
+    const th = document.createElement('th'); th.textContent = `head ${h}`; top.appendChild(th);
+  }
+  for (let l = 0; l < DATA.layers; l++) {
+    const tr = table.insertRow();
+    const th = document.createElement('th'); th.textContent = `layer ${l}`; tr.appendChild(th);
+    for (let h = 0; h < DATA.heads; h++) {
+      const td = tr.insertCell(); td.className = 'thumb'; td.dataset.layer = l; td.dataset.head = h;
+      td.title = `layer ${l}, head ${h}: click to zoom`;
+      td.appendChild(thumbnail(l, h));
+      const score = importance(l, h);
+      if (score !== null) {
+        const div = document.createElement('div'); div.className = 'score';
+        div.textContent = `importance ${score.toFixed(3)}`; td.appendChild(div);
+      }
+      td.addEventListener('click', () => { state.view = 'head'; state.layer = l; state.head = h; render(); });
+    }
+  }
+  $('model').replaceChildren(table);
+  $('importance').textContent = DATA.importance ? "importance: each head's score from heads.json " +
+    '(Michel et al. 2019; higher = the loss depends more on the head)'
+    : 'no heads.json beside the checkpoint (make heads writes one: each head\'s importance score)';
+  document.body.dataset.rendered = `${state.s}/${state.kind}/model`;
+}
+
 function render() {
   writeHash();
-  $('sentence').value = state.s; $('kind').value = state.kind;
+  $('view').value = state.view; $('sentence').value = state.s; $('kind').value = state.kind;
   $('layer').value = state.layer; $('head').value = state.head;
-  const s = DATA.sentences[state.s], W = matrix(), [rows, cols] = labels();
-  const [rname, cname] = DATA.rows_cols[state.kind];
+  const s = DATA.sentences[state.s], [rname, cname] = DATA.rows_cols[state.kind];
   $('caption').textContent =
     `source: ${s.source}  |  translation: ${s.translation}  |  rows: ${rname}, columns: ${cname}`;
+  const model = state.view === 'model';
+  $('main').hidden = model; $('model').hidden = !model;
+  $('layer').disabled = $('head').disabled = model;
+  clearHighlight();
+  if (model) return renderModel();
+  const W = matrix(), [rows, cols] = labels(), score = importance(state.layer, state.head);
+  $('importance').textContent = score === null ? '' :
+    `importance of layer ${state.layer}, head ${state.head}: ${score.toFixed(3)} (heads.json)`;
   const table = document.createElement('table'); table.className = 'heat';
   const head = table.insertRow(); head.appendChild(document.createElement('th'));
   cols.forEach((c, k) => {
@@ -101,7 +164,7 @@ function render() {
       if (state.kind === 'decoder_self' && k > q) {
         td.classList.add('blocked'); td.title = 'blocked by the causal mask';
       } else {
-        td.style.background = `rgba(33, 102, 172, ${W[q][k].toFixed(3)})`;
+        td.style.background = `rgba(${COLOUR}, ${W[q][k].toFixed(3)})`;
         td.title = `${r} -> ${cols[k]}: ${W[q][k].toFixed(3)}`;
       }
       td.addEventListener('mouseenter', () => highlightQuery(q));
