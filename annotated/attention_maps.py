@@ -30,7 +30,8 @@
 # | `decoder_self` | target positions | target positions (masked) | `(1, h, T, T)` |
 # | `cross` | target positions | source tokens (the encoder output) | `(1, h, T, S)` |
 #
-# Section 6 explains how to read each picture. Every claim that can be checked
+# `annotated/attention_pictures.py` draws the pictures and explains how to read
+# them; `annotated/attention_viewer.py` makes the page. Every claim that can be checked
 # is checked in `tests/test_attention_maps.py` (test names in parentheses).
 
 # %%
@@ -39,12 +40,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import html
-import importlib.resources
 import json
 import os
 import shutil
-import string
 import sys
 import tempfile
 from pathlib import Path
@@ -56,10 +54,9 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one li
 
 import numpy as np
 import torch
-import matplotlib
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
+from annotated.attention_pictures import alignment_figure, figure_rgb, grid_figure, save_figure
+from annotated.attention_viewer import read_head_importance, viewer_html
 from annotated.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from annotated.decoding import translate_ids
 from annotated.files import new_file_mode
@@ -211,7 +208,7 @@ def collect_attention(model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Se
 # (`test_the_dump_translates_as_the_translator_does`). `translate_ids` returns
 # the ids before `eos`; a translation shorter than its limit stopped at `eos`,
 # which is put back: the position that produced it is a row of the pictures
-# too. (Training's tensorboard picture, section 9, decodes greedily: it is
+# too. (Training's tensorboard picture, section 6, decodes greedily: it is
 # drawn every epoch, and the cheapest search shows the alignment as well.)
 #
 # A sentence is rejected, before anything is computed or written, when it is
@@ -262,12 +259,12 @@ def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: i
 # * `sentence_{i:03d}.npz` with arrays `encoder_layer0 ... encoder_layer{N-1}`,
 #   `decoder_self_layer0 ...`, `cross_layer0 ...`, each `(1, h, q, k)`
 #   (axes: batch of one, head, query, key);
-# * PNG pictures (section 5);
+# * PNG pictures (`annotated/attention_pictures.py`);
 #
 # and once: `index.json` (the tokens and ids on both sides of every sentence,
 # the shapes, the row/column token lists of each kind, the layer and head
 # order, the checkpoint path and its model config, the translations) and
-# `viewer.html` (section 7).
+# `viewer.html` (`annotated/attention_viewer.py`).
 #
 # Head `i` is the model's head `i`: `W_Q[i]` of `PerHeadAttention`, column
 # block `i` of `FusedAttention`'s `W_Q`. Since the two forms are the same
@@ -333,258 +330,7 @@ def bertviz_args(attn: dict, entry: Optional[dict] = None) -> dict:
 
 
 # %% [markdown]
-# ## 5. Pictures
-#
-# Three kinds of PNG per sentence, drawn with matplotlib's Agg canvas (no
-# window, no global backend switch):
-#
-# * `sentence_000_{kind}.png`: a **layer x head grid**, one heatmap per head,
-#   layer 0 at the top. The colour scale is the same for every panel, 0 to 1,
-#   so a bright yellow cell is a weight near one in every panel. Query tokens run
-#   down the left column, key tokens along the bottom row.
-# * In `decoder_self` the cells above the diagonal are drawn **grey**: they are
-#   the future positions the causal mask blocks, whose weight is exactly zero.
-# * `sentence_000_alignment.png`: a **Bahdanau-style alignment** of the last
-#   layer's cross-attention averaged over heads, source tokens across the top,
-#   the produced target tokens down the side, white = weight 1 and black = 0
-#   as in Bahdanau et al. (2015), figure 3. `sentence_000_alignment_heads.png`
-#   shows the average and each head of that layer side by side.
-#
-# The average of `h` rows that each sum to one also sums to one, so the
-# averaged picture reads like a single head. Labels are the subword strings
-# (`▁` marks the start of a word); their font shrinks as sentences grow and
-# column labels are rotated so long sentences stay legible.
-
-# %%
-CMAP_GRID = "viridis"
-LAYOUT = "constrained"
-
-
-def _tex_safe(label: str) -> str:
-    """matplotlib reads `$...$` as mathematics; a literal `$` token must not start a formula."""
-    return label.replace("$", r"\$")
-
-
-def label_font_size(n_tokens: int, inches: float) -> float:
-    """Font size (points) so that `n_tokens` labels fit along `inches`, between 4 and 10.
-
-    >>> label_font_size(5, 3.0), label_font_size(40, 3.0), label_font_size(400, 3.0)
-    (10.0, 4.32, 4.0)
-    """
-    return round(float(np.clip(0.8 * 72 * inches / max(n_tokens, 1), 4.0, 10.0)), 2)
-
-
-def _panel(ax, weights: np.ndarray, rows: list[str], cols: list[str], *, causal: bool, cmap: str,
-           row_labels: bool, col_labels: bool, font: float, title: str, cols_on_top: bool = False,
-           aspect: str = "auto"):
-    q, k = weights.shape
-    data = np.ma.masked_where(np.triu(np.ones((q, k), dtype=bool), 1), weights) if causal else weights
-    colours = matplotlib.colormaps[cmap].with_extremes(bad="#d0d0d0")  # grey: blocked by the causal mask
-    im = ax.imshow(data, cmap=colours, vmin=0.0, vmax=1.0, interpolation="nearest", aspect=aspect)
-    ax.set_title(title, fontsize=max(font, 7))
-    # tick labels are costly artists: only the panels on the grid's left and bottom edges get them
-    ax.set_yticks(range(q) if row_labels else [], [_tex_safe(t) for t in rows] if row_labels else [], fontsize=font)
-    ax.set_xticks(range(k) if col_labels else [], [_tex_safe(t) for t in cols] if col_labels else [],
-                  fontsize=font, rotation=90)
-    if cols_on_top:
-        ax.xaxis.tick_top()
-        ax.xaxis.set_label_position("top")
-    ax.tick_params(length=0)
-    return im
-
-
-def grid_figure(arrays: list[np.ndarray], rows: list[str], cols: list[str], kind: str, title: str = "") -> Figure:
-    """Layer x head grid of heatmaps for one kind (arrays: per layer (1, h, q, k))."""
-    N, h = len(arrays), arrays[0].shape[1]
-    q, k = arrays[0].shape[2:]
-    panel_w = float(np.clip(0.13 * k + 0.8, 1.6, 3.6))
-    panel_h = float(np.clip(0.13 * q + 0.8, 1.6, 3.6))
-    font = min(label_font_size(q, panel_h), label_font_size(k, panel_w))
-    fig = Figure(figsize=(panel_w * h + 1.8, panel_h * N + 1.6), dpi=90, layout=LAYOUT)
-    axes = fig.subplots(N, h, squeeze=False)
-    im = None
-    for layer in range(N):
-        for head in range(h):
-            im = _panel(axes[layer][head], arrays[layer][0, head], rows, cols, causal=kind == "decoder_self",
-                        cmap=CMAP_GRID, row_labels=head == 0, col_labels=layer == N - 1, font=font,
-                        title=f"layer {layer}, head {head}")
-    fig.colorbar(im, ax=axes, shrink=0.6, label="attention weight")
-    note = "  (grey: future positions, blocked by the causal mask)" if kind == "decoder_self" else ""
-    fig.suptitle(f"{title}{kind}: rows = {ROWS_COLS[kind][0]}, columns = {ROWS_COLS[kind][1]}{note}", fontsize=9)
-    return fig
-
-
-def alignment_figure(cross_last: np.ndarray, src_tokens: list[str], tgt_out_tokens: list[str],
-                     title: str = "", per_head: bool = False) -> Figure:
-    """Bahdanau-style alignment (source across, produced target down) of one layer's cross-attention.
-
-    `cross_last` is (1, h, T, S). With `per_head`, panels show the mean and every head.
-    """
-    heads = cross_last[0]  # (h, T, S)
-    mean = heads.mean(axis=0)  # (T, S) rows still sum to one
-    panels = [("mean over heads", mean)] + ([(f"head {i}", heads[i]) for i in range(len(heads))] if per_head else [])
-    T, S = mean.shape
-    cell = min(0.22, 7.0 / max(S, T)) if per_head else min(0.32, 10.0 / max(S, T))  # inches per token
-    w, hgt = cell * S + 1.6, cell * T + 1.4
-    font = min(label_font_size(S, cell * S), label_font_size(T, cell * T))
-    ncols = int(np.ceil(np.sqrt(len(panels))))  # 1, 2x2 for 3 heads + mean, 3x3 for 8 + mean
-    nrows = -(-len(panels) // ncols)
-    fig = Figure(figsize=(w * ncols + 1.2, hgt * nrows + 0.9), dpi=90, layout=LAYOUT)
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    im = None
-    for ax, (name, weights) in zip(axes, panels):
-        im = _panel(ax, weights, tgt_out_tokens, src_tokens, causal=False, cmap="gray", row_labels=True,
-                    col_labels=True, font=font, title=name, cols_on_top=True, aspect="equal")
-        ax.set_xlabel("source tokens", fontsize=8)
-        ax.set_ylabel("produced target tokens", fontsize=8)
-    for ax in axes[len(panels):]:
-        ax.set_visible(False)
-    fig.colorbar(im, ax=list(axes[:len(panels)]), shrink=0.7, label="attention weight")
-    fig.suptitle(title or "cross-attention alignment", fontsize=9)
-    return fig
-
-
-def save_figure(fig: Figure, path: os.PathLike | str) -> None:
-    FigureCanvasAgg(fig)
-    fig.savefig(path, format="png")
-
-
-def figure_rgb(fig: Figure) -> np.ndarray:
-    """The figure rendered to an (H, W, 3) uint8 array."""
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3)
-
-
-# %% [markdown]
-# ## 6. How to read the pictures
-#
-# **Encoder self-attention** (`S x S`, rows and columns the source). Row `q`
-# is source token `q` gathering context. A bright **diagonal** means tokens
-# mostly keep their own content; a diagonal shifted by one to the left or
-# right is a head that looks at the previous or next token, the cheapest way
-# to learn local word order from the sinusoidal positions; **vertical
-# stripes** are a token everybody consults (often the final period, used as a
-# "nothing in particular" slot); small bright **blocks** tie the subwords of
-# one word together (`▁Fußball` + `spieler`).
-#
-# **Decoder self-attention** (`T x T`) is **triangular** because the causal
-# mask forbids position `t` to look at positions after `t`: the model must
-# predict `y_{t+1}` without seeing it, in training as in decoding. The grey
-# upper triangle is exactly zero, not "small". The first row is always
-# `[1, 0, 0, ...]`: `<s>` can only attend to itself. Heads here often look at
-# the previous one or two target words (local fluency) or back at `<s>`.
-#
-# **Cross-attention** (`T x S`) is where translation happens. Row `t` is the
-# distribution over source tokens while producing target token `t`. A bright
-# cell `(t, j)` means: to write `y_t` the decoder mostly read `x_j`.
-#
-# * A **diagonal** band means the two languages line up word by word, in the
-#   same order: *Ein Hund rennt* / *A dog runs*.
-# * A band that **jumps** off the diagonal and back is reordering, for example
-#   a German verb at the end of a clause that English needs early.
-# * **Several target rows on one source column** is one word becoming many
-#   (`▁Fußballspieler` -> *soccer player*); **one row spread over several
-#   columns** is the reverse, or a word split into subwords.
-# * `</s>` and punctuation rows often spread out or land on the source's final
-#   period: the model is deciding to stop rather than translating a word.
-#
-# **Heads specialising.** In a layer x head grid, compare the panels of one
-# row: in a trained model they differ. One head is a sharp shifted diagonal
-# (position), one is a few bright points (a specific word relation), one is
-# nearly uniform (an average of the whole sentence). That variety is the
-# point of several heads (section 3 of the first chapter: each head compares
-# queries and keys in its own `d_k`-dimensional space). Voita et al. (2019)
-# found such positional, syntactic and rare-word heads in translation
-# models, and that most other heads can be pruned with little loss. A freshly
-# initialised model, or the `smoke` preset, shows blurry near-uniform panels
-# everywhere: nothing has specialised yet.
-#
-# **Caveats.** A weight says where a head *read*, not why the model chose a
-# word: after the first layer every position already mixes information from
-# the whole sentence, so column `j` of a deep layer is "position `j`", not
-# "word `j`". Alignment is usually clearest in a middle-to-late layer rather
-# than always in the last one (Garg et al., 2019), so compare with the
-# `cross` grid, which shows all of them.
-
-# %% [markdown]
-# ## 7. The HTML viewer
-#
-# `viewer.html` is one self-contained file: the data is inlined as JSON, the
-# page, its script and its style are the plain files
-# `annotated/viewer/viewer.{html,js,css}` (read with `importlib.resources`),
-# copied into the page; nothing is fetched (no CDN, no fonts, no images). Open
-# it from disk in any browser. Choose a sentence, a kind, a layer and a head
-# (or the mean over heads); the heatmap shows the chosen matrix, and two
-# token columns show the queries and the keys. Hovering a query token (or a
-# heatmap row) shades the keys by how much it attends to each; hovering a key
-# token shades the queries by how much they attend to it. The state is kept
-# in the address (`#s=0&kind=cross&layer=1&head=mean&view=head`) so a view can
-# be bookmarked. (`test_viewer_in_headless_chromium` opens it, hovers a token,
-# compares the shading with the arrays, and checks that the page made no
-# network request.)
-#
-# The **model view** (`view=model`) shows every layer x head of one kind at
-# once, as in bertviz's model view: one thumbnail per head, one pixel per
-# (query, key) weight, in the heatmap's colours (a legend gives the scale).
-# Clicking a thumbnail zooms into that head. When `python -m annotated.heads`
-# has written `heads.json` beside the checkpoint, each head's importance
-# score (Michel et al., 2019: how much the loss depends on the head) is
-# written under its thumbnail and beside the zoomed head.
-# (`test_model_view_in_headless_chromium`.)
-#
-# The sentences are data, and data must not become markup. Inside a
-# `<script>` element the HTML parser looks only for `</script` and, after a
-# `<!--`, for `<script`: a sentence holding `<!--<script>` would swallow the
-# viewer's own script. So every `<`, `>` and `&` of the JSON is written as its
-# `\u003c`-style escape (JSON reads them back unchanged), and so are U+2028
-# and U+2029, which some JavaScript parsers take for line ends
-# (`test_viewer_survives_markup_in_the_sentences`).
-
-# %%
-_SCRIPT_SAFE = {ord(c): f"\\u{ord(c):04x}" for c in "<>&\u2028\u2029"}
-
-
-def script_json(value) -> str:
-    """JSON that can sit inside a <script> element: no character of it can end or open an element.
-
-    >>> script_json({"s": "<!--<script>&"})
-    '{"s": "\\\\u003c!--\\\\u003cscript\\\\u003e\\\\u0026"}'
-    >>> json.loads(script_json(["</script>"]))
-    ['</script>']
-    """
-    return json.dumps(value, ensure_ascii=False).translate(_SCRIPT_SAFE)
-
-
-def viewer_file(name: str) -> str:
-    """The text of `annotated/viewer/<name>` (package data)."""
-    return importlib.resources.files("annotated").joinpath("viewer", name).read_text(encoding="utf-8")
-
-
-def viewer_html(index: dict, arrays: list[dict], decimals: int = 4) -> str:
-    """The self-contained viewer page for a dump (`index` as in index.json, `arrays` per sentence)."""
-    sentences = []
-    for entry, attn in zip(index["sentences"], arrays):
-        keep = ("source", "translation", "reference", "src_tokens", "tgt_in_tokens", "tgt_out_tokens")
-        s = {k: entry.get(k) for k in keep}
-        s["attn"] = {k: [np.round(a[0].astype(np.float64), decimals).tolist() for a in attn[k]] for k in KINDS}
-        sentences.append(s)
-    data = {"kinds": list(KINDS), "layers": index["layers"], "heads": index["heads"],
-            "rows_cols": {k: list(v) for k, v in ROWS_COLS.items()},
-            "kind_names": {"encoder": "encoder self-attention", "decoder_self": "decoder masked self-attention",
-                           "cross": "cross-attention (decoder -> encoder)"},
-            "importance": index.get("head_importance"), "sentences": sentences}
-    decoder = index.get("decoder") or {}
-    search = f"beam {decoder['beam_size']}" if decoder.get("beam_size", 1) > 1 else "greedy"
-    footer = html.escape(f"checkpoint: {index.get('checkpoint')}; {index['layers']} layers x {index['heads']} heads; "
-                         f"translated as make translate does ({search}); weights rounded to {decimals} decimals")
-    page = string.Template(viewer_file("viewer.html"))
-    return page.substitute(title=html.escape(str(index.get("checkpoint"))), css=viewer_file("viewer.css"),
-                           footer=footer, data=script_json(data), js=viewer_file("viewer.js"))
-
-
-# %% [markdown]
-# ## 8. Writing a dump, all or nothing
+# ## 5. Writing a dump, all or nothing
 #
 # A dump is written into a fresh temporary directory next to the target and
 # renamed into place only when every file is complete; an error on the way
@@ -678,7 +424,7 @@ def _pictures(tmp: Path, stem: str, attn: dict, entry: dict) -> dict:
     files = {}
     for kind in KINDS:
         rows, cols = (entry[name] for name in ROWS_COLS[kind])
-        fig = grid_figure(attn[kind], rows, cols, kind, title=f"{stem}, ")
+        fig = grid_figure(attn[kind], rows, cols, kind, title=f"{stem}, ", axis_names=ROWS_COLS[kind])
         files[kind] = f"{stem}_{kind}.png"
         save_figure(fig, tmp / files[kind])
     last = len(attn["cross"]) - 1
@@ -776,34 +522,6 @@ def dump(checkpoint_path: os.PathLike | str, sentences: Optional[Sequence[str]] 
                       beam_size=beam_size, importance=importance)
 
 
-HEADS_KINDS = {"enc_self": "encoder", "dec_self": "decoder_self", "cross": "cross"}  # heads.json -> ours
-
-
-def read_head_importance(checkpoint: os.PathLike | str, cfg) -> tuple[Optional[dict], Optional[str]]:
-    """({kind: [per layer [per head score]]}, None) from `heads.json` beside `checkpoint`
-    (written by `python -m annotated.heads`); (None, None) without one; (None, why) when it does not fit."""
-    path = Path(checkpoint).parent / "heads.json"
-    if not path.is_file():
-        return None, None
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-        scores = {ours: report["kinds"][theirs]["importance"] for theirs, ours in HEADS_KINDS.items()}
-        owner = report.get("checkpoint")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return None, f"{path} is not readable as head scores ({type(e).__name__}); the viewer shows none"
-    if owner is not None and Path(str(owner)).resolve() != Path(checkpoint).resolve():
-        return None, f"{path} scores {owner}, not this checkpoint; the viewer shows no head scores"
-    for table in scores.values():
-        fits = isinstance(table, list) and len(table) == cfg.N and all(
-            isinstance(row, list) and len(row) == cfg.h and all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in row)
-            for row in table)
-        if not fits:
-            return None, (f"{path} does not hold {cfg.N} layers x {cfg.h} finite head scores per kind (another "
-                          f"model's?); the viewer shows no head scores")
-    return {k: [[float(x) for x in row] for row in v] for k, v in scores.items()}, None
-
-
 def flickr_test_sentences(meta: dict, n: int, data_url: Optional[str] = None,
                    cache_dir: Optional[os.PathLike | str] = None) -> tuple[list[str], list[str]]:
     """(sources, references): the first `n` pairs of test_2016_flickr in the checkpoint's languages."""
@@ -819,7 +537,7 @@ def flickr_test_sentences(meta: dict, n: int, data_url: Optional[str] = None,
 
 
 # %% [markdown]
-# ## 9. During training: one alignment picture per epoch in tensorboard
+# ## 6. During training: one alignment picture per epoch in tensorboard
 #
 # `log_alignment_image` translates one fixed sentence (say the first
 # validation sentence) with the model as it is, and logs the averaged
@@ -849,7 +567,7 @@ def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: 
 
 
 # %% [markdown]
-# ## 10. The command line
+# ## 7. The command line
 #
 # `python -m annotated.attention_maps [--checkpoint PATH] [--out DIR] [--n 3] [--beam 4] [sentence ...]`
 # (also `make attention ARGS='...'`). Without `--checkpoint` it takes the

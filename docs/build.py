@@ -72,7 +72,8 @@ READING_ORDER: tuple[str, ...] = (
     "transformer", "mha_convert", "equivalence", "proof_harness", "checks",  # the model; the proof of its two forms
     "data", "decoding", "train", "distributed", "syncs",              # training a translator
     "checkpoint", "files", "cli", "options",                          # what the commands share
-    "translate", "attention_maps", "heads", "head_inspect", "prune", "heads_cli")  # using a trained model
+    "translate", "attention_maps", "attention_pictures", "attention_viewer",  # using a trained model
+    "heads", "head_inspect", "prune", "heads_cli")
 DEFAULT_OUT = ROOT / "docs" / "_build"
 TITLE = "The Transformer, annotated"
 

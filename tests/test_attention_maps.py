@@ -1,4 +1,5 @@
-"""Tests of annotated/attention_maps.py: dumps, pictures, tensorboard, the HTML viewer, the command line.
+"""Tests of annotated/attention_maps.py (dumps, tensorboard, the command line), attention_pictures.py and
+attention_viewer.py (the HTML viewer).
 
 Models are tiny and random (the properties checked do not need training); the
 tokenizer is trained on the first 300 Multi30k training pairs, read from
@@ -22,6 +23,8 @@ import pytest
 import torch
 
 from annotated import attention_maps as A
+from annotated import attention_pictures as P
+from annotated import attention_viewer as V
 from browser import CHROMIUM, NO_CHROMIUM, Chromium
 from annotated.checkpoint import CheckpointError, save_checkpoint
 from annotated.transformer import BOS, PAD, convert_model, make_model, padding_mask
@@ -204,7 +207,7 @@ def test_bertviz_layout(full_dump):
 
 def test_pictures_show_what_the_prose_says(full_dump):
     attn, entry = A.load_sentence(full_dump, 0)
-    fig = A.grid_figure(attn["decoder_self"], entry["tgt_in_tokens"], entry["tgt_in_tokens"], "decoder_self")
+    fig = P.grid_figure(attn["decoder_self"], entry["tgt_in_tokens"], entry["tgt_in_tokens"], "decoder_self")
     axes = [ax for ax in fig.axes if ax.images]
     assert len(axes) == 4  # 2 layers x 2 heads
     T = len(entry["tgt_in_tokens"])
@@ -213,15 +216,15 @@ def test_pictures_show_what_the_prose_says(full_dump):
         np.testing.assert_array_equal(np.ma.getmaskarray(shown), np.triu(np.ones((T, T), bool), 1))
     assert [t.get_text() for t in axes[0].get_yticklabels()] == entry["tgt_in_tokens"]  # left column labelled
     assert not axes[1].get_yticklabels()
-    fig = A.alignment_figure(attn["cross"][1], entry["src_tokens"], entry["tgt_out_tokens"], per_head=True)
+    fig = P.alignment_figure(attn["cross"][1], entry["src_tokens"], entry["tgt_out_tokens"], per_head=True)
     panels = [ax for ax in fig.axes if ax.images]
     assert [ax.get_title() for ax in panels] == ["mean over heads", "head 0", "head 1"]
     np.testing.assert_allclose(panels[0].images[0].get_array(), attn["cross"][1][0].mean(0), rtol=1e-6)
     np.testing.assert_array_equal(panels[2].images[0].get_array(), attn["cross"][1][0, 1])
     assert [t.get_text() for t in panels[0].get_xticklabels()] == entry["src_tokens"]
     assert [t.get_text() for t in panels[0].get_yticklabels()] == entry["tgt_out_tokens"]
-    assert A.label_font_size(60, 3.0) < A.label_font_size(10, 3.0)  # more tokens, smaller labels
-    assert A._tex_safe("$5") == r"\$5"  # a '$' token does not start a formula
+    assert P.label_font_size(60, 3.0) < P.label_font_size(10, 3.0)  # more tokens, smaller labels
+    assert P._tex_safe("$5") == r"\$5"  # a '$' token does not start a formula
 
 
 # ---------------------------------------------------------------- tensorboard
@@ -526,17 +529,17 @@ def test_the_dump_translates_as_the_translator_does(full_dump, checkpoints):
 def test_head_scores_are_read_only_when_they_fit_the_checkpoint(checkpoints, tmp_path):
     model = tiny_model(50)
     ckpt = tmp_path / "best.pt"
-    assert A.read_head_importance(ckpt, model.config) == (None, None)  # no heads.json: nothing to say
+    assert V.read_head_importance(ckpt, model.config) == (None, None)  # no heads.json: nothing to say
     scores = heads_json(model.config, ckpt)
     (tmp_path / "heads.json").write_text(json.dumps(scores))
-    importance, note = A.read_head_importance(ckpt, model.config)
+    importance, note = V.read_head_importance(ckpt, model.config)
     assert note is None and importance["decoder_self"] == scores["kinds"]["dec_self"]["importance"]
     scores["kinds"]["cross"]["importance"][1].pop()  # a pruned model's table: one head short
     (tmp_path / "heads.json").write_text(json.dumps(scores))
-    assert A.read_head_importance(ckpt, model.config)[0] is None
-    assert "does not hold 2 layers x 2 finite head scores" in A.read_head_importance(ckpt, model.config)[1]
+    assert V.read_head_importance(ckpt, model.config)[0] is None
+    assert "does not hold 2 layers x 2 finite head scores" in V.read_head_importance(ckpt, model.config)[1]
     (tmp_path / "heads.json").write_text(json.dumps(heads_json(model.config, tmp_path / "other.pt")))
-    assert "not this checkpoint" in A.read_head_importance(ckpt, model.config)[1]
+    assert "not this checkpoint" in V.read_head_importance(ckpt, model.config)[1]
 
 
 def heads_json(cfg, checkpoint: Path) -> dict:
