@@ -680,6 +680,8 @@ class Settings:
     seed: int = 0
     peak_tflops: Optional[float] = None  # for MFU; default from PEAK_BF16_TFLOPS on CUDA with bf16
     clock: str = "wall"              # "wall" or "cpu" (process CPU time, CPU device only)
+    compile_keys: Optional[tuple] = None  # the rows that get a compiled twin (None: all)
+    sync_steps: int = 8              # training steps under the host-sync counter (0: skip)
 
     def __post_init__(self):
         if self.dtype not in ("fp32", "bf16"):
@@ -727,6 +729,8 @@ def bench_training(size: Size, st: Settings, log: Callable[[str], None]) -> list
         compiled_models = {}
         for t in trainees:
             model = t.model
+            if compiled and st.compile_keys is not None and t.key not in st.compile_keys:
+                continue
             if compiled:  # one compiled wrapper per module (the two fused rows share theirs)
                 if id(t.model) not in compiled_models:
                     compiled_models[id(t.model)] = torch.compile(t.model)  # lazy: compiles at the first call
@@ -748,6 +752,8 @@ def bench_training(size: Size, st: Settings, log: Callable[[str], None]) -> list
         ref_time = _median(times.get(("reference", compiled), []))
         for t in trainees:
             name = (t.key, compiled)
+            if name not in fns:
+                continue
             step_s = _median(times.get(name, []))
             r = {"size": size.name, "key": t.key, "label": VARIANTS[t.key], "device": device.type,
                  "dtype": st.dtype, "compiled": compiled, "sentences": sentences, "batches": len(batches),
@@ -840,9 +846,46 @@ def run_benchmarks(sizes: list[Size], settings: Settings = Settings(), log: Call
             decode_rows += bench_decoding(size, st, log)
             gc.collect()
     meta.update(load_average_end=list(os.getloadavg()), wall_s=round(time.perf_counter() - t0, 1))
-    result = {"meta": meta, "train": train_rows, "decode": decode_rows}
+    result = {"meta": meta, "train": train_rows, "decode": decode_rows,
+              "compile_speedup": compile_speedups(train_rows)}
+    if st.sync_steps:
+        result["host_syncs"] = host_syncs_per_step(sizes[0], st)
     result["targets"] = evaluate_targets(result)
     return result
+
+
+def compile_speedups(rows: list[dict]) -> list[dict]:
+    """Eager step time / compiled step time of each row measured both ways in this run.
+
+    >>> compile_speedups([{"size": "cpu", "key": "fused_sdpa", "compiled": c, "step_s": t}
+    ...                   for c, t in ((False, 0.3), (True, 0.2))])
+    [{'size': 'cpu', 'key': 'fused_sdpa', 'speedup': 1.5}]
+    """
+    eager = {(r["size"], r["key"]): r["step_s"] for r in rows if not r["compiled"] and r.get("step_s")}
+    return [{"size": r["size"], "key": r["key"], "speedup": round(eager[(r["size"], r["key"])] / r["step_s"], 3)}
+            for r in rows if r["compiled"] and r.get("step_s") and (r["size"], r["key"]) in eager]
+
+
+def host_syncs_per_step(size: Size, st: Settings) -> dict:
+    """Synchronising operators per step of the real training step (`train.train_step`), counted over
+    `st.sync_steps` steps with `annotated.syncs.SyncCounter` (after one uncounted step)."""
+    from annotated.data import Batch
+    from annotated.syncs import SyncCounter
+    from annotated.train import Meter, train_step
+
+    torch.manual_seed(st.seed)
+    model = make_model(**size.model_config()).to(st.device).train()
+    opt, sched = make_optimizer(model, size.train)
+    batches = [Batch(s, t, torch.arange(s.size(0)))
+               for s, t in make_batches(2, size.train_sentences[st.device.type], size.train.vocab_size, st.seed)]
+    n = [int((b.tgt[:, 1:] != 0).sum()) for b in batches]
+    meter = Meter(st.device)
+    meter.add(*train_step(model, opt, sched, [batches[0]], n[0], size.train, st.device))
+    with SyncCounter() as counter:
+        for i in range(st.sync_steps):
+            meter.add(*train_step(model, opt, sched, [batches[i % 2]], n[i % 2], size.train, st.device))
+    return {"size": size.name, "steps": st.sync_steps, "per_step": counter.total / st.sync_steps,
+            "ops": dict(counter.counts)}
 
 
 # %% [markdown]
@@ -883,6 +926,13 @@ def markdown(result: dict) -> str:
         shown = "-" if value is None else (f"{value:.1%}" if t["unit"] == "fraction" else f"{value:.2f}x")
         status = t["status"] + (f" (`{t['command']}`)" if t["status"] == "not measured" else "")
         lines.append(f"| {t['target']} | {t['size']} | {t['device']} | {shown} | {status} |")
+    if result.get("host_syncs"):
+        h = result["host_syncs"]
+        lines.append(f"\nhost syncs per training step: {h['per_step']:g} (train.train_step, {h['size']} size, "
+                     f"{h['steps']} steps counted on {m['device_type']})")
+    for c in result.get("compile_speedup", []):
+        lines.append(f"\ntorch.compile speed-up, {c['size']} {VARIANTS[c['key']]}: {c['speedup']:.2f}x "
+                     f"(eager step time / compiled, this run)")
     errors = [r for r in result["train"] + result["decode"] if "error" in r]
     for r in errors:
         lines.append(f"\nerror in {r['size']} {r['label']}{' (compiled)' if r.get('compiled') else ''}: {r['error']}")
@@ -897,21 +947,10 @@ def default_out_path(result: dict) -> Path:
 
 
 def write_json(result: dict, path: Path) -> None:
-    """Write atomically: a temporary file in the same directory, then os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes the file private; give it the usual permissions
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Write atomically (`annotated.files.atomic_write`: a temporary file, then a rename)."""
+    from annotated.files import atomic_write
+
+    atomic_write(path, json.dumps(result, indent=1) + "\n")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -924,7 +963,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds per timed window (default 1.0; 0.2 with --quick)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--compile", choices=("off", "on", "both"), default=None,
-                   help="torch.compile rows (default: both on CUDA, off on the CPU)")
+                   help="torch.compile rows (default: both; on the CPU only for the fused SDPA row)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     p.add_argument("--no-decode", action="store_true", help="skip the decoding benchmark")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s (in TFLOP/s) for MFU")
@@ -958,14 +997,15 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
-    compile_arg = args.compile or ("both" if device.type == "cuda" else "off")
+    compile_arg = args.compile or "both"
     try:
         settings = Settings(device=device, dtype=args.dtype or ("bf16" if device.type == "cuda" else "fp32"),
                             compile_modes={"off": (False,), "on": (True,), "both": (False, True)}[compile_arg],
                             reps=args.reps or (2 if args.quick else 5),
                             window=args.window or (0.2 if args.quick else 1.0),
                             memory=not args.no_memory, decode=not args.no_decode, seed=args.seed,
-                            peak_tflops=args.peak_tflops, clock=args.clock)
+                            peak_tflops=args.peak_tflops, clock=args.clock,
+                            compile_keys=None if device.type == "cuda" else ("fused_sdpa",))
     except ValueError as e:
         raise SystemExit(f"bench.py: {e}")
 

@@ -223,3 +223,18 @@ def test_command_line_errors():
 def test_module_doctests():
     failures, tried = doctest.testmod(bench)
     assert tried > 0 and failures == 0
+
+
+def test_host_syncs_per_training_step_is_a_reported_figure(result):
+    """`make bench` counts the synchronising operators of the real training step: none on this size."""
+    h = result["host_syncs"]
+    assert h["size"] == "tiny" and h["steps"] == 8 and h["per_step"] == 0, h
+    assert "host syncs per training step: 0 (train.train_step, tiny size, 8 steps counted on cpu)" in \
+        bench.markdown(result)
+
+
+def test_compile_speedup_is_eager_over_compiled_of_the_same_run():
+    rows = [{"size": "cpu", "key": k, "compiled": c, "step_s": t}
+            for k, c, t in (("fused_sdpa", False, 0.30), ("fused_sdpa", True, 0.25), ("reference", False, 0.4))]
+    assert bench.compile_speedups(rows) == [{"size": "cpu", "key": "fused_sdpa", "speedup": 1.2}]
+    assert bench.parse_args([]).compile is None  # main() then measures both; on the CPU the fused SDPA row only
