@@ -59,15 +59,22 @@ def at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def number(low: Optional[float], high: Optional[float]) -> Callable[[str], float]:
-    """A finite number in [low, high] (either end may be open: None)."""
+def number(low: Optional[float], high: Optional[float], *, above: bool = False) -> Callable[[str], float]:
+    """A finite number in [low, high] (either end may be None: open); `above=True` excludes `low` itself.
+
+    >>> number(0, None, above=True)("0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be a finite number > 0, got '0'
+    """
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
-            bounds = " and ".join(b for b in (f">= {low:g}" if low is not None else "",
+        too_low = low is not None and (value <= low if above else value < low)
+        if not math.isfinite(value) or too_low or (high is not None and value > high):
+            bounds = " and ".join(b for b in (f"{'>' if above else '>='} {low:g}" if low is not None else "",
                                               f"<= {high:g}" if high is not None else "") if b)
             raise argparse.ArgumentTypeError(f"must be a finite number{' ' + bounds if bounds else ''}, got {text!r}")
         return value
@@ -93,7 +100,7 @@ def device(text: str) -> str:
 
 def writable_dir(text: str) -> Path:
     """A folder that exists and can be written, or can be created (its nearest existing parent is writable)."""
-    path = Path(text)
+    path = Path(text).expanduser()
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
