@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -339,13 +340,18 @@ def bertviz_args(attn: dict, entry: Optional[dict] = None) -> dict:
 # The target may be missing, an empty directory, or **one of our dumps**,
 # which is replaced (renamed aside, then deleted). A dump is recognised
 # positively: its `index.json` carries our format marker, and every entry of
-# the directory is a plain file that the index names (`index.json`,
-# `viewer.html`, the sentence files and their pictures). Anything else, a
+# the directory is a plain file that the index names and that has the name of
+# a dump's file (`index.json`, `viewer.html`, `sentence_000.npz`, its
+# pictures). Anything else, a
 # file, a link, a folder holding one file of the user's, is refused with one
 # line before anything is computed, and left untouched.
 # (`test_failed_dump_leaves_nothing`, `test_out_dir_that_is_not_our_dump_is_refused_untouched`.)
 
 # %%
+DUMP_FILE = re.compile(r"index\.json|viewer\.html|sentence_\d{3,}(\.npz|_(encoder|decoder_self|cross|alignment|"
+                       r"alignment_heads)\.png)")  # every name a dump writes
+
+
 def not_a_dump(out_dir: os.PathLike | str) -> Optional[str]:
     """Why `out_dir` may not be replaced by a dump, or None (missing, empty, or a dump of ours)."""
     out_dir = Path(out_dir)
@@ -362,7 +368,8 @@ def not_a_dump(out_dir: os.PathLike | str) -> Optional[str]:
         return "it has no readable index.json of an attention dump"
     if index.get("format") != FORMAT:
         return f"its index.json does not carry the format {FORMAT!r}"
-    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in ours or p.is_symlink() or not p.is_file())
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in ours or not DUMP_FILE.fullmatch(p.name)
+                     or p.is_symlink() or not p.is_file())
     return f"it holds {foreign[0]!r}, which is no file of a dump" if foreign else None
 
 

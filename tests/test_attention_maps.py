@@ -303,7 +303,7 @@ def tree(path: Path) -> dict:
 
 
 @pytest.mark.parametrize("case", ["foreign index", "dump plus a user file", "dump plus a folder", "a file",
-                                  "index without marker", "a link"])
+                                  "index without marker", "a link", "index naming a user file"])
 def test_out_dir_that_is_not_our_dump_is_refused_untouched(case, checkpoints, tmp_path, capsys):
     """Only a dump of ours (format marker, nothing but the files its index names) is ever replaced."""
     out = tmp_path / "out"
@@ -322,6 +322,10 @@ def test_out_dir_that_is_not_our_dump_is_refused_untouched(case, checkpoints, tm
     elif case == "index without marker":
         out.mkdir()
         (out / "index.json").write_text('{"sentences": []}')
+    elif case == "index naming a user file":  # our marker, but the "sentence file" is not a name a dump writes
+        out.mkdir()
+        (out / "index.json").write_text(json.dumps({"format": A.FORMAT, "sentences": [{"file": "thesis.tex"}]}))
+        (out / "thesis.tex").write_text("chapter 1")
     else:
         (tmp_path / "elsewhere").mkdir()
         (tmp_path / "elsewhere" / "keep.txt").write_text("keep")
