@@ -30,6 +30,7 @@ help:
 	@echo "make docs         the annotated source as a page: docs/_build/index.html (offline)"
 	@echo "make notebook     annotated/transformer.py as docs/_build/transformer.ipynb"
 	@echo "make bench        speed and memory against torch.nn.Transformer [ARGS='--sizes cpu --quick']"
+	@echo "make gpu-report   every GPU figure in one command: bench, gpu preset de<->en, DDP (CUDA only, < 22 min)"
 	@echo "PYTHON=python3    use an existing interpreter instead of .venv"
 
 $(VENV)/.installed: requirements.txt
@@ -83,6 +84,12 @@ equivalence: $(SETUP)
 .PHONY: bench
 bench: $(SETUP)
 	$(PY) benchmarks/bench.py $(ARGS)
+
+# `make gpu-report`: bench on CUDA (bf16, eager and compiled), the gpu preset de->en and en->de, a 2-GPU DDP
+# smoke run; writes benchmarks/results/<device>-<date>.json and prints the table (benchmarks/gpu_report.py).
+.PHONY: gpu-report
+gpu-report: $(SETUP)
+	$(PY) benchmarks/gpu_report.py $(ARGS)
 
 # make attention [CHECKPOINT=runs/<run>/best.pt] [ARGS='--n 5' or ARGS='"Ein Hund rennt."']: dump, draw and
 # browse every attention weight (annotated/attention_maps.py); default: best.pt of the latest run, first 3 test

@@ -238,3 +238,24 @@ def test_compile_speedup_is_eager_over_compiled_of_the_same_run():
             for k, c, t in (("fused_sdpa", False, 0.30), ("fused_sdpa", True, 0.25), ("reference", False, 0.4))]
     assert bench.compile_speedups(rows) == [{"size": "cpu", "key": "fused_sdpa", "speedup": 1.2}]
     assert bench.parse_args([]).compile is None  # main() then measures both; on the CPU the fused SDPA row only
+
+
+def test_gpu_report_without_cuda_says_so_in_one_line_and_exits_2(tmp_path):
+    """`make gpu-report` on a machine without CUDA: one line, exit 2, nothing written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the report would run")
+    root = Path(__file__).resolve().parents[1]
+    before = sorted((root / "benchmarks" / "results").glob("*")) if (root / "benchmarks" / "results").is_dir() else []
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_report.py")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("gpu_report.py: error: no CUDA device")
+    after = sorted((root / "benchmarks" / "results").glob("*")) if (root / "benchmarks" / "results").is_dir() else []
+    assert after == before
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_report.py"), "--parts", "nope"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--parts 'nope'" in r.stderr, r.stderr
