@@ -495,12 +495,17 @@ class OutputError(ValueError):
     """The output folder holds a file the build would replace but did not write; the message names the fix."""
 
 
+_OURS = {"page": re.compile(r"index\.html|figures/\w+\.png"), "notebooks": re.compile(r"\w+\.ipynb")}
+
+
 def read_manifest(out: Path) -> dict[str, list[str]]:
-    """{"page": [...], "notebooks": [...]}: what earlier builds wrote into `out` (empty lists if unknown)."""
+    """{"page": [...], "notebooks": [...]}: what earlier builds wrote into `out` (empty lists if unknown).
+    Only names a build writes count: a record cannot point outside `out` or at a file of another kind."""
     try:
         record = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
         if record.get("format") == MANIFEST_FORMAT:
-            return {kind: [str(p) for p in record.get(kind, [])] for kind in ("page", "notebooks")}
+            return {kind: [p for p in record.get(kind, []) if isinstance(p, str) and pattern.fullmatch(p)]
+                    for kind, pattern in _OURS.items()}
     except (OSError, ValueError, AttributeError, TypeError):
         pass
     return {"page": [], "notebooks": []}

@@ -120,6 +120,15 @@ def test_a_build_replaces_and_removes_only_its_own_files(tmp_path, monkeypatch, 
     B.build(theirs, overwrite=True, **kw)
     assert "my home page" not in (theirs / "index.html").read_text(encoding="utf-8")
 
+    victim = tmp_path / "victim.txt"  # a record naming a file outside the folder removes nothing
+    victim.write_text("keep")
+    record = json.loads((theirs / B.MANIFEST).read_text())
+    record["page"] += ["../victim.txt", "notes.txt"]
+    (theirs / B.MANIFEST).write_text(json.dumps(record))
+    (theirs / "notes.txt").write_text("mine")
+    assert B.build(theirs, **kw).removed == []
+    assert victim.read_text() == "keep" and (theirs / "notes.txt").read_text() == "mine"
+
 
 def test_code_is_the_files_code_verbatim_in_source_order(site):
     _, page = site
