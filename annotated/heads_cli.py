@@ -111,23 +111,24 @@ def _grid(rows: list[list[float]]) -> np.ndarray:
     return np.array([list(r) + [math.nan] * (width - len(r)) for r in rows], dtype=float)
 
 
-def heat_map(kind: str, panels: list[tuple[str, list[list[float]], bool]], path: Path) -> None:
-    """One row of (N layers x h heads) panels; a panel marked True is a change, coloured around 0."""
+def heat_map(kind: str, panels: list[tuple[str, list[list[float]], str, Optional[str]]], path: Path) -> None:
+    """One row of (N layers x h heads) panels: (title, values, number format, diverging colour map or None).
+
+    A change is coloured around 0, red where the model gets worse."""
     from annotated.head_inspect import save_figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(4.2 * len(panels), 1.2 + 0.7 * len(panels[0][1])))
     FigureCanvasAgg(fig)
-    for ax, (title, rows, change) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+    for ax, (title, rows, fmt, cmap) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         data = _grid(rows)
         top = float(np.nanmax(np.abs(data))) or 1.0
-        im = ax.imshow(data, cmap="RdBu" if change else "viridis", aspect="auto",
-                       **({"vmin": -top, "vmax": top} if change else {}))
+        im = ax.imshow(data, cmap=cmap or "viridis", aspect="auto", **({"vmin": -top, "vmax": top} if cmap else {}))
         for (l, i), v in np.ndenumerate(data):
             if not math.isnan(v):
-                ax.text(i, l, f"{v:+.3g}" if change else f"{v:.3g}", ha="center", va="center",
-                        color="k" if change else "w", fontsize=8)
+                dark = not cmap or abs(v) > 0.6 * top  # white text on a dark cell
+                ax.text(i, l, format(v, fmt), ha="center", va="center", color="w" if dark else "k", fontsize=8)
         ax.set_xticks(range(data.shape[1]))
         ax.set_yticks(range(data.shape[0]))
         ax.set_xlabel("head")
@@ -269,11 +270,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     for kind in KINDS:
         k = report["kinds"][kind]
         base = report["baseline"]
-        heat_map(kind, [("importance E|dL/dxi|", k["importance"], False),
-                        ("val BLEU change without the head", [[b - base["bleu"] for b in r] for r in k["ablation_bleu"]],
-                         True),
-                        ("val loss change without the head", [[c - base["loss"] for c in r] for r in k["ablation_loss"]],
-                         True)], args.out / f"heads_{kind}.png")
+        heat_map(kind, [("importance E|dL/dxi|", k["importance"], ".3g", None),
+                        ("val BLEU change without the head",
+                         [[b - base["bleu"] for b in r] for r in k["ablation_bleu"]], "+.2f", "RdBu"),
+                        ("val loss change without the head",
+                         [[c - base["loss"] for c in r] for r in k["ablation_loss"]], "+.3f", "RdBu_r")],
+                 args.out / f"heads_{kind}.png")
     save_figure(inspect_figure(model, {k: report["kinds"][k]["position_profile"] for k in KINDS}, WINDOW,
                                title=str(args.checkpoint)), args.out / "heads_inspect.png")
     print(f"wrote {args.out / 'heads.json'}, heads_<kind>.png and heads_inspect.png in {args.out}", flush=True)
