@@ -44,7 +44,7 @@ from annotated.transformer import PAD, EncoderDecoder, make_model, padding_mask,
 # `max_minutes` stays available as an optional cap.
 #
 # * `cpu`: 2 + 2 layers, `d_model` 128, a joint vocabulary of 5,000 subwords,
-#   batches of 2500 tokens, 2,200 steps (about 11 epochs of Multi30k) with 800
+#   batches of 2500 tokens, 2,200 steps (about 10.5 epochs of Multi30k) with 800
 #   warm-up steps to a peak learning rate twice the paper's formula. Small
 #   enough to train on two CPU cores.
 # * `gpu`: the same model and schedule with batches of 8192 tokens (3.3 times

@@ -87,7 +87,7 @@ def losses(run_dir: Path) -> list[tuple[int, str]]:
 
 
 def test_presets_are_defined_by_steps_as_the_prose_says(data_url, cache):
-    """The presets' budgets are optimizer steps, never minutes. cpu: 2,200 steps, about 11 epochs; gpu: the cpu
+    """The presets' budgets are optimizer steps, never minutes. cpu: 2,200 steps, about 10.5 epochs; gpu: the cpu
     recipe with 8192-token batches, 4,200 steps (about 65 epochs), beam 5, the last 5 epochs averaged."""
     from annotated import data
 
@@ -102,9 +102,9 @@ def test_presets_are_defined_by_steps_as_the_prose_says(data_url, cache):
     tokenizer, train_pairs, _, _ = T.prepare_data(gpu, cache, data_url)
     encoded = data.encode_pairs(train_pairs, tokenizer)
     encoded = [encoded[i] for i in data.split_long(encoded, gpu.max_len)[0]]
-    for cfg, epochs in ((cpu, 11), (gpu, 65)):
+    for cfg, epochs in ((cpu, 10.5), (gpu, 65)):
         per_epoch = len(data.make_batches(encoded, cfg.max_tokens, shuffle=True, seed=cfg.seed))
-        assert round(cfg.max_steps / per_epoch) == epochs, (cfg.max_tokens, per_epoch)
+        assert abs(cfg.max_steps / per_epoch - epochs) < 0.5, (cfg.max_tokens, per_epoch)
 
 
 def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, data_url, cache):
