@@ -104,6 +104,17 @@ def test_fully_masked_query_gives_zeros(fast, monkeypatch):
     assert torch.all(out[0, 1] == 0) and torch.all(p[0, 1] == 0)
     assert not torch.isnan(out).any()
     assert torch.all(out[0, 0] != 0)
+    # the prose's example: an all-padding source sentence; its queries see no key, in the encoder and across
+    torch.manual_seed(0)
+    m = make_model(small_config()).eval()
+    src = torch.tensor([[5, 6, 7], [PAD, PAD, PAD]])
+    tgt = torch.tensor([[BOS, 4], [BOS, 4]])
+    src_mask = padding_mask(src, PAD)
+    with torch.no_grad():
+        memory, enc = m.encode_with_attention(src, src_mask)
+        y, _, cross = m.decode_with_attention(memory, src_mask, tgt, target_mask(tgt, PAD))
+    assert torch.isfinite(memory).all() and torch.isfinite(y).all()
+    assert all(torch.all(p[1] == 0) and torch.all(p[0].sum(-1) > 0.999) for p in enc + cross)
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -440,6 +451,25 @@ def test_cached_greedy_gives_the_tokens_of_recomputed_greedy(attention):
         a = greedy_decode(m, src, mask, 10, BOS, EOS, PAD, use_cache=True)
         b = greedy_decode(m, src, mask, 10, BOS, EOS, PAD, use_cache=False)
         assert torch.equal(a, b)
+
+
+def test_encode_and_decode_return_one_shape_of_result():
+    """encode/decode: a tensor; encode_with_attention/decode_with_attention: always a tuple, the same output."""
+    torch.manual_seed(0)
+    m = make_model(small_config()).eval()
+    src, tgt = model_inputs(m.config)
+    src_mask, tgt_mask = padding_mask(src, PAD), target_mask(tgt, PAD)
+    with torch.no_grad():
+        memory = m.encode(src, src_mask)
+        y = m.decode(memory, src_mask, tgt, tgt_mask)
+        memory2, enc = m.encode_with_attention(src, src_mask)
+        y2, dec_self, cross = m.decode_with_attention(memory, src_mask, tgt, tgt_mask)
+        old = m.decode(memory, src_mask, tgt, tgt_mask, return_attention=True)  # the deprecated spelling
+    assert isinstance(memory, torch.Tensor) and isinstance(y, torch.Tensor)
+    assert torch.equal(memory, memory2) and torch.equal(y, y2) and torch.equal(old[0], y)
+    B, S, T_len = src.size(0), src.size(1), tgt.size(1)
+    assert [p.shape for p in enc] == [(B, 4, S, S)] * 2 and [p.shape for p in cross] == [(B, 4, T_len, S)] * 2
+    assert [p.shape for p in dec_self] == [(B, 4, T_len, T_len)] * 2
 
 
 def test_config_rejects_bad_settings():
