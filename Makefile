@@ -111,7 +111,7 @@ heads: $(SETUP)
 # make notebook: annotated/transformer.py as docs/_build/transformer.ipynb (jupytext).
 .PHONY: docs notebook
 docs: $(SETUP)
-	$(PY) -m docs.build $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT))
+	$(PY) -m docs.build $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 notebook: $(SETUP)
 	$(PY) -m docs.build --notebook

@@ -120,6 +120,12 @@ def test_a_build_replaces_and_removes_only_its_own_files(tmp_path, monkeypatch, 
     B.build(theirs, overwrite=True, **kw)
     assert "my home page" not in (theirs / "index.html").read_text(encoding="utf-8")
 
+    old = tmp_path / "old"  # a build's folder without a record: its page (with the builder's header) is ours
+    shutil.copytree(out, old)
+    (old / B.MANIFEST).unlink()
+    B.build(old, **kw)
+    assert files_under(old)["figures/holiday.png"] == mine["figures/holiday.png"]
+
     victim = tmp_path / "victim.txt"  # a record naming a file outside the folder removes nothing
     victim.write_text("keep")
     record = json.loads((theirs / B.MANIFEST).read_text())
