@@ -107,7 +107,8 @@ heads: $(SETUP)
 
 # make docs: annotated/*.py rendered into docs/_build/index.html (math as MathML, figures drawn by the
 # modules' own code; offline). Attention figure from CHECKPOINT=..., else runs/latest/best.pt or the newest
-# runs/*/best.pt, else the copy task (trained once, ~20 s, cached in docs/_build/.cache).
+# runs/*/best.pt, else the copy task (trained once, ~20 s, cached in docs/_build/.cache). A file in the output
+# folder that no docs build wrote is never replaced: ARGS=--overwrite allows it (python -m docs.build --help).
 # make notebook: annotated/transformer.py as docs/_build/transformer.ipynb (jupytext).
 .PHONY: docs notebook
 docs: $(SETUP)
