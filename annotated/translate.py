@@ -166,7 +166,10 @@ def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, l
 #
 # Expected failures end the process with one line on stderr and exit code 2,
 # without a traceback: a missing, corrupt or incompatible checkpoint (the
-# message names the file), a checkpoint without a tokenizer, or bad options.
+# message names the file), a checkpoint without a tokenizer, or an option
+# that makes no sense (`--beam 0`, a negative or non-finite
+# `--length-penalty`, `--device tpu`, `--device cuda` without CUDA), which is
+# refused by `annotated/options.py` before the checkpoint is even opened.
 # Ctrl-C ends it quietly with exit code 130, also while torch and the model
 # are still loading; a closed output pipe (`... | head -1`) ends it with 0.
 
