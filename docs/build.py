@@ -65,7 +65,7 @@ from pygments.util import ClassNotFound  # noqa: E402
 
 from annotated.checkpoint import CheckpointError  # noqa: E402
 from annotated.files import atomic_write  # noqa: E402
-from annotated.options import Parser, at_least  # noqa: E402
+from annotated.options import Parser, at_least, writable_dir  # noqa: E402
 from docs import figures as figs  # noqa: E402
 
 READING_ORDER: tuple[str, ...] = (
@@ -675,7 +675,7 @@ def build_notebook(module: str = "transformer", out: Path = DEFAULT_OUT, root: P
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = Parser(prog="python -m docs.build", name="docs",
                description="Render annotated/*.py into docs/_build/index.html, or convert a chapter to a notebook.")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default docs/_build)")
+    p.add_argument("--out", type=writable_dir, default=DEFAULT_OUT, help="output folder (default docs/_build)")
     p.add_argument("--checkpoint", default="auto",
                    help="checkpoint for the attention figure: auto (runs/latest/best.pt or newest "
                         "runs/*/best.pt, else the copy task), none (copy task), or a path")

@@ -136,6 +136,21 @@ def test_a_build_replaces_and_removes_only_its_own_files(tmp_path, monkeypatch, 
     assert victim.read_text() == "keep" and (theirs / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("option, message", [
+    (["--copy-steps", "-1"], "argument --copy-steps: must be a whole number >= 0, got '-1'"),
+    (["--out", "/dev/null/site"], "argument --out: '/dev/null/site': /dev/null is not a folder"),
+    (["--checkpoint", "{tmp}"], "argument --checkpoint: {tmp} is a directory; give a checkpoint file, auto or none"),
+    (["--checkpoint", "{tmp}/none.pt"], "argument --checkpoint: {tmp}/none.pt does not exist"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_options_are_one_line_and_exit_2_before_any_work(option, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        B.main([o.format(tmp=tmp_path) for o in option])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"docs: error: {message.format(tmp=tmp_path)}")
+    assert len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_code_is_the_files_code_verbatim_in_source_order(site):
     _, page = site
     chapter = _chapter(page, "transformer")
