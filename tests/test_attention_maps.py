@@ -478,6 +478,13 @@ def test_viewer_in_headless_chromium(full_dump, tmp_path):
         not_white = (shot[..., :3] < 0.95).any(axis=-1).mean()
         assert 0.02 < not_white < 0.95 and len(np.unique(shot[..., :3].reshape(-1, 3), axis=0)) > 20
 
+        # without heads.json beside the checkpoint the model view says so and shows no scores
+        browser.js("location.hash = 's=0&kind=encoder&view=model'")
+        browser.wait_js("document.body.dataset.rendered === '0/encoder/model'")
+        assert browser.js("document.querySelectorAll('td.thumb').length") == index["layers"] * index["heads"]
+        assert browser.js("document.querySelectorAll('.score').length") == 0
+        assert browser.js("document.getElementById('importance').textContent").startswith("no heads.json")
+
         # the only request the page caused is the page itself
         assert browser.requests() == [page.as_uri()]
         # and the check can fail: a page with an external image shows up in the log
