@@ -173,7 +173,7 @@ def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>"
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: its config is invalid: {e}") from None
     stored = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in tensors.items()}
-    for name in sorted(wanted.keys() | stored.keys()):
+    for name in sorted(wanted.keys() | stored.keys(), key=str):  # (a crafted file may use other keys than str)
         if name not in stored:
             problem = f"the config needs {name} {list(wanted[name])}, which the file does not hold"
         elif name not in wanted:

@@ -89,9 +89,10 @@ CRAFTED = {  # config change -> what the one-line error says
     "no vocabulary": ({"src_vocab": None}, "src_vocab must be a whole number >= 1, got None"),
     "wider feed-forward": ({"d_ff": 32}, "parameters do not match its config: decoder.layers.0"),
 }
+EXTRA_TENSOR = "an extra entry with a number for a name"
 
 
-@pytest.mark.parametrize("case", list(CRAFTED))
+@pytest.mark.parametrize("case", [*CRAFTED, EXTRA_TENSOR])
 def test_a_crafted_config_is_refused_before_anything_is_built(case, tmp_path, monkeypatch):
     """A config that passes weights_only loading but asks for a model its tensors are not: one clear error,
     and no model is built (only shapes are worked out, on the meta device)."""
@@ -99,7 +100,11 @@ def test_a_crafted_config_is_refused_before_anything_is_built(case, tmp_path, mo
 
     save_checkpoint(tmp_path / "a.pt", tiny_model(), None)
     state = read_checkpoint(tmp_path / "a.pt")
-    change, message = CRAFTED[case]
+    if case == EXTRA_TENSOR:
+        change, message = {}, "the file holds 7, which the config does not make"
+        state["model"][7] = torch.zeros(1)
+    else:
+        change, message = CRAFTED[case]
     state["config"].update(change)
     torch.save(state, tmp_path / "crafted.pt")
     real_builds = []
