@@ -367,6 +367,9 @@ def damage(kind: str, ckpt: Path, out: Path) -> str:
     if kind == "not a checkpoint":
         out.write_text("epoch 3, loss 2.1\n")
         return f"checkpoint {out} is corrupt or not a torch file"
+    if kind == "a folder":
+        out.mkdir()
+        return f"checkpoint {out} is a directory"
     state = read_checkpoint(ckpt)
     if kind == "no config":
         del state["config"]
@@ -374,6 +377,9 @@ def damage(kind: str, ckpt: Path, out: Path) -> str:
     elif kind == "config does not fit the parameters":
         state["config"]["d_ff"] *= 2
         message = f"checkpoint {out}: parameters do not match its config: "
+    elif kind == "hostile config":  # passes weights_only loading; would ask for gigabytes if built as stored
+        state["config"].update(src_vocab=10_000_000, tgt_vocab=10_000_000, d_model=4096, N=40, max_len=float("nan"))
+        message = f"checkpoint {out}: its config is invalid: max_len must be a whole number >= 1, got nan"
     elif kind == "unknown config field":
         state["config"]["d_mdoel"] = state["config"].pop("d_model")
         message = f"checkpoint {out}: its config is invalid: "
@@ -491,7 +497,7 @@ def test_resume_from_a_damaged_checkpoint_in_a_real_process(stopped_run, tmp_pat
 
 
 TRANSLATE_DAMAGE = ["truncated", "flipped byte", "not a checkpoint", "no config", "config does not fit the parameters",
-                    "unknown config field", "tokenizer of another model"]
+                    "unknown config field", "tokenizer of another model", "hostile config", "a folder"]
 
 
 @pytest.mark.parametrize("kind", TRANSLATE_DAMAGE)
@@ -506,9 +512,10 @@ def test_translator_refuses_a_damaged_checkpoint_with_exit_2(kind, stopped_run, 
     assert err.getvalue().count("\n") == 1
 
 
-def test_translator_refuses_a_damaged_checkpoint_in_a_real_process(stopped_run, tmp_path):
+@pytest.mark.parametrize("kind", ["flipped byte", "hostile config"])
+def test_translator_refuses_a_damaged_checkpoint_in_a_real_process(kind, stopped_run, tmp_path):
     path = tmp_path / "model.pt"
-    message = damage("flipped byte", stopped_run / "last.pt", path)
+    message = damage(kind, stopped_run / "last.pt", path)
     r = subprocess.run([sys.executable, "-m", "annotated.translate", "--checkpoint", str(path), "Ein Hund."],
                        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=GUARD)
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
