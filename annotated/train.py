@@ -416,17 +416,17 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
           log: Callable[[str], None] | None = None) -> dict:
     """Train (or resume) a run in `run_dir`; returns the final results (also in results.json)."""
     rank, world, dev, owns_group = distributed.join(pick_device(device))
-    run_dir = Path(run_dir)
+    run_dir, run = Path(run_dir), None
     try:
         distributed.from_rank0(lambda: check_run_dir(run_dir, resume), rank, world)  # before any work
         run, state, test_pairs = setup(cfg, run_dir, rank, world, dev, resume, data_url, cache_dir, log,
                                        (train_files, val_files, test_files), empty_lines)
         stopped = loop(run, state, progress)
     finally:
+        if run is not None and run.writer is not None:
+            run.writer.close()
         if owns_group:  # all ranks leave the loop at the same agreed point; rank 0 goes on alone
             distributed.leave()
-    if run.writer is not None:
-        run.writer.close()
     if stopped:
         return {"interrupted": True, "run_dir": str(run_dir)}
     if not run.main:
@@ -437,10 +437,10 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, ca
 def loop(run: Run, state: RunState, progress: bool) -> bool:
     """Epochs until the budget is spent; True when a Ctrl-C stopped the run."""
     cfg = run.cfg
-    with StopFlag() as stop:
-        if progress and run.main:
-            from tqdm.auto import tqdm
-            run.bar = tqdm(total=cfg.max_steps, initial=state.step, unit="step", dynamic_ncols=True)
+    if progress and run.main:  # one bar over the run's steps, with an ETA
+        from tqdm.auto import tqdm
+        run.bar = tqdm(total=cfg.max_steps, initial=state.step, unit="step", dynamic_ncols=True)
+    with StopFlag() as stop, (run.bar or contextlib.nullcontext()):
         while cfg.epochs is None or state.epoch < cfg.epochs:
             t_epoch, why = time.perf_counter(), run_epoch(run, state, stop)
             if run.dev.type == "cuda":  # the queued kernels belong to this epoch's training time
@@ -455,8 +455,6 @@ def loop(run: Run, state: RunState, progress: bool) -> bool:
                 return True
             if why is not None:  # out of steps or of time
                 break
-        if run.bar is not None:
-            run.bar.close()
     return False
 
 
