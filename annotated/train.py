@@ -401,6 +401,7 @@ class Run:
     t_start: float = field(default_factory=time.perf_counter)
     epoch_loss: float = 0.0           # this epoch's summed loss and tokens, as read at its log points
     epoch_tokens: float = 0.0
+    t_read: float = 0.0               # when the running sums were last read (tokens/s between reads)
 
     @property
     def main(self) -> bool:
@@ -465,7 +466,7 @@ def run_epoch(run: Run, state: RunState, stop: StopFlag) -> Optional[str]:
     batches = data.make_batches(run.train_enc, cfg.max_tokens, shuffle=True, seed=cfg.seed + state.epoch,
                                 rank=run.rank, world_size=run.world, max_len=cfg.max_len)
     tokens = step_tokens(batches, cfg.accum, run.world, run.dev)  # N of each step: its batches on all ranks
-    meter, run.epoch_loss, run.epoch_tokens = Meter(run.dev), 0.0, 0.0
+    meter, run.epoch_loss, run.epoch_tokens, run.t_read = Meter(run.dev), 0.0, 0.0, time.perf_counter()
     run.model_for_step.train()
     why = None
     while state.batch_in_epoch < len(batches):
@@ -498,14 +499,16 @@ def log_point(run: Run, state: RunState, meter: Meter, asked: bool, late: bool) 
                             f"{int(skipped)} step(s) with a non-finite loss or gradient were skipped; stopped at "
                             f"step {state.step}, the last good checkpoint {run.run_dir / 'last.pt'} is kept")
     run.epoch_loss, run.epoch_tokens = run.epoch_loss + loss, run.epoch_tokens + tokens
+    seconds, run.t_read = time.perf_counter() - run.t_read, time.perf_counter()
     if run.main:
-        mean, lr = loss / max(tokens, 1), run.sched.get_last_lr()[0]
+        mean, lr, tok_s = loss / max(tokens, 1), run.sched.get_last_lr()[0], tokens / max(seconds, 1e-9)
         with open(run.run_dir / "train_loss.tsv", "a") as f:  # one row per read, for plots and tests
             f.write(f"{state.step}\t{mean:.8f}\n")
-        for key, value in (("loss", mean), ("lr", lr), ("grad_norm", gnorm / max(steps, 1))):
+        for key, value in (("loss", mean), ("lr", lr), ("grad_norm", gnorm / max(steps, 1)),
+                           ("tokens_per_s", tok_s)):
             run.writer.add_scalar(f"train/{key}", value, state.step)
         if run.bar is not None:
-            run.bar.set_postfix(loss=f"{mean:.3f}", lr=f"{lr:.2e}")
+            run.bar.set_postfix(loss=f"{mean:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}")
     return "stop" if asked_n else "time" if late_n else None
 
 
