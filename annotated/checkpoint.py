@@ -56,7 +56,7 @@ from typing import Any, Optional
 
 import torch
 
-from annotated.files import atomic_write, remove_stale_temporaries  # noqa: F401 (re-exported)
+from annotated.files import atomic_write
 from annotated.transformer import EncoderDecoder, TransformerConfig, make_model
 
 FORMAT = "annotated-checkpoint-v1"

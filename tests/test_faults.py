@@ -43,9 +43,9 @@ import annotated.transformer as TF
 import train_wmt
 from annotated import train as T
 from annotated import translate
-from annotated.checkpoint import (CheckpointError, load_checkpoint, read_checkpoint, remove_stale_temporaries,
-                                  save_checkpoint)
+from annotated.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from annotated.data import DataWarning
+from annotated.files import remove_stale_temporaries
 from annotated.transformer import (PerHeadAttention, convert_model, fuse, make_model, padding_mask, subsequent_mask,
                                    target_mask)
 
