@@ -651,11 +651,12 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
 # %% [markdown]
 # ## 8. The notebook
 #
-# `make notebook` writes the chapter as a Jupyter notebook with jupytext:
-# the same cells, prose as Markdown cells. Only `annotated/transformer.py` by
-# default: it imports nothing from the package, so the notebook runs from any
-# directory; the other chapters import `annotated` and need the repository
-# root on `sys.path`.
+# `make notebook` writes the chapter as a Jupyter notebook: the same cells,
+# prose as Markdown cells, plus the prose's examples and a few figures as
+# code cells, executed at build time (`docs/notebook.py`). Only
+# `annotated/transformer.py` by default: it imports nothing from the package,
+# so the notebook runs from any directory; the other chapters import
+# `annotated` and need the repository root on `sys.path`.
 
 # %%
 def build_notebook(module: str = "transformer", out: Path = DEFAULT_OUT, root: Path = ROOT,
@@ -668,8 +669,9 @@ def build_notebook(module: str = "transformer", out: Path = DEFAULT_OUT, root: P
     check_output(out, [f"{module}.ipynb"], record, overwrite)
     record["notebooks"] = sorted(set(record["notebooks"]) | {f"{module}.ipynb"})
     write_manifest(out, record)
-    notebook = jupytext.read(src, fmt="py:percent")
-    return atomic_write(out / f"{module}.ipynb", jupytext.writes(notebook, fmt="ipynb"))
+    from docs.notebook import render_notebook
+
+    return atomic_write(out / f"{module}.ipynb", render_notebook(src))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -36,7 +36,6 @@ import re
 import sys
 import types
 from pathlib import Path
-from typing import Optional
 
 import jupytext
 import nbformat
@@ -227,20 +226,12 @@ def _run(compiler, source: str, ns: dict, where: str):
     return None
 
 
-def build_notebook(module: str = "transformer", out: Optional[Path] = None, root: Path = ROOT,
-                   run: bool = True) -> Path:
-    """annotated/<module>.py -> out/<module>.ipynb with examples and figures, executed (written atomically)."""
-    from annotated.files import atomic_write
-
-    src = Path(root) / "annotated" / f"{module}.py"
-    if not src.is_file():
-        raise FileNotFoundError(f"no module {src} to convert to a notebook")
+def render_notebook(src: Path, run: bool = True) -> str:
+    """The chapter `src` as notebook JSON, with its examples and figures, executed unless `run=False`."""
     nb = nbformat.v4.new_notebook(cells=notebook_cells(src))
     nb.metadata.update(jupytext.read(src, fmt="py:percent").metadata)
     nb.metadata.pop("jupytext", None)
     if run:
-        execute(nb.cells, f"{module}_notebook")
+        execute(nb.cells, f"{src.stem}_notebook")
     nbformat.validate(nb)
-    target = Path(out if out is not None else Path(root) / "docs" / "_build") / f"{module}.ipynb"
-    atomic_write(target, nbformat.writes(nb))
-    return target
+    return nbformat.writes(nb)

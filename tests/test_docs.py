@@ -1,4 +1,4 @@
-"""The rendered page (docs/build.py, docs/figures.py), seen by a browser, and the notebook.
+"""The rendered page (docs/build.py, docs/figures.py), seen by a browser. (The notebook: test_notebook.py.)
 
 The page is built once per test session into a temporary folder, with the
 copy-task model trained for only a few steps (its attention picture need not
@@ -7,7 +7,6 @@ its DevTools protocol over a pipe (`--remote-debugging-pipe`, standard library
 only), so it can watch every network request the page makes.
 """
 import base64
-import codeop
 import doctest
 import html
 import io
@@ -15,9 +14,7 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
-import types
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -357,45 +354,6 @@ def test_page_in_headless_chromium(site, tmp_path):
     pixels = matplotlib.image.imread(io.BytesIO(png), format="png")
     assert pixels.shape[:2] == (1300, 1000)
     assert pixels[..., :3].std() > 0.05 and (pixels[..., :3] < 0.5).mean() > 0.005  # dark text on light
-
-
-# ---------------------------------------------------------------- the notebook
-
-def test_notebook_has_the_same_cells_and_executes_top_to_bottom(tmp_path, monkeypatch):
-    path = B.build_notebook("transformer", tmp_path)
-    nbformat = pytest.importorskip("nbformat")  # installed with jupytext
-    nbformat.validate(nbformat.reads(path.read_text(encoding="utf-8"), as_version=4))  # a valid notebook
-    nb = json.loads(path.read_text(encoding="utf-8"))
-    cells = B.read_cells(ROOT / "annotated" / "transformer.py")
-    assert [c["cell_type"] for c in nb["cells"]] == [c.kind for c in cells]
-    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
-    assert code == [c.source for c in cells if c.kind == "code"]
-
-    # Run the cells in order in one fresh module namespace, as a kernel would. codeop.Compile carries
-    # `from __future__ import annotations` from the first cell to the later ones, like IPython does.
-    # __name__ is not "__main__", so the last cell's copy-task demo does not run (in Jupyter it would).
-    module = types.ModuleType("transformer_notebook")
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    compiler = codeop.Compile()
-    for i, source in enumerate(code):
-        exec(compiler(source, f"<notebook cell {i}>", "exec"), module.__dict__)
-    ns = module.__dict__
-    for name in ("attention", "PerHeadAttention", "FusedAttention", "fuse", "split", "TransformerConfig",
-                 "make_model", "convert_model", "greedy_decode", "rate", "train_copy_task", "copy_accuracy"):
-        assert callable(ns[name]), name
-    assert ns["FusedAttention"] is not T.FusedAttention  # defined by the notebook, not imported
-
-    # The notebook's own definitions work together: both attention forms, one function.
-    torch.manual_seed(0)
-    model = ns["make_model"](src_vocab=11, tgt_vocab=11, N=1, d_model=16, d_ff=32, h=2, dropout=0.0).eval()
-    src, tgt = torch.randint(3, 11, (2, 5)), torch.randint(3, 11, (2, 4))
-    src_mask, tgt_mask = ns["padding_mask"](src, 0), ns["target_mask"](tgt, 0)
-    logits = model(src, tgt, src_mask, tgt_mask)  # (2, 4, 11)
-    other = ns["convert_model"](model, "per_head")(src, tgt, src_mask, tgt_mask)
-    assert logits.shape == (2, 4, 11)
-    torch.testing.assert_close(other, logits, rtol=1e-5, atol=1e-5)
-    out = ns["greedy_decode"](model, src, src_mask, max_len=6, bos=1, eos=2, pad=0)
-    assert out.shape[0] == 2 and out.shape[1] <= 6
 
 
 def _panels(fig):

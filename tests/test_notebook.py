@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 nbformat = pytest.importorskip("nbformat")  # installed with jupytext
+from docs import build as B  # noqa: E402
 from docs import notebook as NB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    path = NB.build_notebook("transformer", tmp_path_factory.mktemp("nb"))
+    path = B.build_notebook("transformer", tmp_path_factory.mktemp("nb"))
     return nbformat.read(path, as_version=4)
 
 
