@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -28,11 +27,13 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from annotated import data, decoding, distributed
-from annotated.checkpoint import (CheckpointError, atomic_torch_save, model_from_state, read_checkpoint,
-                                  save_checkpoint)
+from annotated import data, distributed
+from annotated.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 (T.CheckpointError)
 from annotated.cli import StopFlag
+from annotated.evaluate import evaluate_bleu, finish, score  # noqa: F401 (score: scoring lives in evaluate.py)
 from annotated.files import atomic_write
+from annotated.runs import (RunState, TrainingError, check_run_dir, log_line, point_latest, resume_state,
+                            rng_state, set_rng_state, truncate_log)
 from annotated.transformer import PAD, EncoderDecoder, make_model, padding_mask, rate, target_mask
 
 # %% [markdown]
@@ -286,41 +287,9 @@ class Meter:
 
 
 # %% [markdown]
-# ## Translating and scoring
-#
-# Sentences are translated in batches of similar length (fewer pad
-# positions), then put back in their original order and detokenised by
-# sentencepiece before scoring. BLEU and chrF come from sacreBLEU with its
-# defaults (cased, `13a` tokenisation); we also report lowercased BLEU, the
-# number most Multi30k papers quote. A source longer than the model's
-# `max_len` is truncated to `max_len` subwords (the rule, stated once, and
-# counted in the results).
+# ## Validation loss
 
 # %%
-def score(hypotheses: list[str], references: list[str]) -> dict:
-    """sacreBLEU cased and lowercased BLEU, and chrF, with their signatures."""
-    import sacrebleu
-
-    bleu = sacrebleu.metrics.BLEU()
-    bleu_lc = sacrebleu.metrics.BLEU(lowercase=True)
-    chrf = sacrebleu.metrics.CHRF()
-    b, bl, c = (m.corpus_score(hypotheses, [references]) for m in (bleu, bleu_lc, chrf))
-    return {"bleu": round(b.score, 2), "bleu_lowercase": round(bl.score, 2), "chrf": round(c.score, 2),
-            "signature": {"bleu": str(bleu.get_signature()), "bleu_lowercase": str(bleu_lc.get_signature()),
-                          "chrf": str(chrf.get_signature())}}
-
-
-def evaluate_bleu(model, tokenizer, pairs: list[tuple[str, str]], beam_size: int, length_penalty: float,
-                  device=None, progress: bool = False) -> tuple[dict, list[str]]:
-    sources = [tokenizer.encode(s) for s, _ in pairs]
-    truncated = sum(len(s) > model.config.max_len for s in sources)
-    hyp_ids = decoding.translate_ids(model, sources, beam_size, length_penalty, device=device, progress=progress)
-    hyps = [tokenizer.decode(h) for h in hyp_ids]
-    result = score(hyps, [t for _, t in pairs])
-    result.update(sentences=len(pairs), truncated_sources=truncated, beam_size=beam_size)
-    return result, hyps
-
-
 @torch.no_grad()
 def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.device) -> float:
     """Label-smoothed loss per predicted token over all batches."""
@@ -353,30 +322,14 @@ def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.devi
 # back to the checkpoint's step. A non-finite step stops the run at the next
 # read, without writing a checkpoint.
 #
-# **The run folder** is the user's: a new or empty folder, or, with
-# `--resume`, one that holds `last.pt`; anything else is refused before any
-# work. `latest` beside it becomes a link to the run once the run has a
-# checkpoint, and only where `latest` is absent or already such a link.
+# The run folder, its logs and the checkpoints' bookkeeping are the next
+# chapter's (`annotated/runs.py`); translating and scoring, `annotated/evaluate.py`.
 #
 # With several processes (`torchrun`), each rank trains on its own share of
 # every epoch's batches and DistributedDataParallel averages the gradients;
 # only rank 0 evaluates, logs and writes files (`annotated/distributed.py`).
 
 # %%
-class TrainingError(RuntimeError):
-    """A run that cannot go on (non-finite loss, a run folder that is not ours, incompatible resume)."""
-
-
-@dataclass
-class RunState:
-    epoch: int = 0                # epochs completed
-    batch_in_epoch: int = 0       # batches of the current epoch already trained
-    step: int = 0                 # optimizer steps taken
-    best_bleu: float = -1.0
-    history: list = field(default_factory=list)
-    world_size: int = 1           # processes of the run (batch_in_epoch counts the batches of each one)
-
-
 @dataclass
 class Run:
     """What every part of the loop needs: the settings, the model and its optimizer, data, and where to write."""
@@ -531,47 +484,6 @@ def step_tokens(batches, accum: int, world: int = 1, device: torch.device = torc
 # ## Setting a run up
 
 # %%
-def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """A new or empty folder, or with resume one holding last.pt; else one line saying what to do."""
-    if run_dir.resolve() == Path.cwd().resolve() or run_dir.name in ("", ".", ".."):
-        raise TrainingError(f"--run-dir {run_dir}: the run needs a folder of its own; choose a new one, "
-                            f"e.g. runs/my-run")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise TrainingError(f"--run-dir {run_dir} is a file, not a folder; choose another --run-dir")
-    if resume:
-        if not (run_dir / "last.pt").is_file():
-            raise CheckpointError(f"{run_dir / 'last.pt'}: no such file; --resume continues the run whose "
-                                  f"last.pt is in --run-dir")
-    elif (run_dir / "last.pt").exists():
-        raise TrainingError(f"{run_dir} already holds a run (last.pt); pass --resume to continue it "
-                            f"or choose another --run-dir")
-    elif run_dir.is_dir() and any(run_dir.iterdir()):
-        raise TrainingError(f"{run_dir} is not empty and holds no run; training writes checkpoints, logs and "
-                            f"results there, so choose a new or empty --run-dir")
-
-
-def point_latest(run_dir: Path) -> None:
-    """<parent>/latest -> this run (an atomically replaced symlink), unless `latest` is the user's own file."""
-    link = run_dir.parent / "latest"
-    if (link.exists() or link.is_symlink()) and not link.is_symlink():
-        return
-    tmp = run_dir.parent / f".latest.{os.getpid()}.tmp"
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        tmp.symlink_to(run_dir.name)
-        os.replace(tmp, link)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
-def _log_line(run_dir: Path, text: str) -> None:
-    print(text, flush=True)
-    with open(run_dir / "train.log", "a", encoding="utf-8") as f:
-        f.write(text + "\n")
-
-
 def prepare_data(cfg: TrainConfig, cache_dir: Optional[Path], data_url: Optional[str],
                  train_files: Optional[tuple[str, str]] = None, val_files=None, test_files=None,
                  empty_lines: str = "error"):
@@ -601,7 +513,7 @@ def setup(cfg, run_dir, rank, world, dev, resume, data_url, cache_dir, log, file
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    say = log or (lambda s: _log_line(run_dir, s))
+    say = log or (lambda s: log_line(run_dir, s))
     if main:  # the other ranks never touch the run directory
         run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -620,14 +532,14 @@ def setup(cfg, run_dir, rank, world, dev, resume, data_url, cache_dir, log, file
     opt, sched = make_optimizer(model, cfg)
     state = RunState()
     if resume:  # rank 0 reads last.pt and sends it to the others
-        state = _resume(run_dir / "last.pt", cfg, model, opt, sched, tokenizer,
+        state = resume_state(run_dir / "last.pt", cfg, model, opt, sched, tokenizer,
                         read=lambda path: distributed.from_rank0(lambda: read_checkpoint(path), rank, world))
         if state.world_size != world:  # keep the number of batches done over all ranks (distributed.py)
             if main:
                 say(f"note: last.pt was written by {state.world_size} process(es), this run has {world}")
             state.batch_in_epoch = state.batch_in_epoch * state.world_size // world
         if main:
-            _truncate_log(run_dir / "train_loss.tsv", state.step)
+            truncate_log(run_dir / "train_loss.tsv", state.step)
             say(f"resumed {run_dir / 'last.pt'} at epoch {state.epoch}, batch {state.batch_in_epoch}, "
                 f"step {state.step}")
     state.world_size = world
@@ -648,34 +560,13 @@ def setup(cfg, run_dir, rank, world, dev, resume, data_url, cache_dir, log, file
     return run, state, test_pairs
 
 
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop the rows of train_loss.tsv after `step` (written after the checkpoint a resumed run starts from)."""
-    if path.is_file():
-        rows = path.read_text().splitlines(keepends=True)
-        atomic_write(path, "".join(r for r in rows if r.strip() and int(r.split("\t")[0]) <= step))
-
-
 # %% [markdown]
 # ## Checkpoints, epoch ends and resuming
 
 # %%
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _save_last(run: Run, state: RunState) -> None:
     save_checkpoint(run.run_dir / "last.pt", run.model, run.tokenizer, run.meta, optimizer=run.opt.state_dict(),
-                    scheduler=run.sched.state_dict(), rng=_rng_state(), run_state=dataclasses.asdict(state))
+                    scheduler=run.sched.state_dict(), rng=rng_state(), run_state=dataclasses.asdict(state))
     point_latest(run.run_dir)  # the run has a checkpoint now
 
 
@@ -688,14 +579,14 @@ def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
         _save_last(run, state)
         return
     t_eval = time.perf_counter()
-    rng = _rng_state()  # evaluation must not change the training's random stream
+    rng = rng_state()  # evaluation must not change the training's random stream
     val_loss = evaluate_loss(model, run.val_batches, cfg.label_smoothing, run.dev)
     subset = run.val_pairs[:cfg.val_bleu_sentences] if cfg.val_bleu_sentences else run.val_pairs
     val, _ = evaluate_bleu(model, run.tokenizer, subset, beam_size=1, length_penalty=0.0, device=run.dev)
     from annotated.attention_maps import log_alignment_image  # the first val sentence's alignment, in tensorboard
     with contextlib.suppress(ValueError):  # (an empty or over-long first sentence: no picture)
         log_alignment_image(run.writer, model, run.tokenizer, run.val_pairs[0][0], state.step)
-    _set_rng_state(rng)
+    set_rng_state(rng)
     model.train()
     train_loss = run.epoch_loss / max(run.epoch_tokens, 1)
     record = {"epoch": state.epoch, "step": state.step, "train_loss": round(train_loss, 4),
@@ -720,80 +611,3 @@ def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
             f"val BLEU {val['bleu']:5.2f} (greedy, {val['sentences']} sentences)  chrF {val['chrf']:5.2f}"
             f"{'  *best*' if improved else ''}  [train {record['train_s']:.1f} s, {record['tokens_per_s']:,} "
             f"tok/s; eval {record['eval_s']:.1f} s]")
-
-
-def average_checkpoints(paths: list[Path]) -> dict:
-    """Element-wise mean of the model parameters of several checkpoints (same config)."""
-    states = [read_checkpoint(p) for p in paths]
-    base = dict(states[-1])
-    base["model"] = {k: sum(s["model"][k].double() for s in states).div(len(states)).to(v.dtype)
-                     for k, v in states[-1]["model"].items()}
-    base["meta"] = dict(base.get("meta", {}), averaged=[str(p) for p in paths])
-    for key in ("optimizer", "scheduler", "rng", "run_state"):
-        base.pop(key, None)
-    return base
-
-
-def _resume(path: Path, cfg: TrainConfig, model, opt, sched, tokenizer=None,
-            read=read_checkpoint) -> RunState:
-    state = read(path)
-    if "run_state" not in state:
-        raise CheckpointError(f"checkpoint {path} has no training state; it cannot be resumed")
-    saved = state.get("meta", {}).get("train_config", {})
-    model_keys = ("src_lang", "tgt_lang", "vocab_size", "N", "d_model", "d_ff", "h", "attention", "norm",
-                  "tie_embeddings", "max_len", "train_limit")
-    diff = {k: (saved.get(k), getattr(cfg, k)) for k in model_keys if saved.get(k) != getattr(cfg, k)}
-    if diff:
-        raise CheckpointError(f"checkpoint {path} was trained with different settings; cannot resume: " +
-                              ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items()))
-    if tokenizer is not None and state.get("tokenizer") not in (None, tokenizer.to_bytes()):
-        raise CheckpointError(f"checkpoint {path} was trained with another tokenizer than the one built from "
-                              f"the training data now (the data or the sentencepiece version changed); "
-                              f"cannot resume")
-    loaded = model_from_state(state, path)
-    model.load_state_dict(loaded.state_dict())
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
-    return RunState(**state["run_state"])
-
-
-def finish(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev, say, progress=True,
-           test_files=None) -> dict:
-    """Test BLEU of the best (and averaged) checkpoint, greedy and beam; writes results.json."""
-    from annotated.checkpoint import load_checkpoint
-
-    # a run stopped before its first epoch ended has no best.pt yet: use last.pt
-    candidates = {"best": run_dir / "best.pt" if (run_dir / "best.pt").exists() else run_dir / "last.pt"}
-    epochs = sorted(run_dir.glob("epoch*.pt"), key=lambda p: int(p.stem[5:]))
-    if cfg.average_last >= 2 and len(epochs) >= 2:
-        atomic_torch_save(average_checkpoints(epochs[-cfg.average_last:]), run_dir / "averaged.pt")
-        candidates["averaged"] = run_dir / "averaged.pt"
-    test_set = f"{test_files[0]} + {test_files[1]}" if test_files else "test_2016_flickr"  # named by its files
-    results = {"run_dir": str(run_dir), "device": str(dev), "torch": torch.__version__,
-               "train_config": dataclasses.asdict(cfg), "test_set": test_set, "test": {}}
-    if test_files:
-        results["test_files"] = [str(f) for f in test_files]
-    last = read_checkpoint(run_dir / "last.pt")
-    results["history"] = last["run_state"]["history"]
-    samples = []
-    for name, path in candidates.items():
-        model, _, meta = load_checkpoint(path)
-        model.to(dev)
-        greedy, hyps = evaluate_bleu(model, tokenizer, test_pairs, 1, 0.0, dev, progress)
-        beam, beam_hyps = evaluate_bleu(model, tokenizer, test_pairs, cfg.beam_size, cfg.length_penalty, dev,
-                                        progress)
-        results["test"][name] = {"checkpoint": str(path), "epoch": meta.get("epoch"), "greedy": greedy,
-                                 "beam": dict(beam, length_penalty=cfg.length_penalty)}
-        say(f"{test_set} {cfg.src_lang}->{cfg.tgt_lang} [{name}]: greedy BLEU {greedy['bleu']:.2f} "
-            f"(lowercased {greedy['bleu_lowercase']:.2f}), beam {cfg.beam_size} BLEU {beam['bleu']:.2f} "
-            f"(lowercased {beam['bleu_lowercase']:.2f}), chrF {beam['chrf']:.2f}")
-        if not samples:
-            samples = [{"source": s, "reference": r, "greedy": g, "beam": b}
-                       for (s, r), g, b in list(zip(test_pairs, hyps, beam_hyps))[:5]]
-    results["samples"] = samples
-    atomic_write(run_dir / "results.json", json.dumps(results, indent=2, ensure_ascii=False))
-    for s in samples[:3]:
-        say(f"  src : {s['source']}\n  ref : {s['reference']}\n  beam: {s['beam']}")
-    say(f"results: {run_dir / 'results.json'}; checkpoints: {run_dir}; tensorboard --logdir {run_dir / 'tb'}")
-    return results
