@@ -108,7 +108,10 @@ def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(tiny_checkpo
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert sum(line.split()[:1] in (["enc_self"], ["dec_self"], ["cross"]) for line in text.splitlines()) == 6
-    report = json.loads((out / "heads.json").read_text())
+    text_json = (out / "heads.json").read_text()
+    assert "NaN" not in text_json and "Infinity" not in text_json  # strict JSON: a browser's JSON.parse reads it
+    report = json.loads(text_json)
+    assert report["kinds"]["dec_self"]["position_profile"][0][0][-1] is None  # no last-source-token weight
     for kind in KINDS:
         assert (out / f"heads_{kind}.png").stat().st_size > 0
         for key in ("importance", "ablation_bleu", "ablation_loss"):
