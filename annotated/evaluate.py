@@ -72,8 +72,8 @@ def finish(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev, say, pro
                "train_config": dataclasses.asdict(cfg), "test_set": test_set, "test": {}}
     if test_files:
         results["test_files"] = [str(f) for f in test_files]
-    last = read_checkpoint(run_dir / "last.pt")
-    results["history"] = last["run_state"]["history"]
+    last = read_checkpoint(run_dir / "last.pt")["run_state"]
+    results.update(steps=last["step"], train_s=round(last.get("train_s", 0.0), 1), history=last["history"])
     samples = []
     for name, path in candidates.items():
         model, _, meta = load_checkpoint(path)

@@ -51,6 +51,7 @@ class RunState:
     best_bleu: float = -1.0
     history: list = field(default_factory=list)
     world_size: int = 1           # processes of the run (batch_in_epoch counts the batches of each one)
+    train_s: float = 0.0          # seconds spent in training steps (evaluation excluded), over all sessions
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:

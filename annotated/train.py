@@ -399,7 +399,9 @@ def loop(run: Run, state: RunState, progress: bool) -> bool:
             t_epoch, why = time.perf_counter(), run_epoch(run, state, stop)
             if run.dev.type == "cuda":  # the queued kernels belong to this epoch's training time
                 torch.cuda.synchronize(run.dev)
-            end_of_epoch(run, state, time.perf_counter() - t_epoch)
+            train_s = time.perf_counter() - t_epoch
+            state.train_s += train_s
+            end_of_epoch(run, state, train_s)
             # the other ranks wait here while rank 0 evaluates; a Ctrl-C meanwhile stops all of them
             flags = torch.tensor([float(why == "stop" or stop.requested)], dtype=torch.float64, device=run.dev)
             if distributed.sum_over_ranks(flags, run.world).item() > 0:

@@ -78,11 +78,9 @@ def train_part(out_dir: Path, stamp: str, src: str, tgt: str, minutes: float, da
     results = run_dir / "results.json"
     if results.is_file():
         res = json.loads(results.read_text())
-        history = res["history"]
-        train_s = sum(h["train_s"] for h in history)
         best = res["test"].get("averaged") or res["test"]["best"]
-        r.update(steps=history[-1]["step"] if history else None, train_s=round(train_s, 1),
-                 steps_per_s=round(history[-1]["step"] / train_s, 2) if history and train_s else None,
+        r.update(steps=res["steps"], train_s=res["train_s"],
+                 steps_per_s=round(res["steps"] / res["train_s"], 2) if res["train_s"] else None,
                  bleu=best["beam"]["bleu"], bleu_lowercase=best["beam"]["bleu_lowercase"],
                  checkpoint=best["checkpoint"], test_set=res["test_set"])
     return r

@@ -259,3 +259,26 @@ def test_gpu_report_without_cuda_says_so_in_one_line_and_exits_2(tmp_path):
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_report.py"), "--parts", "nope"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--parts 'nope'" in r.stderr, r.stderr
+
+
+def test_gpu_report_reads_a_training_run_and_tabulates_it(tmp_path, monkeypatch):
+    """Part (b)'s figures come from the run's results.json (steps and training seconds, beam BLEU of the
+    averaged checkpoint when there is one); the table shows them. No GPU needed: the run is faked."""
+    from benchmarks import gpu_report
+
+    monkeypatch.setattr(gpu_report, "ROOT", tmp_path)
+    monkeypatch.setattr(gpu_report, "run", lambda cmd, limit, log: {"command": " ".join(cmd), "code": 0,
+                                                                    "timed_out": False, "wall_s": 400.0})
+    run_dir = tmp_path / "runs" / "gpu-report-x-de-en"
+    run_dir.mkdir(parents=True)
+    beam = {"bleu": 39.5, "bleu_lowercase": 40.25}
+    (run_dir / "results.json").write_text(json.dumps({
+        "steps": 4200, "train_s": 300.0, "test_set": "test_2016_flickr",
+        "test": {"best": {"checkpoint": "b.pt", "beam": {"bleu": 1, "bleu_lowercase": 1}},
+                 "averaged": {"checkpoint": "a.pt", "beam": beam}}}))
+    part = gpu_report.train_part(tmp_path, "x", "de", "en", 6.5, None)
+    assert (part["steps"], part["steps_per_s"], part["bleu"], part["checkpoint"]) == (4200, 14.0, 39.5, "a.pt")
+    table = gpu_report.markdown({"device": "GPU", "torch": "t", "date": "d", "train_de_en": part,
+                                 "ddp": gpu_report.ddp_part(tmp_path, "x", 1)})
+    assert "| train | gpu preset de->en | test BLEU 39.50 (lowercased 40.25), 4200 steps, 14.0 steps/s | 400.0 |" in table
+    assert "needs two" in table

@@ -117,7 +117,8 @@ def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, data_url, ca
     for kind in ("greedy", "beam"):
         r = on_disk["test"]["best"][kind]
         assert r["sentences"] == 20 and 0 <= r["bleu"] <= 100 and "13a" in r["signature"]["bleu"]
-    assert [h["epoch"] for h in on_disk["history"]] == [1, 2]
+    assert [h["epoch"] for h in on_disk["history"]] == [1, 2] and on_disk["steps"] == 28
+    assert abs(on_disk["train_s"] - sum(h["train_s"] for h in on_disk["history"])) <= 0.1  # (rounded to 0.1)
     for h in on_disk["history"]:  # where each epoch's time went: training vs evaluation
         assert h["train_s"] > 0 and h["eval_s"] > 0 and h["tokens_per_s"] > 0, h
     steps = losses(run)
