@@ -215,8 +215,12 @@ def prune_and_measure(model, tokenizer, meta, val, batches, test, args, say, bas
                 s = score([tokenizer.decode(x) for x in ids], refs)
                 rows[name] = {"test_bleu": s["bleu"], "test_bleu_lowercase": s["bleu_lowercase"],
                               "sentences_per_second": speed, "parameters": count_parameters(m),
-                              "heads": sum(attention_at(m, *site).h for site in sites(m))}
-            rows[name]["sentences_per_second"] = round(max(rows[name]["sentences_per_second"], speed), 2)
+                              "heads": sum(attention_at(m, *site).h for site in sites(m)),
+                              "output_subwords": sum(map(len, ids))}
+            row = rows[name]
+            row["sentences_per_second"] = round(max(row["sentences_per_second"], speed), 2)
+            # outputs of different lengths take different times: subwords per second is the rate per step
+            row["subwords_per_second"] = round(row["sentences_per_second"] * row["output_subwords"] / len(ids), 1)
     removed = [f"{r.kind}[{r.layer}].{r.head}" for r in result.removed]
     save_pruned(args.out / "pruned.pt", pruned, tokenizer,
                 dict(meta, pruned_from=str(args.checkpoint), heads_removed=removed, head_counts=head_counts(pruned)))
@@ -228,8 +232,10 @@ def prune_and_measure(model, tokenizer, meta, val, batches, test, args, say, bas
     say(f"  test_2016_flickr BLEU (beam {args.beam}, {len(test)} sentences): {b['test_bleu']:.2f} -> "
         f"{a['test_bleu']:.2f} (lowercased {b['test_bleu_lowercase']:.2f} -> {a['test_bleu_lowercase']:.2f})")
     say(f"  decoding speed: {b['sentences_per_second']:.1f} -> {a['sentences_per_second']:.1f} sentences/s "
-        f"({a['sentences_per_second'] / b['sentences_per_second']:.2f}x; beam {args.beam}, {args.device}, "
-        f"{torch.get_num_threads()} threads, fastest of {SPEED_ROUNDS} alternating rounds)")
+        f"({a['sentences_per_second'] / b['sentences_per_second']:.2f}x), {b['subwords_per_second']:.0f} -> "
+        f"{a['subwords_per_second']:.0f} output subwords/s ({a['subwords_per_second'] / b['subwords_per_second']:.2f}x)"
+        f"; beam {args.beam}, {args.device}, {torch.get_num_threads()} threads, fastest of {SPEED_ROUNDS} "
+        f"alternating rounds")
     say(f"  pruned checkpoint: {args.out / 'pruned.pt'}")
     return {"threshold": args.threshold, "baseline_val_bleu": result.baseline_bleu, "steps": removal_table(result),
             "removed": removed, "heads_total": total, "before": b, "after": a, "beam": args.beam,

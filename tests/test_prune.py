@@ -53,24 +53,26 @@ def test_head_counts_that_do_not_fit_the_parameters_are_a_clear_error(tmp_path):
         load_model(tmp_path / "worse.pt")
 
 
-def test_greedy_prune_skips_a_head_that_costs_too_much_and_goes_on():
+def test_greedy_prune_follows_the_scores_and_stops_at_the_first_removal_that_costs_too_much():
     model = tiny_model("fused", N=1, h=2, dtype=torch.float32)
     # normalised per attention: enc_self head 1 lowest (0.11), then cross head 0 (0.21), dec_self head 1 (0.35)
     scores = {"enc_self": [0.9, 0.1], "dec_self": [0.8, 0.3], "cross": [0.2, 0.95]}
-    left = {"enc_self": 0, "dec_self": 0, "cross": None}  # the head left when one of two is gone
 
-    def importance(m):  # the scores of the heads still there, in their current order
-        return {k: [scores[k] if attention_at(m, k, 0).h == 2 else [scores[k][left[k]]]] for k in KINDS}
+    def importance(m):  # the scores of the heads still there (enc_self keeps head 0)
+        return {k: [scores[k] if attention_at(m, k, 0).h == 2 else [scores[k][0]]] for k in KINDS}
 
-    def val_bleu(m):  # a cross head costs 2 BLEU, an enc_self or dec_self head 0.2
+    def val_bleu(m):  # an enc_self head costs 0.2 BLEU, a cross head 2
         c = head_counts(m)
-        return 30.0 - 2.0 * (c["cross"] == [1]) - 0.2 * (c["enc_self"] == [1]) - 0.2 * (c["dec_self"] == [1])
+        return 30.0 - 2.0 * (c["cross"] == [1]) - 0.2 * (c["enc_self"] == [1])
 
     result = greedy_prune(model, val_bleu, importance, threshold=0.5, baseline=30.0)
-    assert [(s.kind, s.head, s.kept) for s in result.steps] == [
-        ("enc_self", 1, True), ("cross", 0, False), ("dec_self", 1, True), ("cross", 1, False)]
-    assert head_counts(result.model) == {"enc_self": [1], "dec_self": [1], "cross": [2]}
-    assert [s.val_bleu for s in result.removed] == [pytest.approx(29.8), pytest.approx(29.6)]
+    # dec_self head 1 would cost nothing, but the search ends at the cross head, before reaching it
+    assert [(s.kind, s.head, s.kept) for s in result.steps] == [("enc_self", 1, True), ("cross", 0, False)]
+    assert head_counts(result.model) == {"enc_self": [1], "dec_self": [2], "cross": [2]}
+    assert [s.val_bleu for s in result.removed] == [pytest.approx(29.8)]
+    everything = greedy_prune(model, val_bleu, importance, threshold=5.0, baseline=30.0)
+    assert head_counts(everything.model) == {k: [1] for k in KINDS}  # every attention keeps one head
+    assert len(everything.steps) == 3
 
 
 def test_greedy_prune_rejects_a_negative_threshold():
