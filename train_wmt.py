@@ -11,6 +11,7 @@ recipe. Examples:
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -18,47 +19,48 @@ import time
 from pathlib import Path
 
 from annotated import cli
-from annotated.cli import non_negative_int, positive_float, positive_int, writable_dir
+from annotated.options import Parser, at_least, device, number, writable_dir
 
 
 def parse_args(argv=None):
     """The options; a value that makes no sense is one line on stderr and exit 2, before any work."""
-    p = cli.ArgumentParser(prog="train_wmt.py", description=__doc__.split("\n\n")[0],
-                           formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    positive = number(0, None, above=True)  # a finite number > 0
+    p = Parser(prog="train_wmt.py", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=("gpu", "cpu", "smoke"),
                    help="settings bundle (default: gpu when CUDA is available, else cpu)")
     p.add_argument("--src", dest="src_lang", help="source language: en, de, fr, cs (default de)")
     p.add_argument("--tgt", dest="tgt_lang", help="target language (default en)")
     p.add_argument("--attention", choices=("fused", "per_head"), help="multi-head attention form")
     p.add_argument("--norm", choices=("post", "pre"), help="layer norm placement")
-    p.add_argument("--layers", dest="N", type=positive_int, help="encoder and decoder layers N")
-    p.add_argument("--d-model", dest="d_model", type=positive_int, help="model width d_model")
-    p.add_argument("--d-ff", dest="d_ff", type=positive_int, help="feed-forward width d_ff")
-    p.add_argument("--heads", dest="h", type=positive_int, help="attention heads h (d_k = d_model / h)")
+    p.add_argument("--layers", dest="N", type=at_least(1), help="encoder and decoder layers N")
+    p.add_argument("--d-model", dest="d_model", type=at_least(1), help="model width d_model")
+    p.add_argument("--d-ff", dest="d_ff", type=at_least(1), help="feed-forward width d_ff")
+    p.add_argument("--heads", dest="h", type=at_least(1), help="attention heads h (d_k = d_model / h)")
     p.add_argument("--dropout", type=float)
     p.add_argument("--label-smoothing", type=float)
-    p.add_argument("--warmup", type=positive_int, help="learning-rate warm-up steps")
-    p.add_argument("--lr-factor", type=positive_float, help="scale of the paper's learning-rate schedule (peak lr "
-                                                            "= factor * d_model^-0.5 * warmup^-0.5)")
-    p.add_argument("--val-bleu-sentences", type=positive_int,
+    p.add_argument("--warmup", type=at_least(1), help="learning-rate warm-up steps")
+    p.add_argument("--lr-factor", type=positive, help="scale of the paper's learning-rate schedule (peak lr "
+                                                      "= factor * d_model^-0.5 * warmup^-0.5)")
+    p.add_argument("--val-bleu-sentences", type=at_least(1),
                    help="translate only the first n val sentences each epoch")
-    p.add_argument("--epochs", type=positive_int, help="an upper bound on epochs")
-    p.add_argument("--max-steps", type=positive_int, help="optimizer steps of the run (the preset's budget)")
-    p.add_argument("--max-minutes", type=positive_float, help="an optional cap on training minutes")
-    p.add_argument("--log-every", type=positive_int, help="steps between two reads of the loss (default 50)")
-    p.add_argument("--max-tokens", type=positive_int, help="tokens per batch")
-    p.add_argument("--accum", type=positive_int, help="batches per optimizer step")
-    p.add_argument("--vocab-size", type=positive_int)
-    p.add_argument("--beam-size", type=positive_int)
-    p.add_argument("--average-last", type=non_negative_int, help="average the last N epoch checkpoints at the end")
+    p.add_argument("--epochs", type=at_least(1), help="an upper bound on epochs")
+    p.add_argument("--max-steps", type=at_least(1), help="optimizer steps of the run (the preset's budget)")
+    p.add_argument("--max-minutes", type=positive, help="an optional cap on training minutes")
+    p.add_argument("--log-every", type=at_least(1), help="steps between two reads of the loss (default 50)")
+    p.add_argument("--max-tokens", type=at_least(1), help="tokens per batch")
+    p.add_argument("--accum", type=at_least(1), help="batches per optimizer step")
+    p.add_argument("--vocab-size", type=at_least(1))
+    p.add_argument("--beam-size", type=at_least(1))
+    p.add_argument("--average-last", type=at_least(0), help="average the last N epoch checkpoints at the end")
     p.add_argument("--seed", type=int)
     p.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile the model (CUDA graphs on a GPU)")
     p.add_argument("--run-dir", type=Path, help="a new folder for checkpoints, logs and results "
                                                 "(default runs/<preset>-<src>-<tgt>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from last.pt")
-    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
-    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: one per core)")
+    p.add_argument("--device", type=device, help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--threads", type=at_least(1), help="CPU threads for torch (default: one per core)")
     p.add_argument("--data-url", help="base URL of the Multi30k raw files (default $MULTI30K_URL, "
                                       "else the dataset's GitHub home); file:// URLs work")
     p.add_argument("--cache-dir", type=writable_dir, help="download and tokenizer cache (default "
@@ -70,7 +72,7 @@ def parse_args(argv=None):
                    help="pairs of your own files with an empty side: stop with an error naming the line (default), "
                         "skip them with a warning, or keep them")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--dump-attention", type=non_negative_int, metavar="N", default=0,
+    p.add_argument("--dump-attention", type=at_least(0), metavar="N", default=0,
                    help="after training, dump the attention of the first N test sentences into RUN_DIR/attention "
                         "(see annotated/attention_maps.py)")
     args = p.parse_args(argv)
@@ -104,12 +106,12 @@ def main(argv=None) -> int:
 
     run_dir = None
     try:
-        device = cli.check_device(args.device)
-        preset, cfg = config_from_args(args, cuda=device.type == "cuda")
+        where = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        preset, cfg = config_from_args(args, cuda=where.type == "cuda")
         if args.threads:
             torch.set_num_threads(args.threads)
         run_dir = args.run_dir or Path("runs") / f"{preset}-{cfg.src_lang}-{cfg.tgt_lang}-{time.strftime('%Y%m%d-%H%M%S')}"
-        result = train(cfg, run_dir, data_url=args.data_url, cache_dir=args.cache_dir, device=str(device),
+        result = train(cfg, run_dir, data_url=args.data_url, cache_dir=args.cache_dir, device=str(where),
                        resume=args.resume, progress=not args.no_progress and sys.stderr.isatty() or
                        os.environ.get("FORCE_PROGRESS") == "1",
                        train_files=args.train_files, val_files=args.val_files, test_files=args.test_files,

@@ -11,18 +11,14 @@ Training is the one command that stops in order: the first Ctrl-C (or
 SIGTERM) asks it to stop after the current step and save (`StopFlag`), a
 second one stops at once.
 
-Options that make no sense are refused the same way everywhere: one line on
-stderr naming the option and what it takes, exit code 2, before any data or
-model work (`ArgumentParser` and the `positive_int`-style types below).
+Options that make no sense are refused by `annotated/options.py` (one line on
+stderr naming the option and what it takes, exit code 2, before any work).
 """
-import argparse
 import contextlib
 import functools
-import math
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Callable, Optional
 
 _requested = False
@@ -115,95 +111,3 @@ class StopFlag:
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-# Command-line misuse: one line, exit 2.
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with one-line errors: "<prog>: error: <what>; see <prog> --help" on stderr, exit code 2."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr)
-        sys.exit(2)
-
-
-def positive_int(text: str) -> int:
-    """An int >= 1 (an argparse type).
-
-    >>> positive_int("3")
-    3
-    >>> positive_int("0")
-    Traceback (most recent call last):
-    argparse.ArgumentTypeError: 0 is not a positive whole number (>= 1)
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number (>= 1)")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An int >= 0 (an argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative; give 0 or more")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite float > 0 (an argparse type).
-
-    >>> positive_float("nan")
-    Traceback (most recent call last):
-    argparse.ArgumentTypeError: nan is not a positive finite number
-    """
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text} is not a positive finite number")
-    return value
-
-
-def writable_dir(text: str) -> Path:
-    """A folder that exists and is writable, or can be created (its nearest existing parent is a writable
-    folder); nothing is created here (an argparse type)."""
-    path = Path(text).expanduser()
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable; choose a folder you can write to")
-    return path
-
-
-def check_device(name: Optional[str]):
-    """The torch.device for a --device value (None: cuda when available, else cpu), or ValueError saying why
-    it cannot be used: not a device name, not one that trains (meta), or absent on this machine."""
-    import torch
-
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name}: not a device name; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"--device {name}: CUDA is not available on this machine (torch "
-                             f"{torch.__version__}); use --device cpu")
-        if device.index is not None and device.index >= count:
-            raise ValueError(f"--device {name}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
-    elif device.type != "cpu":
-        raise ValueError(f"--device {name}: training runs on cpu or cuda, not {device.type}")
-    return device

@@ -30,12 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from annotated import cli  # noqa: E402
+from annotated.options import Parser, number  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = cli.ArgumentParser(prog="gpu_report.py", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="gpu_report.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="bench,train,ddp", help="comma-separated subset of bench, train, ddp")
-    p.add_argument("--train-minutes", type=cli.positive_float, default=6.5,
+    p.add_argument("--train-minutes", type=number(0, None, above=True), default=6.5,
                    help="cap on each training run's minutes (the preset's steps end it sooner on a fast GPU)")
     p.add_argument("--data-url", help="Multi30k files (default $MULTI30K_URL)")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<device>-<date>.json)")

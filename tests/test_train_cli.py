@@ -21,19 +21,22 @@ def quiet(data_url, cache):
 
 
 BAD_OPTIONS = [
-    (["--beam-size", "0"], "argument --beam-size: 0 is not a positive whole number"),
-    (["--beam-size", "-2"], "argument --beam-size: -2 is not a positive whole number"),
-    (["--val-bleu-sentences", "0"], "argument --val-bleu-sentences: 0 is not a positive"),
-    (["--val-bleu-sentences", "-5"], "argument --val-bleu-sentences: -5 is not a positive"),
-    (["--max-steps", "0"], "argument --max-steps: 0 is not a positive"),
-    (["--max-steps", "-3"], "argument --max-steps: -3 is not a positive"),
-    (["--max-minutes", "-1"], "argument --max-minutes: -1 is not a positive finite number"),
-    (["--max-minutes", "nan"], "argument --max-minutes: nan is not a positive finite number"),
-    (["--threads", "-1"], "argument --threads: -1 is not a positive"),
-    (["--dump-attention", "-1"], "argument --dump-attention: -1 is negative"),
-    (["--log-every", "0"], "argument --log-every: 0 is not a positive"),
-    (["--device", "tpu"], "--device tpu: not a device name; use cpu, cuda or cuda:N"),
-    (["--device", "meta"], "--device meta: training runs on cpu or cuda, not meta"),
+    (["--beam-size", "0"], "argument --beam-size: must be a whole number >= 1, got '0'"),
+    (["--beam-size", "-2"], "argument --beam-size: must be a whole number >= 1, got '-2'"),
+    (["--beam-size", "two"], "argument --beam-size: must be a whole number >= 1, got 'two'"),
+    (["--val-bleu-sentences", "0"], "argument --val-bleu-sentences: must be a whole number >= 1"),
+    (["--val-bleu-sentences", "-5"], "argument --val-bleu-sentences: must be a whole number >= 1"),
+    (["--max-steps", "0"], "argument --max-steps: must be a whole number >= 1"),
+    (["--max-steps", "-3"], "argument --max-steps: must be a whole number >= 1"),
+    (["--max-minutes", "-1"], "argument --max-minutes: must be a finite number > 0, got '-1'"),
+    (["--max-minutes", "0"], "argument --max-minutes: must be a finite number > 0, got '0'"),
+    (["--max-minutes", "nan"], "argument --max-minutes: must be a finite number > 0, got 'nan'"),
+    (["--threads", "-1"], "argument --threads: must be a whole number >= 1"),
+    (["--dump-attention", "-1"], "argument --dump-attention: must be a whole number >= 0, got '-1'"),
+    (["--log-every", "0"], "argument --log-every: must be a whole number >= 1"),
+    (["--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N"),
+    (["--device", "meta"], "argument --device: must be cpu, cuda or cuda:N (cuda only where CUDA is available), "
+                           "got 'meta'"),
     (["--resume"], "--resume needs --run-dir"),
 ]
 
@@ -56,27 +59,21 @@ def test_bad_options_one_line_exit_2_before_any_work(option, message, tmp_path, 
 
 
 def test_cuda_without_cuda_and_an_unwritable_cache_are_refused(tmp_path, capsys):
+    """Checked while the options are read: one line naming the option, exit 2, no run folder."""
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    cases = [(["--cache-dir", str(locked / "cache")], f"{locked} is not writable")]
+    cases = []
+    if not os.access(locked, os.W_OK):  # (root can write anywhere)
+        cases.append((["--cache-dir", str(locked / "cache")], f"argument --cache-dir: '{locked / 'cache'}': "
+                                                             f"{locked} is not writable"))
     if not torch.cuda.is_available():
-        cases.append((["--device", "cuda"], "--device cuda: CUDA is not available on this machine"))
+        cases.append((["--device", "cuda"], "argument --device: 'cuda' asked for, but CUDA is not available here"))
     for option, message in cases:
-        if option[0] == "--cache-dir" and os.access(locked, os.W_OK):  # (root can write anywhere)
-            continue
-        with pytest.raises(SystemExit) if option[0] == "--cache-dir" else _returns():
-            code = train_wmt.main(["--preset", "smoke", "--run-dir", str(tmp_path / "run"), *option])
-            assert code == 2
+        with pytest.raises(SystemExit) as stop:
+            train_wmt.main(["--preset", "smoke", "--run-dir", str(tmp_path / "run"), *option])
         err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith("train_wmt.py: error: "), err
         assert message in err and err.count("\n") == 1 and not (tmp_path / "run").exists(), err
-
-
-class _returns:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_a_bad_option_in_a_real_process_has_no_traceback(tmp_path):
