@@ -320,7 +320,8 @@ def head_importance(model: EncoderDecoder, batches: Iterable, progress: bool = F
 
 
 def normalise_per_attention(scores: dict[str, list[list[float]]]) -> dict[str, list[list[float]]]:
-    """Each attention's scores divided by their L2 norm, as Michel et al. do before ranking across layers.
+    """Each attention's scores divided by their L2 norm, as Michel et al. do before ranking across layers
+    (`annotated/prune.py` says why we rank by the scores themselves).
 
     >>> normalise_per_attention({"cross": [[3.0, 4.0]]})
     {'cross': [[0.6, 0.8]]}

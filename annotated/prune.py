@@ -32,18 +32,21 @@ from typing import Callable, Optional
 import torch
 
 from annotated.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
-from annotated.heads import (attention_at, head_counts, normalise_per_attention, remove_heads, set_head_counts,
-                             sites)
+from annotated.heads import attention_at, head_counts, remove_heads, set_head_counts, sites
 from annotated.transformer import EncoderDecoder, TransformerConfig, convert_model, make_model
 
 # %% [markdown]
 # ## 1. Greedy pruning by importance
 #
 # Michel et al. prune iteratively: score the heads, remove the least
-# important, score again on the smaller model, and so on. Scores of
-# different layers live on different scales, so each attention's scores are
-# divided by their L2 norm before heads of different layers are compared (as
-# Michel et al. do).
+# important, score again on the smaller model, and so on. They divide each
+# layer's scores by their L2 norm before comparing heads of different layers.
+# We rank by the scores themselves: with only `h = 4` heads per attention,
+# the normalisation gives every attention scores of about `0.5` whether its
+# heads matter or not. On the `cpu` preset model (500 validation sentences)
+# the raw scores rank the 24 heads almost exactly as the measured loss
+# increase without each head does (Spearman correlation 0.97), the
+# normalised ones hardly (0.33). Both are in `heads.json`.
 #
 # The loop below removes **one head at a time**, the least important first,
 # recomputing the scores after each removal, and measures validation BLEU
@@ -68,7 +71,7 @@ class Removal:
     kind: str
     layer: int
     head: int                    # the head's index in the unpruned model
-    score: float                 # its normalised importance when it was tried
+    score: float                 # its importance when it was tried
     val_bleu: float              # validation BLEU of the model without it (and all earlier removals)
     kept: bool = True            # False: the removal that crossed the threshold (undone; the search ended)
 
@@ -98,7 +101,7 @@ def greedy_prune(model: EncoderDecoder, val_bleu: Callable[[EncoderDecoder], flo
         from tqdm.auto import tqdm
         bar = tqdm(total=sum(len(v) - 1 for v in original.values()), desc="pruning", leave=False)
     while True:
-        scores = normalise_per_attention(importance(current))
+        scores = importance(current)
         candidates = [(scores[k][l][i], (k, l), i) for k, l in sites(current)
                       for i in range(attention_at(current, k, l).h) if attention_at(current, k, l).h > 1]
         if not candidates:
