@@ -842,25 +842,17 @@ class EncoderDecoder(nn.Module):
         """tgt (B, T) ids -> ((B, T, d_model), self-attention (B, h, T, T_all), cross-attention (B, h, T, S))."""
         return self.decoder(self.pos(self.tgt_embed(tgt), start), memory, src_mask, tgt_mask, cache, True)
 
-    def encode(self, src: Tensor, src_mask: Tensor | None, return_attention: bool = False) -> Tensor:
-        """src (B, S) ids -> memory (B, S, d_model).
-
-        (`return_attention=True` is a deprecated spelling of `encode_with_attention`.)
-        """
-        if return_attention:
-            return self.encode_with_attention(src, src_mask)
+    def encode(self, src: Tensor, src_mask: Tensor | None) -> Tensor:
+        """src (B, S) ids -> memory (B, S, d_model)."""
         return self.encoder(self.pos(self.src_embed(src)), src_mask)[0]  # (B, S, d_model)
 
     def decode(self, memory: Tensor, src_mask: Tensor | None, tgt: Tensor, tgt_mask: Tensor | None,
-               *, cache: Cache | None = None, start: int = 0, return_attention: bool = False) -> Tensor:
+               *, cache: Cache | None = None, start: int = 0) -> Tensor:
         """tgt (B, T) ids -> (B, T, d_model).
 
         With a `cache` (from `new_cache`), `tgt` holds only the new positions,
         which start at position `start`; earlier keys and values come from the cache.
-        (`return_attention=True` is a deprecated spelling of `decode_with_attention`.)
         """
-        if return_attention:
-            return self.decode_with_attention(memory, src_mask, tgt, tgt_mask, cache=cache, start=start)
         y = self.pos(self.tgt_embed(tgt), start)  # (B, T, d_model)
         return self.decoder(y, memory, src_mask, tgt_mask, cache)[0]  # (B, T, d_model)
 

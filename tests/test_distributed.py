@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated import train as T
+from annotated import train
 from annotated.checkpoint import load_checkpoint, read_checkpoint
 from annotated.data import collate
 from annotated.decoding import translate_ids
@@ -42,9 +42,9 @@ STEPS = 9  # the smoke preset has 14 batches an epoch: 7 steps of 2, so step 7 e
 
 def test_step_tokens_counts_each_step_of_the_epoch():
     batches = [collate([([5], [6] * n)], [0]) for n in (3, 1, 4, 2, 6)]  # n + 1 predicted tokens each
-    assert T.step_tokens(batches, accum=1) == [4, 2, 5, 3, 7]
-    assert T.step_tokens(batches, accum=2) == [6, 8, 7]  # the last step takes what is left
-    assert T.step_tokens([], accum=2) == []
+    assert train.step_tokens(batches, accum=1) == [4, 2, 5, 3, 7]
+    assert train.step_tokens(batches, accum=2) == [6, 8, 7]  # the last step takes what is left
+    assert train.step_tokens([], accum=2) == []
 
 
 # --- whole runs: torchrun with 2 processes against one process ----------------
@@ -105,8 +105,8 @@ def torchrun(*args, data_url, cache, timeout=120) -> str:
 
 
 def single(run_dir: Path, data_url, cache, resume=False, **overrides) -> None:
-    cfg = dataclasses.replace(T.PRESETS["smoke"], **{"log_every": 1, **overrides})  # a log row per step
-    T.train(cfg, run_dir, data_url=data_url, cache_dir=cache, resume=resume, progress=False, log=lambda s: None)
+    cfg = dataclasses.replace(train.PRESETS["smoke"], **{"log_every": 1, **overrides})  # a log row per step
+    train.train(cfg, run_dir, data_url=data_url, cache_dir=cache, resume=resume, progress=False, log=lambda s: None)
 
 
 def params(path: Path) -> dict:
@@ -143,7 +143,7 @@ def runs(tmp_path_factory, data_url, cache):
     root = tmp_path_factory.mktemp("runs")
     out = torchrun("--max-steps", STEPS, "--log-every", 1, "--run-dir", root / "ddp", data_url=data_url, cache=cache)
     recorded = []
-    make_optimizer = T.make_optimizer
+    make_optimizer = train.make_optimizer
 
     def recording(model, cfg):
         opt, sched = make_optimizer(model, cfg)
@@ -152,7 +152,7 @@ def runs(tmp_path_factory, data_url, cache):
         return opt, sched
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(T, "make_optimizer", recording)
+        mp.setattr(train, "make_optimizer", recording)
         single(root / "one", data_url, cache, accum=2, max_steps=STEPS)
     assert len(recorded) == STEPS
     return root, out, recorded
@@ -170,8 +170,8 @@ def test_each_step_applies_the_gradient_of_the_union_of_the_two_shards(runs, dat
     from annotated import data
 
     _, _, recorded = runs
-    cfg = T.PRESETS["smoke"]
-    tokenizer, pairs, _, _ = T.prepare_data(cfg, cache, data_url)
+    cfg = train.PRESETS["smoke"]
+    tokenizer, pairs, _, _ = train.prepare_data(cfg, cache, data_url)
     encoded = data.encode_pairs(pairs, tokenizer)
     encoded = [encoded[i] for i in data.split_long(encoded, cfg.max_len)[0]]
     model = make_model(**cfg.model_config(tokenizer.vocab_size))
@@ -186,7 +186,7 @@ def test_each_step_applies_the_gradient_of_the_union_of_the_two_shards(runs, dat
             for p, (value, _) in zip(model.parameters(), step):
                 p.copy_(value)
         model.zero_grad()
-        loss, n = T.batch_loss(model, union.src, union.tgt, cfg.label_smoothing)
+        loss, n = train.batch_loss(model, union.src, union.tgt, cfg.label_smoothing)
         (loss / n).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
         scale = max(p.grad.abs().max().item() for p in model.parameters())
@@ -305,10 +305,10 @@ def test_ctrl_c_on_one_rank_stops_all_ranks_at_one_step_and_saves(tmp_path, data
 POISON_RANK_1 = """
 import os, sys
 sys.path.insert(0, {repo!r})
-import annotated.train as T
+from annotated import train
 import train_wmt
 
-real, seen = T.batch_loss, []
+real, seen = train.batch_loss, []
 
 def poisoned(model, src, tgt, eps):
     loss, n = real(model, src, tgt, eps)
@@ -318,7 +318,7 @@ def poisoned(model, src, tgt, eps):
             return loss * float("nan"), n
     return loss, n
 
-T.batch_loss = poisoned
+train.batch_loss = poisoned
 sys.exit(train_wmt.main())
 """
 

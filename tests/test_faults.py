@@ -39,10 +39,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import annotated.transformer as TF
+import annotated.transformer as T
 import train_wmt
-from annotated import train as T
+from annotated import train
 from annotated import translate
+from annotated.checks import check_attention_inputs, check_model_inputs
 from annotated.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from annotated.data import DataWarning
 from annotated.files import remove_stale_temporaries
@@ -57,14 +58,14 @@ def quiet(data_url, cache):
     return dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
 
 
-SMOKE = dataclasses.replace(T.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2)
+SMOKE = dataclasses.replace(train.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2)
 
 
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory, data_url, cache):
     """A smoke run stopped after 3 steps: last.pt (with tokenizer and training state), no best.pt."""
     run = tmp_path_factory.mktemp("stopped") / "run"
-    T.train(dataclasses.replace(SMOKE, max_steps=3), run, **quiet(data_url, cache))
+    train.train(dataclasses.replace(SMOKE, max_steps=3), run, **quiet(data_url, cache))
     return run
 
 
@@ -152,7 +153,8 @@ def test_sigint_saves_a_resumable_checkpoint_and_resume_finishes_the_run(tmp_pat
     assert [s for s, _ in resumed] == list(range(1, k + 4))
 
     whole = tmp_path / "whole"
-    T.train(dataclasses.replace(T.PRESETS["smoke"], max_steps=k + 3, log_every=1), whole, **quiet(data_url, cache))
+    train.train(dataclasses.replace(train.PRESETS["smoke"], max_steps=k + 3, log_every=1), whole,
+                **quiet(data_url, cache))
     for (step, a), (_, b) in zip(resumed, losses(whole), strict=True):
         assert math.isclose(a, b, rel_tol=1e-6), (step, a, b)
 
@@ -529,7 +531,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(bad, tmp_pa
                                                                       capsys):
     """The loss turns NaN (or inf) at the 3rd step after the first epoch: exit 2, last.pt untouched."""
     run = tmp_path / "run"
-    real, seen, last_at_fault = T.batch_loss, [], {}
+    real, seen, last_at_fault = train.batch_loss, [], {}
 
     def faulty(model, src, tgt, eps):
         loss, n = real(model, src, tgt, eps)
@@ -540,7 +542,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(bad, tmp_pa
                 return loss * bad, n
         return loss, n
 
-    monkeypatch.setattr(T, "batch_loss", faulty)
+    monkeypatch.setattr(train, "batch_loss", faulty)
     code = train_wmt.main(["--preset", "smoke", "--run-dir", str(run), "--data-url", data_url, "--cache-dir",
                            str(cache), "--no-progress"])
     err = capsys.readouterr().err
@@ -576,10 +578,10 @@ def test_non_finite_gradient_at_an_epoch_end_does_not_reach_the_checkpoint(tmp_p
     last.pt and best.pt as they were.
     """
     run = tmp_path / "run"
-    T.train(dataclasses.replace(SMOKE, epochs=1), run, **quiet(data_url, cache))
+    train.train(dataclasses.replace(SMOKE, epochs=1), run, **quiet(data_url, cache))
     E = read_checkpoint(run / "last.pt")["run_state"]["step"]  # steps of epoch 1
     kept = {name: sha(run / name) for name in ("last.pt", "best.pt")}
-    real, seen = T.batch_loss, []
+    real, seen = train.batch_loss, []
 
     def poisoned(model, src, tgt, eps):
         loss, n = real(model, src, tgt, eps)
@@ -589,12 +591,12 @@ def test_non_finite_gradient_at_an_epoch_end_does_not_reach_the_checkpoint(tmp_p
                 return PoisonGradient.apply(loss), n
         return loss, n
 
-    monkeypatch.setattr(T, "batch_loss", poisoned)
-    with pytest.raises(T.TrainingError, match=rf"the gradient norm became (nan|inf) at step {2 * E} \(epoch 2\); "
+    monkeypatch.setattr(train, "batch_loss", poisoned)
+    with pytest.raises(train.TrainingError, match=rf"the gradient norm became (nan|inf) at step {2 * E} \(epoch 2\); "
                                               rf"1 step\(s\) with a non-finite loss or gradient were skipped; "
                                               rf"stopped at step {2 * E}, the last good checkpoint .*last\.pt is "
                                               rf"kept"):
-        T.train(dataclasses.replace(SMOKE, epochs=2), run, resume=True, **quiet(data_url, cache))
+        train.train(dataclasses.replace(SMOKE, epochs=2), run, resume=True, **quiet(data_url, cache))
     assert {name: sha(run / name) for name in kept} == kept
     model, _, _ = load_checkpoint(run / "last.pt")
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -738,21 +740,22 @@ def test_attention_gives_a_correct_result_or_a_value_error(case):
                                    and is_broadcast(mask.shape, (x.size(0), x.size(1), x_kv.size(1))))))
     assert valid or case["fault"] != "none"
     x_low, kv_low = x.to(case["dtype"]), None if x_kv is None else x_kv.to(case["dtype"])
-    fast_before = TF.FAST_PATH
-    TF.FAST_PATH = case["fast"]
+    fast_before = T.FAST_PATH
+    T.FAST_PATH = case["fast"]
     try:
-        result = outcome(lambda: module(x_low, kv_low, mask, return_attention=case["return_attention"]), valid)
+        result = outcome(lambda: (check_attention_inputs(module, x_low, kv_low, mask),
+                                  module(x_low, kv_low, mask, return_attention=case["return_attention"]))[1], valid)
     finally:
-        TF.FAST_PATH = fast_before
+        T.FAST_PATH = fast_before
     if result is None:
         return
     out, probs = result
-    TF.FAST_PATH, fast_before = False, TF.FAST_PATH
+    T.FAST_PATH, fast_before = False, T.FAST_PATH
     try:
         # the reference sees the inputs after rounding to the tested dtype
         ref_out, ref_probs = reference(x_low.double(), kv_low.double(), mask, return_attention=True)
     finally:
-        TF.FAST_PATH = fast_before
+        T.FAST_PATH = fast_before
     B, T_q, T_k = x.size(0), x.size(1), x_kv.size(1)
     assert out.shape == (B, T_q, d_model)
     close_to(out, ref_out, case["dtype"])
@@ -844,45 +847,51 @@ def test_model_gives_a_correct_result_or_a_value_error(case):
     src, tgt, op, dtype = case["src"], case["tgt"], case["op"], case["dtype"]
     src_mask, tgt_mask = make_src_mask(case["src_mask"], src), make_tgt_mask(case["tgt_mask"], tgt)
     B, S = src.shape
-    T = tgt.size(1)
+    T_len = tgt.size(1)
     ids_ok = lambda ids, vocab: ids.numel() == 0 or (0 <= int(ids.min()) and int(ids.max()) < vocab)
     src_ok = S <= MAX_LEN and ids_ok(src, VOCAB_SRC) and (
         src_mask is None or (src_mask.dtype == torch.bool and is_broadcast(src_mask.shape, (B, S, S))))
     start = case["start"] if op == "decode" else 0
-    tgt_ok = (start + T <= MAX_LEN and ids_ok(tgt, VOCAB_TGT) and tgt.size(0) == B
-              and (tgt_mask is None or (tgt_mask.dtype == torch.bool and is_broadcast(tgt_mask.shape, (B, T, T)))))
+    tgt_ok = (start + T_len <= MAX_LEN and ids_ok(tgt, VOCAB_TGT) and tgt.size(0) == B
+              and (tgt_mask is None or (tgt_mask.dtype == torch.bool
+                                        and is_broadcast(tgt_mask.shape, (B, T_len, T_len)))))
     gen = torch.Generator().manual_seed(case["seed"])
     if op == "decode":
         memory = torch.randn(B, S, D_MODEL + (case["memory"] == "wrong d_model"), generator=gen,
                              dtype=torch.float64)
         mem_ok = case["memory"] == "ok"
-    cross_ok = src_mask is None or (src_mask.dtype == torch.bool and is_broadcast(src_mask.shape, (B, T, S)))
+    cross_ok = src_mask is None or (src_mask.dtype == torch.bool and is_broadcast(src_mask.shape, (B, T_len, S)))
     ra = case["return_attention"]
     if op == "encode":
         valid = src_ok
-        result = outcome(lambda: model.encode(src, src_mask, return_attention=ra), valid)
-        want = lambda: reference.encode(src, src_mask, return_attention=True)
+        encode = model.encode_with_attention if ra else model.encode
+        result = outcome(lambda: (check_model_inputs(model, src=src, src_mask=src_mask),
+                                  encode(src, src_mask))[1], valid)
+        want = lambda: reference.encode_with_attention(src, src_mask)
         shape, n_maps = (B, S, D_MODEL), [(B, 2, S, S)]
     elif op == "decode":
         valid = tgt_ok and mem_ok and cross_ok
-        result = outcome(lambda: model.decode(memory.to(dtype), src_mask, tgt, tgt_mask, start=start,
-                                              return_attention=ra), valid)
-        want = lambda: reference.decode(memory.to(dtype).double(), src_mask, tgt, tgt_mask, start=start,
-                                        return_attention=True)
-        shape, n_maps = (B, T, D_MODEL), [(B, 2, T, T), (B, 2, T, S)]
+        decode = model.decode_with_attention if ra else model.decode
+        result = outcome(lambda: (check_model_inputs(model, memory=memory.to(dtype), src_mask=src_mask, tgt=tgt,
+                                                     tgt_mask=tgt_mask, start=start),
+                                  decode(memory.to(dtype), src_mask, tgt, tgt_mask, start=start))[1], valid)
+        want = lambda: reference.decode_with_attention(memory.to(dtype).double(), src_mask, tgt, tgt_mask,
+                                                       start=start)
+        shape, n_maps = (B, T_len, D_MODEL), [(B, 2, T_len, T_len), (B, 2, T_len, S)]
     else:
         valid = src_ok and tgt_ok and cross_ok
-        result = outcome(lambda: model(src, tgt, src_mask, tgt_mask), valid)
+        result = outcome(lambda: (check_model_inputs(model, src=src, src_mask=src_mask, tgt=tgt, tgt_mask=tgt_mask),
+                                  model(src, tgt, src_mask, tgt_mask))[1], valid)
         want = lambda: (reference(src, tgt, src_mask, tgt_mask),)
-        shape, n_maps, ra = (B, T, VOCAB_TGT), [], False
+        shape, n_maps, ra = (B, T_len, VOCAB_TGT), [], False
     assert valid or case["fault"] != "none"
     if result is None:
         return
-    fast_before, TF.FAST_PATH = TF.FAST_PATH, False
+    fast_before, T.FAST_PATH = T.FAST_PATH, False
     try:
         ref = want()
     finally:
-        TF.FAST_PATH = fast_before
+        T.FAST_PATH = fast_before
     out = result[0] if ra else result
     assert out.shape == shape
     close_to(out, ref[0], dtype)
@@ -915,12 +924,12 @@ def test_once_escaped_input_dtype_differs_from_the_weights(form, x_dtype, kv_dty
     per_head, fused, _ = attention_modules(8, 2, True, torch.float32)
     module = per_head if form == "per_head" else fused
     x, x_kv = torch.ones(2, 3, 8).to(x_dtype), torch.ones(2, 4, 8).to(kv_dtype)
-    outcome(lambda: module(x, x_kv), valid=False)
+    outcome(lambda: (check_attention_inputs(module, x, x_kv), module(x, x_kv))[1], valid=False)
 
 
 @escape("FusedAttention returns the probabilities although return_attention=False when FAST_PATH is off")
 def test_once_escaped_fused_attention_returns_unasked_probabilities(monkeypatch):
-    monkeypatch.setattr(TF, "FAST_PATH", False)
+    monkeypatch.setattr(T, "FAST_PATH", False)
     _, fused, _ = attention_modules(8, 2, True, torch.float32)
     x = torch.randn(2, 3, 8)
     assert fused(x, x)[1] is None
@@ -929,8 +938,9 @@ def test_once_escaped_fused_attention_returns_unasked_probabilities(monkeypatch)
 @escape("decode with memory in another dtype than the model: RuntimeError from the cross-attention matmul")
 def test_once_escaped_memory_dtype_differs_from_the_model():
     model, _ = models("fused", "post", torch.float32)
-    outcome(lambda: model.decode(torch.zeros(1, 3, D_MODEL, dtype=torch.float64), None, torch.tensor([[1, 4]]),
-                                 None), valid=False)
+    memory, tgt = torch.zeros(1, 3, D_MODEL, dtype=torch.float64), torch.tensor([[1, 4]])
+    outcome(lambda: (check_model_inputs(model, memory=memory, tgt=tgt), model.decode(memory, None, tgt, None))[1],
+            valid=False)
 
 
 @pytest.mark.parametrize("shape", [(), (4,), (1,)])
@@ -956,19 +966,20 @@ def test_once_escaped_empty_batch_with_a_mask():
 def test_once_escaped_token_ids_of_another_dtype(dtype):
     model, _ = models("fused", "post", torch.float32)
     src = torch.tensor([[4, 5, 1]]).to(dtype)
-    outcome(lambda: model.encode(src, None), valid=False)
+    outcome(lambda: (check_model_inputs(model, src=src), model.encode(src, None))[1], valid=False)
 
 
 @pytest.mark.parametrize("shape", [(3,), (2, 4, 3)])
 @escape("token ids that are not (B, T): RuntimeError when the positional encoding is added")
 def test_once_escaped_token_ids_not_two_dimensional(shape):
     model, _ = models("fused", "post", torch.float32)
-    outcome(lambda: model.encode(torch.full(shape, 4), None), valid=False)
+    src = torch.full(shape, 4)
+    outcome(lambda: (check_model_inputs(model, src=src), model.encode(src, None))[1], valid=False)
 
 
-@pytest.mark.parametrize("start, T", [(-1, 1), (-3, 2)])
-@escape("decode(start < 0): pe[start:start + T] is silently empty or taken from the end of the table")
-def test_once_escaped_negative_decode_start(start, T):
+@pytest.mark.parametrize("start, T_len", [(-1, 1), (-3, 2)])
+@escape("decode(start < 0): pe[start:start + T_len] is silently empty or taken from the end of the table")
+def test_once_escaped_negative_decode_start(start, T_len):
     model, _ = models("fused", "post", torch.float32)
     memory = torch.zeros(1, 3, D_MODEL)
-    outcome(lambda: model.decode(memory, None, torch.full((1, T), 4), None, start=start), valid=False)
+    outcome(lambda: model.decode(memory, None, torch.full((1, T_len), 4), None, start=start), valid=False)

@@ -464,11 +464,9 @@ def test_encode_and_decode_return_one_shape_of_result():
         y = m.decode(memory, src_mask, tgt, tgt_mask)
         memory2, enc = m.encode_with_attention(src, src_mask)
         y2, dec_self, cross = m.decode_with_attention(memory, src_mask, tgt, tgt_mask)
-        old = m.decode(memory, src_mask, tgt, tgt_mask, return_attention=True)  # the deprecated spelling
     assert isinstance(memory, torch.Tensor) and isinstance(y, torch.Tensor)
     # the same function (the plain calls may take the SDPA kernel: float32 rounding apart)
     assert (memory - memory2).abs().max() <= TOL[torch.float32] and (y - y2).abs().max() <= TOL[torch.float32]
-    assert len(old) == 3 and torch.equal(old[0], y2)
     B, S, T_len = src.size(0), src.size(1), tgt.size(1)
     assert [p.shape for p in enc] == [(B, 4, S, S)] * 2 and [p.shape for p in cross] == [(B, 4, T_len, S)] * 2
     assert [p.shape for p in dec_self] == [(B, 4, T_len, T_len)] * 2
