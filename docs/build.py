@@ -70,7 +70,7 @@ from docs import figures as figs  # noqa: E402
 
 READING_ORDER: tuple[str, ...] = (
     "transformer", "mha_convert", "equivalence", "proof_harness", "checks",  # the model; the proof of its two forms
-    "data", "decoding", "train", "distributed", "syncs",              # training a translator
+    "data", "decoding", "train", "distributed", "runs", "evaluate", "syncs",  # training a translator
     "checkpoint", "files", "cli", "options",                          # what the commands share
     "translate", "attention_maps", "attention_pictures", "attention_viewer",  # using a trained model
     "heads", "head_inspect", "prune", "heads_cli")
