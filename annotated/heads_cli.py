@@ -92,7 +92,8 @@ def _data(meta: dict, tokenizer, n: int, max_len: int, prune: bool, n_test: Opti
 
 
 def _evaluators(tokenizer, val, batches, device):
-    from annotated.train import evaluate_bleu, evaluate_loss
+    from annotated.evaluate import evaluate_bleu
+    from annotated.train import evaluate_loss
 
     def bleu(model) -> float:
         return evaluate_bleu(model, tokenizer, val, 1, 0.0, device)[0]["bleu"]
@@ -198,7 +199,7 @@ def analyse(model, tokenizer, val, batches, device) -> dict:
 def prune_and_measure(model, tokenizer, meta, val, batches, test, args, say, baseline: float) -> dict:
     from annotated.heads import head_counts
     from annotated.prune import count_parameters, greedy_prune, removal_table, save_pruned, timed_translation
-    from annotated.train import score
+    from annotated.evaluate import score
     from tqdm.auto import tqdm
 
     bleu, _ = _evaluators(tokenizer, val, batches, args.device)
