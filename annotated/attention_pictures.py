@@ -93,7 +93,7 @@ def grid_figure(arrays: list[np.ndarray], rows: list[str], cols: list[str], kind
                 axis_names: tuple[str, str] = ("queries", "keys")) -> Figure:
     """Layer x head grid of heatmaps for one kind (arrays: per layer (1, h, q, k)); `axis_names` names the
     token lists on the rows and the columns."""
-    N, h = len(arrays), arrays[0].shape[1]
+    N, h = len(arrays), max(a.shape[1] for a in arrays)  # a pruned model's layers may have fewer heads
     q, k = arrays[0].shape[2:]
     panel_w = float(np.clip(0.13 * k + 0.8, 1.6, 3.6))
     panel_h = float(np.clip(0.13 * q + 0.8, 1.6, 3.6))
@@ -103,6 +103,9 @@ def grid_figure(arrays: list[np.ndarray], rows: list[str], cols: list[str], kind
     im = None
     for layer in range(N):
         for head in range(h):
+            if head >= arrays[layer].shape[1]:  # pruned away: an empty cell
+                axes[layer][head].axis("off")
+                continue
             im = _panel(axes[layer][head], arrays[layer][0, head], rows, cols, causal=kind == "decoder_self",
                         cmap=CMAP_GRID, row_labels=head == 0, col_labels=layer == N - 1, font=font,
                         title=f"layer {layer}, head {head}")

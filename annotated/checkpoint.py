@@ -148,9 +148,13 @@ def _check_field(name: str, kind: str, value) -> Optional[str]:
     return None if isinstance(value, str) else f"must be a string, got {value!r}"
 
 
-def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>") -> TransformerConfig:
+def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>",
+                 heads: Optional[dict] = None) -> TransformerConfig:
     """The stored config as a TransformerConfig, checked field by field and against the stored tensors'
-    shapes, without building the model (CheckpointError naming the field otherwise)."""
+    shapes, without building the model (CheckpointError naming the field otherwise).
+
+    `heads`, stored by a pruned checkpoint (`annotated/prune.py`), gives each attention its own number of
+    heads, at most the config's `h`."""
     fields = {f.name: str(f.type) for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(config) - set(fields), key=str)
     if unknown:
@@ -169,7 +173,10 @@ def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>"
     try:
         cfg = TransformerConfig(**config)
         with torch.device("meta"):  # shapes only: nothing is allocated
-            wanted = {k: tuple(v.shape) for k, v in make_model(cfg).state_dict().items()}
+            model = make_model(cfg)
+            if heads is not None:
+                _set_head_counts(model, heads, cfg.h)
+            wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: its config is invalid: {e}") from None
     stored = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in tensors.items()}
@@ -187,9 +194,25 @@ def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>"
     return cfg
 
 
+def _set_head_counts(model: EncoderDecoder, heads, most: int) -> None:
+    """A pruned model's per-attention head counts, each between 1 and the config's h (ValueError otherwise)."""
+    from annotated.heads import set_head_counts
+
+    counts = heads.values() if isinstance(heads, dict) else ()
+    if not all(isinstance(hs, (list, tuple)) and all(type(h) is int and 1 <= h <= most for h in hs) for hs in counts):
+        raise ValueError(f"head counts must be lists of whole numbers from 1 to h={most}, got {heads!r:.200}")
+    set_head_counts(model, heads)
+
+
 def model_from_state(state: dict, path: os.PathLike | str = "<checkpoint>") -> EncoderDecoder:
-    """Rebuild the model from the stored config (checked first) and load its parameters strictly."""
-    model = make_model(check_config(state["config"], state["model"], path))
+    """Rebuild the model from the stored config (checked first) and load its parameters strictly.
+
+    A pruned checkpoint's `"heads"` entry gives each attention its own number of heads."""
+    heads = state.get("heads")
+    cfg = check_config(state["config"], state["model"], path, heads)
+    model = make_model(cfg)
+    if heads is not None:
+        _set_head_counts(model, heads, cfg.h)
     try:
         model.load_state_dict(state["model"], strict=True)
     except RuntimeError as e:

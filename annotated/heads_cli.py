@@ -249,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from annotated.data import DataError
     from annotated.files import atomic_write
     from annotated.head_inspect import inspect_figure, save_figure
-    from annotated.prune import load_model
+    from annotated.checkpoint import load_checkpoint
 
     try:
         args = parse_args(argv)
@@ -258,7 +258,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        model, tokenizer, meta = load_model(args.checkpoint)
+        model, tokenizer, meta = load_checkpoint(args.checkpoint)
         if tokenizer is None:
             raise CheckpointError(f"checkpoint {args.checkpoint} holds no tokenizer, so it cannot be evaluated")
         val, batches, test = _data(meta, tokenizer, args.sentences, model.config.max_len, args.prune,

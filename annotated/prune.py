@@ -31,9 +31,9 @@ from typing import Callable, Optional
 
 import torch
 
-from annotated.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
-from annotated.heads import attention_at, head_counts, remove_heads, set_head_counts, sites
-from annotated.transformer import EncoderDecoder, TransformerConfig, convert_model, make_model
+from annotated.checkpoint import save_checkpoint
+from annotated.heads import attention_at, head_counts, remove_heads, sites
+from annotated.transformer import EncoderDecoder, convert_model
 
 # %% [markdown]
 # ## 1. Greedy pruning by importance
@@ -130,9 +130,11 @@ def greedy_prune(model: EncoderDecoder, val_bleu: Callable[[EncoderDecoder], flo
 # breaks that rule. The smallest honest record of the difference is the list
 # of head counts itself: the checkpoint keeps the unpruned configuration,
 # and a top-level entry `"heads"` holds `{kind: [h of layer 0, layer 1,
-# ...]}`. A loader builds the model from the configuration, gives each
-# attention its number of heads (`set_head_counts`), and only then loads the
-# parameters, strictly, so every block must fit. The attention modules
+# ...]}`. The project's one loader, `checkpoint.load_checkpoint`, checks the
+# configuration and those counts, builds the model, gives each attention its
+# number of heads (`set_head_counts`), and only then loads the parameters,
+# strictly, so every block must fit. So the translator, `make attention` and
+# `make equivalence` take a pruned checkpoint like any other. The attention modules
 # themselves never needed a global `h`: `fuse`, `split`, decoding and the
 # key/value cache all read each module's own `h`.
 
@@ -148,36 +150,6 @@ def save_pruned(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta:
     counts = head_counts(fused)
     uniform = all(h == fused.config.h for hs in counts.values() for h in hs)
     save_checkpoint(path, fused, tokenizer, meta, **({} if uniform else {"heads": counts}))
-
-
-def model_with_heads(state: dict, path: os.PathLike | str = "<checkpoint>") -> EncoderDecoder:
-    """Build the model of a checkpoint dict whose "heads" entry gives each attention's head count."""
-    try:
-        model = make_model(TransformerConfig(**state["config"]))
-        set_head_counts(model, state["heads"])
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: its config or head counts are invalid: {e}") from None
-    try:
-        model.load_state_dict(state["model"], strict=True)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()
-        raise CheckpointError(f"checkpoint {path}: parameters do not match its head counts: "
-                              f"{' '.join(line.strip() for line in first[:3])}") from None
-    return model
-
-
-def load_model(path: os.PathLike | str, map_location: str = "cpu"):
-    """(model in eval mode, tokenizer, meta) of any checkpoint, pruned or not."""
-    state = read_checkpoint(path, map_location)
-    if state.get("heads") is None:
-        return load_checkpoint(path, map_location)
-    model = model_with_heads(state, path).eval()
-    tokenizer = None
-    if state.get("tokenizer") is not None:
-        from annotated.data import Tokenizer
-
-        tokenizer = Tokenizer.from_bytes(state["tokenizer"])
-    return model, tokenizer, state.get("meta", {})
 
 
 # %% [markdown]

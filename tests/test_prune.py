@@ -7,7 +7,7 @@ import torch
 from annotated.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from annotated.decoding import translate_ids
 from annotated.heads import KINDS, attention_at, head_counts, remove_heads, sites
-from annotated.prune import count_parameters, greedy_prune, load_model, save_pruned
+from annotated.prune import count_parameters, greedy_prune, save_pruned
 from annotated.transformer import FusedAttention
 
 from test_heads import batch, logits, tiny_model
@@ -19,7 +19,7 @@ def test_pruned_checkpoint_round_trips(form, tmp_path):
     pruned = remove_heads(model, {("enc_self", 0): [1], ("dec_self", 1): [0, 2], ("cross", 1): [2]})
     path = tmp_path / "pruned.pt"
     save_pruned(path, pruned, None, {"note": "kept"})
-    loaded, tokenizer, meta = load_model(path)
+    loaded, tokenizer, meta = load_checkpoint(path)
     assert tokenizer is None and meta == {"note": "kept"}
     assert head_counts(loaded) == head_counts(pruned) == {"enc_self": [2, 3], "dec_self": [3, 1], "cross": [3, 2]}
     assert all(isinstance(attention_at(loaded, *s), FusedAttention) for s in sites(loaded))  # saved fused
@@ -46,11 +46,11 @@ def test_an_unpruned_model_saves_as_an_ordinary_checkpoint(tmp_path):
 def test_head_counts_that_do_not_fit_the_parameters_are_a_clear_error(tmp_path):
     pruned = remove_heads(tiny_model("fused", dtype=torch.float32), {("cross", 0): [0]})
     save_checkpoint(tmp_path / "bad.pt", pruned, None, {}, heads={k: [3, 3] for k in KINDS})
-    with pytest.raises(CheckpointError, match=r"bad\.pt.*do not match its head counts"):
-        load_model(tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match=r"bad\.pt.*parameters do not match its config"):
+        load_checkpoint(tmp_path / "bad.pt")
     save_checkpoint(tmp_path / "worse.pt", pruned, None, {}, heads={"cross": [2, 3]})
-    with pytest.raises(CheckpointError, match=r"worse\.pt.*head counts are invalid"):
-        load_model(tmp_path / "worse.pt")
+    with pytest.raises(CheckpointError, match=r"worse\.pt.*config is invalid.*head counts"):
+        load_checkpoint(tmp_path / "worse.pt")
 
 
 def test_greedy_prune_follows_the_scores_and_stops_at_the_first_removal_that_costs_too_much():
@@ -122,7 +122,7 @@ def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(tiny_checkpo
     assert set(report["baseline"]) == {"bleu", "loss"}
     # threshold 100: every attention gives up all but one head
     assert report["pruning"]["after"]["heads"] == 3 and report["pruning"]["before"]["heads"] == 6
-    pruned, _, meta = load_model(out / "pruned.pt")
+    pruned, _, meta = load_checkpoint(out / "pruned.pt")
     assert head_counts(pruned) == {k: [1] for k in KINDS} and len(meta["heads_removed"]) == 3
     assert report["pruning"]["after"]["parameters"] == count_parameters(pruned)
     # a second run does not overwrite the first without --force
