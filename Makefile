@@ -20,17 +20,20 @@ help:
 	@echo "make copy         train the copy task with both attention forms (CPU, about 1.5 min)"
 	@echo "make train        train de->en on Multi30k (preset gpu with CUDA, else cpu; PRESET=smoke|cpu|gpu,"
 	@echo "                  NPROC=2 for torchrun, ARGS='--src en --tgt de' for more)"
-	@echo "make equivalence  prove per-head and fused attention are one function: sympy identities,"
-	@echo "                  generated cases, nn.MultiheadAttention, whole models (CPU, ~1 min;"
-	@echo "                  CHECKPOINT=path.pt also checks a trained checkpoint)"
+	@echo "make equivalence  prove per-head and fused attention are one function: sympy block algebra for"
+	@echo "                  every size, integer tracers through the real code, the whole function bit for"
+	@echo "                  bit where exact, generated cases, nn.MultiheadAttention, whole models"
+	@echo "                  (CPU, ~1 min; CHECKPOINT=path.pt also checks a trained checkpoint)"
 	@echo "make translate    TEXT='Ein Hund rennt.' [CHECKPOINT=...]; no TEXT: one sentence a line on stdin"
 	@echo "make attention    dump, draw and browse the attention of the latest run [CHECKPOINT=...]"
 	@echo "make heads        what each head does: importance, ablation, inspection [CHECKPOINT=...];"
 	@echo "                  ARGS='--prune' also removes heads (pruned.pt) and measures BLEU and speed"
 	@echo "make docs         the annotated source as a page: docs/_build/index.html (offline)"
-	@echo "make notebook     annotated/transformer.py as docs/_build/transformer.ipynb"
+	@echo "make notebook     annotated/transformer.py as an executed notebook, examples and figures inline:"
+	@echo "                  docs/_build/transformer.ipynb"
 	@echo "make bench        speed and memory against torch.nn.Transformer [ARGS='--sizes cpu --quick']"
 	@echo "make gpu-report   every GPU figure in one command: bench, gpu preset de<->en, DDP (CUDA only, < 22 min)"
+	@echo "make help         this list"
 	@echo "PYTHON=python3    use an existing interpreter instead of .venv"
 
 $(VENV)/.installed: requirements.txt
@@ -77,7 +80,7 @@ translate: $(SETUP)
 # make equivalence [CHECKPOINT=runs/<run>/best.pt]: the proof suite of annotated/equivalence.py;
 # exits non-zero if any check fails.
 equivalence: $(SETUP)
-	$(PY) -m annotated.equivalence $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
+	$(PY) -m annotated.equivalence $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT))
 
 # `make bench`: training-step and decoding speed against torch.nn.Transformer
 # (benchmarks/bench.py; ARGS='--sizes cpu --quick' etc.); writes benchmarks/results/<device>-<date>.json.
@@ -109,7 +112,8 @@ heads: $(SETUP)
 # modules' own code; offline). Attention figure from CHECKPOINT=..., else runs/latest/best.pt or the newest
 # runs/*/best.pt, else the copy task (trained once, ~20 s, cached in docs/_build/.cache). A file in the output
 # folder that no docs build wrote is never replaced: ARGS=--overwrite allows it (python -m docs.build --help).
-# make notebook: annotated/transformer.py as docs/_build/transformer.ipynb (jupytext).
+# make notebook: annotated/transformer.py as docs/_build/transformer.ipynb, its prose examples and figures as
+# code cells, executed (docs/notebook.py).
 .PHONY: docs notebook
 docs: $(SETUP)
 	$(PY) -m docs.build $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)

@@ -1,4 +1,4 @@
-"""The Makefile's translate, attention and docs targets pass TEXT and CHECKPOINT to the command exactly as typed.
+"""The Makefile's targets that take a checkpoint (translate, attention, docs, heads, equivalence) pass TEXT and CHECKPOINT to the command exactly as typed.
 
 Each target is run by `make` itself, with PYTHON set to a stand-in interpreter that prints the arguments it
 was given, so the test sees the command line the shell built, without loading any model.
@@ -29,7 +29,8 @@ def make(tmp_path: Path, target: str, *variables: str) -> list[str]:
 
 @pytest.mark.skipif(MAKE is None, reason="no `make` on PATH")
 @pytest.mark.parametrize("target, module", [("translate", "annotated.translate"),
-                                            ("attention", "annotated.attention_maps"), ("docs", "docs.build")])
+                                            ("attention", "annotated.attention_maps"), ("docs", "docs.build"),
+                                            ("heads", "annotated.heads"), ("equivalence", "annotated.equivalence")])
 def test_variables_reach_the_command_as_typed(target, module, tmp_path):
     argv = make(tmp_path, target, f"CHECKPOINT={HOSTILE_CHECKPOINT}", f"TEXT={HOSTILE_TEXT}")
     assert argv[:4] == ["-m", module, "--checkpoint", HOSTILE_CHECKPOINT]
