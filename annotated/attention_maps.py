@@ -22,7 +22,8 @@
 # ```
 #
 # A Transformer translator has three kinds of attention, each with `N` layers
-# of `h` heads:
+# of `h` heads (a pruned model, `annotated/prune.py`, keeps fewer heads in some
+# layers: `h` is then that layer's own count):
 #
 # | kind | queries | keys | shape per layer |
 # | --- | --- | --- | --- |
@@ -57,10 +58,11 @@ import numpy as np
 import torch
 
 from annotated.attention_pictures import alignment_figure, figure_rgb, grid_figure, save_figure
-from annotated.attention_viewer import read_head_importance, viewer_html
+from annotated.attention_viewer import HEADS_KINDS, importance_fits, read_head_importance, viewer_html
 from annotated.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from annotated.decoding import translate_ids
 from annotated.files import new_file_mode
+from annotated.heads import head_counts
 from annotated.options import Parser, at_least, device, writable_dir
 from annotated.transformer import BOS, EOS, PAD, EncoderDecoder, padding_mask, subsequent_mask
 
@@ -164,7 +166,8 @@ def collect_attention(model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Se
 
     Returns {"encoder": [...], "decoder_self": [...], "cross": [...]}, each a
     list with one numpy array per layer (layer 0 nearest the embeddings) of
-    shape (1, h, S, S), (1, h, T, T) and (1, h, T, S), T = len(tgt_ids).
+    shape (1, h, S, S), (1, h, T, T) and (1, h, T, S), T = len(tgt_ids), h = that
+    attention's number of heads (fewer in the pruned layers of a pruned model).
 
     >>> from annotated.transformer import make_model
     >>> _ = torch.manual_seed(0)
@@ -259,18 +262,29 @@ def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: i
 #
 # * `sentence_{i:03d}.npz` with arrays `encoder_layer0 ... encoder_layer{N-1}`,
 #   `decoder_self_layer0 ...`, `cross_layer0 ...`, each `(1, h, q, k)`
-#   (axes: batch of one, head, query, key);
+#   (axes: batch of one, head, query, key), `h` that layer's own number of
+#   heads;
 # * PNG pictures (`annotated/attention_pictures.py`);
 #
 # and once: `index.json` (the tokens and ids on both sides of every sentence,
-# the shapes, the row/column token lists of each kind, the layer and head
-# order, the checkpoint path and its model config, the translations) and
+# the shapes of every layer's array, the row/column token lists of each kind,
+# the layer and head order, the number of heads of every kind and layer
+# (`head_counts`; `heads` is the config's `h`, the most any attention has), the
+# checkpoint path and its model config, the translations) and
 # `viewer.html` (`annotated/attention_viewer.py`).
 #
 # Head `i` is the model's head `i`: `W_Q[i]` of `PerHeadAttention`, column
 # block `i` of `FusedAttention`'s `W_Q`. Since the two forms are the same
 # function (first chapter, section 4), a per-head model and its fused
 # conversion give the same dump (`test_per_head_and_fused_give_identical_dumps`).
+#
+# **A pruned model.** After `annotated/prune.py` removed heads, an attention
+# keeps `h' < h` of them, numbered `0 ... h'-1` in their original order (the
+# removed heads leave no gap, as in the pruned checkpoint's parameters). The
+# arrays of such a layer are `(1, h', q, k)`, `head_counts` lists every
+# layer's `h'`, the pictures leave the missing heads' cells empty, and the
+# viewer offers each layer only its own heads
+# (`test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads`).
 #
 # **bertviz.** `head_view` and `model_view` of bertviz take, per kind, a
 # sequence with one tensor per layer of shape `(1, h, q, k)`, plus
@@ -284,7 +298,10 @@ def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: i
 # ```
 #
 # (`test_bertviz_layout` checks the shapes, the order and the token counts the
-# way bertviz's own checks do, without installing it.)
+# way bertviz's own checks do, without installing it.) bertviz stacks the
+# layers of a kind into one tensor, so it needs the same number of heads in
+# every layer: for a pruned model whose layers differ, `bertviz_args` says so
+# instead of handing bertviz arrays it cannot stack.
 
 # %%
 def array_name(kind: str, layer: int) -> str:
@@ -321,7 +338,13 @@ def bertviz_args(attn: dict, entry: Optional[dict] = None) -> dict:
 
     Per kind a tuple of per-layer torch tensors (1, h, q, k), under bertviz's
     names; with an index `entry`, also `encoder_tokens` and `decoder_tokens`.
+    ValueError when the layers of a kind have different numbers of heads (bertviz stacks them).
     """
+    for kind in KINDS:
+        counts = [np.shape(a)[1] for a in attn[kind]]
+        if len(set(counts)) > 1:
+            raise ValueError(f"bertviz needs the same number of heads in every layer, but the {kind} layers have "
+                             f"{counts} heads (a pruned model); show it with viewer.html instead")
     out = {"encoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["encoder"]),
            "decoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["decoder_self"]),
            "cross_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["cross"])}
@@ -443,6 +466,12 @@ def _pictures(tmp: Path, stem: str, attn: dict, entry: dict) -> dict:
     return files
 
 
+def model_head_counts(model: EncoderDecoder) -> dict[str, list[int]]:
+    """{kind: [heads of layer 0, layer 1, ...]} under this chapter's kind names (a pruned model's layers differ)."""
+    counts = head_counts(model)
+    return {ours: counts[theirs] for theirs, ours in HEADS_KINDS.items()}
+
+
 def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_dir: os.PathLike | str, *,
                checkpoint: Optional[str] = None, meta: Optional[dict] = None,
                references: Optional[Sequence[Optional[str]]] = None, pictures: bool = True,
@@ -450,7 +479,8 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
                importance: Optional[dict] = None) -> Path:
     """Translate `sentences` as the translator does and write their attention dump into `out_dir` (atomically).
 
-    `importance`: each head's score per kind, {kind: [per layer [per head]]} (see `read_head_importance`)."""
+    `importance`: each head's score per kind, {kind: [per layer [per head]]} (see `read_head_importance`);
+    it must list exactly the model's heads (ValueError otherwise)."""
     if model.training:
         raise ValueError("dump needs the model in eval mode (call model.eval())")
     if not sentences:
@@ -461,12 +491,17 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
     sources = [encode_sentence(tokenizer, s, cfg.max_len, name=f"sentence {i + 1}") for i, s in enumerate(sentences)]
     index = {"format": FORMAT, "checkpoint": checkpoint, "model_config": dataclasses.asdict(cfg),
              "meta": _json_safe(dict(meta or {})), "kinds": list(KINDS), "layers": cfg.N, "heads": cfg.h,
+             "head_counts": model_head_counts(model),
              "axes": ["batch", "head", "query", "key"], "array_names": "{kind}_layer{layer}",
              "layer_order": "layer 0 is nearest the embeddings, layer N-1 feeds the output",
-             "head_order": "head i uses W_Q[i], W_K[i], W_V[i] (per-head form) = column block i (fused form)",
+             "head_order": "head i uses W_Q[i], W_K[i], W_V[i] (per-head form) = column block i (fused form); "
+                           "a pruned layer numbers its remaining heads 0 ... h'-1 in their original order",
              "rows_cols": {k: list(v) for k, v in ROWS_COLS.items()},
              "dtype": np.dtype(dtype).name, "decoder": {"beam_size": beam_size, "length_penalty": 0.6},
              "head_importance": importance, "sentences": []}
+    if importance is not None and not all(importance_fits(importance.get(k), index["head_counts"][k]) for k in KINDS):
+        raise ValueError(f"the head importance does not list one finite score per head of this model "
+                         f"(heads per layer: {index['head_counts']})")
     all_arrays = []
     items = list(enumerate(zip(sentences, sources)))
     if progress:
@@ -484,7 +519,7 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
                      "src_tokens": token_labels(tokenizer, src_ids),
                      "tgt_in_tokens": token_labels(tokenizer, [BOS] + tgt_ids[:-1]),
                      "tgt_out_tokens": token_labels(tokenizer, tgt_ids),
-                     "shapes": {k: list(attn[k][0].shape) for k in KINDS}}
+                     "shapes": {k: [list(a.shape) for a in attn[k]] for k in KINDS}}  # per layer
             np.savez(tmp / entry["file"], **{array_name(k, layer): a for k in KINDS for layer, a in enumerate(attn[k])})
             if pictures:
                 entry["pictures"] = _pictures(tmp, stem, attn, entry)
@@ -521,7 +556,7 @@ def dump(checkpoint_path: os.PathLike | str, sentences: Optional[Sequence[str]] 
     model = model.to(device or "cpu", torch.float64 if np.dtype(dtype) == np.float64 else torch.float32)
     if sentences is None:
         sentences, references = flickr_test_sentences(meta, n, data_url, cache_dir)
-    importance, note = read_head_importance(checkpoint, model.config)
+    importance, note = read_head_importance(checkpoint, model.config, model_head_counts(model))
     if note and say:
         say(note)
     return dump_model(model, tokenizer, sentences, out_dir, checkpoint=str(checkpoint), meta=meta,

@@ -56,6 +56,13 @@ import numpy as np
 # written under its thumbnail and beside the zoomed head.
 # (`test_model_view_in_headless_chromium`.)
 #
+# A pruned model (`annotated/prune.py`) may keep a different number of heads
+# in every attention. The page reads each kind's and layer's count from the
+# index (`head_counts`): the head menu offers the chosen layer's heads only,
+# and in the model view a layer's row holds exactly its heads' thumbnails,
+# the row header saying how many when the layers differ.
+# (`test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads`.)
+#
 # The sentences are data, and data must not become markup. Inside a
 # `<script>` element the HTML parser looks only for `</script` and, after a
 # `<!--`, for `<script`: a sentence holding `<!--<script>` would swallow the
@@ -88,18 +95,23 @@ def viewer_html(index: dict, arrays: list[dict], decimals: int = 4) -> str:
     """The self-contained viewer page for a dump (`index` as in index.json, `arrays` per sentence)."""
     sentences = []
     kinds = index["kinds"]
+    counts = index.get("head_counts") or {k: [index["heads"]] * index["layers"] for k in kinds}
     for entry, attn in zip(index["sentences"], arrays):
         keep = ("source", "translation", "reference", "src_tokens", "tgt_in_tokens", "tgt_out_tokens")
         s = {k: entry.get(k) for k in keep}
         s["attn"] = {k: [np.round(a[0].astype(np.float64), decimals).tolist() for a in attn[k]] for k in kinds}
         sentences.append(s)
-    data = {"kinds": kinds, "layers": index["layers"], "heads": index["heads"], "rows_cols": index["rows_cols"],
+    data = {"kinds": kinds, "layers": index["layers"], "heads": index["heads"], "head_counts": counts,
+            "rows_cols": index["rows_cols"],
             "kind_names": {"encoder": "encoder self-attention", "decoder_self": "decoder masked self-attention",
                            "cross": "cross-attention (decoder -> encoder)"},
             "importance": index.get("head_importance"), "sentences": sentences}
     decoder = index.get("decoder") or {}
     search = f"beam {decoder['beam_size']}" if decoder.get("beam_size", 1) > 1 else "greedy"
-    footer = html.escape(f"checkpoint: {index.get('checkpoint')}; {index['layers']} layers x {index['heads']} heads; "
+    uniform = all(h == index["heads"] for k in kinds for h in counts[k])
+    shape = f"{index['layers']} layers x {index['heads']} heads" if uniform else (
+        f"{index['layers']} layers, pruned to " + ", ".join(f"{k} {counts[k]}" for k in kinds) + " heads per layer")
+    footer = html.escape(f"checkpoint: {index.get('checkpoint')}; {shape}; "
                          f"translated as make translate does ({search}); weights rounded to {decimals} decimals")
     page = string.Template(viewer_file("viewer.html"))
     return page.substitute(title=html.escape(str(index.get("checkpoint"))), css=viewer_file("viewer.css"),
@@ -112,18 +124,30 @@ def viewer_html(index: dict, arrays: list[dict], decimals: int = 4) -> str:
 # `python -m annotated.heads` (`annotated/heads_cli.py`) writes `heads.json`
 # beside the checkpoint it scored, with Michel et al.'s importance of every
 # head of every kind. The viewer shows those scores when the file is there
-# and fits the model: the same number of layers and heads, finite numbers,
-# and, when the file names the checkpoint it scored, this checkpoint. A file
-# that does not fit (say the scores of the model before pruning) is left
-# out, and the command says why in one line.
+# and fits the model: the same number of layers, one finite number for each
+# head of each layer (of a pruned model too: its own heads, numbered as in
+# the dump), and, when the file names the checkpoint it scored, this
+# checkpoint. A file that does not fit (say the scores of the model before
+# pruning) is left out, and the command says why in one line.
 
 # %%
 HEADS_KINDS = {"enc_self": "encoder", "dec_self": "decoder_self", "cross": "cross"}  # heads.json -> ours
 
 
-def read_head_importance(checkpoint: os.PathLike | str, cfg) -> tuple[Optional[dict], Optional[str]]:
+def importance_fits(table, counts: list[int]) -> bool:
+    """Whether `table` holds one finite score per head of every layer, `counts[layer]` heads in each."""
+    return isinstance(table, list) and len(table) == len(counts) and all(
+        isinstance(row, list) and len(row) == h and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in row)
+        for row, h in zip(table, counts))
+
+
+def read_head_importance(checkpoint: os.PathLike | str, cfg,
+                         heads: Optional[dict] = None) -> tuple[Optional[dict], Optional[str]]:
     """({kind: [per layer [per head score]]}, None) from `heads.json` beside `checkpoint`
-    (written by `python -m annotated.heads`); (None, None) without one; (None, why) when it does not fit."""
+    (written by `python -m annotated.heads`); (None, None) without one; (None, why) when it does not fit.
+
+    `heads`: {kind: [heads of each layer]} of a pruned model (default: `cfg.h` in every layer)."""
     path = Path(checkpoint).parent / "heads.json"
     if not path.is_file():
         return None, None
@@ -135,12 +159,12 @@ def read_head_importance(checkpoint: os.PathLike | str, cfg) -> tuple[Optional[d
         return None, f"{path} is not readable as head scores ({type(e).__name__}); the viewer shows none"
     if owner is not None and Path(str(owner)).resolve() != Path(checkpoint).resolve():
         return None, f"{path} scores {owner}, not this checkpoint; the viewer shows no head scores"
-    for table in scores.values():
-        fits = isinstance(table, list) and len(table) == cfg.N and all(
-            isinstance(row, list) and len(row) == cfg.h and all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in row)
-            for row in table)
-        if not fits:
-            return None, (f"{path} does not hold {cfg.N} layers x {cfg.h} finite head scores per kind (another "
-                          f"model's?); the viewer shows no head scores")
+    counts = heads or {kind: [cfg.h] * cfg.N for kind in scores}
+    uniform = all(h == cfg.h for kind in scores for h in counts[kind])
+    for kind, table in scores.items():
+        if not importance_fits(table, counts[kind]):
+            want = f"{cfg.N} layers x {cfg.h} finite head scores per kind" if uniform else \
+                "one finite score per head of this pruned model (heads per layer: " + \
+                ", ".join(f"{k} {counts[k]}" for k in scores) + ")"
+            return None, f"{path} does not hold {want} (another model's?); the viewer shows no head scores"
     return {k: [[float(x) for x in row] for row in v] for k, v in scores.items()}, None

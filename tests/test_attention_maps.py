@@ -161,6 +161,7 @@ def test_dump_files_and_index(full_dump, checkpoints, tokenizer):
     index = A.read_index(full_dump)
     assert index["checkpoint"] == str(checkpoints[1].resolve())
     assert index["model_config"]["N"] == index["layers"] == 2 and index["heads"] == 2
+    assert index["head_counts"] == {kind: [2, 2] for kind in A.KINDS}
     assert index["meta"]["src_lang"] == "de" and index["dtype"] == "float32"
     assert [s["source"] for s in index["sentences"]] == SENTENCES
     assert index["sentences"][0]["reference"] == "A dog runs across the meadow."
@@ -175,7 +176,7 @@ def test_dump_files_and_index(full_dump, checkpoints, tokenizer):
                 rows, cols = (entry[name] for name in index["rows_cols"][kind])
                 for layer in range(2):
                     a = f[f"{kind}_layer{layer}"]
-                    assert list(a.shape) == entry["shapes"][kind] == [1, 2, len(rows), len(cols)]
+                    assert list(a.shape) == entry["shapes"][kind][layer] == [1, 2, len(rows), len(cols)]
         for name in entry["pictures"].values():
             png = full_dump / name
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -624,3 +625,119 @@ def test_model_view_in_headless_chromium(checkpoints, tmp_path):
     finally:
         browser.close()
 
+
+
+# ---------------------------------------------------------------- a pruned model
+
+PRUNED = {("enc_self", 0): [1], ("dec_self", 1): [0, 2, 3], ("cross", 0): [3], ("cross", 1): [0, 1]}
+PRUNED_COUNTS = {"encoder": [3, 4], "decoder_self": [4, 1], "cross": [3, 2]}  # of 4 heads each
+
+
+def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer, tmp_path):
+    """A pruned checkpoint (fewer heads in some layers): per-layer arrays of its own heads, pictures with
+    empty cells, head scores that fit it, and a viewer whose rows and menus hold exactly each layer's heads."""
+    from annotated.heads import remove_heads
+    from annotated.prune import save_pruned
+
+    full = tiny_model(tokenizer.vocab_size, attention="fused", dtype=torch.float32, h=4)
+    ckpt = tmp_path / "run" / "pruned.pt"
+    ckpt.parent.mkdir()
+    save_pruned(ckpt, remove_heads(full, PRUNED), tokenizer, {"src_lang": "de", "tgt_lang": "en"})
+    model, _, _ = A.load_checkpoint(ckpt)
+    assert A.model_head_counts(model) == PRUNED_COUNTS
+    scores = heads_json(model.config, ckpt)  # a table of the unpruned shape: 4 scores in every layer
+    for theirs, ours in V.HEADS_KINDS.items():
+        scores["kinds"][theirs]["importance"] = [row[:n] for row, n in zip(scores["kinds"][theirs]["importance"],
+                                                                           PRUNED_COUNTS[ours])]
+    unpruned = heads_json(model.config, ckpt)
+    (ckpt.parent / "heads.json").write_text(json.dumps(unpruned))
+    importance, note = V.read_head_importance(ckpt, model.config, PRUNED_COUNTS)
+    assert importance is None and "one finite score per head of this pruned model" in note
+    (ckpt.parent / "heads.json").write_text(json.dumps(scores))
+    importance, note = V.read_head_importance(ckpt, model.config, PRUNED_COUNTS)
+    assert note is None and importance["cross"] == [[0.3, 0.301, 0.302], [0.31, 0.311]]
+    out = A.dump(ckpt, SENTENCES)
+    index = A.read_index(out)
+    assert index["heads"] == 4 and index["head_counts"] == PRUNED_COUNTS
+    assert index["head_importance"]["cross"] == scores["kinds"]["cross"]["importance"]
+    for s, entry in enumerate(index["sentences"]):
+        attn, _ = A.load_sentence(out, s)
+        for kind in A.KINDS:
+            rows, cols = (entry[name] for name in index["rows_cols"][kind])
+            want = [[1, n, len(rows), len(cols)] for n in PRUNED_COUNTS[kind]]
+            assert [list(a.shape) for a in attn[kind]] == entry["shapes"][kind] == want, (s, kind)
+            for a in attn[kind]:
+                np.testing.assert_allclose(a.sum(-1), 1.0, atol=1e-5)
+            figure = P.grid_figure(attn[kind], rows, cols, kind)
+            assert len([ax for ax in figure.axes if ax.images]) == sum(PRUNED_COUNTS[kind])  # empty cells: none
+        # the encoder's first layer reads the embeddings, which pruning leaves alone: its heads are the
+        # unpruned model's heads 0, 2 and 3, in that order
+        full_attn = A.collect_attention(full, entry["src_ids"], entry["tgt_out_ids"])
+        np.testing.assert_allclose(attn["encoder"][0][0], full_attn["encoder"][0][0, [0, 2, 3]], rtol=0, atol=1e-6)
+        assert (out / entry["pictures"]["cross"]).stat().st_size > 0
+    attn, entry = A.load_sentence(out, 1)
+    with pytest.raises(ValueError, match=r"bertviz needs the same number of heads.*encoder layers have \[3, 4\]"):
+        A.bertviz_args(attn, entry)
+    with pytest.raises(ValueError, match="one finite score per head of this model"):  # the unpruned table
+        A.dump_model(model, tokenizer, SENTENCES, tmp_path / "other", pictures=False,
+                     importance={ours: unpruned["kinds"][theirs]["importance"] for theirs, ours in
+                                 V.HEADS_KINDS.items()})
+    assert not (tmp_path / "other").exists()
+    assert "pruned to encoder [3, 4], decoder_self [4, 1], cross [3, 2] heads per layer" in \
+        (out / "viewer.html").read_text(encoding="utf-8")
+
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
+    page = out / "viewer.html"
+    browser = Chromium(CHROMIUM, tmp_path / "profile")
+    try:
+        browser.page("Network.enable")
+        browser.page("Page.enable")
+        browser.page("Emulation.setDeviceMetricsOverride", width=1200, height=900, deviceScaleFactor=1, mobile=False)
+        browser.page("Page.navigate", url=page.as_uri() + "#s=1&kind=decoder_self&layer=1&head=3&view=head")
+        browser.wait_event("Page.loadEventFired")
+        # head 3 of a layer that kept one head: the page shows the one head there is
+        browser.wait_js("document.body.dataset.rendered === '1/decoder_self/1/0'")
+        for kind in A.KINDS:
+            for layer, n in enumerate(PRUNED_COUNTS[kind]):  # the head menu offers exactly the layer's heads
+                browser.js(f"location.hash = 's=1&kind={kind}&layer={layer}&head=mean&view=head'")
+                browser.wait_js(f"document.body.dataset.rendered === '1/{kind}/{layer}/mean'")
+                options = browser.js("[...document.getElementById('head').options].map(o => o.value)")
+                assert options == ["mean"] + [str(h) for h in range(n)], (kind, layer)
+                cells = browser.js("[...document.querySelectorAll('td.cell:not(.blocked)')].map(td => "
+                                   "[+td.dataset.q, +td.dataset.k, parseFloat(td.title.split(': ').pop())])")
+                mean = attn[kind][layer][0].mean(0)  # (q, k): the mean over this layer's heads only
+                assert len(cells) > 0
+                for q, k, shown in cells:  # each cell's title gives its weight to 3 decimals
+                    assert abs(shown - mean[q, k]) <= 6e-4, (kind, layer, q, k)
+
+            browser.js(f"location.hash = 's=1&kind={kind}&view=model'")
+            browser.wait_js(f"document.body.dataset.rendered === '1/{kind}/model'")
+            rows = browser.js("""[...document.querySelectorAll('table.model tr')].slice(1).map(tr => ({
+                header: tr.querySelector('th').textContent,
+                thumbs: [...tr.querySelectorAll('td.thumb')].map(td => {
+                    const c = td.querySelector('canvas');
+                    const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                    return {layer: +td.dataset.layer, head: +td.dataset.head, w: c.width, h: c.height, rgba: [...px],
+                            score: td.querySelector('.score').textContent}; })}))""")
+            assert len(rows) == 2
+            header = browser.js("[...document.querySelectorAll('table.model tr')][0].querySelectorAll('th').length")
+            assert header == 1 + max(PRUNED_COUNTS[kind])  # a column per head of the fullest layer
+            theirs = {"encoder": "enc_self", "decoder_self": "dec_self", "cross": "cross"}[kind]
+            for layer, row in enumerate(rows):
+                n = PRUNED_COUNTS[kind][layer]
+                assert [(t["layer"], t["head"]) for t in row["thumbs"]] == [(layer, h) for h in range(n)], (kind, layer)
+                assert row["header"] == f"layer {layer} ({n} head{'s' if n > 1 else ''})"
+                for t in row["thumbs"]:
+                    weights = attn[kind][layer][0, t["head"]]  # (q, k)
+                    assert (t["h"], t["w"]) == weights.shape
+                    rgba = np.array(t["rgba"]).reshape(t["h"], t["w"], 4)
+                    blocked = np.triu(np.ones(weights.shape, dtype=bool), 1) if kind == "decoder_self" else \
+                        np.zeros(weights.shape, dtype=bool)
+                    assert (rgba[blocked] == [216, 216, 216, 255]).all()
+                    np.testing.assert_allclose(rgba[~blocked][:, 3] / 255, weights[~blocked], atol=0.6 / 255 + 1e-4)
+                    want = scores["kinds"][theirs]["importance"][layer][t["head"]]
+                    assert t["score"] == f"importance {want:.3f}"
+        assert [url.split("#")[0] for url in browser.requests()] == [page.as_uri()]
+    finally:
+        browser.close()

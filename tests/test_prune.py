@@ -129,3 +129,99 @@ def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(tiny_checkpo
     before = (out / "heads.json").read_bytes()
     assert main(argv) == 2 and "--force" in capsys.readouterr().err
     assert (out / "heads.json").read_bytes() == before
+
+
+# ---------------------------------------------------------------- a pruned checkpoint wherever a checkpoint goes
+
+PRUNED = {("enc_self", 1): [0, 3], ("dec_self", 0): [2], ("cross", 1): [0, 1, 2]}
+PRUNED_COUNTS = {"enc_self": [4, 2], "dec_self": [3, 4], "cross": [4, 1]}
+SENTENCES = ["Ein Hund.", "Eine Frau singt.", "Ein Mann läuft."]  # short: the model has max_len 20
+
+
+@pytest.fixture(scope="module")
+def pruned_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """A pruned random model (2 layers of 4 heads, some layers with fewer) with tiny_checkpoint's tokenizer."""
+    _, tok, meta = load_checkpoint(tiny_checkpoint)
+    model = tiny_model("fused", dtype=torch.float32, N=2, h=4, d_model=16, vocab=tok.vocab_size)
+    path = tmp_path_factory.mktemp("pruned") / "pruned.pt"
+    save_pruned(path, remove_heads(model, PRUNED), tok, meta)
+    return path
+
+
+def test_a_pruned_checkpoint_works_with_the_translator_the_equivalence_check_and_the_attention_dump(
+        pruned_checkpoint, tmp_path):
+    import io
+
+    import numpy as np
+
+    from annotated import attention_maps, translate
+    from annotated.equivalence import check_checkpoint
+
+    model, tok, _ = load_checkpoint(pruned_checkpoint)
+    assert read_checkpoint(pruned_checkpoint)["heads"] == head_counts(model) == PRUNED_COUNTS
+    sources = [tok.encode(s) for s in SENTENCES]
+    assert all(0 < len(ids) <= model.config.max_len for ids in sources)  # nothing is cut
+    want = [" ".join(tok.decode(translate_ids(model, [ids], 2, 0.6)[0]).splitlines()) for ids in sources]
+    assert any(want)  # the random model says something
+
+    # the translator, in process
+    out, err = io.BytesIO(), io.StringIO()
+    argv = ["--checkpoint", str(pruned_checkpoint), "--beam", "2", "--device", "cpu", *SENTENCES]
+    assert translate.main(argv, stdout=out, stderr=err) == 0, err.getvalue()
+    assert out.getvalue().decode("utf-8").splitlines() == want and err.getvalue() == ""
+
+    # python -m annotated.equivalence --checkpoint: the per-head conversion computes the same function
+    rows = check_checkpoint(str(pruned_checkpoint), sentences=8)
+    assert len(rows) == 3 and all(r.passed and r.cases == 8 for r in rows), [(r.check, r.notes) for r in rows]
+
+    # the attention dump: every layer's arrays hold that layer's heads
+    dump = attention_maps.dump(pruned_checkpoint, SENTENCES, tmp_path / "attention", pictures=False, beam_size=2)
+    index = attention_maps.read_index(dump)
+    ours = {"enc_self": "encoder", "dec_self": "decoder_self", "cross": "cross"}
+    assert index["head_counts"] == {ours[k]: v for k, v in PRUNED_COUNTS.items()}
+    assert [entry["translation"] for entry in index["sentences"]] == want
+    for i, entry in enumerate(index["sentences"]):
+        attn, _ = attention_maps.load_sentence(dump, i)
+        for theirs, kind in ours.items():
+            assert [a.shape[1] for a in attn[kind]] == PRUNED_COUNTS[theirs]
+            for a in attn[kind]:
+                np.testing.assert_allclose(a.sum(-1), 1.0, atol=1e-5)
+
+
+def test_head_counts_above_the_configs_h_are_refused_before_anything_is_built(tmp_path, monkeypatch):
+    import io
+
+    from annotated import checkpoint, heads, translate
+    from annotated.transformer import make_model
+
+    model = tiny_model("fused", dtype=torch.float32, N=1, h=2)
+    greedy = tmp_path / "greedy.pt"
+    save_checkpoint(greedy, model, None, {}, heads={"enc_self": [10**9], "dec_self": [2], "cross": [2]})
+    fine = tmp_path / "fine.pt"
+    save_pruned(fine, remove_heads(model, {("enc_self", 0): [0]}), None)
+    built, counted = [], []
+
+    def spy_make_model(*args, **kwargs):
+        built.append(torch.empty(0).device.type)  # "meta" while only shapes are worked out
+        return make_model(*args, **kwargs)
+
+    real_set_head_counts = heads.set_head_counts
+
+    def spy_set_head_counts(m, counts):
+        counted.append(next(m.parameters()).device.type)
+        return real_set_head_counts(m, counts)
+
+    monkeypatch.setattr(checkpoint, "make_model", spy_make_model)
+    monkeypatch.setattr(heads, "set_head_counts", spy_set_head_counts)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(greedy)
+    message = str(e.value)
+    assert str(greedy) in message and "head counts" in message and "h=2" in message and "\n" not in message
+    assert built == ["meta"] and counted == []  # only the meta-device shape check ran, and it stopped there
+    out, err = io.BytesIO(), io.StringIO()
+    assert translate.main(["--checkpoint", str(greedy), "Hallo"], stdout=out, stderr=err) == 2
+    assert err.getvalue() == f"translate: error: {message}\n" and out.getvalue() == b""
+    # the spies see a real build: a pruned checkpoint that fits is built once on the meta device, then for real
+    built.clear()
+    assert head_counts(load_checkpoint(fine)[0])["enc_self"] == [1]
+    assert built == ["meta", "cpu"] and counted == ["meta", "cpu"]

@@ -2,6 +2,13 @@ const DATA = JSON.parse(document.getElementById('attention-data').textContent);
 const state = {s: 0, kind: 'encoder', layer: 0, head: 0, view: 'head'};
 const COLOUR = '33, 102, 172';  // one hue; the weight is its opacity on white (the legend shows the scale)
 const $ = id => document.getElementById(id);
+// heads of one kind and layer: a pruned model keeps fewer in some layers
+const headsOf = (kind, layer) => DATA.head_counts[kind][layer];
+const mostHeads = kind => Math.max(...DATA.head_counts[kind]);
+
+function clampHead() {
+  if (state.head !== 'mean') state.head = Math.min(state.head, headsOf(state.kind, state.layer) - 1);
+}
 
 function readHash() {
   for (const part of location.hash.replace(/^#/, '').split('&')) {
@@ -13,7 +20,7 @@ function readHash() {
   }
   state.s = Math.min(state.s, DATA.sentences.length - 1);
   state.layer = Math.min(state.layer, DATA.layers - 1);
-  if (state.head !== 'mean') state.head = Math.min(state.head, DATA.heads - 1);
+  clampHead();
 }
 
 function writeHash() {
@@ -29,8 +36,6 @@ function buildControls() {
   DATA.sentences.forEach((s, i) => option($('sentence'), i, `${i}: ${s.source}`));
   DATA.kinds.forEach(k => option($('kind'), k, DATA.kind_names[k]));
   for (let l = 0; l < DATA.layers; l++) option($('layer'), l, `layer ${l}`);
-  option($('head'), 'mean', 'mean over heads');
-  for (let h = 0; h < DATA.heads; h++) option($('head'), h, `head ${h}`);
   option($('view'), 'head', 'one head');
   option($('view'), 'model', 'model view: every layer x head');
   for (const [id, key] of [['view', 'view'], ['sentence', 's'], ['kind', 'kind'], ['layer', 'layer'],
@@ -43,6 +48,14 @@ function buildControls() {
   }
 }
 
+function fillHeads() {  // the chosen layer's heads only
+  const sel = $('head'), n = headsOf(state.kind, state.layer);
+  if (sel.options.length === n + 1) return;
+  sel.replaceChildren();
+  option(sel, 'mean', 'mean over heads');
+  for (let h = 0; h < n; h++) option(sel, h, `head ${h}`);
+}
+
 function matrix(layer = state.layer, head = state.head) {
   const per = DATA.sentences[state.s].attn[state.kind][layer];
   if (head !== 'mean') return per[head];
@@ -51,7 +64,8 @@ function matrix(layer = state.layer, head = state.head) {
 
 function importance(layer, head) {  // Michel et al.'s score from heads.json, or null
   const table = DATA.importance && DATA.importance[state.kind];
-  return table && head !== 'mean' ? table[layer][head] : null;
+  const score = table && head !== 'mean' && table[layer] ? table[layer][head] : undefined;
+  return typeof score === 'number' ? score : null;
 }
 
 function labels() {
@@ -110,13 +124,15 @@ function thumbnail(layer, head) {
 function renderModel() {
   const table = document.createElement('table'); table.className = 'model';
   const top = table.insertRow(); top.appendChild(document.createElement('th'));
-  for (let h = 0; h < DATA.heads; h++) {
+  const most = mostHeads(state.kind), uneven = DATA.head_counts[state.kind].some(n => n !== most);
+  for (let h = 0; h < most; h++) {
     const th = document.createElement('th'); th.textContent = `head ${h}`; top.appendChild(th);
   }
   for (let l = 0; l < DATA.layers; l++) {
-    const tr = table.insertRow();
-    const th = document.createElement('th'); th.textContent = `layer ${l}`; tr.appendChild(th);
-    for (let h = 0; h < DATA.heads; h++) {
+    const tr = table.insertRow(), n = headsOf(state.kind, l);
+    const th = document.createElement('th'); tr.appendChild(th);
+    th.textContent = uneven ? `layer ${l} (${n} head${n === 1 ? '' : 's'})` : `layer ${l}`;
+    for (let h = 0; h < n; h++) {
       const td = tr.insertCell(); td.className = 'thumb'; td.dataset.layer = l; td.dataset.head = h;
       td.title = `layer ${l}, head ${h}: click to zoom`;
       td.appendChild(thumbnail(l, h));
@@ -127,6 +143,10 @@ function renderModel() {
       }
       td.addEventListener('click', () => { state.view = 'head'; state.layer = l; state.head = h; render(); });
     }
+    if (n < most) {  // the heads this layer does not have (pruned): one empty cell
+      const td = tr.insertCell(); td.className = 'gone'; td.colSpan = most - n;
+      td.title = `layer ${l} keeps ${n} of the model's ${DATA.heads} heads (pruned)`;
+    }
   }
   $('model').replaceChildren(table);
   $('importance').textContent = DATA.importance ? "importance: each head's score from heads.json " +
@@ -136,7 +156,7 @@ function renderModel() {
 }
 
 function render() {
-  writeHash();
+  clampHead(); fillHeads(); writeHash();
   $('view').value = state.view; $('sentence').value = state.s; $('kind').value = state.kind;
   $('layer').value = state.layer; $('head').value = state.head;
   const s = DATA.sentences[state.s], [rname, cname] = DATA.rows_cols[state.kind];
