@@ -22,7 +22,9 @@
 # * code cells are highlighted by **Pygments**, each labelled with its file and
 #   line range (and checked to be the file's text verbatim);
 # * figures come from `docs/figures.py`, drawn at build time, and sit after
-#   the prose they illustrate.
+#   the prose they illustrate;
+# * after the chapters, the part "Guides": the Markdown files of `GUIDES`,
+#   each an article titled by its first heading (section 4).
 #
 # Output: `docs/_build/index.html` and `docs/_build/figures/*.png` (and the
 # record `.docs-build.json` of what was written, section 6), with an
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import html
 import json
+import posixpath
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -74,6 +77,8 @@ READING_ORDER: tuple[str, ...] = (
     "checkpoint", "files", "cli", "options",                          # what the commands share
     "translate", "attention_maps", "attention_pictures", "attention_viewer",  # using a trained model
     "heads", "head_inspect", "prune", "heads_cli")
+GUIDES: tuple[str, ...] = (  # Markdown files, relative to the repository root, in page order
+    "docs/training.md", "docs/distributed.md", "docs/faults.md", "docs/heads.md", "benchmarks/README.md")
 DEFAULT_OUT = ROOT / "docs" / "_build"
 TITLE = "The Transformer, annotated"
 
@@ -256,11 +261,12 @@ def _where(env: dict, snippet: str) -> str:
     return f"{env['file']}:{line}"
 
 
-def make_markdown() -> MarkdownIt:
-    """CommonMark + tables + $math$; raw HTML in prose is escaped, not passed through."""
+def make_markdown(math: bool = True) -> MarkdownIt:
+    """CommonMark + tables (+ $math$ unless math=False); raw HTML in prose is escaped, not passed through."""
     md = MarkdownIt("commonmark", {"html": False, "highlight": lambda code, lang, attrs: highlight_code(code, lang)})
     md.enable("table")
-    dollarmath_plugin(md, allow_labels=False, allow_space=False, allow_digits=False)
+    if math:
+        dollarmath_plugin(md, allow_labels=False, allow_space=False, allow_digits=False)
 
     def math_inline(self, tokens, idx, options, env):
         return latex_to_mathml(tokens[idx].content, False, _where(env, tokens[idx].content))
@@ -305,10 +311,14 @@ class Page:
     headings: list[Heading] = field(default_factory=list)
     placed: list[str] = field(default_factory=list)  # figure names, in page order
 
-    def unique_id(self, base: str) -> str:
+    def free_id(self, base: str) -> str:
         candidate, n = base, 2
         while candidate in self.ids:
             candidate, n = f"{base}-{n}", n + 1
+        return candidate
+
+    def unique_id(self, base: str) -> str:
+        candidate = self.free_id(base)
         self.ids.add(candidate)
         return candidate
 
@@ -318,10 +328,12 @@ def _figure_slot(name: str) -> str:
 
 
 def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs.Figure],
-                 first_h1: bool) -> tuple[str, bool]:
-    """HTML of one prose cell (figures marked by slots); returns (html, whether the chapter id was used)."""
+                 first_h1: bool, md: Optional[MarkdownIt] = None) -> tuple[str, bool]:
+    """HTML of one prose cell (figures marked by slots); returns (html, whether the chapter id was used).
+    `md`: another renderer than the page's (the guides' has no math)."""
+    md = md or page.md
     env = {"file": rel, "line": cell.line, "source": cell.source}
-    tokens = page.md.parse(fence_doctests(cell.source), env)
+    tokens = md.parse(fence_doctests(cell.source), env)
     inserts: dict[int, list[str]] = {}
     open_headings = [i for i, t in enumerate(tokens) if t.type == "heading_open"]
     for n, i in enumerate(open_headings):
@@ -332,8 +344,7 @@ def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs
             anchor = page.unique_id(f"{chapter}-{slugify(text)}")
         tokens[i].attrSet("id", anchor)
         tokens[i + 2].meta["id"] = anchor  # heading_close, for the permalink
-        page.headings.append(Heading(level, page.md.renderer.renderInline(tokens[i + 1].children, page.md.options, env),
-                                     anchor))
+        page.headings.append(Heading(level, md.renderer.renderInline(tokens[i + 1].children, md.options, env), anchor))
         for fig in want:
             if fig.heading is not None and fig.name not in page.placed and text.startswith(fig.heading):
                 at = open_headings[n + 1] if n + 1 < len(open_headings) else len(tokens)
@@ -341,10 +352,10 @@ def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs
                 page.placed.append(fig.name)
     parts, start = [], 0
     for at in sorted(inserts):
-        parts.append(page.md.renderer.render(tokens[start:at], page.md.options, env))
+        parts.append(md.renderer.render(tokens[start:at], md.options, env))
         parts.extend(_figure_slot(name) for name in inserts[at])
         start = at
-    parts.append(page.md.renderer.render(tokens[start:], page.md.options, env))
+    parts.append(md.renderer.render(tokens[start:], md.options, env))
     return "".join(parts), not first_h1
 
 
@@ -378,10 +389,78 @@ def render_chapter(page: Page, name: str, path: Path, root: Path, want: list[fig
 
 
 def link_module_mentions(body: str, chapters: Sequence[str]) -> str:
-    """`annotated/<name>.py` in prose links to that chapter when it is on the page."""
+    """`annotated/<name>.py` in prose links to that chapter when it is on the page (not inside a link).
+
+    >>> link_module_mentions('<code>annotated/data.py</code> <a href="#x"><code>annotated/data.py</code></a>', ["data"])
+    '<a href="#data"><code>annotated/data.py</code></a> <a href="#x"><code>annotated/data.py</code></a>'
+    """
     def link(m: re.Match) -> str:
-        return f'<a href="#{m.group(2)}">{m.group(0)}</a>' if m.group(2) in chapters else m.group(0)
-    return re.sub(r"<code>(annotated/(\w+)\.py)</code>", link, body)
+        if m.group(1) or m.group(3) not in chapters:
+            return m.group(0)
+        return f'<a href="#{m.group(3)}">{m.group(0)}</a>'
+    return re.sub(r"(<a [^>]*>.*?</a>)|<code>(annotated/(\w+)\.py)</code>", link, body, flags=re.S)
+
+
+# %% [markdown]
+# ### Guides
+#
+# The long pages of the repository, Markdown files (`GUIDES`), follow the
+# chapters as articles of their own, through the prose's renderer without
+# math: their `$` are shell variables and prices (`$MULTI30K_URL`, `TEXT='Er
+# zahlt $5'`), never formulas. Each is titled by its first heading; its ids
+# start with `guide-` and the file's name. A link to another guide, a chapter
+# or a heading of either becomes a link within the page; any other link
+# (another file of the repository, the web) becomes its text, and an image
+# its alt text, since the page reaches nothing outside itself.
+
+# %%
+def guide_id(rel: str) -> str:
+    """'docs/faults.md' -> 'guide-faults'; 'benchmarks/README.md' -> 'guide-benchmarks'."""
+    path = Path(rel)
+    return "guide-" + slugify(path.parent.name if path.stem.lower() == "readme" else path.stem)
+
+
+def render_guide(page: Page, rel: str, root: Path, md: MarkdownIt) -> tuple[str, str]:
+    """(the article of one guide, its id); headings join page.headings."""
+    text = (root / rel).read_text(encoding="utf-8")
+    gid, first = page.free_id(guide_id(rel)), len(page.headings)
+    body, titled = render_prose(page, gid, Cell("markdown", text, 1, text.count("\n") + 1), rel, [], True, md)
+    source = f'<p class="source">Source: <code>{rel}</code>. <a href="#contents">Contents</a></p>\n'
+    if titled:
+        head, tail = body.split("</h1>\n", 1)
+        body = f"{head}</h1>\n{source}{tail}"
+    else:  # no "# Title": the file's name is the title
+        page.ids.add(gid)
+        page.headings.insert(first, Heading(1, f"<code>{rel}</code>", gid))
+        body = f'<h1 id="{gid}"><code>{rel}</code></h1>\n{source}{body}'
+    return f'<article class="guide">\n{body}</article>\n', gid
+
+
+_LINK = re.compile(r'<a href="([^"]*)"(?: title="[^"]*")?>(.*?)</a>|<img src="[^"]*" alt="([^"]*)"[^>]*>', re.S)
+
+
+def resolve_links(body: str, rel: str, targets: dict[str, str], ids: set[str]) -> str:
+    """The Markdown links of the file `rel`, as the page can follow them. `targets`: file (relative to the
+    root) -> id of its article or chapter; `ids`: the page's ids, for a link to a heading (`#...`).
+
+    >>> resolve_links('<a href="faults.md#data-annotateddatapy">D</a>, <a href="../README.md">R</a>, '
+    ...               '<a href="https://x.org/">W</a>, <img src="p.png" alt="P" />, <a href="#contents">C</a>',
+    ...               "docs/training.md", {"docs/faults.md": "guide-faults", "docs/training.md": "guide-training"},
+    ...               {"guide-faults-data-annotateddatapy", "contents"})
+    '<a href="#guide-faults-data-annotateddatapy">D</a>, R, W, P, <a href="#contents">C</a>'
+    """
+    def link(m: re.Match) -> str:
+        if m.group(3) is not None:  # an image: its alt text
+            return m.group(3)
+        path, _, fragment = html.unescape(m.group(1)).partition("#")
+        target = targets.get(posixpath.normpath(posixpath.join(posixpath.dirname(rel), path)) if path else rel)
+        if target is None:
+            return m.group(2)
+        heading = f"{target}-{slugify(fragment)}"
+        if fragment and heading not in ids and not path and fragment in ids:
+            return m.group(0)  # an id of the page itself, as `#contents`
+        return f'<a href="#{heading if fragment and heading in ids else target}">{m.group(2)}</a>'
+    return _LINK.sub(link, body)
 
 
 # %% [markdown]
@@ -395,6 +474,7 @@ body { margin: 0 auto; max-width: 58rem; padding: 1rem 1.5rem 5rem; color: #1f23
 h1, h2, h3, h4 { font-family: "DejaVu Sans", "Helvetica Neue", Arial, sans-serif; line-height: 1.25;
                  margin: 2.2em 0 0.6em; }
 h1 { font-size: 2rem; border-bottom: 2px solid #d0d7de; padding-bottom: 0.3em; }
+h1.part { font-size: 2.6rem; text-align: center; border: none; margin-top: 3em; }
 h2 { font-size: 1.45rem; } h3 { font-size: 1.15rem; }
 a { color: #0550ae; } a.anchor { color: #afb8c1; text-decoration: none; font-size: 0.8em; }
 h1:hover a.anchor, h2:hover a.anchor, h3:hover a.anchor { color: #0550ae; }
@@ -410,12 +490,13 @@ pre { background: #f6f8fa; padding: 0.7em 0.9em; overflow-x: auto; line-height: 
 math { font-size: 1.1em; } math[display="block"] { margin: 0.8em 0; overflow-x: auto; overflow-y: hidden; }
 table { border-collapse: collapse; margin: 1em 0; display: block; max-width: 100%; overflow-x: auto; }
 th, td { border: 1px solid #d0d7de; padding: 0.3em 0.6em; vertical-align: top; }
+td code { overflow-wrap: anywhere; }  /* a long test name may wrap, not squeeze the other columns */
 figure { margin: 1.5em 0; text-align: center; }
 figure img { max-width: 100%; height: auto; }
 figcaption { font-size: 0.9rem; color: #424a53; text-align: left; margin-top: 0.4em; }
 nav#contents { background: #f6f8fa; border: 1px solid #d0d7de; border-radius: 6px; padding: 0.5em 1.2em;
                font-family: "DejaVu Sans", Arial, sans-serif; font-size: 0.92rem; }
-nav#contents h2 { margin: 0.4em 0; font-size: 1.2rem; }
+nav#contents h2 { margin: 0.4em 0; font-size: 1.2rem; } nav#contents p.part { margin: 0.8em 0 0; font-weight: bold; }
 nav#contents ol { padding-left: 1.4em; margin: 0.2em 0; } nav#contents > ol > li { margin-top: 0.4em; }
 nav#contents ul { list-style: none; padding-left: 0.9em; margin: 0.1em 0; columns: 2 18rem; }
 footer { margin-top: 4em; color: #57606a; font-size: 0.85rem; }
@@ -428,7 +509,11 @@ CSP = "default-src 'none'; img-src 'self'; style-src 'unsafe-inline'"
 def _toc(headings: list[Heading]) -> str:
     items, chapter_open = [], False
     for hd in headings:
-        if hd.level == 1:
+        if hd.level == 0:  # a part (the guides): a list of its own
+            items.append(f'{"</ul></li>" if chapter_open else ""}</ol><p class="part"><a href="#{hd.id}">'
+                         f'{hd.text_html}</a></p><ol>')
+            chapter_open = False
+        elif hd.level == 1:
             if chapter_open:
                 items.append("</ul></li>")
             items.append(f'<li><a href="#{hd.id}">{hd.text_html}</a><ul>')
@@ -437,11 +522,11 @@ def _toc(headings: list[Heading]) -> str:
             items.append(f'<li><a href="#{hd.id}">{hd.text_html}</a></li>')
     if chapter_open:
         items.append("</ul></li>")
-    return "<ol>" + "".join(items).replace("<ul></ul>", "") + "</ol>"
+    return ("<ol>" + "".join(items) + "</ol>").replace("<ul></ul>", "").replace("<ol></ol>", "")
 
 
-def render_page(chapters_html: list[str], page: Page, appendix: str) -> str:
-    body = "".join(chapters_html) + appendix
+def render_page(chapters_html: list[str], page: Page) -> str:
+    body = "".join(chapters_html)
     for number, name in enumerate(page.placed, start=1):
         body = body.replace(_figure_slot(name), page.figure_html[name].replace("{number}", str(number)))
     return f"""<!DOCTYPE html>
@@ -456,8 +541,8 @@ def render_page(chapters_html: list[str], page: Page, appendix: str) -> str:
 </head>
 <body>
 <header>
-<p class="source">{GENERATED} from the modules in <code>annotated/</code>; edit those,
-not this page.</p>
+<p class="source">{GENERATED} from the modules in <code>annotated/</code> and the guides'
+Markdown files; edit those, not this page.</p>
 <nav id="contents"><h2>Contents</h2>
 {_toc(page.headings)}
 </nav>
@@ -553,6 +638,7 @@ class BuildResult:
     placed: dict[str, str]       # figure name -> chapter it was placed in ("appendix" if none)
     notes: list[str]             # for the console, never on the page
     removed: list[Path] = field(default_factory=list)  # files of the previous build this one no longer writes
+    guides: list[str] = field(default_factory=list)    # GUIDES rendered, in page order
 
 
 def chapter_list(root: Path, modules: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
@@ -586,9 +672,9 @@ def draw_figures(out: Path, ctx: figs.FigureContext, selected: Sequence[figs.Fig
 
 
 def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] = READING_ORDER,
-          checkpoint: Optional[Path | str] = "auto", copy_steps: int = 300, with_figures: bool = True,
-          progress: bool = True, say=print, overwrite: bool = False) -> BuildResult:
-    """Render the modules into out/index.html (+ out/figures/). Returns what was built.
+          guides: Sequence[str] = GUIDES, checkpoint: Optional[Path | str] = "auto", copy_steps: int = 300,
+          with_figures: bool = True, progress: bool = True, say=print, overwrite: bool = False) -> BuildResult:
+    """Render the modules, then the guides, into out/index.html (+ out/figures/). Returns what was built.
 
     `checkpoint`: "auto" uses runs/latest/best.pt or the newest runs/*/best.pt
     for the attention figure if one exists (else the copy task); a path uses
@@ -618,7 +704,7 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
     notes += ctx.notes
 
     page = Page(md, figure_html)
-    page.ids.update({"contents", "appendix-figures"} | {f"fig-{f.name}" for f in selected})
+    page.ids.update({"contents", "appendix-figures", "guides"} | {f"fig-{f.name}" for f in selected})
     chapters_html = []
     for name in chapters:
         chapters_html.append(render_chapter(page, name, root / "annotated" / f"{name}.py", root,
@@ -638,14 +724,23 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
             page.placed.append(f.name)
             placed[f.name] = "appendix"
         appendix += "</article>\n"
-    body = [link_module_mentions(c, chapters) for c in chapters_html]
+    present = [g for g in guides if (root / g).is_file()]
+    notes += [f"{g} does not exist: its guide is missing." for g in guides if g not in present]
+    if present:  # the part "Guides", after the chapters and their appendix
+        page.headings.append(Heading(0, "Guides", "guides"))
+        appendix += '<h1 class="part" id="guides">Guides</h1>\n'
+    guide_md = make_markdown(math=False)
+    articles = {g: render_guide(page, g, root, guide_md) for g in present}  # file -> (html, id)
+    targets = {**{f"annotated/{m}.py": m for m in chapters}, **{g: gid for g, (_, gid) in articles.items()}}
+    appendix += "".join(resolve_links(a, g, targets, page.ids) for g, (a, _) in articles.items())
+    body = [link_module_mentions(c, chapters) for c in chapters_html + [appendix]]
     index = out / "index.html"
-    atomic_write(index, render_page(body, page, appendix))
+    atomic_write(index, render_page(body, page))
     removed = [out / name for name in record["page"] if name not in writes and (out / name).is_file()]
     for stale in removed:  # recorded by an earlier build, not written by this one
         stale.unlink()
     write_manifest(out, {"page": writes, "notebooks": record["notebooks"]})
-    return BuildResult(index, chapters, missing, files, placed, notes, removed)
+    return BuildResult(index, chapters, missing, files, placed, notes, removed, present)
 
 
 # %% [markdown]
@@ -676,7 +771,8 @@ def build_notebook(module: str = "transformer", out: Path = DEFAULT_OUT, root: P
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = Parser(prog="python -m docs.build", name="docs",
-               description="Render annotated/*.py into docs/_build/index.html, or convert a chapter to a notebook.")
+               description="Render annotated/*.py and the guides (docs/*.md, benchmarks/README.md) into "
+                           "docs/_build/index.html, or convert a chapter to a notebook.")
     p.add_argument("--out", type=writable_dir, default=DEFAULT_OUT, help="output folder (default docs/_build)")
     p.add_argument("--checkpoint", default="auto",
                    help="checkpoint for the attention figure: auto (runs/latest/best.pt or newest "
@@ -708,7 +804,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for note in result.notes:
         print(f"note: {note}")
     print(f"wrote {result.index} ({len(result.chapters)} chapters: {', '.join(result.chapters)}; "
-          f"{len(result.figures)} figures)\nopen {result.index.resolve().as_uri()}")
+          f"{len(result.guides)} guides; {len(result.figures)} figures)\nopen {result.index.resolve().as_uri()}")
     return 0
 
 

@@ -43,10 +43,34 @@ def _text(fragment: str) -> str:
 
 
 def _chapter(page: str, name: str) -> str:
-    """The HTML of one chapter: from its <h1 id=name> to the next chapter."""
+    """The HTML of one chapter or guide: from its <h1 id=name> to the next article or part."""
     start = page.index(f'<h1 id="{name}"')
-    end = page.find('<article class="chapter">', start)
-    return page[start:end if end >= 0 else len(page)]
+    end = re.compile(r'<article |<h1 class="part"').search(page, start)
+    return page[start:end.start() if end else len(page)]
+
+
+def _guides(page: str) -> str:
+    """The HTML of the part "Guides"."""
+    return page[page.index('<h1 class="part" id="guides">'):page.index("</main>")]
+
+
+def _inline(text: str, kind: str) -> list:
+    """The inline tokens of one kind in a Markdown text (as the guides' renderer parses it)."""
+    tokens = B.make_markdown(math=False).parse(text)
+    return [c for t in tokens for c in (t.children or []) if c.type == kind]
+
+
+def _headings(text: str) -> list[tuple[str, str]]:
+    """(tag, text) of the h1 and h2 headings of a Markdown text."""
+    tokens = B.make_markdown(math=False).parse(text)
+    return [(t.tag, B._heading_text(tokens[i + 1])) for i, t in enumerate(tokens)
+            if t.type == "heading_open" and t.tag in ("h1", "h2")]
+
+
+def _toc(page: str) -> list[tuple[str, str]]:
+    """(id, text) of every entry of the table of contents, in order."""
+    nav = page[page.index('<nav id="contents">'):page.index("</nav>")]
+    return [(i, _text(t)) for i, t in re.findall(r'<a href="#([^"]+)">(.*?)</a>', nav)]
 
 
 # ---------------------------------------------------------------- the page's content
@@ -77,6 +101,124 @@ def test_missing_module_is_skipped_with_a_note_for_the_console_only(tmp_path):
     assert result.chapters[0] == "transformer" and result.skipped == ["no_such_module"]
     assert "annotated/no_such_module.py does not exist: its chapter is missing." in result.notes
     assert "no_such_module" not in result.index.read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------- the guides
+
+def test_guides_follow_the_chapters_with_their_headings_in_the_contents(site):
+    result, page = site
+    assert result.guides == [g for g in B.GUIDES if (ROOT / g).is_file()] and len(result.guides) >= 4
+    ids = re.findall(r' id="([^"]+)"', page)
+    assert len(ids) == len(set(ids))  # unique on the page
+    toc, positions = _toc(page), []
+    toc_ids = [i for i, _ in toc]
+    assert ("guides", "Guides") in toc and toc_ids.index("guides") > toc_ids.index(result.chapters[-1])
+    for rel in result.guides:
+        text = (ROOT / rel).read_text(encoding="utf-8")
+        headings, gid = _headings(text), B.guide_id(rel)
+        assert headings[0][0] == "h1" and len(headings) >= 2, rel
+        start = toc.index((gid, headings[0][1]))  # titled by the file's first heading
+        shown = toc[start:start + len(headings)]
+        assert [t for _, t in shown] == [t for _, t in headings], rel  # every h1/h2, in the file's order
+        assert all((i == gid or i.startswith(f"{gid}-")) and i in ids for i, _ in shown), shown
+        article = _chapter(page, gid)
+        assert f'<p class="source">Source: <code>{rel}</code>.' in article
+        positions.append(page.index(f'<h1 id="{gid}"'))
+    assert page.index(f'<h1 id="{result.chapters[-1]}"') < page.index('id="guides"') < positions[0]
+    assert positions == sorted(positions)  # in GUIDES order
+
+
+def test_links_between_guides_land_on_the_linked_article(site):
+    result, page = site
+    ids, followed = set(re.findall(r' id="([^"]+)"', page)), 0
+    for rel in result.guides:
+        article = _chapter(page, B.guide_id(rel))
+        for link in _inline((ROOT / rel).read_text(encoding="utf-8"), "link_open"):
+            path = link.attrGet("href").partition("#")[0]
+            target = os.path.normpath(os.path.join(os.path.dirname(rel), path))
+            if path and target in result.guides:
+                hrefs = re.findall(r'<a href="#(' + re.escape(B.guide_id(target)) + r'[^"]*)">', article)
+                assert hrefs and all(h in ids for h in hrefs), (rel, link.attrGet("href"))
+                followed += 1
+    assert followed >= 1  # docs/training.md links to faults.md
+    assert not re.search(r'<a href="(?!#)', _guides(page))  # no link leaves the page
+
+
+def test_dollars_in_guides_stay_text(site):
+    """`$MULTI30K_URL`, `TEXT='Er zahlt $5 für $HOME'`: shell, not math; the guides are rendered without it."""
+    result, page = site
+    guides = _guides(page)
+    assert "<math" not in guides
+    shown = {html.unescape(c) for c in re.findall(r"<code>(.*?)</code>", guides, re.S)}
+    spans = [c.content for rel in result.guides
+             for c in _inline((ROOT / rel).read_text(encoding="utf-8"), "code_inline") if "$" in c.content]
+    assert len(spans) >= 3 and "$MULTI30K_URL" in spans
+    assert [s for s in spans if s not in shown] == []  # each shown as written
+
+
+GUIDE_A = """# Alpha `guide`
+
+Costs `TEXT='Er zahlt $5'` and $x$ or $$y$$; see [b](b.md), [its part](b.md#part-two), [notes](../notes/README.md),
+[home](../README.md), [web](https://example.org/), [the model](../annotated/transformer.py),
+![a picture](https://example.org/p.png) and [top](#contents).
+
+## Part two
+
+```sh
+echo "$HOME"
+```
+"""
+GUIDE_B = "## Part two\n\nBack to [a](a.md \"title\").\n"
+GUIDE_NOTES = "# Notes\n\nSee [a's part](../docs/a.md#part-two).\n"
+
+
+@pytest.fixture(scope="module")
+def guide_site(tmp_path_factory):
+    """A repository with one module and three guides (one of four missing), built without figures."""
+    root = tmp_path_factory.mktemp("repo")
+    (root / "annotated").mkdir()
+    shutil.copy(ROOT / "annotated" / "transformer.py", root / "annotated" / "transformer.py")
+    for rel, text in (("docs/a.md", GUIDE_A), ("docs/b.md", GUIDE_B), ("notes/README.md", GUIDE_NOTES)):
+        (root / rel).parent.mkdir(exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
+    result = B.build(root / "out", root=root, modules=("transformer",), with_figures=False, progress=False,
+                     guides=("docs/a.md", "docs/missing.md", "docs/b.md", "notes/README.md"))
+    return result, result.index.read_text(encoding="utf-8")
+
+
+def test_guide_links_resolve_within_the_page_or_become_text(guide_site):
+    result, page = guide_site
+    assert result.guides == ["docs/a.md", "docs/b.md", "notes/README.md"]
+    assert "docs/missing.md does not exist: its guide is missing." in result.notes and "missing" not in page
+    toc = _toc(page)
+    assert toc[toc.index(("guides", "Guides")):] == [
+        ("guides", "Guides"), ("guide-a", "Alpha guide"), ("guide-a-part-two", "Part two"),
+        ("guide-b", "docs/b.md"), ("guide-b-part-two", "Part two"),  # no title: the file's name
+        ("guide-notes", "Notes")]
+    a, b, notes = (_chapter(page, i) for i in ("guide-a", "guide-b", "guide-notes"))
+    for href, text in (("guide-b", "b"), ("guide-b-part-two", "its part"), ("guide-notes", "notes"),
+                       ("transformer", "the model"), ("contents", "top")):
+        assert f'<a href="#{href}">{text}</a>' in a
+    assert '<a href="#guide-a">a</a>' in b and '<a href="#guide-a-part-two">a\'s part</a>' in notes
+    prose = _text(a)
+    for text in ("home", "web", "a picture"):  # not on the page: plain text
+        assert text in prose and f">{text}</a>" not in a
+    assert "<img" not in page and "example.org" not in page
+    # $ is text in the guides, in code and out of it
+    assert "<math" not in _guides(page) and "<code>TEXT='Er zahlt $5'</code>" in a and "$x$ or $$y$$" in prose
+    assert '<pre class="highlight"><code>' in a and 'echo "$HOME"' in html.unescape(_text(a))
+    ids = re.findall(r' id="([^"]+)"', page)
+    assert len(ids) == len(set(ids)) and set(re.findall(r'href="#([^"]+)"', page)) <= set(ids)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (.ci/run installs Debian's package)")
+def test_guide_page_in_headless_chromium(guide_site, tmp_path):
+    """A guide's web link and remote image stay off the network; every in-page link lands."""
+    result, _ = guide_site
+    report, requests, failed, log, _ = browse(result.index, tmp_path)
+    assert requests == [result.index.resolve().as_uri()] and not failed
+    assert report["guides"] == ["guide-a", "guide-b", "guide-notes"]
+    assert report["broken_links"] == [] and report["other_links"] == [] and report["images"] == []
 
 
 def files_under(path: Path) -> dict:
@@ -303,6 +445,7 @@ PAGE_REPORT = """(async () => {
     internal_links: hrefs.filter(h => h.startsWith('#')).length,
     broken_links: hrefs.filter(h => h.startsWith('#') && !document.getElementById(decodeURIComponent(h.slice(1)))),
     other_links: hrefs.filter(h => !h.startsWith('#')),
+    guides: [...document.querySelectorAll('article.guide > h1')].map(h => h.id),
   };
 })()"""
 
@@ -349,6 +492,7 @@ def test_page_in_headless_chromium(site, tmp_path):
     assert report["fraction_stacked"] is True  # numerator drawn above denominator: real math layout
     # internal links all land; there are no others
     assert report["internal_links"] > 50 and report["broken_links"] == [] and report["other_links"] == []
+    assert report["guides"] == [B.guide_id(g) for g in result.guides] != []  # the guides, their links checked too
     assert report["title"] == B.TITLE
     # the screenshot shows something
     pixels = matplotlib.image.imread(io.BytesIO(png), format="png")
