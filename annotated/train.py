@@ -228,6 +228,10 @@ def pick_device(name: Optional[str] = None) -> torch.device:
 #   `found_inf`, leaves parameters and moments untouched. The next read sees
 #   the count of skipped steps and stops the run with an error, before any
 #   checkpoint is written, so the last good one is kept;
+# * on a GPU the epoch's batches are copied once into page-locked ("pinned")
+#   host memory, so that each batch's copy to the GPU (`non_blocking=True`)
+#   is queued like a kernel; from ordinary memory CUDA first waits for the
+#   GPU's queue to drain;
 # * token-id checks live where ids are made (data, translator input), not in
 #   the model.
 #
@@ -420,6 +424,8 @@ def run_epoch(run: Run, state: RunState, stop: StopFlag) -> Optional[str]:
     cfg = run.cfg
     batches = data.make_batches(run.train_enc, cfg.max_tokens, shuffle=True, seed=cfg.seed + state.epoch,
                                 rank=run.rank, world_size=run.world, max_len=cfg.max_len)
+    if run.dev.type == "cuda":  # page-locked, so each batch's copy to the GPU is queued, not waited for
+        batches = [b.pin_memory() for b in batches]
     tokens = step_tokens(batches, cfg.accum, run.world, run.dev)  # N of each step: its batches on all ranks
     meter, run.epoch_loss, run.epoch_tokens, run.t_read = Meter(run.dev), 0.0, 0.0, time.perf_counter()
     run.model_for_step.train()

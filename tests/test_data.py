@@ -488,6 +488,14 @@ def test_padding_and_ntokens():
     assert b8.tgt.tolist() == [row + [PAD] * 4 for row in b.tgt.tolist()] and b8.ntokens == b.ntokens
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+def test_pinned_batches_hold_the_same_ids():
+    [b] = make_batches([([5, 6, 7], [8]), ([], [9, 10, 11])], 100)
+    pinned = b.pin_memory()
+    assert pinned.src.is_pinned() and pinned.tgt.is_pinned()
+    assert torch.equal(pinned.src, b.src) and torch.equal(pinned.tgt, b.tgt) and pinned.ntokens == b.ntokens
+
+
 def test_padding_never_passes_the_model_length():
     """With max_len given, padding stops at what the model reads: S <= max_len, decoder input T - 1 <= max_len."""
     encoded = [([4] * 10, [5] * 9), ([4] * 3, [5] * 2)]
