@@ -87,6 +87,16 @@ class Chromium:
     def page(self, method: str, **params) -> dict:
         return self.send(method, session=True, **params)
 
+    def open(self, url: str, width: int = 1200, height: int = 900,
+             domains: tuple[str, ...] = ("Network", "Page")) -> None:
+        """Watch `domains` (Network: every request is recorded), size the window, load `url` and wait for it."""
+        for domain in domains:
+            self.page(f"{domain}.enable")
+        self.page("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
+                  mobile=False)
+        self.page("Page.navigate", url=url)
+        self.wait_event("Page.loadEventFired")
+
     def wait_event(self, method: str, timeout: float = 60) -> dict:
         deadline = time.time() + timeout
         seen = [e for e in self.events if e["method"] == method]

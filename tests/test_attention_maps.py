@@ -432,11 +432,7 @@ def test_viewer_in_headless_chromium(full_dump, tmp_path):
     index = A.read_index(full_dump)
     browser = Chromium(binary, tmp_path / "profile")
     try:
-        browser.page("Network.enable")
-        browser.page("Page.enable")
-        browser.page("Emulation.setDeviceMetricsOverride", width=1200, height=900, deviceScaleFactor=1, mobile=False)
-        browser.page("Page.navigate", url=page.as_uri())
-        browser.wait_event("Page.loadEventFired")
+        browser.open(page.as_uri())
         assert browser.js("document.body.dataset.rendered") == "0/encoder/0/0"
 
         # every kind draws one cell per (query, key) and one token element per query and per key
@@ -579,11 +575,7 @@ def test_model_view_in_headless_chromium(checkpoints, tmp_path):
     page = out / "viewer.html"
     browser = Chromium(CHROMIUM, tmp_path / "profile")
     try:
-        browser.page("Network.enable")
-        browser.page("Page.enable")
-        browser.page("Emulation.setDeviceMetricsOverride", width=1200, height=900, deviceScaleFactor=1, mobile=False)
-        browser.page("Page.navigate", url=page.as_uri() + "#s=1&kind=cross&view=model")
-        browser.wait_event("Page.loadEventFired")
+        browser.open(page.as_uri() + "#s=1&kind=cross&view=model")
         browser.wait_js("document.body.dataset.rendered === '1/cross/model'")
         attn, entry = A.load_sentence(out, 1)
         for kind in A.KINDS:
@@ -691,11 +683,7 @@ def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer,
     page = out / "viewer.html"
     browser = Chromium(CHROMIUM, tmp_path / "profile")
     try:
-        browser.page("Network.enable")
-        browser.page("Page.enable")
-        browser.page("Emulation.setDeviceMetricsOverride", width=1200, height=900, deviceScaleFactor=1, mobile=False)
-        browser.page("Page.navigate", url=page.as_uri() + "#s=1&kind=decoder_self&layer=1&head=3&view=head")
-        browser.wait_event("Page.loadEventFired")
+        browser.open(page.as_uri() + "#s=1&kind=decoder_self&layer=1&head=3&view=head")
         # head 3 of a layer that kept one head: the page shows the one head there is
         browser.wait_js("document.body.dataset.rendered === '1/decoder_self/1/0'")
         for kind in A.KINDS:

@@ -454,12 +454,7 @@ def browse(index: Path, tmp: Path, width: int = 1000, height: int = 1300, scroll
     """Open the page; returns (report from PAGE_REPORT, request URLs, failed loads, log entries, PNG bytes)."""
     browser = Chromium(CHROMIUM, tmp / "profile", tmp / "chromium.log")
     try:
-        for domain in ("Network", "Page", "Runtime", "Log"):
-            browser.page(f"{domain}.enable")
-        browser.page("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
-                     mobile=False)
-        browser.page("Page.navigate", url=index.resolve().as_uri())
-        browser.wait_event("Page.loadEventFired")
+        browser.open(index.resolve().as_uri(), width, height, domains=("Network", "Page", "Runtime", "Log"))
         report = browser.page("Runtime.evaluate", expression=PAGE_REPORT, awaitPromise=True,
                               returnByValue=True)["result"]["value"]
         if scroll_to:
