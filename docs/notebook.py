@@ -15,7 +15,7 @@
 # * **Figures drawn by the chapter's own code.** A few cells plot what the code
 #   above them defines: the score variance with and without `sqrt(d_k)`, the
 #   masks, the positional encoding, and the attention of a copy-task model
-#   trained by `train_copy_task` (a few hundred steps, about 15 s on a CPU).
+#   trained by `train_copy_task` (300 steps, about 20 s on a CPU).
 # * **Executed at build time.** Each code cell runs in one fresh namespace, in
 #   order, as a kernel would run it; printed text, the value of a cell's last
 #   expression and every matplotlib figure are stored as the cell's outputs.
@@ -126,7 +126,7 @@ for i in (0, 2, 8, 32):
 ax2.set(xlabel="position", ylabel="PE"); ax2.legend()
 plt.show()''',
     "## 8. A first experiment: learning to copy": '''\
-# Figure: what a small copy model attends to. Trained here for 300 steps (about 15 s on a CPU).
+# Figure: what a small copy model attends to. Trained here for 300 steps (about 20 s on a CPU).
 import matplotlib.pyplot as plt
 copy_model = train_copy_task("fused", steps=300)
 src, tgt = copy_batch(1, 10, copy_model.config.src_vocab, torch.Generator().manual_seed(3))
