@@ -67,7 +67,7 @@ clean:
 
 # make translate TEXT="Ein Hund rennt über die Wiese."   (no TEXT: reads stdin, one sentence a line)
 # CHECKPOINT=runs/<run>/best.pt (default: runs/latest/best.pt, else the newest runs/*/best.pt);
-# ARGS="--beam 1" etc. for more (python -m annotated.translate --help).
+# ARGS="--beam 1" etc. for more (python -m annotated.decoding.translate --help).
 # TEXT and CHECKPOINT reach the command exactly as typed: `$(call quoted,NAME)` is the variable's unexpanded
 # value in single quotes (so `$5`, `$HOME`, spaces and `;` stay text), each ' written as '\''.
 CHECKPOINT ?=
@@ -75,12 +75,12 @@ TEXT       ?=
 quoted = '$(subst ','\'',$(value $(1)))'
 .PHONY: translate
 translate: $(SETUP)
-	$(PY) -m annotated.translate $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS) $(if $(value TEXT),$(call quoted,TEXT))
+	$(PY) -m annotated.decoding.translate $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS) $(if $(value TEXT),$(call quoted,TEXT))
 
-# make equivalence [CHECKPOINT=runs/<run>/best.pt]: the proof suite of annotated/equivalence.py;
+# make equivalence [CHECKPOINT=runs/<run>/best.pt]: the proof suite of annotated/proof/equivalence.py;
 # exits non-zero if any check fails.
 equivalence: $(SETUP)
-	$(PY) -m annotated.equivalence $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT))
+	$(PY) -m annotated.proof.equivalence $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT))
 
 # `make bench`: training-step and decoding speed against torch.nn.Transformer
 # (benchmarks/bench.py; ARGS='--sizes cpu --quick' etc.); writes benchmarks/results/<device>-<date>.json.
@@ -95,18 +95,18 @@ gpu-report: $(SETUP)
 	$(PY) benchmarks/gpu_report.py $(ARGS)
 
 # make attention [CHECKPOINT=runs/<run>/best.pt] [ARGS='--n 5' or ARGS='"Ein Hund rennt."']: dump, draw and
-# browse every attention weight (annotated/attention_maps.py); default: best.pt of the latest run, first 3 test
+# browse every attention weight (annotated/attention/dump.py); default: best.pt of the latest run, first 3 test
 # sentences; writes attention/ next to the checkpoint (index.json, sentence_*.npz, *.png, viewer.html).
 .PHONY: attention
 attention: $(SETUP)
-	$(PY) -m annotated.attention_maps $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
+	$(PY) -m annotated.attention.dump $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 # make heads [CHECKPOINT=runs/<run>/best.pt] [ARGS='--prune --threshold 0.5 --sentences 300']: per head,
 # importance, validation BLEU and loss without it, and its attention by relative position (python -m
-# annotated.heads --help); writes heads.json and pictures beside the checkpoint (--out elsewhere).
+# annotated.attention.heads --help); writes heads.json and pictures beside the checkpoint (--out elsewhere).
 .PHONY: heads
 heads: $(SETUP)
-	$(PY) -m annotated.heads $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
+	$(PY) -m annotated.attention.heads $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 # make docs: annotated/*.py rendered into docs/_build/index.html (math as MathML, figures drawn by the
 # modules' own code; offline). Attention figure from CHECKPOINT=..., else runs/latest/best.pt or the newest

@@ -1,6 +1,6 @@
 """Train a Transformer translator on Multi30k (or your own parallel text).
 
-A thin command line over `annotated.train.train`; see that module for the
+A thin command line over `annotated.training.train.train`; see that module for the
 recipe. Examples:
 
     python train_wmt.py                          # preset gpu if CUDA is available, else cpu
@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from annotated import cli
-from annotated.options import Parser, at_least, device, number, writable_dir
+from annotated.plumbing import interrupts as cli
+from annotated.plumbing.options import Parser, at_least, device, number, writable_dir
 
 
 def parse_args(argv=None):
@@ -74,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--dump-attention", type=at_least(0), metavar="N", default=0,
                    help="after training, dump the attention of the first N test sentences into RUN_DIR/attention "
-                        "(see annotated/attention_maps.py)")
+                        "(see annotated/attention/dump.py)")
     args = p.parse_args(argv)
     if args.resume and args.run_dir is None:
         p.error("--resume needs --run-dir (the run to continue)")
@@ -86,7 +86,7 @@ def parse_args(argv=None):
 
 def config_from_args(args, cuda: bool):
     """(preset name, TrainConfig): the preset, with every flag the user gave laid over it."""
-    from annotated.train import PRESETS
+    from annotated.training.train import PRESETS
     preset = args.preset or ("gpu" if cuda else "cpu")
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(PRESETS[preset])
                  if getattr(args, f.name, None) is not None}
@@ -94,15 +94,15 @@ def config_from_args(args, cuda: bool):
 
 
 def main(argv=None) -> int:
-    with cli.starting("train_wmt.py"):  # a Ctrl-C while the extensions load: one line, exit 130 (annotated.cli)
+    with cli.starting("train_wmt.py"):  # a Ctrl-C while the extensions load: one line, exit 130 (annotated.plumbing.interrupts)
         args = parse_args(argv)
         import sentencepiece  # noqa: F401
         import torch
         import torch.utils.tensorboard  # noqa: F401
 
-        from annotated.checkpoint import CheckpointError
-        from annotated.distributed import RankError
-        from annotated.train import TrainingError, train
+        from annotated.plumbing.checkpoint import CheckpointError
+        from annotated.training.distributed import RankError
+        from annotated.training.train import TrainingError, train
 
     run_dir = None
     try:
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
                        train_files=args.train_files, val_files=args.val_files, test_files=args.test_files,
                        empty_lines=args.empty_lines)
         if args.dump_attention and not result.get("interrupted") and result.get("run_dir"):
-            from annotated.attention_maps import dump
+            from annotated.attention.dump import dump
             out = dump(Path(result["test"]["best"]["checkpoint"]), n=args.dump_attention, data_url=args.data_url,
                        cache_dir=args.cache_dir)
             print(f"attention dump: {out}", flush=True)

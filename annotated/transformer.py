@@ -26,7 +26,7 @@
 #
 # The chapter assumes well-formed inputs: it keeps one-line `assert`s for its
 # own invariants and leaves the checking of what a user hands over to the
-# entry points (`annotated/checks.py`).
+# entry points (`annotated/plumbing/checks.py`).
 
 # %%
 from __future__ import annotations
@@ -39,6 +39,8 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from annotated.tokens import BOS, EOS, PAD
 
 # %% [markdown]
 # ## 1. Attention: a soft dictionary lookup
@@ -397,7 +399,7 @@ class PerHeadAttention(_Attention):
 # form exactly; the output is `Concat(heads) W_O = sum_i head_i W_O[i]`. QED.
 # `make equivalence` checks the block algebra symbolically for every size,
 # the real code's index moves exactly on integer tracers, and the whole
-# numerically (`annotated/equivalence.py`); in the tests, see
+# numerically (`annotated/proof/equivalence.py`); in the tests, see
 # `test_per_head_and_fused_agree`.
 
 # %%
@@ -462,8 +464,11 @@ BLOCKS = {"W_Q": (1, "d_k"), "W_K": (1, "d_k"), "W_V": (1, "d_v"), "W_O": (0, "d
           "b_Q": (0, "d_k"), "b_K": (0, "d_k"), "b_V": (0, "d_v")}
 
 
-def _like(src: _Attention, cls: type) -> _Attention:
-    dst = cls(src.d_model, src.h, src.d_k, src.d_v, src.bias, src.dropout)
+def empty_like(src: _Attention, cls: type | None = None, h: int | None = None) -> _Attention:
+    """A new attention of class `cls` (default: src's) with src's sizes, device, dtype and mode,
+    and `h` heads (default: src's); its parameters are placeholders for the caller to overwrite."""
+    cls, h = cls or type(src), h or src.h
+    dst = cls(src.d_model, h, src.d_k, src.d_v, src.bias, src.dropout)
     p = next(src.parameters())
     return dst.to(device=p.device, dtype=p.dtype).train(src.training)
 
@@ -473,7 +478,7 @@ def fuse(per_head: PerHeadAttention) -> FusedAttention:
     """PerHeadAttention -> FusedAttention with W = [W[1] | ... | W[h]] (W_O stacked by rows)."""
     if not isinstance(per_head, PerHeadAttention):
         raise TypeError(f"fuse expects a PerHeadAttention, got {type(per_head).__name__}")
-    fused = _like(per_head, FusedAttention)
+    fused = empty_like(per_head, FusedAttention)
     for name, (dim, _) in BLOCKS.items():
         if getattr(per_head, name) is not None:
             getattr(fused, name).copy_(torch.cat(list(getattr(per_head, name)), dim=dim))  # (d_model, h*d) ...
@@ -487,7 +492,7 @@ def split(fused: FusedAttention) -> PerHeadAttention:
     """FusedAttention -> PerHeadAttention: cut each matrix into its h blocks."""
     if not isinstance(fused, FusedAttention):
         raise TypeError(f"split expects a FusedAttention, got {type(fused).__name__}")
-    per_head = _like(fused, PerHeadAttention)
+    per_head = empty_like(fused, PerHeadAttention)
     for name, (dim, width) in BLOCKS.items():
         if getattr(fused, name) is not None:
             blocks = getattr(fused, name).split(getattr(fused, width), dim)  # h blocks
@@ -944,9 +949,6 @@ def rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
     step = max(step, 1)
     # lrate = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
-
-
-PAD, BOS, EOS = 0, 1, 2
 
 
 def copy_batch(batch_size: int, max_symbols: int, vocab: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -28,7 +28,7 @@
 # 3. on CUDA: the same in bf16 autocast, eagerly and under `torch.compile`,
 #    and the **model FLOPs utilisation** (MFU) against the GPU's peak.
 #
-# Sizes: the `cpu` and `gpu` presets of `annotated/train.py` and the paper's
+# Sizes: the `cpu` and `gpu` presets of `annotated/training/train.py` and the paper's
 # base model. The results go to a table on stdout and to
 # `benchmarks/results/<device>-<date>.json`, with the project's performance
 # targets beside the numbers (section 8).
@@ -65,17 +65,17 @@ if str(ROOT) not in sys.path:  # `python benchmarks/bench.py` runs from the repo
     sys.path.insert(0, str(ROOT))
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.cli import quiet_ctrl_c_while_starting  # noqa: E402
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting  # noqa: E402
     quiet_ctrl_c_while_starting("benchmarks/bench.py")
 
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from annotated import decoding  # noqa: E402
+from annotated.decoding import search as decoding  # noqa: E402
 from annotated import transformer as tf  # noqa: E402
-from annotated.train import PRESETS, TrainConfig, batch_loss, label_smoothed_loss, make_optimizer  # noqa: E402
-from annotated.transformer import (BOS, EOS, PAD, TransformerConfig, convert_model, make_model,  # noqa: E402
-                                   padding_mask)
+from annotated.training.train import PRESETS, TrainConfig, batch_loss, label_smoothed_loss, make_optimizer  # noqa: E402
+from annotated.tokens import BOS, EOS, PAD  # noqa: E402
+from annotated.transformer import TransformerConfig, convert_model, make_model, padding_mask  # noqa: E402
 
 # %% [markdown]
 # ## 1. Sizes and batches
@@ -868,10 +868,10 @@ def compile_speedups(rows: list[dict]) -> list[dict]:
 
 def host_syncs_per_step(size: Size, st: Settings) -> dict:
     """Synchronising operators per step of the real training step (`train.train_step`), counted over
-    `st.sync_steps` steps with `annotated.syncs.SyncCounter` (after one uncounted step)."""
-    from annotated.data import Batch
-    from annotated.syncs import SyncCounter
-    from annotated.train import Meter, train_step
+    `st.sync_steps` steps with `annotated.training.syncs.SyncCounter` (after one uncounted step)."""
+    from annotated.training.data import Batch
+    from annotated.training.syncs import SyncCounter
+    from annotated.training.train import Meter, train_step
 
     torch.manual_seed(st.seed)
     model = make_model(**size.model_config()).to(st.device).train()
@@ -947,8 +947,8 @@ def default_out_path(result: dict) -> Path:
 
 
 def write_json(result: dict, path: Path) -> None:
-    """Write atomically (`annotated.files.atomic_write`: a temporary file, then a rename)."""
-    from annotated.files import atomic_write
+    """Write atomically (`annotated.plumbing.files.atomic_write`: a temporary file, then a rename)."""
+    from annotated.plumbing.files import atomic_write
 
     atomic_write(path, json.dumps(result, indent=1) + "\n")
 
@@ -1028,5 +1028,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from annotated.cli import run_command
+    from annotated.plumbing.interrupts import run_command
     run_command(main, "benchmarks/bench.py")  # Ctrl-C: one line and exit code 130, not a traceback

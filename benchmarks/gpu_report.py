@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from annotated import cli  # noqa: E402
-from annotated.options import Parser, number  # noqa: E402
+from annotated.plumbing import interrupts as cli  # noqa: E402
+from annotated.plumbing.options import Parser, number  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     if "ddp" in args.parts:
         report["ddp"] = ddp_part(out_dir, stamp, report["gpus"])
     report["markdown"] = markdown(report)
-    from annotated.files import atomic_write
+    from annotated.plumbing.files import atomic_write
     out = args.out or out_dir / f"{stamp}.json"
     atomic_write(out, json.dumps(report, indent=1) + "\n")
     print(report["markdown"])

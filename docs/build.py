@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:  # `python docs/build.py` as well as `python -m do
     sys.path.insert(0, str(ROOT))
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.cli import quiet_ctrl_c_while_starting  # noqa: E402
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting  # noqa: E402
     quiet_ctrl_c_while_starting("docs/build.py")
 
 import jupytext  # noqa: E402
@@ -66,17 +66,18 @@ from pygments.formatters import HtmlFormatter  # noqa: E402
 from pygments.lexers import PythonLexer, get_lexer_by_name  # noqa: E402
 from pygments.util import ClassNotFound  # noqa: E402
 
-from annotated.checkpoint import CheckpointError  # noqa: E402
-from annotated.files import atomic_write  # noqa: E402
-from annotated.options import Parser, at_least, writable_dir  # noqa: E402
+from annotated.plumbing.checkpoint import CheckpointError  # noqa: E402
+from annotated.plumbing.files import atomic_write  # noqa: E402
+from annotated.plumbing.options import Parser, at_least, writable_dir  # noqa: E402
 from docs import figures as figs  # noqa: E402
 
-READING_ORDER: tuple[str, ...] = (
-    "transformer", "mha_convert", "equivalence", "proof_harness", "checks",  # the model; the proof of its two forms
-    "data", "decoding", "train", "distributed", "runs", "evaluate", "syncs",  # training a translator
-    "checkpoint", "files", "cli", "options",                          # what the commands share
-    "translate", "attention_maps", "attention_pictures", "attention_viewer",  # using a trained model
-    "heads", "head_inspect", "prune", "heads_cli")
+READING_ORDER: tuple[str, ...] = (  # paths under annotated/, without .py
+    "transformer", "tokens", "sites", "proof/torch_mha", "proof/equivalence", "proof/harness",  # the model; the proof
+    "training/data", "decoding/search", "training/train", "training/distributed", "training/runs",
+    "training/evaluate", "training/syncs",  # training a translator
+    "decoding/translate", "attention/dump", "attention/pictures", "attention/viewer",  # using a trained model
+    "attention/importance", "attention/profiles", "attention/prune", "attention/heads",
+    "plumbing/checks", "plumbing/checkpoint", "plumbing/files", "plumbing/interrupts", "plumbing/options")  # plumbing
 GUIDES: tuple[str, ...] = (  # Markdown files, relative to the repository root, in page order
     "docs/training.md", "docs/distributed.md", "docs/faults.md", "docs/heads.md", "benchmarks/README.md")
 DEFAULT_OUT = ROOT / "docs" / "_build"
@@ -391,14 +392,14 @@ def render_chapter(page: Page, name: str, path: Path, root: Path, want: list[fig
 def link_module_mentions(body: str, chapters: Sequence[str]) -> str:
     """`annotated/<name>.py` in prose links to that chapter when it is on the page (not inside a link).
 
-    >>> link_module_mentions('<code>annotated/data.py</code> <a href="#x"><code>annotated/data.py</code></a>', ["data"])
-    '<a href="#data"><code>annotated/data.py</code></a> <a href="#x"><code>annotated/data.py</code></a>'
+    >>> link_module_mentions('<code>annotated/training/data.py</code> <a href="#x"><code>annotated/training/data.py</code></a>', ["training/data"])
+    '<a href="#training/data"><code>annotated/training/data.py</code></a> <a href="#x"><code>annotated/training/data.py</code></a>'
     """
     def link(m: re.Match) -> str:
         if m.group(1) or m.group(3) not in chapters:
             return m.group(0)
         return f'<a href="#{m.group(3)}">{m.group(0)}</a>'
-    return re.sub(r"(<a [^>]*>.*?</a>)|<code>(annotated/(\w+)\.py)</code>", link, body, flags=re.S)
+    return re.sub(r"(<a [^>]*>.*?</a>)|<code>(annotated/([\w/]+)\.py)</code>", link, body, flags=re.S)
 
 
 # %% [markdown]
@@ -645,8 +646,10 @@ def chapter_list(root: Path, modules: Sequence[str]) -> tuple[list[str], list[st
     """(present modules in reading order, then unlisted ones alphabetically; missing; unlisted)."""
     present = [m for m in modules if (root / "annotated" / f"{m}.py").is_file()]
     missing = [m for m in modules if m not in present]
-    unlisted = sorted(p.stem for p in (root / "annotated").glob("*.py")
-                      if not p.stem.startswith("_") and p.stem not in modules)
+    unlisted = sorted(p.relative_to(root / "annotated").with_suffix("").as_posix()
+                      for p in (root / "annotated").rglob("*.py")
+                      if not p.stem.startswith("_") and p.relative_to(root / "annotated").with_suffix("").as_posix()
+                      not in modules)
     return present + unlisted, missing, unlisted
 
 
@@ -809,5 +812,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.cli import run_command
+    from annotated.plumbing.interrupts import run_command
     run_command(main, "docs/build.py")  # Ctrl-C: one line and exit code 130, not a traceback

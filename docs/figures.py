@@ -177,7 +177,7 @@ def draw_rate(ctx: FigureContext) -> tuple[MplFigure, str]:
 # ## Label smoothing
 #
 # Drawn with the training module's `smoothed_targets` and
-# `label_smoothed_loss` when `annotated/train.py` provides them; otherwise with
+# `label_smoothed_loss` when `annotated/training/train.py` provides them; otherwise with
 # the same definition written here, `q(k) = (1 - eps) [k = y] + eps / V`
 # (PyTorch's `label_smoothing`), and the caption says so.
 
@@ -185,9 +185,9 @@ def draw_rate(ctx: FigureContext) -> tuple[MplFigure, str]:
 def _smoothing_functions(ctx: FigureContext):
     """(targets(y, V, eps) -> (n, V), loss(logits (B, T, V), y (B, T), eps) -> sum, source note)."""
     try:
-        from annotated.train import label_smoothed_loss, smoothed_targets
+        from annotated.training.train import label_smoothed_loss, smoothed_targets
     except ImportError as e:
-        ctx.notes.append(f"label smoothing figure: annotated.train not importable ({e}); "
+        ctx.notes.append(f"label smoothing figure: annotated.training.train not importable ({e}); "
                          f"drawn with the formula in docs/figures.py")
 
         def smoothed_targets(target, vocab, eps):
@@ -248,7 +248,7 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
 # %%
 def find_checkpoint(root: Path) -> Optional[Path]:
     """The translator's default checkpoint (`latest_checkpoint` of root/runs), or None when there is none."""
-    from annotated.checkpoint import CheckpointError, latest_checkpoint
+    from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint
 
     try:
         return latest_checkpoint(root / "runs")
@@ -258,7 +258,7 @@ def find_checkpoint(root: Path) -> Optional[Path]:
 
 def copy_task_model(ctx: FigureContext) -> T.EncoderDecoder:
     """The copy-task model, trained once per version of transformer.py and number of steps."""
-    from annotated.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
     key = hashlib.sha256((ctx.root / "annotated" / "transformer.py").read_bytes()).hexdigest()[:16]
     cached = ctx.cache_dir / f"copy-{ctx.copy_steps}-{key}.pt" if ctx.cache_dir else None
@@ -338,7 +338,7 @@ def _checkpoint_sentence(path: Path, src_lang: str) -> str:
 
 
 def _checkpoint_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
-    from annotated.checkpoint import CheckpointError, load_checkpoint
+    from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
 
     model, tokenizer, meta = load_checkpoint(ctx.checkpoint)
     if tokenizer is None:
@@ -371,7 +371,7 @@ def _checkpoint_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
 
 def draw_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
     if ctx.checkpoint is not None:
-        from annotated.checkpoint import CheckpointError
+        from annotated.plumbing.checkpoint import CheckpointError
 
         try:
             return _checkpoint_attention(ctx)
@@ -393,5 +393,5 @@ FIGURES: tuple[Figure, ...] = (
     Figure("positional_encoding", "transformer", "Embeddings and positional encoding", draw_positional_encoding),
     Figure("rate", "transformer", "8. A first experiment: learning to copy", draw_rate),
     Figure("attention", "transformer", None, draw_attention),
-    Figure("label_smoothing", "train", "Label smoothing", draw_label_smoothing),
+    Figure("label_smoothing", "training/train", "Label smoothing", draw_label_smoothing),
 )

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from annotated import decoding
+from annotated.decoding import search as decoding
 from annotated import transformer as tf
-from annotated.train import TrainConfig, batch_loss
-from annotated.transformer import BOS, EOS, PAD
+from annotated.training.train import TrainConfig, batch_loss
+from annotated.tokens import PAD, BOS, EOS
 from benchmarks import bench
 
 # A tiny size: big enough vocabulary that the tied embedding table (2000 x 32

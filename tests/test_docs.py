@@ -502,8 +502,8 @@ def _panels(fig):
 
 def tiny_run(tmp_path, sentence: str) -> Path:
     """runs/r1/best.pt (a 1-layer model with a tokenizer) and a results.json whose first sample is `sentence`."""
-    data = pytest.importorskip("annotated.data", reason="annotated/data.py (the tokenizer) not written yet")
-    from annotated.checkpoint import save_checkpoint
+    data = pytest.importorskip("annotated.training.data", reason="annotated/training/data.py (the tokenizer) not written yet")
+    from annotated.plumbing.checkpoint import save_checkpoint
 
     words = ("zwei junge männer spielen fußball auf einer wiese ein hund läuft durch das hohe gras eine frau "
              "liest ein buch im park kinder bauen eine sandburg am strand der mann fährt fahrrad").split()
@@ -533,7 +533,7 @@ def test_text_from_data_stays_text_in_the_caption(tmp_path):
 
 
 def test_attention_figure_from_a_checkpoint(tmp_path):
-    from annotated.checkpoint import load_checkpoint
+    from annotated.plumbing.checkpoint import load_checkpoint
 
     sentence = "Zwei junge Männer spielen."
     _, tokenizer, _ = load_checkpoint(tiny_run(tmp_path, sentence))

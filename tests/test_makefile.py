@@ -28,9 +28,9 @@ def make(tmp_path: Path, target: str, *variables: str) -> list[str]:
 
 
 @pytest.mark.skipif(MAKE is None, reason="no `make` on PATH")
-@pytest.mark.parametrize("target, module", [("translate", "annotated.translate"),
-                                            ("attention", "annotated.attention_maps"), ("docs", "docs.build"),
-                                            ("heads", "annotated.heads"), ("equivalence", "annotated.equivalence")])
+@pytest.mark.parametrize("target, module", [("translate", "annotated.decoding.translate"),
+                                            ("attention", "annotated.attention.dump"), ("docs", "docs.build"),
+                                            ("heads", "annotated.attention.heads"), ("equivalence", "annotated.proof.equivalence")])
 def test_variables_reach_the_command_as_typed(target, module, tmp_path):
     argv = make(tmp_path, target, f"CHECKPOINT={HOSTILE_CHECKPOINT}", f"TEXT={HOSTILE_TEXT}")
     assert argv[:4] == ["-m", module, "--checkpoint", HOSTILE_CHECKPOINT]

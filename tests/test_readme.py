@@ -62,14 +62,14 @@ def test_local_links_exist():
 
 def test_every_cited_test_exists():
     defined = set()
-    for path in (ROOT / "tests").glob("test_*.py"):
+    for path in (ROOT / "tests").rglob("test_*.py"):
         defined |= set(re.findall(r"^(?:async )?def (test_\w+)", path.read_text(encoding="utf-8"), flags=re.M))
     for page in PAGES:
         cited = set(re.findall(r"\b(test_\w+)\b", page.read_text(encoding="utf-8")))
         # a test's name here is a sentence (`test_fully_masked_query_gives_zeros`), which tells it from a
         # data name (`test_2016_flickr`, the JSON key `test_bleu_lowercase`); `test_once_escaped_*` is a family
         cited = {c for c in cited if c.count("_") >= 3 and not c.endswith("_")}
-        missing = sorted(c for c in cited if c not in defined and not (ROOT / "tests" / f"{c}.py").exists())
+        missing = sorted(c for c in cited if c not in defined and not any((ROOT / "tests").rglob(f"{c}.py")))
         assert not missing, f"{page.relative_to(ROOT)} cites tests that do not exist: {missing}"
 
 

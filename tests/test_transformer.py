@@ -12,12 +12,11 @@ import pytest
 import torch
 
 import annotated.transformer as T
-from annotated.checks import check_attention_inputs, check_model_inputs, check_token_ids
-from annotated.decoding import beam_search, greedy
-from annotated.transformer import (
-    BOS, EOS, PAD, FusedAttention, PerHeadAttention, TransformerConfig, convert_model, fuse,
-    greedy_decode, make_model, padding_mask, split, subsequent_mask, target_mask,
-)
+from annotated.plumbing.checks import check_attention_inputs, check_model_inputs, check_token_ids
+from annotated.decoding.search import beam_search, greedy
+from annotated.tokens import PAD, BOS, EOS
+from annotated.transformer import (FusedAttention, PerHeadAttention, TransformerConfig, convert_model, fuse,
+                                   greedy_decode, make_model, padding_mask, split, subsequent_mask, target_mask)
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 

@@ -1,0 +1,667 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Looking at attention: dumps, pictures and a viewer
+#
+# The first chapter asked what queries, keys and values *do*. This chapter
+# lets you watch them on your own trained translator: for a few sentences it
+# saves every attention weight of every layer and head, draws them, and
+# writes one HTML page to browse them offline.
+#
+# ```sh
+# make attention                                   # best.pt of runs/latest, first 3 test sentences
+# python -m annotated.attention.dump --checkpoint runs/x/best.pt "Ein Hund rennt über die Wiese."
+# ```
+#
+# A Transformer translator has three kinds of attention, each with `N` layers
+# of `h` heads (a pruned model, `annotated/attention/prune.py`, keeps fewer heads in some
+# layers: `h` is then that layer's own count):
+#
+# | kind | queries | keys | shape per layer |
+# | --- | --- | --- | --- |
+# | `encoder` | source tokens | source tokens | `(1, h, S, S)` |
+# | `decoder_self` | target positions | target positions (masked) | `(1, h, T, T)` |
+# | `cross` | target positions | source tokens (the encoder output) | `(1, h, T, S)` |
+#
+# `annotated/attention/pictures.py` draws the pictures and explains how to read
+# them; `annotated/attention/viewer.py` makes the page. Every claim that can be checked
+# is checked in `tests/attention/test_dump.py` (test names in parentheses).
+
+# %%
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("python -m annotated.attention.dump")
+
+import numpy as np
+import torch
+
+from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figure, save_figure
+from annotated.attention.viewer import HEADS_KINDS, importance_fits, read_head_importance, viewer_html
+from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from annotated.decoding.search import translate_ids
+from annotated.plumbing.files import new_file_mode
+from annotated.sites import head_counts
+from annotated.plumbing.options import Parser, at_least, device, writable_dir
+from annotated.tokens import PAD, BOS, EOS
+from annotated.transformer import EncoderDecoder, padding_mask, subsequent_mask
+
+
+KINDS = ("encoder", "decoder_self", "cross")
+FORMAT = "annotated-attention-v1"
+
+# %% [markdown]
+# ## 1. Which tokens are the rows and the columns
+#
+# An attention weight `p[0, i, q, k]` says how much query position `q` of
+# head `i` takes from key position `k`; every row `p[0, i, q, :]` is a
+# probability distribution (non-negative, sums to one). The pictures are only
+# honest if the labels on each axis are exactly the tokens at those
+# positions, so here they are, for a source `x_1 ... x_S` and a translation
+# `y_1 ... y_n` (the model's own output, as `make translate` prints it,
+# `eos` included when it was produced):
+#
+# * **source tokens** (`src_tokens`, length `S`): the subwords of the
+#   sentence, `x_1 ... x_S`; the source carries no `bos`/`eos` (as in
+#   training).
+# * **decoder input** (`tgt_in_tokens`, length `T = n`): `<s> y_1 ... y_{n-1}`,
+#   what the decoder *reads*; position `t` reads `tgt_in_tokens[t]`.
+# * **decoder output** (`tgt_out_tokens`, length `T = n`): `y_1 ... y_n`, what
+#   position `t` *produces*. The last output is `</s>` when the model stopped
+#   by itself; `</s>` is never read.
+#
+# So the rows and columns of each kind are:
+#
+# * `encoder`: rows and columns `src_tokens`.
+# * `decoder_self`: rows and columns `tgt_in_tokens` (the diagonal is "a
+#   position looking at itself").
+# * `cross`: rows `tgt_out_tokens`, columns `src_tokens`. Row `t` is the
+#   decoder position that reads `tgt_in_tokens[t]` and produces
+#   `tgt_out_tokens[t]`; labelling it by what it produces gives the classic
+#   alignment picture of Bahdanau et al. (2015): "to write *dog*, the model
+#   looked at *Hund*".
+#
+# `index.json` records this table (`rows_cols`: kind -> [row tokens, column
+# tokens]) and every sentence's three token lists, so any reader labels the
+# arrays correctly; bertviz, which labels decoder positions by their input,
+# gets `tgt_in_tokens` (section 4). (`test_dump_files_and_index` checks that
+# every array's shape matches its two token lists.)
+
+# %%
+ROWS_COLS = {"encoder": ("src_tokens", "src_tokens"),
+             "decoder_self": ("tgt_in_tokens", "tgt_in_tokens"),
+             "cross": ("tgt_out_tokens", "src_tokens")}
+
+
+def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
+    """Subword strings for `ids`, with the special ids spelled `<pad>`, `<s>`, `</s>`."""
+    specials = {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}
+    plain = [i for i in ids if i not in specials]
+    pieces = iter(tokenizer.pieces(plain) if plain else [])
+    return [specials[i] if i in specials else next(pieces) for i in ids]
+
+
+# %% [markdown]
+# ## 2. One teacher-forced pass collects everything
+#
+# The decoder (section 3) produces the translation one token at a time. To get
+# its attention we do not record anything during decoding and we keep no state on
+# the modules: we run the model **once more**, teacher-forced, on the finished
+# translation, and keep the probabilities that `encode_with_attention` and
+# `decode_with_attention` hand back.
+#
+# This gives exactly the weights the model used while translating: under the
+# causal mask position `t` sees the same inputs `<s> y_1 ... y_{t-1}` in both
+# runs, so its attention row is the same (the cached decoder equals the full
+# recomputation, `test_cached_decoding_equals_full_recomputation` in the first
+# chapter). A beam search keeps several prefixes, but the one it returns was
+# extended one token at a time like any other, so the same holds.
+# `test_rows_are_the_steps_of_greedy_decoding` checks it row by row against
+# the incremental decoder, and, for greedy decoding, that position `t`'s
+# logits pick `tgt_out_tokens[t]`. (`test_shapes_rows_and_masks` checks that every row
+# sums to one and that the decoder's future is exactly zero.)
+#
+# `tgt_ids` may be any target, not only the model's output (for instance a
+# reference translation followed by `EOS`): the pass feeds `BOS + tgt_ids[:-1]`
+# and its `T = len(tgt_ids)` rows are the positions that predict `tgt_ids`.
+
+# %%
+def _check_ids(name: str, ids: Sequence[int], vocab: int, max_len: int, allow_pad: bool) -> list[int]:
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError(f"{name} is empty: need at least one token")
+    if len(ids) > max_len:
+        raise ValueError(f"{name} has {len(ids)} tokens, more than the model's max_len={max_len}")
+    bad = [i for i in ids if not 0 <= i < vocab or (i == PAD and not allow_pad)]
+    if bad:
+        raise ValueError(f"{name} holds ids outside [0, {vocab})"
+                         f"{'' if allow_pad else f' or the pad id {PAD} (it would be masked)'}: {bad[:5]}")
+    return ids
+
+
+@torch.no_grad()
+def collect_attention(model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Sequence[int], *,
+                      dtype=np.float32) -> dict:
+    """Every attention weight of one sentence pair, from one teacher-forced pass.
+
+    Returns {"encoder": [...], "decoder_self": [...], "cross": [...]}, each a
+    list with one numpy array per layer (layer 0 nearest the embeddings) of
+    shape (1, h, S, S), (1, h, T, T) and (1, h, T, S), T = len(tgt_ids), h = that
+    attention's number of heads (fewer in the pruned layers of a pruned model).
+
+    >>> from annotated.transformer import make_model
+    >>> _ = torch.manual_seed(0)
+    >>> m = make_model(src_vocab=20, tgt_vocab=20, N=2, d_model=16, d_ff=32, h=4).eval()
+    >>> a = collect_attention(m, [5, 6, 7], [8, 9, EOS])
+    >>> [(k, len(a[k]), a[k][0].shape) for k in KINDS]
+    [('encoder', 2, (1, 4, 3, 3)), ('decoder_self', 2, (1, 4, 3, 3)), ('cross', 2, (1, 4, 3, 3))]
+    >>> a["decoder_self"][0][0, 0].round(3).tolist()[0]  # <s> can only look at itself
+    [1.0, 0.0, 0.0]
+    """
+    if model.training:
+        raise ValueError("collect_attention needs the model in eval mode (call model.eval()): "
+                         "dropout would change the weights")
+    cfg = model.config
+    src_ids = _check_ids("source", src_ids, cfg.src_vocab, cfg.max_len, allow_pad=False)
+    # an untrained model may emit pad or bos as words; the pass feeds them back exactly as greedy did
+    tgt_ids = _check_ids("target", tgt_ids, cfg.tgt_vocab, cfg.max_len, allow_pad=True)
+    device = next(model.parameters()).device
+    src = torch.tensor([src_ids], dtype=torch.long, device=device)  # (1, S)
+    tgt_in = torch.tensor([[BOS] + tgt_ids[:-1]], dtype=torch.long, device=device)  # (1, T)
+    src_mask = padding_mask(src, PAD)  # (1, 1, S)
+    tgt_mask = subsequent_mask(tgt_in.size(1)).to(device)  # (1, T, T)
+    memory, enc = model.encode_with_attention(src, src_mask)  # (1, S, d_model), N x (1, h, S, S)
+    _, dec_self, cross = model.decode_with_attention(memory, src_mask, tgt_in,
+                                                     tgt_mask)  # N x (1, h, T, T), N x (1, h, T, S)
+    wide = torch.float64 if np.dtype(dtype) == np.float64 else torch.float32
+
+    def to_numpy(probs):
+        return [p.detach().to("cpu", wide).numpy().astype(dtype, copy=False) for p in probs]
+
+    return {"encoder": to_numpy(enc), "decoder_self": to_numpy(dec_self), "cross": to_numpy(cross)}
+
+
+# %% [markdown]
+# ## 3. Translating, and what counts as bad input
+#
+# The translation is the translator's: `translate_ids` of
+# `annotated/decoding/search.py` with `make translate`'s settings (beam search of
+# width 4, length penalty 0.6; `--beam 1` is greedy), at most 50 tokens longer
+# than the source and never longer than the model's positional table, so the
+# viewer and the translator show the same sentence
+# (`test_the_dump_translates_as_the_translator_does`). `translate_ids` returns
+# the ids before `eos`; a translation shorter than its limit stopped at `eos`,
+# which is put back: the position that produced it is a row of the pictures
+# too. (Training's tensorboard picture, section 6, decodes greedily: it is
+# drawn every epoch, and the cheapest search shows the alignment as well.)
+#
+# A sentence is rejected, before anything is computed or written, when it is
+# empty (nothing to look at) or longer than the model's `max_len` subwords
+# (the model has no position for the rest; truncating would show attention on
+# a sentence nobody typed).
+
+# %%
+def encode_sentence(tokenizer, sentence: str, max_len: int, name: str = "sentence") -> list[int]:
+    """Source subword ids of `sentence`, or a ValueError naming what is wrong with it."""
+    if not isinstance(sentence, str) or not sentence.strip():
+        raise ValueError(f"{name} is empty")
+    ids = tokenizer.encode(sentence)
+    if not ids:
+        raise ValueError(f"{name} encodes to no subwords: {sentence!r}")
+    if len(ids) > max_len:
+        short = sentence if len(sentence) <= 60 else sentence[:57] + "..."
+        raise ValueError(f"{name} has {len(ids)} subwords, more than the model's max_len={max_len}: {short!r}")
+    return ids
+
+
+@torch.no_grad()
+def translate_sentence(model: EncoderDecoder, src_ids: Sequence[int], beam_size: int = 4,
+                       length_penalty: float = 0.6, max_extra: int = 50) -> list[int]:
+    """What `make translate` prints for `src_ids`, as ids y_1 ... y_n (eos kept when the search stopped there)."""
+    ids = translate_ids(model, [list(src_ids)], beam_size, length_penalty, max_extra=max_extra)[0]
+    limit = min(model.config.max_len, len(src_ids) + max_extra)
+    return ids + [EOS] if len(ids) < limit else ids
+
+
+@torch.no_grad()
+def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: int = 50) -> list[int]:
+    """The model's greedy output ids y_1 ... y_n (eos kept when produced, nothing after it)."""
+    from annotated.decoding import search as decoding
+
+    device = next(model.parameters()).device
+    src = torch.tensor([list(src_ids)], dtype=torch.long, device=device)  # (1, S)
+    max_len = min(model.config.max_len, len(src_ids) + max_extra)
+    row = decoding.greedy(model, src, padding_mask(src, PAD), max_len)[0].tolist()  # (<= max_len,)
+    return row[:row.index(EOS) + 1] if EOS in row else row  # no eos: no pad either (greedy pads after eos)
+
+
+# %% [markdown]
+# ## 4. On disk: `.npz` arrays, a JSON index, and the bertviz layout
+#
+# A dump directory holds, for sentence `i`:
+#
+# * `sentence_{i:03d}.npz` with arrays `encoder_layer0 ... encoder_layer{N-1}`,
+#   `decoder_self_layer0 ...`, `cross_layer0 ...`, each `(1, h, q, k)`
+#   (axes: batch of one, head, query, key), `h` that layer's own number of
+#   heads;
+# * PNG pictures (`annotated/attention/pictures.py`);
+#
+# and once: `index.json` (the tokens and ids on both sides of every sentence,
+# the shapes of every layer's array, the row/column token lists of each kind,
+# the layer and head order, the number of heads of every kind and layer
+# (`head_counts`; `heads` is the config's `h`, the most any attention has), the
+# checkpoint path and its model config, the translations) and
+# `viewer.html` (`annotated/attention/viewer.py`).
+#
+# Head `i` is the model's head `i`: `W_Q[i]` of `PerHeadAttention`, column
+# block `i` of `FusedAttention`'s `W_Q`. Since the two forms are the same
+# function (first chapter, section 4), a per-head model and its fused
+# conversion give the same dump (`test_per_head_and_fused_give_identical_dumps`).
+#
+# **A pruned model.** After `annotated/attention/prune.py` removed heads, an attention
+# keeps `h' < h` of them, numbered `0 ... h'-1` in their original order (the
+# removed heads leave no gap, as in the pruned checkpoint's parameters). The
+# arrays of such a layer are `(1, h', q, k)`, `head_counts` lists every
+# layer's `h'`, the pictures leave the missing heads' cells empty, and the
+# viewer offers each layer only its own heads
+# (`test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads`).
+#
+# **bertviz.** `head_view` and `model_view` of bertviz take, per kind, a
+# sequence with one tensor per layer of shape `(1, h, q, k)`, plus
+# `encoder_tokens` and `decoder_tokens` (the decoder's *input* tokens). That is
+# exactly how the arrays are stored, so `bertviz_args` is a rearrangement:
+#
+# ```python
+# from bertviz import head_view                                   # pip install bertviz
+# attn, entry = load_sentence("runs/latest/attention", 0)
+# head_view(**bertviz_args(attn, entry))
+# ```
+#
+# (`test_bertviz_layout` checks the shapes, the order and the token counts the
+# way bertviz's own checks do, without installing it.) bertviz stacks the
+# layers of a kind into one tensor, so it needs the same number of heads in
+# every layer: for a pruned model whose layers differ, `bertviz_args` says so
+# instead of handing bertviz arrays it cannot stack.
+
+# %%
+def array_name(kind: str, layer: int) -> str:
+    """`encoder_layer0`, `cross_layer5`, ...: the name of one layer's array in a sentence file."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return f"{kind}_layer{layer}"
+
+
+def load_sentence(out_dir: os.PathLike | str, i: int) -> tuple[dict, dict]:
+    """(arrays {kind: [per-layer (1, h, q, k)]}, index entry) of sentence `i` of a dump."""
+    out_dir = Path(out_dir)
+    index = read_index(out_dir)
+    if not 0 <= i < len(index["sentences"]):
+        raise ValueError(f"{out_dir} holds sentences 0..{len(index['sentences']) - 1}, not {i}")
+    entry = index["sentences"][i]
+    with np.load(out_dir / entry["file"]) as f:
+        attn = {k: [f[array_name(k, layer)] for layer in range(index["layers"])] for k in KINDS}
+    return attn, entry
+
+
+def read_index(out_dir: os.PathLike | str) -> dict:
+    path = Path(out_dir) / "index.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file (not an attention dump?)")
+    index = json.loads(path.read_text(encoding="utf-8"))
+    if index.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an attention index (expected format {FORMAT!r})")
+    return index
+
+
+def bertviz_args(attn: dict, entry: Optional[dict] = None) -> dict:
+    """Keyword arguments for bertviz's `head_view(**...)` / `model_view(**...)`.
+
+    Per kind a tuple of per-layer torch tensors (1, h, q, k), under bertviz's
+    names; with an index `entry`, also `encoder_tokens` and `decoder_tokens`.
+    ValueError when the layers of a kind have different numbers of heads (bertviz stacks them).
+    """
+    for kind in KINDS:
+        counts = [np.shape(a)[1] for a in attn[kind]]
+        if len(set(counts)) > 1:
+            raise ValueError(f"bertviz needs the same number of heads in every layer, but the {kind} layers have "
+                             f"{counts} heads (a pruned model); show it with viewer.html instead")
+    out = {"encoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["encoder"]),
+           "decoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["decoder_self"]),
+           "cross_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["cross"])}
+    if entry is not None:
+        out.update(encoder_tokens=list(entry["src_tokens"]), decoder_tokens=list(entry["tgt_in_tokens"]))
+    return out
+
+
+# %% [markdown]
+# ## 5. Writing a dump, all or nothing
+#
+# A dump is written into a fresh temporary directory next to the target and
+# renamed into place only when every file is complete; an error on the way
+# removes the temporary directory, so a reader never finds half a dump.
+#
+# The target may be missing, an empty directory, or **one of our dumps**,
+# which is replaced (renamed aside, then deleted). A dump is recognised
+# positively: its `index.json` carries our format marker, and every entry of
+# the directory is a plain file that the index names and that has the name of
+# a dump's file (`index.json`, `viewer.html`, `sentence_000.npz`, its
+# pictures). Anything else, a
+# file, a link, a folder holding one file of the user's, is refused with one
+# line before anything is computed, and left untouched.
+# (`test_failed_dump_leaves_nothing`, `test_out_dir_that_is_not_our_dump_is_refused_untouched`.)
+
+# %%
+DUMP_FILE = re.compile(r"index\.json|viewer\.html|sentence_\d{3,}(\.npz|_(encoder|decoder_self|cross|alignment|"
+                       r"alignment_heads)\.png)")  # every name a dump writes
+
+
+def not_a_dump(out_dir: os.PathLike | str) -> Optional[str]:
+    """Why `out_dir` may not be replaced by a dump, or None (missing, empty, or a dump of ours)."""
+    out_dir = Path(out_dir)
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        return "it is not a directory" if not out_dir.is_symlink() else "it is a symbolic link"
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        return None
+    try:
+        index = json.loads((out_dir / "index.json").read_text(encoding="utf-8"))
+        ours = {"index.json", index.get("viewer") or "viewer.html"}
+        for entry in index["sentences"]:
+            ours |= {entry["file"], *(entry.get("pictures") or {}).values()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return "it has no readable index.json of an attention dump"
+    if index.get("format") != FORMAT:
+        return f"its index.json does not carry the format {FORMAT!r}"
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in ours or not DUMP_FILE.fullmatch(p.name)
+                     or p.is_symlink() or not p.is_file())
+    return f"it holds {foreign[0]!r}, which is no file of a dump" if foreign else None
+
+
+def check_output_dir(out_dir: os.PathLike | str) -> None:
+    """ValueError naming the fix when `out_dir` is neither missing, empty, nor one of our dumps."""
+    why = not_a_dump(out_dir)
+    if why:
+        raise ValueError(f"{out_dir} exists and is not an attention dump ({why}); it was left untouched: "
+                         f"choose another --out, or move it away yourself")
+
+
+@contextlib.contextmanager
+def staged_directory(out_dir: os.PathLike | str):
+    """Yield a temporary directory that becomes `out_dir` only if the block succeeds."""
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        yield tmp
+        os.chmod(tmp, new_file_mode(0o777))  # mkdtemp's 0o700 -> what mkdir would give
+        check_output_dir(out_dir)  # still missing, empty or ours after the work
+        old = None
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+            os.replace(out_dir, old)  # an empty directory may be replaced by a rename
+        os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _pretty_json(value, indent: str = "") -> str:
+    """JSON with one key per line but lists of plain values (ids, tokens, shapes) on one line."""
+    inner = indent + " "
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(str(k))}: {_pretty_json(v, inner)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        return "[\n" + ",\n".join(inner + _pretty_json(v, inner) for v in value) + "\n" + indent + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _json_safe(value):
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        if isinstance(value, dict):
+            return {str(k): _json_safe(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [_json_safe(v) for v in value]
+        return repr(value)
+
+
+def _pictures(tmp: Path, stem: str, attn: dict, entry: dict) -> dict:
+    files = {}
+    for kind in KINDS:
+        rows, cols = (entry[name] for name in ROWS_COLS[kind])
+        fig = grid_figure(attn[kind], rows, cols, kind, title=f"{stem}, ", axis_names=ROWS_COLS[kind])
+        files[kind] = f"{stem}_{kind}.png"
+        save_figure(fig, tmp / files[kind])
+    last = len(attn["cross"]) - 1
+    title = f"{stem}: cross-attention of layer {last} (the last)"
+    for name, per_head in (("alignment", False), ("alignment_heads", True)):
+        fig = alignment_figure(attn["cross"][last], entry["src_tokens"], entry["tgt_out_tokens"], title, per_head)
+        files[name] = f"{stem}_{name}.png"
+        save_figure(fig, tmp / files[name])
+    return files
+
+
+def model_head_counts(model: EncoderDecoder) -> dict[str, list[int]]:
+    """{kind: [heads of layer 0, layer 1, ...]} under this chapter's kind names (a pruned model's layers differ)."""
+    counts = head_counts(model)
+    return {ours: counts[theirs] for theirs, ours in HEADS_KINDS.items()}
+
+
+def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_dir: os.PathLike | str, *,
+               checkpoint: Optional[str] = None, meta: Optional[dict] = None,
+               references: Optional[Sequence[Optional[str]]] = None, pictures: bool = True,
+               viewer: bool = True, dtype=np.float32, progress: bool = False, beam_size: int = 4,
+               importance: Optional[dict] = None) -> Path:
+    """Translate `sentences` as the translator does and write their attention dump into `out_dir` (atomically).
+
+    `importance`: each head's score per kind, {kind: [per layer [per head]]} (see `read_head_importance`);
+    it must list exactly the model's heads (ValueError otherwise)."""
+    if model.training:
+        raise ValueError("dump needs the model in eval mode (call model.eval())")
+    if not sentences:
+        raise ValueError("no sentences to dump")
+    if references is not None and len(references) != len(sentences):
+        raise ValueError(f"{len(references)} references for {len(sentences)} sentences")
+    cfg = model.config
+    sources = [encode_sentence(tokenizer, s, cfg.max_len, name=f"sentence {i + 1}") for i, s in enumerate(sentences)]
+    index = {"format": FORMAT, "checkpoint": checkpoint, "model_config": dataclasses.asdict(cfg),
+             "meta": _json_safe(dict(meta or {})), "kinds": list(KINDS), "layers": cfg.N, "heads": cfg.h,
+             "head_counts": model_head_counts(model),
+             "axes": ["batch", "head", "query", "key"], "array_names": "{kind}_layer{layer}",
+             "layer_order": "layer 0 is nearest the embeddings, layer N-1 feeds the output",
+             "head_order": "head i uses W_Q[i], W_K[i], W_V[i] (per-head form) = column block i (fused form); "
+                           "a pruned layer numbers its remaining heads 0 ... h'-1 in their original order",
+             "rows_cols": {k: list(v) for k, v in ROWS_COLS.items()},
+             "dtype": np.dtype(dtype).name, "decoder": {"beam_size": beam_size, "length_penalty": 0.6},
+             "head_importance": importance, "sentences": []}
+    if importance is not None and not all(importance_fits(importance.get(k), index["head_counts"][k]) for k in KINDS):
+        raise ValueError(f"the head importance does not list one finite score per head of this model "
+                         f"(heads per layer: {index['head_counts']})")
+    all_arrays = []
+    items = list(enumerate(zip(sentences, sources)))
+    if progress:
+        from tqdm.auto import tqdm
+        items = tqdm(items, desc="attention", leave=False)
+    with staged_directory(out_dir) as tmp:
+        for i, (sentence, src_ids) in items:
+            tgt_ids = translate_sentence(model, src_ids, beam_size)
+            attn = collect_attention(model, src_ids, tgt_ids, dtype=dtype)
+            stem = f"sentence_{i:03d}"
+            words = tokenizer.decode(tgt_ids[:-1] if tgt_ids[-1:] == [EOS] else tgt_ids)
+            entry = {"index": i, "file": f"{stem}.npz", "source": sentence,
+                     "reference": references[i] if references is not None else None,
+                     "translation": " ".join(words.splitlines()), "src_ids": src_ids, "tgt_out_ids": tgt_ids,
+                     "src_tokens": token_labels(tokenizer, src_ids),
+                     "tgt_in_tokens": token_labels(tokenizer, [BOS] + tgt_ids[:-1]),
+                     "tgt_out_tokens": token_labels(tokenizer, tgt_ids),
+                     "shapes": {k: [list(a.shape) for a in attn[k]] for k in KINDS}}  # per layer
+            np.savez(tmp / entry["file"], **{array_name(k, layer): a for k in KINDS for layer, a in enumerate(attn[k])})
+            if pictures:
+                entry["pictures"] = _pictures(tmp, stem, attn, entry)
+            index["sentences"].append(entry)
+            all_arrays.append(attn)
+        if viewer:
+            (tmp / "viewer.html").write_text(viewer_html(index, all_arrays), encoding="utf-8")
+            index["viewer"] = "viewer.html"
+        (tmp / "index.json").write_text(_pretty_json(index) + "\n", encoding="utf-8")
+    return Path(out_dir)
+
+
+def dump(checkpoint_path: os.PathLike | str, sentences: Optional[Sequence[str]] = None,
+         out_dir: Optional[os.PathLike | str] = None, *, n: int = 3, data_url: Optional[str] = None,
+         cache_dir: Optional[os.PathLike | str] = None, references: Optional[Sequence[Optional[str]]] = None,
+         pictures: bool = True, viewer: bool = True, dtype=np.float32, device: Optional[str] = None,
+         progress: bool = False, beam_size: int = 4, say=None) -> Path:
+    """Load a checkpoint and write the attention dump of `sentences` into `out_dir`; returns `out_dir`.
+
+    No `sentences`: the first `n` of Multi30k's test_2016_flickr in the checkpoint's
+    source language, with their references (`data_url`, `cache_dir` as in training).
+    No `out_dir`: `attention/` next to the checkpoint. With `dtype=np.float64` the
+    model runs in float64 too (exact comparisons). Each head's importance comes from
+    `heads.json` beside the checkpoint when there is one for this model (`say` gets a
+    line when one is there but does not fit). Raises CheckpointError for an
+    unusable checkpoint, ValueError for bad sentences, before writing anything.
+    """
+    checkpoint = Path(checkpoint_path).resolve()
+    out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent / "attention"
+    check_output_dir(out_dir)  # before any work
+    model, tokenizer, meta = load_checkpoint(checkpoint_path)
+    if tokenizer is None:
+        raise CheckpointError(f"checkpoint {checkpoint_path} holds no tokenizer; cannot turn sentences into ids")
+    model = model.to(device or "cpu", torch.float64 if np.dtype(dtype) == np.float64 else torch.float32)
+    if sentences is None:
+        sentences, references = flickr_test_sentences(meta, n, data_url, cache_dir)
+    importance, note = read_head_importance(checkpoint, model.config, model_head_counts(model))
+    if note and say:
+        say(note)
+    return dump_model(model, tokenizer, sentences, out_dir, checkpoint=str(checkpoint), meta=meta,
+                      references=references, pictures=pictures, viewer=viewer, dtype=dtype, progress=progress,
+                      beam_size=beam_size, importance=importance)
+
+
+def flickr_test_sentences(meta: dict, n: int, data_url: Optional[str] = None,
+                   cache_dir: Optional[os.PathLike | str] = None) -> tuple[list[str], list[str]]:
+    """(sources, references): the first `n` pairs of test_2016_flickr in the checkpoint's languages."""
+    from annotated.training.data import load_multi30k
+
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"the number of test sentences must be at least 1, got {n!r}")
+    src, tgt = meta.get("src_lang"), meta.get("tgt_lang")
+    if not src or not tgt:
+        raise ValueError("the checkpoint's metadata names no src_lang/tgt_lang; give the sentences explicitly")
+    pairs = load_multi30k("test_2016_flickr", src, tgt, cache_dir=cache_dir, base_url=data_url)[:n]
+    return [s for s, _ in pairs], [t for _, t in pairs]
+
+
+# %% [markdown]
+# ## 6. During training: one alignment picture per epoch in tensorboard
+#
+# `log_alignment_image` translates one fixed sentence (say the first
+# validation sentence) with the model as it is, and logs the averaged
+# last-layer alignment as an image, so tensorboard's slider shows the
+# alignment sharpening from blur to a diagonal over the epochs. It switches
+# the model to eval mode for the picture and back afterwards, and draws no
+# random numbers.
+
+# %%
+def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: str, step: int,
+                        tag: str = "attention/alignment") -> np.ndarray:
+    """Log the alignment figure of `src_sentence` to a tensorboard SummaryWriter; returns the image."""
+    was_training = model.training
+    model.eval()
+    try:
+        src_ids = encode_sentence(tokenizer, src_sentence, model.config.max_len, name="alignment sentence")
+        tgt_ids = translate_greedy(model, src_ids)
+        attn = collect_attention(model, src_ids, tgt_ids)
+        last = model.config.N - 1
+        fig = alignment_figure(attn["cross"][last], token_labels(tokenizer, src_ids), token_labels(tokenizer, tgt_ids),
+                               title=f"step {step}: cross-attention of layer {last}, mean over heads")
+        image = figure_rgb(fig)  # (H, W, 3)
+        writer.add_image(tag, image, step, dataformats="HWC")
+        return image
+    finally:
+        model.train(was_training)
+
+
+# %% [markdown]
+# ## 7. The command line
+#
+# `python -m annotated.attention.dump [--checkpoint PATH] [--out DIR] [--n 3] [--beam 4] [sentence ...]`
+# (also `make attention ARGS='...'`). Without `--checkpoint` it takes the
+# best checkpoint of the most recent training run, `runs/latest/best.pt`,
+# found by `latest_checkpoint` (`annotated/plumbing/checkpoint.py`), as the translator finds it;
+# without sentences, the first `--n` sentences of Multi30k's
+# `test_2016_flickr` in the checkpoint's source language (downloaded as in
+# training; `$MULTI30K_URL` or `--data-url` choose the mirror), with their
+# reference translations in the index. The dump goes to `--out`, by default
+# `attention/` next to the checkpoint. Bad input (a missing or incompatible
+# checkpoint, an empty sentence, a sentence longer than the model's
+# `max_len`, an `--out` that is not one of our dumps, an option out of range:
+# `--n 0`, `--device tpu`, an unwritable `--cache-dir`) prints one line on
+# stderr and exits with status 2, writing nothing. From Python the same defaults are `dump(checkpoint)`; after a
+# training run, `dump(run_dir / "best.pt")` writes `run_dir/attention/`.
+
+# %%
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(prog="python -m annotated.attention.dump", name="attention",
+               description="Dump, draw and browse every attention weight of a trained translator.")
+    p.add_argument("sentences", nargs="*", help="source sentences (default: the first --n of test_2016_flickr)")
+    p.add_argument("--checkpoint", type=Path, help="checkpoint file (default: runs/latest/best.pt)")
+    p.add_argument("--out", type=Path, help="output directory (default: attention/ next to the checkpoint)")
+    p.add_argument("--n", type=at_least(1), default=3, help="how many test sentences when none are given (default 3)")
+    p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")
+    p.add_argument("--cache-dir", type=writable_dir, help="download cache (default as in training)")
+    p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 (default cpu)")
+    p.add_argument("--beam", type=at_least(1), default=4,
+                   help="beam width of the translation, as for make translate (default 4; 1 = greedy)")
+    p.add_argument("--no-pictures", action="store_true", help="skip the PNG files")
+    p.add_argument("--no-viewer", action="store_true", help="skip viewer.html")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        ckpt = args.checkpoint if args.checkpoint is not None else latest_checkpoint()
+        out = dump(ckpt, args.sentences or None, args.out, n=args.n, data_url=args.data_url,
+                   cache_dir=args.cache_dir, pictures=not args.no_pictures, viewer=not args.no_viewer,
+                   device=args.device, progress=sys.stderr.isatty(), beam_size=args.beam,
+                   say=lambda line: print(f"attention: note: {line}", file=sys.stderr))
+    except (ValueError, OSError) as e:  # CheckpointError and the data errors are ValueErrors
+        print(f"attention: error: {e}", file=sys.stderr)
+        return 2
+    count = len(read_index(out)["sentences"])
+    print(f"wrote the attention of {count} sentence(s) to {out}/: index.json, sentence_*.npz"
+          f"{', *.png' if not args.no_pictures else ''}{', viewer.html' if not args.no_viewer else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, "python -m annotated.attention.dump")  # Ctrl-C: one line and exit code 130, not a traceback

@@ -1,0 +1,418 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Decoding: greedy, beam search, and the key/value cache
+#
+# A trained model gives, for a source sentence `X` and a target prefix
+# `y_1 ... y_{t-1}`, a distribution over the next token. The probability of a
+# whole translation `Y = y_1 ... y_n` (ending in `eos`) is the product of these
+# conditionals, so its log-probability is a sum:
+#
+# $$\log P(Y \mid X) = \sum_{t=1}^{n} \log p(y_t \mid y_{<t}, X)$$
+#
+# The best translation would be the `Y` that maximises this, but there are
+# `V^n` sequences of length `n` over a vocabulary of `V` subwords: nobody
+# searches them all. This chapter builds the two standard approximations on
+# top of `annotated/transformer.py`:
+#
+# 1. **greedy decoding** takes the most likely token at every step;
+# 2. **beam search** keeps the `k` best prefixes at every step, and ranks
+#    finished translations with a **length penalty**;
+#
+# and shows how both reuse the decoder's **key/value cache**, which beam
+# search must *reorder* whenever a prefix changes hands.
+#
+# Every claim below is checked by a doctest here or by a test in
+# `tests/decoding/test_search.py` (test names in parentheses).
+
+# %%
+from __future__ import annotations
+
+import math
+import torch
+from torch import Tensor
+
+from annotated.plumbing.checks import check_token_ids
+from annotated.tokens import PAD, BOS, EOS
+from annotated.transformer import Cache, EncoderDecoder, greedy_decode, padding_mask, subsequent_mask
+
+# %% [markdown]
+# ## 1. What every decoder checks first
+#
+# Decoding runs the model many times, so a bad argument should fail before the
+# first step, with a message that names it. Two rules deserve a word:
+#
+# - **eval mode.** In training mode dropout is active and every decoder call
+#   draws new noise: the output is random, and cached decoding no longer equals
+#   recomputation. Decoding a model in training mode is almost always a
+#   forgotten `model.eval()`, so it is an error, not a silent guess.
+# - **length.** The decoder input at the last step holds `bos` and
+#   `max_len - 1` generated tokens, at positions `0 ... max_len - 1`, so
+#   `max_len` may not exceed the model's positional table (`config.max_len`);
+#   nor may the source.
+# - **token ids.** Every source id must index the embedding table. The model
+#   itself does not check (a range check reads the ids back to the host, a
+#   stall on a GPU at every training step), so the decoders check once, here,
+#   with `check_token_ids` from `annotated/plumbing/checks.py`.
+
+# %%
+def _score_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Log-probabilities in at least float32: summed in bf16 they would drift."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_decode_args(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int) -> None:
+    if model.training:
+        raise ValueError("decoding needs the model in eval mode (call model.eval()): "
+                         "dropout would make every step random")
+    if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
+        raise ValueError(f"src must be a (B, S) tensor of token ids (torch.long), got "
+                         f"{tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__}"
+                         f"{' ' + str(src.dtype) if isinstance(src, Tensor) else ''}")
+    check_token_ids(src, model.config.src_vocab)
+    B, S = src.shape
+    if src_mask is not None and (src_mask.dim() != 3 or src_mask.size(0) not in (1, B)
+                                 or src_mask.size(-1) != S):
+        raise ValueError(f"src_mask must have shape (B={B} or 1, 1 or S, S={S}), got {tuple(src_mask.shape)}")
+    limit = model.config.max_len
+    if not isinstance(max_len, int) or not 1 <= max_len <= limit:
+        raise ValueError(f"max_len must be an int in [1, {limit}] (the model's max_len), got {max_len!r}")
+    if S > limit:
+        raise ValueError(f"source length {S} exceeds the model's max_len={limit}")
+
+
+# %% [markdown]
+# ## 2. Greedy decoding
+#
+# Greedy decoding is `greedy_decode` from the main chapter (section 7): at
+# each step append `argmax_w p(w | prefix, X)`, stop a sentence at `eos`. Here
+# it only gains the checks above and the project's token ids as defaults.
+# Greedy is fast and often good, but it can walk into a prefix whose
+# continuations are all poor: one good-looking word can rule out the best
+# sentence. (`test_beam_finds_what_greedy_misses` builds such a case.)
+
+# %%
+def greedy(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int,
+           bos: int = BOS, eos: int = EOS, pad: int = PAD, use_cache: bool = True) -> Tensor:
+    """(B, S) source ids -> (B, <= max_len) ids (bos excluded, eos kept, pad after it)."""
+    _check_decode_args(model, src, src_mask, max_len)
+    return greedy_decode(model, src, src_mask, max_len, bos, eos, pad, use_cache)
+
+
+# %% [markdown]
+# ## 3. Scoring a given translation
+#
+# To compare decoders we need the log-probability of a sequence they
+# returned. Teacher forcing computes all its conditionals in one pass: feed
+# `bos y_1 ... y_{n-1}`, read `log p(y_t | y_{<t}, X)` at every position, and
+# sum up to and including the first `eos` (a sequence without `eos` was cut
+# at `max_len` and counts all its tokens). The decoder sees the same causal
+# mask as during decoding and no padding mask on the target, exactly as the
+# decoders see their own output.
+
+# %%
+@torch.no_grad()
+def sequence_logprob(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, ys: Tensor,
+                     bos: int = BOS, eos: int = EOS) -> tuple[Tensor, Tensor]:
+    """log P(Y | X) of decoder outputs `ys` (B, L), as returned by `greedy` or `beam_search`.
+
+    Returns (log-probabilities (B,), lengths (B,)) where a length counts the
+    tokens up to and including the first eos (all L if there is none).
+    """
+    if ys.dim() != 2 or ys.size(0) != src.size(0) or not 1 <= ys.size(1) <= model.config.max_len:
+        raise ValueError(f"ys must have shape (B={src.size(0)}, L) with 1 <= L <= max_len="
+                         f"{model.config.max_len}, got {tuple(ys.shape)}")
+    B, L = ys.shape
+    _check_decode_args(model, src, src_mask, L)
+    tgt_in = torch.cat([torch.full((B, 1), bos, dtype=torch.long, device=ys.device), ys[:, :-1]], dim=1)  # (B, L)
+    y = model.decode(model.encode(src, src_mask), src_mask, tgt_in, subsequent_mask(L).to(ys.device))  # (B, L, d_model)
+    logits = model.generator(y)  # (B, L, V)
+    logp = logits.to(_score_dtype(logits.dtype)).log_softmax(dim=-1)  # (B, L, V)
+    token_logp = logp.gather(-1, ys.unsqueeze(-1)).squeeze(-1)  # (B, L)
+    is_eos = (ys == eos).long()  # (B, L)
+    counted = (is_eos.cumsum(dim=1) - is_eos) == 0  # (B, L) no eos strictly before this position
+    # log P(Y | X) = sum_t log p(y_t | y_<t, X), over the counted positions
+    return token_logp.masked_fill(~counted, 0.0).sum(dim=1), counted.sum(dim=1)  # (B,), (B,)
+
+
+# %% [markdown]
+# ## 4. The length penalty
+#
+# Every token multiplies the probability by a number below one, so raw
+# log-probability prefers short translations: a search that ranks finished
+# sentences by `log P` alone stops too early. GNMT (Wu et al., 2016, eq. 14)
+# divides by a length penalty instead, and the Transformer paper decodes with
+# it (beam size 4, alpha = 0.6, section 6.1):
+#
+# $$lp(Y) = \frac{(5 + |Y|)^\alpha}{(5 + 1)^\alpha} = \left(\frac{5 + |Y|}{6}\right)^\alpha,
+# \qquad \mathrm{score}(Y) = \frac{\log P(Y \mid X)}{lp(Y)}$$
+#
+# `|Y|` is the number of generated tokens, `eos` included. `alpha = 0` gives
+# `lp = 1`, the raw log-probability; larger `alpha` favours longer outputs
+# (a negative log-probability divided by a larger number moves towards 0).
+# The `5` makes the penalty grow slowly for the first few tokens; `lp(1) = 1`
+# (doctest of `lp`).
+
+# %%
+def lp(length: int, alpha: float) -> float:
+    """GNMT length penalty ((5 + length) / 6) ** alpha.
+
+    >>> lp(1, 0.6), lp(7, 0.0), lp(25, 0.6) == (30 / 6) ** 0.6
+    (1.0, 1.0, True)
+    """
+    # lp(Y) = ((5 + |Y|) / 6)^alpha
+    return ((5 + length) / 6) ** alpha
+
+
+# %% [markdown]
+# ## 5. The key/value cache, and reordering it
+#
+# The main chapter's decoder can run *incrementally*: `model.new_cache()`
+# gives a list with one dict per decoder layer, and each call
+# `model.decode(memory, src_mask, y_t, None, cache=cache, start=t)` feeds only
+# the newest token, appends its keys and values to `cache[layer]["self"]`,
+# and computes the cross-attention keys and values of the memory once, into
+# `cache[layer]["cross"]`. Whatever the attention form, an entry is a pair
+# (keys, values) of tensors `(B, h, T, d_k)` and `(B, h, T, d_v)`: **the batch
+# is dim 0 of every tensor**.
+#
+# Beam search runs `B * k` rows, one per hypothesis. After each step the new
+# `k` best prefixes of a sentence may descend from any of its old ones: row
+# `r` of the next step continues old row `index[r]`. Its cached keys and
+# values must follow it, so every tensor in the cache is re-indexed along
+# dim 0. The same call also *drops* rows (an index that omits them), which is
+# how a finished sentence leaves the batch. `reorder_cache` returns a new
+# cache; the old one is left unchanged (doctest of `reorder_cache`;
+# `test_reorder_cache_moves_and_drops_rows_of_a_real_cache`).
+
+# %%
+def reorder_cache(cache: Cache, index: Tensor) -> Cache:
+    """A copy of `cache` whose keys and values K, V become K[index], V[index] (along the batch, dim 0).
+
+    >>> K, V = torch.tensor([[1.], [2.], [3.]]), torch.tensor([[10], [20], [30]])
+    >>> reorder_cache([{"self": (K, V)}], torch.tensor([2, 2, 0]))  # row r continues old row index[r]
+    [{'self': (tensor([[3.], [3.], [1.]]), tensor([[30], [30], [10]]))}]
+    """
+    return [{name: (K.index_select(0, index), V.index_select(0, index))  # (len(index), h, T, d)
+             for name, (K, V) in layer.items()} for layer in cache]
+
+
+# %% [markdown]
+# ## 6. Beam search
+#
+# Beam search keeps, for each sentence, the `k` best prefixes (the *beam*)
+# and their log-probabilities. One step:
+#
+# 1. **Expand.** Every prefix `y` of the beam and every token `w` give a
+#    candidate with log-probability
+#    $$\log P(y\,w) = \log P(y) + \log p(w \mid y, X),$$
+#    `k * V` candidates per sentence. Take the best `2k`.
+# 2. **Finish.** A candidate ending in `eos` *and ranked among the best `k`*
+#    is a finished translation: it leaves the beam and is kept with its
+#    score `log P / lp` (section 4). (Only the best `k` may finish, as in
+#    fairseq; an `eos` ranked lower is dropped.)
+# 3. **Continue.** The best `k` candidates that do not end in `eos` form the
+#    next beam. Among `2k` candidates there are always `k` of them, because
+#    each of the `k` prefixes contributes at most one `eos` candidate, so the
+#    beam never shrinks.
+#
+# **When to stop.** We use the standard rule (fairseq's; Hugging Face's
+# `early_stopping=True`): a sentence is done as soon as `k` translations have
+# finished. At `max_len` every sentence stops; one with fewer than `k`
+# finished translations then also ranks its beam's prefixes, unfinished at
+# `max_len` tokens, beside them (as greedy returns such a prefix too). The
+# answer is the finished translation with the best score. The rule is cheap
+# and works well on trained models, but it proves nothing: a live prefix
+# could still grow into a better translation, and a beam can even fill with
+# `k` unlikely short translations while a likely prefix is still growing (on
+# random, untrained models this is common). The stricter rule "stop when no
+# live prefix can beat the best finished one" needs, for `alpha > 0`, the
+# bound `log P(prefix) / lp(max_len)`, which is loose, so the search would run
+# to `max_len` almost every time. What the standard rule does make exact:
+#
+# - **`k = 1` is greedy decoding, for every `alpha`.** With one prefix, step
+#   1 ranks `log P(y) + log p(w | y)`, a constant plus the log-softmax of
+#   the logits, so the best candidate is greedy's `argmax`. If it is `eos`,
+#   the translation finishes, which is the one finished translation the rule
+#   waits for, and the length penalty has nothing to compare it with. If
+#   not, it is the next beam. Both decoders so produce the same tokens, as
+#   long as floating-point rounding creates no tie between the two best
+#   tokens (`test_beam_of_one_is_greedy`).
+# - **With `k >= V^max_len`, beam search is exhaustive**: no candidate is ever
+#   pruned (at most `V^max_len` candidates exist at any step), every
+#   translation of at most `max_len` tokens is ranked, and the answer is the
+#   exact argmax of the score (`test_wide_beam_is_exhaustive_search`).
+#
+# For `1 < k < V^max_len` nothing general holds: a wider beam usually scores
+# better, but it can also prune the prefix greedy follows, and end worse.
+#
+# **Batching.** `B` sentences run together as `B * k` rows, row `b*k + j`
+# being hypothesis `j` of sentence `b`. The memory is computed once per
+# sentence and repeated `k` times. At the first step only hypothesis 0 (the
+# lone `bos`) is live; the others start at `log P = -inf` so the `k` copies
+# of `bos` do not fill the beam with duplicates. A done sentence leaves the
+# batch: its rows are dropped from the prefixes, the memory, the mask and the
+# cache with the same index that reorders the beams. Each sentence's search
+# is independent of the others in the batch
+# (`test_batched_beam_equals_one_sentence_at_a_time`).
+#
+# **Cache.** With `use_cache=True` each step feeds only the newest token and
+# the cache is reordered with the beams (section 5); with `use_cache=False`
+# each step recomputes the decoder over the whole prefix, which is slower
+# and gives the same tokens (`test_cached_beam_equals_recomputed_beam`).
+# The cross-attention entries are reordered too: within a sentence they are
+# all equal, so only the dropping of done sentences changes them, but one
+# call for every entry keeps the loop simple.
+
+# %%
+@torch.no_grad()
+def beam_search(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int,
+                beam_size: int = 4, length_penalty: float = 0.6, bos: int = BOS, eos: int = EOS,
+                pad: int = PAD, use_cache: bool = True, return_scores: bool = False):
+    """(B, S) source ids -> (B, <= max_len) best ids (bos excluded, eos kept, pad after it).
+
+    `length_penalty` is GNMT's alpha (0 = raw log-probability). With
+    `return_scores`, also returns each translation's score log P / lp, (B,).
+    """
+    _check_decode_args(model, src, src_mask, max_len)
+    if not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
+    if not (isinstance(length_penalty, (int, float)) and math.isfinite(length_penalty) and length_penalty >= 0):
+        raise ValueError(f"length_penalty (alpha) must be a finite number >= 0, got {length_penalty!r}")
+    B, k, device = src.size(0), beam_size, src.device
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]  # per sentence: (score, ids)
+    if B > 0:
+        _search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished)
+    empty = [b for b, f in enumerate(finished) if not f]
+    if empty:
+        raise ValueError(f"beam search found no translation with a finite log-probability for sentences "
+                         f"{empty}: the model's logits are not finite (NaN or inf)")
+    best = [max(f, key=lambda hyp: hyp[0]) for f in finished]  # the first of equal scores wins
+    width = max((len(ids) for _, ids in best), default=0)
+    out = torch.full((B, width), pad, dtype=torch.long, device=device)  # (B, L)
+    for b, (_, ids) in enumerate(best):
+        out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    if not return_scores:
+        return out
+    return out, torch.tensor([score for score, _ in best], dtype=torch.float64, device=device)  # (B,)
+
+
+def _search(model, src, src_mask, max_len, k, alpha, bos, eos, use_cache, finished) -> None:
+    """The beam search loop; appends (score, ids) of finished translations to `finished`."""
+    B, device = src.size(0), src.device
+    memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # (B*k, S, d_model)
+    mask = None
+    if src_mask is not None:
+        mask = src_mask.expand(B, *src_mask.shape[1:]).repeat_interleave(k, dim=0)  # (B*k, 1|S, S)
+    ys = torch.full((B * k, 1), bos, dtype=torch.long, device=device)  # (B*k, 1) prefixes, bos first
+    scores = torch.full((B, k), -math.inf, dtype=_score_dtype(memory.dtype), device=device)  # (B, k) log P
+    scores[:, 0] = 0.0  # only the lone bos is live at first
+    alive = torch.arange(B, device=device)  # (A,) the sentence of each block of k rows
+    cache = model.new_cache() if use_cache else None
+    for t in range(max_len):
+        A = alive.numel()
+        if use_cache:
+            y = model.decode(memory, mask, ys[:, -1:], None, cache=cache, start=t)[:, -1]  # (A*k, d_model)
+        else:
+            y = model.decode(memory, mask, ys, subsequent_mask(t + 1).to(device))[:, -1]  # (A*k, d_model)
+        logp = model.generator(y).to(scores.dtype).log_softmax(dim=-1)  # (A*k, V)
+        V = logp.size(-1)
+        # 1. expand: log P(y w) = log P(y) + log p(w | y, X)
+        cand = (scores.view(A * k, 1) + logp).view(A, k * V)  # (A, k*V)
+        top, flat = cand.topk(2 * k, dim=-1)  # (A, 2k) best first
+        parent, token = flat // V, flat % V  # (A, 2k) which prefix, which next token
+        is_eos = token == eos  # (A, 2k)
+        # 2. finish: eos among the best k, with score log P / lp(t + 1)
+        ends = is_eos[:, :k] & top[:, :k].isfinite()  # (A, k)
+        if ends.any():
+            a, j = ends.nonzero(as_tuple=True)  # row-major: best first within a sentence
+            rows = a * k + parent[a, j]  # (n,)
+            for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[rows, 1:].tolist()):
+                finished[b].append((logP / lp(t + 1, alpha), ids + [eos]))
+        # 3. continue: the best k candidates that do not end in eos (a stable sort keeps their order)
+        pick = torch.sort(is_eos.long(), dim=-1, stable=True).indices[:, :k]  # (A, k)
+        scores = top.gather(1, pick)  # (A, k)
+        rows = (torch.arange(A, device=device).unsqueeze(1) * k + parent.gather(1, pick)).view(-1)  # (A*k,)
+        ys = torch.cat([ys[rows], token.gather(1, pick).view(-1, 1)], dim=1)  # (A*k, t+2)
+        # which sentences are done: k finished, no live prefix left, or max_len reached
+        n_done = torch.tensor([len(finished[b]) for b in alive.tolist()], device=device)  # (A,)
+        done = (n_done >= k) | ~scores.isfinite().any(dim=1)  # (A,)
+        if t == max_len - 1:
+            _finish_at_max_len(finished, alive, ys, scores, n_done < k, alpha, k)
+            return
+        if done.all():
+            return
+        if done.any():  # drop the done sentences' rows along with the reordering
+            keep = (~done).nonzero(as_tuple=True)[0]  # (A',)
+            keep_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=device)).view(-1)  # (A'*k,)
+            ys, scores, alive = ys[keep_rows], scores[keep], alive[keep]
+            rows = rows[keep_rows]
+            memory = memory.index_select(0, rows)  # (A'*k, S, d_model) beams of a sentence share it
+            mask = None if mask is None else mask.index_select(0, rows)  # (A'*k, 1|S, S)
+        if use_cache:
+            cache = reorder_cache(cache, rows)
+
+
+def _finish_at_max_len(finished, alive, ys, scores, short, alpha, k) -> None:
+    """At max_len, sentences with fewer than k finished translations rank their live prefixes too."""
+    for a in short.nonzero(as_tuple=True)[0].tolist():
+        b = alive[a].item()
+        for j in range(k):
+            logP = scores[a, j].item()
+            if math.isfinite(logP):
+                ids = ys[a * k + j, 1:].tolist()
+                finished[b].append((logP / lp(len(ids), alpha), ids))
+
+
+# %% [markdown]
+# ## 7. Translating many sentences
+#
+# `translate_ids` is what the rest of the project calls: lists of subword ids
+# in, lists of subword ids out, with greedy (`beam_size=1`) or beam search.
+
+# %%
+@torch.no_grad()
+def translate_ids(model: EncoderDecoder, sources: list[list[int]], beam_size: int = 1,
+                  length_penalty: float = 0.6, batch_size: int = 64, max_extra: int = 50,
+                  device: torch.device | None = None, progress: bool = False) -> list[list[int]]:
+    """Translate subword-id sequences; returns output ids (up to, not including, eos), in input order.
+
+    The one translate helper of the project: training's BLEU, the translator and the attention viewer
+    all decode through it. Sentences go in batches of similar length (fewer pad positions); a source
+    longer than the model's `max_len` is cut to `max_len` (the entry points say so to the user), and an
+    output may be at most `min(max_len, S + max_extra)` subwords for a source of `S` (the paper's
+    "input length + 50", section 6.1). `beam_size=1` is greedy.
+    """
+    device = device or next(model.parameters()).device
+    limit = model.config.max_len
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    out: list[list[int]] = [[] for _ in sources]
+    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    if progress:
+        from tqdm.auto import tqdm
+        chunks = tqdm(chunks, desc="translate", leave=False)
+    for idx in chunks:
+        seqs = [sources[i][:limit] for i in idx]
+        S = max(1, max(len(s) for s in seqs))
+        src = torch.full((len(seqs), S), PAD, dtype=torch.long)  # (B, S)
+        for r, s in enumerate(seqs):
+            src[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+        src = src.to(device)
+        max_len = min(limit, S + max_extra)
+        if beam_size > 1:
+            ys = beam_search(model, src, padding_mask(src, PAD), max_len, beam_size=beam_size,
+                             length_penalty=length_penalty)
+        else:
+            ys = greedy(model, src, padding_mask(src, PAD), max_len)
+        for r, i in enumerate(idx):
+            row = ys[r].tolist()
+            out[i] = row[:row.index(EOS)] if EOS in row else [t for t in row if t != PAD]
+    return out

@@ -1,0 +1,274 @@
+# %% [markdown]
+# # Checkpoints: written whole or not at all
+#
+# A checkpoint is one `torch.save` file holding everything needed to use or
+# continue a model: the config (so the model can be rebuilt without guessing
+# sizes), the parameters, the tokenizer's sentencepiece model (so translations
+# use exactly the subwords the model was trained on), and free-form metadata
+# (languages, step, scores). Training adds the optimizer, scheduler and
+# random-number states so `--resume` continues exactly where it stopped.
+#
+# **Atomic writes.** A crash or Ctrl-C in the middle of `torch.save` must not
+# destroy the previous checkpoint. We write to a temporary file in the same
+# directory, flush it to disk, and `os.replace` it over the old name: on POSIX
+# that rename is atomic, so a reader sees either the old file or the new one,
+# never half of one.
+#
+# **Leftovers of a killed write.** A Ctrl-C or an exception removes the
+# temporary file, but a process killed outright (`kill -9`, the out-of-memory
+# killer, a power cut) cannot: it leaves `.<name>.<random>.tmp` beside the
+# target. Nothing reads such files (loaders open the exact name, and hidden
+# names match no `epoch*.pt` pattern). The next successful save of the same
+# target deletes them, but only those that no live writer holds: each writer
+# keeps an exclusive `flock` on its temporary file until the rename, and the
+# kernel drops the lock when the process dies. (`test_faults.py`:
+# `test_sigkill_during_checkpoint_writes_keeps_the_previous_one`.)
+#
+# **Clear failures.** Loading a missing, truncated or foreign file, or one
+# whose parameters do not fit its own config, raises `CheckpointError` naming
+# the file and what is wrong. The file is read with `weights_only=True`, so
+# it can hold tensors and plain data but no code; one that holds anything
+# else is refused as such (we do not suggest loading it unsafely).
+#
+# **A config is data too.** The stored config says how big a model to build,
+# so a crafted one (a vocabulary of ten million, forty layers, `max_len=NaN`)
+# could ask for gigabytes before anything fails. It is checked first: every
+# field has its type and range, and the parameter shapes it implies (worked
+# out on PyTorch's `meta` device, which allocates nothing) must be the stored
+# tensors' shapes. Only then is the model built.
+# (`test_a_crafted_config_is_refused_before_anything_is_built`.) A flipped bit is caught too: `torch.save` writes
+# a zip archive with a CRC-32 for every member, but `torch.load` does not
+# check them, so a changed byte in a tensor's data loads silently as a
+# different number (in a small checkpoint, a third of all single-byte changes
+# did). We verify every CRC (`zipfile.testzip`, a fraction of the load time)
+# before loading. (`test_faults.py`:
+# `test_a_flipped_byte_would_load_silently_without_the_crc_check`.)
+
+# %%
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from annotated.plumbing.files import atomic_write
+from annotated import sites
+from annotated.transformer import EncoderDecoder, TransformerConfig, make_model
+
+FORMAT = "annotated-checkpoint-v1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used; the message names the file."""
+
+
+def atomic_torch_save(obj: Any, path: os.PathLike | str) -> None:
+    """torch.save to `path`, written whole or not at all (`annotated.plumbing.files.atomic_write`)."""
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def save_checkpoint(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: Optional[dict] = None,
+                    **training_state: Any) -> None:
+    """Write model, config, tokenizer and metadata (plus any training state) atomically."""
+    state = {
+        "format": FORMAT,
+        "config": dataclasses.asdict(model.config),
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "tokenizer": tokenizer.to_bytes() if tokenizer is not None else None,
+        "meta": dict(meta or {}),
+        **training_state,
+    }
+    atomic_torch_save(state, path)
+
+
+def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:
+    """The raw checkpoint dict, after checking that it is one of ours."""
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a directory; give the checkpoint file in it "
+                              f"(for example {path / 'best.pt'})")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path}: no such file")
+    try:
+        damage = _zip_damage(path)
+        if damage:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {damage}")
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except CheckpointError:
+        raise
+    except pickle.UnpicklingError:  # torch's message suggests weights_only=False: never for a file we did not write
+        raise CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain data; "
+                              f"it is not an annotated checkpoint and is not loaded") from None
+    except Exception as e:  # truncated zip, not a torch file, ...
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a torch file ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path} is not an annotated checkpoint "
+                              f"(expected format {FORMAT!r})")
+    missing = [key for key in ("config", "model") if not isinstance(state.get(key), dict)]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {' and no '.join(map(repr, missing))} "
+                              f"dict")
+    return state
+
+
+def _zip_damage(path: Path) -> Optional[str]:
+    """What is wrong with the zip archive torch.save wrote (every member's CRC-32 checked), or None."""
+    if not zipfile.is_zipfile(path):
+        return None  # no zip directory at the end: torch.load says what it is
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            if info.external_attr & 0x10:  # the MS-DOS directory bit: PyTorch's reader would skip the data
+                return f"member {info.filename} is marked as a directory"
+        bad = z.testzip()
+    return f"member {bad} fails its CRC-32 check (the bytes changed after writing)" if bad else None
+
+
+MAX_POSITIONS = 65536  # max_len above this is refused: the positional table alone is max_len x d_model floats
+
+
+def _check_field(name: str, kind: str, value) -> Optional[str]:
+    """What is wrong with one config value of declared type `kind` ("int", "int | None", ...), or None."""
+    kinds = {part.strip() for part in kind.split("|")}
+    if value is None and "None" in kinds:
+        return None
+    if "bool" in kinds:
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if "int" in kinds:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"must be a whole number >= 1, got {value!r}"
+        return None
+    if "float" in kinds:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+        return None if ok else f"must be a number in [0, 1), got {value!r}"
+    return None if isinstance(value, str) else f"must be a string, got {value!r}"
+
+
+def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>",
+                 heads: Optional[dict] = None) -> TransformerConfig:
+    """The stored config as a TransformerConfig, checked field by field and against the stored tensors'
+    shapes, without building the model (CheckpointError naming the field otherwise).
+
+    `heads`, stored by a pruned checkpoint (`annotated/attention/prune.py`), gives each attention its own number of
+    heads, at most the config's `h`."""
+    fields = {f.name: str(f.type) for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(config) - set(fields), key=str)
+    if unknown:
+        raise CheckpointError(f"checkpoint {path}: its config is invalid: unknown fields {unknown}")
+    for name, kind in fields.items():
+        problem = _check_field(name, kind, config[name]) if name in config else None
+        if problem:
+            raise CheckpointError(f"checkpoint {path}: its config is invalid: {name} {problem}")
+    bounds = {"max_len": MAX_POSITIONS, "N": len(tensors)}  # every layer stores tensors of its own
+    if config.get("attention") == "per_head":
+        bounds["h"] = len(tensors)  # and so does every head of the per-head form
+    for name, most in bounds.items():
+        if config.get(name, 0) > most:
+            raise CheckpointError(f"checkpoint {path}: its config is invalid: {name}={config[name]} is more than "
+                                  f"{most}")
+    try:
+        cfg = TransformerConfig(**config)
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            model = make_model(cfg)
+            if heads is not None:
+                _set_head_counts(model, heads, cfg.h)
+            wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: its config is invalid: {e}") from None
+    stored = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in tensors.items()}
+    for name in sorted(wanted.keys() | stored.keys(), key=str):  # (a crafted file may use other keys than str)
+        if name not in stored:
+            problem = f"the config needs {name} {list(wanted[name])}, which the file does not hold"
+        elif name not in wanted:
+            problem = f"the file holds {name}, which the config does not make"
+        elif stored[name] != wanted[name]:
+            problem = (f"{name} is stored as {list(stored[name]) if stored[name] is not None else 'no tensor'} "
+                       f"but the config needs {list(wanted[name])}")
+        else:
+            continue
+        raise CheckpointError(f"checkpoint {path}: parameters do not match its config: {problem}")
+    return cfg
+
+
+def _set_head_counts(model: EncoderDecoder, heads, most: int) -> None:
+    """A pruned model's per-attention head counts, each between 1 and the config's h (ValueError otherwise)."""
+    counts = heads.values() if isinstance(heads, dict) else ()
+    if not all(isinstance(hs, (list, tuple)) and all(type(h) is int and 1 <= h <= most for h in hs) for hs in counts):
+        raise ValueError(f"head counts must be lists of whole numbers from 1 to h={most}, got {heads!r:.200}")
+    sites.set_head_counts(model, heads)
+
+
+def model_from_state(state: dict, path: os.PathLike | str = "<checkpoint>") -> EncoderDecoder:
+    """Rebuild the model from the stored config (checked first) and load its parameters strictly.
+
+    A pruned checkpoint's `"heads"` entry gives each attention its own number of heads."""
+    heads = state.get("heads")
+    cfg = check_config(state["config"], state["model"], path, heads)
+    model = make_model(cfg)
+    if heads is not None:
+        _set_head_counts(model, heads, cfg.h)
+    try:
+        model.load_state_dict(state["model"], strict=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        raise CheckpointError(f"checkpoint {path}: parameters do not match its config: "
+                              f"{' '.join(line.strip() for line in first[:3])}") from None
+    return model
+
+
+def load_checkpoint(path: os.PathLike | str, map_location: str = "cpu"):
+    """Returns (model in eval mode, tokenizer or None, meta dict)."""
+    state = read_checkpoint(path, map_location)
+    model = model_from_state(state, path).eval()
+    tokenizer = None
+    if state.get("tokenizer") is not None:
+        from annotated.training.data import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_bytes(state["tokenizer"])
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {path}: its tokenizer does not load ({e})") from None
+        cfg = model.config
+        if not tokenizer.vocab_size == cfg.src_vocab == cfg.tgt_vocab:
+            raise CheckpointError(f"checkpoint {path}: its tokenizer has {tokenizer.vocab_size} subwords but the "
+                                  f"model's vocabularies have {cfg.src_vocab} (source) and {cfg.tgt_vocab} "
+                                  f"(target); they do not belong together")
+    return model, tokenizer, state.get("meta", {})
+
+
+# %% [markdown]
+# ## Which checkpoint
+#
+# Training writes each run into `runs/<name>/`, with `best.pt` (best
+# validation BLEU) and `last.pt`, and points `runs/latest` at the newest run
+# (a symlink, or a text file holding the run directory's name). Without
+# `--checkpoint` the translator and `make attention` take, in this order:
+#
+# 1. `runs/latest/best.pt`, where `runs/latest` is a symlink to a run
+#    directory or a text file naming one (relative to `runs/`, or as a path);
+# 2. else the most recently written `runs/*/best.pt`;
+# 3. else it stops with an error that says how to get a checkpoint.
+
+# %%
+def latest_checkpoint(runs_dir: str | Path = "runs") -> Path:
+    """The best checkpoint of the latest training run under `runs_dir`."""
+    runs = Path(runs_dir)
+    latest = runs / "latest"
+    if latest.is_dir():  # a symlink to the run directory
+        if (latest / "best.pt").is_file():
+            return latest / "best.pt"
+    elif latest.is_file():  # a text file naming it
+        name = latest.read_text(encoding="utf-8", errors="replace").strip()
+        for run in (runs / name, Path(name)):
+            if name and (run / "best.pt").is_file():
+                return run / "best.pt"
+    found = [p for p in runs.glob("*/best.pt") if p.is_file()]
+    if found:
+        return max(found, key=lambda p: p.stat().st_mtime)
+    raise CheckpointError(f"no checkpoint found: neither {latest}/best.pt nor any {runs}/*/best.pt exists; "
+                          f"train one (`make train`) or pass --checkpoint PATH")

@@ -1,0 +1,117 @@
+"""Command-line options checked at the door: one rule per kind of value, one line per mistake.
+
+The translator, `python -m annotated.attention.dump` and the docs build parse their options with
+`Parser`: a wrong option prints one line, `<prog>: error: <what is wrong and what is allowed>`, on stderr and
+exits with status 2 before any data or model work, never a traceback and never a silent fallback (a beam of 0
+is not "greedy", a negative count is not "all"). The value checkers are argparse `type=` functions.
+
+>>> p = Parser(prog="demo")
+>>> _ = p.add_argument("--beam", type=at_least(1))
+>>> p.parse_args(["--beam", "4"]).beam
+4
+>>> at_least(1)("0")
+Traceback (most recent call last):
+...
+argparse.ArgumentTypeError: must be a whole number >= 1, got '0'
+>>> number(0, None)("nan")
+Traceback (most recent call last):
+...
+argparse.ArgumentTypeError: must be a finite number >= 0, got 'nan'
+>>> device("tpu")
+Traceback (most recent call last):
+...
+argparse.ArgumentTypeError: must be cpu, cuda or cuda:N (cuda only where CUDA is available), got 'tpu'
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable, NoReturn, Optional
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (no usage block), exit code 2.
+
+    `name` starts the line (default: `prog`), so that every error of one command reads alike."""
+
+    def __init__(self, *args, name: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.name = name or self.prog
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.name}: error: {message}\n")
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """A whole number >= `low`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}")
+        return value
+    return parse
+
+
+def number(low: Optional[float], high: Optional[float], *, above: bool = False) -> Callable[[str], float]:
+    """A finite number in [low, high] (either end may be None: open); `above=True` excludes `low` itself.
+
+    >>> number(0, None, above=True)("0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be a finite number > 0, got '0'
+    """
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        too_low = low is not None and (value <= low if above else value < low)
+        if not math.isfinite(value) or too_low or (high is not None and value > high):
+            bounds = " and ".join(b for b in (f"{'>' if above else '>='} {low:g}" if low is not None else "",
+                                              f"<= {high:g}" if high is not None else "") if b)
+            raise argparse.ArgumentTypeError(f"must be a finite number{' ' + bounds if bounds else ''}, got {text!r}")
+        return value
+    return parse
+
+
+def device(text: str) -> str:
+    """cpu, cuda or cuda:N, where that device exists here (torch is imported only for cuda)."""
+    match = re.fullmatch(r"cpu|cuda(?::(\d+))?", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"must be cpu, cuda or cuda:N (cuda only where CUDA is available), got {text!r}")
+    if text.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r} asked for, but CUDA is not available here; use cpu")
+        if match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} asked for, but there are {torch.cuda.device_count()} CUDA devices here")
+    return text
+
+
+def writable_dir(text: str) -> Path:
+    """A folder that exists and can be written, or can be created (its nearest existing parent is writable)."""
+    path = Path(text).expanduser()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {probe} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: {probe} is not writable; choose another folder")
+    return path
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """The same one line and exit code 2, for a check that needs more than one option."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -1,0 +1,732 @@
+"""Tests of annotated/attention/dump.py (dumps, tensorboard, the command line), attention_pictures.py and
+attention_viewer.py (the HTML viewer).
+
+Models are tiny and random (the properties checked do not need training); the
+tokenizer is trained on the first 300 Multi30k training pairs, read from
+$MULTI30K_URL or the shared copy beside the repository (tests skip, saying so,
+when neither exists).
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from annotated.attention import dump as A
+from annotated.attention import pictures as P
+from annotated.attention import viewer as V
+from browser import CHROMIUM, NO_CHROMIUM, Chromium
+from annotated.plumbing.checkpoint import CheckpointError, save_checkpoint
+from annotated.tokens import PAD, BOS
+from annotated.transformer import convert_model, make_model, padding_mask
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT.parent / "shared" / "data" / "multi30k"
+MAX_LEN = 20  # the tiny models' positional table: translations stay short, so pictures draw fast
+SENTENCES = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball."]
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def base_url():
+    from annotated.training import data
+
+    url = os.environ.get(data.URL_ENV) or SHARED.as_uri() + "/"
+    resolved = data.resolve_base_url(url)
+    if resolved.startswith("file://") and not Path(resolved[len("file://"):]).is_dir():
+        pytest.skip(f"no Multi30k data source: {resolved} does not exist (set {data.URL_ENV})")
+    return url
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(base_url, cache):
+    """A joint BPE tokenizer of 800 pieces on 300 training pairs (its 256 byte pieces leave room for words)."""
+    from annotated.training.data import load_multi30k, train_tokenizer
+
+    pairs = load_multi30k("train", "de", "en", cache_dir=cache, base_url=base_url)[:300]
+    return train_tokenizer([s for s, _ in pairs] + [t for _, t in pairs], 800, cache_dir=cache)
+
+
+def tiny_model(vocab: int, attention: str = "per_head", dtype=torch.float64, seed: int = 0, h: int = 2,
+               max_len: int = MAX_LEN):
+    torch.manual_seed(seed)
+    model = make_model(src_vocab=vocab, tgt_vocab=vocab, N=2, d_model=16, d_ff=32, h=h, max_len=max_len,
+                       attention=attention, share_embeddings=True, tie_generator=True)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tokenizer, tmp_path_factory):
+    """A per-head float64 model and its fused conversion, saved as two checkpoints."""
+    d = tmp_path_factory.mktemp("ckpt")
+    per_head = tiny_model(tokenizer.vocab_size)
+    fused = convert_model(per_head, "fused")
+    meta = {"src_lang": "de", "tgt_lang": "en"}
+    save_checkpoint(d / "per_head.pt", per_head, tokenizer, meta)
+    save_checkpoint(d / "fused.pt", fused, tokenizer, meta)
+    return d / "per_head.pt", d / "fused.pt"
+
+
+@pytest.fixture(scope="module")
+def full_dump(checkpoints, tmp_path_factory):
+    """A float32 dump of two sentences with every picture and the viewer."""
+    out = tmp_path_factory.mktemp("dump") / "attention"
+    A.dump(checkpoints[1], SENTENCES, out, references=["A dog runs across the meadow.", None])
+    return out
+
+
+# ---------------------------------------------------------------- the arrays
+
+def test_shapes_rows_and_masks(tokenizer):
+    model = tiny_model(tokenizer.vocab_size)
+    src = tokenizer.encode(SENTENCES[0])
+    tgt = A.translate_greedy(model, src)
+    attn = A.collect_attention(model, src, tgt, dtype=np.float64)
+    S, T, h = len(src), len(tgt), model.config.h
+    assert set(attn) == set(A.KINDS)
+    for kind, (q, k) in {"encoder": (S, S), "decoder_self": (T, T), "cross": (T, S)}.items():
+        assert len(attn[kind]) == model.config.N
+        for a in attn[kind]:
+            assert a.shape == (1, h, q, k) and a.dtype == np.float64
+            # every query's weights are a distribution over the keys (no padding here)
+            np.testing.assert_allclose(a.sum(-1), 1.0, atol=1e-12)
+            assert (a >= 0).all()
+    for a in attn["decoder_self"]:
+        assert not np.triu(a[0], 1).any(), "a future position got weight: the causal mask leaked"
+        np.testing.assert_array_equal(a[0, :, 0], np.eye(T)[np.zeros(h, dtype=int)])  # <s> sees only itself
+    assert A.collect_attention(model, src, tgt)["encoder"][0].dtype == np.float32  # the default
+
+
+def test_rows_are_the_steps_of_greedy_decoding(tokenizer):
+    """Row t of the teacher-forced pass is decoding step t: same weights, and it predicts tgt_ids[t]."""
+    model = tiny_model(tokenizer.vocab_size, seed=3)
+    src_ids = tokenizer.encode(SENTENCES[1])
+    tgt_ids = A.translate_greedy(model, src_ids)
+    attn = A.collect_attention(model, src_ids, tgt_ids, dtype=np.float64)
+    src = torch.tensor([src_ids])
+    mask = padding_mask(src, PAD)
+    cache, memory = model.new_cache(), model.encode(src, mask)
+    inputs = [BOS] + tgt_ids[:-1]
+    with torch.no_grad():
+        for t, token in enumerate(inputs):
+            y, p_self, p_cross = model.decode_with_attention(memory, mask, torch.tensor([[token]]), None,
+                                                             cache=cache, start=t)
+            assert int(model.generator(y[:, -1]).argmax()) == tgt_ids[t]
+            for layer in range(model.config.N):
+                np.testing.assert_allclose(attn["decoder_self"][layer][0, :, t, :t + 1], p_self[layer][0, :, 0],
+                                           rtol=0, atol=1e-12)
+                np.testing.assert_allclose(attn["cross"][layer][0, :, t], p_cross[layer][0, :, 0], rtol=0,
+                                           atol=1e-12)
+
+
+def test_per_head_and_fused_give_identical_dumps(checkpoints, tmp_path):
+    """float64: the two forms are the same function, so the dumps agree to rounding (<= 1e-12)."""
+    outs = [A.dump(c, SENTENCES, tmp_path / c.stem, pictures=False, viewer=False, dtype=np.float64)
+            for c in checkpoints]
+    (ia, ib) = (A.read_index(o) for o in outs)
+    assert ia["model_config"]["attention"] == "per_head" and ib["model_config"]["attention"] == "fused"
+    assert {k: v for k, v in ia["model_config"].items() if k != "attention"} == \
+           {k: v for k, v in ib["model_config"].items() if k != "attention"}
+    for key in ("src_tokens", "tgt_in_tokens", "tgt_out_tokens", "translation", "shapes"):
+        assert [s[key] for s in ia["sentences"]] == [s[key] for s in ib["sentences"]]
+    worst = 0.0
+    for i in range(len(SENTENCES)):
+        a, _ = A.load_sentence(outs[0], i)
+        b, _ = A.load_sentence(outs[1], i)
+        for kind in A.KINDS:
+            for x, y in zip(a[kind], b[kind]):
+                assert x.dtype == y.dtype == np.float64 and x.shape == y.shape
+                worst = max(worst, float(np.abs(x - y).max()))
+    assert worst <= 1e-12, worst
+
+
+# ---------------------------------------------------------------- files and bertviz
+
+def test_dump_files_and_index(full_dump, checkpoints, tokenizer):
+    index = A.read_index(full_dump)
+    assert index["checkpoint"] == str(checkpoints[1].resolve())
+    assert index["model_config"]["N"] == index["layers"] == 2 and index["heads"] == 2
+    assert index["head_counts"] == {kind: [2, 2] for kind in A.KINDS}
+    assert index["meta"]["src_lang"] == "de" and index["dtype"] == "float32"
+    assert [s["source"] for s in index["sentences"]] == SENTENCES
+    assert index["sentences"][0]["reference"] == "A dog runs across the meadow."
+    for i, entry in enumerate(index["sentences"]):
+        assert entry["src_ids"] == tokenizer.encode(SENTENCES[i])
+        assert entry["src_tokens"] == tokenizer.pieces(entry["src_ids"])
+        assert entry["tgt_in_tokens"][0] == "<s>" and entry["tgt_in_tokens"][1:] == entry["tgt_out_tokens"][:-1]
+        assert entry["translation"] == tokenizer.decode(entry["tgt_out_ids"])
+        with np.load(full_dump / entry["file"]) as f:
+            assert sorted(f.files) == sorted(f"{k}_layer{l}" for k in A.KINDS for l in range(2))
+            for kind in A.KINDS:
+                rows, cols = (entry[name] for name in index["rows_cols"][kind])
+                for layer in range(2):
+                    a = f[f"{kind}_layer{layer}"]
+                    assert list(a.shape) == entry["shapes"][kind][layer] == [1, 2, len(rows), len(cols)]
+        for name in entry["pictures"].values():
+            png = full_dump / name
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            assert png.stat().st_size < 400_000
+    assert not [p for p in full_dump.parent.iterdir() if p.name.startswith(".")], "temporary directory left"
+
+
+def test_bertviz_layout(full_dump):
+    """bertviz's head_view/model_view input: per kind a tuple of (1, h, q, k) tensors, layer order kept."""
+    attn, entry = A.load_sentence(full_dump, 1)
+    args = A.bertviz_args(attn, entry)
+    S, T = len(entry["src_tokens"]), len(entry["tgt_in_tokens"])
+    with np.load(full_dump / entry["file"]) as f:
+        for name, kind, (q, k) in (("encoder_attention", "encoder", (S, S)),
+                                   ("decoder_attention", "decoder_self", (T, T)),
+                                   ("cross_attention", "cross", (T, S))):
+            layers = args[name]
+            assert isinstance(layers, tuple) and len(layers) == 2
+            for layer, tensor in enumerate(layers):
+                assert isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == (1, 2, q, k)
+                np.testing.assert_array_equal(tensor.numpy(), f[f"{kind}_layer{layer}"])
+            # what bertviz does with it (util.format_attention and head_view's token checks)
+            assert all(len(t.shape) == 4 for t in layers)
+            stacked = torch.stack([t.squeeze(0) for t in layers])  # (layers, heads, q, k)
+            left = args["decoder_tokens"] if kind != "encoder" else args["encoder_tokens"]
+            right = args["encoder_tokens"] if kind != "decoder_self" else args["decoder_tokens"]
+            assert len(stacked[0][0]) == len(left) and len(stacked[0][0][0]) == len(right)
+
+
+def test_pictures_show_what_the_prose_says(full_dump):
+    attn, entry = A.load_sentence(full_dump, 0)
+    fig = P.grid_figure(attn["decoder_self"], entry["tgt_in_tokens"], entry["tgt_in_tokens"], "decoder_self")
+    axes = [ax for ax in fig.axes if ax.images]
+    assert len(axes) == 4  # 2 layers x 2 heads
+    T = len(entry["tgt_in_tokens"])
+    for ax in axes:
+        shown = ax.images[0].get_array()
+        np.testing.assert_array_equal(np.ma.getmaskarray(shown), np.triu(np.ones((T, T), bool), 1))
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == entry["tgt_in_tokens"]  # left column labelled
+    assert not axes[1].get_yticklabels()
+    fig = P.alignment_figure(attn["cross"][1], entry["src_tokens"], entry["tgt_out_tokens"], per_head=True)
+    panels = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title() for ax in panels] == ["mean over heads", "head 0", "head 1"]
+    np.testing.assert_allclose(panels[0].images[0].get_array(), attn["cross"][1][0].mean(0), rtol=1e-6)
+    np.testing.assert_array_equal(panels[2].images[0].get_array(), attn["cross"][1][0, 1])
+    assert [t.get_text() for t in panels[0].get_xticklabels()] == entry["src_tokens"]
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == entry["tgt_out_tokens"]
+    assert P.label_font_size(60, 3.0) < P.label_font_size(10, 3.0)  # more tokens, smaller labels
+    assert P._tex_safe("$5") == r"\$5"  # a '$' token does not start a formula
+
+
+# ---------------------------------------------------------------- tensorboard
+
+def test_tensorboard_alignment_image(tokenizer, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    model = tiny_model(tokenizer.vocab_size, dtype=torch.float32).train()
+    rng = torch.get_rng_state()
+    with SummaryWriter(log_dir=str(tmp_path)) as writer:
+        image = A.log_alignment_image(writer, model, tokenizer, SENTENCES[0], step=7)
+    assert model.training, "the model must be back in training mode"
+    assert torch.equal(rng, torch.get_rng_state()), "logging drew random numbers"
+    assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3 and image.std() > 10
+    events = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    events.Reload()
+    assert "attention/alignment" in events.Tags()["images"]
+    [logged] = events.Images("attention/alignment")
+    assert logged.step == 7 and (logged.height, logged.width) == image.shape[:2]
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_dump_directory_gets_the_mode_mkdir_would_give(checkpoints, tmp_path, umask):
+    """Staged in a private mkdtemp directory (0o700), renamed into place as 0o777 less the umask."""
+    old = os.umask(umask)
+    try:
+        A.dump(checkpoints[0], SENTENCES[:1], tmp_path / "attention", pictures=False, viewer=False)
+        (tmp_path / "plain").mkdir()
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((tmp_path / "attention").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o777 & ~umask
+
+
+def test_failed_dump_leaves_nothing(checkpoints, tmp_path, monkeypatch):
+    out = tmp_path / "attention"
+    A.dump(checkpoints[0], SENTENCES[:1], out, pictures=False, viewer=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("disk on fire")
+        return real(*args, **kwargs)
+
+    real = A.collect_attention
+    monkeypatch.setattr(A, "collect_attention", failing)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        A.dump(checkpoints[0], SENTENCES, out, pictures=False, viewer=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old dump, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attention"]  # no temporary directory left
+    monkeypatch.setattr(A, "collect_attention", real)
+    with pytest.raises(ValueError, match=r"sentence 2 is empty"):
+        A.dump(checkpoints[0], [SENTENCES[0], "   "], tmp_path / "new")
+    with pytest.raises(ValueError, match=r"sentence 1 has \d+ subwords, more than the model's max_len=20"):
+        A.dump(checkpoints[0], [" ".join(["Hund"] * 30)], tmp_path / "new")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="is not an attention dump"):
+        A.dump(checkpoints[0], SENTENCES[:1], tmp_path / "mine", pictures=False, viewer=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attention", "mine"]
+    with pytest.raises(CheckpointError, match="no such file"):
+        A.dump(tmp_path / "missing.pt", SENTENCES, tmp_path / "new")
+    with pytest.raises(ValueError, match="eval mode"):
+        A.collect_attention(tiny_model(50).train(), [5], [6])
+
+
+def tree(path: Path) -> dict:
+    """Every file and folder under `path` with its bytes (None for folders, the target for links)."""
+    return {str(p.relative_to(path)): (os.readlink(p) if p.is_symlink() else None if p.is_dir() else p.read_bytes())
+            for p in sorted(path.rglob("*"))}
+
+
+@pytest.mark.parametrize("case", ["foreign index", "dump plus a user file", "dump plus a folder", "a file",
+                                  "index without marker", "a link", "index naming a user file"])
+def test_out_dir_that_is_not_our_dump_is_refused_untouched(case, checkpoints, tmp_path, capsys):
+    """Only a dump of ours (format marker, nothing but the files its index names) is ever replaced."""
+    out = tmp_path / "out"
+    if case == "foreign index":  # the old rule: any file named index.json made a folder "a dump"
+        (out / "photos").mkdir(parents=True)
+        (out / "index.json").write_text('{"pages": [1, 2]}')
+        (out / "photos" / "a.jpg").write_bytes(b"\xff\xd8 holiday")
+    elif case in ("dump plus a user file", "dump plus a folder"):
+        A.dump(checkpoints[0], SENTENCES[:1], out, pictures=False)
+        if case == "dump plus a user file":
+            (out / "thesis.tex").write_text("chapter 1")
+        else:
+            (out / "drafts").mkdir()
+    elif case == "a file":
+        out.write_text("a file, not a folder")
+    elif case == "index without marker":
+        out.mkdir()
+        (out / "index.json").write_text('{"sentences": []}')
+    elif case == "index naming a user file":  # our marker, but the "sentence file" is not a name a dump writes
+        out.mkdir()
+        (out / "index.json").write_text(json.dumps({"format": A.FORMAT, "sentences": [{"file": "thesis.tex"}]}))
+        (out / "thesis.tex").write_text("chapter 1")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "keep.txt").write_text("keep")
+        out.symlink_to("elsewhere")
+    before = tree(tmp_path)
+    code = A.main(["--checkpoint", str(checkpoints[0]), "--out", str(out), "--no-pictures", SENTENCES[0]])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "is not an attention dump" in err and "choose another --out" in err
+    assert tree(tmp_path) == before  # nothing changed, nothing added beside it
+
+
+def run_cli(*args, cwd=ROOT):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "annotated.attention.dump", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["missing", "incompatible", "empty", "too_long"])
+def test_cli_bad_input_exits_2_and_writes_nothing(case, checkpoints, tmp_path, capsys):
+    ckpt = checkpoints[0]
+    sentences = ["Ein Hund."]
+    if case == "missing":
+        ckpt = tmp_path / "nope.pt"
+    elif case == "incompatible":
+        ckpt = tmp_path / "other.pt"
+        torch.save({"format": "annotated-checkpoint-v1", "config": {"src_vocab": 10, "tgt_vocab": 10, "N": 1},
+                    "model": {"weight": torch.zeros(2)}, "tokenizer": None, "meta": {}}, ckpt)
+    elif case == "empty":
+        sentences = ["Ein Hund.", ""]
+    else:
+        sentences = ["Ein " + "sehr " * 40 + "großer Hund."]
+    out = tmp_path / "out"
+    code = A.main(["--checkpoint", str(ckpt), "--out", str(out), *sentences])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("attention: error: ")
+    assert "Traceback" not in err
+    want = {"missing": "no such file", "incompatible": "do not match its config", "empty": "sentence 2 is empty",
+            "too_long": "more than the model's max_len=20"}[case]
+    assert want in err
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name != "other.pt"] == []
+
+
+def test_cli_defaults_in_a_real_process(tokenizer, base_url, tmp_path):
+    """No --checkpoint: runs/latest/best.pt; no sentences: the first --n of test_2016_flickr (de)."""
+    from annotated.training.data import load_multi30k
+
+    run = tmp_path / "runs" / "run-1"
+    run.mkdir(parents=True)
+    model = tiny_model(tokenizer.vocab_size, max_len=40)  # room for the test sentences' 25 subwords
+    save_checkpoint(run / "best.pt", model, tokenizer, {"src_lang": "de", "tgt_lang": "en"})
+    (tmp_path / "runs" / "latest").symlink_to("run-1")
+    r = run_cli("--n", 2, "--no-pictures", "--data-url", base_url, "--cache-dir", tmp_path / "cache", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    index = A.read_index(run / "attention")
+    test = load_multi30k("test_2016_flickr", "de", "en", cache_dir=tmp_path / "cache", base_url=base_url)[:2]
+    assert [(s["source"], s["reference"]) for s in index["sentences"]] == test
+    assert (run / "attention" / "viewer.html").is_file() and "run-1/attention" in r.stdout
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--n", "0"], "argument --n: must be a whole number >= 1, got '0'"),
+    (["--n", "-5"], "argument --n: must be a whole number >= 1, got '-5'"),
+    (["--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N"),
+    (["--device", "meta"], "argument --device: must be cpu, cuda or cuda:N"),
+    (["--cache-dir", "/dev/null/cache"], "argument --cache-dir: '/dev/null/cache': /dev/null is not a folder"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_cli_bad_options_exit_2_with_one_line_before_any_work(option, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        A.main(["--checkpoint", str(tmp_path / "none.pt"), "--out", str(tmp_path / "out"), *option])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"attention: error: {message}") and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_without_any_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    assert A.main(["Ein Hund."]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attention: error: no checkpoint found") and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- the viewer in a browser
+
+def png_pixels(data: bytes) -> np.ndarray:
+    import matplotlib.image
+
+    return matplotlib.image.imread(io.BytesIO(data), format="png")  # (H, W, 3 or 4) floats in [0, 1]
+
+
+def test_viewer_in_headless_chromium(full_dump, tmp_path):
+    binary = shutil.which("chromium")
+    if binary is None:
+        pytest.skip("no `chromium` on PATH (Debian's package; .ci/run installs it): the viewer is not opened")
+    page = full_dump / "viewer.html"
+    text = page.read_text(encoding="utf-8")
+    # statically: nothing in the page can fetch anything
+    for pattern in ("<link", "src=", "href=", "@import", "url(", "fetch(", "XMLHttpRequest", "WebSocket"):
+        assert pattern not in text, f"the viewer contains {pattern!r}"
+    index = A.read_index(full_dump)
+    browser = Chromium(binary, tmp_path / "profile")
+    try:
+        browser.open(page.as_uri())
+        assert browser.js("document.body.dataset.rendered") == "0/encoder/0/0"
+
+        # every kind draws one cell per (query, key) and one token element per query and per key
+        for s, entry in enumerate(index["sentences"]):
+            for kind in A.KINDS:
+                rows, cols = (entry[name] for name in index["rows_cols"][kind])
+                state = f"{s}/{kind}/1/mean"
+                browser.js(f"location.hash = 's={s}&kind={kind}&layer=1&head=mean'")
+                browser.wait_js(f"document.body.dataset.rendered === '{state}'")
+                counts = browser.js("[document.querySelectorAll('td.cell').length, "
+                                    "document.querySelectorAll('td.blocked').length, "
+                                    "[...document.querySelectorAll('span.tok.q')].map(t => t.textContent), "
+                                    "[...document.querySelectorAll('span.tok.k')].map(t => t.textContent)]")
+                blocked = len(rows) * (len(rows) - 1) // 2 if kind == "decoder_self" else 0
+                assert counts == [len(rows) * len(cols), blocked, rows, cols], (s, kind)
+
+        # a real hover (mouse moved by the browser's input layer) shades the keys by the query's row
+        attn, entry = A.load_sentence(full_dump, 0)
+        browser.js("location.hash = 's=0&kind=cross&layer=1&head=0'")
+        browser.wait_js("document.body.dataset.rendered === '0/cross/1/0'")
+
+        def hover(selector: str):
+            x, y = browser.js(f"(() => {{ const e = document.querySelector('{selector}'); e.scrollIntoView(); "
+                              f"const r = e.getBoundingClientRect(); "
+                              f"return [r.x + r.width / 2, r.y + r.height / 2]; }})()")
+            browser.page("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+
+        q = 2
+        hover(f'span.tok.q[data-i="{q}"]')
+        shaded = browser.js("[...document.querySelectorAll('span.tok.k')].map(t => parseFloat(t.dataset.w))")
+        np.testing.assert_allclose(shaded, attn["cross"][1][0, 0, q], atol=1.1e-4)  # 4 decimals stored and shown
+        k = 1
+        hover(f'span.tok.k[data-i="{k}"]')
+        shaded = browser.js("[...document.querySelectorAll('span.tok.q')].map(t => parseFloat(t.dataset.w))")
+        np.testing.assert_allclose(shaded, attn["cross"][1][0, 0, :, k], atol=1.1e-4)
+        assert "is read by the queries" in browser.js("document.getElementById('status').textContent")
+
+        shot = png_pixels(base64.b64decode(browser.page("Page.captureScreenshot", format="png")["data"]))
+        assert shot.shape[:2] == (900, 1200)
+        not_white = (shot[..., :3] < 0.95).any(axis=-1).mean()
+        assert 0.02 < not_white < 0.95 and len(np.unique(shot[..., :3].reshape(-1, 3), axis=0)) > 20
+
+        # without heads.json beside the checkpoint the model view says so and shows no scores
+        browser.js("location.hash = 's=0&kind=encoder&view=model'")
+        browser.wait_js("document.body.dataset.rendered === '0/encoder/model'")
+        assert browser.js("document.querySelectorAll('td.thumb').length") == index["layers"] * index["heads"]
+        assert browser.js("document.querySelectorAll('.score').length") == 0
+        assert browser.js("document.getElementById('importance').textContent").startswith("no heads.json")
+
+        # the only request the page caused is the page itself
+        assert browser.requests() == [page.as_uri()]
+        # and the check can fail: a page with an external image shows up in the log
+        control = tmp_path / "control.html"
+        control.write_text('<img src="http://example.invalid/x.png">')
+        browser.page("Page.navigate", url=control.as_uri())
+        browser.wait_event("Page.loadEventFired")
+        assert "http://example.invalid/x.png" in browser.requests()
+    finally:
+        browser.close()
+
+
+HOSTILE = "Ein Hund <!--<script> rennt & </script> über\u2028die\u2029Wiese > 1."
+
+
+def test_viewer_survives_markup_in_the_sentences(tokenizer, tmp_path):
+    """Text that HTML would read as markup inside <script> (`<!--<script>`, `</script>`) stays text."""
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
+    model = tiny_model(tokenizer.vocab_size, max_len=80)  # room for the byte pieces of the markup
+    out = A.dump_model(model, tokenizer, [HOSTILE, SENTENCES[1]], tmp_path / "dump", pictures=False)
+    page = (out / "viewer.html").read_text(encoding="utf-8")
+    data = page.split('id="attention-data">', 1)[1].split("</script>", 1)[0]
+    assert not set("<>&\u2028\u2029") & set(data)  # every one escaped
+    assert json.loads(data)["sentences"][0]["source"] == HOSTILE  # and read back unchanged
+    browser = Chromium(CHROMIUM, tmp_path / "profile")
+    try:
+        browser.page("Page.enable")
+        browser.page("Page.navigate", url=(out / "viewer.html").as_uri())
+        browser.wait_event("Page.loadEventFired")
+        assert browser.js("document.body.dataset.rendered") == "0/encoder/0/0"  # the script ran
+        assert browser.js("DATA.sentences[0].source") == HOSTILE
+        assert HOSTILE in browser.js("document.getElementById('caption').textContent")
+        assert browser.js("document.querySelectorAll('script').length") == 2  # no element made from the text
+    finally:
+        browser.close()
+
+
+def test_the_dump_translates_as_the_translator_does(full_dump, checkpoints):
+    """The viewer and `make translate` show the same sentence: same decoder (beam 4), same settings."""
+    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.decoding.translate import translate
+
+    model, tokenizer, _ = load_checkpoint(checkpoints[1])
+    index = A.read_index(full_dump)
+    assert index["decoder"] == {"beam_size": 4, "length_penalty": 0.6}
+    for entry in index["sentences"]:
+        assert entry["translation"] == translate(model, tokenizer, entry["source"])[0]
+        ids = entry["tgt_out_ids"]
+        assert tokenizer.decode(ids[:-1] if ids[-1] == A.EOS else ids) == entry["translation"]
+
+
+def test_head_scores_are_read_only_when_they_fit_the_checkpoint(checkpoints, tmp_path):
+    model = tiny_model(50)
+    ckpt = tmp_path / "best.pt"
+    assert V.read_head_importance(ckpt, model.config) == (None, None)  # no heads.json: nothing to say
+    scores = heads_json(model.config, ckpt)
+    (tmp_path / "heads.json").write_text(json.dumps(scores))
+    importance, note = V.read_head_importance(ckpt, model.config)
+    assert note is None and importance["decoder_self"] == scores["kinds"]["dec_self"]["importance"]
+    scores["kinds"]["cross"]["importance"][1].pop()  # a pruned model's table: one head short
+    (tmp_path / "heads.json").write_text(json.dumps(scores))
+    assert V.read_head_importance(ckpt, model.config)[0] is None
+    assert "does not hold 2 layers x 2 finite head scores" in V.read_head_importance(ckpt, model.config)[1]
+    (tmp_path / "heads.json").write_text(json.dumps(heads_json(model.config, tmp_path / "other.pt")))
+    assert "not this checkpoint" in V.read_head_importance(ckpt, model.config)[1]
+
+
+def heads_json(cfg, checkpoint: Path) -> dict:
+    """A heads.json as `python -m annotated.attention.heads` writes it, with distinct made-up scores."""
+    kinds = {kind: {"importance": [[round(0.1 * (k + 1) + 0.01 * layer + 0.001 * head, 6) for head in range(cfg.h)]
+                                   for layer in range(cfg.N)]} for k, kind in enumerate(("enc_self", "dec_self",
+                                                                                          "cross"))}
+    return {"checkpoint": str(checkpoint), "kinds": kinds}
+
+
+def test_model_view_in_headless_chromium(checkpoints, tmp_path):
+    """Every layer x head as a thumbnail (pixels = the weights), its importance under it, click to zoom,
+    a colour legend, and nothing fetched."""
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
+    ckpt = tmp_path / "run" / "best.pt"
+    ckpt.parent.mkdir()
+    shutil.copy(checkpoints[0], ckpt)
+    model, _, _ = A.load_checkpoint(ckpt)
+    scores = heads_json(model.config, ckpt)
+    (ckpt.parent / "heads.json").write_text(json.dumps(scores))
+    out = A.dump(ckpt, SENTENCES, pictures=False)
+    index = A.read_index(out)
+    assert index["head_importance"]["cross"] == scores["kinds"]["cross"]["importance"]
+    page = out / "viewer.html"
+    browser = Chromium(CHROMIUM, tmp_path / "profile")
+    try:
+        browser.open(page.as_uri() + "#s=1&kind=cross&view=model")
+        browser.wait_js("document.body.dataset.rendered === '1/cross/model'")
+        attn, entry = A.load_sentence(out, 1)
+        for kind in A.KINDS:
+            browser.js(f"location.hash = 's=1&kind={kind}&view=model'")
+            browser.wait_js(f"document.body.dataset.rendered === '1/{kind}/model'")
+            thumbs = browser.js("""[...document.querySelectorAll('td.thumb')].map(td => {
+                const c = td.querySelector('canvas'), px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                return {layer: +td.dataset.layer, head: +td.dataset.head, w: c.width, h: c.height,
+                        rgba: [...px], score: td.querySelector('.score').textContent}; })""")
+            assert len(thumbs) == index["layers"] * index["heads"]
+            theirs = {"encoder": "enc_self", "decoder_self": "dec_self", "cross": "cross"}[kind]
+            for t in thumbs:
+                weights = attn[kind][t["layer"]][0, t["head"]]  # (q, k)
+                assert (t["h"], t["w"]) == weights.shape
+                rgba = np.array(t["rgba"]).reshape(t["h"], t["w"], 4)
+                blocked = np.triu(np.ones(weights.shape, dtype=bool), 1) if kind == "decoder_self" else \
+                    np.zeros(weights.shape, dtype=bool)
+                assert (rgba[blocked] == [216, 216, 216, 255]).all()  # the causal mask's grey
+                np.testing.assert_allclose(rgba[~blocked][:, 3] / 255, weights[~blocked], atol=0.6 / 255 + 1e-4)
+                opaque = rgba[~blocked & (rgba[..., 3] >= 128)]  # (canvas keeps premultiplied colour: faint ones blur)
+                assert (abs(opaque[:, :3] - [33, 102, 172]) <= 2).all()
+                want = scores["kinds"][theirs]["importance"][t["layer"]][t["head"]]
+                assert t["score"] == f"importance {want:.3f}"
+        legend = browser.js("(() => { const r = document.querySelector('#legend .bar').getBoundingClientRect(); "
+                            "return [r.width, r.height, document.getElementById('legend').textContent]; })()")
+        assert legend[0] > 50 and legend[1] > 5 and "attention weight" in legend[2] and "causal mask" in legend[2]
+
+        # a real click on the thumbnail of layer 1, head 0 zooms into that head
+        x, y = browser.js("(() => { const e = document.querySelector('td.thumb[data-layer=\"1\"][data-head=\"0\"]'); "
+                          "e.scrollIntoView(); const r = e.getBoundingClientRect(); "
+                          "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        for kind in ("mousePressed", "mouseReleased"):
+            browser.page("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+        browser.wait_js("document.body.dataset.rendered === '1/cross/1/0'")
+        assert browser.js("document.getElementById('model').hidden") is True
+        want = scores["kinds"]["cross"]["importance"][1][0]
+        assert f"importance of layer 1, head 0: {want:.3f}" in browser.js("document.getElementById('importance').textContent")
+        assert [url.split("#")[0] for url in browser.requests()] == [page.as_uri()]
+    finally:
+        browser.close()
+
+
+
+# ---------------------------------------------------------------- a pruned model
+
+PRUNED = {("enc_self", 0): [1], ("dec_self", 1): [0, 2, 3], ("cross", 0): [3], ("cross", 1): [0, 1]}
+PRUNED_COUNTS = {"encoder": [3, 4], "decoder_self": [4, 1], "cross": [3, 2]}  # of 4 heads each
+
+
+def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer, tmp_path):
+    """A pruned checkpoint (fewer heads in some layers): per-layer arrays of its own heads, pictures with
+    empty cells, head scores that fit it, and a viewer whose rows and menus hold exactly each layer's heads."""
+    from annotated.sites import remove_heads
+    from annotated.attention.prune import save_pruned
+
+    full = tiny_model(tokenizer.vocab_size, attention="fused", dtype=torch.float32, h=4)
+    ckpt = tmp_path / "run" / "pruned.pt"
+    ckpt.parent.mkdir()
+    save_pruned(ckpt, remove_heads(full, PRUNED), tokenizer, {"src_lang": "de", "tgt_lang": "en"})
+    model, _, _ = A.load_checkpoint(ckpt)
+    assert A.model_head_counts(model) == PRUNED_COUNTS
+    scores = heads_json(model.config, ckpt)  # a table of the unpruned shape: 4 scores in every layer
+    for theirs, ours in V.HEADS_KINDS.items():
+        scores["kinds"][theirs]["importance"] = [row[:n] for row, n in zip(scores["kinds"][theirs]["importance"],
+                                                                           PRUNED_COUNTS[ours])]
+    unpruned = heads_json(model.config, ckpt)
+    (ckpt.parent / "heads.json").write_text(json.dumps(unpruned))
+    importance, note = V.read_head_importance(ckpt, model.config, PRUNED_COUNTS)
+    assert importance is None and "one finite score per head of this pruned model" in note
+    (ckpt.parent / "heads.json").write_text(json.dumps(scores))
+    importance, note = V.read_head_importance(ckpt, model.config, PRUNED_COUNTS)
+    assert note is None and importance["cross"] == [[0.3, 0.301, 0.302], [0.31, 0.311]]
+    out = A.dump(ckpt, SENTENCES)
+    index = A.read_index(out)
+    assert index["heads"] == 4 and index["head_counts"] == PRUNED_COUNTS
+    assert index["head_importance"]["cross"] == scores["kinds"]["cross"]["importance"]
+    for s, entry in enumerate(index["sentences"]):
+        attn, _ = A.load_sentence(out, s)
+        for kind in A.KINDS:
+            rows, cols = (entry[name] for name in index["rows_cols"][kind])
+            want = [[1, n, len(rows), len(cols)] for n in PRUNED_COUNTS[kind]]
+            assert [list(a.shape) for a in attn[kind]] == entry["shapes"][kind] == want, (s, kind)
+            for a in attn[kind]:
+                np.testing.assert_allclose(a.sum(-1), 1.0, atol=1e-5)
+            figure = P.grid_figure(attn[kind], rows, cols, kind)
+            assert len([ax for ax in figure.axes if ax.images]) == sum(PRUNED_COUNTS[kind])  # empty cells: none
+        # the encoder's first layer reads the embeddings, which pruning leaves alone: its heads are the
+        # unpruned model's heads 0, 2 and 3, in that order
+        full_attn = A.collect_attention(full, entry["src_ids"], entry["tgt_out_ids"])
+        np.testing.assert_allclose(attn["encoder"][0][0], full_attn["encoder"][0][0, [0, 2, 3]], rtol=0, atol=1e-6)
+        assert (out / entry["pictures"]["cross"]).stat().st_size > 0
+    attn, entry = A.load_sentence(out, 1)
+    with pytest.raises(ValueError, match=r"bertviz needs the same number of heads.*encoder layers have \[3, 4\]"):
+        A.bertviz_args(attn, entry)
+    with pytest.raises(ValueError, match="one finite score per head of this model"):  # the unpruned table
+        A.dump_model(model, tokenizer, SENTENCES, tmp_path / "other", pictures=False,
+                     importance={ours: unpruned["kinds"][theirs]["importance"] for theirs, ours in
+                                 V.HEADS_KINDS.items()})
+    assert not (tmp_path / "other").exists()
+    assert "pruned to encoder [3, 4], decoder_self [4, 1], cross [3, 2] heads per layer" in \
+        (out / "viewer.html").read_text(encoding="utf-8")
+
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
+    page = out / "viewer.html"
+    browser = Chromium(CHROMIUM, tmp_path / "profile")
+    try:
+        browser.open(page.as_uri() + "#s=1&kind=decoder_self&layer=1&head=3&view=head")
+        # head 3 of a layer that kept one head: the page shows the one head there is
+        browser.wait_js("document.body.dataset.rendered === '1/decoder_self/1/0'")
+        for kind in A.KINDS:
+            for layer, n in enumerate(PRUNED_COUNTS[kind]):  # the head menu offers exactly the layer's heads
+                browser.js(f"location.hash = 's=1&kind={kind}&layer={layer}&head=mean&view=head'")
+                browser.wait_js(f"document.body.dataset.rendered === '1/{kind}/{layer}/mean'")
+                options = browser.js("[...document.getElementById('head').options].map(o => o.value)")
+                assert options == ["mean"] + [str(h) for h in range(n)], (kind, layer)
+                cells = browser.js("[...document.querySelectorAll('td.cell:not(.blocked)')].map(td => "
+                                   "[+td.dataset.q, +td.dataset.k, parseFloat(td.title.split(': ').pop())])")
+                mean = attn[kind][layer][0].mean(0)  # (q, k): the mean over this layer's heads only
+                assert len(cells) > 0
+                for q, k, shown in cells:  # each cell's title gives its weight to 3 decimals
+                    assert abs(shown - mean[q, k]) <= 6e-4, (kind, layer, q, k)
+
+            browser.js(f"location.hash = 's=1&kind={kind}&view=model'")
+            browser.wait_js(f"document.body.dataset.rendered === '1/{kind}/model'")
+            rows = browser.js("""[...document.querySelectorAll('table.model tr')].slice(1).map(tr => ({
+                header: tr.querySelector('th').textContent,
+                thumbs: [...tr.querySelectorAll('td.thumb')].map(td => {
+                    const c = td.querySelector('canvas');
+                    const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                    return {layer: +td.dataset.layer, head: +td.dataset.head, w: c.width, h: c.height, rgba: [...px],
+                            score: td.querySelector('.score').textContent}; })}))""")
+            assert len(rows) == 2
+            header = browser.js("[...document.querySelectorAll('table.model tr')][0].querySelectorAll('th').length")
+            assert header == 1 + max(PRUNED_COUNTS[kind])  # a column per head of the fullest layer
+            theirs = {"encoder": "enc_self", "decoder_self": "dec_self", "cross": "cross"}[kind]
+            for layer, row in enumerate(rows):
+                n = PRUNED_COUNTS[kind][layer]
+                assert [(t["layer"], t["head"]) for t in row["thumbs"]] == [(layer, h) for h in range(n)], (kind, layer)
+                assert row["header"] == f"layer {layer} ({n} head{'s' if n > 1 else ''})"
+                for t in row["thumbs"]:
+                    weights = attn[kind][layer][0, t["head"]]  # (q, k)
+                    assert (t["h"], t["w"]) == weights.shape
+                    rgba = np.array(t["rgba"]).reshape(t["h"], t["w"], 4)
+                    blocked = np.triu(np.ones(weights.shape, dtype=bool), 1) if kind == "decoder_self" else \
+                        np.zeros(weights.shape, dtype=bool)
+                    assert (rgba[blocked] == [216, 216, 216, 255]).all()
+                    np.testing.assert_allclose(rgba[~blocked][:, 3] / 255, weights[~blocked], atol=0.6 / 255 + 1e-4)
+                    want = scores["kinds"][theirs]["importance"][layer][t["head"]]
+                    assert t["score"] == f"importance {want:.3f}"
+        assert [url.split("#")[0] for url in browser.requests()] == [page.as_uri()]
+    finally:
+        browser.close()

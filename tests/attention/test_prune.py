@@ -1,0 +1,230 @@
+"""Pruning heads for real, pruned checkpoints, and the command end to end (annotated/attention/prune.py, heads_cli.py)."""
+import json
+
+import pytest
+import torch
+
+from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
+from annotated.decoding.search import translate_ids
+from annotated.sites import KINDS, attention_at, head_counts, remove_heads, sites
+from annotated.attention.prune import count_parameters, greedy_prune, save_pruned
+from annotated.transformer import FusedAttention
+
+from test_heads import batch, logits, tiny_model
+
+
+@pytest.mark.parametrize("form", ["per_head", "fused"])
+def test_pruned_checkpoint_round_trips(form, tmp_path):
+    model = tiny_model(form, dtype=torch.float32)
+    pruned = remove_heads(model, {("enc_self", 0): [1], ("dec_self", 1): [0, 2], ("cross", 1): [2]})
+    path = tmp_path / "pruned.pt"
+    save_pruned(path, pruned, None, {"note": "kept"})
+    loaded, tokenizer, meta = load_checkpoint(path)
+    assert tokenizer is None and meta == {"note": "kept"}
+    assert head_counts(loaded) == head_counts(pruned) == {"enc_self": [2, 3], "dec_self": [3, 1], "cross": [3, 2]}
+    assert all(isinstance(attention_at(loaded, *s), FusedAttention) for s in sites(loaded))  # saved fused
+    b = batch()
+    assert torch.equal(logits(loaded, b), logits(convert_fused(pruned), b))  # the same numbers, the same form
+    torch.testing.assert_close(logits(loaded, b), logits(pruned, b), rtol=0, atol=1e-4)  # either form
+    sources = [row[row != 0].tolist() for row in b.src]
+    assert translate_ids(loaded, sources) == translate_ids(convert_fused(pruned), sources)
+    per_head = 2 * 12 * 4 * 2 + 3 * 4  # 2 d_model d_k + 2 d_model d_v + biases, d_k = d_v = 4
+    assert count_parameters(model) - count_parameters(loaded) == 4 * per_head
+
+
+def convert_fused(model):
+    from annotated.transformer import convert_model
+    return convert_model(model, "fused")
+
+
+def test_an_unpruned_model_saves_as_an_ordinary_checkpoint(tmp_path):
+    save_pruned(tmp_path / "m.pt", tiny_model("fused", dtype=torch.float32), None)
+    assert "heads" not in read_checkpoint(tmp_path / "m.pt")
+    load_checkpoint(tmp_path / "m.pt")
+
+
+def test_head_counts_that_do_not_fit_the_parameters_are_a_clear_error(tmp_path):
+    pruned = remove_heads(tiny_model("fused", dtype=torch.float32), {("cross", 0): [0]})
+    save_checkpoint(tmp_path / "bad.pt", pruned, None, {}, heads={k: [3, 3] for k in KINDS})
+    with pytest.raises(CheckpointError, match=r"bad\.pt.*parameters do not match its config"):
+        load_checkpoint(tmp_path / "bad.pt")
+    save_checkpoint(tmp_path / "worse.pt", pruned, None, {}, heads={"cross": [2, 3]})
+    with pytest.raises(CheckpointError, match=r"worse\.pt.*config is invalid.*head counts"):
+        load_checkpoint(tmp_path / "worse.pt")
+
+
+def test_greedy_prune_follows_the_scores_and_stops_at_the_first_removal_that_costs_too_much():
+    model = tiny_model("fused", N=1, h=2, dtype=torch.float32)
+    # enc_self head 1 lowest (0.1), then cross head 0 (0.2), then dec_self head 1 (0.3)
+    scores = {"enc_self": [0.9, 0.1], "dec_self": [0.8, 0.3], "cross": [0.2, 0.95]}
+
+    def importance(m):  # the scores of the heads still there (enc_self keeps head 0)
+        return {k: [scores[k] if attention_at(m, k, 0).h == 2 else [scores[k][0]]] for k in KINDS}
+
+    def val_bleu(m):  # an enc_self head costs 0.2 BLEU, a cross head 2
+        c = head_counts(m)
+        return 30.0 - 2.0 * (c["cross"] == [1]) - 0.2 * (c["enc_self"] == [1])
+
+    result = greedy_prune(model, val_bleu, importance, threshold=0.5, baseline=30.0)
+    # dec_self head 1 would cost nothing, but the search ends at the cross head, before reaching it
+    assert [(s.kind, s.head, s.kept) for s in result.steps] == [("enc_self", 1, True), ("cross", 0, False)]
+    assert head_counts(result.model) == {"enc_self": [1], "dec_self": [2], "cross": [2]}
+    assert [s.val_bleu for s in result.removed] == [pytest.approx(29.8)]
+    everything = greedy_prune(model, val_bleu, importance, threshold=5.0, baseline=30.0)
+    assert head_counts(everything.model) == {k: [1] for k in KINDS}  # every attention keeps one head
+    assert len(everything.steps) == 3
+
+
+def test_greedy_prune_rejects_a_negative_threshold():
+    with pytest.raises(ValueError, match="threshold"):
+        greedy_prune(tiny_model(), lambda m: 0.0, lambda m: {}, threshold=-0.1)
+
+
+# ---------------------------------------------------------------- the command, end to end
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, data_url, cache):
+    """A small untrained model with a real tokenizer, saved as a checkpoint."""
+    from annotated.training import data
+    from annotated.transformer import make_model
+
+    pairs = data.load_multi30k("train", cache_dir=cache, base_url=data_url)[:300]
+    tok = data.train_tokenizer([s for s, _ in pairs] + [t for _, t in pairs], 400, cache_dir=cache)
+    torch.manual_seed(0)
+    model = make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2,
+                       dropout=0.0, max_len=64, share_embeddings=True, tie_generator=True)
+    path = tmp_path_factory.mktemp("ckpt") / "best.pt"
+    save_checkpoint(path, model, tok, {"src_lang": "de", "tgt_lang": "en"})
+    return path
+
+
+def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(tiny_checkpoint, data_url, cache, tmp_path,
+                                                                     monkeypatch, capsys):
+    from annotated.attention.heads import main
+
+    monkeypatch.setenv("MULTI30K_URL", data_url)
+    monkeypatch.setenv("ANNOTATED_CACHE", str(cache))
+    out = tmp_path / "out"
+    argv = ["--checkpoint", str(tiny_checkpoint), "--out", str(out), "--sentences", "4", "--prune",
+            "--test-sentences", "3", "--beam", "2", "--threshold", "100"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert sum(line.split()[:1] in (["enc_self"], ["dec_self"], ["cross"]) for line in text.splitlines()) == 6
+    text_json = (out / "heads.json").read_text()
+    assert "NaN" not in text_json and "Infinity" not in text_json  # strict JSON: a browser's JSON.parse reads it
+    report = json.loads(text_json)
+    assert report["kinds"]["dec_self"]["position_profile"][0][0][-1] is None  # no last-source-token weight
+    for kind in KINDS:
+        assert (out / f"heads_{kind}.png").stat().st_size > 0
+        for key in ("importance", "ablation_bleu", "ablation_loss"):
+            assert [len(row) for row in report["kinds"][kind][key]] == [2]
+    assert (out / "heads_inspect.png").stat().st_size > 0
+    assert set(report["baseline"]) == {"bleu", "loss"}
+    # threshold 100: every attention gives up all but one head
+    assert report["pruning"]["after"]["heads"] == 3 and report["pruning"]["before"]["heads"] == 6
+    pruned, _, meta = load_checkpoint(out / "pruned.pt")
+    assert head_counts(pruned) == {k: [1] for k in KINDS} and len(meta["heads_removed"]) == 3
+    assert report["pruning"]["after"]["parameters"] == count_parameters(pruned)
+    # a second run does not overwrite the first without --force
+    before = (out / "heads.json").read_bytes()
+    assert main(argv) == 2 and "--force" in capsys.readouterr().err
+    assert (out / "heads.json").read_bytes() == before
+
+
+# ---------------------------------------------------------------- a pruned checkpoint wherever a checkpoint goes
+
+PRUNED = {("enc_self", 1): [0, 3], ("dec_self", 0): [2], ("cross", 1): [0, 1, 2]}
+PRUNED_COUNTS = {"enc_self": [4, 2], "dec_self": [3, 4], "cross": [4, 1]}
+SENTENCES = ["Ein Hund.", "Eine Frau singt.", "Ein Mann läuft."]  # short: the model has max_len 20
+
+
+@pytest.fixture(scope="module")
+def pruned_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """A pruned random model (2 layers of 4 heads, some layers with fewer) with tiny_checkpoint's tokenizer."""
+    _, tok, meta = load_checkpoint(tiny_checkpoint)
+    model = tiny_model("fused", dtype=torch.float32, N=2, h=4, d_model=16, vocab=tok.vocab_size)
+    path = tmp_path_factory.mktemp("pruned") / "pruned.pt"
+    save_pruned(path, remove_heads(model, PRUNED), tok, meta)
+    return path
+
+
+def test_a_pruned_checkpoint_works_with_the_translator_the_equivalence_check_and_the_attention_dump(
+        pruned_checkpoint, tmp_path):
+    import io
+
+    import numpy as np
+
+    from annotated.attention import dump as attention_maps
+    from annotated.decoding import translate
+    from annotated.proof.equivalence import check_checkpoint
+
+    model, tok, _ = load_checkpoint(pruned_checkpoint)
+    assert read_checkpoint(pruned_checkpoint)["heads"] == head_counts(model) == PRUNED_COUNTS
+    sources = [tok.encode(s) for s in SENTENCES]
+    assert all(0 < len(ids) <= model.config.max_len for ids in sources)  # nothing is cut
+    want = [" ".join(tok.decode(translate_ids(model, [ids], 2, 0.6)[0]).splitlines()) for ids in sources]
+    assert any(want)  # the random model says something
+
+    # the translator, in process
+    out, err = io.BytesIO(), io.StringIO()
+    argv = ["--checkpoint", str(pruned_checkpoint), "--beam", "2", "--device", "cpu", *SENTENCES]
+    assert translate.main(argv, stdout=out, stderr=err) == 0, err.getvalue()
+    assert out.getvalue().decode("utf-8").splitlines() == want and err.getvalue() == ""
+
+    # python -m annotated.proof.equivalence --checkpoint: the per-head conversion computes the same function
+    rows = check_checkpoint(str(pruned_checkpoint), sentences=8)
+    assert len(rows) == 3 and all(r.passed and r.cases == 8 for r in rows), [(r.check, r.notes) for r in rows]
+
+    # the attention dump: every layer's arrays hold that layer's heads
+    dump = attention_maps.dump(pruned_checkpoint, SENTENCES, tmp_path / "attention", pictures=False, beam_size=2)
+    index = attention_maps.read_index(dump)
+    ours = {"enc_self": "encoder", "dec_self": "decoder_self", "cross": "cross"}
+    assert index["head_counts"] == {ours[k]: v for k, v in PRUNED_COUNTS.items()}
+    assert [entry["translation"] for entry in index["sentences"]] == want
+    for i, entry in enumerate(index["sentences"]):
+        attn, _ = attention_maps.load_sentence(dump, i)
+        for theirs, kind in ours.items():
+            assert [a.shape[1] for a in attn[kind]] == PRUNED_COUNTS[theirs]
+            for a in attn[kind]:
+                np.testing.assert_allclose(a.sum(-1), 1.0, atol=1e-5)
+
+
+def test_head_counts_above_the_configs_h_are_refused_before_anything_is_built(tmp_path, monkeypatch):
+    import io
+
+    from annotated.plumbing import checkpoint
+    from annotated import sites
+    from annotated.decoding import translate
+    from annotated.transformer import make_model
+
+    model = tiny_model("fused", dtype=torch.float32, N=1, h=2)
+    greedy = tmp_path / "greedy.pt"
+    save_checkpoint(greedy, model, None, {}, heads={"enc_self": [10**9], "dec_self": [2], "cross": [2]})
+    fine = tmp_path / "fine.pt"
+    save_pruned(fine, remove_heads(model, {("enc_self", 0): [0]}), None)
+    built, counted = [], []
+
+    def spy_make_model(*args, **kwargs):
+        built.append(torch.empty(0).device.type)  # "meta" while only shapes are worked out
+        return make_model(*args, **kwargs)
+
+    real_set_head_counts = sites.set_head_counts
+
+    def spy_set_head_counts(m, counts):
+        counted.append(next(m.parameters()).device.type)
+        return real_set_head_counts(m, counts)
+
+    monkeypatch.setattr(checkpoint, "make_model", spy_make_model)
+    monkeypatch.setattr(sites, "set_head_counts", spy_set_head_counts)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(greedy)
+    message = str(e.value)
+    assert str(greedy) in message and "head counts" in message and "h=2" in message and "\n" not in message
+    assert built == ["meta"] and counted == []  # only the meta-device shape check ran, and it stopped there
+    out, err = io.BytesIO(), io.StringIO()
+    assert translate.main(["--checkpoint", str(greedy), "Hallo"], stdout=out, stderr=err) == 2
+    assert err.getvalue() == f"translate: error: {message}\n" and out.getvalue() == b""
+    # the spies see a real build: a pruned checkpoint that fits is built once on the meta device, then for real
+    built.clear()
+    assert head_counts(load_checkpoint(fine)[0])["enc_self"] == [1]
+    assert built == ["meta", "cpu"] and counted == ["meta", "cpu"]

@@ -1,0 +1,157 @@
+"""annotated/training/train.py: the loss, the schedule, and a whole (smoke) run."""
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from annotated.training import train as T
+from annotated.tokens import PAD
+from annotated.transformer import rate
+
+
+def test_label_smoothing_matches_formula():
+    gen = torch.Generator().manual_seed(0)
+    B, L, V, eps = 3, 5, 11, 0.1
+    logits = torch.randn(B, L, V, generator=gen, dtype=torch.float64)
+    target = torch.randint(1, V, (B, L), generator=gen)
+    target[0, -2:] = PAD
+    ours = T.label_smoothed_loss(logits, target, eps)
+    # the prose's formula, term by term: -sum_k q(k) log p(k) over non-pad positions
+    q = T.smoothed_targets(target, V, eps).double()  # (B*L, V)
+    assert torch.allclose(q.sum(-1), torch.ones(B * L, dtype=torch.float64))
+    per_pos = -(q * logits.reshape(-1, V).float().log_softmax(-1).double()).sum(-1)  # (B*L,)
+    want = per_pos[target.reshape(-1) != PAD].sum()
+    assert abs(ours.item() - want.item()) <= 1e-5 * abs(want.item())  # ours computes log_softmax in float32
+    torch_ls = F.cross_entropy(logits.reshape(-1, V).float(), target.reshape(-1), ignore_index=PAD,
+                               label_smoothing=eps, reduction="sum")
+    assert abs(ours.item() - torch_ls.item()) <= 1e-5 * abs(want.item())
+
+
+def test_no_smoothing_is_cross_entropy():
+    logits = torch.randn(2, 4, 7)
+    target = torch.tensor([[3, 4, PAD, PAD], [1, 2, 3, 4]])
+    ce = F.cross_entropy(logits.reshape(-1, 7), target.reshape(-1), ignore_index=PAD, reduction="sum")
+    assert torch.allclose(T.label_smoothed_loss(logits, target, 0.0), ce)
+
+
+def test_schedule_warms_up_then_decays():
+    lrs = [rate(s, 256, 1000) for s in range(1, 5001)]
+    peak = max(range(len(lrs)), key=lrs.__getitem__) + 1
+    assert peak == 1000
+    assert math.isclose(lrs[999], 256 ** -0.5 * 1000 ** -0.5)
+    assert math.isclose(lrs[3999] / lrs[999], 0.5)  # step 4000 vs 1000: 1/sqrt(4)
+
+
+def test_presets_are_valid_and_bad_settings_are_named():
+    for name, cfg in T.PRESETS.items():
+        T.make_optimizer(torch.nn.Linear(2, 2), cfg)
+        assert cfg.model_config(100)["share_embeddings"]
+    with pytest.raises(ValueError, match="two different languages"):
+        T.TrainConfig(src_lang="de", tgt_lang="de")
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        T.TrainConfig(label_smoothing=1.5)
+
+
+def test_command_line_flags_override_the_preset():
+    """Every model and optimisation setting can be changed from the command line, without editing a preset:
+    `train_wmt.py --preset gpu --layers 3 --d-model 256 ...` trains the gpu preset with those numbers."""
+    import train_wmt
+
+    args = train_wmt.parse_args(["--preset", "gpu", "--layers", "3", "--d-model", "256", "--d-ff", "1024",
+                                 "--heads", "8", "--dropout", "0.2", "--label-smoothing", "0.05",
+                                 "--warmup", "900", "--lr-factor", "1.5", "--val-bleu-sentences", "400"])
+    preset, cfg = train_wmt.config_from_args(args, cuda=False)
+    want = dict(N=3, d_model=256, d_ff=1024, h=8, dropout=0.2, label_smoothing=0.05, warmup=900, lr_factor=1.5,
+                val_bleu_sentences=400)
+    assert preset == "gpu" and {k: getattr(cfg, k) for k in want} == want
+    assert dataclasses.replace(cfg, **{k: getattr(T.PRESETS["gpu"], k) for k in want}) == T.PRESETS["gpu"]
+    assert train_wmt.config_from_args(train_wmt.parse_args([]), cuda=False)[1] == T.PRESETS["cpu"]
+    assert train_wmt.config_from_args(train_wmt.parse_args([]), cuda=True)[1] == T.PRESETS["gpu"]
+    with pytest.raises(ValueError, match="d_model divisible by h .*d_model=256.*h=6"):
+        train_wmt.config_from_args(train_wmt.parse_args(["--d-model", "256", "--heads", "6"]), cuda=False)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        train_wmt.config_from_args(train_wmt.parse_args(["--dropout", "1"]), cuda=False)
+
+
+# --- whole runs (smoke preset, real Multi30k files) ---------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def losses(run_dir: Path) -> list[tuple[int, str]]:
+    rows = [line.split("\t") for line in (run_dir / "train_loss.tsv").read_text().splitlines()]
+    return [(int(step), loss) for step, loss in rows]
+
+
+def test_presets_are_defined_by_steps_as_the_prose_says(data_url, cache):
+    """The presets' budgets are optimizer steps, never minutes. cpu: 2,200 steps, about 10.5 epochs; gpu: the cpu
+    recipe with 8192-token batches, 4,200 steps (about 65 epochs), beam 5, the last 5 epochs averaged."""
+    from annotated.training import data
+
+    gpu, cpu = T.PRESETS["gpu"], T.PRESETS["cpu"]
+    differ = {f.name for f in dataclasses.fields(T.TrainConfig) if getattr(gpu, f.name) != getattr(cpu, f.name)}
+    assert differ == {"max_tokens", "max_steps", "beam_size", "average_last", "val_bleu_sentences"}
+    assert (gpu.max_tokens, cpu.max_tokens, gpu.max_steps, cpu.max_steps, gpu.beam_size, gpu.average_last) == \
+        (8192, 2500, 4200, 2200, 5, 5)
+    assert gpu.val_bleu_sentences is None  # every validation sentence, for choosing best.pt
+    for cfg in T.PRESETS.values():
+        assert cfg.max_minutes is None and cfg.epochs is None and cfg.max_steps
+    tokenizer, train_pairs, _, _ = T.prepare_data(gpu, cache, data_url)
+    encoded = data.encode_pairs(train_pairs, tokenizer)
+    encoded = [encoded[i] for i in data.split_long(encoded, gpu.max_len)[0]]
+    for cfg, epochs in ((cpu, 10.5), (gpu, 65)):
+        per_epoch = len(data.make_batches(encoded, cfg.max_tokens, shuffle=True, seed=cfg.seed))
+        assert abs(cfg.max_steps / per_epoch - epochs) < 0.5, (cfg.max_tokens, per_epoch)
+
+
+def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, data_url, cache):
+    from annotated.plumbing.checkpoint import load_checkpoint
+
+    run = tmp_path / "run"
+    results = T.train(T.PRESETS["smoke"], run, data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    on_disk = json.loads((run / "results.json").read_text())
+    assert on_disk["test"]["best"]["beam"]["bleu"] == results["test"]["best"]["beam"]["bleu"]
+    for kind in ("greedy", "beam"):
+        r = on_disk["test"]["best"][kind]
+        assert r["sentences"] == 20 and 0 <= r["bleu"] <= 100 and "13a" in r["signature"]["bleu"]
+    assert [h["epoch"] for h in on_disk["history"]] == [1, 2] and on_disk["steps"] == 28
+    assert abs(on_disk["train_s"] - sum(h["train_s"] for h in on_disk["history"])) <= 0.1  # (rounded to 0.1)
+    for h in on_disk["history"]:  # where each epoch's time went: training vs evaluation
+        assert h["train_s"] > 0 and h["eval_s"] > 0 and h["tokens_per_s"] > 0, h
+    steps = losses(run)
+    assert [s for s, _ in steps] == [14, 28]  # a row per read of the loss: here each epoch's end (14 steps each)
+    assert float(steps[-1][1]) < float(steps[0][1])  # it learned something
+    model, tok, meta = load_checkpoint(run / "best.pt")
+    assert meta["src_lang"] == "de" and tok.vocab_size == model.config.src_vocab
+    assert list((run / "tb").iterdir())  # tensorboard event file
+    assert (run.parent / "latest").resolve() == run.resolve()
+    assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_resume_reproduces_the_uninterrupted_losses(tmp_path, data_url, cache):
+    """Stop after 7 steps (mid-epoch), resume, and compare every step's loss with one uninterrupted run.
+
+    Same seed, same batches, restored optimizer and random-number states: on the CPU the
+    arithmetic is the same, so the losses agree to every printed digit.
+    """
+    cfg = dataclasses.replace(T.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2, log_every=1)
+    quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    T.train(cfg, tmp_path / "whole", **quiet)
+    T.train(dataclasses.replace(cfg, max_steps=7), tmp_path / "parts", **quiet)
+    assert len(losses(tmp_path / "parts")) == 7
+    with pytest.raises(T.TrainingError, match="already holds a run"):
+        T.train(cfg, tmp_path / "parts", **quiet)
+    T.train(cfg, tmp_path / "parts", resume=True, **quiet)
+    assert losses(tmp_path / "parts") == losses(tmp_path / "whole")
+
+
+def test_resume_with_other_model_settings_is_refused(tmp_path, data_url, cache):
+    cfg = dataclasses.replace(T.PRESETS["smoke"], max_steps=2, test_sentences=2)
+    quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    T.train(cfg, tmp_path / "r", **quiet)
+    with pytest.raises(T.CheckpointError, match="d_model: checkpoint 32 vs now 64"):
+        T.train(dataclasses.replace(cfg, d_model=64), tmp_path / "r", resume=True, **quiet)

@@ -1,0 +1,148 @@
+"""train_wmt.py's command line and run folder: bad options refused before any work, the user's files untouched."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_wmt
+from annotated.training import train as T
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = dataclasses.replace(T.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2, max_steps=2)
+
+
+def quiet(data_url, cache):
+    return dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+
+
+BAD_OPTIONS = [
+    (["--beam-size", "0"], "argument --beam-size: must be a whole number >= 1, got '0'"),
+    (["--beam-size", "-2"], "argument --beam-size: must be a whole number >= 1, got '-2'"),
+    (["--beam-size", "two"], "argument --beam-size: must be a whole number >= 1, got 'two'"),
+    (["--val-bleu-sentences", "0"], "argument --val-bleu-sentences: must be a whole number >= 1"),
+    (["--val-bleu-sentences", "-5"], "argument --val-bleu-sentences: must be a whole number >= 1"),
+    (["--max-steps", "0"], "argument --max-steps: must be a whole number >= 1"),
+    (["--max-steps", "-3"], "argument --max-steps: must be a whole number >= 1"),
+    (["--max-minutes", "-1"], "argument --max-minutes: must be a finite number > 0, got '-1'"),
+    (["--max-minutes", "0"], "argument --max-minutes: must be a finite number > 0, got '0'"),
+    (["--max-minutes", "nan"], "argument --max-minutes: must be a finite number > 0, got 'nan'"),
+    (["--threads", "-1"], "argument --threads: must be a whole number >= 1"),
+    (["--dump-attention", "-1"], "argument --dump-attention: must be a whole number >= 0, got '-1'"),
+    (["--log-every", "0"], "argument --log-every: must be a whole number >= 1"),
+    (["--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N"),
+    (["--device", "meta"], "argument --device: must be cpu, cuda or cuda:N (cuda only where CUDA is available), "
+                           "got 'meta'"),
+    (["--resume"], "--resume needs --run-dir"),
+]
+
+
+@pytest.mark.parametrize("option, message", BAD_OPTIONS, ids=[" ".join(o) for o, _ in BAD_OPTIONS])
+def test_bad_options_one_line_exit_2_before_any_work(option, message, tmp_path, capsys, monkeypatch):
+    """Each is refused with one stderr line and exit 2, before data or model work (no data URL could be read: the
+    data URL points nowhere, and the run folder is never made)."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = [] if option == ["--resume"] else ["--run-dir", str(tmp_path / "run")]
+    args = ["--preset", "smoke", "--data-url", "file:///nonexistent/", *run_dir, *option]
+    try:
+        code = train_wmt.main(args)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("train_wmt.py: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+    assert not (tmp_path / "run").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cuda_without_cuda_and_an_unwritable_cache_are_refused(tmp_path, capsys):
+    """Checked while the options are read: one line naming the option, exit 2, no run folder."""
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    cases = []
+    if not os.access(locked, os.W_OK):  # (root can write anywhere)
+        cases.append((["--cache-dir", str(locked / "cache")], f"argument --cache-dir: '{locked / 'cache'}': "
+                                                             f"{locked} is not writable"))
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "argument --device: 'cuda' asked for, but CUDA is not available here"))
+    for option, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            train_wmt.main(["--preset", "smoke", "--run-dir", str(tmp_path / "run"), *option])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith("train_wmt.py: error: "), err
+        assert message in err and err.count("\n") == 1 and not (tmp_path / "run").exists(), err
+
+
+def test_a_bad_option_in_a_real_process_has_no_traceback(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "train_wmt.py"), "--max-minutes", "nan"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+# --- the run folder --------------------------------------------------------------------------------------
+
+def test_a_users_latest_file_or_folder_is_left_alone(tmp_path, data_url, cache):
+    """`latest` beside the run is replaced only when it is our link; a file or folder of that name stays as it
+    was, and no stray `.latest.*` is left in the parent."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "latest").write_text("my notes")
+    (tmp_path / "b" / "latest").mkdir(parents=True)
+    (tmp_path / "b" / "latest" / "keep.txt").write_text("mine")
+    for parent in ("a", "b"):
+        T.train(SMOKE, tmp_path / parent / "run", **quiet(data_url, cache))
+    assert (tmp_path / "a" / "latest").read_text() == "my notes"
+    assert (tmp_path / "b" / "latest" / "keep.txt").read_text() == "mine"
+    for parent in ("a", "b"):
+        assert sorted(p.name for p in (tmp_path / parent).iterdir()) == ["latest", "run"]
+    T.train(SMOKE, tmp_path / "c" / "run1", **quiet(data_url, cache))
+    T.train(SMOKE, tmp_path / "c" / "run2", **quiet(data_url, cache))
+    assert os.readlink(tmp_path / "c" / "latest") == "run2"  # our link moves on
+
+
+def test_latest_moves_only_once_the_run_has_a_checkpoint(tmp_path, data_url, cache):
+    T.train(SMOKE, tmp_path / "good", **quiet(data_url, cache))
+    with pytest.raises(ValueError):  # a data error before any checkpoint
+        T.train(SMOKE, tmp_path / "bad", train_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
+                val_files=(tmp_path / "no.src", tmp_path / "no.tgt"), test_files=(tmp_path / "no.src",
+                                                                                   tmp_path / "no.tgt"),
+                **quiet(data_url, cache))
+    assert os.readlink(tmp_path / "latest") == "good"
+
+
+@pytest.mark.parametrize("where", [".", "foreign", "file"])
+def test_run_dir_that_is_not_a_new_folder_is_refused(where, tmp_path, capsys, monkeypatch, data_url, cache):
+    """`--run-dir .`, a non-empty folder that holds no run (without --resume), a file: one line, exit 2, nothing
+    written (a foreign config.json is not overwritten)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text("{\"mine\": 1}")
+    (tmp_path / "afile").write_text("x")
+    run_dir = {".": ".", "foreign": str(tmp_path / "other"), "file": str(tmp_path / "afile")}[where]
+    code = train_wmt.main(["--preset", "smoke", "--run-dir", run_dir, "--data-url", data_url, "--cache-dir",
+                           str(cache), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    want = {".": "the run needs a folder of its own", "foreign": "is not empty and holds no run",
+            "file": "is a file, not a folder"}[where]
+    assert want in err, err
+    assert json.loads((tmp_path / "other" / "config.json").read_text()) == {"mine": 1}
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["afile", "config.json", "other"]
+
+
+def test_a_users_test_set_is_named_by_its_files(tmp_path, data_url, cache):
+    from annotated.training.data import load_multi30k
+
+    pairs = load_multi30k("val", "de", "en", cache_dir=cache, base_url=data_url)[:300]
+    src, tgt = tmp_path / "mine.de", tmp_path / "mine.en"
+    src.write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
+    tgt.write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
+    lines = []
+    results = T.train(SMOKE, tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False, log=lines.append,
+                      train_files=(src, tgt), val_files=(src, tgt), test_files=(src, tgt))
+    on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert on_disk["test_set"] == results["test_set"] == f"{src} + {tgt}"
+    assert on_disk["test_files"] == [str(src), str(tgt)]
+    assert "test_2016_flickr" not in "\n".join(lines) and any(line.startswith(f"{src} + {tgt} de->en") for line in lines)
