@@ -74,7 +74,7 @@ from annotated.tokens import BOS, EOS, PAD
 # var(q.k)/d_k = 1.0, var(q.k/sqrt(d_k)) = 1.0
 #
 # `attention()` below divides by exactly this: its scores, read back from
-# its probabilities, have the same variance
+# its weights, have the same variance
 # (`test_scaling_keeps_score_variance_at_one`).
 #
 # ### Masks: one convention everywhere
@@ -108,7 +108,8 @@ def attention_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = No
     scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., T_q, T_k)
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # (..., T_q, T_k)
-    p = scores.softmax(dim=-1)  # (..., T_q, T_k)
+    wide = torch.promote_types(scores.dtype, torch.float32)  # the softmax in float32 at least (bfloat16 training)
+    p = scores.softmax(dim=-1, dtype=wide).to(scores.dtype)  # (..., T_q, T_k)
     if mask is not None:
         p = p * mask  # (..., T_q, T_k) a fully blocked row becomes all zeros
     p_dropped = F.dropout(p, dropout_p) if dropout_p > 0 else p
@@ -119,27 +120,27 @@ def attention_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = No
 # ### The fast path, chosen in one place
 #
 # PyTorch's `scaled_dot_product_attention` (SDPA) computes the same function
-# with fused kernels (flash attention on GPUs) but cannot hand back the
+# with fused kernels (flash attention on GPUs) but never forms the
 # probabilities. `attention()` below is the only place that chooses: SDPA when
-# nobody asked for the weights and `FAST_PATH` is on, the explicit form
-# otherwise. SDPA's treatment of a fully blocked query differs between kernels,
-# so we zero those rows afterwards to keep our rule.
-# (`test_sdpa_path_matches_explicit_path`.)
+# `FAST_PATH` is on, the explicit form otherwise; either way it returns the
+# output only. SDPA's treatment of a fully blocked query differs between
+# kernels, so we zero those rows afterwards to keep our rule.
+# (`test_sdpa_path_matches_explicit_path`.) To look at the probabilities,
+# `annotated/recording.py` recomputes them with `attention_explicit`.
 
 # %%
 FAST_PATH = True
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *,
-              dropout_p: float = 0.0, return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Scaled dot-product attention. Returns (output, probabilities or None)."""
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, dropout_p: float = 0.0) -> Tensor:
+    """Scaled dot-product attention, (..., T_q, d_v)."""
     assert mask is None or mask.dtype == torch.bool, "a mask is boolean, True = may attend"
-    if return_attention or not FAST_PATH:
-        return attention_explicit(q, k, v, mask, dropout_p)
+    if not FAST_PATH:
+        return attention_explicit(q, k, v, mask, dropout_p)[0]  # (..., T_q, d_v)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)  # (..., T_q, d_v)
     if mask is not None:
         out = out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # (..., T_q, d_v)
-    return out, None
+    return out
 
 
 # %% [markdown]
@@ -163,7 +164,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *,
 # >>> int(torch.linalg.matrix_rank(W @ W_K.T))  # d_model = 8, but rank d_k = 4
 # 4
 #
-# The same holds for the probabilities `attention()` returns
+# The same holds for the probabilities `attention_explicit` returns
 # (`test_shared_query_key_matrix_gives_symmetric_scores`).
 #
 # **W_V** decides *what* a position hands over once it is chosen, separately
@@ -228,11 +229,11 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 # orientation: a row vector `x` is projected as `x @ W_Q[i]`. Without biases
 # (`bias=False`) the bias attributes are `None`.
 #
-# Keys and values are computed once per input and handed to the attention
-# step as two tensors `(B, h, T_k, d_k)` and `(B, h, T_k, d_v)`: here head
-# `i`'s `K W_K[i]`, computed head by head, then stacked on dim 1. The fused
-# form below produces the same layout in one product, so the decoder's cache
-# (section 6) holds the same thing whatever the form.
+# Queries, keys and values are computed head by head and stacked on dim 1:
+# `queries` gives `(B, h, T_q, d_k)`, head `i` being `x W_Q[i] + b_Q[i]`, and
+# `keys_values` gives `(B, h, T_k, d_k)` and `(B, h, T_k, d_v)`. The fused
+# form below produces the same layouts in one product each, so the decoder's
+# cache (section 6) holds the same thing whatever the form.
 #
 # One bias is idle: the key bias `b_K[i]` adds `q . b_K[i]` to *every* score of
 # a query, and a softmax does not change when the same number is added to all
@@ -307,19 +308,17 @@ class _Attention(nn.Module):
         return dict(d_model=self.d_model, h=self.h, d_k=self.d_k, d_v=self.d_v, bias=self.bias)
 
     def forward(self, x_q: Tensor, x_kv: Tensor | None = None, mask: Tensor | None = None, *,
-                kv: tuple[Tensor, Tensor] | None = None,
-                return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
-        """Attend from `x_q` (B, T_q, d_model) to `x_kv` (B, T_k, d_model).
+                kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Attend from `x_q` (B, T_q, d_model) to `x_kv` (B, T_k, d_model); returns (B, T_q, d_model).
 
         `mask` broadcasts to (B, T_q, T_k), True = may attend, the same for
         every head. `kv`, if given, is a (keys (B, h, T_k, d_k), values
         (B, h, T_k, d_v)) pair from `keys_values` (the decoder's cache) and
-        replaces `x_kv`. Returns (output (B, T_q, d_model), probabilities
-        (B, h, T_q, T_k) if `return_attention` else None).
+        replaces `x_kv`.
         """
         assert (x_kv is None) != (kv is None), "give exactly one of x_kv and precomputed kv"
         K, V = self.keys_values(x_kv) if kv is None else kv  # (B, h, T_k, d_k), (B, h, T_k, d_v)
-        return self._attend(x_q, K, V, mask, return_attention)
+        return self._attend(x_q, K, V, mask)
 
 
 class PerHeadAttention(_Attention):
@@ -341,27 +340,25 @@ class PerHeadAttention(_Attention):
     def _project(x: Tensor, W: nn.ParameterList, b: nn.ParameterList | None, i: int) -> Tensor:
         return x @ W[i] if b is None else x @ W[i] + b[i]  # (B, T, d_k or d_v)
 
+    def queries(self, x_q: Tensor) -> Tensor:
+        """Head i's queries x_q W_Q[i] + b_Q[i], one head at a time, stacked on dim 1."""
+        return torch.stack([self._project(x_q, self.W_Q, self.b_Q, i) for i in range(self.h)], dim=1)  # (B, h, T_q, d_k)
+
     def keys_values(self, x_kv: Tensor) -> tuple[Tensor, Tensor]:
         """Head i's keys x_kv W_K[i] + b_K[i] and values, one head at a time, stacked on dim 1."""
         K = torch.stack([self._project(x_kv, self.W_K, self.b_K, i) for i in range(self.h)], dim=1)  # (B, h, T_k, d_k)
         V = torch.stack([self._project(x_kv, self.W_V, self.b_V, i) for i in range(self.h)], dim=1)  # (B, h, T_k, d_v)
         return K, V
 
-    def _attend(self, x_q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None,
-                return_attention: bool) -> tuple[Tensor, Tensor | None]:
-        p_drop = self.dropout if self.training else 0.0
-        out, probs = 0, []
+    def _attend(self, x_q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None) -> Tensor:
+        p_drop, out = self.dropout if self.training else 0.0, 0
         for i in range(self.h):
             # head_i = Attention(Q W_Q[i], K W_K[i], V W_V[i])
             q_i = self._project(x_q, self.W_Q, self.b_Q, i)  # (B, T_q, d_k)
-            head_i, p_i = attention(q_i, K[:, i], V[:, i], mask, dropout_p=p_drop,
-                                    return_attention=return_attention)  # (B, T_q, d_v)
+            head_i = attention(q_i, K[:, i], V[:, i], mask, dropout_p=p_drop)  # (B, T_q, d_v)
             # MultiHead = sum_i head_i W_O[i]
             out = out + head_i @ self.W_O[i]  # (B, T_q, d_model)
-            probs.append(p_i)
-        if self.b_O is not None:
-            out = out + self.b_O  # (B, T_q, d_model)
-        return out, (torch.stack(probs, dim=1) if return_attention else None)  # (B, h, T_q, T_k)
+        return out if self.b_O is None else out + self.b_O  # (B, T_q, d_model)
 
 
 # %% [markdown]
@@ -392,7 +389,7 @@ class PerHeadAttention(_Attention):
 # **Theorem.** With `W_Q, W_K, W_V, W_O` (and biases) built from the per-head
 # ones as above, `FusedAttention` and `PerHeadAttention` are the same function
 # of their inputs and masks with dropout off (eval mode, or `dropout = 0`),
-# and return the same attention probabilities. (With dropout on in training,
+# with the same attention probabilities. (With dropout on in training,
 # each form draws its own random mask, so only the distributions agree.)
 # *Proof.* Each head of the fused form receives `(X W_Q)[..., block i] =
 # X W_Q[i]` (and the same for K, V), so it computes `head_i` of the per-head
@@ -428,23 +425,24 @@ class FusedAttention(_Attention):
         # Concat(head_1, ..., head_h): head i -> column block i
         return heads.transpose(1, 2).reshape(B, T, self.h * self.d_v)  # (B, T, h*d_v)
 
+    def queries(self, x_q: Tensor) -> Tensor:
+        """All heads' queries, (B, h, T_q, d_k)."""
+        return self._heads(x_q, self.W_Q, self.b_Q, self.d_k)  # (B, h, T_q, d_k)
+
     def keys_values(self, x_kv: Tensor) -> tuple[Tensor, Tensor]:
         """All heads' keys and values: (B, h, T_k, d_k) and (B, h, T_k, d_v)."""
         K = self._heads(x_kv, self.W_K, self.b_K, self.d_k)  # (B, h, T_k, d_k)
         V = self._heads(x_kv, self.W_V, self.b_V, self.d_v)  # (B, h, T_k, d_v)
         return K, V
 
-    def _attend(self, x_q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None,
-                return_attention: bool) -> tuple[Tensor, Tensor | None]:
+    def _attend(self, x_q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None) -> Tensor:
         B, T_q, _ = x_q.shape
-        Q = self._heads(x_q, self.W_Q, self.b_Q, self.d_k)  # (B, h, T_q, d_k)
         if mask is not None:
             mask = mask.expand(B, T_q, K.size(-2)).unsqueeze(1)  # (B, 1, T_q, T_k) the same mask for every head
-        heads, p = attention(Q, K, V, mask, dropout_p=self.dropout if self.training else 0.0,
-                             return_attention=return_attention)  # (B, h, T_q, d_v)
+        heads = attention(self.queries(x_q), K, V, mask,
+                          dropout_p=self.dropout if self.training else 0.0)  # (B, h, T_q, d_v)
         # MultiHead = Concat(head_1, ..., head_h) W_O
-        out = affine(self._concat(heads), self.W_O, self.b_O)  # (B, T_q, d_model)
-        return out, (p if return_attention else None)  # p: (B, h, T_q, T_k)
+        return affine(self._concat(heads), self.W_O, self.b_O)  # (B, T_q, d_model)
 
 
 # %% [markdown]
@@ -676,16 +674,12 @@ class Residual(nn.Module):
         super().__init__()
         self.ln, self.dropout, self.pre = nn.LayerNorm(d_model), nn.Dropout(dropout), norm == "pre"
 
-    def forward(self, x: Tensor, sublayer: Callable[[Tensor], tuple[Tensor, Tensor | None]]
-                ) -> tuple[Tensor, Tensor | None]:
-        """`sublayer` returns (y, extra); returns (new x, extra)."""
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         if self.pre:
             # x + Dropout(Sublayer(LayerNorm(x)))
-            y, extra = sublayer(self.ln(x))
-            return x + self.dropout(y), extra  # (B, T, d_model)
+            return x + self.dropout(sublayer(self.ln(x)))  # (B, T, d_model)
         # LayerNorm(x + Dropout(Sublayer(x)))
-        y, extra = sublayer(x)
-        return self.ln(x + self.dropout(y)), extra  # (B, T, d_model)
+        return self.ln(x + self.dropout(sublayer(x)))  # (B, T, d_model)
 
 
 # %% [markdown]
@@ -725,11 +719,9 @@ class EncoderLayer(nn.Module):
         self.self_attn, self.ffn = _make_attention(cfg), FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
         self.res_attn, self.res_ffn = (Residual(cfg.d_model, cfg.dropout, cfg.norm) for _ in range(2))
 
-    def forward(self, x: Tensor, src_mask: Tensor | None,
-                return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
-        x, p = self.res_attn(x, lambda z: self.self_attn(z, z, src_mask, return_attention=return_attention))
-        x, _ = self.res_ffn(x, lambda z: (self.ffn(z), None))
-        return x, p  # (B, S, d_model), (B, h, S, S) or None
+    def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
+        x = self.res_attn(x, lambda z: self.self_attn(z, z, src_mask))  # (B, S, d_model)
+        return self.res_ffn(x, self.ffn)  # (B, S, d_model)
 
 
 class DecoderLayer(nn.Module):
@@ -740,32 +732,27 @@ class DecoderLayer(nn.Module):
         self.res_self, self.res_cross, self.res_ffn = (Residual(cfg.d_model, cfg.dropout, cfg.norm)
                                                        for _ in range(3))
 
-    def _self_attention(self, z: Tensor, tgt_mask: Tensor | None, cache: dict | None,
-                        ra: bool) -> tuple[Tensor, Tensor | None]:
+    def _self_attention(self, z: Tensor, tgt_mask: Tensor | None, cache: dict | None) -> Tensor:
         if cache is None:
-            return self.self_attn(z, z, tgt_mask, return_attention=ra)
+            return self.self_attn(z, z, tgt_mask)
         kv = self.self_attn.keys_values(z)  # this step's keys and values, (B, h, T_new, d)
         if "self" in cache:
             kv = _cat_time(cache["self"], kv)  # (B, h, T_past + T_new, d)
         cache["self"] = kv
-        return self.self_attn(z, mask=tgt_mask, kv=kv, return_attention=ra)
+        return self.self_attn(z, mask=tgt_mask, kv=kv)
 
-    def _cross_attention(self, z: Tensor, memory: Tensor, src_mask: Tensor | None, cache: dict | None,
-                         ra: bool) -> tuple[Tensor, Tensor | None]:
+    def _cross_attention(self, z: Tensor, memory: Tensor, src_mask: Tensor | None, cache: dict | None) -> Tensor:
         if cache is None:
-            return self.cross_attn(z, memory, src_mask, return_attention=ra)
+            return self.cross_attn(z, memory, src_mask)
         if "cross" not in cache:
             cache["cross"] = self.cross_attn.keys_values(memory)  # (B, h, S, d), once
-        return self.cross_attn(z, mask=src_mask, kv=cache["cross"], return_attention=ra)
+        return self.cross_attn(z, mask=src_mask, kv=cache["cross"])
 
     def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor | None, tgt_mask: Tensor | None,
-                cache: dict | None = None,
-                return_attention: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        ra = return_attention
-        y, p_self = self.res_self(y, lambda z: self._self_attention(z, tgt_mask, cache, ra))
-        y, p_cross = self.res_cross(y, lambda z: self._cross_attention(z, memory, src_mask, cache, ra))
-        y, _ = self.res_ffn(y, lambda z: (self.ffn(z), None))
-        return y, p_self, p_cross  # (B, T, d_model), (B, h, T, T_all) | None, (B, h, T, S) | None
+                cache: dict | None = None) -> Tensor:
+        y = self.res_self(y, lambda z: self._self_attention(z, tgt_mask, cache))  # (B, T, d_model)
+        y = self.res_cross(y, lambda z: self._cross_attention(z, memory, src_mask, cache))  # (B, T, d_model)
+        return self.res_ffn(y, self.ffn)  # (B, T, d_model)
 
 
 # %% [markdown]
@@ -774,10 +761,6 @@ class DecoderLayer(nn.Module):
 # The encoder maps source ids to memory; the decoder maps memory and the
 # target prefix to one vector per target position; the generator turns each
 # into logits over the target vocabulary (the loss applies log-softmax).
-#
-# `encode` and `decode` return one tensor. To look at the attention, call
-# `encode_with_attention` and `decode_with_attention`: they always return a
-# tuple, the output and, per layer, the probabilities `(B, h, T_q, T_k)`.
 
 # %%
 class Encoder(nn.Module):
@@ -786,13 +769,10 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.N))
         self.final_ln = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
 
-    def forward(self, x: Tensor, src_mask: Tensor | None,
-                return_attention: bool = False) -> tuple[Tensor, list[Tensor | None]]:
-        attns = []
+    def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
         for layer in self.layers:
-            x, p = layer(x, src_mask, return_attention)  # (B, S, d_model)
-            attns.append(p)
-        return self.final_ln(x), attns
+            x = layer(x, src_mask)  # (B, S, d_model)
+        return self.final_ln(x)  # (B, S, d_model)
 
 
 class Decoder(nn.Module):
@@ -802,15 +782,10 @@ class Decoder(nn.Module):
         self.final_ln = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
 
     def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor | None, tgt_mask: Tensor | None,
-                cache: Cache | None = None,
-                return_attention: bool = False) -> tuple[Tensor, list[Tensor | None], list[Tensor | None]]:
-        self_attns, cross_attns = [], []
+                cache: Cache | None = None) -> Tensor:
         for i, layer in enumerate(self.layers):
-            y, p_s, p_c = layer(y, memory, src_mask, tgt_mask, None if cache is None else cache[i],
-                                return_attention)  # (B, T, d_model)
-            self_attns.append(p_s)
-            cross_attns.append(p_c)
-        return self.final_ln(y), self_attns, cross_attns
+            y = layer(y, memory, src_mask, tgt_mask, None if cache is None else cache[i])  # (B, T, d_model)
+        return self.final_ln(y)  # (B, T, d_model)
 
 
 class Generator(nn.Module):
@@ -837,19 +812,9 @@ class EncoderDecoder(nn.Module):
         self.generator = Generator(cfg.d_model, cfg.tgt_vocab,
                                    self.tgt_embed.weight if cfg.tie_generator else None)
 
-    def encode_with_attention(self, src: Tensor, src_mask: Tensor | None) -> tuple[Tensor, list[Tensor]]:
-        """src (B, S) ids -> (memory (B, S, d_model), encoder self-attention per layer (B, h, S, S))."""
-        return self.encoder(self.pos(self.src_embed(src)), src_mask, True)
-
-    def decode_with_attention(self, memory: Tensor, src_mask: Tensor | None, tgt: Tensor,
-                              tgt_mask: Tensor | None, *, cache: Cache | None = None,
-                              start: int = 0) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """tgt (B, T) ids -> ((B, T, d_model), self-attention (B, h, T, T_all), cross-attention (B, h, T, S))."""
-        return self.decoder(self.pos(self.tgt_embed(tgt), start), memory, src_mask, tgt_mask, cache, True)
-
     def encode(self, src: Tensor, src_mask: Tensor | None) -> Tensor:
         """src (B, S) ids -> memory (B, S, d_model)."""
-        return self.encoder(self.pos(self.src_embed(src)), src_mask)[0]  # (B, S, d_model)
+        return self.encoder(self.pos(self.src_embed(src)), src_mask)  # (B, S, d_model)
 
     def decode(self, memory: Tensor, src_mask: Tensor | None, tgt: Tensor, tgt_mask: Tensor | None,
                *, cache: Cache | None = None, start: int = 0) -> Tensor:
@@ -859,7 +824,7 @@ class EncoderDecoder(nn.Module):
         which start at position `start`; earlier keys and values come from the cache.
         """
         y = self.pos(self.tgt_embed(tgt), start)  # (B, T, d_model)
-        return self.decoder(y, memory, src_mask, tgt_mask, cache)[0]  # (B, T, d_model)
+        return self.decoder(y, memory, src_mask, tgt_mask, cache)  # (B, T, d_model)
 
     def new_cache(self) -> Cache:
         return [{} for _ in range(self.config.N)]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ANNOTATED = Path(__file__).resolve().parents[1] / "annotated"
-MODULES = sorted(p.stem for p in ANNOTATED.glob("*.py") if p.stem != "__init__")
+MODULES = sorted(p.relative_to(ANNOTATED).with_suffix("").as_posix().replace("/", ".")
+                 for p in ANNOTATED.rglob("*.py") if p.stem != "__init__")
 
 
 def markdown_text(source: str) -> str:
@@ -33,14 +34,14 @@ def markdown_text(source: str) -> str:
 @pytest.mark.parametrize("name", MODULES)
 def test_prose_examples_run(name):
     module = importlib.import_module(f"annotated.{name}")
-    text = markdown_text((ANNOTATED / f"{name}.py").read_text(encoding="utf-8"))
-    test = doctest.DocTestParser().get_doctest(text, dict(vars(module)), f"annotated.{name} prose",
-                                               str(ANNOTATED / f"{name}.py"), 0)
+    path = ANNOTATED / (name.replace(".", "/") + ".py")
+    text = markdown_text(path.read_text(encoding="utf-8"))
+    test = doctest.DocTestParser().get_doctest(text, dict(vars(module)), f"annotated.{name} prose", str(path), 0)
     if not test.examples:
-        pytest.skip(f"annotated/{name}.py has no examples in its prose")
+        pytest.skip(f"{path.relative_to(ANNOTATED.parent)} has no examples in its prose")
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     runner.run(test)
-    assert runner.failures == 0, f"{runner.failures} prose example(s) of annotated/{name}.py failed (output above)"
+    assert runner.failures == 0, f"{runner.failures} prose example(s) of {path.relative_to(ANNOTATED.parent)} failed (output above)"
 
 
 def test_markdown_text_finds_examples():

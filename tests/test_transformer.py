@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import annotated.transformer as T
-from annotated.plumbing.checks import check_attention_inputs, check_model_inputs, check_token_ids
+from annotated.plumbing.checks import check_token_ids
 from annotated.decoding.search import beam_search, greedy
+from annotated.recording import attend_with_probabilities, record_attention
 from annotated.tokens import PAD, BOS, EOS
 from annotated.transformer import (FusedAttention, PerHeadAttention, TransformerConfig, convert_model, fuse,
                                    greedy_decode, make_model, padding_mask, split, subsequent_mask, target_mask)
@@ -57,8 +58,8 @@ def test_per_head_and_fused_agree(dtype, bias, kind):
     mask = random_mask(B, T_q, T_k, gen)
     if kind == "causal":
         mask = mask & subsequent_mask(T_q)
-    out_ph, p_ph = ph(x, m, mask, return_attention=True)
-    out_fu, p_fu = fu(x, m, mask, return_attention=True)
+    out_ph, p_ph = attend_with_probabilities(ph, x, m, mask)
+    out_fu, p_fu = attend_with_probabilities(fu, x, m, mask)
     assert out_ph.shape == out_fu.shape == (B, T_q, 12)
     assert p_ph.shape == p_fu.shape == (B, 3, T_q, T_k)
     assert (out_ph - out_fu).abs().max() <= TOL[dtype]
@@ -74,10 +75,9 @@ def test_sdpa_path_matches_explicit_path(cls, monkeypatch):
     x = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
     mask = random_mask(2, 5, 5, gen) & subsequent_mask(5)
     monkeypatch.setattr(T, "FAST_PATH", True)
-    fast, p = att(x, x, mask)
-    assert p is None  # nobody asked: the fast path ran
+    fast = att(x, x, mask)
     monkeypatch.setattr(T, "FAST_PATH", False)
-    slow, _ = att(x, x, mask)
+    slow = att(x, x, mask)
     assert (fast - slow).abs().max() <= 1e-12
 
 
@@ -86,7 +86,7 @@ def test_attention_weights_are_a_distribution_over_allowed_keys():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 5, 12, generator=gen, dtype=torch.float64)
     mask = random_mask(2, 5, 5, gen)
-    _, p = ph(x, x, mask, return_attention=True)
+    _, p = attend_with_probabilities(ph, x, x, mask)
     assert torch.all(p[~mask.unsqueeze(1).expand_as(p)] == 0)  # blocked keys: exactly 0
     assert torch.allclose(p.sum(-1), torch.ones(2, 3, 5, dtype=torch.float64))
 
@@ -98,8 +98,8 @@ def test_fully_masked_query_gives_zeros(fast, monkeypatch):
     k = v = torch.randn(1, 5, 4)
     mask = torch.ones(1, 3, 5, dtype=torch.bool)
     mask[0, 1] = False  # query 1 may attend to nothing
-    out, _ = T.attention(q, k, v, mask)
-    _, p = T.attention(q, k, v, mask, return_attention=True)
+    out = T.attention(q, k, v, mask)
+    _, p = T.attention_explicit(q, k, v, mask)
     assert torch.all(out[0, 1] == 0) and torch.all(p[0, 1] == 0)
     assert not torch.isnan(out).any()
     assert torch.all(out[0, 0] != 0)
@@ -109,11 +109,12 @@ def test_fully_masked_query_gives_zeros(fast, monkeypatch):
     src = torch.tensor([[5, 6, 7], [PAD, PAD, PAD]])
     tgt = torch.tensor([[BOS, 4], [BOS, 4]])
     src_mask = padding_mask(src, PAD)
-    with torch.no_grad():
-        memory, enc = m.encode_with_attention(src, src_mask)
-        y, _, cross = m.decode_with_attention(memory, src_mask, tgt, target_mask(tgt, PAD))
+    with torch.no_grad(), record_attention(m) as probs:
+        memory = m.encode(src, src_mask)
+        y = m.decode(memory, src_mask, tgt, target_mask(tgt, PAD))
     assert torch.isfinite(memory).all() and torch.isfinite(y).all()
-    assert all(torch.all(p[1] == 0) and torch.all(p[0].sum(-1) > 0.999) for p in enc + cross)
+    enc_and_cross = [probs[kind, l][0] for kind in ("enc_self", "cross") for l in range(2)]
+    assert all(torch.all(p[1] == 0) and torch.all(p[0].sum(-1) > 0.999) for p in enc_and_cross)
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -131,7 +132,7 @@ def test_scaling_keeps_score_variance_at_one(fast, monkeypatch):
     for d_k in (16, 64, 256):
         q = torch.randn(n, 1, d_k, generator=gen, dtype=torch.float64)  # (n, 1, d_k)
         k = torch.randn(n, 2, d_k, generator=gen, dtype=torch.float64)  # (n, 2, d_k)
-        out, _ = T.attention(q, k, v)  # (n, 1, 2): the two probabilities
+        out = T.attention(q, k, v)  # (n, 1, 2): the two probabilities
         diff = (out[:, 0, 0].log() - out[:, 0, 1].log())  # s_1 - s_2
         assert abs(diff.var().item() / 2 - 1) < 0.05, d_k
 
@@ -152,9 +153,9 @@ def test_shared_query_key_matrix_gives_symmetric_scores():
     X = torch.randn(6, 8, generator=gen, dtype=torch.float64)
     W, W2 = (torch.randn(8, 4, generator=gen, dtype=torch.float64) for _ in range(2))
     v = torch.eye(6, dtype=torch.float64)
-    _, p_shared = T.attention(X @ W, X @ W, v, return_attention=True)  # (6, 6)
-    _, p_two = T.attention(X @ W, X @ W2, v, return_attention=True)
-    # attention() computes exactly softmax(Q K^T / sqrt(d_k)): a wrong scale fails here
+    _, p_shared = T.attention_explicit(X @ W, X @ W, v)  # (6, 6)
+    _, p_two = T.attention_explicit(X @ W, X @ W2, v)
+    # attention_explicit() computes exactly softmax(Q K^T / sqrt(d_k)): a wrong scale fails here
     assert torch.allclose(p_shared, ((X @ W) @ (X @ W).T / 2.0).softmax(-1), atol=1e-12, rtol=0)
     assert torch.allclose(p_two, ((X @ W) @ (X @ W2).T / 2.0).softmax(-1), atol=1e-12, rtol=0)
     assert _score_cycles(p_shared).abs().max() < 1e-9  # symmetric scores
@@ -170,12 +171,12 @@ def test_attention_ignores_the_order_of_keys_and_values(cls):
     x, m = torch.randn(2, 3, 12, generator=gen, dtype=torch.float64), torch.randn(2, 5, 12, generator=gen,
                                                                                    dtype=torch.float64)
     perm = torch.tensor([3, 0, 4, 1, 2])
-    out, p = att(x, m, return_attention=True)
-    out_perm, p_perm = att(x, m[:, perm], return_attention=True)  # keys and values permuted together
+    out, p = attend_with_probabilities(att, x, m)
+    out_perm, p_perm = attend_with_probabilities(att, x, m[:, perm])  # keys and values permuted together
     assert (out - out_perm).abs().max() <= 1e-12
     assert (p[..., perm] - p_perm).abs().max() <= 1e-12  # each key keeps its weight (sums in another order)
     K, V = att.keys_values(m)  # permuting only the values does change the result
-    out_v, _ = att(x, kv=(K, V[:, :, perm]))
+    out_v = att(x, kv=(K, V[:, :, perm]))
     assert (out - out_v).abs().max() > 1e-3
 
 
@@ -191,15 +192,10 @@ def test_attention_dropout_is_off_in_eval_mode(cls, fast, monkeypatch):
     ref.load_state_dict(att.state_dict())
     x = torch.randn(2, 6, 12, dtype=torch.float64)
     att.eval()
-    for ra in (False, True):
-        a1, p1 = att(x, x, return_attention=ra)
-        a2, p2 = att(x, x, return_attention=ra)
-        r, pr = ref(x, x, return_attention=ra)
-        assert torch.equal(a1, a2) and (a1 - r).abs().max() <= 1e-12
-        if ra:
-            assert torch.equal(p1, p2) and (p1 - pr).abs().max() <= 1e-12
+    a1, a2, r = att(x, x), att(x, x), ref(x, x)
+    assert torch.equal(a1, a2) and (a1 - r).abs().max() <= 1e-12
     att.train()  # and dropout really is on in training
-    assert not torch.equal(att(x, x)[0], att(x, x)[0])
+    assert not torch.equal(att(x, x), att(x, x))
 
 
 @pytest.mark.parametrize("attention", ["fused", "per_head"])
@@ -253,8 +249,8 @@ def test_cost_of_h_heads_is_similar_to_one_full_width_head(cls, monkeypatch):
         att = cls(64, h).eval()
         x = torch.randn(2, 10, 64)
         with FlopCounterMode(display=False) as counter, torch.no_grad():
-            _, p = att(x, x, return_attention=True)
-        flops[h], scores[h] = counter.get_total_flops(), p.numel()
+            att(x, x)
+        flops[h], scores[h] = counter.get_total_flops(), attend_with_probabilities(att, x, x)[1].numel()
     assert flops[1] == flops[8] > 0
     assert scores[8] == 8 * scores[1] == 8 * 2 * 10 * 10
 
@@ -263,26 +259,6 @@ def test_default_head_size_needs_divisible_d_model():
     with pytest.raises(ValueError, match="d_model=10 is not divisible by h=3"):
         FusedAttention(10, 3)
     assert FusedAttention(10, 3, d_k=4, d_v=4).W_Q.shape == (10, 12)
-
-
-@pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
-def test_bad_attention_inputs_name_the_shapes(cls):
-    """The attentions assume good inputs; `check_attention_inputs` is their door."""
-    att = cls(8, 2)
-    check = lambda *args: check_attention_inputs(att, *args)  # noqa: E731
-    check(torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.ones(2, 1, 5, dtype=torch.bool))  # good: no error
-    with pytest.raises(ValueError, match=r"query input must have shape \(B, T, d_model=8\), got \(2, 3, 7\)"):
-        check(torch.randn(2, 3, 7), torch.randn(2, 3, 8))
-    with pytest.raises(ValueError, match="batch sizes differ"):
-        check(torch.randn(2, 3, 8), torch.randn(3, 3, 8))
-    with pytest.raises(ValueError, match=r"mask of shape \(2, 3, 4\) does not broadcast"):
-        check(torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.ones(2, 3, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="must be a bool tensor"):
-        check(torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.ones(2, 3, 3))
-    with pytest.raises(ValueError, match="query input has dtype torch.float64 but the weights have torch.float32"):
-        check(torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(2, 3, 8))
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast, any floating dtype may come in
-        check(torch.randn(2, 3, 8, dtype=torch.bfloat16), torch.randn(2, 3, 8))
 
 
 # --- the model --------------------------------------------------------------
@@ -355,11 +331,11 @@ def test_appending_padding_changes_no_real_output(attention):
 def test_norm_placement_matches_prose():
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8)
-    sub = lambda z: (2 * z + 1, None)  # noqa: E731  any sublayer
+    sub = lambda z: 2 * z + 1  # noqa: E731  any sublayer
     post = T.Residual(8, 0.0, "post")
     pre = T.Residual(8, 0.0, "pre")
-    assert torch.allclose(post(x, sub)[0], post.ln(x + sub(x)[0]))        # LayerNorm(x + Sublayer(x))
-    assert torch.allclose(pre(x, sub)[0], x + sub(pre.ln(x))[0])          # x + Sublayer(LayerNorm(x))
+    assert torch.allclose(post(x, sub), post.ln(x + sub(x)))        # LayerNorm(x + Sublayer(x))
+    assert torch.allclose(pre(x, sub), x + sub(pre.ln(x)))          # x + Sublayer(LayerNorm(x))
     assert isinstance(make_model(small_config(norm="post")).encoder.final_ln, torch.nn.Identity)
     assert isinstance(make_model(small_config(norm="pre")).decoder.final_ln, torch.nn.LayerNorm)
 
@@ -452,25 +428,6 @@ def test_cached_greedy_gives_the_tokens_of_recomputed_greedy(attention):
         assert torch.equal(a, b)
 
 
-def test_encode_and_decode_return_one_shape_of_result():
-    """encode/decode: a tensor; encode_with_attention/decode_with_attention: always a tuple, the same output."""
-    torch.manual_seed(0)
-    m = make_model(small_config()).eval()
-    src, tgt = model_inputs(m.config)
-    src_mask, tgt_mask = padding_mask(src, PAD), target_mask(tgt, PAD)
-    with torch.no_grad():
-        memory = m.encode(src, src_mask)
-        y = m.decode(memory, src_mask, tgt, tgt_mask)
-        memory2, enc = m.encode_with_attention(src, src_mask)
-        y2, dec_self, cross = m.decode_with_attention(memory, src_mask, tgt, tgt_mask)
-    assert isinstance(memory, torch.Tensor) and isinstance(y, torch.Tensor)
-    # the same function (the plain calls may take the SDPA kernel: float32 rounding apart)
-    assert (memory - memory2).abs().max() <= TOL[torch.float32] and (y - y2).abs().max() <= TOL[torch.float32]
-    B, S, T_len = src.size(0), src.size(1), tgt.size(1)
-    assert [p.shape for p in enc] == [(B, 4, S, S)] * 2 and [p.shape for p in cross] == [(B, 4, T_len, S)] * 2
-    assert [p.shape for p in dec_self] == [(B, 4, T_len, T_len)] * 2
-
-
 def test_config_rejects_bad_settings():
     with pytest.raises(ValueError, match="norm must be 'post' or 'pre'"):
         small_config(norm="middle")
@@ -498,20 +455,6 @@ def test_bad_token_ids_are_rejected_at_the_door():
         beam_search(m, src, None, 5)
 
 
-def test_model_rejects_long_inputs():
-    m = make_model(small_config(max_len=8)).eval()
-    with pytest.raises(ValueError, match="sequence of length 9 exceeds the model's max_len"):
-        m.encode(torch.full((1, 9), 3), None)
-    with pytest.raises(ValueError, match="source length 9 exceeds the model's max_len=8"):
-        check_model_inputs(m, src=torch.full((1, 9), 3))
-    with pytest.raises(ValueError, match=r"target positions 5 to 8 must lie in \[0, max_len=8\)"):
-        check_model_inputs(m, memory=torch.zeros(1, 3, 16), tgt=torch.full((1, 4), 3), start=5)
-    with pytest.raises(ValueError, match="memory has dtype torch.float64 but the model has torch.float32"):
-        check_model_inputs(m, memory=torch.zeros(1, 3, 16, dtype=torch.float64), tgt=torch.full((1, 4), 3))
-    with pytest.raises(ValueError, match=r"src_mask of shape \(1, 1, 4\) does not broadcast"):
-        check_model_inputs(m, src=torch.full((1, 3), 3), src_mask=torch.ones(1, 1, 4, dtype=torch.bool))
-
-
 # --- the copy task ----------------------------------------------------------
 
 @pytest.mark.parametrize("attention", ["fused", "per_head"])
@@ -529,12 +472,12 @@ def test_key_bias_does_not_change_attention(cls):
     random_biases(att, torch.Generator().manual_seed(0))
     x = torch.randn(2, 5, 12, dtype=torch.float64)
     mask = subsequent_mask(5)
-    out, p = att(x, x, mask, return_attention=True)
+    out, p = attend_with_probabilities(att, x, x, mask)
     with torch.no_grad():
         for name, b in att.named_parameters():
             if "b_K" in name:
                 b.add_(torch.randn_like(b) * 10)
-    out2, p2 = att(x, x, mask, return_attention=True)
+    out2, p2 = attend_with_probabilities(att, x, x, mask)
     assert (out - out2).abs().max() <= 1e-12 and (p - p2).abs().max() <= 1e-12
     out2.sum().backward()
     for name, b in att.named_parameters():

@@ -89,12 +89,13 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 import annotated.transformer as T
-from annotated.plumbing.checks import check_token_ids
+from annotated.plumbing.checks import check_source_and_target
 from annotated.proof.torch_mha import copy_attention, from_torch_mha, to_torch_mha, torch_mha_masks
 from annotated.proof.harness import (
     MHA_MODES, TOL, CheckResult, attention_cases, compare_forms, compare_paths, compare_with_torch_mha, dtype_name,
     fast_path, max_abs, mha_cases, nanmax, run_property,
 )
+from annotated.recording import attend_with_probabilities
 from annotated.tokens import PAD, BOS, EOS
 from annotated.transformer import (FusedAttention, PerHeadAttention, convert_model, fuse, greedy_decode,
                                    padding_mask, split, target_mask)
@@ -319,7 +320,7 @@ def _forward_case(cls: type, h: int, d_k: int, d_v: int, B: int, T_len: int) -> 
         outs = []
         for flag in (True, False):  # the SDPA kernel and the explicit softmax
             with fast_path(flag):
-                outs.append(att(x, x, diagonal)[0])
+                outs.append(att(x, x, diagonal))
         K, _ = att.keys_values(x)  # (B, h, T, d_k) with W_K = 0
     return all(torch.equal(out, x) for out in outs) and K.shape == (B, h, T_len, d_k)
 
@@ -455,8 +456,8 @@ def compare_exactly(case: dict) -> tuple[float, bool]:
         for att in (per_head, fused):
             for flag in (True, False):
                 with fast_path(flag):
-                    results.append(att(x_q, x_kv, mask)[0])
-            probs.append(att(x_q, x_kv, mask, return_attention=True)[1])
+                    results.append(att(x_q, x_kv, mask))
+            probs.append(attend_with_probabilities(att, x_q, x_kv, mask)[1])
         attn_mask, key_padding_mask = torch_mha_masks(mask, B, h)  # (T_q = 1: a padding-shaped mask)
         results.append(mha(x_q, x_kv, x_kv, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                            need_weights=False)[0])
@@ -509,7 +510,8 @@ def check_exact_whole(n: int = 200, progress: bool = False) -> list[CheckResult]
 # off, float64 or float32, and which form is built first (the other is made
 # by `fuse` or `split`). Biases are drawn non-zero so that they matter.
 #
-# For each case we compare the outputs, the probabilities, and the gradients
+# For each case we compare the outputs (on the fast path), the probabilities
+# (from `attend_with_probabilities`), and the gradients
 # of `sum(out * G)` (a random `G`) with respect to the inputs and to every
 # parameter, the per-head gradients laid out in blocks by `fused_parameters`
 # (`annotated/proof/torch_mha.py`). The modules run in training mode with
@@ -601,8 +603,8 @@ def check_torch_mha(progress: bool = False) -> list[CheckResult]:
 # ### Two kernels, and whole models
 #
 # **SDPA vs explicit softmax.** `attention()` runs PyTorch's fused
-# `scaled_dot_product_attention` when nobody asks for the probabilities and
-# `T.FAST_PATH` is on, else the explicit `softmax(Q K^T / sqrt(d_k)) V`. On
+# `scaled_dot_product_attention` when `T.FAST_PATH` is on, else the
+# explicit `softmax(Q K^T / sqrt(d_k)) V`. On
 # generated cases (fully masked queries included) both forms must give the
 # same outputs and input gradients either way. The flag is set inside the
 # check and restored afterwards.
@@ -641,8 +643,7 @@ def logits_tolerance(dtype: torch.dtype, logits: Tensor) -> float:
 
 def compare_model_forms(model: T.EncoderDecoder, src: Tensor, tgt: Tensor, max_len: int) -> dict:
     """Convert `model` to the other attention form; compare logits (float32, float64) and greedy decodes."""
-    check_token_ids(src, model.config.src_vocab)
-    check_token_ids(tgt, model.config.tgt_vocab)
+    check_source_and_target(model, src, tgt)  # the door, before any model work
     other = "fused" if model.config.attention == "per_head" else "per_head"
     a = copy.deepcopy(model).eval()  # the caller's model keeps its dtype and mode
     b = convert_model(a, other).eval()

@@ -47,7 +47,8 @@
 # input projections, which our forms (one input width `d_model`) do not have.
 # Converting anything else raises a `ValueError` naming the shapes. Its
 # `add_bias_kv` and `add_zero_attn` options add keys our forms do not have
-# and are refused too.
+# and are refused too, by `check_torch_mha` in `annotated/plumbing/checks.py`,
+# the door `from_torch_mha` goes through first.
 #
 # **Masks.** Its boolean masks mean the opposite of ours: `True` = *blocked*.
 # `torch_mha_masks` maps ours: a padding-shaped mask `(B, 1, T_k)` becomes
@@ -67,6 +68,7 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
+from annotated.plumbing.checks import check_torch_mha
 from annotated.transformer import FusedAttention, PerHeadAttention, split, subsequent_mask  # noqa: F401 (doctests)
 
 AttentionLike = Union[PerHeadAttention, FusedAttention, nn.MultiheadAttention]
@@ -78,13 +80,7 @@ def _shape_str(shape: dict) -> str:
 
 def mha_shape(mha: nn.MultiheadAttention) -> dict:
     """The shape dict (as `att.shape()`) of an nn.MultiheadAttention our forms can hold; ValueError otherwise."""
-    if not mha._qkv_same_embed_dim:
-        raise ValueError(f"nn.MultiheadAttention with kdim={mha.kdim}, vdim={mha.vdim} != embed_dim={mha.embed_dim} "
-                         f"has separate input projections for keys and values of other widths; our attentions "
-                         f"read keys and values of width d_model")
-    if mha.bias_k is not None or mha.add_zero_attn:
-        raise ValueError("nn.MultiheadAttention with add_bias_kv=True or add_zero_attn=True adds keys and values "
-                         "that our attentions do not have")
+    check_torch_mha(mha)
     d = mha.embed_dim // mha.num_heads
     return dict(d_model=mha.embed_dim, h=mha.num_heads, d_k=d, d_v=d, bias=mha.in_proj_bias is not None)
 
@@ -183,7 +179,7 @@ def to_torch_mha(att: PerHeadAttention | FusedAttention, batch_first: bool = Tru
     >>> att = FusedAttention(8, 2)
     >>> mha = to_torch_mha(att)
     >>> x = torch.randn(1, 3, 8)
-    >>> bool((mha(x, x, x, need_weights=False)[0] - att(x, x)[0]).abs().max() < 1e-5)
+    >>> bool((mha(x, x, x, need_weights=False)[0] - att(x, x)).abs().max() < 1e-5)
     True
     """
     s = attention_shape(att)
@@ -204,6 +200,7 @@ def from_torch_mha(mha: nn.MultiheadAttention) -> FusedAttention:
     hold (`kdim`/`vdim` other than `embed_dim`, `add_bias_kv`,
     `add_zero_attn`) raises a ValueError that says why.
     """
+    check_torch_mha(mha)  # the door: before anything is built
     s = mha_shape(mha)
     p = mha.in_proj_weight
     att = FusedAttention(s["d_model"], s["h"], s["d_k"], s["d_v"], bias=s["bias"], dropout=mha.dropout)

@@ -12,6 +12,7 @@ from annotated.proof.torch_mha import (
     _shape_str, attention_shape, copy_attention, from_torch_mha, fused_parameters, to_torch_mha, torch_mha_masks,
 )
 from annotated.proof.harness import random_biases
+from annotated.recording import attend_with_probabilities
 from annotated.transformer import FusedAttention, PerHeadAttention, split
 
 
@@ -31,7 +32,7 @@ def test_from_torch_mha_exposes_each_head():
     x = torch.randn(2, 5, 12)
     with torch.no_grad():
         want, w = mha(x, x, x, average_attn_weights=False)
-        got, p = per_head(x, x, return_attention=True)
+        got, p = attend_with_probabilities(per_head, x, x)
     assert (got - want).abs().max() <= 1e-5 and (p - w).abs().max() <= 1e-6  # float32 rounding
 
 
