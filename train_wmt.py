@@ -5,6 +5,8 @@ recipe. Examples:
 
     python train_wmt.py                          # preset gpu if CUDA is available, else cpu
     python train_wmt.py --preset smoke           # a few seconds, for a first look
+    python train_wmt.py --preset cpu --help      # every option, with its default under that preset
+    python train_wmt.py --print-config --precision fp32   # the settings it would train with; no training
     python train_wmt.py --src en --tgt de --attention per_head
     python train_wmt.py --resume --run-dir runs/cpu-de-en-20261122-1200
     torchrun --nproc_per_node=2 train_wmt.py --preset gpu
@@ -12,62 +14,112 @@ recipe. Examples:
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from annotated.plumbing import interrupts as cli
+if __name__ == "__main__":  # as a command: a Ctrl-C while the extensions load is one line, exit 130
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("train_wmt.py")
+
 from annotated.plumbing.options import Parser, at_least, device, number, writable_dir
 
 
-def parse_args(argv=None):
-    """The options; a value that makes no sense is one line on stderr and exit 2, before any work."""
+MODEL_OPTIONS = ("N", "d_model", "d_ff", "h", "dropout", "attention", "norm", "vocab_size")  # TrainConfig.model's
+
+
+def setting(cfg, name: str):
+    """The value of option `name` in a TrainConfig (the model's options live in cfg.model)."""
+    if name == "vocab_size":
+        return cfg.vocab_size
+    return getattr(cfg.model, name) if name in MODEL_OPTIONS else getattr(cfg, name)
+
+
+def preset_asked(argv) -> str | None:
+    """The --preset of `argv` (before the whole parse: the help texts show that preset's defaults)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=("gpu", "cpu", "smoke"))
+    known, _ = pre.parse_known_args(argv)
+    return known.preset
+
+
+def build_parser(chosen: str | None = None) -> Parser:
+    """The command line; each option's help names its value in every preset, or only in `chosen`."""
+    from annotated.training.config import PRESETS
+
+    def default(name: str) -> str:  # "(gpu: 128, cpu: 128, smoke: 32)" or, with --preset, that preset's value
+        shown = lambda v: "none" if v is None else v  # noqa: E731
+        if chosen:
+            return f" (default under --preset {chosen}: {shown(setting(PRESETS[chosen], name))})"
+        return " (" + ", ".join(f"{p}: {shown(setting(c, name))}" for p, c in PRESETS.items()) + ")"
+
     positive = number(0, None, above=True)  # a finite number > 0
+    fraction = number(0, 1)  # a finite number in [0, 1]
     p = Parser(prog="train_wmt.py", description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("--preset", choices=("gpu", "cpu", "smoke"),
-                   help="settings bundle (default: gpu when CUDA is available, else cpu)")
-    p.add_argument("--src", dest="src_lang", help="source language: en, de, fr, cs (default de)")
-    p.add_argument("--tgt", dest="tgt_lang", help="target language (default en)")
-    p.add_argument("--attention", choices=("fused", "per_head"), help="multi-head attention form")
-    p.add_argument("--norm", choices=("post", "pre"), help="layer norm placement")
-    p.add_argument("--layers", dest="N", type=at_least(1), help="encoder and decoder layers N")
-    p.add_argument("--d-model", dest="d_model", type=at_least(1), help="model width d_model")
-    p.add_argument("--d-ff", dest="d_ff", type=at_least(1), help="feed-forward width d_ff")
-    p.add_argument("--heads", dest="h", type=at_least(1), help="attention heads h (d_k = d_model / h)")
-    p.add_argument("--dropout", type=float)
-    p.add_argument("--label-smoothing", type=float)
-    p.add_argument("--warmup", type=at_least(1), help="learning-rate warm-up steps")
+                   help="settings bundle (default: gpu when CUDA is available, else cpu); every option below "
+                        "changes one of its settings and shows each preset's value")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved settings (preset and options, device, precision, threads) and exit "
+                        "without training")
+    p.add_argument("--src", dest="src_lang", help="source language: en, de, fr, cs" + default("src_lang"))
+    p.add_argument("--tgt", dest="tgt_lang", help="target language" + default("tgt_lang"))
+    p.add_argument("--attention", choices=("fused", "per_head"),
+                   help="multi-head attention form" + default("attention"))
+    p.add_argument("--norm", choices=("post", "pre"), help="layer norm placement" + default("norm"))
+    p.add_argument("--layers", dest="N", type=at_least(1), help="encoder and decoder layers N" + default("N"))
+    p.add_argument("--d-model", dest="d_model", type=at_least(1), help="model width d_model" + default("d_model"))
+    p.add_argument("--d-ff", dest="d_ff", type=at_least(1), help="feed-forward width d_ff" + default("d_ff"))
+    p.add_argument("--heads", dest="h", type=at_least(1),
+                   help="attention heads h (d_k = d_model / h)" + default("h"))
+    p.add_argument("--dropout", type=fraction, help="dropout probability, in [0, 1)" + default("dropout"))
+    p.add_argument("--label-smoothing", type=fraction,
+                   help="label smoothing epsilon, in [0, 1)" + default("label_smoothing"))
+    p.add_argument("--warmup", type=at_least(1), help="learning-rate warm-up steps" + default("warmup"))
     p.add_argument("--lr-factor", type=positive, help="scale of the paper's learning-rate schedule (peak lr "
-                                                      "= factor * d_model^-0.5 * warmup^-0.5)")
+                                                      "= factor * d_model^-0.5 * warmup^-0.5)" + default("lr_factor"))
     p.add_argument("--val-bleu-sentences", type=at_least(1),
-                   help="translate only the first n val sentences each epoch")
-    p.add_argument("--epochs", type=at_least(1), help="an upper bound on epochs")
-    p.add_argument("--max-steps", type=at_least(1), help="optimizer steps of the run (the preset's budget)")
-    p.add_argument("--max-minutes", type=positive, help="an optional cap on training minutes")
-    p.add_argument("--log-every", type=at_least(1), help="steps between two reads of the loss (default 50)")
-    p.add_argument("--max-tokens", type=at_least(1), help="tokens per batch")
-    p.add_argument("--accum", type=at_least(1), help="batches per optimizer step")
-    p.add_argument("--vocab-size", type=at_least(1))
-    p.add_argument("--beam-size", type=at_least(1))
-    p.add_argument("--average-last", type=at_least(0), help="average the last N epoch checkpoints at the end")
-    p.add_argument("--seed", type=int)
+                   help="translate only the first n val sentences each epoch" + default("val_bleu_sentences"))
+    p.add_argument("--epochs", type=at_least(1), help="an upper bound on epochs" + default("epochs"))
+    p.add_argument("--max-steps", type=at_least(1),
+                   help="optimizer steps of the run (the preset's budget)" + default("max_steps"))
+    p.add_argument("--max-minutes", type=positive, help="an optional cap on training minutes" + default("max_minutes"))
+    p.add_argument("--log-every", type=at_least(1),
+                   help="steps between two reads of the loss" + default("log_every"))
+    p.add_argument("--max-tokens", type=at_least(1), help="tokens per batch" + default("max_tokens"))
+    p.add_argument("--accum", type=at_least(1), help="batches per optimizer step" + default("accum"))
+    p.add_argument("--vocab-size", type=at_least(8),
+                   help="subwords of the joint sentencepiece vocabulary" + default("vocab_size"))
+    p.add_argument("--beam-size", type=at_least(1),
+                   help="beam width of the final test translation" + default("beam_size"))
+    p.add_argument("--average-last", type=at_least(0),
+                   help="average the last N epoch checkpoints at the end" + default("average_last"))
+    p.add_argument("--seed", type=int, help="seed of the initial weights, dropout and the batches' shuffle"
+                                            + default("seed"))
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"),
+                   help="arithmetic: auto is bf16 autocast on CUDA and on a CPU with bf16 instructions "
+                        "(avx512_bf16 or AMX), else fp32; the loss and the optimizer stay fp32" + default("precision"))
     p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile the model (CUDA graphs on a GPU)")
+                   help="torch.compile the model (CUDA graphs on a GPU)" + default("compile"))
     p.add_argument("--run-dir", type=Path, help="a new folder for checkpoints, logs and results "
-                                                "(default runs/<preset>-<src>-<tgt>-<time>)")
+                                                "(default runs/<preset>-<src>-<tgt>-<time>; runs/latest points "
+                                                "to the newest run in runs/)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from last.pt")
     p.add_argument("--device", type=device, help="cuda, cuda:1, cpu (default: cuda when available)")
-    p.add_argument("--threads", type=at_least(1), help="CPU threads for torch (default: one per core)")
+    p.add_argument("--threads", type=at_least(1), help="CPU threads for torch (default: $OMP_NUM_THREADS where "
+                                                       "set, else every core this process may use)")
     p.add_argument("--data-url", help="base URL of the Multi30k raw files (default $MULTI30K_URL, "
                                       "else the dataset's GitHub home); file:// URLs work")
     p.add_argument("--cache-dir", type=writable_dir, help="download and tokenizer cache (default "
                                                           "$ANNOTATED_CACHE or ~/.cache/annotated)")
     p.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="your own parallel text instead")
-    p.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"))
-    p.add_argument("--test-files", nargs=2, metavar=("SRC", "TGT"))
+    p.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"), help="your own validation pairs (with "
+                                                                       "--train-files)")
+    p.add_argument("--test-files", nargs=2, metavar=("SRC", "TGT"), help="your own test pairs (with "
+                                                                        "--train-files)")
     p.add_argument("--empty-lines", choices=("error", "skip", "keep"), default="error",
                    help="pairs of your own files with an empty side: stop with an error naming the line (default), "
                         "skip them with a warning, or keep them")
@@ -75,6 +127,13 @@ def parse_args(argv=None):
     p.add_argument("--dump-attention", type=at_least(0), metavar="N", default=0,
                    help="after training, dump the attention of the first N test sentences into RUN_DIR/attention "
                         "(see annotated/attention/dump.py)")
+    return p
+
+
+def parse_args(argv=None):
+    """The options; a value that makes no sense is one line on stderr and exit 2, before any work."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = build_parser(preset_asked(argv) if "--help" in argv or "-h" in argv else None)
     args = p.parse_args(argv)
     if args.resume and args.run_dir is None:
         p.error("--resume needs --run-dir (the run to continue)")
@@ -84,38 +143,60 @@ def parse_args(argv=None):
     return args
 
 
+EPILOG = """Each option's help names its value in every preset (gpu, cpu, smoke); with --preset, the value under that
+preset. --print-config shows the settings a command would train with."""
+
+
 def config_from_args(args, cuda: bool):
     """(preset name, TrainConfig): the preset, with every flag the user gave laid over it."""
-    from annotated.training.train import PRESETS
+    import dataclasses
+
+    from annotated.training.config import PRESETS
+
     preset = args.preset or ("gpu" if cuda else "cpu")
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(PRESETS[preset])
-                 if getattr(args, f.name, None) is not None}
-    return preset, dataclasses.replace(PRESETS[preset], **overrides)
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    run_fields = {f.name for f in dataclasses.fields(PRESETS[preset])} - {"model"}
+    cfg = dataclasses.replace(PRESETS[preset], **{k: v for k, v in given.items() if k in run_fields})
+    return preset, cfg.with_model(**{k: v for k, v in given.items() if k in MODEL_OPTIONS})
+
+
+def resolved_settings(preset: str, cfg, where, threads: int, run_dir: Path) -> dict:
+    """What --print-config prints: the settings a run would train with, and the arithmetic it would use."""
+    from annotated.plumbing.devices import resolve_precision
+    from annotated.training.config import config_dict
+
+    precision, reason = resolve_precision(cfg.precision, where)
+    return {"preset": preset, "run_dir": str(run_dir), "device": str(where), "precision": precision,
+            "precision_reason": reason, "threads": threads, "train_config": config_dict(cfg)}
 
 
 def main(argv=None) -> int:
-    with cli.starting("train_wmt.py"):  # a Ctrl-C while the extensions load: one line, exit 130 (annotated.plumbing.interrupts)
-        args = parse_args(argv)
-        import sentencepiece  # noqa: F401
-        import torch
-        import torch.utils.tensorboard  # noqa: F401
+    args = parse_args(argv)
+    import sentencepiece  # noqa: F401
+    import torch
+    import torch.utils.tensorboard  # noqa: F401
 
-        from annotated.plumbing.checkpoint import CheckpointError
-        from annotated.training.distributed import RankError
-        from annotated.training.train import TrainingError, train
+    from annotated.attention.dump import log_alignment_image  # the epochs' alignment pictures (matplotlib)
+    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.plumbing.devices import default_device, default_threads
+    from annotated.training.distributed import RankError
+    from annotated.training.runs import RUNS
+    from annotated.training.train import TrainingError, train
 
-    run_dir = None
+    run_dir, threads_before = None, torch.get_num_threads()
     try:
-        where = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        where = default_device(args.device)
         preset, cfg = config_from_args(args, cuda=where.type == "cuda")
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        run_dir = args.run_dir or Path("runs") / f"{preset}-{cfg.src_lang}-{cfg.tgt_lang}-{time.strftime('%Y%m%d-%H%M%S')}"
+        torch.set_num_threads(args.threads or default_threads())
+        run_dir = args.run_dir or RUNS / f"{preset}-{cfg.src_lang}-{cfg.tgt_lang}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if args.print_config:
+            print(json.dumps(resolved_settings(preset, cfg, where, torch.get_num_threads(), run_dir), indent=2))
+            return 0
         result = train(cfg, run_dir, data_url=args.data_url, cache_dir=args.cache_dir, device=str(where),
                        resume=args.resume, progress=not args.no_progress and sys.stderr.isatty() or
                        os.environ.get("FORCE_PROGRESS") == "1",
                        train_files=args.train_files, val_files=args.val_files, test_files=args.test_files,
-                       empty_lines=args.empty_lines)
+                       empty_lines=args.empty_lines, alignment_image=log_alignment_image)
         if args.dump_attention and not result.get("interrupted") and result.get("run_dir"):
             from annotated.attention.dump import dump
             out = dump(Path(result["test"]["best"]["checkpoint"]), n=args.dump_attention, data_url=args.data_url,
@@ -133,12 +214,11 @@ def main(argv=None) -> int:
             print("train_wmt.py: interrupted before the first checkpoint was written; nothing to resume",
                   file=sys.stderr)
         return 130
+    finally:  # main() called from Python leaves the caller's thread count as it found it
+        torch.set_num_threads(threads_before)
     return 130 if result.get("interrupted") else 0  # 130: the shell's code for "stopped by Ctrl-C"
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # in the instant before main() installs its handler
-        print("train_wmt.py: interrupted", file=sys.stderr)
-        sys.exit(130)
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, "train_wmt.py")  # Ctrl-C: one line and exit code 130 (main() may say more itself)

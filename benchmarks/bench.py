@@ -26,9 +26,12 @@
 #    greedy recomputing the whole prefix at every step (the original
 #    Annotated Transformer's way), and beam search with 4 beams;
 # 3. on CUDA: the same in bf16 autocast, eagerly and under `torch.compile`,
-#    and the **model FLOPs utilisation** (MFU) against the GPU's peak.
+#    and the **model FLOPs utilisation** (MFU) against the GPU's peak;
+# 4. on the CPU: training's `--precision` and `--threads` side by side, the
+#    fused SDPA step in fp32 and bf16 autocast on one thread and on every
+#    core, each against fp32 on every core (`bench_cpu_arithmetic`).
 #
-# Sizes: the `cpu` and `gpu` presets of `annotated/training/train.py` and the paper's
+# Sizes: the `cpu` and `gpu` presets of `annotated/training/config.py` and the paper's
 # base model. The results go to a table on stdout and to
 # `benchmarks/results/<device>-<date>.json`, with the project's performance
 # targets beside the numbers (section 8).
@@ -73,7 +76,9 @@ from torch import Tensor, nn  # noqa: E402
 
 from annotated.decoding import search as decoding  # noqa: E402
 from annotated import transformer as tf  # noqa: E402
-from annotated.training.train import PRESETS, TrainConfig, batch_loss, label_smoothed_loss, make_optimizer  # noqa: E402
+from annotated.plumbing.devices import all_cores, autocast, cpu_has_bf16, default_device  # noqa: E402
+from annotated.training.config import PRESETS, TrainConfig, config_dict, config_from_dict, joint_model  # noqa: E402
+from annotated.training.train import batch_loss, label_smoothed_loss, make_optimizer  # noqa: E402
 from annotated.tokens import BOS, EOS, PAD  # noqa: E402
 from annotated.transformer import TransformerConfig, convert_model, make_model, padding_mask  # noqa: E402
 
@@ -113,19 +118,19 @@ class Size:
     train_sentences: dict  # device type ("cpu", "cuda") -> sentences per training batch
     decode_sentences: dict  # device type -> sentences per decoding batch
 
-    def model_config(self) -> dict:
-        return self.train.model_config(self.train.vocab_size)
+    def model_config(self) -> TransformerConfig:
+        return self.train.model
 
     def to_json(self) -> dict:
-        return {"name": self.name, "train": dataclasses.asdict(self.train),
+        return {"name": self.name, "train": config_dict(self.train),
                 "train_sentences": self.train_sentences, "decode_sentences": self.decode_sentences}
 
     @staticmethod
     def from_json(d: dict) -> "Size":
-        return Size(d["name"], TrainConfig(**d["train"]), d["train_sentences"], d["decode_sentences"])
+        return Size(d["name"], config_from_dict(d["train"]), d["train_sentences"], d["decode_sentences"])
 
 
-BASE = TrainConfig(N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, vocab_size=37000, warmup=4000,
+BASE = TrainConfig(model=joint_model(37000, N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, max_len=256), warmup=4000,
                    max_tokens=PRESETS["gpu"].max_tokens)
 
 
@@ -289,7 +294,7 @@ def build_trainees(size: Size, device: torch.device, seed: int, keys=tuple(VARIA
 
     if {"fused_sdpa", "fused_explicit", "per_head"} & set(keys):
         torch.manual_seed(seed)
-        fused = make_model(**cfg).to(device).train()
+        fused = make_model(cfg).to(device).train()
         opt, sched = optimiser(fused)
         for key, fast in (("fused_sdpa", True), ("fused_explicit", False)):
             if key in keys:
@@ -299,7 +304,7 @@ def build_trainees(size: Size, device: torch.device, seed: int, keys=tuple(VARIA
         out.append(Trainee("per_head", per_head, batch_loss, *optimiser(per_head)))
     if "reference" in keys:
         torch.manual_seed(seed)
-        ref = TorchTransformerReference(TransformerConfig(**cfg)).to(device).train()
+        ref = TorchTransformerReference(cfg).to(device).train()
         out.append(Trainee("reference", ref, reference_batch_loss, *optimiser(ref)))
     return out
 
@@ -677,6 +682,7 @@ class Settings:
     decode_batches: int = 1          # batches each decoding call translates
     memory: bool = True
     decode: bool = True
+    arithmetic: bool = True          # on the CPU: fp32 vs bf16, one thread vs all (bench_cpu_arithmetic)
     seed: int = 0
     peak_tflops: Optional[float] = None  # for MFU; default from PEAK_BF16_TFLOPS on CUDA with bf16
     clock: str = "wall"              # "wall" or "cpu" (process CPU time, CPU device only)
@@ -693,10 +699,8 @@ class Settings:
                              f"{self.reps}, {self.window}, {self.train_batches}, {self.decode_batches}")
 
     def amp(self):
-        """A factory of autocast contexts: bf16 autocast (train.autocast_for's choice on CUDA), or none."""
-        if self.dtype == "bf16":
-            return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext
+        """A factory of autocast contexts: bf16 autocast (as training's --precision bf16), or none."""
+        return lambda: autocast(self.device, self.dtype)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -721,7 +725,7 @@ def bench_training(size: Size, st: Settings, log: Callable[[str], None]) -> list
                for s, t in make_batches(st.train_batches, sentences, size.train.vocab_size, st.seed)]
     src_l, tgt_l, tokens = real_lengths(batches)
     tokens_per_step = tokens / len(batches)
-    flops_per_step = training_flops(TransformerConfig(**size.model_config()), src_l, tgt_l) / len(batches)
+    flops_per_step = training_flops(size.model_config(), src_l, tgt_l) / len(batches)
     peak = st.peak_tflops
     trainees = build_trainees(size, device, st.seed)
     fns = {}
@@ -789,7 +793,7 @@ def bench_decoding(size: Size, st: Settings, log: Callable[[str], None]) -> list
                for s, t in make_batches(st.decode_batches, sentences, size.train.vocab_size, st.seed + 1)]
     steps = batches[0][1].size(1) - 1  # the longest target plus eos
     torch.manual_seed(st.seed)
-    model = suppress_eos(make_model(**size.model_config()).to(device).eval())
+    model = suppress_eos(make_model(size.model_config()).to(device).eval())
     fns = decode_fns(model, batches, steps, st.amp())
     log(f"[{size.name}] decoding: {len(batches)} x {sentences} sentences, {steps} steps each")
     times, iters, errors = interleaved_times(fns, st.reps, st.window, st.sync,
@@ -810,6 +814,57 @@ def bench_decoding(size: Size, st: Settings, log: Callable[[str], None]) -> list
     return rows
 
 
+# The CPU's arithmetic: training's `--precision` and `--threads` side by side.
+# The fused SDPA training step of the first size, timed in interleaved rounds
+# like every row above, in fp32 and in bf16 autocast, on one thread and on
+# every core this process may use; each row's speed-up is the fp32 row on
+# every core's median step time over its own (> 1: faster than that
+# baseline). bf16 rows only where the CPU has bf16 instructions
+# (`annotated.plumbing.devices.cpu_has_bf16`).
+ARITHMETIC = (("fp32", "all"), ("fp32", 1), ("bf16", "all"), ("bf16", 1))  # the baseline first
+
+
+def with_threads(step: Callable[[], None], threads: int) -> Callable[[], None]:
+    def run():
+        torch.set_num_threads(threads)
+        step()
+    return run
+
+
+def bench_cpu_arithmetic(size: Size, st: Settings, log: Callable[[str], None]) -> list[dict]:
+    """Rows of (precision, threads) for the fused SDPA training step on the CPU, against fp32 on every core."""
+    cpu, cores, threads_before = torch.device("cpu"), all_cores(), torch.get_num_threads()
+    sentences = size.train_sentences["cpu"]
+    batches = make_batches(st.train_batches, sentences, size.train.vocab_size, st.seed)
+    tokens_per_step = real_lengths(batches)[2] / len(batches)
+    [t] = build_trainees(size, cpu, st.seed, keys=("fused_sdpa",))
+    wanted = {(p, cores if n == "all" else n) for p, n in ARITHMETIC}  # (with one core, 1 and "all" are one row)
+    runnable = {k for k in wanted if k[0] == "fp32" or cpu_has_bf16()}
+    fns = {k: with_threads(make_step(t, t.model, batches, size.train.label_smoothing,
+                                     lambda precision=k[0]: autocast(cpu, precision)), k[1])
+           for k in sorted(runnable, key=lambda k: (k[0], -k[1]))}
+    log(f"[{size.name}] CPU arithmetic: {len(fns)} rows, {cores} cores")
+    try:
+        times, _, errors = interleaved_times(fns, st.reps, st.window, st.sync,
+                                             lambda s: log(f"[{size.name}] CPU arithmetic {s}"), st.timer())
+    finally:
+        torch.set_num_threads(threads_before)
+    base = _median(times.get(("fp32", cores), []))
+    rows = []
+    for precision, threads in sorted(wanted, key=lambda k: (k[0], -k[1])):
+        step_s = _median(times.get((precision, threads), []))
+        r = {"size": size.name, "key": "fused_sdpa", "precision": precision, "threads": threads, "step_s": step_s,
+             "step_s_rounds": times.get((precision, threads), []),
+             "tokens_per_s": tokens_per_step / step_s if step_s else None,
+             "speedup_vs_fp32_all_threads": base / step_s if step_s and base else None}
+        if (precision, threads) not in runnable:
+            r["note"] = "not measured: this CPU has no bf16 instructions (avx512_bf16 or amx_bf16)"
+        elif (precision, threads) in errors:
+            r["error"] = errors[(precision, threads)]
+        rows.append(r)
+    return rows
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -823,6 +878,37 @@ def device_name(device: torch.device) -> str:
     return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
+def bench_translator_cli(st: Settings, log: Callable[[str], None], sentences: int = 48, beam: int = 2) -> dict:
+    """The translator reading `sentences` lines from stdin (annotated/decoding/translate.py's main, in process:
+    checkpoint loading, reading, input rules, output) against one `translate_ids` call on the same sentences'
+    ids with the same beam, on the CPU, a tiny random model. ratio = CLI seconds / translate_ids seconds."""
+    import io
+    import random
+
+    from annotated.decoding import translate as cli
+    from annotated.plumbing.checkpoint import save_checkpoint
+    from annotated.training.data import train_tokenizer
+
+    words = "ein hund eine frau zwei männer rennt liest spielt über die wiese im park buch ball".split()
+    pick = random.Random(st.seed)
+    texts = [" ".join(pick.choice(words) for _ in range(pick.randint(3, 10))) + "." for _ in range(sentences)]
+    with tempfile.TemporaryDirectory() as folder:
+        tok = train_tokenizer(texts, 320, cache_dir=folder)
+        torch.manual_seed(st.seed)
+        model = tf.make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=2, d_model=32, d_ff=64, h=4,
+                              dropout=0.0, max_len=64).eval()
+        save_checkpoint(Path(folder) / "tiny.pt", model, tok)
+        lines, ids = "".join(t + "\n" for t in texts).encode(), [tok.encode(t) for t in texts]
+        argv = ["--checkpoint", str(Path(folder) / "tiny.pt"), "--beam", str(beam), "--device", "cpu"]
+        fns = {"cli": lambda: cli.main(argv, stdin=io.BytesIO(lines), stdout=io.BytesIO(), stderr=io.StringIO()),
+               "translate_ids": lambda: decoding.translate_ids(model, ids, beam)}
+        times, _, errors = interleaved_times(fns, st.reps, st.window, lambda: None, lambda s: log(f"translator {s}"),
+                                             st.timer())
+    cli_s, batched_s = _median(times.get("cli", [])), _median(times.get("translate_ids", []))
+    return {"sentences": sentences, "beam": beam, "cli_s": cli_s, "translate_ids_s": batched_s,
+            "ratio": cli_s / batched_s if cli_s and batched_s else None, **({"error": errors} if errors else {})}
+
+
 def run_benchmarks(sizes: list[Size], settings: Settings = Settings(), log: Callable[[str], None] = print) -> dict:
     """Run everything for these sizes; returns the result dict (also what the JSON file holds)."""
     st = settings
@@ -834,7 +920,8 @@ def run_benchmarks(sizes: list[Size], settings: Settings = Settings(), log: Call
             "threads": torch.get_num_threads(), "clock": st.clock, "dtype": st.dtype,
             "compiled": list(st.compile_modes), "sizes": [s.name for s in sizes], "reps": st.reps,
             "window_s": st.window, "seed": st.seed, "peak_tflops": st.peak_tflops,
-            "size_details": {s.name: dict(s.model_config(), train_sentences=s.train_sentences[st.device.type],
+            "size_details": {s.name: dict(dataclasses.asdict(s.model_config()),
+                                          train_sentences=s.train_sentences[st.device.type],
                                           decode_sentences=s.decode_sentences[st.device.type]) for s in sizes},
             "load_average_start": list(os.getloadavg())}
     t0 = time.perf_counter()
@@ -848,8 +935,12 @@ def run_benchmarks(sizes: list[Size], settings: Settings = Settings(), log: Call
     meta.update(load_average_end=list(os.getloadavg()), wall_s=round(time.perf_counter() - t0, 1))
     result = {"meta": meta, "train": train_rows, "decode": decode_rows,
               "compile_speedup": compile_speedups(train_rows)}
+    if st.arithmetic and st.device.type == "cpu":
+        result["cpu_arithmetic"] = bench_cpu_arithmetic(sizes[0], st, log)
     if st.sync_steps:
         result["host_syncs"] = host_syncs_per_step(sizes[0], st)
+    if st.decode:
+        result["translator_cli"] = bench_translator_cli(st, log)
     result["targets"] = evaluate_targets(result)
     return result
 
@@ -874,7 +965,7 @@ def host_syncs_per_step(size: Size, st: Settings) -> dict:
     from annotated.training.train import Meter, train_step
 
     torch.manual_seed(st.seed)
-    model = make_model(**size.model_config()).to(st.device).train()
+    model = make_model(size.model_config()).to(st.device).train()
     opt, sched = make_optimizer(model, size.train)
     batches = [Batch(s, t, torch.arange(s.size(0)))
                for s, t in make_batches(2, size.train_sentences[st.device.type], size.train.vocab_size, st.seed)]
@@ -920,6 +1011,14 @@ def markdown(result: dict) -> str:
         for r in result["decode"]:
             lines.append(f"| {r['size']} | {r['label']} | {r['sentences']} x {r['steps']} | "
                          f"{_fmt(r['sentences_per_s'], ',.1f', 'error')} | {_fmt(r['ratio_vs_recompute'], '.2f')} |")
+    if result.get("cpu_arithmetic"):
+        lines += ["", "| size | precision | threads | step ms | tokens/s | x fp32, all threads |",
+                  "| --- | --- | ---: | ---: | ---: | ---: |"]
+        for r in result["cpu_arithmetic"]:
+            shown = r.get("note") or r.get("error") or _fmt(r["speedup_vs_fp32_all_threads"], ".2f")
+            lines.append(f"| {r['size']} | {r['precision']} | {r['threads']} | "
+                         f"{_fmt(r['step_s'] and r['step_s'] * 1e3, '.0f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
+                         f"{shown} |")
     lines += ["", "| target | size | device | measured | status |", "| --- | --- | --- | ---: | --- |"]
     for t in result["targets"]:
         value = t["measured"]
@@ -930,6 +1029,10 @@ def markdown(result: dict) -> str:
         h = result["host_syncs"]
         lines.append(f"\nhost syncs per training step: {h['per_step']:g} (train.train_step, {h['size']} size, "
                      f"{h['steps']} steps counted on {m['device_type']})")
+    if result.get("translator_cli", {}).get("ratio"):
+        t = result["translator_cli"]
+        lines.append(f"\ntranslator from stdin / batched translate_ids: {t['ratio']:.2f}x ({t['sentences']} sentences, "
+                     f"beam {t['beam']}, CPU, tiny random model; the CLI loads the checkpoint each run)")
     for c in result.get("compile_speedup", []):
         lines.append(f"\ntorch.compile speed-up, {c['size']} {VARIANTS[c['key']]}: {c['speedup']:.2f}x "
                      f"(eager step time / compiled, this run)")
@@ -966,6 +1069,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch.compile rows (default: both; on the CPU only for the fused SDPA row)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     p.add_argument("--no-decode", action="store_true", help="skip the decoding benchmark")
+    p.add_argument("--no-arithmetic", action="store_true",
+                   help="skip the CPU rows of fp32 vs bf16 and one thread vs all (the first size's fused SDPA step)")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s (in TFLOP/s) for MFU")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice); 1 is steadier on a loaded machine")
@@ -992,7 +1097,7 @@ def main(argv=None) -> dict:
         return {}
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = default_device(args.device)
     if device.type not in ("cpu", "cuda"):
         raise SystemExit(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -1003,7 +1108,8 @@ def main(argv=None) -> dict:
                             compile_modes={"off": (False,), "on": (True,), "both": (False, True)}[compile_arg],
                             reps=args.reps or (2 if args.quick else 5),
                             window=args.window or (0.2 if args.quick else 1.0),
-                            memory=not args.no_memory, decode=not args.no_decode, seed=args.seed,
+                            memory=not args.no_memory, decode=not args.no_decode,
+                            arithmetic=not args.no_arithmetic, seed=args.seed,
                             peak_tflops=args.peak_tflops, clock=args.clock,
                             compile_keys=None if device.type == "cuda" else ("fused_sdpa",))
     except ValueError as e:

@@ -29,7 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from annotated.plumbing import interrupts as cli  # noqa: E402
+if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting  # noqa: E402
+    quiet_ctrl_c_while_starting("benchmarks/gpu_report.py")
+
 from annotated.plumbing.options import Parser, number  # noqa: E402
 
 
@@ -160,4 +163,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    cli.run_command(main, "benchmarks/gpu_report.py")
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, "benchmarks/gpu_report.py")

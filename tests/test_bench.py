@@ -12,13 +12,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from annotated.decoding import search as decoding
 from annotated import transformer as tf
-from annotated.training.train import TrainConfig, batch_loss
+from annotated.training.config import TrainConfig, joint_model
+from annotated.training.train import batch_loss
 from annotated.tokens import PAD, BOS, EOS
 from benchmarks import bench
 
 # A tiny size: big enough vocabulary that the tied embedding table (2000 x 32
 # floats, 250 KiB) is one block the CPU memory probe can see.
-TINY = bench.Size("tiny", TrainConfig(N=1, d_model=32, d_ff=64, h=2, dropout=0.1, vocab_size=2000, warmup=10),
+TINY = bench.Size("tiny", TrainConfig(model=joint_model(2000, N=1, d_model=32, d_ff=64, h=2, dropout=0.1, max_len=256),
+                                      warmup=10),
                   {"cpu": 6, "cuda": 6}, {"cpu": 3, "cuda": 3})
 
 
@@ -49,8 +51,27 @@ def test_training_rows_compare_against_the_reference_of_the_same_run(result):
     assert ref["target_tokens_per_step"] == sum(int((t[:, 1:] != PAD).sum()) for _, t in batches) / 2
 
 
+def test_cpu_arithmetic_rows_compare_against_fp32_on_every_core(result):
+    """fp32 and bf16, one thread and every core, for the first size's fused SDPA step; each row's speed-up is
+    the fp32-on-every-core row's median step time over its own, both from this result (no speed asserted)."""
+    from annotated.plumbing.devices import all_cores, cpu_has_bf16
+
+    rows = {(r["precision"], r["threads"]): r for r in result["cpu_arithmetic"]}
+    assert set(rows) == {(p, n) for p in ("fp32", "bf16") for n in (1, all_cores())}
+    base = rows[("fp32", all_cores())]
+    assert base["speedup_vs_fp32_all_threads"] == pytest.approx(1.0)
+    for (precision, _), r in rows.items():
+        if precision == "bf16" and not cpu_has_bf16():
+            assert r["step_s"] is None and "no bf16 instructions" in r["note"]
+            continue
+        assert "error" not in r and len(r["step_s_rounds"]) == 2, r
+        assert r["speedup_vs_fp32_all_threads"] == pytest.approx(base["step_s"] / r["step_s"])
+    assert "| tiny | bf16 | 1 |" in bench.markdown(result)
+    assert torch.get_num_threads() == result["meta"]["threads"]  # the thread count is given back
+
+
 def test_memory_columns(result):
-    model = tf.make_model(**TINY.model_config())
+    model = tf.make_model(TINY.model_config())
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     largest = max(p.numel() * 4 for p in model.parameters())
     for r in result["train"]:
@@ -107,7 +128,7 @@ def test_flop_formula_matches_flop_counter():
 
 
 def test_reference_has_the_same_parameters_and_runs():
-    cfg = tf.TransformerConfig(**TINY.model_config())
+    cfg = TINY.model_config()
     ours, ref = tf.make_model(cfg), bench.TorchTransformerReference(cfg)
     # the same number of weights (torch packs W_Q, W_K, W_V into one in_proj_weight, so compare totals),
     # and the same LayerNorms: none after a post-norm stack
@@ -141,7 +162,7 @@ def test_make_batches_look_like_training_batches():
 
 def test_suppressed_eos_forces_full_length_decoding():
     torch.manual_seed(0)
-    model = tf.make_model(**TINY.model_config()).eval()
+    model = tf.make_model(TINY.model_config()).eval()
     with torch.no_grad():
         model.generator.bias[EOS] = 1e4  # eos is every step's most likely token
     src = bench.make_batches(1, 2, TINY.train.vocab_size, 0)[0][0]

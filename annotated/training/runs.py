@@ -10,9 +10,12 @@
 # **The folder is the user's.** A run starts in a new or empty folder, or,
 # with `--resume`, in one that holds `last.pt`; anything else (a folder with
 # other files, a file, the current directory) is refused before any work, so
-# nothing of the user's is overwritten (`check_run_dir`). `latest` beside the
-# run becomes a link to it once the run has a checkpoint, and only where
-# `latest` is absent or already such a link (`point_latest`).
+# nothing of the user's is overwritten (`check_run_dir`). `runs/latest` (in
+# the current directory, the translator's and the attention dump's default
+# place to look) becomes a link to the run once it has a checkpoint, for runs
+# in `runs/` only, and only where `latest` is absent or already such a link
+# (`point_latest`): a run in a folder the user chose elsewhere writes nothing
+# beside it.
 #
 # **Resuming** reads `last.pt` (model, optimizer, scheduler, random-number
 # states, position in the epoch), refuses a checkpoint trained with other
@@ -24,19 +27,20 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from annotated.plumbing.checkpoint import CheckpointError, model_from_state, read_checkpoint
 from annotated.plumbing.files import atomic_write
+from annotated.training.config import TrainConfig, config_from_dict
 
-if TYPE_CHECKING:
-    from annotated.training.train import TrainConfig
+RUNS = Path("runs")  # the runs' default parent, relative to the current directory; `latest` lives only here
 
 
 class TrainingError(RuntimeError):
@@ -74,7 +78,10 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 def point_latest(run_dir: Path) -> None:
-    """<parent>/latest -> this run (an atomically replaced symlink), unless `latest` is the user's own file."""
+    """runs/latest -> this run (an atomically replaced symlink) for a run in runs/, unless `latest` is the
+    user's own file; nothing for a run elsewhere."""
+    if run_dir.parent.resolve() != RUNS.resolve():
+        return
     link = run_dir.parent / "latest"
     if (link.exists() or link.is_symlink()) and not link.is_symlink():
         return
@@ -90,7 +97,11 @@ def point_latest(run_dir: Path) -> None:
 
 
 def log_line(run_dir: Path, text: str) -> None:
-    print(text, flush=True)
+    """Print `text` through tqdm's writer (above a progress bar, never into it) and append it to train.log."""
+    from tqdm import tqdm
+
+    tqdm.write(text)
+    sys.stdout.flush()
     with open(run_dir / "train.log", "a", encoding="utf-8") as f:
         f.write(text + "\n")
 
@@ -128,15 +139,26 @@ def average_checkpoints(paths: list[Path]) -> dict:
     return base
 
 
+def settings_that_differ(saved: TrainConfig, now: TrainConfig) -> dict[str, tuple]:
+    """{name: (saved, now)} for the settings a resumed run must share with its checkpoint: the data and the
+    model (dropout aside, which may change between sessions)."""
+    pairs = {k: (getattr(saved, k), getattr(now, k)) for k in ("src_lang", "tgt_lang", "train_limit", "vocab_size")}
+    pairs.update({k: (getattr(saved.model, k), getattr(now.model, k))  # (the joint vocabulary: vocab_size)
+                  for k in dataclasses.asdict(now.model) if k not in ("dropout", "src_vocab", "tgt_vocab")})
+    return {k: (a, b) for k, (a, b) in pairs.items() if a != b}
+
+
 def resume_state(path: Path, cfg: TrainConfig, model, opt, sched, tokenizer=None,
-            read=read_checkpoint) -> RunState:
+                 read=read_checkpoint) -> RunState:
+    """Load model, optimizer, scheduler and random states from a run's last.pt; its RunState."""
     state = read(path)
     if "run_state" not in state:
         raise CheckpointError(f"checkpoint {path} has no training state; it cannot be resumed")
-    saved = state.get("meta", {}).get("train_config", {})
-    model_keys = ("src_lang", "tgt_lang", "vocab_size", "N", "d_model", "d_ff", "h", "attention", "norm",
-                  "tie_embeddings", "max_len", "train_limit")
-    diff = {k: (saved.get(k), getattr(cfg, k)) for k in model_keys if saved.get(k) != getattr(cfg, k)}
+    if "train_config" not in state.get("meta", {}):
+        raise CheckpointError(f"checkpoint {path} names no training settings (meta.train_config); it cannot be "
+                              f"resumed")
+    saved = config_from_dict(state["meta"]["train_config"])
+    diff = settings_that_differ(saved, cfg)
     if diff:
         raise CheckpointError(f"checkpoint {path} was trained with different settings; cannot resume: " +
                               ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items()))

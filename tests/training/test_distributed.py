@@ -171,10 +171,10 @@ def test_each_step_applies_the_gradient_of_the_union_of_the_two_shards(runs, dat
 
     _, _, recorded = runs
     cfg = train.PRESETS["smoke"]
-    tokenizer, pairs, _, _ = train.prepare_data(cfg, cache, data_url)
+    tokenizer, pairs, _, _ = train.prepare_data(cfg, train.DataSource(data_url, cache))
     encoded = data.encode_pairs(pairs, tokenizer)
     encoded = [encoded[i] for i in data.split_long(encoded, cfg.max_len)[0]]
-    model = make_model(**cfg.model_config(tokenizer.vocab_size))
+    model = make_model(cfg.model_for(tokenizer.vocab_size))
     epoch, steps_left = -1, []
     for s, step in enumerate(recorded):
         if not steps_left:  # the next epoch: (rank 0's batch, rank 1's batch) of each step

@@ -49,7 +49,7 @@ def test_schedule_warms_up_then_decays():
 def test_presets_are_valid_and_bad_settings_are_named():
     for name, cfg in T.PRESETS.items():
         T.make_optimizer(torch.nn.Linear(2, 2), cfg)
-        assert cfg.model_config(100)["share_embeddings"]
+        assert cfg.model_for(100).share_embeddings and cfg.model_for(100).tie_generator
     with pytest.raises(ValueError, match="two different languages"):
         T.TrainConfig(src_lang="de", tgt_lang="de")
     with pytest.raises(ValueError, match="label_smoothing must be in"):
@@ -67,11 +67,14 @@ def test_command_line_flags_override_the_preset():
     preset, cfg = train_wmt.config_from_args(args, cuda=False)
     want = dict(N=3, d_model=256, d_ff=1024, h=8, dropout=0.2, label_smoothing=0.05, warmup=900, lr_factor=1.5,
                 val_bleu_sentences=400)
-    assert preset == "gpu" and {k: getattr(cfg, k) for k in want} == want
-    assert dataclasses.replace(cfg, **{k: getattr(T.PRESETS["gpu"], k) for k in want}) == T.PRESETS["gpu"]
+    assert preset == "gpu" and {k: train_wmt.setting(cfg, k) for k in want} == want
+    gpu = T.PRESETS["gpu"]
+    model_back = {k: getattr(gpu.model, k) for k in want if k in train_wmt.MODEL_OPTIONS}
+    run_back = {k: getattr(gpu, k) for k in want if k not in train_wmt.MODEL_OPTIONS}
+    assert dataclasses.replace(cfg, **run_back).with_model(**model_back) == gpu
     assert train_wmt.config_from_args(train_wmt.parse_args([]), cuda=False)[1] == T.PRESETS["cpu"]
     assert train_wmt.config_from_args(train_wmt.parse_args([]), cuda=True)[1] == T.PRESETS["gpu"]
-    with pytest.raises(ValueError, match="d_model divisible by h .*d_model=256.*h=6"):
+    with pytest.raises(ValueError, match="d_model=256 is not divisible by h=6"):
         train_wmt.config_from_args(train_wmt.parse_args(["--d-model", "256", "--heads", "6"]), cuda=False)
     with pytest.raises(ValueError, match="dropout must be in"):
         train_wmt.config_from_args(train_wmt.parse_args(["--dropout", "1"]), cuda=False)
@@ -94,13 +97,14 @@ def test_presets_are_defined_by_steps_as_the_prose_says(data_url, cache):
 
     gpu, cpu = T.PRESETS["gpu"], T.PRESETS["cpu"]
     differ = {f.name for f in dataclasses.fields(T.TrainConfig) if getattr(gpu, f.name) != getattr(cpu, f.name)}
+    assert gpu.model == cpu.model
     assert differ == {"max_tokens", "max_steps", "beam_size", "average_last", "val_bleu_sentences"}
     assert (gpu.max_tokens, cpu.max_tokens, gpu.max_steps, cpu.max_steps, gpu.beam_size, gpu.average_last) == \
         (8192, 2500, 4200, 2200, 5, 5)
     assert gpu.val_bleu_sentences is None  # every validation sentence, for choosing best.pt
     for cfg in T.PRESETS.values():
         assert cfg.max_minutes is None and cfg.epochs is None and cfg.max_steps
-    tokenizer, train_pairs, _, _ = T.prepare_data(gpu, cache, data_url)
+    tokenizer, train_pairs, _, _ = T.prepare_data(gpu, T.DataSource(data_url, cache))
     encoded = data.encode_pairs(train_pairs, tokenizer)
     encoded = [encoded[i] for i in data.split_long(encoded, gpu.max_len)[0]]
     for cfg, epochs in ((cpu, 10.5), (gpu, 65)):
@@ -108,12 +112,18 @@ def test_presets_are_defined_by_steps_as_the_prose_says(data_url, cache):
         assert abs(cfg.max_steps / per_epoch - epochs) < 0.5, (cfg.max_tokens, per_epoch)
 
 
-def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, data_url, cache):
+def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, monkeypatch, data_url, cache):
     from annotated.plumbing.checkpoint import load_checkpoint
 
-    run = tmp_path / "run"
-    results = T.train(T.PRESETS["smoke"], run, data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "run"
+    lines = []
+    results = T.train(T.PRESETS["smoke"], run, data_url=data_url, cache_dir=cache, progress=False, log=lines.append)
     on_disk = json.loads((run / "results.json").read_text())
+    assert (on_disk["precision"], on_disk["precision_reason"]) == ("fp32", "fp32 asked for")
+    assert on_disk["threads"] == torch.get_num_threads() >= 1
+    [first] = [line for line in lines if line.startswith(f"run {run}:")]
+    assert first.endswith(f"precision fp32 (fp32 asked for), {torch.get_num_threads()} CPU threads"), first
     assert on_disk["test"]["best"]["beam"]["bleu"] == results["test"]["best"]["beam"]["bleu"]
     for kind in ("greedy", "beam"):
         r = on_disk["test"]["best"][kind]
@@ -127,7 +137,15 @@ def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, data_url, ca
     assert float(steps[-1][1]) < float(steps[0][1])  # it learned something
     model, tok, meta = load_checkpoint(run / "best.pt")
     assert meta["src_lang"] == "de" and tok.vocab_size == model.config.src_vocab
-    assert list((run / "tb").iterdir())  # tensorboard event file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert set(T.TRAIN_TAGS.values()) | set(T.VALIDATION_TAGS.values()) <= tags, tags
+    assert {"test_best/beam_bleu", "test_best/greedy_chrf"} <= tags, tags
+    assert events.Scalars("test_best/beam_bleu")[0].value == pytest.approx(on_disk["test"]["best"]["beam"]["bleu"])
+    assert list((run / "tb" / "hparams").iterdir())  # the settings beside the test scores (HPARAMS tab)
     assert (run.parent / "latest").resolve() == run.resolve()
     assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
 
@@ -136,9 +154,11 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, data_url, cache):
     """Stop after 7 steps (mid-epoch), resume, and compare every step's loss with one uninterrupted run.
 
     Same seed, same batches, restored optimizer and random-number states: on the CPU the
-    arithmetic is the same, so the losses agree to every printed digit.
+    arithmetic is the same, so the losses agree to every printed digit. Dropout 0.1, so the
+    dropout masks after the resume are right only if the random state was restored.
     """
-    cfg = dataclasses.replace(T.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2, log_every=1)
+    cfg = dataclasses.replace(T.PRESETS["smoke"].with_model(dropout=0.1), test_sentences=2, val_bleu_sentences=2,
+                              log_every=1)
     quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
     T.train(cfg, tmp_path / "whole", **quiet)
     T.train(dataclasses.replace(cfg, max_steps=7), tmp_path / "parts", **quiet)
@@ -154,4 +174,40 @@ def test_resume_with_other_model_settings_is_refused(tmp_path, data_url, cache):
     quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
     T.train(cfg, tmp_path / "r", **quiet)
     with pytest.raises(T.CheckpointError, match="d_model: checkpoint 32 vs now 64"):
-        T.train(dataclasses.replace(cfg, d_model=64), tmp_path / "r", resume=True, **quiet)
+        T.train(cfg.with_model(d_model=64), tmp_path / "r", resume=True, **quiet)
+
+
+def test_training_modules_import_no_attention_pictures_and_form_no_circle():
+    """annotated/training/ imports nothing from annotated/attention/ (matplotlib's pictures come in as a function,
+    train(alignment_image=...)), and its modules import each other without a circle: config <- runs <- results
+    <- train, scoring (evaluate) below them all."""
+    import ast
+
+    folder = REPO / "annotated" / "training"
+    imports = {}
+    for path in folder.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        imports[path.stem] = names
+    assert not [(m, n) for m, ns in imports.items() for n in ns if n.startswith("annotated.attention")]
+    graph = {m: {n.split(".")[2] for n in ns if n.startswith("annotated.training.") and n.split(".")[2] in imports}
+             for m, ns in imports.items()}
+    done, active = set(), []
+
+    def visit(m):
+        assert m not in active, f"import circle: {' -> '.join(active + [m])}"
+        if m not in done:
+            active.append(m)
+            for n in graph[m]:
+                visit(n)
+            active.pop()
+            done.add(m)
+
+    for m in graph:
+        visit(m)
+    assert "train" not in graph["evaluate"] | graph["runs"] | graph["config"] | graph["results"]

@@ -84,32 +84,45 @@ def test_a_bad_option_in_a_real_process_has_no_traceback(tmp_path):
 
 # --- the run folder --------------------------------------------------------------------------------------
 
-def test_a_users_latest_file_or_folder_is_left_alone(tmp_path, data_url, cache):
-    """`latest` beside the run is replaced only when it is our link; a file or folder of that name stays as it
-    was, and no stray `.latest.*` is left in the parent."""
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "latest").write_text("my notes")
-    (tmp_path / "b" / "latest").mkdir(parents=True)
-    (tmp_path / "b" / "latest" / "keep.txt").write_text("mine")
-    for parent in ("a", "b"):
-        T.train(SMOKE, tmp_path / parent / "run", **quiet(data_url, cache))
-    assert (tmp_path / "a" / "latest").read_text() == "my notes"
-    assert (tmp_path / "b" / "latest" / "keep.txt").read_text() == "mine"
-    for parent in ("a", "b"):
-        assert sorted(p.name for p in (tmp_path / parent).iterdir()) == ["latest", "run"]
-    T.train(SMOKE, tmp_path / "c" / "run1", **quiet(data_url, cache))
-    T.train(SMOKE, tmp_path / "c" / "run2", **quiet(data_url, cache))
-    assert os.readlink(tmp_path / "c" / "latest") == "run2"  # our link moves on
+def test_a_users_latest_file_or_folder_is_left_alone(tmp_path, monkeypatch, data_url, cache):
+    """runs/latest is replaced only when it is our link; a file or folder of that name stays as it was, and no
+    stray `.latest.*` is left in runs/."""
+    for where in ("a", "b", "c"):
+        (tmp_path / where / "runs").mkdir(parents=True)
+    (tmp_path / "a" / "runs" / "latest").write_text("my notes")
+    (tmp_path / "b" / "runs" / "latest").mkdir()
+    (tmp_path / "b" / "runs" / "latest" / "keep.txt").write_text("mine")
+    for where in ("a", "b"):
+        monkeypatch.chdir(tmp_path / where)
+        T.train(SMOKE, Path("runs") / "run", **quiet(data_url, cache))
+        assert sorted(p.name for p in (tmp_path / where / "runs").iterdir()) == ["latest", "run"]
+    assert (tmp_path / "a" / "runs" / "latest").read_text() == "my notes"
+    assert (tmp_path / "b" / "runs" / "latest" / "keep.txt").read_text() == "mine"
+    monkeypatch.chdir(tmp_path / "c")
+    T.train(SMOKE, Path("runs") / "run1", **quiet(data_url, cache))
+    T.train(SMOKE, tmp_path / "c" / "runs" / "run2", **quiet(data_url, cache))  # the same folder, absolute
+    assert os.readlink(tmp_path / "c" / "runs" / "latest") == "run2"  # our link moves on
 
 
-def test_latest_moves_only_once_the_run_has_a_checkpoint(tmp_path, data_url, cache):
-    T.train(SMOKE, tmp_path / "good", **quiet(data_url, cache))
+def test_latest_is_written_only_in_the_default_runs_folder(tmp_path, monkeypatch, data_url, cache):
+    """--run-dir /some/folder/run1 writes nothing into /some/folder: that folder is the user's, for their own
+    purposes; `latest` lives in runs/ (of the current directory) only."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "some" / "folder").mkdir(parents=True)
+    T.train(SMOKE, tmp_path / "some" / "folder" / "run1", **quiet(data_url, cache))
+    assert sorted(p.name for p in (tmp_path / "some" / "folder").iterdir()) == ["run1"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_latest_moves_only_once_the_run_has_a_checkpoint(tmp_path, monkeypatch, data_url, cache):
+    monkeypatch.chdir(tmp_path)
+    T.train(SMOKE, Path("runs") / "good", **quiet(data_url, cache))
     with pytest.raises(ValueError):  # a data error before any checkpoint
-        T.train(SMOKE, tmp_path / "bad", train_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
+        T.train(SMOKE, Path("runs") / "bad", train_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
                 val_files=(tmp_path / "no.src", tmp_path / "no.tgt"), test_files=(tmp_path / "no.src",
                                                                                    tmp_path / "no.tgt"),
                 **quiet(data_url, cache))
-    assert os.readlink(tmp_path / "latest") == "good"
+    assert os.readlink(tmp_path / "runs" / "latest") == "good"
 
 
 @pytest.mark.parametrize("where", [".", "foreign", "file"])
@@ -146,3 +159,53 @@ def test_a_users_test_set_is_named_by_its_files(tmp_path, data_url, cache):
     assert on_disk["test_set"] == results["test_set"] == f"{src} + {tgt}"
     assert on_disk["test_files"] == [str(src), str(tgt)]
     assert "test_2016_flickr" not in "\n".join(lines) and any(line.startswith(f"{src} + {tgt} de->en") for line in lines)
+
+
+# --- the command as people expect it ---------------------------------------------------------------------
+
+def test_every_option_has_help_and_names_each_presets_value():
+    """No option without help; each preset setting's help names its value in gpu, cpu and smoke, or with
+    --preset only that preset's."""
+    parser = train_wmt.build_parser()
+    for action in parser._actions:
+        assert action.help and action.help.strip(), action.option_strings
+    helps = {a.dest: a.help for a in parser._actions}
+    for dest in ("d_model", "dropout", "label_smoothing", "vocab_size", "beam_size", "seed", "precision"):
+        want = ", ".join(f"{name}: {train_wmt.setting(cfg, dest)}" for name, cfg in T.PRESETS.items())
+        assert helps[dest].endswith(f"({want})"), helps[dest]
+    smoke = {a.dest: a.help for a in train_wmt.build_parser("smoke")._actions}
+    assert smoke["d_model"].endswith("(default under --preset smoke: 32)")
+    assert smoke["max_minutes"].endswith("(default under --preset smoke: none)")
+
+
+def test_help_with_a_preset_shows_that_presets_defaults(capsys):
+    with pytest.raises(SystemExit) as done:
+        train_wmt.main(["--preset", "smoke", "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "(default under --preset smoke: 32)" in " ".join(out.split())
+
+
+def test_print_config_prints_the_resolved_settings_and_trains_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = train_wmt.main(["--preset", "smoke", "--d-model", "64", "--dropout", "0.2", "--precision", "fp32",
+                           "--run-dir", str(tmp_path / "run"), "--print-config"])
+    shown = json.loads(capsys.readouterr().out)
+    assert code == 0 and list(tmp_path.iterdir()) == []
+    from annotated.training.config import config_from_dict
+
+    assert config_from_dict(shown["train_config"]) == T.PRESETS["smoke"].with_model(d_model=64, dropout=0.2)
+    assert (shown["preset"], shown["precision"], shown["run_dir"]) == ("smoke", "fp32", str(tmp_path / "run"))
+
+
+def test_log_lines_go_through_tqdms_writer_and_into_train_log(tmp_path, monkeypatch):
+    """A line printed while the progress bar is drawn must not run into it: tqdm.write clears the bar, prints the
+    line and redraws the bar below it."""
+    import tqdm
+
+    from annotated.training.runs import log_line
+
+    written = []
+    monkeypatch.setattr(tqdm.tqdm, "write", classmethod(lambda cls, s, *a, **k: written.append(s)))
+    log_line(tmp_path, "epoch   1 step     14  train loss 6.1")
+    assert written == ["epoch   1 step     14  train loss 6.1"]
+    assert (tmp_path / "train.log").read_text() == "epoch   1 step     14  train loss 6.1\n"

@@ -29,16 +29,16 @@ def run_steps(batches, log_every, patch=None):
     model = make_model(src_vocab=60, tgt_vocab=60, N=1, d_model=32, d_ff=64, h=2, dropout=0.1, max_len=64)
     opt, sched = T.make_optimizer(model, cfg)
     rows = []
-    run = T.Run(cfg, None, model, patch(model) if patch else model, opt, sched, torch.device("cpu"), None, [], [],
-                [], {}, print)
-    run.writer = type("W", (), {"add_scalar": lambda *a: None})()
-    run.rank = 1  # log_point reads and agrees as every rank does; only rank 0 writes rows (no run folder here)
-    meter = T.Meter(run.dev)
+    # rank 1: log_point reads and agrees as every rank does; only rank 0 writes rows (no run folder here)
+    run = T.Run(cfg, None, T.Placement(1, 1, torch.device("cpu")), T.Arithmetic("fp32", "test", 1),
+                T.Learner(model, patch(model) if patch else model, opt, sched), T.RunData(None, [], [], [], []), {},
+                print, writer=type("W", (), {"add_scalar": lambda *a: None})())
+    meter = T.Meter(run.place.dev)
     tokens = T.step_tokens(batches, cfg.accum)
     state = T.RunState()
     with SyncCounter() as counter:
         for i, b in enumerate(batches):
-            meter.add(*T.train_step(run.model_for_step, opt, sched, [b], tokens[i], cfg, run.dev))
+            meter.add(*T.train_step(run.learner.model_for_step, opt, sched, [b], tokens[i], cfg, run.place.dev))
             state.step += 1
             if state.step % log_every == 0 or i == len(batches) - 1:
                 rows.append(T.log_point(run, state, meter, False, False))
@@ -81,7 +81,7 @@ def test_log_rows_are_token_weighted_means_of_the_steps(tmp_path, data_url, cach
     T.train(dataclasses.replace(SMOKE, log_every=5), tmp_path / "five", **quiet)
     each, five = (rows(tmp_path / r) for r in ("each", "five"))
     assert [s for s, _ in five] == [5, 10, 14, 15, 20, 25, 28]  # every 5th step, and each epoch's end (14, 28)
-    tokenizer, pairs, _, _ = T.prepare_data(SMOKE, cache, data_url)
+    tokenizer, pairs, _, _ = T.prepare_data(SMOKE, T.DataSource(data_url, cache))
     encoded = data.encode_pairs(pairs, tokenizer)
     encoded = [encoded[i] for i in data.split_long(encoded, SMOKE.max_len)[0]]
     n = [k for e in (0, 1) for k in T.step_tokens(data.make_batches(encoded, SMOKE.max_tokens, shuffle=True,

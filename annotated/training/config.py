@@ -1,0 +1,175 @@
+# %% [markdown]
+# # A run's settings
+#
+# One frozen dataclass, `TrainConfig`, holds every setting of a training run:
+# the language pair, the model (a `TransformerConfig` of the first chapter,
+# `annotated/transformer.py`, whose own checks apply: `d_model` divisible by
+# `h`, a known `norm` and `attention`), the optimisation budget and schedule,
+# evaluation and reproducibility. The model's vocabulary sizes are the joint
+# sentencepiece vocabulary asked for (`vocab_size`); the embeddings are tied
+# (one table for the encoder, the decoder and the generator, section 3.4).
+#
+# A preset is defined by its number of optimizer steps, `max_steps`, never by
+# wall time: the same command gives the same model on an idle and on a busy
+# machine, on a CPU or a GPU. `max_minutes` stays available as an optional cap.
+#
+# * `cpu`: 2 + 2 layers, `d_model` 128, a joint vocabulary of 5,000 subwords,
+#   batches of 2500 tokens, 2,200 steps (about 10.5 epochs of Multi30k) with 800
+#   warm-up steps to a peak learning rate twice the paper's formula. Small
+#   enough to train on two CPU cores.
+# * `gpu`: the same model and schedule with batches of 8192 tokens (3.3 times
+#   the data per step), 4,200 steps (about 65 epochs), beam 5, and the
+#   average of the last 5 epoch checkpoints. A model this small is bound by
+#   kernel launches more than by arithmetic on a GPU, so a bigger batch costs
+#   little per step; the step never waits for the host (`train.py`), and
+#   batches of few shapes (`data.make_batches`) let `--compile` replay CUDA
+#   graphs.
+# * `smoke`: a few seconds, a few hundred sentences; for the tests. It
+#   computes in fp32 on every machine, so its numbers do not depend on
+#   whether the CPU has bf16 instructions.
+#
+# Checkpoints and `results.json` store the settings as `config_dict(cfg)`,
+# the model's settings under `"model"`; `config_from_dict` reads that form and
+# the flat one older runs wrote (`N`, `d_model`, ... beside `src_lang`).
+
+# %%
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from annotated.transformer import TransformerConfig
+
+LANGUAGES = ("en", "de", "fr", "cs")
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def joint_model(vocab_size: int, **fields) -> TransformerConfig:
+    """A model over one joint vocabulary of `vocab_size` subwords, embeddings and generator tied."""
+    return TransformerConfig(src_vocab=vocab_size, tgt_vocab=vocab_size, share_embeddings=True,
+                             tie_generator=True, **fields)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # data
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    train_limit: Optional[int] = None  # use only the first n training pairs (smoke tests)
+    # the model; its vocabulary is the joint sentencepiece vocabulary to train
+    model: TransformerConfig = field(default_factory=lambda: joint_model(8000, N=3, d_model=256, d_ff=1024, h=8,
+                                                                         max_len=256))
+    # optimisation
+    max_tokens: int = 4096           # tokens per batch (source or target, whichever is larger, before padding)
+    accum: int = 1                   # batches per optimizer step
+    max_steps: Optional[int] = None  # optimizer steps of the run (in total); the budget that defines a preset
+    epochs: Optional[int] = 20       # an upper bound on epochs (None: max_steps alone decides)
+    max_minutes: Optional[float] = None  # an optional cap on training wall time (checked between steps)
+    warmup: int = 2000
+    lr_factor: float = 1.0
+    label_smoothing: float = 0.1
+    clip_norm: Optional[float] = 1.0
+    log_every: int = 50              # steps between two reads of the running loss (the only host syncs)
+    precision: str = "auto"          # auto, fp32 or bf16 (annotated/plumbing/devices.py)
+    # evaluation
+    beam_size: int = 4
+    length_penalty: float = 0.6
+    val_bleu_sentences: Optional[int] = None  # translate only the first n val sentences each epoch
+    test_sentences: Optional[int] = None      # score only the first n test sentences (smoke runs)
+    average_last: int = 0            # average the last n epoch checkpoints at the end
+    # hardware / reproducibility
+    compile: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.src_lang not in LANGUAGES or self.tgt_lang not in LANGUAGES or self.src_lang == self.tgt_lang:
+            raise ValueError(f"src_lang and tgt_lang must be two different languages of {LANGUAGES}, "
+                             f"got {self.src_lang!r} -> {self.tgt_lang!r}")
+        if not isinstance(self.model, TransformerConfig):
+            raise ValueError(f"model must be a TransformerConfig, got {type(self.model).__name__}")
+        if self.model.src_vocab != self.model.tgt_vocab or not self.model.share_embeddings:
+            raise ValueError("training uses one joint vocabulary with shared embeddings: model needs "
+                             "src_vocab == tgt_vocab and share_embeddings (see joint_model)")
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if min(self.max_tokens, self.accum, self.log_every, self.beam_size) < 1 or self.vocab_size < 8:
+            raise ValueError(f"max_tokens, accum, log_every, beam_size must be >= 1 and vocab_size >= 8: {self}")
+        for name in ("max_steps", "epochs", "val_bleu_sentences", "test_sentences"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (or None), got {getattr(self, name)}")
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("a run needs a budget: max_steps (or epochs)")
+        if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
+            raise ValueError(f"max_minutes must be a positive number (or None), got {self.max_minutes}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.warmup < 1 or not self.lr_factor > 0:
+            raise ValueError(f"warmup must be >= 1 and lr_factor > 0, got warmup={self.warmup}, "
+                             f"lr_factor={self.lr_factor}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+    # the model settings a reader of the training code asks for most, by their paper names
+    vocab_size = property(lambda self: self.model.src_vocab, doc="the joint sentencepiece vocabulary")
+    d_model = property(lambda self: self.model.d_model)
+    dropout = property(lambda self: self.model.dropout)
+    max_len = property(lambda self: self.model.max_len, doc="the longest subword sequence the model accepts")
+
+    def model_for(self, vocab: int) -> TransformerConfig:
+        """The model's settings over the vocabulary the tokenizer actually has."""
+        return dataclasses.replace(self.model, src_vocab=vocab, tgt_vocab=vocab)
+
+    def with_model(self, **fields) -> TrainConfig:
+        """A copy with model fields changed; `vocab_size` sets both vocabularies.
+
+        >>> PRESETS["smoke"].with_model(d_model=64, vocab_size=600).model.tgt_vocab
+        600
+        """
+        vocab = fields.pop("vocab_size", None)
+        if vocab is not None:
+            fields.update(src_vocab=vocab, tgt_vocab=vocab)
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, **fields))
+
+
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "model")
+
+
+def config_dict(cfg: TrainConfig) -> dict:
+    """The settings as JSON-ready data, the model's under "model" (checkpoints, config.json, results.json)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(saved: dict) -> TrainConfig:
+    """`config_dict`'s inverse; also reads the flat form of older runs (model fields beside the others, the
+    vocabulary as `vocab_size`, tied embeddings as `tie_embeddings`).
+
+    >>> config_from_dict(config_dict(PRESETS["cpu"])) == PRESETS["cpu"]
+    True
+    >>> flat = dict(src_lang="de", tgt_lang="en", vocab_size=500, N=1, d_model=32, d_ff=64, h=2, dropout=0.0,
+    ...             max_len=64, attention="fused", norm="post", tie_embeddings=True, max_steps=28, epochs=None)
+    >>> config_from_dict(flat).model == joint_model(500, N=1, d_model=32, d_ff=64, h=2, dropout=0.0, max_len=64)
+    True
+    """
+    if "model" in saved:
+        model = TransformerConfig(**saved["model"])
+    else:
+        vocab, tied = saved["vocab_size"], saved.get("tie_embeddings", True)
+        model = TransformerConfig(src_vocab=vocab, tgt_vocab=vocab, share_embeddings=tied, tie_generator=tied,
+                                  **{k: saved[k] for k in MODEL_FIELDS if k in saved})
+    return TrainConfig(model=model, **{k: saved[k] for k in RUN_FIELDS if k in saved})
+
+
+_CPU = TrainConfig(model=joint_model(5000, N=2, d_model=128, d_ff=512, h=4, dropout=0.1, max_len=256),
+                   max_tokens=2500, epochs=None, max_steps=2200, warmup=800, lr_factor=2.0, beam_size=4,
+                   val_bleu_sentences=300)
+PRESETS = {
+    "gpu": dataclasses.replace(_CPU, max_tokens=8192, max_steps=4200, beam_size=5, average_last=5,
+                               val_bleu_sentences=None),
+    "cpu": _CPU,
+    "smoke": TrainConfig(model=joint_model(500, N=1, d_model=32, d_ff=64, h=2, dropout=0.0, max_len=64),
+                         max_tokens=800, epochs=None, max_steps=28, warmup=20, train_limit=300, beam_size=2,
+                         val_bleu_sentences=20, test_sentences=20, precision="fp32"),  # 28 steps: 2 epochs of 14
+}

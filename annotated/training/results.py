@@ -1,0 +1,115 @@
+# %% [markdown]
+# # The end of a run: test scores and results.json
+#
+# When training stops (out of steps or of time; not on Ctrl-C), rank 0
+# scores the test set with the best checkpoint (and with the average of the
+# last epochs' checkpoints, when `average_last` asks), greedy and with beam
+# search (`annotated/training/evaluate.py`), and writes `results.json`: the
+# settings, the arithmetic the run used (precision, threads) and why, the
+# per-epoch history, the test scores and a few sample translations. The test
+# set is named `test_2016_flickr`, or, when the user brought their own, by its
+# two files. Tensorboard gets the test scores and the settings (its HPARAMS
+# tab), so runs with different settings can be compared side by side.
+
+# %%
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from annotated.plumbing.checkpoint import atomic_torch_save, load_checkpoint, read_checkpoint
+from annotated.plumbing.files import atomic_write
+from annotated.training.config import TrainConfig, config_dict
+from annotated.training.evaluate import evaluate_bleu
+from annotated.training.runs import average_checkpoints
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """How a run computes: fp32 or bf16 (and why), and the CPU threads torch uses."""
+    precision: str
+    reason: str
+    threads: int
+
+
+def checkpoints_to_test(cfg: TrainConfig, run_dir: Path) -> dict[str, Path]:
+    """{"best": best.pt (last.pt for a run stopped before its first epoch ended), "averaged": averaged.pt (with
+    average_last >= 2 and two epoch checkpoints, written here)}."""
+    candidates = {"best": run_dir / "best.pt" if (run_dir / "best.pt").exists() else run_dir / "last.pt"}
+    epochs = sorted(run_dir.glob("epoch*.pt"), key=lambda p: int(p.stem[5:]))
+    if cfg.average_last >= 2 and len(epochs) >= 2:
+        atomic_torch_save(average_checkpoints(epochs[-cfg.average_last:]), run_dir / "averaged.pt")
+        candidates["averaged"] = run_dir / "averaged.pt"
+    return candidates
+
+
+def score_test_set(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev: torch.device,
+                           say: Callable[[str], None], arithmetic: Arithmetic, *, progress: bool = True,
+                           test_files=None, writer=None) -> dict:
+    """Test BLEU of the best (and averaged) checkpoint, greedy and beam; writes results.json and, given a
+    tensorboard writer, the test scores and the settings."""
+    test_set = f"{test_files[0]} + {test_files[1]}" if test_files else "test_2016_flickr"  # named by its files
+    results = {"run_dir": str(run_dir), "device": str(dev), "torch": torch.__version__,
+               "precision": arithmetic.precision, "precision_reason": arithmetic.reason,
+               "threads": arithmetic.threads, "train_config": config_dict(cfg), "test_set": test_set, "test": {}}
+    if test_files:
+        results["test_files"] = [str(f) for f in test_files]
+    last = read_checkpoint(run_dir / "last.pt")["run_state"]
+    results.update(steps=last["step"], train_s=round(last.get("train_s", 0.0), 1), history=last["history"])
+    samples = []
+    for name, path in checkpoints_to_test(cfg, run_dir).items():
+        model, _, meta = load_checkpoint(path)
+        model.to(dev)
+        greedy, hyps = evaluate_bleu(model, tokenizer, test_pairs, 1, 0.0, dev, progress)
+        beam, beam_hyps = evaluate_bleu(model, tokenizer, test_pairs, cfg.beam_size, cfg.length_penalty, dev,
+                                        progress)
+        results["test"][name] = {"checkpoint": str(path), "epoch": meta.get("epoch"), "greedy": greedy,
+                                 "beam": dict(beam, length_penalty=cfg.length_penalty)}
+        say(f"{test_set} {cfg.src_lang}->{cfg.tgt_lang} [{name}]: greedy BLEU {greedy['bleu']:.2f} "
+            f"(lowercased {greedy['bleu_lowercase']:.2f}), beam {cfg.beam_size} BLEU {beam['bleu']:.2f} "
+            f"(lowercased {beam['bleu_lowercase']:.2f}), chrF {beam['chrf']:.2f}")
+        if not samples:
+            samples = [{"source": s, "reference": r, "greedy": g, "beam": b}
+                       for (s, r), g, b in list(zip(test_pairs, hyps, beam_hyps))[:5]]
+    results["samples"] = samples
+    atomic_write(run_dir / "results.json", json.dumps(results, indent=2, ensure_ascii=False))
+    if writer is not None:
+        log_test_scores(writer, cfg, results)
+    for s in samples[:3]:
+        say(f"  src : {s['source']}\n  ref : {s['reference']}\n  beam: {s['beam']}")
+    say(f"results: {run_dir / 'results.json'}; checkpoints: {run_dir}; tensorboard --logdir {run_dir / 'tb'}")
+    return results
+
+
+def flat_settings(cfg: TrainConfig) -> dict:
+    """The settings as one level of name -> number, text or bool (tensorboard's hparams take no None or dict).
+
+    >>> from annotated.training.config import PRESETS
+    >>> s = flat_settings(PRESETS["smoke"])
+    >>> s["model.d_model"], s["max_tokens"], s["max_minutes"]
+    (32, 800, 'none')
+    """
+    flat = {}
+    for key, value in config_dict(cfg).items():
+        items = {f"model.{k}": v for k, v in value.items()} if key == "model" else {key: value}
+        flat.update({k: "none" if v is None else v for k, v in items.items()})
+    return flat
+
+
+def log_test_scores(writer, cfg: TrainConfig, results: dict) -> None:
+    """Each tested checkpoint's beam and greedy BLEU and chrF, as scalars at the last step and as the metrics
+    of the run's settings (tensorboard's HPARAMS tab)."""
+    metrics = {}
+    for name, scores in results["test"].items():
+        for search in ("greedy", "beam"):
+            for metric in ("bleu", "chrf"):
+                metrics[f"test_{name}/{search}_{metric}"] = scores[search][metric]
+    for tag, value in metrics.items():
+        writer.add_scalar(tag, value, results["steps"])
+    writer.add_hparams(dict(flat_settings(cfg), precision_used=results["precision"], threads=results["threads"]),
+                       {f"hparams/{tag}": value for tag, value in metrics.items()}, run_name="hparams")
+    writer.flush()

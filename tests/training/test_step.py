@@ -1,0 +1,113 @@
+"""One optimizer step, seen directly in one process: the learning rate it uses, the loss it reports, the clipped
+gradient it applies, and how accumulated batches are normalised."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from annotated.tokens import PAD
+from annotated.training import data
+from annotated.training import train as T
+from annotated.transformer import make_model, padding_mask, rate, target_mask
+
+CPU = torch.device("cpu")
+CFG = dataclasses.replace(T.PRESETS["smoke"].with_model(dropout=0.0), warmup=5, lr_factor=2.0)
+
+
+def tiny_model(seed: int = 0):
+    torch.manual_seed(seed)
+    return make_model(src_vocab=60, tgt_vocab=60, N=1, d_model=32, d_ff=64, h=2, dropout=0.0, max_len=64)
+
+
+def toy_batches(n_pairs: int = 48, max_tokens: int = 200, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = lambda: [int(t) for t in torch.randint(4, 60, (int(torch.randint(3, 20, (1,), generator=gen)),),  # noqa
+                                                 generator=gen)]
+    return data.make_batches([(ids(), ids()) for _ in range(n_pairs)], max_tokens, shuffle=True, seed=seed)
+
+
+def applied_gradients(opt) -> list:
+    """What the optimizer sees at each step: (learning rate, [gradient of each parameter])."""
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(
+        (o.param_groups[0]["lr"], [p.grad.detach().clone() for p in o.param_groups[0]["params"]])))
+    return seen
+
+
+def test_the_optimizer_uses_rate_n_at_step_n():
+    """Step n (counted from 1) updates with rate(n, d_model, warmup, factor), the schedule of the first
+    chapter; an off-by-one (rate(s) for the scheduler's counter s = n - 1) is caught from step 2 on."""
+    model = tiny_model()
+    opt, sched = T.make_optimizer(model, CFG)
+    seen, batches = applied_gradients(opt), toy_batches(n_pairs=96, max_tokens=100)
+    for b in batches[:8]:
+        T.train_step(model, opt, sched, [b], b.ntokens, CFG, CPU)
+    want = [rate(n, CFG.d_model, CFG.warmup, CFG.lr_factor) for n in range(1, len(seen) + 1)]
+    assert len(seen) == 8 and [lr for lr, _ in seen] == pytest.approx(want, rel=1e-12)
+
+
+def test_the_step_reports_the_label_smoothed_loss_of_its_batch():
+    """The summed loss a step returns is the label-smoothed cross-entropy of the batch, as
+    F.cross_entropy(label_smoothing=eps) computes it, summed over its non-pad target tokens (float32 sums of a
+    few hundred terms: relative 1e-5)."""
+    model = tiny_model()
+    b = toy_batches()[0]
+    with torch.no_grad():  # (B, T-1, V), before the step changes the weights
+        logits = model(b.src, b.tgt[:, :-1], padding_mask(b.src, PAD), target_mask(b.tgt[:, :-1], PAD))
+    want = F.cross_entropy(logits.reshape(-1, logits.size(-1)), b.tgt[:, 1:].reshape(-1), ignore_index=PAD,
+                           label_smoothing=CFG.label_smoothing, reduction="sum")
+    opt, sched = T.make_optimizer(model, CFG)
+    loss, tokens, _, _ = T.train_step(model, opt, sched, [b], b.ntokens, CFG, CPU)
+    assert int(tokens) == b.ntokens == int((b.tgt[:, 1:] != PAD).sum())
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_a_gradient_above_clip_norm_is_applied_at_clip_norm():
+    """The raw gradient's norm (returned by the step) is above clip_norm; the gradient Adam receives is the raw
+    one scaled to norm clip_norm exactly (float32: relative 1e-5)."""
+    cfg = dataclasses.replace(CFG, clip_norm=0.05)
+    model, b = tiny_model(), toy_batches()[0]
+    raw_model = copy.deepcopy(model)
+    loss, n = T.batch_loss(raw_model, b.src, b.tgt, cfg.label_smoothing)
+    (loss / n).backward()
+    raw = [p.grad for p in raw_model.parameters()]
+    raw_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in raw]))
+    assert raw_norm > 10 * cfg.clip_norm
+    opt, sched = T.make_optimizer(model, cfg)
+    seen = applied_gradients(opt)
+    _, _, gnorm, _ = T.train_step(model, opt, sched, [b], b.ntokens, cfg, CPU)
+    [(_, applied)] = seen
+    applied_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in applied]))
+    assert gnorm.item() == pytest.approx(raw_norm.item(), rel=1e-5)
+    assert applied_norm.item() == pytest.approx(cfg.clip_norm, rel=1e-5)
+    for g, r in zip(applied, raw):  # the same direction: the raw gradient times clip_norm / raw norm
+        torch.testing.assert_close(g, r * (cfg.clip_norm / raw_norm), rtol=1e-4, atol=1e-7)
+
+
+def test_accumulated_batches_are_normalised_by_the_steps_token_count():
+    """accum 2: the gradient of (L_1 + L_2) / (n_1 + n_2), every token weighing the same; not the mean of the
+    two batches' own means (L_1 / n_1 + L_2 / n_2) / 2, which differs here by far more than float32 rounding
+    (the batches hold different token counts)."""
+    cfg = dataclasses.replace(CFG, accum=2, clip_norm=None)
+    model = tiny_model()
+    b1, b2 = toy_batches()[:2]
+    assert b1.ntokens != b2.ntokens
+
+    def gradient(objective):
+        m = copy.deepcopy(model)
+        (l1, n1), (l2, n2) = (T.batch_loss(m, b.src, b.tgt, cfg.label_smoothing) for b in (b1, b2))
+        objective(l1, n1, l2, n2).backward()
+        return [p.grad for p in m.parameters()]
+
+    pooled = gradient(lambda l1, n1, l2, n2: (l1 + l2) / (n1 + n2))
+    mean_of_means = gradient(lambda l1, n1, l2, n2: (l1 / n1 + l2 / n2) / 2)
+    opt, sched = T.make_optimizer(model, cfg)
+    seen = applied_gradients(opt)
+    T.train_step(model, opt, sched, [b1, b2], T.step_tokens([b1, b2], cfg.accum)[0], cfg, CPU)
+    [(_, applied)] = seen
+    scale = max(g.abs().max().item() for g in pooled)
+    worst = max((g - p).abs().max().item() for g, p in zip(applied, pooled))
+    other = max((m - p).abs().max().item() for m, p in zip(mean_of_means, pooled))
+    assert worst <= 1e-5 * scale < other / 100, (worst, other, scale)
