@@ -40,7 +40,7 @@ import math
 import torch
 from torch import Tensor
 
-from annotated.plumbing.checks import check_token_ids
+from annotated.plumbing.checks import check_beam, check_decoder_output, check_decoding, check_sources
 from annotated.tokens import PAD, BOS, EOS
 from annotated.transformer import Cache, EncoderDecoder, greedy_decode, padding_mask, subsequent_mask
 
@@ -61,32 +61,14 @@ from annotated.transformer import Cache, EncoderDecoder, greedy_decode, padding_
 # - **token ids.** Every source id must index the embedding table. The model
 #   itself does not check (a range check reads the ids back to the host, a
 #   stall on a GPU at every training step), so the decoders check once, here,
-#   with `check_token_ids` from `annotated/plumbing/checks.py`.
+#   with `check_decoding` from `annotated/plumbing/checks.py`, the door every
+#   entry point of this file goes through before any model work
+#   (`test_bad_arguments_are_named`).
 
 # %%
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:
     """Log-probabilities in at least float32: summed in bf16 they would drift."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _check_decode_args(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int) -> None:
-    if model.training:
-        raise ValueError("decoding needs the model in eval mode (call model.eval()): "
-                         "dropout would make every step random")
-    if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
-        raise ValueError(f"src must be a (B, S) tensor of token ids (torch.long), got "
-                         f"{tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__}"
-                         f"{' ' + str(src.dtype) if isinstance(src, Tensor) else ''}")
-    check_token_ids(src, model.config.src_vocab)
-    B, S = src.shape
-    if src_mask is not None and (src_mask.dim() != 3 or src_mask.size(0) not in (1, B)
-                                 or src_mask.size(-1) != S):
-        raise ValueError(f"src_mask must have shape (B={B} or 1, 1 or S, S={S}), got {tuple(src_mask.shape)}")
-    limit = model.config.max_len
-    if not isinstance(max_len, int) or not 1 <= max_len <= limit:
-        raise ValueError(f"max_len must be an int in [1, {limit}] (the model's max_len), got {max_len!r}")
-    if S > limit:
-        raise ValueError(f"source length {S} exceeds the model's max_len={limit}")
 
 
 # %% [markdown]
@@ -103,7 +85,7 @@ def _check_decode_args(model: EncoderDecoder, src: Tensor, src_mask: Tensor | No
 def greedy(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int,
            bos: int = BOS, eos: int = EOS, pad: int = PAD, use_cache: bool = True) -> Tensor:
     """(B, S) source ids -> (B, <= max_len) ids (bos excluded, eos kept, pad after it)."""
-    _check_decode_args(model, src, src_mask, max_len)
+    check_decoding(model, src, src_mask, max_len)
     return greedy_decode(model, src, src_mask, max_len, bos, eos, pad, use_cache)
 
 
@@ -127,11 +109,9 @@ def sequence_logprob(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None
     Returns (log-probabilities (B,), lengths (B,)) where a length counts the
     tokens up to and including the first eos (all L if there is none).
     """
-    if ys.dim() != 2 or ys.size(0) != src.size(0) or not 1 <= ys.size(1) <= model.config.max_len:
-        raise ValueError(f"ys must have shape (B={src.size(0)}, L) with 1 <= L <= max_len="
-                         f"{model.config.max_len}, got {tuple(ys.shape)}")
+    check_decoding(model, src, src_mask, model.config.max_len)
+    check_decoder_output(model, src, ys)
     B, L = ys.shape
-    _check_decode_args(model, src, src_mask, L)
     tgt_in = torch.cat([torch.full((B, 1), bos, dtype=torch.long, device=ys.device), ys[:, :-1]], dim=1)  # (B, L)
     y = model.decode(model.encode(src, src_mask), src_mask, tgt_in, subsequent_mask(L).to(ys.device))  # (B, L, d_model)
     logits = model.generator(y)  # (B, L, V)
@@ -159,13 +139,13 @@ def sequence_logprob(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None
 # `lp = 1`, the raw log-probability; larger `alpha` favours longer outputs
 # (a negative log-probability divided by a larger number moves towards 0).
 # The `5` makes the penalty grow slowly for the first few tokens; `lp(1) = 1`
-# (doctest of `lp`).
+# (doctest of `length_penalty`).
 
 # %%
-def lp(length: int, alpha: float) -> float:
+def length_penalty(length: int, alpha: float) -> float:
     """GNMT length penalty ((5 + length) / 6) ** alpha.
 
-    >>> lp(1, 0.6), lp(7, 0.0), lp(25, 0.6) == (30 / 6) ** 0.6
+    >>> length_penalty(1, 0.6), length_penalty(7, 0.0), length_penalty(25, 0.6) == (30 / 6) ** 0.6
     (1.0, 1.0, True)
     """
     # lp(Y) = ((5 + |Y|) / 6)^alpha
@@ -282,11 +262,8 @@ def beam_search(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max
     `length_penalty` is GNMT's alpha (0 = raw log-probability). With
     `return_scores`, also returns each translation's score log P / lp, (B,).
     """
-    _check_decode_args(model, src, src_mask, max_len)
-    if not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
-    if not (isinstance(length_penalty, (int, float)) and math.isfinite(length_penalty) and length_penalty >= 0):
-        raise ValueError(f"length_penalty (alpha) must be a finite number >= 0, got {length_penalty!r}")
+    check_decoding(model, src, src_mask, max_len)
+    check_beam(beam_size, length_penalty)
     B, k, device = src.size(0), beam_size, src.device
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]  # per sentence: (score, ids)
     if B > 0:
@@ -336,7 +313,7 @@ def _search(model, src, src_mask, max_len, k, alpha, bos, eos, use_cache, finish
             a, j = ends.nonzero(as_tuple=True)  # row-major: best first within a sentence
             rows = a * k + parent[a, j]  # (n,)
             for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[rows, 1:].tolist()):
-                finished[b].append((logP / lp(t + 1, alpha), ids + [eos]))
+                finished[b].append((logP / length_penalty(t + 1, alpha), ids + [eos]))
         # 3. continue: the best k candidates that do not end in eos (a stable sort keeps their order)
         pick = torch.sort(is_eos.long(), dim=-1, stable=True).indices[:, :k]  # (A, k)
         scores = top.gather(1, pick)  # (A, k)
@@ -369,7 +346,7 @@ def _finish_at_max_len(finished, alive, ys, scores, short, alpha, k) -> None:
             logP = scores[a, j].item()
             if math.isfinite(logP):
                 ids = ys[a * k + j, 1:].tolist()
-                finished[b].append((logP / lp(len(ids), alpha), ids))
+                finished[b].append((logP / length_penalty(len(ids), alpha), ids))
 
 
 # %% [markdown]
@@ -391,6 +368,8 @@ def translate_ids(model: EncoderDecoder, sources: list[list[int]], beam_size: in
     output may be at most `min(max_len, S + max_extra)` subwords for a source of `S` (the paper's
     "input length + 50", section 6.1). `beam_size=1` is greedy.
     """
+    check_sources(model, sources, batch_size, max_extra)
+    check_beam(beam_size, length_penalty)
     device = device or next(model.parameters()).device
     limit = model.config.max_len
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))

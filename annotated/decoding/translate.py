@@ -9,20 +9,31 @@
 # ---
 
 # %% [markdown]
-# # The translator: a checkpoint, a sentence in, a sentence out
+# # The translator: a checkpoint, sentences in, translations out
 #
 # ```sh
 # python -m annotated.decoding.translate --checkpoint runs/<run>/best.pt "Ein Hund rennt über die Wiese."
-# echo "Zwei Männer spielen Fußball." | python -m annotated.decoding.translate   # the latest run's best.pt
+# python -m annotated.decoding.translate < sentences.de > sentences.en   # the latest run's best.pt
 # make translate TEXT="Ein Hund rennt über die Wiese."
+# annotated-translate "Ein Hund rennt."                                  # after `pip install -e .`, anywhere
 # ```
 #
-# With sentences on the command line it translates each and prints one line
+# With sentences on the command line it translates them and prints one line
 # per sentence. Without, it reads standard input, one sentence a line, and
-# prints one translation a line, flushed at once, so it can sit at the end of
-# a pipe or serve another program line by line. Output line `i` always
-# answers input line `i`: a bad line gets an (empty) answer too, and the
-# reason goes to standard error.
+# prints one translation a line. Output line `i` always answers input line
+# `i`: a bad line gets an (empty) answer too, and the reason goes to
+# standard error. How it reads depends on what standard input is:
+#
+# - **a file or a pipe**: it reads a window of at most `WINDOW` lines,
+#   translates them together (`translate_ids` sorts them by length and
+#   decodes many sentences per batch), prints their translations in input
+#   order and flushes. Memory is bounded whatever the input's length. From a
+#   pipe it takes the lines that have arrived, so a program that sends one
+#   line and waits for its answer gets it. On a terminal, standard error
+#   shows a progress bar.
+# - **a terminal** (someone typing): line by line, each answer as soon as
+#   the line is typed, after one line on standard error saying that it is
+#   waiting for sentences, one per line, and that Ctrl-D ends.
 #
 # Everything the model needs comes from the checkpoint (see
 # `annotated/plumbing/checkpoint.py`): the config, the parameters, and the
@@ -32,25 +43,31 @@
 # %%
 from __future__ import annotations
 
+if __name__ == "__main__":  # as a command: a Ctrl-C while torch and the model load is one line, exit 130
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("translate")
+
 import argparse
 import os
-import signal
+import queue
+import re
+import stat
 import sys
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, TextIO
 
-
-from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting, still_starting
-
-if __name__ == "__main__":  # as a command; `main()` hands Ctrl-C back to Python once the model is loaded
-    quiet_ctrl_c_while_starting(None)  # Ctrl-C while torch and the model load: exit 130, stderr stays empty
-
 import torch
 
-from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from annotated.decoding.search import translate_ids
+from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from annotated.plumbing.checks import check_tokenizer
 from annotated.plumbing.options import Parser, at_least, device, number
+from annotated.tokens import UNK
 from annotated.transformer import EncoderDecoder
+
+NAME = "translate"
 
 # %% [markdown]
 # ## 1. Which checkpoint
@@ -72,29 +89,39 @@ from annotated.transformer import EncoderDecoder
 # | --- | --- |
 # | empty, or only whitespace | an empty output line; on stderr `line N: empty input, printed an empty line` |
 # | longer than `MAX_LINE_BYTES` (64 KiB) | an empty output line; on stderr `line N: longer than 65536 bytes, printed an empty line` |
-# | more subwords than the model's `max_len` | the first `max_len` subwords are translated; on stderr `line N: K subwords, more than the model's max_len=M; translated the first M` |
-# | characters never seen in training | spelled as UTF-8 byte pieces by the tokenizer's byte fallback (`annotated/training/data.py`); translated as usual |
+# | more subwords than the model's `max_len` | split at sentence ends (`.`, `!`, `?`, `…`), a part still too long at clause ends (`,`, `;`, `:`), then between words; each part is translated and the translations are joined in order; on stderr `line N: K subwords, more than the model's max_len=M; translated in P parts` |
+# | characters never seen in training (emoji, symbols, other scripts) | set aside: the rest of the sentence is translated, and they are put back at the end of the translation, in their order (each run of such characters stays together; in a line split into sentences, at the end of their sentence's translation) |
 # | bytes that are not UTF-8 (stdin) | each undecodable byte becomes U+FFFD, itself an unseen character; on stderr `line N: not valid UTF-8, undecodable bytes replaced by U+FFFD` |
 # | anything else the decoder rejects with a `ValueError` | an empty output line; on stderr `line N: error: ...` |
 #
-# Standard input is read as bytes and decoded line by line for this reason:
-# a text-mode `sys.stdin` would raise on the first bad byte and end the
-# process, losing every later line. It is read at most `MAX_LINE_BYTES + 2`
-# bytes at a time, so a line of 50 MB costs no more memory than a short one:
-# the rest of a line that long is read and dropped in pieces of that size
-# (`test_a_huge_line_is_never_held_in_memory`). No sentence comes near the
-# limit: the models' `max_len` subwords are a few hundred words. Lines are
-# counted from 1; a sentence on the command line is "argument N".
+# **Unseen characters.** The tokenizer could spell them as UTF-8 byte pieces
+# (its byte fallback, `annotated/training/data.py`), but the model never saw
+# those pieces in a sentence: what it makes of them is anyone's guess, and
+# one emoji can change the whole translation. Setting them aside makes the
+# rule predictable: a sentence with an emoji translates exactly as the
+# sentence without it, and the emoji is kept, at the end, since an untrained
+# position in the source says nothing about where it belongs in the target
+# (`test_unseen_characters_are_set_aside_and_put_back_at_the_end`).
+#
+# Standard input is read as bytes and decoded line by line: a text-mode
+# `sys.stdin` would raise on the first bad byte and end the process, losing
+# every later line. It is read at most `MAX_LINE_BYTES + 2` bytes at a time,
+# so a line of 50 MB costs no more memory than a short one: the rest of a
+# line that long is read and dropped in pieces of that size
+# (`test_a_huge_line_is_never_held_in_memory`). Lines are counted from 1; a
+# sentence on the command line is "argument N".
 
 # %%
 MAX_LINE_BYTES = 1 << 16
+WINDOW = 256  # lines read, translated and flushed together from a file or pipe
 
 
-def read_lines(stream, limit: int = MAX_LINE_BYTES) -> Iterator[Optional[bytes]]:
-    """Each line of a binary stream without its line end, or None for a line longer than `limit` bytes.
+def bounded_lines(stream, limit: int = MAX_LINE_BYTES) -> Iterator[Optional[bytes]]:
+    """Each line of a binary stream without its line end, or None for a line longer than `limit` bytes;
+    never more than `limit + 2` bytes of a line in memory.
 
     >>> import io
-    >>> list(read_lines(io.BytesIO(b"short\\r\\n" + b"x" * 9 + b"\\nlast"), limit=8))
+    >>> list(bounded_lines(io.BytesIO(b"short\\r\\n" + b"x" * 9 + b"\\nlast"), limit=8))
     [b'short', None, b'last']
     """
     while True:
@@ -125,44 +152,216 @@ def decode_line(raw: bytes) -> tuple[str, Optional[str]]:
         return raw.decode("utf-8", errors="replace"), "not valid UTF-8, undecodable bytes replaced by U+FFFD"
 
 
-def source_ids(text: str, tokenizer, max_len: int) -> tuple[list[int], Optional[str]]:
-    """Subword ids of one sentence, cut to `max_len`, and a note saying what a rule did (or None)."""
-    if not text.strip():
-        return [], "empty input, printed an empty line"
+BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+
+
+def unseen_characters(text: str, tokenizer) -> set[str]:
+    """The characters of `text` the tokenizer has no piece for (it would spell them as bytes, or unknown)."""
+    unseen = set()
+    for c in set(text):
+        if c.isspace():
+            continue
+        ids = tokenizer.encode(c)
+        if UNK in ids or any(BYTE_PIECE.fullmatch(p) for p in tokenizer.pieces(ids)):
+            unseen.add(c)
+    return unseen
+
+
+def set_aside_unseen(text: str, tokenizer) -> tuple[str, list[str]]:
+    """(the text without its unseen characters, each run of them in order)."""
+    unseen = unseen_characters(text, tokenizer)
+    if not unseen:
+        return text, []
+    runs = re.findall("[" + re.escape("".join(sorted(unseen))) + "]+", text)
+    kept = re.sub("[" + re.escape("".join(sorted(unseen))) + "]+", " ", text)
+    return " ".join(kept.split()), runs
+
+
+SENTENCE_END = re.compile(r"(?<=[.!?…])\s+")
+CLAUSE_END = re.compile(r"(?<=[,;:])\s+")
+BETWEEN_WORDS = re.compile(r"\s+")
+
+
+def sentences_that_fit(text: str, tokenizer, max_len: int) -> list[tuple[list[list[int]], list[str]]]:
+    """The text as segments (subword ids of its parts, its set-aside characters): one segment when the text
+    without its unseen characters fits in `max_len` subwords, else one per sentence."""
+    kept, aside = set_aside_unseen(text, tokenizer)
+    sentences = [s for s in SENTENCE_END.split(text) if s]
+    if len(tokenizer.encode(kept)) <= max_len or len(sentences) == 1:
+        return [(parts_that_fit(kept, tokenizer, max_len), aside)]
+    return [segment for s in sentences for segment in sentences_that_fit(s, tokenizer, max_len)]
+
+
+def parts_that_fit(text: str, tokenizer, max_len: int) -> list[list[int]]:
+    """Subword ids of one sentence in parts of at most `max_len`: one part if it fits, else packed from its
+    clauses, a clause too long from its words, a word too long cut into pieces.
+
+    Sentencepiece splits at whitespace, so the parts' ids together are the text's ids."""
     ids = tokenizer.encode(text)
-    if not ids:
-        return [], "no subwords after tokenisation, printed an empty line"
-    if len(ids) > max_len:
-        return ids[:max_len], (f"{len(ids)} subwords, more than the model's max_len={max_len}; "
-                               f"translated the first {max_len}")
-    return ids, None
+    if len(ids) <= max_len:
+        return [ids] if ids else []
+    for boundary in (CLAUSE_END, BETWEEN_WORDS):
+        pieces = [p for p in boundary.split(text) if p]
+        if len(pieces) > 1:
+            return _packed([part for p in pieces for part in parts_that_fit(p, tokenizer, max_len)], max_len)
+    return [ids[i:i + max_len] for i in range(0, len(ids), max_len)]
+
+
+def _packed(parts: list[list[int]], max_len: int) -> list[list[int]]:
+    """Consecutive parts joined while the result has at most `max_len` ids."""
+    packed: list[list[int]] = []
+    for ids in parts:
+        if packed and len(packed[-1]) + len(ids) <= max_len:
+            packed[-1] = packed[-1] + ids
+        else:
+            packed.append(ids)
+    return packed
+
+
+@dataclass
+class Line:
+    """One input line on its way through: where it came from; its segments, each the subword ids of its
+    parts and the unseen characters set aside; what to say on stderr."""
+    where: str
+    segments: list[tuple[list[list[int]], list[str]]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sources(self) -> list[list[int]]:
+        return [ids for parts, _ in self.segments for ids in parts]
+
+
+def prepare(where: str, text: Optional[str], note: Optional[str], tokenizer, max_len: int) -> Line:
+    """Apply the input rules to one line (text None: longer than MAX_LINE_BYTES)."""
+    line = Line(where, notes=[note] if note else [])
+    if text is None:
+        return line
+    if not text.strip():
+        line.notes.append("empty input, printed an empty line")
+        return line
+    try:
+        line.segments = sentences_that_fit(text, tokenizer, max_len)
+    except ValueError as e:  # e.g. a lone surrogate from an undecodable argument
+        line.notes.append(f"error: {e}; printed an empty line")
+        return line
+    if len(line.sources) > 1:
+        n = sum(len(ids) for ids in line.sources)
+        line.notes.append(f"{n} subwords, more than the model's max_len={max_len}; "
+                          f"translated in {len(line.sources)} parts")
+    return line
 
 
 # %% [markdown]
-# ## 3. One sentence
+# ## 3. Translating, many lines at once
 #
-# The source goes through `beam_search` (or `greedy` for `--beam 1`, which is
-# the same search, faster; see `annotated/decoding/search.py`). The output may be
-# at most `min(max_len, S + max_extra)` subwords for a source of `S`
-# subwords: the Transformer paper's "input length + 50" (section 6.1),
-# capped by the model's positional table. The ids up to `eos` are turned
-# back into text by sentencepiece. The output must stay one line per
-# sentence, but byte pieces can spell any character, a line break included:
-# each line break in a translation becomes a space.
+# The sources go through `translate_ids` (`annotated/decoding/search.py`):
+# beam search, or greedy for `--beam 1`, many sentences per batch, sorted by
+# length. The output may be at most `min(max_len, S + max_extra)` subwords
+# for a source of `S` subwords: the Transformer paper's "input length + 50"
+# (section 6.1), capped by the model's positional table. The ids up to `eos`
+# are turned back into text by sentencepiece; the parts of a line are joined
+# with spaces and its set-aside characters follow. The output must stay one
+# line per sentence, but byte pieces can spell any character, a line break
+# included: each line break in a translation becomes a space.
 
 # %%
+def translate_prepared(model: EncoderDecoder, tokenizer, lines: list[Line], beam_size: int = 4,
+                       length_penalty: float = 0.6, max_extra: int = 50) -> list[str]:
+    """The translation of each prepared line, one line each, in order."""
+    sources = [ids for line in lines for ids in line.sources]
+    outputs = iter(translate_ids(model, sources, beam_size, length_penalty, max_extra=max_extra))
+    answers = []
+    for line in lines:
+        words = [word for parts, aside in line.segments for word in [tokenizer.decode(next(outputs)) for _ in parts] + aside]
+        answer = " ".join(w for w in words if w)
+        answers.append(" ".join(answer.splitlines()))  # a line break from byte pieces would shift the output
+    return answers
+
+
 def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, length_penalty: float = 0.6,
               max_extra: int = 50) -> tuple[str, Optional[str]]:
-    """One sentence -> (translation on one line, note from the input rules or None)."""
-    ids, note = source_ids(text, tokenizer, model.config.max_len)
-    if not ids:
-        return "", note
-    translation = tokenizer.decode(translate_ids(model, [ids], beam_size, length_penalty, max_extra=max_extra)[0])
-    return " ".join(translation.splitlines()), note  # a line break from byte pieces would shift the output
+    """One sentence -> (translation on one line, what the input rules did, or None)."""
+    line = prepare("text", text, None, tokenizer, model.config.max_len)
+    answer = translate_prepared(model, tokenizer, [line], beam_size, length_penalty, max_extra)[0]
+    return answer, "; ".join(line.notes) or None
 
 
 # %% [markdown]
-# ## 4. The command line
+# ## 4. Reading: windows of lines
+#
+# Command-line sentences and a file on standard input are read `WINDOW`
+# lines at a time. A pipe may deliver its lines slowly (another program
+# sending one and waiting for the answer), so a thread reads it into a queue
+# of at most `WINDOW` lines, and each window takes the first line that comes
+# and then those already waiting. A terminal gets windows of one line.
+
+# %%
+def _numbered(sentences: list[str], stdin) -> Iterator[tuple[str, Optional[str], Optional[str]]]:
+    """(where, text or None when too long, note) for each command-line sentence, or each line of stdin."""
+    if sentences:
+        # arguments undecodable in the locale arrive as surrogate escapes: same rule as stdin
+        raws = (s.encode("utf-8", errors="surrogateescape") for s in sentences)
+        raws = (raw if len(raw) <= MAX_LINE_BYTES else None for raw in raws)
+    else:
+        raws = bounded_lines(stdin)
+    for i, raw in enumerate(raws, 1):
+        where = f"{'argument' if sentences else 'line'} {i}"
+        if raw is None:
+            yield where, None, f"longer than {MAX_LINE_BYTES} bytes, printed an empty line"
+        else:
+            yield (where, *decode_line(raw))
+
+
+def _is_pipe(stream) -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(stream.fileno()).st_mode) or stat.S_ISSOCK(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):  # io.BytesIO and the like: read at once
+        return False
+
+
+def windows(items: Iterable, size: int) -> Iterator[list]:
+    """Consecutive lists of at most `size` items."""
+    window = []
+    for item in items:
+        window.append(item)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+_END = object()
+
+
+def arrived_windows(items: Iterable, size: int) -> Iterator[list]:
+    """Windows of at most `size` items: the next item to come, then those already read (by a thread)."""
+    waiting: queue.Queue = queue.Queue(maxsize=size)
+
+    def read() -> None:
+        for item in items:
+            waiting.put(item)
+        waiting.put(_END)
+
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        window = [waiting.get()]
+        while window[-1] is not _END and len(window) < size:
+            try:
+                window.append(waiting.get_nowait())
+            except queue.Empty:
+                break
+        done = window[-1] is _END
+        if done:
+            window.pop()
+        if window:
+            yield window
+        if done:
+            return
+
+
+# %% [markdown]
+# ## 5. The command line
 #
 # Expected failures end the process with one line on stderr and exit code 2,
 # without a traceback: a missing, corrupt or incompatible checkpoint (the
@@ -170,27 +369,34 @@ def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, l
 # that makes no sense (`--beam 0`, a negative or non-finite
 # `--length-penalty`, `--device tpu`, `--device cuda` without CUDA), which is
 # refused by `annotated/plumbing/options.py` before the checkpoint is even opened.
-# Ctrl-C ends it quietly with exit code 130, also while torch and the model
-# are still loading; a closed output pipe (`... | head -1`) ends it with 0.
+# Ctrl-C ends it with `translate: interrupted` and exit code 130, also while
+# torch and the model are still loading (`annotated/plumbing/interrupts.py`);
+# a closed output pipe (`... | head -1`) ends it quietly with 0.
 
 # %%
-RULES = """\
+RULES = f"""\
 input rules (each bad line still gets one output line, and the next line is served):
   empty or whitespace-only line  -> prints an empty line; message on stderr
   line longer than 65536 bytes   -> prints an empty line; message on stderr (memory stays flat)
-  more subwords than max_len     -> translates the first max_len subwords; warning on stderr
-                                    naming the line and both lengths
-  characters unseen in training  -> spelled as byte pieces by the tokenizer; translated as usual
+  more subwords than max_len     -> split at sentence ends, then clause ends, then between words;
+                                    the parts are translated and joined in order; note on stderr
+  characters unseen in training  -> (emoji, symbols, other scripts) set aside; the rest is translated
+                                    and they are put back at the end of the translation, in order
   non-UTF-8 bytes on stdin       -> replaced by U+FFFD; warning on stderr naming the line
   any other error for one line   -> prints an empty line; the error on stderr
+reading stdin: a file or pipe is read {WINDOW} lines at a time, translated in batches, answered in
+input order and flushed (a progress bar on a terminal's stderr); typed on a terminal, line by line
+(Ctrl-D ends).
 output length: at most min(max_len, source subwords + --max-extra) subwords.
 checkpoint missing, corrupt or incompatible, or a bad option: one line on stderr, exit code 2.
+Ctrl-C: "translate: interrupted" on stderr, exit code 130.
 """
+WAITING = "translate: waiting for sentences, one per line (Ctrl-D to end)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="python -m annotated.decoding.translate", name="translate", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m annotated.decoding.translate", name=NAME, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Translate sentences with a trained checkpoint: the arguments if given, "
                     "else stdin, one sentence a line, one translation a line.",
         epilog=RULES)
@@ -211,20 +417,46 @@ def _say(stream: TextIO, message: str) -> None:
     print(message, file=stream, flush=True)
 
 
-def _lines(sentences: list[str], stdin) -> Iterable[tuple[str, Optional[str], Optional[str]]]:
-    """(where, text or None when too long, note) for each command-line sentence, or each line of stdin."""
-    if sentences:
-        # arguments undecodable in the locale arrive as surrogate escapes: same rule as stdin
-        raws = (s.encode("utf-8", errors="surrogateescape") for s in sentences)
-        raws = (raw if len(raw) <= MAX_LINE_BYTES else None for raw in raws)
-    else:
-        raws = read_lines(stdin)
-    for i, raw in enumerate(raws, 1):
-        where = f"{'argument' if sentences else 'line'} {i}"
-        if raw is None:
-            yield where, None, f"longer than {MAX_LINE_BYTES} bytes, printed an empty line"
-        else:
-            yield (where, *decode_line(raw))
+def _load(args, stderr: TextIO):
+    """(model on the device, tokenizer); CheckpointError when the checkpoint cannot translate text."""
+    path = args.checkpoint if args.checkpoint is not None else latest_checkpoint(args.runs_dir)
+    if args.checkpoint is None:
+        _say(stderr, f"{NAME}: using {path}")
+    model, tokenizer, _ = load_checkpoint(path)
+    check_tokenizer(tokenizer, path, "translate text")
+    return model.to(args.device), tokenizer
+
+
+def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
+    """The numbered lines in windows: by WINDOW from arguments and files, as arrived from a pipe, one by one
+    from a terminal (after saying that it waits)."""
+    if args.sentences:
+        return windows(_numbered(args.sentences, stdin), WINDOW)
+    if stdin.isatty():
+        _say(stderr, WAITING)
+        return windows(_numbered([], stdin), 1)
+    if _is_pipe(stdin):  # the reading thread gets its own reader: one it may still hold when the process ends
+        own = open(os.dup(stdin.fileno()), "rb", buffering=MAX_LINE_BYTES + 2)
+        return arrived_windows(_numbered([], own), WINDOW)
+    return windows(_numbered([], stdin), WINDOW)
+
+
+def _answer(model, tokenizer, window: list, args) -> tuple[list[Line], list[str]]:
+    """Prepared lines and their answers; a window the decoder rejects is answered line by line."""
+    prepared = [prepare(where, text, note, tokenizer, model.config.max_len) for where, text, note in window]
+    try:
+        return prepared, translate_prepared(model, tokenizer, prepared, args.beam, args.length_penalty,
+                                            args.max_extra)
+    except ValueError:
+        pass
+    answers = []
+    for line in prepared:
+        try:
+            answers += translate_prepared(model, tokenizer, [line], args.beam, args.length_penalty, args.max_extra)
+        except ValueError as e:  # a clear error about this input: report it, answer empty, go on
+            line.notes.append(f"error: {e}; printed an empty line")
+            answers.append("")
+    return prepared, answers
 
 
 def main(argv: Optional[list[str]] = None, stdin=None, stdout=None, stderr: Optional[TextIO] = None) -> int:
@@ -238,39 +470,37 @@ def main(argv: Optional[list[str]] = None, stdin=None, stdout=None, stderr: Opti
     stderr = sys.stderr if stderr is None else stderr
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        path = args.checkpoint if args.checkpoint is not None else latest_checkpoint(args.runs_dir)
-        if args.checkpoint is None:
-            _say(stderr, f"translate: using {path}")
-        model, tokenizer, _ = load_checkpoint(path)
-        if tokenizer is None:
-            raise CheckpointError(f"checkpoint {path} holds no tokenizer, so it cannot translate text")
+        model, tokenizer = _load(args, stderr)
     except CheckpointError as e:
-        _say(stderr, f"translate: error: {e}")
+        _say(stderr, f"{NAME}: error: {e}")
         return 2
-    model = model.to(args.device)
-    if still_starting():  # loaded: now Ctrl-C ends the loop below, exit 130
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    bar = None
+    if not args.sentences and not stdin.isatty() and stderr.isatty():
+        from tqdm.auto import tqdm
+        bar = tqdm(unit=" sentences", desc=NAME, file=stderr, leave=False)
     try:
-        for where, text, note in _lines(args.sentences, stdin):
-            if note:
-                _say(stderr, f"{where}: {note}")
-            try:
-                translation, rule = ("", None) if text is None else translate(
-                    model, tokenizer, text, args.beam, args.length_penalty, args.max_extra)
-            except ValueError as e:  # a clear error about this input: report it, answer empty, go on
-                translation, rule = "", f"error: {e}; printed an empty line"
-            if rule:
-                _say(stderr, f"{where}: {rule}")
-            stdout.write((translation + "\n").encode("utf-8"))
+        for window in _input_windows(args, stdin, stderr):
+            prepared, answers = _answer(model, tokenizer, window, args)
+            for line, answer in zip(prepared, answers):
+                for note in line.notes:
+                    if bar is not None:
+                        bar.write(f"{line.where}: {note}", file=stderr)
+                    else:
+                        _say(stderr, f"{line.where}: {note}")
+                stdout.write((answer + "\n").encode("utf-8"))
             stdout.flush()
-    except KeyboardInterrupt:
-        return 130
+            if bar is not None:
+                bar.update(len(window))
     except BrokenPipeError:  # the reader went away (`| head -1`): stop quietly
         if stdout is getattr(sys.stdout, "buffer", None):  # and keep Python's exit-time flush quiet
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        if bar is not None:
+            bar.close()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, NAME)  # Ctrl-C: one line and exit code 130, not a traceback

@@ -12,20 +12,47 @@
 # # Checks at the door
 #
 # The chapter in `annotated/transformer.py` tells the story of the model and
-# assumes well-formed inputs. The entry points (the decoders, the translator,
-# the equivalence report) check what a user hands them *once*, here, before
-# any model work, and fail with one line that names what is wrong. Nothing in
-# this file runs on the training hot path: a value check such as the token-id
-# range reads the tensor back to the host, which would stall a GPU every step.
+# assumes well-formed inputs (a one-line `assert` at most). The entry points
+# check what a user hands them *once*, here, before any model work, and fail
+# with one line that names what is wrong:
+#
+# | entry point | its door |
+# | --- | --- |
+# | `greedy`, `beam_search`, `sequence_logprob` (`annotated/decoding/search.py`) | `check_decoding`, `check_beam`, `check_decoder_output` |
+# | `translate_ids` (the same file) | `check_sources`, `check_beam` |
+# | the translator (`annotated/decoding/translate.py`) | `check_tokenizer`, then `translate_ids` |
+# | the attention dump (`annotated/attention/dump.py`) | `check_eval_mode`, `check_id_list`, `check_tokenizer` |
+# | the heads command (`annotated/attention/heads.py`) | `check_tokenizer` |
+# | the equivalence report's checkpoint check (`annotated/proof/equivalence.py`) | `check_source_and_target` |
+# | `from_torch_mha` (`annotated/proof/torch_mha.py`) | `check_torch_mha` |
+#
+# Command-line options have their own door, `annotated/plumbing/options.py`.
+# Nothing in this file runs on the training hot path: a value check such as
+# the token-id range reads the tensor back to the host, which would stall a
+# GPU every step. The tests call the entry points, never these functions
+# (`tests/plumbing/test_faults.py`, `tests/decoding/test_search.py`).
 
 # %%
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from annotated.plumbing.checkpoint import CheckpointError
+from annotated.tokens import PAD
 
 
-def check_token_ids(tokens: Tensor, vocab: int) -> None:
+def check_eval_mode(model: nn.Module, what: str) -> None:
+    """Decoding and reading attention need eval mode: in training mode dropout makes every call random."""
+    if model.training:
+        raise ValueError(f"{what} needs the model in eval mode (call model.eval()): "
+                         f"dropout would make every step random")
+
+
+def check_token_ids(tokens: Tensor, vocab: int, name: str = "token ids") -> None:
     """Raise a ValueError unless `tokens` is a (B, T) integer tensor of ids in [0, vocab).
 
     >>> check_token_ids(torch.tensor([[3, 4, 5]]), vocab=6)
@@ -35,12 +62,12 @@ def check_token_ids(tokens: Tensor, vocab: int) -> None:
     ValueError: token ids must lie in [0, 6) (the model's vocabulary), got min 3, max 6
     """
     if not isinstance(tokens, Tensor):
-        raise ValueError(f"token ids must be a (B, T) tensor, got {type(tokens).__name__}")
+        raise ValueError(f"{name} must be a (B, T) tensor, got {type(tokens).__name__}")
     if tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() != 2:
-        raise ValueError(f"token ids must be an int64 or int32 tensor of shape (B, T), got {tokens.dtype} "
+        raise ValueError(f"{name} must be an int64 or int32 tensor of shape (B, T), got {tokens.dtype} "
                          f"{tuple(tokens.shape)}")
     if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab):
-        raise ValueError(f"token ids must lie in [0, {vocab}) (the model's vocabulary), got "
+        raise ValueError(f"{name} must lie in [0, {vocab}) (the model's vocabulary), got "
                          f"min {int(tokens.min())}, max {int(tokens.max())}")
 
 
@@ -65,65 +92,110 @@ def check_mask(mask: Tensor, scores_shape: tuple[int, ...], name: str = "mask") 
                          f"shape {tuple(scores_shape)} (B, T_q, T_k)")
 
 
-def check_attention_inputs(att, x_q: Tensor, x_kv: Tensor | None, mask: Tensor | None = None) -> None:
-    """What `PerHeadAttention`/`FusedAttention` expect: (B, T, d_model) inputs of the weights' dtype
-    (any floating dtype under autocast), equal batch sizes, and a mask for (B, T_q, T_k).
+def check_decoding(model: nn.Module, src: Tensor, src_mask: Tensor | None, max_len: int) -> None:
+    """What `greedy`, `beam_search` and `sequence_logprob` expect: eval mode, (B, S) source ids of the
+    vocabulary, S <= config.max_len, a source mask (B or 1, 1 or S, S), 1 <= max_len <= config.max_len."""
+    check_eval_mode(model, "decoding")
+    check_token_ids(src, model.config.src_vocab, "src token ids")
+    B, S = src.shape
+    if src_mask is not None:
+        check_mask(src_mask, (B, S, S), "src_mask")
+        if src_mask.dim() != 3:
+            raise ValueError(f"src_mask must have shape (B={B} or 1, 1 or S, S={S}), got {tuple(src_mask.shape)}")
+    limit = model.config.max_len
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= limit:
+        raise ValueError(f"max_len must be an int in [1, {limit}] (the model's max_len), got {max_len!r}")
+    if S > limit:
+        raise ValueError(f"source length {S} exceeds the model's max_len={limit}")
 
-    >>> from annotated.transformer import FusedAttention
-    >>> check_attention_inputs(FusedAttention(8, 2), torch.randn(2, 3, 7), torch.randn(2, 3, 8))
+
+def check_decoder_output(model: nn.Module, src: Tensor, ys: Tensor) -> None:
+    """What `sequence_logprob` scores: (B, L) ids as the decoders return them, 1 <= L <= config.max_len."""
+    limit = model.config.max_len
+    if not isinstance(ys, Tensor) or ys.dim() != 2 or ys.size(0) != src.size(0) or not 1 <= ys.size(1) <= limit:
+        got = tuple(ys.shape) if isinstance(ys, Tensor) else type(ys).__name__
+        raise ValueError(f"ys must have shape (B={src.size(0)}, L) with 1 <= L <= max_len={limit}, got {got}")
+    check_token_ids(ys, model.config.tgt_vocab, "ys")
+
+
+def check_beam(beam_size: int, length_penalty: float) -> None:
+    """A beam of at least one hypothesis, and a finite GNMT alpha >= 0."""
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
+    if not (isinstance(length_penalty, (int, float)) and math.isfinite(length_penalty) and length_penalty >= 0):
+        raise ValueError(f"length_penalty (alpha) must be a finite number >= 0, got {length_penalty!r}")
+
+
+def check_sources(model: nn.Module, sources: Sequence[Sequence[int]], batch_size: int, max_extra: int) -> None:
+    """What `translate_ids` expects: eval mode, lists of source ids of the vocabulary, a batch size >= 1, and
+    max_extra >= 0. (A source longer than max_len is allowed: `translate_ids` cuts it and says so.)"""
+    check_eval_mode(model, "translating")
+    vocab = model.config.src_vocab
+    for i, ids in enumerate(sources):
+        if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"source {i} must be a list of int token ids, got {ids!r:.60}")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"source {i} holds ids outside [0, {vocab}) (the model's vocabulary): {bad[:5]}")
+    for name, value, low in (("batch_size", batch_size, 1), ("max_extra", max_extra, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def check_id_list(name: str, ids: Sequence[int], vocab: int, max_len: int, allow_pad: bool) -> list[int]:
+    """One sentence of ids for a teacher-forced pass: not empty, at most max_len, in the vocabulary,
+    and (unless `allow_pad`) no pad id, which the padding mask would hide. Returns them as ints.
+
+    >>> check_id_list("source", [5, 0], vocab=9, max_len=4, allow_pad=False)
     Traceback (most recent call last):
     ...
-    ValueError: query input must have shape (B, T, d_model=8), got (2, 3, 7)
+    ValueError: source holds ids outside [0, 9) or the pad id 0 (it would be masked): [0]
     """
-    if x_kv is None:
-        raise ValueError("give the key/value input x_kv (for self-attention, the query input again)")
-    dtype = next(att.parameters()).dtype
-    for name, x in (("query input", x_q), ("key/value input", x_kv)):
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.size(-1) != att.d_model:
-            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"{name} must have shape (B, T, d_model={att.d_model}), got {got}")
-        autocast = x.is_floating_point() and torch.is_autocast_enabled(x.device.type)
-        if x.dtype != dtype and not autocast:
-            raise ValueError(f"{name} has dtype {x.dtype} but the weights have {dtype}; convert one to the other")
-    if x_kv.size(0) != x_q.size(0):
-        raise ValueError(f"batch sizes differ: query input {tuple(x_q.shape)}, key/value input {tuple(x_kv.shape)}")
-    if mask is not None:
-        check_mask(mask, (x_q.size(0), x_q.size(1), x_kv.size(1)))
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError(f"{name} is empty: need at least one token")
+    if len(ids) > max_len:
+        raise ValueError(f"{name} has {len(ids)} tokens, more than the model's max_len={max_len}")
+    bad = [i for i in ids if not 0 <= i < vocab or (i == PAD and not allow_pad)]
+    if bad:
+        raise ValueError(f"{name} holds ids outside [0, {vocab})"
+                         f"{'' if allow_pad else f' or the pad id {PAD} (it would be masked)'}: {bad[:5]}")
+    return ids
 
 
-def check_model_inputs(model, src: Tensor | None = None, src_mask: Tensor | None = None,
-                       tgt: Tensor | None = None, tgt_mask: Tensor | None = None,
-                       memory: Tensor | None = None, start: int = 0) -> None:
-    """What `model.encode` (src), `model.decode` (memory, tgt) and `model(...)` (src, tgt) expect.
-
-    Token ids in range, lengths within `config.max_len`, masks that broadcast,
-    memory of shape (B, S, d_model) in the model's dtype, equal batch sizes.
-    """
+def check_source_and_target(model: nn.Module, src: Tensor, tgt: Tensor) -> None:
+    """A batch of sources and targets for one teacher-forced pass: ids of the vocabularies, equal batch
+    sizes, lengths within config.max_len."""
     cfg = model.config
-    B = S = None
-    if src is not None:
-        check_token_ids(src, cfg.src_vocab)
-        B, S = src.shape
-        if S > cfg.max_len:
-            raise ValueError(f"source length {S} exceeds the model's max_len={cfg.max_len}")
-        if src_mask is not None:
-            check_mask(src_mask, (B, S, S), "src_mask")
-    if memory is not None:
-        dtype = next(model.parameters()).dtype
-        if not isinstance(memory, Tensor) or memory.dim() != 3 or memory.size(-1) != cfg.d_model:
-            raise ValueError(f"memory must have shape (B, S, d_model={cfg.d_model}), got "
-                             f"{tuple(memory.shape) if isinstance(memory, Tensor) else type(memory).__name__}")
-        if memory.dtype != dtype and not torch.is_autocast_enabled(memory.device.type):
-            raise ValueError(f"memory has dtype {memory.dtype} but the model has {dtype}; convert one to the other")
-        B, S = memory.shape[:2]
-    if tgt is not None:
-        check_token_ids(tgt, cfg.tgt_vocab)
-        T = tgt.size(1)
-        if B is not None and tgt.size(0) != B:
-            raise ValueError(f"batch sizes differ: {B} source sentences, {tgt.size(0)} target sentences")
-        if not isinstance(start, int) or start < 0 or start + T > cfg.max_len:
-            raise ValueError(f"target positions {start} to {start + T - 1} must lie in [0, max_len={cfg.max_len})")
-        if tgt_mask is not None:
-            check_mask(tgt_mask, (tgt.size(0), T, T), "tgt_mask")
-        if src_mask is not None and S is not None:
-            check_mask(src_mask, (tgt.size(0), T, S), "src_mask")
+    check_token_ids(src, cfg.src_vocab, "source ids")
+    check_token_ids(tgt, cfg.tgt_vocab, "target ids")
+    if src.size(0) != tgt.size(0):
+        raise ValueError(f"batch sizes differ: {src.size(0)} source sentences, {tgt.size(0)} target sentences")
+    for name, ids in (("source", src), ("target", tgt)):
+        if ids.size(1) > cfg.max_len:
+            raise ValueError(f"{name} length {ids.size(1)} exceeds the model's max_len={cfg.max_len}")
+
+
+def check_tokenizer(tokenizer, path, purpose: str) -> None:
+    """A checkpoint used on text must carry the tokenizer its training data was cut with."""
+    if tokenizer is None:
+        raise CheckpointError(f"checkpoint {path} holds no tokenizer, so it cannot {purpose}")
+
+
+def check_torch_mha(mha) -> None:
+    """An nn.MultiheadAttention our attentions can hold: keys and values of width embed_dim, no extra keys.
+
+    >>> check_torch_mha(nn.MultiheadAttention(8, 2, add_zero_attn=True))
+    Traceback (most recent call last):
+    ...
+    ValueError: nn.MultiheadAttention with add_bias_kv=True or add_zero_attn=True adds keys and values that our attentions do not have
+    """
+    if not isinstance(mha, nn.MultiheadAttention):
+        raise ValueError(f"expected a torch.nn.MultiheadAttention, got {type(mha).__name__}")
+    if not mha._qkv_same_embed_dim:
+        raise ValueError(f"nn.MultiheadAttention with kdim={mha.kdim}, vdim={mha.vdim} != embed_dim={mha.embed_dim} "
+                         f"has separate input projections for keys and values of other widths; our attentions "
+                         f"read keys and values of width d_model")
+    if mha.bias_k is not None or mha.add_zero_attn:
+        raise ValueError("nn.MultiheadAttention with add_bias_kv=True or add_zero_attn=True adds keys and values "
+                         "that our attentions do not have")

@@ -1,4 +1,6 @@
-"""Files written whole or not at all: the project's one atomic write and its one permission policy.
+"""Files written whole or not at all: the project's one atomic write, its one permission policy, and the
+two writers built on them that every command shares: `save_figure` (a matplotlib figure as PNG) and
+`json_safe` (any result made fit for `json.dumps`).
 
 Every file the project writes for the user (checkpoints, cached data and tokenizers, results, attention
 dumps, pages, benchmark results) goes through `atomic_write`: the bytes go to a temporary file in the same
@@ -18,10 +20,11 @@ exactly the leftovers that no living writer holds (`remove_stale_temporaries`).
 from __future__ import annotations
 
 import glob
+import math
 import os
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable, Union
+from typing import Any, BinaryIO, Callable, Optional, Union
 
 try:
     import fcntl  # POSIX; without it (Windows) stale temporary files are left alone
@@ -99,3 +102,38 @@ def remove_stale_temporaries(path: os.PathLike | str) -> list[Path]:
             continue
         removed.append(tmp)
     return removed
+
+
+def save_figure(fig, path: os.PathLike | str, dpi: Optional[float] = None) -> Path:
+    """Write a matplotlib figure to `path` as PNG through `atomic_write` (the figure's own dpi unless `dpi`).
+
+    A figure that fails to draw leaves an earlier file at `path` as it was
+    (`test_save_figure_is_atomic`)."""
+    options = {} if dpi is None else {"dpi": dpi}
+    return atomic_write(path, lambda f: fig.savefig(f, format="png", **options))
+
+
+def json_safe(value: Any, digits: Optional[int] = None) -> Any:
+    """`value` made fit for `json.dumps`: dict keys become strings, tuples lists, numpy arrays and scalars
+    Python lists and numbers, NaN and infinities None (JSON has no such numbers), floats rounded to `digits`
+    when given, and anything else its repr.
+
+    >>> import numpy as np
+    >>> json_safe({1: (np.float32(0.5), float("nan")), "x": np.arange(2), "f": 2 / 3}, digits=3)
+    {'1': [0.5, None], 'x': [0, 1], 'f': 0.667}
+    >>> json_safe({"path": Path("a")})
+    {'path': "PosixPath('a')"}
+    """
+    if isinstance(value, dict):
+        return {str(k): json_safe(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v, digits) for v in value]
+    if hasattr(value, "tolist") and callable(value.tolist):  # numpy arrays and scalars, tensors
+        return json_safe(value.tolist(), digits)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        return value if digits is None else round(value, digits)
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    return repr(value)

@@ -1,26 +1,45 @@
-"""What the commands (`make equivalence`, `make bench`, `make attention`, `make docs`, and the
-translator while it starts) do on Ctrl-C.
+"""What every command does on Ctrl-C: one protocol, two calls.
 
-One line on stderr, exit code 130 (the shell's code for "stopped by Ctrl-C"),
-no traceback. A Ctrl-C that lands while PyTorch's C++ code is calling back
-into Python can reach the caller as another error (the KeyboardInterrupt is
-turned into a RuntimeError on the way out); `ctrl_c_requested()` tells such an
-error from a real one, so that it is not reported as a failed check.
+```python
+if __name__ == "__main__":  # first thing, before the heavy imports
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting(NAME)
+...
+if __name__ == "__main__":  # last thing
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, NAME)
+```
 
-Training is the one command that stops in order: the first Ctrl-C (or
-SIGTERM) asks it to stop after the current step and save (`StopFlag`), a
-second one stops at once.
+Every command follows it: `train_wmt.py`, `benchmarks/bench.py`, `benchmarks/gpu_report.py`,
+`docs/build.py` and the `python -m` modules (the translator, the attention dump, the heads command, the
+equivalence report); `test_every_command_follows_the_one_ctrl_c_protocol` reads them.
+
+A Ctrl-C prints one line on stderr, `<name>: interrupted` (after a line break where the command was
+working: a progress bar may be open), and exits with code 130 (the shell's code for
+"stopped by Ctrl-C"), without a traceback. While a module is being imported (torch and its extensions
+load for a second or more) it exits at once: nothing has been computed or written yet, and a
+KeyboardInterrupt raised inside an extension's start-up ends in a traceback or an abort. That holds for
+the imports at the top of a command (`quiet_ctrl_c_while_starting`) and for those `main()` does itself
+(`run_command`'s handler checks whether an import is under way). Anywhere else in `main()` the Ctrl-C
+raises KeyboardInterrupt, so that `finally` blocks and atomic writes clean up; a Ctrl-C that lands while
+PyTorch's C++ code is calling back into Python can reach the caller as another error (the
+KeyboardInterrupt is turned into a RuntimeError on the way out), and `ctrl_c_requested()` tells such an
+error from a real one, so that it is not reported as a failed check. A `main()` that reports the
+interruption itself returns 130, and `run_command` adds no second line.
+
+Training is the one command that stops in order: the first Ctrl-C (or SIGTERM) asks it to stop after the
+current step and save (`StopFlag`), a second one stops at once.
 
 Options that make no sense are refused by `annotated/plumbing/options.py` (one line on
 stderr naming the option and what it takes, exit code 2, before any work).
 """
-import contextlib
 import functools
 import os
 import signal
 import sys
-from typing import Callable, Optional
+from typing import Callable
 
+INTERRUPTED = 130
 _requested = False
 
 
@@ -29,39 +48,48 @@ def ctrl_c_requested() -> bool:
     return _requested
 
 
-def _on_sigint(signum, frame):
+def _exit_at_once(name: str) -> None:
+    print(f"{name}: interrupted", file=sys.stderr, flush=True)
+    os._exit(INTERRUPTED)
+
+
+def importing(frame) -> bool:
+    """Whether `frame` runs inside an import (importlib's frames are on its stack).
+
+    >>> import sys
+    >>> importing(sys._getframe())
+    False
+    """
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _while_starting(name: str, signum, frame) -> None:
+    _exit_at_once(name)
+
+
+def _while_running(name: str, signum, frame) -> None:
     global _requested
     _requested = True
+    if importing(frame):
+        _exit_at_once(name)
     raise KeyboardInterrupt
 
 
-def _exit_while_starting(name: Optional[str], signum, frame):
-    if name:
-        print(f"{name}: interrupted", file=sys.stderr, flush=True)
-    os._exit(130)
-
-
-def quiet_ctrl_c_while_starting(name: Optional[str]) -> None:
-    """Call before the heavy imports: a Ctrl-C while torch loads exits 130 at once, after the line
-    "<name>: interrupted" (no line when `name` is None).
-
-    Nothing has been computed or written yet, and a KeyboardInterrupt raised inside `import torch` would
-    otherwise end in a traceback. `run_command` replaces this handler once the command's own work begins;
-    a command without it checks `still_starting()` and hands Ctrl-C back itself."""
-    signal.signal(signal.SIGINT, functools.partial(_exit_while_starting, name))
-
-
-def still_starting() -> bool:
-    """True while the handler of `quiet_ctrl_c_while_starting` is the one in place."""
-    handler = signal.getsignal(signal.SIGINT)
-    return isinstance(handler, functools.partial) and handler.func is _exit_while_starting
+def quiet_ctrl_c_while_starting(name: str) -> None:
+    """Call first, before the heavy imports: a Ctrl-C while torch loads prints "<name>: interrupted" and exits
+    130 at once. `run_command` replaces this handler when the command's own work begins."""
+    signal.signal(signal.SIGINT, functools.partial(_while_starting, name))
 
 
 def run_command(main: Callable[[], object], name: str) -> None:
     """Run a command's `main()` and exit with its code (0 when it returns no int); Ctrl-C: one line, 130.
 
     A Ctrl-C anywhere counts, even one an extension swallowed: what `main()` did after it is not trusted."""
-    signal.signal(signal.SIGINT, _on_sigint)
+    signal.signal(signal.SIGINT, functools.partial(_while_running, name))
     code = None
     try:
         code = main()
@@ -71,20 +99,10 @@ def run_command(main: Callable[[], object], name: str) -> None:
     except KeyboardInterrupt:
         pass
     if _requested:
-        print(f"\n{name}: interrupted", file=sys.stderr)  # (a new line: a progress bar may be open)
-        sys.exit(130)
+        if code != INTERRUPTED:  # main() did not say so itself
+            print(f"\n{name}: interrupted", file=sys.stderr)  # (a new line: a progress bar may be open)
+        sys.exit(INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
-
-
-@contextlib.contextmanager
-def starting(name: Optional[str]):
-    """`quiet_ctrl_c_while_starting(name)` for the block (the heavy imports), then the previous handler again."""
-    previous = signal.getsignal(signal.SIGINT)
-    quiet_ctrl_c_while_starting(name)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class StopFlag:

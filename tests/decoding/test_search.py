@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from annotated.decoding.search import beam_search, greedy, lp, reorder_cache, sequence_logprob
+from annotated.decoding.search import beam_search, greedy, length_penalty, reorder_cache, sequence_logprob, translate_ids
 from annotated.tokens import PAD, BOS, EOS
 from annotated.transformer import convert_model, copy_batch, make_model, padding_mask, train_copy_task
 
@@ -116,7 +116,7 @@ def test_scores_are_teacher_forced_logprob_over_length_penalty(copy_models):
         out, scores = beam_search(m, src, mask, 10, beam_size=4, length_penalty=alpha, return_scores=True)
         logp, lengths = sequence_logprob(m, src, mask, out)
         # score(Y) = log P(Y | X) / lp(Y)
-        want = torch.tensor([lp_ / lp(n, alpha) for lp_, n in zip(logp.tolist(), lengths.tolist())],
+        want = torch.tensor([lp_ / length_penalty(n, alpha) for lp_, n in zip(logp.tolist(), lengths.tolist())],
                             dtype=torch.float64)
         assert (scores - want).abs().max() <= TOL
 
@@ -150,7 +150,7 @@ def test_wide_beam_is_exhaustive_search(alpha, seed):
     for b in range(src.size(0)):
         n = len(candidates)
         logp, lengths = sequence_logprob(m, src[b:b + 1].expand(n, -1), mask[b:b + 1].expand(n, -1, -1), ys)
-        exact = torch.tensor([x / lp(k, alpha) for x, k in zip(logp.tolist(), lengths.tolist())],
+        exact = torch.tensor([x / length_penalty(k, alpha) for x, k in zip(logp.tolist(), lengths.tolist())],
                              dtype=torch.float64)
         best = int(exact.argmax())
         assert out[b, : len(candidates[best])].tolist() == candidates[best]
@@ -232,6 +232,7 @@ def test_reorder_cache_moves_and_drops_rows_of_a_real_cache():
 
 
 def test_bad_arguments_are_named(copy_models):
+    """Every entry point of search.py refuses bad arguments at the door, naming them, before any model work."""
     m = copy_models["fused"]
     src, mask = copy_sources(2)
     with pytest.raises(ValueError, match="beam_size"):
@@ -240,13 +241,40 @@ def test_bad_arguments_are_named(copy_models):
         beam_search(m, src, mask, 5, length_penalty=-0.5)
     with pytest.raises(ValueError, match=r"max_len must be an int in \[1, 10\]"):
         beam_search(m, src, mask, 11)
-    with pytest.raises(ValueError, match="src must be a"):
+    with pytest.raises(ValueError, match="src token ids must be an int64 or int32 tensor"):
         greedy(m, src.float(), mask, 5)
-    with pytest.raises(ValueError, match="src_mask must have shape"):
+    with pytest.raises(ValueError, match=r"src_mask of shape \(2, 1, 3\) does not broadcast"):
         beam_search(m, src, mask[:, :, :3], 5)
+    with pytest.raises(ValueError, match=r"ys must have shape \(B=2, L\)"):
+        sequence_logprob(m, src, mask, torch.ones(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"source 1 holds ids outside \[0, 13\)"):
+        translate_ids(m, [[4, 5], [4, 99]])
+    with pytest.raises(ValueError, match="source 0 must be a list of int token ids"):
+        translate_ids(m, ["ein Satz"])
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        translate_ids(m, [[4, 5]], batch_size=0)
+    with pytest.raises(ValueError, match="beam_size"):
+        translate_ids(m, [[4, 5]], beam_size=0)
     m.train()
     try:
-        with pytest.raises(ValueError, match="eval mode"):
-            beam_search(m, src, mask, 5)
+        for call in (lambda: beam_search(m, src, mask, 5), lambda: greedy(m, src, mask, 5),
+                     lambda: translate_ids(m, [[4, 5]])):
+            with pytest.raises(ValueError, match="eval mode"):
+                call()
     finally:
         m.eval()
+
+
+def test_long_inputs_are_refused_at_the_door_or_cut_as_documented():
+    m = make_model(src_vocab=17, tgt_vocab=19, N=1, d_model=16, d_ff=32, h=4, dropout=0.0, max_len=8).eval()
+    long = torch.full((1, 9), 3)
+    for call in (lambda: greedy(m, long, None, 5), lambda: beam_search(m, long, None, 5),
+                 lambda: sequence_logprob(m, long, None, torch.full((1, 2), 3))):
+        with pytest.raises(ValueError, match="source length 9 exceeds the model's max_len=8"):
+            call()
+    with pytest.raises(ValueError, match=r"max_len must be an int in \[1, 8\]"):
+        greedy(m, torch.full((1, 3), 3), None, 9)  # the decoder would need position 8
+    with pytest.raises(ValueError, match=r"ys must have shape \(B=1, L\) with 1 <= L <= max_len=8"):
+        sequence_logprob(m, torch.full((1, 3), 3), None, torch.full((1, 9), 3))
+    out = translate_ids(m, [[3] * 20], max_extra=50)  # translate_ids cuts the source to max_len
+    assert out == translate_ids(m, [[3] * 8], max_extra=50) and len(out[0]) <= 8

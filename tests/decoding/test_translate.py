@@ -20,6 +20,7 @@ import torch
 
 from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from annotated.training.data import train_tokenizer
+from annotated.decoding.search import translate_ids
 from annotated.decoding.translate import main, translate
 from annotated.transformer import make_model
 
@@ -98,23 +99,25 @@ def test_stdin_serves_line_by_line_and_survives_bad_lines(ckpt, loaded):
     assert all(a.endswith("\n") for a in answers) and rest == b""
     assert answers[0][:-1] == expected(loaded, "Ein Hund rennt.")
     assert answers[1] == answers[2] == "\n"
-    cut = loaded[1].decode(loaded[1].encode(long_line)[:MAX_LEN])
-    assert answers[3][:-1] == expected(loaded, cut)
+    per_part = MAX_LEN // len(loaded[1].encode("Hund"))  # no sentence or clause ends: split between words
+    parts = [" ".join(["Hund"] * min(per_part, 40 - i)) for i in range(0, 40, per_part)]
+    assert answers[3][:-1] == " ".join(expected(loaded, part) for part in parts)
     assert answers[4][:-1] == expected(loaded, "Stra\ufffde und \ufffd Hund")
     assert answers[5][:-1] == expected(loaded, "Eine Frau.")  # still serving after all that
     assert "line 2: empty input, printed an empty line" in err
     assert "line 3: empty input, printed an empty line" in err
-    assert f"line 4: {n_long} subwords, more than the model's max_len={MAX_LEN}; translated the first {MAX_LEN}" in err
+    assert f"line 4: {n_long} subwords, more than the model's max_len={MAX_LEN}; translated in {len(parts)} parts" in err
     assert "line 5: not valid UTF-8, undecodable bytes replaced by U+FFFD" in err
     assert "line 1" not in err and "line 6" not in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("when", ["while torch loads", "while waiting for a line"])
 def test_ctrl_c_exits_130_without_a_traceback(ckpt, when):
-    """Ctrl-C is how people stop a translator reading stdin: exit code 130, nothing on stderr, at any moment.
+    """Ctrl-C is how people stop a translator reading stdin: exit code 130 and one line, at any moment.
 
     Python would raise KeyboardInterrupt inside `import torch` (a traceback; on torch 2.11 once an
-    abort); the command exits quietly until the model is loaded, then the loop catches it."""
+    abort); the command exits at once while modules load, and says so like every command
+    (annotated/plumbing/interrupts.py)."""
     p = subprocess.Popen([sys.executable, "-m", "annotated.decoding.translate", "--checkpoint", str(ckpt)], cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -133,7 +136,8 @@ def test_ctrl_c_exits_130_without_a_traceback(ckpt, when):
     finally:
         killer.cancel()
         p.kill()
-    assert rc == 130 and err == "", (rc, err)
+    assert rc == 130 and err.lstrip("\n") == "translate: interrupted\n", (rc, err)  # (a line break first
+    # where it was working: a progress bar may be open)
 
 
 def test_a_reader_that_goes_away_ends_it_quietly(ckpt):
@@ -244,7 +248,8 @@ def test_help_states_the_rules(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
     for phrase in ("empty or whitespace-only line", "more subwords than max_len", "non-UTF-8 bytes",
-                   "characters unseen in training", "exit code 2", "--max-extra"):
+                   "characters unseen in training", "put back at the end of the translation", "exit code 2",
+                   "--max-extra", "split at sentence ends", "typed on a terminal, line by line", "exit code 130"):
         assert phrase in text
 
 
@@ -283,7 +288,7 @@ def test_a_translation_is_always_one_line(loaded):
     model, tok = loaded
 
     class Spells:  # the real tokenizer, except that decoding yields line breaks
-        encode = staticmethod(tok.encode)
+        encode, pieces = staticmethod(tok.encode), staticmethod(tok.pieces)
 
         def decode(self, ids):
             return "a\nb\r\nc\u2028d"
@@ -327,3 +332,149 @@ def test_without_checkpoint_option_uses_the_latest_run(ckpt, loaded, tmp_path):
     code, out, err = run_main("--runs-dir", tmp_path / "runs", stdin="Ein Hund.\n".encode())
     assert code == 0 and out == expected(loaded, "Ein Hund.") + "\n"
     assert err == f"translate: using {tmp_path / 'runs' / 'latest' / 'best.pt'}\n"
+
+
+# --- real input: unseen characters, long lines, many lines --------------------
+
+def test_unseen_characters_are_set_aside_and_put_back_at_the_end(loaded):
+    """An emoji (or a symbol, or another script) does not change the translation; it is kept, at the end."""
+    model, tok = loaded
+    plain = "Ein Hund rennt über die Wiese."
+    assert translate(model, tok, "Ein Hund 🐕 rennt über die Wiese.") == (expected(loaded, plain) + " 🐕", None)
+    both = translate(model, tok, "🐕 Ein Hund rennt über die Wiese. 👍🏽 東京")[0]
+    assert both == expected(loaded, plain) + " 🐕 👍🏽 東京"  # in their order; a run of them stays together
+    assert translate(model, tok, "🐕🐕")[0] == "🐕🐕"  # nothing else to translate
+
+
+class Spy:
+    """translate_ids, recording the sources of each call."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __call__(self, model, sources, *args, **kwargs):
+        self.calls.append([list(s) for s in sources])
+        return self.real(model, sources, *args, **kwargs)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    from annotated.decoding import translate as module
+
+    recorder = Spy(module.translate_ids)
+    monkeypatch.setattr(module, "translate_ids", recorder)
+    return recorder
+
+
+def test_a_line_longer_than_max_len_is_split_at_sentence_ends(loaded, spy):
+    model, tok = loaded
+    sentences = ["Ein Hund rennt.", "Eine Frau liest.", "Ein Hund."]
+    text = " ".join(sentences)
+    assert all(len(tok.encode(s)) <= MAX_LEN for s in sentences) and len(tok.encode(text)) > MAX_LEN
+    want = " ".join(expected(loaded, s) for s in sentences)
+    spy.calls.clear()
+    assert translate(model, tok, text) == (
+        want, f"{len(tok.encode(text))} subwords, more than the model's max_len={MAX_LEN}; translated in 3 parts")
+    assert spy.calls[0] == [tok.encode(s) for s in sentences]  # one part per sentence, in order
+
+
+@pytest.fixture(scope="module")
+def knows_clauses(tmp_path_factory):
+    """A tiny model whose tokenizer has seen ',', ';' and ':' (the fixture's texts have none)."""
+    tok = train_tokenizer(TEXTS + ["Ein Hund rennt, eine Frau liest; ein Hund: eine Frau."] * 4, 320,
+                          cache_dir=tmp_path_factory.mktemp("clauses"))
+    torch.manual_seed(0)
+    return make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2,
+                      dropout=0.0, max_len=MAX_LEN).eval(), tok
+
+
+def test_a_sentence_longer_than_max_len_is_split_at_clause_ends(knows_clauses, spy):
+    model, tok = knows_clauses
+    clauses = ["Ein Hund rennt,", "eine Frau liest;", "ein Hund rennt:", "eine Frau"]
+    text = " ".join(clauses)
+    assert len(tok.encode(text)) > MAX_LEN
+    translation, note = translate(model, tok, text)
+    parts = spy.calls[-1]
+    assert len(parts) > 1 and all(len(p) <= MAX_LEN for p in parts) and note.endswith(f"in {len(parts)} parts")
+    assert sum(parts, []) == tok.encode(text)  # nothing lost, nothing added, in order
+    assert all(tok.decode(p)[-1] in ",;:" for p in parts[:-1])  # each cut at a clause end
+    alone = " ".join(tok.decode(translate_ids(model, [p], 4, 0.6)[0]) for p in parts)
+    assert translation == " ".join(alone.splitlines())  # (the output stays one line)
+
+
+class FlushLog(io.BytesIO):
+    """A binary stdout that remembers what it held at each flush."""
+
+    def __init__(self):
+        super().__init__()
+        self.flushed = []
+
+    def flush(self):
+        super().flush()
+        self.flushed.append(self.getvalue())
+
+
+SENTENCES = ["Ein Hund rennt.", "Zwei Männer spielen.", "Eine Frau liest ein Buch.",
+             "Ein Hund rennt über die Wiese.", "Eine Frau.", "Ein Hund."] * 2  # each within MAX_LEN subwords
+
+
+def test_stdin_from_a_file_is_batched_answered_in_order_and_flushed_per_window(ckpt, loaded, spy, monkeypatch):
+    from annotated.decoding import translate as module
+
+    assert all(len(loaded[1].encode(s)) <= MAX_LEN for s in SENTENCES)  # one source per line
+    monkeypatch.setattr(module, "WINDOW", 5)
+    want = [expected(loaded, s, 2) for s in SENTENCES]
+    spy.calls.clear()
+    stdin = io.BytesIO("".join(s + "\n" for s in SENTENCES).encode())
+    out, err = FlushLog(), io.StringIO()
+    assert main(["--checkpoint", str(ckpt), "--beam", "2"], stdin=stdin, stdout=out, stderr=err) == 0
+    assert [len(call) for call in spy.calls] == [5, 5, 2]
+    assert out.getvalue().decode().split("\n") == want + [""]  # several sentences per call of the model
+    lines_at_flush = [f.decode().count("\n") for f in out.flushed]
+    assert lines_at_flush[:3] == [5, 10, 12] and err.getvalue() == ""
+
+
+class Terminal(io.BytesIO):
+    def isatty(self):
+        return True
+
+
+def test_a_terminal_on_stdin_is_served_line_by_line_after_saying_so(ckpt, loaded, spy):
+    from annotated.decoding.translate import WAITING
+
+    want = [expected(loaded, s, 2) for s in SENTENCES[:3]]
+    spy.calls.clear()
+    out, err = io.BytesIO(), io.StringIO()
+    stdin = Terminal("".join(s + "\n" for s in SENTENCES[:3]).encode())
+    assert main(["--checkpoint", str(ckpt), "--beam", "2"], stdin=stdin, stdout=out, stderr=err) == 0
+    assert err.getvalue() == WAITING + "\n"
+    assert WAITING == "translate: waiting for sentences, one per line (Ctrl-D to end)"
+    assert [len(call) for call in spy.calls] == [1, 1, 1]
+    assert out.getvalue().decode().split("\n") == want + [""]
+
+
+def test_make_bench_compares_the_cli_from_stdin_with_batched_translate_ids():
+    """benchmarks/bench.py's row: both sides run the same sentences with the same beam (no speed asserted)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import bench
+
+    row = bench.bench_translator_cli(bench.Settings(reps=1, window=0.01), lambda line: None, sentences=6)
+    assert row["sentences"] == 6 and row["beam"] == 2 and "error" not in row
+    assert row["ratio"] == row["cli_s"] / row["translate_ids_s"] > 0
+    assert "translator from stdin / batched translate_ids" in bench.markdown(
+        {"meta": {"device_name": "cpu", "torch": "", "date": "", "dtype": "fp32", "clock": "wall",
+                  "load_average_start": [0], "load_average_end": [0], "device_type": "cpu"},
+         "train": [], "decode": [], "targets": [], "translator_cli": row})
+
+
+class TerminalText(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_file_on_stdin_shows_a_progress_bar_on_a_terminals_stderr(ckpt, loaded):
+    out, err = io.BytesIO(), TerminalText()
+    stdin = io.BytesIO("".join(s + "\n" for s in SENTENCES).encode())
+    assert main(["--checkpoint", str(ckpt), "--beam", "1"], stdin=stdin, stdout=out, stderr=err) == 0
+    assert "translate: 0 sentences" in err.getvalue() and err.getvalue().endswith("\r")  # drawn, then cleared
+    assert out.getvalue().decode().split("\n") == [expected(loaded, s, 1) for s in SENTENCES] + [""]

@@ -1,0 +1,39 @@
+"""pyproject.toml: the console scripts of `pip install -e .` are the commands' own main functions, and the
+package it describes holds every subpackage and the viewer's web assets. Read and imported, not installed."""
+import importlib
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+SCRIPTS = PROJECT["project"]["scripts"]
+# make target -> the module it runs (Makefile); each has a console script named annotated-<target>
+TARGETS = {"train": "train_wmt", "translate": "annotated.decoding.translate",
+           "equivalence": "annotated.proof.equivalence", "attention": "annotated.attention.dump",
+           "heads": "annotated.attention.heads"}
+
+
+@pytest.mark.parametrize("target, module", TARGETS.items())
+def test_console_scripts_resolve_to_the_commands_main_functions(target, module):
+    assert f"$(PY) {'train_wmt.py' if module == 'train_wmt' else '-m ' + module}" in (ROOT / "Makefile").read_text()
+    name, function = SCRIPTS[f"annotated-{target}"].split(":")
+    assert (name, function) == (module, "main")
+    main = getattr(importlib.import_module(name), function)
+    assert callable(main) and main.__module__ == module and main.__name__ == "main"
+
+
+def test_every_console_script_is_a_make_target():
+    assert set(SCRIPTS) == {f"annotated-{target}" for target in TARGETS}
+
+
+def test_the_package_holds_every_subpackage_and_the_web_assets():
+    setuptools = PROJECT["tool"]["setuptools"]
+    assert setuptools["packages"]["find"]["include"] == ["annotated", "annotated.*"]
+    assert setuptools["py-modules"] == ["train_wmt"]
+    assets = setuptools["package-data"]["annotated.attention"]
+    web = sorted(p.name for pattern in assets for p in (ROOT / "annotated" / "attention").glob(pattern))
+    assert web == sorted(p.name for p in (ROOT / "annotated" / "attention" / "web").iterdir() if p.is_file())
+    assert {"viewer.html", "viewer.js", "viewer.css"} <= set(web)
+    assert PROJECT["tool"]["setuptools"]["dynamic"]["dependencies"] == {"file": ["requirements.txt"]}
