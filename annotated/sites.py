@@ -16,7 +16,7 @@
 # (*sites*), counts their heads, and removes heads for real. Checkpoint
 # loading (`annotated/plumbing/checkpoint.py`, for pruned models), the head
 # analysis and pruning (`annotated/attention/`) and the attention dump all
-# address attentions through it. Tests: `tests/attention/test_heads.py`.
+# address attentions through it. Tests: `tests/test_sites.py`.
 
 # %%
 from __future__ import annotations

@@ -27,9 +27,14 @@
 #
 # | kind | queries | keys | shape per layer |
 # | --- | --- | --- | --- |
-# | `encoder` | source tokens | source tokens | `(1, h, S, S)` |
-# | `decoder_self` | target positions | target positions (masked) | `(1, h, T, T)` |
+# | `enc_self` | source tokens | source tokens | `(1, h, S, S)` |
+# | `dec_self` | target positions | target positions (masked) | `(1, h, T, T)` |
 # | `cross` | target positions | source tokens (the encoder output) | `(1, h, T, S)` |
+#
+# The kinds carry the names of `annotated/sites.py` (`KINDS`), in the arrays,
+# the files, the index and the viewer alike; the labels people read
+# ("encoder self-attention", ...) are `KIND_LABELS` of
+# `annotated/attention/pictures.py`.
 #
 # `annotated/attention/pictures.py` draws the pictures and explains how to read
 # them; `annotated/attention/viewer.py` makes the page. Every claim that can be checked
@@ -57,19 +62,21 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one li
 import numpy as np
 import torch
 
-from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figure, save_figure
-from annotated.attention.viewer import HEADS_KINDS, importance_fits, read_head_importance, viewer_html
-from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from annotated.plumbing.checks import check_eval_mode, check_id_list, check_tokenizer
+from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figure
+from annotated.attention.viewer import importance_fits, read_head_importance, viewer_html
+from annotated.plumbing.checkpoint import latest_checkpoint, load_checkpoint
 from annotated.decoding.search import translate_ids
-from annotated.plumbing.files import new_file_mode
-from annotated.sites import head_counts
+from annotated.plumbing.files import json_safe, new_file_mode, save_figure
+from annotated.sites import KINDS, head_counts
 from annotated.plumbing.options import Parser, at_least, device, writable_dir
+from annotated.recording import record_attention
 from annotated.tokens import PAD, BOS, EOS
 from annotated.transformer import EncoderDecoder, padding_mask, subsequent_mask
 
 
-KINDS = ("encoder", "decoder_self", "cross")
-FORMAT = "annotated-attention-v1"
+FORMAT = "annotated-attention-v2"
+OLD_FORMATS = ("annotated-attention-v1",)  # kinds named encoder / decoder_self: read no more, replaced on request
 
 # %% [markdown]
 # ## 1. Which tokens are the rows and the columns
@@ -91,16 +98,18 @@ FORMAT = "annotated-attention-v1"
 #   position `t` *produces*. The last output is `</s>` when the model stopped
 #   by itself; `</s>` is never read.
 #
-# So the rows and columns of each kind are:
+# A row is a query; a decoder row is labelled by the token the decoder
+# predicts there, a key column by the token fed in there (`READING` of
+# `annotated/attention/pictures.py`). So the rows and columns of each kind are:
 #
-# * `encoder`: rows and columns `src_tokens`.
-# * `decoder_self`: rows and columns `tgt_in_tokens` (the diagonal is "a
-#   position looking at itself").
-# * `cross`: rows `tgt_out_tokens`, columns `src_tokens`. Row `t` is the
-#   decoder position that reads `tgt_in_tokens[t]` and produces
-#   `tgt_out_tokens[t]`; labelling it by what it produces gives the classic
-#   alignment picture of Bahdanau et al. (2015): "to write *dog*, the model
-#   looked at *Hund*".
+# * `enc_self`: rows and columns `src_tokens`.
+# * `dec_self`: rows `tgt_out_tokens`, columns `tgt_in_tokens`. Row `t`
+#   reads `tgt_in_tokens[t]` and predicts `tgt_out_tokens[t]`, so the
+#   diagonal cell, "a position looking at itself", sits where row *dog*
+#   meets the column of the token before *dog*.
+# * `cross`: rows `tgt_out_tokens`, columns `src_tokens`. Labelling row `t`
+#   by what it predicts gives the classic alignment picture of Bahdanau et
+#   al. (2015): "to write *dog*, the model looked at *Hund*".
 #
 # `index.json` records this table (`rows_cols`: kind -> [row tokens, column
 # tokens]) and every sentence's three token lists, so any reader labels the
@@ -109,8 +118,8 @@ FORMAT = "annotated-attention-v1"
 # every array's shape matches its two token lists.)
 
 # %%
-ROWS_COLS = {"encoder": ("src_tokens", "src_tokens"),
-             "decoder_self": ("tgt_in_tokens", "tgt_in_tokens"),
+ROWS_COLS = {"enc_self": ("src_tokens", "src_tokens"),
+             "dec_self": ("tgt_out_tokens", "tgt_in_tokens"),
              "cross": ("tgt_out_tokens", "src_tokens")}
 
 
@@ -128,8 +137,8 @@ def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
 # The decoder (section 3) produces the translation one token at a time. To get
 # its attention we do not record anything during decoding and we keep no state on
 # the modules: we run the model **once more**, teacher-forced, on the finished
-# translation, and keep the probabilities that `encode_with_attention` and
-# `decode_with_attention` hand back.
+# translation, and keep the probabilities that `record_attention`
+# (`annotated/recording.py`) records during that pass.
 #
 # This gives exactly the weights the model used while translating: under the
 # causal mask position `t` sees the same inputs `<s> y_1 ... y_{t-1}` in both
@@ -147,25 +156,12 @@ def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
 # and its `T = len(tgt_ids)` rows are the positions that predict `tgt_ids`.
 
 # %%
-def _check_ids(name: str, ids: Sequence[int], vocab: int, max_len: int, allow_pad: bool) -> list[int]:
-    ids = [int(i) for i in ids]
-    if not ids:
-        raise ValueError(f"{name} is empty: need at least one token")
-    if len(ids) > max_len:
-        raise ValueError(f"{name} has {len(ids)} tokens, more than the model's max_len={max_len}")
-    bad = [i for i in ids if not 0 <= i < vocab or (i == PAD and not allow_pad)]
-    if bad:
-        raise ValueError(f"{name} holds ids outside [0, {vocab})"
-                         f"{'' if allow_pad else f' or the pad id {PAD} (it would be masked)'}: {bad[:5]}")
-    return ids
-
-
 @torch.no_grad()
 def collect_attention(model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Sequence[int], *,
                       dtype=np.float32) -> dict:
     """Every attention weight of one sentence pair, from one teacher-forced pass.
 
-    Returns {"encoder": [...], "decoder_self": [...], "cross": [...]}, each a
+    Returns {"enc_self": [...], "dec_self": [...], "cross": [...]}, each a
     list with one numpy array per layer (layer 0 nearest the embeddings) of
     shape (1, h, S, S), (1, h, T, T) and (1, h, T, S), T = len(tgt_ids), h = that
     attention's number of heads (fewer in the pruned layers of a pruned model).
@@ -175,31 +171,30 @@ def collect_attention(model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Se
     >>> m = make_model(src_vocab=20, tgt_vocab=20, N=2, d_model=16, d_ff=32, h=4).eval()
     >>> a = collect_attention(m, [5, 6, 7], [8, 9, EOS])
     >>> [(k, len(a[k]), a[k][0].shape) for k in KINDS]
-    [('encoder', 2, (1, 4, 3, 3)), ('decoder_self', 2, (1, 4, 3, 3)), ('cross', 2, (1, 4, 3, 3))]
-    >>> a["decoder_self"][0][0, 0].round(3).tolist()[0]  # <s> can only look at itself
+    [('enc_self', 2, (1, 4, 3, 3)), ('dec_self', 2, (1, 4, 3, 3)), ('cross', 2, (1, 4, 3, 3))]
+    >>> a["dec_self"][0][0, 0].round(3).tolist()[0]  # <s> can only look at itself
     [1.0, 0.0, 0.0]
     """
-    if model.training:
-        raise ValueError("collect_attention needs the model in eval mode (call model.eval()): "
-                         "dropout would change the weights")
+    check_eval_mode(model, "collect_attention")
     cfg = model.config
-    src_ids = _check_ids("source", src_ids, cfg.src_vocab, cfg.max_len, allow_pad=False)
+    src_ids = check_id_list("source", src_ids, cfg.src_vocab, cfg.max_len, allow_pad=False)
     # an untrained model may emit pad or bos as words; the pass feeds them back exactly as greedy did
-    tgt_ids = _check_ids("target", tgt_ids, cfg.tgt_vocab, cfg.max_len, allow_pad=True)
+    tgt_ids = check_id_list("target", tgt_ids, cfg.tgt_vocab, cfg.max_len, allow_pad=True)
     device = next(model.parameters()).device
     src = torch.tensor([src_ids], dtype=torch.long, device=device)  # (1, S)
     tgt_in = torch.tensor([[BOS] + tgt_ids[:-1]], dtype=torch.long, device=device)  # (1, T)
     src_mask = padding_mask(src, PAD)  # (1, 1, S)
     tgt_mask = subsequent_mask(tgt_in.size(1)).to(device)  # (1, T, T)
-    memory, enc = model.encode_with_attention(src, src_mask)  # (1, S, d_model), N x (1, h, S, S)
-    _, dec_self, cross = model.decode_with_attention(memory, src_mask, tgt_in,
-                                                     tgt_mask)  # N x (1, h, T, T), N x (1, h, T, S)
+    with record_attention(model) as probs:
+        model.decode(model.encode(src, src_mask), src_mask, tgt_in, tgt_mask)
+    enc, dec_self, cross = ([probs[kind, l][0] for l in range(cfg.N)]  # (1, h, S, S), (1, h, T, T), (1, h, T, S)
+                            for kind in ("enc_self", "dec_self", "cross"))
     wide = torch.float64 if np.dtype(dtype) == np.float64 else torch.float32
 
     def to_numpy(probs):
         return [p.detach().to("cpu", wide).numpy().astype(dtype, copy=False) for p in probs]
 
-    return {"encoder": to_numpy(enc), "decoder_self": to_numpy(dec_self), "cross": to_numpy(cross)}
+    return {"enc_self": to_numpy(enc), "dec_self": to_numpy(dec_self), "cross": to_numpy(cross)}
 
 
 # %% [markdown]
@@ -261,8 +256,8 @@ def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: i
 #
 # A dump directory holds, for sentence `i`:
 #
-# * `sentence_{i:03d}.npz` with arrays `encoder_layer0 ... encoder_layer{N-1}`,
-#   `decoder_self_layer0 ...`, `cross_layer0 ...`, each `(1, h, q, k)`
+# * `sentence_{i:03d}.npz` with arrays `enc_self_layer0 ... enc_self_layer{N-1}`,
+#   `dec_self_layer0 ...`, `cross_layer0 ...`, each `(1, h, q, k)`
 #   (axes: batch of one, head, query, key), `h` that layer's own number of
 #   heads;
 # * PNG pictures (`annotated/attention/pictures.py`);
@@ -306,7 +301,7 @@ def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: i
 
 # %%
 def array_name(kind: str, layer: int) -> str:
-    """`encoder_layer0`, `cross_layer5`, ...: the name of one layer's array in a sentence file."""
+    """`enc_self_layer0`, `cross_layer5`, ...: the name of one layer's array in a sentence file."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     return f"{kind}_layer{layer}"
@@ -329,6 +324,10 @@ def read_index(out_dir: os.PathLike | str) -> dict:
     if not path.is_file():
         raise ValueError(f"{path}: no such file (not an attention dump?)")
     index = json.loads(path.read_text(encoding="utf-8"))
+    if index.get("format") in OLD_FORMATS:
+        raise ValueError(f"{path} is an attention dump of format {index['format']!r} (kinds named encoder, "
+                         f"decoder_self, cross); this version reads {FORMAT!r}: re-run make attention "
+                         f"(python -m annotated.attention.dump) to write it again")
     if index.get("format") != FORMAT:
         raise ValueError(f"{path} is not an attention index (expected format {FORMAT!r})")
     return index
@@ -346,8 +345,8 @@ def bertviz_args(attn: dict, entry: Optional[dict] = None) -> dict:
         if len(set(counts)) > 1:
             raise ValueError(f"bertviz needs the same number of heads in every layer, but the {kind} layers have "
                              f"{counts} heads (a pruned model); show it with viewer.html instead")
-    out = {"encoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["encoder"]),
-           "decoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["decoder_self"]),
+    out = {"encoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["enc_self"]),
+           "decoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["dec_self"]),
            "cross_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["cross"])}
     if entry is not None:
         out.update(encoder_tokens=list(entry["src_tokens"]), decoder_tokens=list(entry["tgt_in_tokens"]))
@@ -366,14 +365,16 @@ def bertviz_args(attn: dict, entry: Optional[dict] = None) -> dict:
 # positively: its `index.json` carries our format marker, and every entry of
 # the directory is a plain file that the index names and that has the name of
 # a dump's file (`index.json`, `viewer.html`, `sentence_000.npz`, its
-# pictures). Anything else, a
+# pictures). A dump of the previous format (`annotated-attention-v1`) is one
+# of ours too: it cannot be read any more, and `make attention` replaces
+# it. Anything else, a
 # file, a link, a folder holding one file of the user's, is refused with one
 # line before anything is computed, and left untouched.
 # (`test_failed_dump_leaves_nothing`, `test_out_dir_that_is_not_our_dump_is_refused_untouched`.)
 
 # %%
-DUMP_FILE = re.compile(r"index\.json|viewer\.html|sentence_\d{3,}(\.npz|_(encoder|decoder_self|cross|alignment|"
-                       r"alignment_heads)\.png)")  # every name a dump writes
+DUMP_FILE = re.compile(r"index\.json|viewer\.html|sentence_\d{3,}(\.npz|_(enc_self|dec_self|cross|alignment|"
+                       r"alignment_heads|encoder|decoder_self)\.png)")  # every name a dump writes (or wrote, v1)
 
 
 def not_a_dump(out_dir: os.PathLike | str) -> Optional[str]:
@@ -390,7 +391,7 @@ def not_a_dump(out_dir: os.PathLike | str) -> Optional[str]:
             ours |= {entry["file"], *(entry.get("pictures") or {}).values()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return "it has no readable index.json of an attention dump"
-    if index.get("format") != FORMAT:
+    if index.get("format") not in (FORMAT, *OLD_FORMATS):
         return f"its index.json does not carry the format {FORMAT!r}"
     foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in ours or not DUMP_FILE.fullmatch(p.name)
                      or p.is_symlink() or not p.is_file())
@@ -439,23 +440,11 @@ def _pretty_json(value, indent: str = "") -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _json_safe(value):
-    try:
-        json.dumps(value)
-        return value
-    except (TypeError, ValueError):
-        if isinstance(value, dict):
-            return {str(k): _json_safe(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [_json_safe(v) for v in value]
-        return repr(value)
-
-
 def _pictures(tmp: Path, stem: str, attn: dict, entry: dict) -> dict:
     files = {}
     for kind in KINDS:
         rows, cols = (entry[name] for name in ROWS_COLS[kind])
-        fig = grid_figure(attn[kind], rows, cols, kind, title=f"{stem}, ", axis_names=ROWS_COLS[kind])
+        fig = grid_figure(attn[kind], rows, cols, kind, title=f"{stem}, ")
         files[kind] = f"{stem}_{kind}.png"
         save_figure(fig, tmp / files[kind])
     last = len(attn["cross"]) - 1
@@ -467,12 +456,6 @@ def _pictures(tmp: Path, stem: str, attn: dict, entry: dict) -> dict:
     return files
 
 
-def model_head_counts(model: EncoderDecoder) -> dict[str, list[int]]:
-    """{kind: [heads of layer 0, layer 1, ...]} under this chapter's kind names (a pruned model's layers differ)."""
-    counts = head_counts(model)
-    return {ours: counts[theirs] for theirs, ours in HEADS_KINDS.items()}
-
-
 def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_dir: os.PathLike | str, *,
                checkpoint: Optional[str] = None, meta: Optional[dict] = None,
                references: Optional[Sequence[Optional[str]]] = None, pictures: bool = True,
@@ -482,8 +465,7 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
 
     `importance`: each head's score per kind, {kind: [per layer [per head]]} (see `read_head_importance`);
     it must list exactly the model's heads (ValueError otherwise)."""
-    if model.training:
-        raise ValueError("dump needs the model in eval mode (call model.eval())")
+    check_eval_mode(model, "dump")
     if not sentences:
         raise ValueError("no sentences to dump")
     if references is not None and len(references) != len(sentences):
@@ -491,8 +473,8 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
     cfg = model.config
     sources = [encode_sentence(tokenizer, s, cfg.max_len, name=f"sentence {i + 1}") for i, s in enumerate(sentences)]
     index = {"format": FORMAT, "checkpoint": checkpoint, "model_config": dataclasses.asdict(cfg),
-             "meta": _json_safe(dict(meta or {})), "kinds": list(KINDS), "layers": cfg.N, "heads": cfg.h,
-             "head_counts": model_head_counts(model),
+             "meta": json_safe(dict(meta or {})), "kinds": list(KINDS), "layers": cfg.N, "heads": cfg.h,
+             "head_counts": head_counts(model),
              "axes": ["batch", "head", "query", "key"], "array_names": "{kind}_layer{layer}",
              "layer_order": "layer 0 is nearest the embeddings, layer N-1 feeds the output",
              "head_order": "head i uses W_Q[i], W_K[i], W_V[i] (per-head form) = column block i (fused form); "
@@ -552,12 +534,11 @@ def dump(checkpoint_path: os.PathLike | str, sentences: Optional[Sequence[str]] 
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent / "attention"
     check_output_dir(out_dir)  # before any work
     model, tokenizer, meta = load_checkpoint(checkpoint_path)
-    if tokenizer is None:
-        raise CheckpointError(f"checkpoint {checkpoint_path} holds no tokenizer; cannot turn sentences into ids")
+    check_tokenizer(tokenizer, checkpoint_path, "turn sentences into ids")
     model = model.to(device or "cpu", torch.float64 if np.dtype(dtype) == np.float64 else torch.float32)
     if sentences is None:
         sentences, references = flickr_test_sentences(meta, n, data_url, cache_dir)
-    importance, note = read_head_importance(checkpoint, model.config, model_head_counts(model))
+    importance, note = read_head_importance(checkpoint, model.config, head_counts(model))
     if note and say:
         say(note)
     return dump_model(model, tokenizer, sentences, out_dir, checkpoint=str(checkpoint), meta=meta,

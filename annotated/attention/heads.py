@@ -1,11 +1,12 @@
-"""`python -m annotated.attention.heads [--checkpoint PATH] [--prune [--threshold 0.5]] [--sentences N]` (`make heads`).
+"""`python -m annotated.attention.heads [--checkpoint PATH] [--sentences N] [--prune [--finetune-steps N]]` (`make heads`).
 
-For every head of every attention: Michel et al.'s importance, validation BLEU and loss without it, and its
-average attention by relative position; one table on stdout, `heads.json`, one heat map per attention kind
-(`heads_<kind>.png`) and one inspection page (`heads_inspect.png`), written beside the checkpoint or in
-`--out`. With `--prune`: greedy pruning on the same validation sentences, `pruned.pt`, and test BLEU and
-decoding speed of both models, measured in this run. The chapters are `annotated/attention/importance.py`,
-`annotated/attention/prune.py` and `annotated/attention/profiles.py`.
+For every head of every attention: Michel et al.'s importance, the change of validation BLEU and loss without
+it (each with a paired bootstrap interval), measures of where it looks and the label they give; one table on
+stdout, `heads.json`, one heat map per attention kind (`heads_<kind>.png`), one inspection page
+(`heads_inspect.png`) and one example sentence per head (`heads_examples.png`), written beside the checkpoint
+or in `--out`. With `--prune`: greedy pruning (ranked on half the validation sentences, stopped on the other
+half's loss), optionally fine-tuned, saved as `pruned.pt`, with test BLEU and decoding speed of both models.
+The chapters are `annotated/attention/importance.py`, `bootstrap.py`, `profiles.py` and `prune.py`.
 """
 from __future__ import annotations
 
@@ -23,25 +24,38 @@ from typing import Optional
 import numpy as np
 import torch
 
+from annotated.attention.bootstrap import RESAMPLES, SEED, Change, paired_bleu_change, paired_loss_change
+from annotated.attention.importance import ablate, head_importance, normalise_per_attention, sentence_losses
+from annotated.attention.prune import MAX_LOSS_INCREASE
 from annotated.plumbing.options import Parser, at_least, device, fail, number, writable_dir
 from annotated.sites import KINDS, attention_at, sites
-from annotated.attention.importance import ablate, head_importance, normalise_per_attention
 
 NAME = "python -m annotated.attention.heads"
 WINDOW = 4  # offsets -4 ... +4 in the position profiles
 SPEED_ROUNDS = 3  # timings alternate unpruned / pruned this many times; the fastest of each counts
+NOISY_BLEU = 1.0  # the command warns when the typical BLEU interval is wider than this
+STOP_RULE = ("Pruning ranks heads by importance on the validation sentences at even positions (0, 2, 4, ...) "
+             "and judges each removal on those at odd positions: it removes one head at a time, least important first, and stops "
+             "at the first removal that raises the held-out validation loss (cross-entropy per target token) "
+             "more than --max-loss-increase above the unpruned model's, keeping the model from before it.")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog=NAME, description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p = Parser(prog=NAME, description=__doc__.split("\n\n")[1].replace("\n", " "), epilog=STOP_RULE)
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="checkpoint file (default: runs/latest/best.pt, else the newest runs/*/best.pt)")
     p.add_argument("--out", type=writable_dir, default=None, help="output folder (default: the checkpoint's folder)")
-    p.add_argument("--sentences", type=at_least(1), default=300,
+    p.add_argument("--sentences", type=at_least(2), default=300,
                    help="validation sentences for ablation, importance and the pruning search (default 300)")
+    p.add_argument("--resamples", type=at_least(1), default=RESAMPLES,
+                   help=f"bootstrap resamples for every interval (default {RESAMPLES})")
+    p.add_argument("--seed", type=at_least(0), default=SEED, help=f"seed of the bootstrap resamples (default {SEED})")
     p.add_argument("--prune", action="store_true", help="prune heads greedily and save pruned.pt")
-    p.add_argument("--threshold", type=number(0, None), default=None,
-                   help="with --prune: the most validation BLEU the pruned model may lose (default 0.5)")
+    p.add_argument("--max-loss-increase", type=number(0, None), default=None,
+                   help=f"with --prune: the most the held-out validation loss may rise, in nats per token "
+                        f"(default {MAX_LOSS_INCREASE})")
+    p.add_argument("--finetune-steps", type=at_least(0), default=None,
+                   help="with --prune: training steps on Multi30k's training split after pruning (default 0)")
     p.add_argument("--beam", type=at_least(1), default=4,
                    help="beam width for test BLEU and speed with --prune (default 4)")
     p.add_argument("--test-sentences", type=at_least(1), default=None,
@@ -53,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def outputs(prune: bool) -> list[str]:
-    names = ["heads.json"] + [f"heads_{k}.png" for k in KINDS] + ["heads_inspect.png"]
+    names = ["heads.json"] + [f"heads_{k}.png" for k in KINDS] + ["heads_inspect.png", "heads_examples.png"]
     return names + (["pruned.pt"] if prune else [])
 
 
@@ -70,10 +84,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         print(f"{NAME}: using {args.checkpoint}", file=sys.stderr)
     if not args.checkpoint.is_file():
         fail(NAME, f"--checkpoint {args.checkpoint}: no such file")
-    for flag, value in (("--threshold", args.threshold), ("--test-sentences", args.test_sentences)):
+    for flag, value in (("--max-loss-increase", args.max_loss_increase), ("--test-sentences", args.test_sentences),
+                        ("--finetune-steps", args.finetune_steps)):
         if value is not None and not args.prune:
             fail(NAME, f"{flag} only applies with --prune (add --prune, or drop {flag})")
-    args.threshold = 0.5 if args.threshold is None else args.threshold
+    args.max_loss_increase = MAX_LOSS_INCREASE if args.max_loss_increase is None else args.max_loss_increase
+    args.finetune_steps = args.finetune_steps or 0
     args.out = args.out if args.out is not None else args.checkpoint.parent
     existing = [n for n in outputs(args.prune) if (args.out / n).exists()]
     if existing and not args.force:
@@ -84,29 +100,70 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------- data and evaluation
 
+def _batches(encoded, indices, max_len: int):
+    from annotated.training.data import make_batches, split_long
+
+    chosen = [encoded[i] for i in indices]
+    kept, _ = split_long(chosen, max_len)  # teacher-forced passes need pairs that fit the model
+    return make_batches([chosen[i] for i in kept], max_tokens=4000)
+
+
 def _data(meta: dict, tokenizer, n: int, max_len: int, prune: bool, n_test: Optional[int]):
-    from annotated.training.data import encode_pairs, load_multi30k, make_batches, split_long
+    from annotated.training.data import encode_pairs, load_multi30k
 
     src, tgt = meta.get("src_lang", "de"), meta.get("tgt_lang", "en")
-    val = load_multi30k("val", src, tgt)[:n]
+    every = load_multi30k("val", src, tgt)
+    val = every[:n]
     encoded = encode_pairs(val, tokenizer)
-    kept, _ = split_long(encoded, max_len)  # teacher-forced passes need pairs that fit the model
-    batches = make_batches([encoded[i] for i in kept], max_tokens=4000)
     test = load_multi30k("test_2016_flickr", src, tgt)[:n_test] if prune else None
-    return val, batches, test
+    return val, encoded, _batches(encoded, range(len(val)), max_len), test, len(every)
 
 
-def _evaluators(tokenizer, val, batches, device):
+def evaluation(model, tokenizer, pairs, batches, device) -> dict:
+    """Greedy translations of `pairs` and per-sentence losses on `batches`: what the bootstrap resamples."""
     from annotated.training.evaluate import evaluate_bleu
-    from annotated.training.train import evaluate_loss
 
-    def bleu(model) -> float:
-        return evaluate_bleu(model, tokenizer, val, 1, 0.0, device)[0]["bleu"]
+    scores, hyps = evaluate_bleu(model, tokenizer, pairs, 1, 0.0, device)
+    loss, tokens = sentence_losses(model, batches)
+    return {"bleu": scores["bleu"], "loss": float(loss.sum() / tokens.sum()), "hyps": hyps,
+            "sentence_loss": loss, "sentence_tokens": tokens}
 
-    def loss(model) -> float:
-        return evaluate_loss(model, batches, 0.0, device)  # cross-entropy per token (no smoothing)
 
-    return bleu, loss
+def changes(base: dict, other: dict, refs: list[str], resamples: int, seed: int) -> dict[str, Change]:
+    """BLEU and loss of `other` minus those of `base`, with paired bootstrap intervals."""
+    return {"bleu": paired_bleu_change(base["hyps"], other["hyps"], refs, resamples, seed),
+            "loss": paired_loss_change(base["sentence_loss"], base["sentence_tokens"], other["sentence_loss"],
+                                       other["sentence_tokens"], resamples, seed)}
+
+
+def change_json(c: Change) -> dict:
+    return {"value": c.value, "low": c.low, "high": c.high, "significant": c.significant}
+
+
+def format_change(c: Change, fmt: str) -> str:
+    """`-1.20 [-2.31, -0.12]*`: the change, its interval, and `*` when the interval excludes 0."""
+    return f"{c.value:{fmt}} [{c.low:{fmt}}, {c.high:{fmt}}]{'*' if c.significant else ' '}"
+
+
+def noisy_advice(widths: list[float], n: int, available: int) -> Optional[str]:
+    """A line when the median BLEU interval is wider than NOISY_BLEU; intervals shrink about as 1 / sqrt(n).
+    `available`: how many validation sentences there are.
+
+    >>> noisy_advice([0.5, 0.8], 300, 1014) is None
+    True
+    >>> noisy_advice([2.0, 2.0, 3.0], 300, 1014)
+    'noisy: the median BLEU interval is 2.00 wide on 300 sentences, and even all 1014 validation sentences would leave it wider than 1; read the intervals, not the values'
+    >>> noisy_advice([2.0, 2.0, 3.0], 100, 1014)
+    'noisy: the median BLEU interval is 2.00 wide on 100 sentences; use --sentences 400 (or more)'
+    """
+    median = float(np.median(widths))
+    if median <= NOISY_BLEU:
+        return None
+    want = math.ceil(n * (median / NOISY_BLEU) ** 2 / 100) * 100
+    if want > available:
+        return (f"noisy: the median BLEU interval is {median:.2f} wide on {n} sentences, and even all {available} "
+                f"validation sentences would leave it wider than {NOISY_BLEU:g}; read the intervals, not the values")
+    return f"noisy: the median BLEU interval is {median:.2f} wide on {n} sentences; use --sentences {want} (or more)"
 
 
 # ---------------------------------------------------------------- table, JSON, pictures
@@ -117,108 +174,238 @@ def _grid(rows: list[list[float]]) -> np.ndarray:
     return np.array([list(r) + [math.nan] * (width - len(r)) for r in rows], dtype=float)
 
 
-def heat_map(kind: str, panels: list[tuple[str, list[list[float]], str, Optional[str]]], path: Path) -> None:
-    """One row of (N layers x h heads) panels: (title, values, number format, diverging colour map or None).
+def measure_ranges(report: dict) -> dict[str, tuple[float, float]]:
+    """One colour range per measure over all three kinds: importance from 0, changes symmetric about 0."""
+    def values(key, field=None):
+        return [v if field is None else v[field] for k in KINDS for row in report["kinds"][k][key] for v in row]
 
-    A change is coloured around 0, red where the model gets worse."""
-    from annotated.attention.profiles import save_figure
+    top_importance = max(values("importance")) or 1.0
+    top_bleu = max(abs(v) for v in values("bleu_change", "value")) or 1.0
+    top_loss = max(abs(v) for v in values("loss_change", "value")) or 1.0
+    return {"importance": (0.0, top_importance), "bleu_change": (-top_bleu, top_bleu),
+            "loss_change": (-top_loss, top_loss)}
+
+
+PANELS = (("importance", "importance E|dL/dxi|", ".3g", "importance"),
+          ("bleu_change", "val BLEU change without the head", "+.2f", "BLEU change"),
+          ("loss_change", "val loss change without the head", "+.3f", "loss change (nats per token)"))
+
+
+def heat_map(kind: str, report: dict, ranges: dict[str, tuple[float, float]]):
+    """One row of (N layers x h heads) panels, one per measure, in the colour range shared by all kinds.
+    Hatched: a change whose bootstrap interval contains 0 (not significant)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
 
-    fig = Figure(figsize=(4.2 * len(panels), 1.2 + 0.7 * len(panels[0][1])))
+    from annotated.attention.pictures import CMAP
+
+    k = report["kinds"][kind]
+    fig = Figure(figsize=(4.4 * len(PANELS), 1.6 + 0.7 * len(k["importance"])))
     FigureCanvasAgg(fig)
-    for ax, (title, rows, fmt, cmap) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
-        data = _grid(rows)
-        top = float(np.nanmax(np.abs(data))) or 1.0
-        im = ax.imshow(data, cmap=cmap or "viridis", aspect="auto", **({"vmin": -top, "vmax": top} if cmap else {}))
+    for ax, (key, title, fmt, bar) in zip(fig.subplots(1, len(PANELS), squeeze=False)[0], PANELS):
+        change = key != "importance"
+        data = _grid([[v["value"] for v in row] for row in k[key]] if change else k[key])
+        low, high = ranges[key]
+        im = ax.imshow(data, cmap=CMAP, vmin=low, vmax=high, aspect="auto")
         for (l, i), v in np.ndenumerate(data):
-            if not math.isnan(v):
-                dark = not cmap or abs(v) > 0.6 * top  # white text on a dark cell
-                ax.text(i, l, format(v, fmt), ha="center", va="center", color="w" if dark else "k", fontsize=8)
+            if math.isnan(v):
+                continue
+            quiet = change and not k[key][l][i]["significant"]
+            if quiet:
+                ax.add_patch(Rectangle((i - 0.5, l - 0.5), 1, 1, fill=False, hatch="//", edgecolor="0.6", lw=0))
+            dark = (v - low) / ((high - low) or 1.0) < 0.5  # viridis-like maps: light text on the dark half
+            colour = ("0.75" if dark else "0.35") if quiet else ("w" if dark else "k")
+            ax.text(i, l, format(v, fmt), ha="center", va="center", fontsize=8, color=colour)
         ax.set_xticks(range(data.shape[1]))
         ax.set_yticks(range(data.shape[0]))
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
-        ax.set_title(f"{kind}: {title}", fontsize=9)
-        fig.colorbar(im, ax=ax)
+        ax.set_title(f"{kind}: {title}" + ("\n(hatched, grey: 95% interval contains 0)" if change else ""),
+                     fontsize=9)
+        fig.colorbar(im, ax=ax, label=bar)
+    fig.suptitle("colour scales shared by heads_enc_self.png, heads_dec_self.png and heads_cross.png", fontsize=8)
     fig.tight_layout()
-    save_figure(fig, path)
+    return fig
 
 
-def _json_ready(x):
-    if isinstance(x, float):
-        return None if math.isnan(x) else round(x, 6)
-    if isinstance(x, dict):
-        return {k: _json_ready(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_ready(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _json_ready(x.tolist())
-    return x
+def example_sentence(pairs, encoded, max_len: int, shortest: int = 6, longest: int = 12) -> int:
+    """Index of the first pair whose source and target both have `shortest` to `longest` subwords
+    (else the shortest pair that fits the model), so that each head's grid stays legible."""
+    fits = [i for i, (s, t) in enumerate(encoded) if 0 < len(s) <= max_len and len(t) + 1 <= max_len]
+    if not fits:
+        raise ValueError("no validation sentence fits the model's max_len for the example picture")
+    for i in fits:
+        if all(shortest <= len(x) <= longest for x in encoded[i]):
+            return i
+    return min(fits, key=lambda i: max(len(encoded[i][0]), len(encoded[i][1])))
+
+
+@torch.no_grad()
+def examples_figure(model, tokenizer, src_ids: list[int], tgt_ids: list[int], labels: dict, title: str = ""):
+    """A row of small grids per attention, one per head: its attention on one sentence, teacher-forced with
+    the reference translation; titles carry each head's label."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from annotated.attention.pictures import _panel, add_colour_bar, label_font_size
+    from annotated.attention.profiles import teacher_forced_attention
+    from annotated.tokens import BOS
+
+    device = next(model.parameters()).device
+    src = torch.tensor([src_ids], device=device)  # (1, S)
+    tgt_in = torch.tensor([[BOS] + tgt_ids], device=device)  # (1, T)
+    probs = teacher_forced_attention(model.eval(), src, tgt_in)
+    # the pictures' reading: a decoder row is the token predicted there, a key column the token fed in there
+    src_tok, fed = tokenizer.pieces(src_ids), ["<s>"] + tokenizer.pieces(tgt_ids)
+    predicted = tokenizer.pieces(tgt_ids) + ["</s>"]
+    axis = {"enc_self": (src_tok, src_tok), "dec_self": (predicted, fed), "cross": (predicted, src_tok)}
+    rows, width = sites(model), max(attention_at(model, *s).h for s in sites(model))
+    fig = Figure(figsize=(2.6 * width + 1.5, 2.9 * len(rows) + 0.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(rows), width, squeeze=False)
+    font = label_font_size(max(len(src_tok), len(fed)), 2.2)
+    im = None
+    for r, site in enumerate(rows):
+        p = probs[site][0].float().cpu().numpy()  # (h, T_q, T_k)
+        queries, keys = axis[site[0]]
+        for i in range(width):
+            if i >= len(p):  # pruned away
+                axes[r, i].axis("off")
+                continue
+            im = _panel(axes[r, i], p[i], queries, keys, causal=site[0] == "dec_self", row_labels=i == 0,
+                        col_labels=True, font=font,
+                        title=f"{site[0]}[{site[1]}] head {i}: {labels[site[0]][site[1]][i]}")
+        axes[r, 0].set_ylabel("query", fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("key", fontsize=7)
+    add_colour_bar(fig, im, axes)
+    fig.suptitle(title or "each head on one validation sentence (teacher-forced with its reference)", fontsize=9)
+    return fig
 
 
 def format_table(report: dict) -> str:
     base = report["baseline"]
-    lines = [f"{'kind':8s} {'layer':>5s} {'head':>4s} {'importance':>10s} {'val BLEU w/o':>14s} "
-             f"{'val loss w/o':>16s}  habit (mean attention)",
-             ]
+    lines = [f"{'kind':8s} {'layer':>5s} {'head':>4s} {'importance':>10s}  {'val BLEU change [95%]':24s} "
+             f"{'val loss change [95%]':27s} label"]
     for kind in KINDS:
         k = report["kinds"][kind]
         for l, row in enumerate(k["importance"]):
             for i, imp in enumerate(row):
-                b, c = k["ablation_bleu"][l][i], k["ablation_loss"][l][i]
-                lines.append(f"{kind:8s} {l:5d} {i:4d} {imp:10.4f} {b:6.2f} ({b - base['bleu']:+5.2f}) "
-                             f"{c:7.3f} ({c - base['loss']:+6.3f})  {k['habit'][l][i]}")
-    lines.append(f"baseline: val BLEU {base['bleu']:.2f}, val loss {base['loss']:.3f} "
-                 f"({report['validation']['sentences']} sentences, greedy)")
+                b, c = (Change(**{f: k[key][l][i][f] for f in ("value", "low", "high")})
+                        for key in ("bleu_change", "loss_change"))
+                lines.append(f"{kind:8s} {l:5d} {i:4d} {imp:10.4f}  {format_change(b, '+6.2f'):24s} "
+                             f"{format_change(c, '+7.3f'):27s} {k['label'][l][i]}")
+    v = report["validation"]
+    lines.append(f"baseline: val BLEU {base['bleu']:.2f}, val loss {base['loss']:.3f} ({v['sentences']} sentences, "
+                 f"greedy); [low, high]: {v['confidence']:.0%} paired bootstrap interval ({v['resamples']} "
+                 f"resamples, seed {v['seed']}); *: the interval excludes 0")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the command
 
-def analyse(model, tokenizer, val, batches, device) -> dict:
-    from annotated.attention.profiles import bilinear_spectra, habit, position_profiles
+def analyse(model, tokenizer, val, batches, args) -> tuple[dict, dict]:
+    """(the report's numbers, the attention measures of `position_profiles`)."""
+    from annotated.attention.profiles import bilinear_spectra, head_labels, position_profiles, profile_rows
 
-    bleu, loss = _evaluators(tokenizer, val, batches, device)
-    baseline = {"bleu": bleu(model), "loss": loss(model)}
+    refs = [t for _, t in val]
+    baseline = evaluation(model, tokenizer, val, batches, args.device)
     importance = head_importance(model, batches, progress=True)
     normalised = normalise_per_attention(importance)
-    ablation = ablate(model, lambda m: {"bleu": bleu(m), "loss": loss(m)}, progress=True)
+    ablation = ablate(model, lambda m: changes(baseline, evaluation(m, tokenizer, val, batches, args.device), refs,
+                                               args.resamples, args.seed), progress=True)
     profiles = position_profiles(model, batches, WINDOW, progress=True)
+    labels = head_labels(profiles)
     kinds = {}
     for kind in KINDS:
         spectra = [bilinear_spectra(attention_at(model, kind, l)) for l in range(model.config.N)]
         kinds[kind] = {
             "importance": importance[kind], "importance_normalised": normalised[kind],
-            "ablation_bleu": [[r["bleu"] for r in row] for row in ablation[kind]],
-            "ablation_loss": [[r["loss"] for r in row] for row in ablation[kind]],
-            "position_profile": [p.tolist() for p in profiles[kind]],
-            "habit": [[habit(h, WINDOW) for h in p] for p in profiles[kind]],
+            "bleu_change": [[change_json(r["bleu"]) for r in row] for row in ablation[kind]],
+            "loss_change": [[change_json(r["loss"]) for r in row] for row in ablation[kind]],
+            "label": labels[kind],
+            "entropy": [m["entropy"] for m in profiles[kind]],
+            "position_profile": [profile_rows(m) for m in profiles[kind]],
+            "uniform_position_profile": [list(m["uniform_offsets"]) + [m.get("uniform_last", math.nan)]
+                                         for m in profiles[kind]],
+            "first_key": [m["first"] for m in profiles[kind]],
             "qk_singular_values": [s["qk"].tolist() for s in spectra],
             "vo_singular_values": [s["vo"].tolist() for s in spectra],
         }
-    return {"baseline": baseline, "kinds": kinds,
-            "position_profile_offsets": list(range(-WINDOW, WINDOW + 1)) + ["last source token"]}
+        if kind == "cross":
+            kinds[kind]["diagonal_share"] = [m["diagonal"] for m in profiles[kind]]
+    return {"baseline": {"bleu": baseline["bleu"], "loss": baseline["loss"]}, "kinds": kinds,
+            "position_profile_offsets": list(range(-WINDOW, WINDOW + 1)) + ["last source token"]}, profiles
 
 
-def prune_and_measure(model, tokenizer, meta, val, batches, test, args, say, baseline: float) -> dict:
+def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> dict:
+    from annotated.attention.prune import finetune, greedy_prune, removal_table, save_pruned, split_sentences
     from annotated.sites import head_counts
-    from annotated.attention.prune import count_parameters, greedy_prune, removal_table, save_pruned, timed_translation
-    from annotated.training.evaluate import score
-    from tqdm.auto import tqdm
 
-    bleu, _ = _evaluators(tokenizer, val, batches, args.device)
-    result = greedy_prune(model, bleu, lambda m: head_importance(m, batches), args.threshold, progress=True,
-                          baseline=baseline)
+    ranking, held_out = split_sentences(len(val))
+    rank_batches = _batches(encoded, ranking, model.config.max_len)
+    held_batches = _batches(encoded, held_out, model.config.max_len)
+
+    def held_out_loss(m) -> float:
+        loss, tokens = sentence_losses(m, held_batches)
+        return float(loss.sum() / tokens.sum())
+
+    result = greedy_prune(model, held_out_loss, lambda m: head_importance(m, rank_batches), args.max_loss_increase,
+                          progress=True)
     pruned = result.model
+    if args.finetune_steps:
+        pruned = finetune(pruned, _training_batches(meta, tokenizer, model.config.max_len), args.finetune_steps,
+                          progress=True)
     total = sum(attention_at(model, *s).h for s in sites(model))
+    refs = [t for _, t in test]
+    rows, hyps = score_and_time({"before": model, "after": pruned}, tokenizer, test, args.beam)
+    test_change = paired_bleu_change(hyps["before"], hyps["after"], refs, args.resamples, args.seed)
+    removed = [f"{r.kind}[{r.layer}].{r.head}" for r in result.removed]
+    save_pruned(args.out / "pruned.pt", pruned, tokenizer,
+                dict(meta, pruned_from=str(args.checkpoint), heads_removed=removed, head_counts=head_counts(pruned),
+                     finetune_steps=args.finetune_steps))
+    b, a = rows["before"], rows["after"]
+    final_loss = held_out_loss(pruned)
+    say(f"pruning: removed {len(removed)} of {total} heads ({len(removed) / total:.0%}): {', '.join(removed) or '-'}")
+    say(f"  held-out validation loss ({len(held_out)} sentences, not used for ranking): {result.baseline_loss:.4f} -> "
+        f"{result.removed[-1].held_out_loss if result.removed else result.baseline_loss:.4f} "
+        f"(stop rule: at most +{args.max_loss_increase:g})"
+        + (f", {final_loss:.4f} after {args.finetune_steps} fine-tuning steps" if args.finetune_steps else ""))
+    say(f"  parameters: {b['parameters']:,} -> {a['parameters']:,}")
+    say(f"  test_2016_flickr BLEU (beam {args.beam}, {len(test)} sentences): {b['test_bleu']:.2f} -> "
+        f"{a['test_bleu']:.2f}, change {format_change(test_change, '+.2f')} (95% paired bootstrap)")
+    say(f"  decoding speed: {b['sentences_per_second']:.1f} -> {a['sentences_per_second']:.1f} sentences/s "
+        f"({a['sentences_per_second'] / b['sentences_per_second']:.2f}x), {b['subwords_per_second']:.0f} -> "
+        f"{a['subwords_per_second']:.0f} output subwords/s ({a['subwords_per_second'] / b['subwords_per_second']:.2f}x)"
+        f"; beam {args.beam}, {args.device}, {torch.get_num_threads()} threads, fastest of {SPEED_ROUNDS} "
+        f"alternating rounds")
+    say(f"  pruned checkpoint: {args.out / 'pruned.pt'}")
+    return {"stop_rule": STOP_RULE, "max_loss_increase": args.max_loss_increase,
+            "ranking_sentences": len(ranking), "held_out_sentences": len(held_out),
+            "baseline_held_out_loss": result.baseline_loss, "steps": removal_table(result),
+            "finetune_steps": args.finetune_steps, "held_out_loss_final": final_loss,
+            "removed": removed, "heads_total": total, "before": b, "after": a,
+            "test_bleu_change": change_json(test_change), "beam": args.beam,
+            "speed_rounds": SPEED_ROUNDS, "test_sentences": len(test), "device": str(args.device),
+            "threads": torch.get_num_threads(), "checkpoint": str(args.out / "pruned.pt")}
+
+
+def score_and_time(models: dict, tokenizer, test, beam: int) -> tuple[dict, dict]:
+    """({name: test BLEU, speed, parameters, heads}, {name: translations}) of each model, timed in alternating
+    rounds in this process (the fastest round of each counts)."""
+    from annotated.attention.prune import count_parameters, timed_translation
+    from annotated.plumbing.progress import tracked
+    from annotated.training.evaluate import score
+
     sources, refs = [tokenizer.encode(s) for s, _ in test], [t for _, t in test]
-    models, rows = {"before": model, "after": pruned}, {}
-    for rnd in tqdm(range(SPEED_ROUNDS), desc="test BLEU and speed", leave=False):
+    rows, hyps = {}, {}
+    for rnd in tracked(range(SPEED_ROUNDS), SPEED_ROUNDS, "test BLEU and speed", "round"):
         for name, m in models.items():
-            ids, speed = timed_translation(m, sources, args.beam, 0.6)
+            ids, speed = timed_translation(m, sources, beam, 0.6)
             if rnd == 0:
-                s = score([tokenizer.decode(x) for x in ids], refs)
+                hyps[name] = [tokenizer.decode(x) for x in ids]
+                s = score(hyps[name], refs)
                 rows[name] = {"test_bleu": s["bleu"], "test_bleu_lowercase": s["bleu_lowercase"],
                               "sentences_per_second": speed, "parameters": count_parameters(m),
                               "heads": sum(attention_at(m, *site).h for site in sites(m)),
@@ -227,34 +414,39 @@ def prune_and_measure(model, tokenizer, meta, val, batches, test, args, say, bas
             row["sentences_per_second"] = round(max(row["sentences_per_second"], speed), 2)
             # outputs of different lengths take different times: subwords per second is the rate per step
             row["subwords_per_second"] = round(row["sentences_per_second"] * row["output_subwords"] / len(ids), 1)
-    removed = [f"{r.kind}[{r.layer}].{r.head}" for r in result.removed]
-    save_pruned(args.out / "pruned.pt", pruned, tokenizer,
-                dict(meta, pruned_from=str(args.checkpoint), heads_removed=removed, head_counts=head_counts(pruned)))
-    b, a = rows["before"], rows["after"]
-    say(f"pruning: removed {len(removed)} of {total} heads ({len(removed) / total:.0%}): {', '.join(removed) or '-'}")
-    say(f"  validation BLEU (greedy, {len(val)} sentences): {result.baseline_bleu:.2f} -> "
-        f"{result.removed[-1].val_bleu if result.removed else result.baseline_bleu:.2f} (threshold {args.threshold})")
-    say(f"  parameters: {b['parameters']:,} -> {a['parameters']:,}")
-    say(f"  test_2016_flickr BLEU (beam {args.beam}, {len(test)} sentences): {b['test_bleu']:.2f} -> "
-        f"{a['test_bleu']:.2f} (lowercased {b['test_bleu_lowercase']:.2f} -> {a['test_bleu_lowercase']:.2f})")
-    say(f"  decoding speed: {b['sentences_per_second']:.1f} -> {a['sentences_per_second']:.1f} sentences/s "
-        f"({a['sentences_per_second'] / b['sentences_per_second']:.2f}x), {b['subwords_per_second']:.0f} -> "
-        f"{a['subwords_per_second']:.0f} output subwords/s ({a['subwords_per_second'] / b['subwords_per_second']:.2f}x)"
-        f"; beam {args.beam}, {args.device}, {torch.get_num_threads()} threads, fastest of {SPEED_ROUNDS} "
-        f"alternating rounds")
-    say(f"  pruned checkpoint: {args.out / 'pruned.pt'}")
-    return {"threshold": args.threshold, "baseline_val_bleu": result.baseline_bleu, "steps": removal_table(result),
-            "removed": removed, "heads_total": total, "before": b, "after": a, "beam": args.beam,
-            "speed_rounds": SPEED_ROUNDS, "test_sentences": len(test), "device": str(args.device),
-            "threads": torch.get_num_threads(), "checkpoint": str(args.out / "pruned.pt")}
+    return rows, hyps
+
+
+def _training_batches(meta: dict, tokenizer, max_len: int):
+    from annotated.training.data import encode_pairs, load_multi30k, make_batches, split_long
+
+    train = load_multi30k("train", meta.get("src_lang", "de"), meta.get("tgt_lang", "en"))
+    encoded = encode_pairs(train, tokenizer)
+    kept, _ = split_long(encoded, max_len)
+    return make_batches([encoded[i] for i in kept], max_tokens=4000, shuffle=True, seed=0)
+
+
+def write_pictures(model, tokenizer, report: dict, profiles_for_page, val, encoded, args) -> None:
+    from annotated.attention.profiles import inspect_figure
+    from annotated.plumbing.files import save_figure
+
+    ranges = measure_ranges(report)
+    for kind in KINDS:
+        save_figure(heat_map(kind, report, ranges), args.out / f"heads_{kind}.png")
+    save_figure(inspect_figure(model, profiles_for_page, WINDOW, title=str(args.checkpoint)),
+             args.out / "heads_inspect.png")
+    i = example_sentence(val, encoded, model.config.max_len)
+    labels = {k: report["kinds"][k]["label"] for k in KINDS}
+    save_figure(examples_figure(model, tokenizer, encoded[i][0], encoded[i][1], labels,
+                             title=f"validation sentence {i}: {val[i][0]}  ->  {val[i][1]}"),
+             args.out / "heads_examples.png")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
+    from annotated.plumbing.files import atomic_write, json_safe
+    from annotated.attention.bootstrap import CONFIDENCE
     from annotated.training.data import DataError
-    from annotated.plumbing.files import atomic_write
-    from annotated.attention.profiles import inspect_figure, save_figure
-    from annotated.plumbing.checkpoint import load_checkpoint
 
     try:
         args = parse_args(argv)
@@ -266,35 +458,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         model, tokenizer, meta = load_checkpoint(args.checkpoint)
         if tokenizer is None:
             raise CheckpointError(f"checkpoint {args.checkpoint} holds no tokenizer, so it cannot be evaluated")
-        val, batches, test = _data(meta, tokenizer, args.sentences, model.config.max_len, args.prune,
-                                  args.test_sentences)
+        val, encoded, batches, test, available = _data(meta, tokenizer, args.sentences, model.config.max_len, args.prune,
+                                            args.test_sentences)
     except (CheckpointError, DataError) as e:
         print(f"{NAME}: error: {e}", file=sys.stderr)
         return 2
     model = model.to(args.device)
     report = {"checkpoint": str(args.checkpoint),
               "validation": {"split": "val", "sentences": len(val), "decoding": "greedy",
-                             "loss": "cross-entropy per target token"}}
-    report.update(analyse(model, tokenizer, val, batches, args.device))
+                             "loss": "cross-entropy per target token", "resamples": args.resamples,
+                             "seed": args.seed, "confidence": CONFIDENCE}}
+    numbers, profiles = analyse(model, tokenizer, val, batches, args)
+    report.update(numbers)
     print(format_table(report), flush=True)
+    widths = [c["high"] - c["low"] for k in KINDS for row in report["kinds"][k]["bleu_change"] for c in row]
+    advice = noisy_advice(widths, len(val), available)
+    if advice:
+        print(advice, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write(args.out / "heads.json", json.dumps(_json_ready(report), indent=1))
-    for kind in KINDS:
-        k = report["kinds"][kind]
-        base = report["baseline"]
-        heat_map(kind, [("importance E|dL/dxi|", k["importance"], ".3g", None),
-                        ("val BLEU change without the head",
-                         [[b - base["bleu"] for b in r] for r in k["ablation_bleu"]], "+.2f", "RdBu"),
-                        ("val loss change without the head",
-                         [[c - base["loss"] for c in r] for r in k["ablation_loss"]], "+.3f", "RdBu_r")],
-                 args.out / f"heads_{kind}.png")
-    save_figure(inspect_figure(model, {k: report["kinds"][k]["position_profile"] for k in KINDS}, WINDOW,
-                               title=str(args.checkpoint)), args.out / "heads_inspect.png")
-    print(f"wrote {args.out / 'heads.json'}, heads_<kind>.png and heads_inspect.png in {args.out}", flush=True)
+    atomic_write(args.out / "heads.json", json.dumps(json_safe(report, digits=6), indent=1))
+    write_pictures(model, tokenizer, report, profiles, val, encoded, args)
+    print(f"wrote {args.out / 'heads.json'}, heads_<kind>.png, heads_inspect.png and heads_examples.png in "
+          f"{args.out}", flush=True)
     if args.prune:
-        report["pruning"] = prune_and_measure(model, tokenizer, meta, val, batches, test, args,
-                                              lambda s: print(s, flush=True), report["baseline"]["bleu"])
-        atomic_write(args.out / "heads.json", json.dumps(_json_ready(report), indent=1))
+        report["pruning"] = prune_and_measure(model, tokenizer, meta, val, encoded, test, args,
+                                              lambda s: print(s, flush=True))
+        atomic_write(args.out / "heads.json", json.dumps(json_safe(report, digits=6), indent=1))
     return 0
 
 

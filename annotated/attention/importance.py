@@ -40,9 +40,11 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from annotated.plumbing.progress import tracked
 from annotated.tokens import PAD
 from annotated.sites import KINDS, attention_at, remove_heads, sites
 from annotated.transformer import EncoderDecoder, convert_model, padding_mask, target_mask
@@ -98,11 +100,9 @@ def head_importance(model: EncoderDecoder, batches: Iterable, progress: bool = F
     W_O = [(site, list(attention_at(per_head, *site).W_O)) for site in sites(per_head)]
     flat = [W for _, Ws in W_O for W in Ws]
     total, n = torch.zeros(len(flat), dtype=torch.float64), 0
+    batches = list(batches)
     rows = ((b.src[r:r + 1], b.tgt[r:r + 1]) for b in batches for r in range(b.src.size(0)))
-    if progress:
-        from tqdm.auto import tqdm
-        rows = tqdm(rows, desc="importance", unit="sentence", leave=False)
-    for src, tgt in rows:
+    for src, tgt in tracked(rows, sum(b.src.size(0) for b in batches), "importance", "sentence", progress):
         src, tgt = src[:, :int((src != PAD).sum())], tgt[:, :int((tgt != PAD).sum())]  # (1, S), (1, T) no pad
         loss = mean_token_loss(per_head, src.to(device), tgt.to(device))
         grads = torch.autograd.grad(loss, flat)
@@ -136,20 +136,50 @@ def normalise_per_attention(scores: dict[str, list[list[float]]]) -> dict[str, l
 #
 # The score above is a first-order estimate; ablation measures. For every
 # site and head, `ablate` builds the model without that head (`annotated/sites.py`) and
-# hands it to `evaluate`, which returns the numbers to keep (validation BLEU
-# and loss, in the command). With `h` heads in each of the `3N` attentions
+# hands it to `evaluate`, which returns the numbers to keep (in the command:
+# the translations of the validation sentences and each sentence's loss, from
+# which `annotated/attention/bootstrap.py` computes the changes of BLEU and
+# loss with their intervals). With `h` heads in each of the `3N` attentions
 # that is `3Nh` evaluations, `24` for the `cpu` preset (`N = 2`, `h = 4`).
+#
+# Each sentence's loss is its summed cross-entropy over its target tokens,
+# with the number of tokens beside it, so that a resample of sentences can
+# recompute the loss per token (`sentence_losses`).
 
 # %%
 def ablate(model: EncoderDecoder, evaluate: Callable[[EncoderDecoder], dict],
            progress: bool = False) -> dict[str, list[list[dict]]]:
     """{kind: [[evaluate(model without head i of that layer) for each head i] per layer]}."""
     jobs = [(site, i) for site in sites(model) for i in range(attention_at(model, *site).h)]
-    if progress:
-        from tqdm.auto import tqdm
-        jobs = tqdm(jobs, desc="ablation", leave=False)
     out = {kind: [[] for _ in range(model.config.N)] for kind in KINDS}
-    for (kind, layer), i in jobs:
+    for (kind, layer), i in tracked(jobs, len(jobs), "ablation", "head", progress):
         out[kind][layer].append(evaluate(remove_heads(model, {(kind, layer): [i]}).eval()))
     return out
 
+
+@torch.no_grad()
+def sentence_losses(model: EncoderDecoder, batches: Iterable) -> tuple[np.ndarray, np.ndarray]:
+    """(summed cross-entropy (n,), target tokens (n,)) of every sentence of `batches`, in batch order.
+
+    >>> from annotated.transformer import make_model
+    >>> from types import SimpleNamespace
+    >>> _ = torch.manual_seed(0)
+    >>> m = make_model(src_vocab=9, tgt_vocab=9, N=1, d_model=8, d_ff=16, h=2).eval()
+    >>> b = SimpleNamespace(src=torch.tensor([[4, 5], [6, 0]]), tgt=torch.tensor([[1, 7, 2], [1, 2, 0]]))
+    >>> loss, tokens = sentence_losses(m, [b])
+    >>> tokens.tolist(), bool(abs(loss.sum() / tokens.sum() - mean_token_loss(m, b.src, b.tgt).item()) < 1e-6)
+    ([2.0, 1.0], True)
+    """
+    model = model.eval()
+    device = next(model.parameters()).device
+    losses, tokens = [], []
+    for b in batches:
+        src, tgt = b.src.to(device), b.tgt.to(device)  # (B, S), (B, T)
+        tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T-1), (B, T-1)
+        logits = model(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD))  # (B, T-1, V)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (B, T-1, V) at least float32
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tgt_out, ignore_index=PAD,
+                                               reduction="none")  # (B, T-1)
+        losses.append(ce.sum(-1).double().cpu())
+        tokens.append((tgt_out != PAD).sum(-1).double().cpu())
+    return torch.cat(losses).numpy(), torch.cat(tokens).numpy()

@@ -20,8 +20,6 @@
 # %%
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -29,7 +27,67 @@ from matplotlib.figure import Figure
 
 
 # %% [markdown]
-# ## 1. Pictures
+# ## 1. One vocabulary, one colour map, one way to label
+#
+# The three kinds of attention are named as everywhere else in the package
+# (`annotated/sites.py`: `enc_self`, `dec_self`, `cross`); people read them
+# under the labels of `KIND_LABELS`. Every picture, the viewer's included,
+# uses one colour map, `CMAP`, on one fixed range, 0 to 1, with a colour bar
+# saying so, and labels its rows and columns by one rule, `READING`:
+#
+# * **a row is a query, and it sums to 1** (a softmax over the keys);
+# * a **decoder row** (a query of `dec_self` or `cross`) is labelled by the
+#   token the decoder **predicts** at that position;
+# * a **key column** is labelled by the token **fed in** at that position
+#   (a source token, or for `dec_self` the decoder's input: `<s>`, then the
+#   words it has already written);
+# * `▁` marks the start of a word (sentencepiece); a piece without it
+#   continues the word before.
+#
+# So in a `dec_self` picture the row "dog" and the column "dog" are two
+# positions apart by one: the row predicts *dog*, the column is where *dog*
+# was fed back in, one step later. (`test_pictures_follow_the_label_convention`.)
+
+# %%
+CMAP = "viridis"  # every attention picture: grids, alignments, the viewer's colour table
+HEAD_COLOURS = "tab10"  # the viewer's lines view: one colour per head
+RANGE = (0.0, 1.0)  # attention weights are probabilities
+MASKED = "#d0d0d0"  # grey: a weight the causal mask forces to zero
+LAYOUT = "constrained"
+
+KIND_LABELS = {"enc_self": "encoder self-attention", "dec_self": "decoder self-attention (masked)",
+               "cross": "cross-attention (decoder -> source)"}
+AXIS_LABELS = {  # kind -> (the token labelling a row, the token labelling a column)
+    "enc_self": ("the source token", "the source token"),
+    "dec_self": ("the token the decoder predicts there", "the token fed in there"),
+    "cross": ("the token the decoder predicts there", "the source token"),
+}
+READING = ("a row is a query and sums to 1; a decoder row (query) is labelled by the token the decoder "
+           "predicts at that position; a key column by the token fed in at that position; "
+           "\u2581 marks the start of a word (sentencepiece)")
+COLOUR_BAR = "attention weight (0 to 1)"
+
+
+def colour_table(n: int = 64, cmap: str = CMAP) -> list[str]:
+    """`n` colours of `cmap`, evenly from weight 0 to weight 1, as '#rrggbb' (the viewer's colour scale).
+
+    >>> t = colour_table(5); len(t), t[0], t[-1]
+    (5, '#440154', '#fde725')
+    """
+    if n < 2:
+        raise ValueError(f"a colour table needs at least 2 colours, got {n}")
+    colours = matplotlib.colormaps[cmap].resampled(n)(np.arange(n))  # (n, 4) floats
+    return [matplotlib.colors.to_hex(c) for c in colours]
+
+
+def head_colours(n: int) -> list[str]:
+    """One '#rrggbb' per head from `HEAD_COLOURS` (repeating after 10 heads)."""
+    table = matplotlib.colormaps[HEAD_COLOURS].colors
+    return [matplotlib.colors.to_hex(table[i % len(table)]) for i in range(n)]
+
+
+# %% [markdown]
+# ## 2. Pictures
 #
 # Three kinds of PNG per sentence, drawn with matplotlib's Agg canvas (no
 # window, no global backend switch):
@@ -38,24 +96,20 @@ from matplotlib.figure import Figure
 #   layer 0 at the top. The colour scale is the same for every panel, 0 to 1,
 #   so a bright yellow cell is a weight near one in every panel. Query tokens run
 #   down the left column, key tokens along the bottom row.
-# * In `decoder_self` the cells above the diagonal are drawn **grey**: they are
+# * In `dec_self` the cells above the diagonal are drawn **grey**: they are
 #   the future positions the causal mask blocks, whose weight is exactly zero.
 # * `sentence_000_alignment.png`: a **Bahdanau-style alignment** of the last
 #   layer's cross-attention averaged over heads, source tokens across the top,
-#   the produced target tokens down the side, white = weight 1 and black = 0
-#   as in Bahdanau et al. (2015), figure 3. `sentence_000_alignment_heads.png`
-#   shows the average and each head of that layer side by side.
+#   the predicted target tokens down the side, as in Bahdanau et al. (2015),
+#   figure 3. `sentence_000_alignment_heads.png` shows the average and each
+#   head of that layer side by side.
 #
 # The average of `h` rows that each sum to one also sums to one, so the
-# averaged picture reads like a single head. Labels are the subword strings
-# (`▁` marks the start of a word); their font shrinks as sentences grow and
-# column labels are rotated so long sentences stay legible.
+# averaged picture reads like a single head. The font of the labels shrinks
+# as sentences grow and column labels are rotated so long sentences stay
+# legible.
 
 # %%
-CMAP_GRID = "viridis"
-LAYOUT = "constrained"
-
-
 def _tex_safe(label: str) -> str:
     """matplotlib reads `$...$` as mathematics; a literal `$` token must not start a formula."""
     return label.replace("$", r"\$")
@@ -70,13 +124,13 @@ def label_font_size(n_tokens: int, inches: float) -> float:
     return round(float(np.clip(0.8 * 72 * inches / max(n_tokens, 1), 4.0, 10.0)), 2)
 
 
-def _panel(ax, weights: np.ndarray, rows: list[str], cols: list[str], *, causal: bool, cmap: str,
+def _panel(ax, weights: np.ndarray, rows: list[str], cols: list[str], *, causal: bool,
            row_labels: bool, col_labels: bool, font: float, title: str, cols_on_top: bool = False,
            aspect: str = "auto"):
     q, k = weights.shape
     data = np.ma.masked_where(np.triu(np.ones((q, k), dtype=bool), 1), weights) if causal else weights
-    colours = matplotlib.colormaps[cmap].with_extremes(bad="#d0d0d0")  # grey: blocked by the causal mask
-    im = ax.imshow(data, cmap=colours, vmin=0.0, vmax=1.0, interpolation="nearest", aspect=aspect)
+    colours = matplotlib.colormaps[CMAP].with_extremes(bad=MASKED)
+    im = ax.imshow(data, cmap=colours, vmin=RANGE[0], vmax=RANGE[1], interpolation="nearest", aspect=aspect)
     ax.set_title(title, fontsize=max(font, 7))
     # tick labels are costly artists: only the panels on the grid's left and bottom edges get them
     ax.set_yticks(range(q) if row_labels else [], [_tex_safe(t) for t in rows] if row_labels else [], fontsize=font)
@@ -89,16 +143,35 @@ def _panel(ax, weights: np.ndarray, rows: list[str], cols: list[str], *, causal:
     return im
 
 
-def grid_figure(arrays: list[np.ndarray], rows: list[str], cols: list[str], kind: str, title: str = "",
-                axis_names: tuple[str, str] = ("queries", "keys")) -> Figure:
-    """Layer x head grid of heatmaps for one kind (arrays: per layer (1, h, q, k)); `axis_names` names the
-    token lists on the rows and the columns."""
+def add_colour_bar(fig: Figure, im, axes) -> None:
+    """The one colour bar: `CMAP` from 0 to 1, labelled `COLOUR_BAR`."""
+    bar = fig.colorbar(im, ax=axes, shrink=0.6, label=COLOUR_BAR)
+    bar.set_ticks([0.0, 0.25, 0.5, 0.75, 1.0])
+
+
+def caption(kind: str) -> str:
+    """How to read a picture of `kind`: its label, what labels rows and columns, and the grey cells.
+
+    >>> caption("cross")
+    'cross-attention (decoder -> source): row = query, it sums to 1, labelled by the token the decoder predicts there; column = key, labelled by the source token'
+    """
+    rows, cols = AXIS_LABELS[kind]
+    note = "; grey: future positions, blocked by the causal mask" if kind == "dec_self" else ""
+    return (f"{KIND_LABELS[kind]}: row = query, it sums to 1, labelled by {rows}; "
+            f"column = key, labelled by {cols}{note}")
+
+
+def grid_figure(arrays: list[np.ndarray], rows: list[str], cols: list[str], kind: str, title: str = "") -> Figure:
+    """Layer x head grid of heatmaps for one kind (arrays: per layer (1, h, q, k)); `rows` and `cols` are the
+    tokens labelling the queries and the keys, as `READING` says."""
+    if kind not in KIND_LABELS:
+        raise ValueError(f"kind must be one of {tuple(KIND_LABELS)}, got {kind!r}")
     N, h = len(arrays), max(a.shape[1] for a in arrays)  # a pruned model's layers may have fewer heads
     q, k = arrays[0].shape[2:]
     panel_w = float(np.clip(0.13 * k + 0.8, 1.6, 3.6))
     panel_h = float(np.clip(0.13 * q + 0.8, 1.6, 3.6))
     font = min(label_font_size(q, panel_h), label_font_size(k, panel_w))
-    fig = Figure(figsize=(panel_w * h + 1.8, panel_h * N + 1.6), dpi=90, layout=LAYOUT)
+    fig = Figure(figsize=(max(panel_w * h + 1.8, 7.5), panel_h * N + 1.9), dpi=90, layout=LAYOUT)
     axes = fig.subplots(N, h, squeeze=False)
     im = None
     for layer in range(N):
@@ -106,18 +179,17 @@ def grid_figure(arrays: list[np.ndarray], rows: list[str], cols: list[str], kind
             if head >= arrays[layer].shape[1]:  # pruned away: an empty cell
                 axes[layer][head].axis("off")
                 continue
-            im = _panel(axes[layer][head], arrays[layer][0, head], rows, cols, causal=kind == "decoder_self",
-                        cmap=CMAP_GRID, row_labels=head == 0, col_labels=layer == N - 1, font=font,
+            im = _panel(axes[layer][head], arrays[layer][0, head], rows, cols, causal=kind == "dec_self",
+                        row_labels=head == 0, col_labels=layer == N - 1, font=font,
                         title=f"layer {layer}, head {head}")
-    fig.colorbar(im, ax=axes, shrink=0.6, label="attention weight")
-    note = "  (grey: future positions, blocked by the causal mask)" if kind == "decoder_self" else ""
-    fig.suptitle(f"{title}{kind}: rows = {axis_names[0]}, columns = {axis_names[1]}{note}", fontsize=9)
+    add_colour_bar(fig, im, axes)
+    fig.suptitle(f"{title}{caption(kind)}\n\u2581 marks the start of a word (sentencepiece)", fontsize=8)
     return fig
 
 
 def alignment_figure(cross_last: np.ndarray, src_tokens: list[str], tgt_out_tokens: list[str],
                      title: str = "", per_head: bool = False) -> Figure:
-    """Bahdanau-style alignment (source across, produced target down) of one layer's cross-attention.
+    """Bahdanau-style alignment (source across, predicted target down) of one layer's cross-attention.
 
     `cross_last` is (1, h, T, S). With `per_head`, panels show the mean and every head.
     """
@@ -130,24 +202,21 @@ def alignment_figure(cross_last: np.ndarray, src_tokens: list[str], tgt_out_toke
     font = min(label_font_size(S, cell * S), label_font_size(T, cell * T))
     ncols = int(np.ceil(np.sqrt(len(panels))))  # 1, 2x2 for 3 heads + mean, 3x3 for 8 + mean
     nrows = -(-len(panels) // ncols)
-    fig = Figure(figsize=(w * ncols + 1.2, hgt * nrows + 0.9), dpi=90, layout=LAYOUT)
+    fig = Figure(figsize=(max(w * ncols + 1.2, 5.5), hgt * nrows + 1.2), dpi=90, layout=LAYOUT)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     im = None
+    rows, cols = AXIS_LABELS["cross"]
     for ax, (name, weights) in zip(axes, panels):
-        im = _panel(ax, weights, tgt_out_tokens, src_tokens, causal=False, cmap="gray", row_labels=True,
+        im = _panel(ax, weights, tgt_out_tokens, src_tokens, causal=False, row_labels=True,
                     col_labels=True, font=font, title=name, cols_on_top=True, aspect="equal")
-        ax.set_xlabel("source tokens", fontsize=8)
-        ax.set_ylabel("produced target tokens", fontsize=8)
+        ax.set_xlabel(f"key: {cols}", fontsize=7)
+        ax.set_ylabel(f"query: {rows}", fontsize=7)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
-    fig.colorbar(im, ax=list(axes[:len(panels)]), shrink=0.7, label="attention weight")
-    fig.suptitle(title or "cross-attention alignment", fontsize=9)
+    add_colour_bar(fig, im, list(axes[:len(panels)]))
+    fig.suptitle(f"{title or KIND_LABELS['cross']}\nrow = query, it sums to 1; "
+                 f"\u2581 marks the start of a word (sentencepiece)", fontsize=8)
     return fig
-
-
-def save_figure(fig: Figure, path: os.PathLike | str) -> None:
-    FigureCanvasAgg(fig)
-    fig.savefig(path, format="png")
 
 
 def figure_rgb(fig: Figure) -> np.ndarray:
@@ -158,7 +227,7 @@ def figure_rgb(fig: Figure) -> np.ndarray:
 
 
 # %% [markdown]
-# ## 2. How to read the pictures
+# ## 3. How to read the pictures
 #
 # **Encoder self-attention** (`S x S`, rows and columns the source). Row `q`
 # is source token `q` gathering context. A bright **diagonal** means tokens

@@ -9,7 +9,7 @@
 # ---
 
 # %% [markdown]
-# # Inspecting a head: two matrices and a habit
+# # Inspecting a head: two matrices and where it looks
 #
 # What a head does is written in its four matrices. Leaving biases aside,
 # the score between a query at position `a` and a key at position `b` is
@@ -28,16 +28,9 @@
 # at most `d_v`. Its singular values say how much, and along how many
 # directions, the head writes.
 #
-# Matrices do not say where a head looks in real sentences. The **average
-# attention by relative position** does: for every query position `q` of
-# every validation sentence, the weight the head gives to the key at offset
-# `k - q` (`-1`: the previous token, `0`: the same position, `+1`: the next),
-# averaged over all query positions; for encoder self-attention and
-# cross-attention also the weight on the *last* source token, the end of the
-# sentence. Voita et al. (ACL 2019) call heads with a sharp peak at `-1` or
-# `+1` *positional heads*. For cross-attention the offset compares a target
-# position with a source position, which is meaningful only as far as the
-# two sentences run in parallel.
+# Matrices do not say where a head looks in real sentences. Measures of its
+# attention on validation sentences do (section 2), and a label is given
+# only when a measure clears a stated threshold (section 3).
 
 # %%
 from __future__ import annotations
@@ -51,6 +44,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from annotated.plumbing.progress import tracked
+from annotated.recording import record_attention
 from annotated.sites import KINDS, attention_at, sites
 from annotated.tokens import PAD
 from annotated.transformer import EncoderDecoder, FusedAttention, padding_mask, split, target_mask
@@ -81,117 +76,236 @@ def bilinear_spectra(att) -> dict[str, Tensor]:
 
 
 # %% [markdown]
-# ## 2. Average attention by relative position
+# ## 2. Measures of where a head looks
 #
-# One teacher-forced pass per batch returns every head's attention
-# probabilities `p` of shape `(B, h, T_q, T_k)`. For an offset `d`, the
-# weight at that offset is the sum of `p[..., q, k]` over the keys with
-# `k - q = d` (zero or one key); offsets from `-window` to `+window` are
-# kept, and the rest of the weight is simply not shown. Only real (non-pad)
-# query positions count. The result per attention is an `(h, 2 window + 2)`
-# array: the offsets, then the weight on the last source token (`nan` for
-# decoder self-attention, whose last visible key is the query itself).
+# One teacher-forced pass per batch gives every head's attention
+# probabilities `p` of shape `(B, h, T_q, T_k)`. Only real (non-pad) query
+# positions count, and every measure is compared with what **uniform
+# attention** (every visible key weighted `1/n`, `n` the number of keys the
+# query may see) would give on the same sentences:
+#
+# * **entropy**: `H(p_q) / log n` per query, averaged over queries with
+#   `n > 1`: 1 for uniform attention, 0 for attention on one key;
+# * **weight by key offset** `k - q` (`-1`: the previous token, `0`: the same
+#   position, `+1`: the next) for offsets `-window ... +window`, and uniform's
+#   weight at each offset (`1/n` where that key exists, else 0);
+# * **weight on the last source token** (encoder self-attention and
+#   cross-attention; the project's sources carry no end-of-sentence token, so
+#   the last source token, usually the final full stop, is what `</s>` is in
+#   other models) and **on the first key** (`<s>` in decoder
+#   self-attention), each with uniform's `1/n`;
+# * **diagonal share** (cross-attention): the share of target positions `q`
+#   whose most attended source position lies within `DIAGONAL_BAND` of the
+#   diagonal `q (S - 1) / (T - 1)` (`T` target, `S` source positions).
+#
+# For cross-attention the offset compares a target position with a source
+# position, which is meaningful only as far as the two sentences run in
+# parallel; the diagonal share scales one length to the other.
 
 # %%
-def _offset_mass(p: Tensor, window: int) -> Tensor:
-    """(B, h, T_q, T_k) -> (B, h, T_q, 2 window + 1): weight at key offsets -window ... +window."""
-    T_q, T_k = p.shape[-2:]
-    off = torch.arange(T_k, device=p.device)[None, :] - torch.arange(T_q, device=p.device)[:, None]  # (T_q, T_k)
-    onehot = (off[..., None] == torch.arange(-window, window + 1, device=p.device)).to(p.dtype)  # (T_q, T_k, 2W+1)
-    return torch.einsum("bhqk,qkd->bhqd", p, onehot)  # (B, h, T_q, 2W+1)
+DIAGONAL_BAND = 0.1  # a target position is "on the diagonal" within max(1, 0.1 S) source positions
 
 
-def _last_mass(p: Tensor, src_len: Tensor) -> Tensor:
-    """(B, h, T_q, S) -> (B, h, T_q): weight on each sentence's last source token."""
-    idx = (src_len - 1).view(-1, 1, 1, 1).expand(*p.shape[:-1], 1)  # (B, h, T_q, 1)
-    return p.gather(-1, idx).squeeze(-1)  # (B, h, T_q)
+def attention_sums(p: Tensor, kind: str, src_len: Tensor, tgt_len: Tensor, window: int) -> dict[str, Tensor]:
+    """Sums over the real queries of one batch of one attention's probabilities `p` (B, h, T_q, T_k).
+
+    `src_len`, `tgt_len` (B,): real source and target-input positions. `summarise` turns sums into means.
+    """
+    p = p.double()
+    B, h, T_q, T_k = p.shape
+    q_pos = torch.arange(T_q, device=p.device)  # (T_q,)
+    k_pos = torch.arange(T_k, device=p.device)  # (T_k,)
+    real = q_pos[None, :] < (src_len if kind == "enc_self" else tgt_len)[:, None]  # (B, T_q)
+    if kind == "dec_self":
+        visible = (k_pos[None, None, :] <= q_pos[None, :, None]).expand(B, T_q, T_k)  # (B, T_q, T_k) causal
+    else:
+        visible = (k_pos[None, :] < src_len[:, None])[:, None, :].expand(B, T_q, T_k)  # (B, T_q, T_k)
+    n = visible.sum(-1).double()  # (B, T_q) keys each query may see
+    w = real.double()  # (B, T_q) 1 for a query that counts
+    uniform = visible.double() / n.clamp(min=1)[..., None]  # (B, T_q, T_k)
+
+    off = k_pos[None, :] - q_pos[:, None]  # (T_q, T_k)
+    onehot = (off[..., None] == torch.arange(-window, window + 1, device=p.device)).double()  # (T_q, T_k, 2W+1)
+    offsets = torch.einsum("bhqk,qkd,bq->hd", p, onehot, w)  # (h, 2W+1)
+    uniform_offsets = torch.einsum("bqk,qkd,bq->d", uniform, onehot, w)  # (2W+1,)
+
+    plogp = torch.where(p > 0, p * p.clamp(min=1e-300).log(), torch.zeros_like(p))  # (B, h, T_q, T_k)
+    several = w * (n > 1)  # (B, T_q) queries with a choice
+    entropy = torch.einsum("bhq,bq->h", -plogp.sum(-1) / n.clamp(min=2).log()[:, None, :], several)  # (h,)
+
+    first = torch.einsum("bhq,bq->h", p[..., 0], w)  # (h,)
+    ones = torch.einsum("bq,bq->", 1 / n.clamp(min=1), w)  # (): uniform's weight on any one visible key
+
+    sums = {"queries": w.sum(), "offsets": offsets, "uniform_offsets": uniform_offsets, "entropy": entropy,
+            "entropy_queries": several.sum(), "first": first, "uniform_first": ones}
+    if kind != "dec_self":
+        last_idx = (src_len - 1).clamp(min=0).view(B, 1, 1, 1).expand(B, h, T_q, 1)  # (B, h, T_q, 1)
+        last = torch.einsum("bhq,bq->h", p.gather(-1, last_idx).squeeze(-1), w)  # (h,)
+        sums.update(last=last, uniform_last=ones)
+    if kind == "cross":
+        diag = q_pos[None, :] * (src_len[:, None] - 1) / (tgt_len[:, None] - 1).clamp(min=1)  # (B, T_q)
+        band = (DIAGONAL_BAND * src_len.double()).clamp(min=1.0)[:, None]  # (B, 1)
+        hit = ((p.argmax(-1) - diag[:, None, :]).abs() <= band[:, None, :]).double()  # (B, h, T_q)
+        sums["diagonal"] = torch.einsum("bhq,bq->h", hit, w)  # (h,)
+    return sums
+
+
+def summarise(sums: dict[str, Tensor]) -> dict[str, np.ndarray]:
+    """Means per real query (entropy: per query with more than one key) of `attention_sums`' sums."""
+    out = {}
+    for key, value in sums.items():
+        if key in ("queries", "entropy_queries"):
+            continue
+        count = sums["entropy_queries"] if key == "entropy" else sums["queries"]
+        out[key] = (value / max(float(count), 1.0)).cpu().numpy()
+    return out
+
+
+def teacher_forced_attention(model: EncoderDecoder, src: Tensor, tgt_in: Tensor) -> dict:
+    """{site: (B, h, T_q, T_k)} of one teacher-forced pass."""
+    src_mask = padding_mask(src, PAD)  # (B, 1, S)
+    with record_attention(model) as probs:
+        memory = model.encode(src, src_mask)
+        model.decode(memory, src_mask, tgt_in, target_mask(tgt_in, PAD))
+    return {site: calls[0] for site, calls in probs.items()}
 
 
 @torch.no_grad()
 def position_profiles(model: EncoderDecoder, batches: Iterable, window: int = 4,
-                      progress: bool = False) -> dict[str, list[np.ndarray]]:
-    """{kind: [(h, 2 window + 2) array per layer]}: mean weight per offset, then on the last source token."""
+                      progress: bool = False) -> dict[str, list[dict[str, np.ndarray]]]:
+    """{kind: [summarise(...) per layer]}: the measures above over all `batches` (objects with .src, .tgt)."""
     model = model.eval()
     device = next(model.parameters()).device
-    sums = {site: 0.0 for site in sites(model)}
-    counts = {"enc_self": 0, "dec_self": 0, "cross": 0}
-    if progress:
-        from tqdm.auto import tqdm
-        batches = tqdm(batches, desc="attention by position", leave=False)
-    for b in batches:
+    batches = list(batches)
+    sums: dict = {}
+    for b in tracked(batches, len(batches), "attention measures", "batch", progress):
         src, tgt_in = b.src.to(device), b.tgt[:, :-1].to(device)  # (B, S), (B, T)
-        src_mask = padding_mask(src, PAD)  # (B, 1, S)
-        memory, enc = model.encode_with_attention(src, src_mask)
-        _, dec_self, cross = model.decode_with_attention(memory, src_mask, tgt_in, target_mask(tgt_in, PAD))
-        src_real, tgt_real = (src != PAD), (tgt_in != PAD)  # (B, S), (B, T)
-        src_len = src_real.sum(-1)  # (B,)
-        for kind, ps, real in (("enc_self", enc, src_real), ("dec_self", dec_self, tgt_real), ("cross", cross, tgt_real)):
-            counts[kind] += int(real.sum())
-            for layer, p in enumerate(ps):
-                p = p.double()  # (B, h, T_q, T_k)
-                mass = _offset_mass(p, window)  # (B, h, T_q, 2W+1)
-                last = _last_mass(p, src_len) if kind != "dec_self" else torch.full_like(mass[..., 0], math.nan)
-                both = torch.cat([mass, last[..., None]], dim=-1) * real[:, None, :, None]  # (B, h, T_q, 2W+2)
-                sums[(kind, layer)] = sums[(kind, layer)] + both.sum(dim=(0, 2)).cpu()  # (h, 2W+2)
-    if not all(counts.values()):
+        src_len, tgt_len = (src != PAD).sum(-1), (tgt_in != PAD).sum(-1)  # (B,), (B,)
+        for (kind, layer), p in teacher_forced_attention(model, src, tgt_in).items():
+            batch_sums = attention_sums(p, kind, src_len, tgt_len, window)
+            old = sums.get((kind, layer))
+            sums[(kind, layer)] = batch_sums if old is None else {k: old[k] + v for k, v in batch_sums.items()}
+    if not sums or not all(float(s["queries"]) > 0 for s in sums.values()):
         raise ValueError("position_profiles needs at least one batch with a non-pad token")
-    return {kind: [(sums[(kind, l)] / counts[kind]).numpy() for l in range(model.config.N)] for kind in KINDS}
+    return {kind: [summarise(sums[(kind, l)]) for l in range(model.config.N)] for kind in KINDS}
 
 
-def habit(profile: np.ndarray, window: int) -> str:
-    """A few words for one head's (2 window + 2,) profile: its strongest offset (or the last token) and weight.
-
-    >>> habit(np.array([0.0, 0.7, 0.2, 0.1, 0.0, 0.05]), window=2)  # offsets -2 ... +2, then the last token
-    'previous token 0.70'
-    """
-    names = {-1: "previous token", 0: "same position", 1: "next token"}
-    values = np.nan_to_num(profile, nan=-1.0)
-    best = int(values.argmax())
-    if best == 2 * window + 1:
-        return f"last source token {profile[best]:.2f}"
-    offset = best - window
-    return f"{names.get(offset, f'offset {offset:+d}')} {profile[best]:.2f}"
+def profile_rows(measures: dict[str, np.ndarray]) -> np.ndarray:
+    """(h, 2 window + 2): each head's weight per offset, then on the last source token (nan for dec_self)."""
+    h = measures["offsets"].shape[0]
+    last = measures.get("last", np.full(h, math.nan))  # (h,)
+    return np.concatenate([measures["offsets"], last[:, None]], axis=1)
 
 
 # %% [markdown]
-# ## 3. One page
+# ## 3. A label, only where a measure says so
 #
-# One row per attention (`enc_self`, `dec_self`, `cross`, layer by layer),
-# three panels per row: the singular values of `W_Q[i] W_K[i]^T`, those of
-# `W_V[i] W_O[i]` (one line per head, largest first, log scale), and the
-# average attention by relative position (one line per head; the point at
-# the right edge is the last source token).
+# The average weight at the strongest offset is not enough to call a head
+# "positional": a head that spreads its weight evenly over a 14-token
+# sentence puts 0.07 on the previous token, and 0.07 on every other. So a
+# head gets a label only when a measure clears uniform attention's value by
+# a stated amount, tried in this order:
+#
+# | label | when |
+# | --- | --- |
+# | `diffuse` | mean normalised entropy `>= DIFFUSE_ENTROPY` (0.9) |
+# | `aligns to the last source token` | weight on the last source token `>=` uniform's `+ MARGIN` (0.25) |
+# | `aligns to <s>` / `aligns to the first source token` | weight on the first key `>=` uniform's `+ MARGIN` |
+# | `monotonic alignment` | cross-attention: diagonal share `>= MONOTONIC_SHARE` (0.6) |
+# | `positional (offset k)` | the offset whose weight exceeds uniform's most, by `>= MARGIN` |
+# | `mixed` | none of these |
+#
+# `positional (offset -1)` is Voita et al.'s (ACL 2019) positional head
+# looking at the previous token. `tests/attention/test_heads.py` builds heads
+# of each kind from probability tensors and checks their labels
+# (`test_labels_of_constructed_heads`), among them a flat head, which must
+# be `diffuse` and not `positional (offset -1)`.
 
 # %%
-def inspect_figure(model: EncoderDecoder, profiles: dict[str, list[np.ndarray]], window: int,
+DIFFUSE_ENTROPY = 0.9
+MARGIN = 0.25
+MONOTONIC_SHARE = 0.6
+
+
+def head_label(measures: dict[str, np.ndarray], head: int, kind: str) -> str:
+    """The label of head `head` of one attention from its `summarise` measures (rules in the table above).
+
+    >>> m = {"entropy": np.array([0.95]), "offsets": np.array([[0.07, 0.07, 0.07]]),
+    ...      "uniform_offsets": np.array([0.07, 0.07, 0.0]), "first": np.array([0.07]), "uniform_first": 0.07}
+    >>> head_label(m, 0, "enc_self")
+    'diffuse'
+    """
+    if measures["entropy"][head] >= DIFFUSE_ENTROPY:
+        return "diffuse"
+    if "last" in measures and measures["last"][head] >= measures["uniform_last"] + MARGIN:
+        return "aligns to the last source token"
+    if measures["first"][head] >= measures["uniform_first"] + MARGIN:
+        return "aligns to <s>" if kind == "dec_self" else "aligns to the first source token"
+    if "diagonal" in measures and measures["diagonal"][head] >= MONOTONIC_SHARE:
+        return "monotonic alignment"
+    excess = measures["offsets"][head] - measures["uniform_offsets"]  # (2W+1,)
+    best = int(excess.argmax())
+    if excess[best] >= MARGIN:
+        return f"positional (offset {best - (len(excess) - 1) // 2:+d})"
+    return "mixed"
+
+
+def head_labels(profiles: dict[str, list[dict[str, np.ndarray]]]) -> dict[str, list[list[str]]]:
+    """{kind: [[label per head] per layer]} of `position_profiles`' result."""
+    return {kind: [[head_label(m, i, kind) for i in range(len(m["entropy"]))] for m in layers]
+            for kind, layers in profiles.items()}
+
+
+# %% [markdown]
+# ## 4. One page
+#
+# One row per attention (`enc_self`, `dec_self`, `cross`, layer by layer),
+# three panels per row: the singular values of `W_Q[i] W_K[i]^T` and those
+# of `W_V[i] W_O[i]`, each divided by the head's largest (so the panels
+# compare how many directions each head uses, not its scale; the largest
+# value itself is in the legend), and the mean attention by key offset next
+# to uniform attention's (dashed; one line per head, the point at the right
+# edge is the last source token).
+
+# %%
+def _spectrum_panel(ax, spectra: Tensor, what: str, kind: str, layer: int) -> None:
+    for i, s in enumerate(spectra):
+        s = s.numpy()
+        ax.semilogy(range(1, len(s) + 1), s / s[0], marker=".", label=f"head {i} (largest {s[0]:.2g})")
+    ax.set_xlabel("singular value, largest first", fontsize=8)
+    ax.set_ylabel("divided by the largest", fontsize=8)
+    ax.set_title(f"{kind} layer {layer}: singular values of {what}", fontsize=9)
+    ax.legend(fontsize=6)
+
+
+def _profile_panel(ax, measures: dict[str, np.ndarray], labels: list[str], window: int, kind: str,
+                   layer: int) -> None:
+    offsets = list(range(-window, window + 1)) + [window + 1.5]
+    uniform = list(measures["uniform_offsets"]) + [float(measures.get("uniform_last", math.nan))]
+    ax.plot(offsets, uniform, "k--", label="uniform attention")
+    for i, row in enumerate(profile_rows(measures)):
+        ax.plot(offsets, row, marker="o", label=f"head {i}: {labels[i]}")
+    ax.set_xticks(offsets, [str(o) for o in range(-window, window + 1)] + ["last"], fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("key offset k - q (last: the last source token)", fontsize=8)
+    ax.set_ylabel("mean attention weight", fontsize=8)
+    ax.set_title(f"{kind} layer {layer}: mean attention by key offset", fontsize=9)
+    ax.legend(fontsize=6)
+
+
+def inspect_figure(model: EncoderDecoder, profiles: dict[str, list[dict[str, np.ndarray]]], window: int,
                    title: str = "") -> Figure:
     rows = sites(model)
-    fig = Figure(figsize=(13, 2.3 * len(rows) + 0.6))
+    labels = head_labels(profiles)
+    fig = Figure(figsize=(14, 2.6 * len(rows) + 0.6))
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(rows), 3, squeeze=False)
-    offsets = list(range(-window, window + 1)) + [window + 1.5]
     for r, (kind, layer) in enumerate(rows):
-        att = attention_at(model, kind, layer)
-        spectra = bilinear_spectra(att)
-        for c, (key, label) in enumerate((("qk", "W_Q[i] W_K[i]^T"), ("vo", "W_V[i] W_O[i]"))):
-            ax = axes[r, c]
-            for i, s in enumerate(spectra[key]):
-                ax.semilogy(range(1, len(s) + 1), s.numpy(), marker=".", label=f"head {i}")
-            ax.set_title(f"{kind} layer {layer}: singular values of {label}", fontsize=9)
-        ax = axes[r, 2]
-        for i, prof in enumerate(profiles[kind][layer]):
-            ax.plot(offsets, prof, marker="o", label=f"head {i}")
-        ax.set_xticks(offsets, [str(o) for o in range(-window, window + 1)] + ["last"], fontsize=8)
-        ax.set_ylim(0, 1)
-        ax.set_title(f"{kind} layer {layer}: mean attention by key offset k - q", fontsize=9)
-        axes[r, 0].legend(fontsize=7, ncol=2)
+        spectra = bilinear_spectra(attention_at(model, kind, layer))
+        _spectrum_panel(axes[r, 0], spectra["qk"], "W_Q[i] W_K[i]^T", kind, layer)
+        _spectrum_panel(axes[r, 1], spectra["vo"], "W_V[i] W_O[i]", kind, layer)
+        _profile_panel(axes[r, 2], profiles[kind][layer], labels[kind][layer], window, kind, layer)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     return fig
-
-
-def save_figure(fig: Figure, path) -> None:
-    from annotated.plumbing.files import atomic_write
-
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=90))

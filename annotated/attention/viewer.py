@@ -19,6 +19,8 @@
 # %%
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import importlib.resources
 import json
@@ -29,6 +31,11 @@ from typing import Optional
 
 import numpy as np
 
+from annotated.attention.pictures import MASKED, READING, KIND_LABELS, caption, colour_table, head_colours
+from annotated.sites import KINDS
+
+LINE_MIN = 0.02  # the lines view draws a line for every weight at least this large
+
 
 # %% [markdown]
 # ## The page
@@ -36,25 +43,46 @@ import numpy as np
 # `viewer.html` is one self-contained file: the data is inlined as JSON, the
 # page, its script and its style are the plain files
 # `annotated/attention/web/viewer.{html,js,css}` (read with `importlib.resources`),
-# copied into the page; nothing is fetched (no CDN, no fonts, no images). Open
-# it from disk in any browser. Choose a sentence, a kind, a layer and a head
-# (or the mean over heads); the heatmap shows the chosen matrix, and two
-# token columns show the queries and the keys. Hovering a query token (or a
-# heatmap row) shades the keys by how much it attends to each; hovering a key
-# token shades the queries by how much they attend to it. The state is kept
-# in the address (`#s=0&kind=cross&layer=1&head=mean&view=head`) so a view can
-# be bookmarked. (`test_viewer_in_headless_chromium` opens it, hovers a token,
-# compares the shading with the arrays, and checks that the page made no
-# network request.)
+# copied into the page; nothing is fetched (no CDN, no fonts, no images), and
+# the page's Content-Security-Policy says so: no source at all except its
+# own script, allowed by its SHA-256 hash (so no injected script and no
+# inline event handler could run). Open it from disk in any browser.
 #
-# The **model view** (`view=model`) shows every layer x head of one kind at
-# once, as in bertviz's model view: one thumbnail per head, one pixel per
-# (query, key) weight, in the heatmap's colours (a legend gives the scale).
-# Clicking a thumbnail zooms into that head. When `python -m annotated.attention.heads`
-# has written `heads.json` beside the checkpoint, each head's importance
-# score (Michel et al., 2019: how much the loss depends on the head) is
-# written under its thumbnail and beside the zoomed head.
-# (`test_model_view_in_headless_chromium`.)
+# Above the views: a sentence, a kind, a layer and a head (or the mean over
+# heads), on one line however long the sentence; the caption says how to
+# read the picture in the words of `READING`
+# (`annotated/attention/pictures.py`): a row is a query and sums to 1, a
+# decoder row is labelled by the token the decoder predicts there, a key
+# column by the token fed in there, `▁` starts a word. The colour bar is the
+# pictures' colour map `CMAP`, sampled into a table of 64 colours when the
+# page is written, from 0 to 1. The **arrow keys** move between heads
+# (left, right; "mean" comes before head 0) and layers (up, down).
+#
+# * **Head view** (`view=head`): the chosen matrix as a heatmap as wide as
+#   the page, every row and column labelled by its token. Hovering a row
+#   shades the column labels by its weights; hovering a column label shades
+#   the row labels by how much each query takes from it.
+# * **Lines view** (`view=lines`), bertviz's head view: the query tokens in
+#   a column on the left, the key tokens on the right, and a line from query
+#   to key for every weight of at least `LINE_MIN`, its opacity the weight,
+#   its colour its head's; all heads of the layer are overlaid, and clicking
+#   a head's colour swatch shows or hides it (a double click shows it
+#   alone). Hovering a token keeps only its own lines.
+# * **Model view** (`view=model`), as in bertviz's model view: the three
+#   kinds one under the other, each a layer x head grid of small heatmaps
+#   (one square per weight, the same colours), token labels beside and
+#   under the grid where they fit (at least 8 pixels a token). Clicking a
+#   thumbnail opens that head in the head view. When
+#   `python -m annotated.attention.heads` has written `heads.json` beside
+#   the checkpoint, each head's importance score (Michel et al., 2019: how
+#   much the loss depends on the head) is written under its thumbnail and
+#   beside the zoomed head.
+#
+# The state is kept in the address
+# (`#s=0&kind=cross&layer=1&head=mean&view=head`) so a view can be
+# bookmarked. (`tests/attention/test_dump.py`: `test_head_view_fills_the_page_and_labels_every_token`,
+# `test_lines_view_draws_one_path_per_weight_above_the_threshold`,
+# `test_model_view_in_headless_chromium`, `test_arrow_keys_move_between_heads_and_layers`.)
 #
 # A pruned model (`annotated/attention/prune.py`) may keep a different number of heads
 # in every attention. The page reads each kind's and layer's count from the
@@ -62,6 +90,11 @@ import numpy as np
 # and in the model view a layer's row holds exactly its heads' thumbnails,
 # the row header saying how many when the layers differ.
 # (`test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads`.)
+#
+# **Inside another page.** `viewer_html(..., embedded=True, start="kind=cross&view=lines")`
+# gives the same page without its heading and footer, opening on `start`:
+# a file for an `<iframe>` (its own CSP travels with it, and the page that
+# frames it needs none for scripts).
 #
 # The sentences are data, and data must not become markup. Inside a
 # `<script>` element the HTML parser looks only for `</script` and, after a
@@ -91,10 +124,17 @@ def viewer_file(name: str) -> str:
     return importlib.resources.files("annotated.attention").joinpath("web", name).read_text(encoding="utf-8")
 
 
-def viewer_html(index: dict, arrays: list[dict], decimals: int = 4) -> str:
-    """The self-contained viewer page for a dump (`index` as in index.json, `arrays` per sentence)."""
+def viewer_html(index: dict, arrays: list[dict], decimals: int = 4, *, embedded: bool = False,
+                start: Optional[str] = None) -> str:
+    """The self-contained viewer page for a dump (`index` as in index.json, `arrays` per sentence as
+    `load_sentence` gives them).
+
+    `embedded`: without heading and footer, for an <iframe>; `start`: the view it opens on when the
+    address names none, as in the address (`"s=0&kind=cross&layer=1&head=mean&view=lines"`)."""
     sentences = []
     kinds = index["kinds"]
+    if list(kinds) != list(KINDS):
+        raise ValueError(f"the index names the kinds {kinds}, not {list(KINDS)}: re-run make attention")
     counts = index.get("head_counts") or {k: [index["heads"]] * index["layers"] for k in kinds}
     for entry, attn in zip(index["sentences"], arrays):
         keep = ("source", "translation", "reference", "src_tokens", "tgt_in_tokens", "tgt_out_tokens")
@@ -102,9 +142,10 @@ def viewer_html(index: dict, arrays: list[dict], decimals: int = 4) -> str:
         s["attn"] = {k: [np.round(a[0].astype(np.float64), decimals).tolist() for a in attn[k]] for k in kinds}
         sentences.append(s)
     data = {"kinds": kinds, "layers": index["layers"], "heads": index["heads"], "head_counts": counts,
-            "rows_cols": index["rows_cols"],
-            "kind_names": {"encoder": "encoder self-attention", "decoder_self": "decoder masked self-attention",
-                           "cross": "cross-attention (decoder -> encoder)"},
+            "rows_cols": index["rows_cols"], "kind_names": KIND_LABELS,
+            "captions": {k: caption(k) for k in kinds}, "reading": READING,
+            "colours": colour_table(64), "masked": MASKED, "head_colours": head_colours(index["heads"]),
+            "line_min": LINE_MIN, "start": start or "",
             "importance": index.get("head_importance"), "sentences": sentences}
     decoder = index.get("decoder") or {}
     search = f"beam {decoder['beam_size']}" if decoder.get("beam_size", 1) > 1 else "greedy"
@@ -113,9 +154,21 @@ def viewer_html(index: dict, arrays: list[dict], decimals: int = 4) -> str:
         f"{index['layers']} layers, pruned to " + ", ".join(f"{k} {counts[k]}" for k in kinds) + " heads per layer")
     footer = html.escape(f"checkpoint: {index.get('checkpoint')}; {shape}; "
                          f"translated as make translate does ({search}); weights rounded to {decimals} decimals")
+    js = viewer_file("viewer.js")
     page = string.Template(viewer_file("viewer.html"))
     return page.substitute(title=html.escape(str(index.get("checkpoint"))), css=viewer_file("viewer.css"),
-                           footer=footer, data=script_json(data), js=viewer_file("viewer.js"))
+                           csp=content_security_policy(js), body_class="embedded" if embedded else "",
+                           footer=footer, data=script_json(data), js=js)
+
+
+def content_security_policy(script: str) -> str:
+    """Nothing may be fetched or run but `script` (by its hash); inline styles are allowed.
+
+    >>> content_security_policy("1")
+    "default-src 'none'; script-src 'sha256-a4ayc/80/OGda4BO/1o/V0etpOqiLx1JwB5S3beHW0s='; style-src 'unsafe-inline'"
+    """
+    digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
+    return f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'"
 
 
 # %% [markdown]
@@ -131,9 +184,6 @@ def viewer_html(index: dict, arrays: list[dict], decimals: int = 4) -> str:
 # pruning) is left out, and the command says why in one line.
 
 # %%
-HEADS_KINDS = {"enc_self": "encoder", "dec_self": "decoder_self", "cross": "cross"}  # heads.json -> ours
-
-
 def importance_fits(table, counts: list[int]) -> bool:
     """Whether `table` holds one finite score per head of every layer, `counts[layer]` heads in each."""
     return isinstance(table, list) and len(table) == len(counts) and all(
@@ -153,7 +203,7 @@ def read_head_importance(checkpoint: os.PathLike | str, cfg,
         return None, None
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        scores = {ours: report["kinds"][theirs]["importance"] for theirs, ours in HEADS_KINDS.items()}
+        scores = {kind: report["kinds"][kind]["importance"] for kind in KINDS}
         owner = report.get("checkpoint")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return None, f"{path} is not readable as head scores ({type(e).__name__}); the viewer shows none"

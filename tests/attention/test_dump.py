@@ -1,5 +1,5 @@
-"""Tests of annotated/attention/dump.py (dumps, tensorboard, the command line), attention_pictures.py and
-attention_viewer.py (the HTML viewer).
+"""Tests of annotated/attention/dump.py (dumps, tensorboard, the command line), pictures.py (the PNG pictures,
+the colour map and the label convention) and viewer.py (the HTML viewer, in headless Chromium).
 
 Models are tiny and random (the properties checked do not need training); the
 tokenizer is trained on the first 300 Multi30k training pairs, read from
@@ -27,6 +27,8 @@ from annotated.attention import pictures as P
 from annotated.attention import viewer as V
 from browser import CHROMIUM, NO_CHROMIUM, Chromium
 from annotated.plumbing.checkpoint import CheckpointError, save_checkpoint
+from annotated.sites import head_counts
+from annotated.recording import record_attention
 from annotated.tokens import PAD, BOS
 from annotated.transformer import convert_model, make_model, padding_mask
 
@@ -100,17 +102,17 @@ def test_shapes_rows_and_masks(tokenizer):
     attn = A.collect_attention(model, src, tgt, dtype=np.float64)
     S, T, h = len(src), len(tgt), model.config.h
     assert set(attn) == set(A.KINDS)
-    for kind, (q, k) in {"encoder": (S, S), "decoder_self": (T, T), "cross": (T, S)}.items():
+    for kind, (q, k) in {"enc_self": (S, S), "dec_self": (T, T), "cross": (T, S)}.items():
         assert len(attn[kind]) == model.config.N
         for a in attn[kind]:
             assert a.shape == (1, h, q, k) and a.dtype == np.float64
             # every query's weights are a distribution over the keys (no padding here)
             np.testing.assert_allclose(a.sum(-1), 1.0, atol=1e-12)
             assert (a >= 0).all()
-    for a in attn["decoder_self"]:
+    for a in attn["dec_self"]:
         assert not np.triu(a[0], 1).any(), "a future position got weight: the causal mask leaked"
         np.testing.assert_array_equal(a[0, :, 0], np.eye(T)[np.zeros(h, dtype=int)])  # <s> sees only itself
-    assert A.collect_attention(model, src, tgt)["encoder"][0].dtype == np.float32  # the default
+    assert A.collect_attention(model, src, tgt)["enc_self"][0].dtype == np.float32  # the default
 
 
 def test_rows_are_the_steps_of_greedy_decoding(tokenizer):
@@ -125,13 +127,13 @@ def test_rows_are_the_steps_of_greedy_decoding(tokenizer):
     inputs = [BOS] + tgt_ids[:-1]
     with torch.no_grad():
         for t, token in enumerate(inputs):
-            y, p_self, p_cross = model.decode_with_attention(memory, mask, torch.tensor([[token]]), None,
-                                                             cache=cache, start=t)
+            with record_attention(model) as probs:
+                y = model.decode(memory, mask, torch.tensor([[token]]), None, cache=cache, start=t)
             assert int(model.generator(y[:, -1]).argmax()) == tgt_ids[t]
             for layer in range(model.config.N):
-                np.testing.assert_allclose(attn["decoder_self"][layer][0, :, t, :t + 1], p_self[layer][0, :, 0],
-                                           rtol=0, atol=1e-12)
-                np.testing.assert_allclose(attn["cross"][layer][0, :, t], p_cross[layer][0, :, 0], rtol=0,
+                np.testing.assert_allclose(attn["dec_self"][layer][0, :, t, :t + 1],
+                                           probs["dec_self", layer][0][0, :, 0], rtol=0, atol=1e-12)
+                np.testing.assert_allclose(attn["cross"][layer][0, :, t], probs["cross", layer][0][0, :, 0], rtol=0,
                                            atol=1e-12)
 
 
@@ -162,6 +164,7 @@ def test_dump_files_and_index(full_dump, checkpoints, tokenizer):
     index = A.read_index(full_dump)
     assert index["checkpoint"] == str(checkpoints[1].resolve())
     assert index["model_config"]["N"] == index["layers"] == 2 and index["heads"] == 2
+    assert index["format"] == "annotated-attention-v2" and index["kinds"] == ["enc_self", "dec_self", "cross"]
     assert index["head_counts"] == {kind: [2, 2] for kind in A.KINDS}
     assert index["meta"]["src_lang"] == "de" and index["dtype"] == "float32"
     assert [s["source"] for s in index["sentences"]] == SENTENCES
@@ -191,8 +194,8 @@ def test_bertviz_layout(full_dump):
     args = A.bertviz_args(attn, entry)
     S, T = len(entry["src_tokens"]), len(entry["tgt_in_tokens"])
     with np.load(full_dump / entry["file"]) as f:
-        for name, kind, (q, k) in (("encoder_attention", "encoder", (S, S)),
-                                   ("decoder_attention", "decoder_self", (T, T)),
+        for name, kind, (q, k) in (("encoder_attention", "enc_self", (S, S)),
+                                   ("decoder_attention", "dec_self", (T, T)),
                                    ("cross_attention", "cross", (T, S))):
             layers = args[name]
             assert isinstance(layers, tuple) and len(layers) == 2
@@ -202,31 +205,74 @@ def test_bertviz_layout(full_dump):
             # what bertviz does with it (util.format_attention and head_view's token checks)
             assert all(len(t.shape) == 4 for t in layers)
             stacked = torch.stack([t.squeeze(0) for t in layers])  # (layers, heads, q, k)
-            left = args["decoder_tokens"] if kind != "encoder" else args["encoder_tokens"]
-            right = args["encoder_tokens"] if kind != "decoder_self" else args["decoder_tokens"]
+            left = args["decoder_tokens"] if kind != "enc_self" else args["encoder_tokens"]
+            right = args["encoder_tokens"] if kind != "dec_self" else args["decoder_tokens"]
             assert len(stacked[0][0]) == len(left) and len(stacked[0][0][0]) == len(right)
 
 
-def test_pictures_show_what_the_prose_says(full_dump):
+def colour_bars(fig) -> list:
+    """The colour bars of a figure: axes labelled with the pictures' colour-bar label."""
+    return [ax for ax in fig.axes if P.COLOUR_BAR in (ax.get_ylabel(), ax.get_xlabel())]
+
+
+def test_pictures_follow_the_label_convention(full_dump):
+    """Every picture: the one colour map on 0..1 with one colour bar; a decoder row labelled by the token
+    predicted there, a key column by the token fed in there; captions in those words, not internal names."""
     attn, entry = A.load_sentence(full_dump, 0)
-    fig = P.grid_figure(attn["decoder_self"], entry["tgt_in_tokens"], entry["tgt_in_tokens"], "decoder_self")
-    axes = [ax for ax in fig.axes if ax.images]
-    assert len(axes) == 4  # 2 layers x 2 heads
+    labels = {"enc_self": (entry["src_tokens"], entry["src_tokens"]),
+              "dec_self": (entry["tgt_out_tokens"], entry["tgt_in_tokens"]),  # predicted / fed in
+              "cross": (entry["tgt_out_tokens"], entry["src_tokens"])}
+    assert {k: tuple(entry[n] for n in A.ROWS_COLS[k]) for k in A.KINDS} == labels
+    figures = {kind: P.grid_figure(attn[kind], *labels[kind], kind) for kind in A.KINDS}
+    figures["alignment"] = P.alignment_figure(attn["cross"][1], entry["src_tokens"], entry["tgt_out_tokens"],
+                                              per_head=True)
+    for name, fig in figures.items():
+        images = [ax.images[0] for ax in fig.axes if ax.images]
+        assert images and all(im.get_cmap().name.startswith(P.CMAP) and im.get_clim() == (0.0, 1.0)
+                              for im in images), name
+        [bar] = colour_bars(fig)
+        assert bar.get_ylim() == (0.0, 1.0), name
+        title = fig._suptitle.get_text()
+        assert "row = query, it sums to 1" in title and "\u2581 marks the start of a word" in title, name
+        assert not any(word in title for word in ("tgt_out_tokens", "tgt_in_tokens", "src_tokens", "rows:")), name
+        kind = "cross" if name == "alignment" else name
+        assert P.KIND_LABELS[kind] in title or name == "alignment"
+    for kind in A.KINDS:
+        assert P.AXIS_LABELS[kind][0] in figures[kind]._suptitle.get_text()
+        axes = [ax for ax in figures[kind].axes if ax.images]
+        assert len(axes) == 4  # 2 layers x 2 heads
+        assert [t.get_text() for t in axes[0].get_yticklabels()] == labels[kind][0]  # left column labelled
+        assert [t.get_text() for t in axes[2].get_xticklabels()] == labels[kind][1]  # bottom row labelled
+        assert not axes[1].get_yticklabels() and not axes[0].get_xticklabels()
     T = len(entry["tgt_in_tokens"])
-    for ax in axes:
+    for ax in (ax for ax in figures["dec_self"].axes if ax.images):
         shown = ax.images[0].get_array()
         np.testing.assert_array_equal(np.ma.getmaskarray(shown), np.triu(np.ones((T, T), bool), 1))
-    assert [t.get_text() for t in axes[0].get_yticklabels()] == entry["tgt_in_tokens"]  # left column labelled
-    assert not axes[1].get_yticklabels()
-    fig = P.alignment_figure(attn["cross"][1], entry["src_tokens"], entry["tgt_out_tokens"], per_head=True)
-    panels = [ax for ax in fig.axes if ax.images]
+        assert shown[0, 0] == 1.0  # the first prediction reads only <s>, the first key column
+    assert "predicts" in P.AXIS_LABELS["dec_self"][0] and "fed in" in P.AXIS_LABELS["dec_self"][1]
+
+    panels = [ax for ax in figures["alignment"].axes if ax.images]
     assert [ax.get_title() for ax in panels] == ["mean over heads", "head 0", "head 1"]
     np.testing.assert_allclose(panels[0].images[0].get_array(), attn["cross"][1][0].mean(0), rtol=1e-6)
     np.testing.assert_array_equal(panels[2].images[0].get_array(), attn["cross"][1][0, 1])
     assert [t.get_text() for t in panels[0].get_xticklabels()] == entry["src_tokens"]
     assert [t.get_text() for t in panels[0].get_yticklabels()] == entry["tgt_out_tokens"]
+    assert "predicts" in panels[0].get_ylabel()
     assert P.label_font_size(60, 3.0) < P.label_font_size(10, 3.0)  # more tokens, smaller labels
     assert P._tex_safe("$5") == r"\$5"  # a '$' token does not start a formula
+
+
+def test_a_dump_of_the_first_format_is_refused_naming_the_fix_and_replaced_on_request(checkpoints, tmp_path):
+    out = A.dump(checkpoints[0], SENTENCES[:1], tmp_path / "attention", pictures=False, viewer=False)
+    index = json.loads((out / "index.json").read_text())
+    index["format"], index["kinds"] = "annotated-attention-v1", ["encoder", "decoder_self", "cross"]
+    (out / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"annotated-attention-v1.*re-run make attention"):
+        A.read_index(out)
+    with pytest.raises(ValueError, match="re-run make attention"):
+        A.load_sentence(out, 0)
+    A.dump(checkpoints[0], SENTENCES[:1], out, pictures=False, viewer=False)  # what the message says to do
+    assert A.read_index(out)["format"] == A.FORMAT
 
 
 # ---------------------------------------------------------------- tensorboard
@@ -415,45 +461,86 @@ def test_cli_without_any_run(tmp_path, monkeypatch, capsys):
 
 # ---------------------------------------------------------------- the viewer in a browser
 
+WIDTH = 1400  # px: the page width the layout is checked at
+
+
 def png_pixels(data: bytes) -> np.ndarray:
     import matplotlib.image
 
     return matplotlib.image.imread(io.BytesIO(data), format="png")  # (H, W, 3 or 4) floats in [0, 1]
 
 
+def open_viewer(page: Path, tmp_path: Path, fragment: str = "") -> Chromium:
+    """Chromium showing `page` at WIDTH px, recording console messages, exceptions and CSP reports."""
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
+    browser = Chromium(CHROMIUM, tmp_path / "profile")
+    browser.open(page.as_uri() + (f"#{fragment}" if fragment else ""), width=WIDTH, height=900,
+                 domains=("Network", "Page", "Runtime", "Log"))
+    return browser
+
+
+def console_errors(browser: Chromium) -> list:
+    """Every exception, console error or warning, and browser log error (CSP violations land there)."""
+    return [e["params"] for e in browser.events
+            if e["method"] == "Runtime.exceptionThrown"
+            or (e["method"] == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "warning", "assert"))
+            or (e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] in ("error", "warning"))]
+
+
+def show(browser: Chromium, fragment: str, rendered: str) -> None:
+    browser.js(f"location.hash = '{fragment}'")
+    browser.wait_js(f"document.body.dataset.rendered === '{rendered}'")
+
+
+def weights_from_colours(rgb: np.ndarray) -> np.ndarray:
+    """Read weights back from colours of the viewer's table (CMAP sampled at 64 points): (..., 3) -> (...)."""
+    table = np.array([[int(c[i:i + 2], 16) for i in (1, 3, 5)] for c in P.colour_table(64)])  # (64, 3)
+    dist = np.abs(rgb[..., None, :].astype(int) - table).sum(-1)  # (..., 64)
+    assert (dist.min(-1) == 0).all(), "a colour that is not in the colour table"
+    return dist.argmin(-1) / 63
+
+
+def test_the_viewer_uses_the_pictures_colour_map():
+    import matplotlib
+
+    table = P.colour_table(64)
+    want = matplotlib.colormaps[P.CMAP]
+    for i in (0, 21, 63):
+        assert table[i] == matplotlib.colors.to_hex(want(i / 63))
+    page = V.viewer_html({"kinds": list(A.KINDS), "layers": 1, "heads": 1, "rows_cols": A.ROWS_COLS,
+                          "sentences": []}, [])
+    data = json.loads(page.split('id="attention-data">', 1)[1].split("</script>", 1)[0])
+    assert data["colours"] == table and data["captions"]["cross"] == P.caption("cross")
+
+
 def test_viewer_in_headless_chromium(full_dump, tmp_path):
-    binary = shutil.which("chromium")
-    if binary is None:
-        pytest.skip("no `chromium` on PATH (Debian's package; .ci/run installs it): the viewer is not opened")
     page = full_dump / "viewer.html"
     text = page.read_text(encoding="utf-8")
-    # statically: nothing in the page can fetch anything
-    for pattern in ("<link", "src=", "href=", "@import", "url(", "fetch(", "XMLHttpRequest", "WebSocket"):
-        assert pattern not in text, f"the viewer contains {pattern!r}"
+    # statically: nothing in the page can fetch anything, and its policy lets only its own script run
+    for pattern in ("<link", "src=", "href=", "@import", "url(", "fetch(", "XMLHttpRequest", "WebSocket", " on"):
+        assert pattern + ("" if pattern != " on" else "click=") not in text, f"the viewer contains {pattern!r}"
+    assert V.content_security_policy(V.viewer_file("viewer.js")) in text and "default-src 'none'" in text
     index = A.read_index(full_dump)
-    browser = Chromium(binary, tmp_path / "profile")
+    browser = open_viewer(page, tmp_path)
     try:
-        browser.open(page.as_uri())
-        assert browser.js("document.body.dataset.rendered") == "0/encoder/0/0"
+        assert browser.js("document.body.dataset.rendered") == "0/enc_self/0/0"
 
-        # every kind draws one cell per (query, key) and one token element per query and per key
+        # every kind draws one cell per (query, key) and labels every row and column with its token
         for s, entry in enumerate(index["sentences"]):
             for kind in A.KINDS:
                 rows, cols = (entry[name] for name in index["rows_cols"][kind])
-                state = f"{s}/{kind}/1/mean"
-                browser.js(f"location.hash = 's={s}&kind={kind}&layer=1&head=mean'")
-                browser.wait_js(f"document.body.dataset.rendered === '{state}'")
+                show(browser, f"s={s}&kind={kind}&layer=1&head=mean", f"{s}/{kind}/1/mean")
                 counts = browser.js("[document.querySelectorAll('td.cell').length, "
                                     "document.querySelectorAll('td.blocked').length, "
-                                    "[...document.querySelectorAll('span.tok.q')].map(t => t.textContent), "
-                                    "[...document.querySelectorAll('span.tok.k')].map(t => t.textContent)]")
-                blocked = len(rows) * (len(rows) - 1) // 2 if kind == "decoder_self" else 0
+                                    "[...document.querySelectorAll('th.row')].map(t => t.textContent), "
+                                    "[...document.querySelectorAll('th.col')].map(t => t.textContent)]")
+                blocked = len(rows) * (len(rows) - 1) // 2 if kind == "dec_self" else 0
                 assert counts == [len(rows) * len(cols), blocked, rows, cols], (s, kind)
 
-        # a real hover (mouse moved by the browser's input layer) shades the keys by the query's row
+        # a real hover (mouse moved by the browser's input layer) colours the column labels by the query's row
         attn, entry = A.load_sentence(full_dump, 0)
-        browser.js("location.hash = 's=0&kind=cross&layer=1&head=0'")
-        browser.wait_js("document.body.dataset.rendered === '0/cross/1/0'")
+        show(browser, "s=0&kind=cross&layer=1&head=0", "0/cross/1/0")
 
         def hover(selector: str):
             x, y = browser.js(f"(() => {{ const e = document.querySelector('{selector}'); e.scrollIntoView(); "
@@ -462,26 +549,26 @@ def test_viewer_in_headless_chromium(full_dump, tmp_path):
             browser.page("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
 
         q = 2
-        hover(f'span.tok.q[data-i="{q}"]')
-        shaded = browser.js("[...document.querySelectorAll('span.tok.k')].map(t => parseFloat(t.dataset.w))")
+        hover(f'td.cell[data-q="{q}"][data-k="0"]')
+        shaded = browser.js("[...document.querySelectorAll('th.col')].map(t => parseFloat(t.dataset.w))")
         np.testing.assert_allclose(shaded, attn["cross"][1][0, 0, q], atol=1.1e-4)  # 4 decimals stored and shown
         k = 1
-        hover(f'span.tok.k[data-i="{k}"]')
-        shaded = browser.js("[...document.querySelectorAll('span.tok.q')].map(t => parseFloat(t.dataset.w))")
+        hover(f'th.col[data-k="{k}"]')
+        shaded = browser.js("[...document.querySelectorAll('th.row')].map(t => parseFloat(t.dataset.w))")
         np.testing.assert_allclose(shaded, attn["cross"][1][0, 0, :, k], atol=1.1e-4)
         assert "is read by the queries" in browser.js("document.getElementById('status').textContent")
 
         shot = png_pixels(base64.b64decode(browser.page("Page.captureScreenshot", format="png")["data"]))
-        assert shot.shape[:2] == (900, 1200)
+        assert shot.shape[:2] == (900, WIDTH)
         not_white = (shot[..., :3] < 0.95).any(axis=-1).mean()
         assert 0.02 < not_white < 0.95 and len(np.unique(shot[..., :3].reshape(-1, 3), axis=0)) > 20
 
         # without heads.json beside the checkpoint the model view says so and shows no scores
-        browser.js("location.hash = 's=0&kind=encoder&view=model'")
-        browser.wait_js("document.body.dataset.rendered === '0/encoder/model'")
-        assert browser.js("document.querySelectorAll('td.thumb').length") == index["layers"] * index["heads"]
+        show(browser, "s=0&kind=enc_self&view=model", "0/model")
+        assert browser.js("document.querySelectorAll('td.thumb').length") == 3 * index["layers"] * index["heads"]
         assert browser.js("document.querySelectorAll('.score').length") == 0
         assert browser.js("document.getElementById('importance').textContent").startswith("no heads.json")
+        assert console_errors(browser) == []
 
         # the only request the page caused is the page itself
         assert browser.requests() == [page.as_uri()]
@@ -493,6 +580,153 @@ def test_viewer_in_headless_chromium(full_dump, tmp_path):
         assert "http://example.invalid/x.png" in browser.requests()
     finally:
         browser.close()
+
+
+def test_the_policy_stops_a_script_that_is_not_the_viewers(full_dump, tmp_path):
+    """The CSP is real: a second inline script (one the page did not ship) does not run and is reported."""
+    page = tmp_path / "tampered.html"
+    page.write_text((full_dump / "viewer.html").read_text(encoding="utf-8").replace(
+        "</body>", "<script>document.title = 'injected';</script></body>"), encoding="utf-8")
+    browser = open_viewer(page, tmp_path)
+    try:
+        browser.wait_js("document.body.dataset.rendered === '0/enc_self/0/0'")  # the viewer's own script ran
+        assert browser.js("document.title") != "injected"
+        assert any("Content Security Policy" in json.dumps(e) for e in console_errors(browser))
+    finally:
+        browser.close()
+
+
+def test_head_view_fills_the_page_and_labels_every_token(full_dump, tmp_path):
+    """At 1400 px the heatmap is at least 60% of the page wide, no row or column label is cut to nothing,
+    the controls stay on one line, and the caption gives the label convention; docs/screenshots/viewer.png."""
+    index = A.read_index(full_dump)
+    entry = index["sentences"][1]
+    browser = open_viewer(full_dump / "viewer.html", tmp_path, "s=1&kind=cross&layer=1&head=mean&view=head")
+    try:
+        browser.wait_js("document.body.dataset.rendered === '1/cross/1/mean'")
+        width = browser.js("document.querySelector('table.heat').getBoundingClientRect().width")
+        assert width >= 0.6 * WIDTH, width
+        labels = browser.js("""[...document.querySelectorAll('th.row, th.col')].map(t => {
+            const r = t.getBoundingClientRect(); return [t.className, t.textContent, r.width, r.height]; })""")
+        rows = [text for cls, text, *_ in labels if cls.startswith("row")]
+        cols = [text for cls, text, *_ in labels if cls.startswith("col")]
+        assert rows == entry["tgt_out_tokens"] and cols == entry["src_tokens"]
+        assert all(w >= 8 and h >= 8 for _, _, w, h in labels)  # every label has room on the page
+        tops = browser.js("[...document.querySelectorAll('#controls > *')].map(e => e.getBoundingClientRect().top)")
+        assert max(tops) - min(tops) < 10, tops  # one line of controls, however long the sentence
+        assert browser.js("document.getElementById('controls').scrollHeight") < 40
+        caption = browser.js("document.getElementById('caption').textContent")
+        for words in ("row = query, it sums to 1", "\u2581 marks the start of a word",
+                      "labelled by the token the decoder predicts there", "key column by the token fed in"):
+            assert words in caption, words
+        legend = browser.js("(() => { const r = document.querySelector('#legend .bar').getBoundingClientRect(); "
+                            "return [r.width, r.height, document.getElementById('legend').textContent]; })()")
+        assert legend[0] > 50 and legend[1] > 5 and "attention weight" in legend[2] and "causal mask" in legend[2]
+        assert console_errors(browser) == []
+        shot = base64.b64decode(browser.page("Page.captureScreenshot", format="png")["data"])
+        (ROOT / "docs" / "screenshots").mkdir(exist_ok=True)
+        (ROOT / "docs" / "screenshots" / "viewer.png").write_bytes(shot)
+    finally:
+        browser.close()
+
+
+def test_arrow_keys_move_between_heads_and_layers(full_dump, tmp_path):
+    """Left/right: the head ("mean" before head 0), up/down: the layer; held at the ends; even with a menu focused."""
+    browser = open_viewer(full_dump / "viewer.html", tmp_path, "s=0&kind=dec_self&layer=0&head=0&view=head")
+    try:
+        browser.wait_js("document.body.dataset.rendered === '0/dec_self/0/0'")
+        codes = {"ArrowLeft": 37, "ArrowUp": 38, "ArrowRight": 39, "ArrowDown": 40}
+
+        def press(key: str, want: str):
+            for kind in ("keyDown", "keyUp"):
+                browser.page("Input.dispatchKeyEvent", type=kind, key=key, code=key,
+                             windowsVirtualKeyCode=codes[key])
+            browser.wait_js(f"document.body.dataset.rendered === '0/dec_self/{want}'")
+
+        press("ArrowRight", "0/1")
+        press("ArrowRight", "0/1")  # the layer has 2 heads: head 1 is the last
+        press("ArrowDown", "1/1")
+        press("ArrowDown", "1/1")  # 2 layers
+        press("ArrowLeft", "1/0")
+        press("ArrowLeft", "1/mean")
+        press("ArrowUp", "0/mean")
+        browser.js("document.getElementById('layer').focus()")
+        press("ArrowRight", "0/0")  # a focused menu does not take the key
+        assert browser.js("[document.getElementById('layer').value, document.getElementById('head').value]") == \
+            ["0", "0"]
+        assert browser.js("location.hash") == "#s=0&kind=dec_self&layer=0&head=0&view=head"
+        assert console_errors(browser) == []
+    finally:
+        browser.close()
+
+
+def synthetic_dump(seed: int = 0, heads: int = 3) -> tuple[dict, list]:
+    """(index, arrays) of one made-up sentence whose weights are spread out (Dirichlet, alpha 0.3): many lie
+    below the lines view's threshold without being zero."""
+    rng = np.random.default_rng(seed)
+    entry = {"source": "Ein Hund rennt.", "translation": "A dog runs.", "reference": None,
+             "src_tokens": ["\u2581Ein", "\u2581Hund", "\u2581renn", "t", "."],
+             "tgt_in_tokens": ["<s>", "\u2581A", "\u2581dog", "\u2581runs", "."],
+             "tgt_out_tokens": ["\u2581A", "\u2581dog", "\u2581runs", ".", "</s>"]}
+    size = {k: (len(entry[r]), len(entry[c])) for k, (r, c) in A.ROWS_COLS.items()}
+    attn = {k: [rng.dirichlet(np.full(size[k][1], 0.3), size=(1, heads, size[k][0]))] for k in A.KINDS}
+    causal = np.tril(np.ones(size["dec_self"], dtype=bool))
+    attn["dec_self"][0] = attn["dec_self"][0] * causal
+    attn["dec_self"][0] /= attn["dec_self"][0].sum(-1, keepdims=True)
+    index = {"kinds": list(A.KINDS), "layers": 1, "heads": heads, "rows_cols": A.ROWS_COLS, "sentences": [entry]}
+    return index, [attn]
+
+
+def test_lines_view_draws_one_path_per_weight_above_the_threshold(tmp_path):
+    """bertviz's head view: one path per (head, query, key) with weight >= LINE_MIN (0.02), in its head's colour,
+    its opacity the weight; query tokens on the left, keys on the right; clicking a head's swatch hides its
+    lines, a double click shows it alone."""
+    index, arrays = synthetic_dump()
+    page = tmp_path / "viewer.html"
+    page.write_text(V.viewer_html(index, arrays), encoding="utf-8")
+    entry = index["sentences"][0]
+    for kind in ("dec_self", "cross"):
+        weights = np.round(arrays[0][kind][0][0], 4)  # (h, q, k) as the page holds them
+        assert ((weights > 0) & (weights < V.LINE_MIN)).sum() >= 5  # the threshold has something to leave out
+        browser = open_viewer(page, tmp_path, f"s=0&kind={kind}&layer=0&head=mean&view=lines")
+        try:
+            browser.wait_js(f"document.body.dataset.rendered === '0/{kind}/0/mean/lines'")
+
+            def paths():
+                return browser.js("[...document.querySelectorAll('#lines-body path')].map(p => "
+                                  "[+p.dataset.h, +p.dataset.q, +p.dataset.k, +p.getAttribute('stroke-opacity'), "
+                                  "p.getAttribute('stroke')])")
+
+            def want(heads):
+                return sorted((h, q, k) for h in heads for q, k in zip(*np.nonzero(weights[h] >= V.LINE_MIN)))
+
+            drawn = paths()
+            assert sorted((h, q, k) for h, q, k, _, _ in drawn) == want(range(len(weights)))
+            colours = P.head_colours(len(weights))
+            assert len(set(colours)) == len(weights)
+            for h, q, k, opacity, stroke in drawn:
+                assert abs(opacity - weights[h, q, k]) <= 5e-4 + 1e-9 and stroke == colours[h]  # 3 decimals
+                assert kind != "dec_self" or k <= q  # the causal mask: nothing from the future
+            tokens = browser.js("[[...document.querySelectorAll('span.tok.q')].map(t => t.textContent), "
+                                "[...document.querySelectorAll('span.tok.k')].map(t => t.textContent)]")
+            assert tokens == [entry[name] for name in A.ROWS_COLS[kind]]
+
+            def click(selector: str, count: int = 1):
+                x, y = browser.js(f"(() => {{ const r = document.querySelector('{selector}').getBoundingClientRect(); "
+                                  f"return [r.x + r.width / 2, r.y + r.height / 2]; }})()")
+                for n in range(1, count + 1):
+                    for kind_ in ("mousePressed", "mouseReleased"):
+                        browser.page("Input.dispatchMouseEvent", type=kind_, x=x, y=y, button="left", clickCount=n)
+
+            click('#swatches .head[data-h="0"]')
+            browser.wait_js("document.querySelector('#swatches .head[data-h=\"0\"]').classList.contains('off')")
+            assert sorted((h, q, k) for h, q, k, _, _ in paths()) == want([1, 2])
+            click('#swatches .head[data-h="1"]', count=2)  # a double click: head 1 alone
+            browser.wait_js("document.querySelector('#swatches .head[data-h=\"2\"]').classList.contains('off')")
+            assert sorted((h, q, k) for h, q, k, _, _ in paths()) == want([1])
+            assert console_errors(browser) == []
+        finally:
+            browser.close()
 
 
 HOSTILE = "Ein Hund <!--<script> rennt & </script> über\u2028die\u2029Wiese > 1."
@@ -508,15 +742,13 @@ def test_viewer_survives_markup_in_the_sentences(tokenizer, tmp_path):
     data = page.split('id="attention-data">', 1)[1].split("</script>", 1)[0]
     assert not set("<>&\u2028\u2029") & set(data)  # every one escaped
     assert json.loads(data)["sentences"][0]["source"] == HOSTILE  # and read back unchanged
-    browser = Chromium(CHROMIUM, tmp_path / "profile")
+    browser = open_viewer(out / "viewer.html", tmp_path)
     try:
-        browser.page("Page.enable")
-        browser.page("Page.navigate", url=(out / "viewer.html").as_uri())
-        browser.wait_event("Page.loadEventFired")
-        assert browser.js("document.body.dataset.rendered") == "0/encoder/0/0"  # the script ran
+        assert browser.js("document.body.dataset.rendered") == "0/enc_self/0/0"  # the script ran
         assert browser.js("DATA.sentences[0].source") == HOSTILE
-        assert HOSTILE in browser.js("document.getElementById('caption').textContent")
+        assert HOSTILE in browser.js("document.getElementById('sentence-text').textContent")
         assert browser.js("document.querySelectorAll('script').length") == 2  # no element made from the text
+        assert console_errors(browser) == []
     finally:
         browser.close()
 
@@ -542,7 +774,7 @@ def test_head_scores_are_read_only_when_they_fit_the_checkpoint(checkpoints, tmp
     scores = heads_json(model.config, ckpt)
     (tmp_path / "heads.json").write_text(json.dumps(scores))
     importance, note = V.read_head_importance(ckpt, model.config)
-    assert note is None and importance["decoder_self"] == scores["kinds"]["dec_self"]["importance"]
+    assert note is None and importance["dec_self"] == scores["kinds"]["dec_self"]["importance"]
     scores["kinds"]["cross"]["importance"][1].pop()  # a pruned model's table: one head short
     (tmp_path / "heads.json").write_text(json.dumps(scores))
     assert V.read_head_importance(ckpt, model.config)[0] is None
@@ -559,11 +791,28 @@ def heads_json(cfg, checkpoint: Path) -> dict:
     return {"checkpoint": str(checkpoint), "kinds": kinds}
 
 
+THUMBS = """(kind => [...document.querySelectorAll(`td.thumb[data-kind="${kind}"]`)].map(td => {
+    const c = td.querySelector('canvas'), px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+    const score = td.querySelector('.score');
+    return {layer: +td.dataset.layer, head: +td.dataset.head, w: c.width, h: c.height, rgba: [...px],
+            score: score && score.textContent}; }))"""
+
+
+def check_thumbnail(t: dict, weights: np.ndarray, kind: str) -> None:
+    """A thumbnail is one pixel per (query, key) in the colour table's colour of its weight; grey where masked."""
+    assert (t["h"], t["w"]) == weights.shape
+    rgba = np.array(t["rgba"]).reshape(t["h"], t["w"], 4)
+    blocked = np.triu(np.ones(weights.shape, dtype=bool), 1) if kind == "dec_self" else np.zeros(weights.shape, bool)
+    grey = [int(P.MASKED[i:i + 2], 16) for i in (1, 3, 5)] + [255]
+    assert (rgba[blocked] == grey).all()  # the causal mask's grey
+    assert (rgba[~blocked][:, 3] == 255).all()
+    shown = weights_from_colours(rgba[~blocked][:, :3])
+    assert (abs(shown - weights[~blocked]) <= 0.5 / 63 + 1e-4).all()  # the nearest of 64 colours
+
+
 def test_model_view_in_headless_chromium(checkpoints, tmp_path):
-    """Every layer x head as a thumbnail (pixels = the weights), its importance under it, click to zoom,
-    a colour legend, and nothing fetched."""
-    if CHROMIUM is None:
-        pytest.skip(NO_CHROMIUM)
+    """The three kinds, labelled, each a layer x head grid of thumbnails (pixels = the weights, in the colour
+    map), token labels where they fit, each head's importance under it, click to zoom, nothing fetched."""
     ckpt = tmp_path / "run" / "best.pt"
     ckpt.parent.mkdir()
     shutil.copy(checkpoints[0], ckpt)
@@ -574,39 +823,35 @@ def test_model_view_in_headless_chromium(checkpoints, tmp_path):
     index = A.read_index(out)
     assert index["head_importance"]["cross"] == scores["kinds"]["cross"]["importance"]
     page = out / "viewer.html"
-    browser = Chromium(CHROMIUM, tmp_path / "profile")
+    browser = open_viewer(page, tmp_path, "s=1&kind=cross&view=model")
     try:
-        browser.open(page.as_uri() + "#s=1&kind=cross&view=model")
-        browser.wait_js("document.body.dataset.rendered === '1/cross/model'")
+        browser.wait_js("document.body.dataset.rendered === '1/model'")
         attn, entry = A.load_sentence(out, 1)
+        blocks = browser.js("[...document.querySelectorAll('.kind-block')].map(b => "
+                            "[b.dataset.kind, b.querySelector('h3').textContent, b.querySelector('.how').textContent])")
+        assert blocks == [[k, P.KIND_LABELS[k], P.caption(k)] for k in A.KINDS]
         for kind in A.KINDS:
-            browser.js(f"location.hash = 's=1&kind={kind}&view=model'")
-            browser.wait_js(f"document.body.dataset.rendered === '1/{kind}/model'")
-            thumbs = browser.js("""[...document.querySelectorAll('td.thumb')].map(td => {
-                const c = td.querySelector('canvas'), px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-                return {layer: +td.dataset.layer, head: +td.dataset.head, w: c.width, h: c.height,
-                        rgba: [...px], score: td.querySelector('.score').textContent}; })""")
+            thumbs = browser.js(f"{THUMBS}('{kind}')")
             assert len(thumbs) == index["layers"] * index["heads"]
-            theirs = {"encoder": "enc_self", "decoder_self": "dec_self", "cross": "cross"}[kind]
             for t in thumbs:
-                weights = attn[kind][t["layer"]][0, t["head"]]  # (q, k)
-                assert (t["h"], t["w"]) == weights.shape
-                rgba = np.array(t["rgba"]).reshape(t["h"], t["w"], 4)
-                blocked = np.triu(np.ones(weights.shape, dtype=bool), 1) if kind == "decoder_self" else \
-                    np.zeros(weights.shape, dtype=bool)
-                assert (rgba[blocked] == [216, 216, 216, 255]).all()  # the causal mask's grey
-                np.testing.assert_allclose(rgba[~blocked][:, 3] / 255, weights[~blocked], atol=0.6 / 255 + 1e-4)
-                opaque = rgba[~blocked & (rgba[..., 3] >= 128)]  # (canvas keeps premultiplied colour: faint ones blur)
-                assert (abs(opaque[:, :3] - [33, 102, 172]) <= 2).all()
-                want = scores["kinds"][theirs]["importance"][t["layer"]][t["head"]]
+                check_thumbnail(t, attn[kind][t["layer"]][0, t["head"]], kind)
+                want = scores["kinds"][kind]["importance"][t["layer"]][t["head"]]
                 assert t["score"] == f"importance {want:.3f}"
-        legend = browser.js("(() => { const r = document.querySelector('#legend .bar').getBoundingClientRect(); "
-                            "return [r.width, r.height, document.getElementById('legend').textContent]; })()")
-        assert legend[0] > 50 and legend[1] > 5 and "attention weight" in legend[2] and "causal mask" in legend[2]
+            # token labels where they fit: beside the first head, under the last layer, in the convention's order
+            rows, cols = (entry[n] for n in index["rows_cols"][kind])
+            scale = browser.js(f"parseFloat(document.querySelector('td.thumb[data-kind=\"{kind}\"] canvas').style.width)"
+                               f" / {len(cols)}")
+            strips = browser.js(f"""[...document.querySelectorAll('td.thumb[data-kind="{kind}"] .rlabels, '
+                                 + 'td.thumb[data-kind="{kind}"] .clabels')].map(d => [d.className,
+                                 [...d.children].map(s => s.textContent)])""")
+            if scale >= 8:
+                assert strips == [["rlabels", rows]] * index["layers"] + [["clabels", cols]] * index["heads"], kind
+            else:
+                assert strips == [], kind
 
-        # a real click on the thumbnail of layer 1, head 0 zooms into that head
-        x, y = browser.js("(() => { const e = document.querySelector('td.thumb[data-layer=\"1\"][data-head=\"0\"]'); "
-                          "e.scrollIntoView(); const r = e.getBoundingClientRect(); "
+        # a real click on the cross-attention thumbnail of layer 1, head 0 opens that head
+        x, y = browser.js("(() => { const e = document.querySelector('td.thumb[data-kind=\"cross\"][data-layer=\"1\"]"
+                          "[data-head=\"0\"]'); e.scrollIntoView(); const r = e.getBoundingClientRect(); "
                           "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
         for kind in ("mousePressed", "mouseReleased"):
             browser.page("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
@@ -615,15 +860,31 @@ def test_model_view_in_headless_chromium(checkpoints, tmp_path):
         want = scores["kinds"]["cross"]["importance"][1][0]
         assert f"importance of layer 1, head 0: {want:.3f}" in browser.js("document.getElementById('importance').textContent")
         assert [url.split("#")[0] for url in browser.requests()] == [page.as_uri()]
+        assert console_errors(browser) == []
     finally:
         browser.close()
 
+
+def test_the_embedded_viewer_opens_on_its_start_view_without_heading(full_dump, tmp_path):
+    index = A.read_index(full_dump)
+    arrays = [A.load_sentence(full_dump, i)[0] for i in range(len(index["sentences"]))]
+    page = tmp_path / "embedded.html"
+    page.write_text(V.viewer_html(index, arrays, embedded=True, start="s=1&kind=cross&layer=0&head=1&view=lines"),
+                    encoding="utf-8")
+    browser = open_viewer(page, tmp_path)
+    try:
+        browser.wait_js("document.body.dataset.rendered === '1/cross/0/1/lines'")
+        assert browser.js("[getComputedStyle(document.getElementById('heading')).display, "
+                          "getComputedStyle(document.getElementById('footer')).display]") == ["none", "none"]
+        assert console_errors(browser) == []
+    finally:
+        browser.close()
 
 
 # ---------------------------------------------------------------- a pruned model
 
 PRUNED = {("enc_self", 0): [1], ("dec_self", 1): [0, 2, 3], ("cross", 0): [3], ("cross", 1): [0, 1]}
-PRUNED_COUNTS = {"encoder": [3, 4], "decoder_self": [4, 1], "cross": [3, 2]}  # of 4 heads each
+PRUNED_COUNTS = {"enc_self": [3, 4], "dec_self": [4, 1], "cross": [3, 2]}  # of 4 heads each
 
 
 def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer, tmp_path):
@@ -637,11 +898,11 @@ def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer,
     ckpt.parent.mkdir()
     save_pruned(ckpt, remove_heads(full, PRUNED), tokenizer, {"src_lang": "de", "tgt_lang": "en"})
     model, _, _ = A.load_checkpoint(ckpt)
-    assert A.model_head_counts(model) == PRUNED_COUNTS
+    assert head_counts(model) == PRUNED_COUNTS
     scores = heads_json(model.config, ckpt)  # a table of the unpruned shape: 4 scores in every layer
-    for theirs, ours in V.HEADS_KINDS.items():
-        scores["kinds"][theirs]["importance"] = [row[:n] for row, n in zip(scores["kinds"][theirs]["importance"],
-                                                                           PRUNED_COUNTS[ours])]
+    for kind in A.KINDS:
+        scores["kinds"][kind]["importance"] = [row[:n] for row, n in zip(scores["kinds"][kind]["importance"],
+                                                                         PRUNED_COUNTS[kind])]
     unpruned = heads_json(model.config, ckpt)
     (ckpt.parent / "heads.json").write_text(json.dumps(unpruned))
     importance, note = V.read_head_importance(ckpt, model.config, PRUNED_COUNTS)
@@ -666,31 +927,26 @@ def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer,
         # the encoder's first layer reads the embeddings, which pruning leaves alone: its heads are the
         # unpruned model's heads 0, 2 and 3, in that order
         full_attn = A.collect_attention(full, entry["src_ids"], entry["tgt_out_ids"])
-        np.testing.assert_allclose(attn["encoder"][0][0], full_attn["encoder"][0][0, [0, 2, 3]], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(attn["enc_self"][0][0], full_attn["enc_self"][0][0, [0, 2, 3]], rtol=0, atol=1e-6)
         assert (out / entry["pictures"]["cross"]).stat().st_size > 0
     attn, entry = A.load_sentence(out, 1)
-    with pytest.raises(ValueError, match=r"bertviz needs the same number of heads.*encoder layers have \[3, 4\]"):
+    with pytest.raises(ValueError, match=r"bertviz needs the same number of heads.*enc_self layers have \[3, 4\]"):
         A.bertviz_args(attn, entry)
     with pytest.raises(ValueError, match="one finite score per head of this model"):  # the unpruned table
         A.dump_model(model, tokenizer, SENTENCES, tmp_path / "other", pictures=False,
-                     importance={ours: unpruned["kinds"][theirs]["importance"] for theirs, ours in
-                                 V.HEADS_KINDS.items()})
+                     importance={kind: unpruned["kinds"][kind]["importance"] for kind in A.KINDS})
     assert not (tmp_path / "other").exists()
-    assert "pruned to encoder [3, 4], decoder_self [4, 1], cross [3, 2] heads per layer" in \
+    assert "pruned to enc_self [3, 4], dec_self [4, 1], cross [3, 2] heads per layer" in \
         (out / "viewer.html").read_text(encoding="utf-8")
 
-    if CHROMIUM is None:
-        pytest.skip(NO_CHROMIUM)
     page = out / "viewer.html"
-    browser = Chromium(CHROMIUM, tmp_path / "profile")
+    browser = open_viewer(page, tmp_path, "s=1&kind=dec_self&layer=1&head=3&view=head")
     try:
-        browser.open(page.as_uri() + "#s=1&kind=decoder_self&layer=1&head=3&view=head")
         # head 3 of a layer that kept one head: the page shows the one head there is
-        browser.wait_js("document.body.dataset.rendered === '1/decoder_self/1/0'")
+        browser.wait_js("document.body.dataset.rendered === '1/dec_self/1/0'")
         for kind in A.KINDS:
             for layer, n in enumerate(PRUNED_COUNTS[kind]):  # the head menu offers exactly the layer's heads
-                browser.js(f"location.hash = 's=1&kind={kind}&layer={layer}&head=mean&view=head'")
-                browser.wait_js(f"document.body.dataset.rendered === '1/{kind}/{layer}/mean'")
+                show(browser, f"s=1&kind={kind}&layer={layer}&head=mean&view=head", f"1/{kind}/{layer}/mean")
                 options = browser.js("[...document.getElementById('head').options].map(o => o.value)")
                 assert options == ["mean"] + [str(h) for h in range(n)], (kind, layer)
                 cells = browser.js("[...document.querySelectorAll('td.cell:not(.blocked)')].map(td => "
@@ -699,34 +955,28 @@ def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer,
                 assert len(cells) > 0
                 for q, k, shown in cells:  # each cell's title gives its weight to 3 decimals
                     assert abs(shown - mean[q, k]) <= 6e-4, (kind, layer, q, k)
+                show(browser, f"s=1&kind={kind}&layer={layer}&head=mean&view=lines", f"1/{kind}/{layer}/mean/lines")
+                assert browser.js("document.querySelectorAll('#swatches .head').length") == n
 
-            browser.js(f"location.hash = 's=1&kind={kind}&view=model'")
-            browser.wait_js(f"document.body.dataset.rendered === '1/{kind}/model'")
-            rows = browser.js("""[...document.querySelectorAll('table.model tr')].slice(1).map(tr => ({
+        show(browser, "s=1&view=model", "1/model")
+        for kind in A.KINDS:
+            block = f'.kind-block[data-kind="{kind}"]'
+            rows = browser.js(f"""[...document.querySelectorAll('{block} table.model tr')].slice(1).map(tr => ({{
                 header: tr.querySelector('th').textContent,
-                thumbs: [...tr.querySelectorAll('td.thumb')].map(td => {
-                    const c = td.querySelector('canvas');
-                    const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-                    return {layer: +td.dataset.layer, head: +td.dataset.head, w: c.width, h: c.height, rgba: [...px],
-                            score: td.querySelector('.score').textContent}; })}))""")
+                thumbs: [...tr.querySelectorAll('td.thumb')].map(td => [+td.dataset.layer, +td.dataset.head])}}))""")
             assert len(rows) == 2
-            header = browser.js("[...document.querySelectorAll('table.model tr')][0].querySelectorAll('th').length")
+            header = browser.js(f"document.querySelector('{block} table.model tr').querySelectorAll('th').length")
             assert header == 1 + max(PRUNED_COUNTS[kind])  # a column per head of the fullest layer
-            theirs = {"encoder": "enc_self", "decoder_self": "dec_self", "cross": "cross"}[kind]
+            thumbs = browser.js(f"{THUMBS}('{kind}')")
             for layer, row in enumerate(rows):
                 n = PRUNED_COUNTS[kind][layer]
-                assert [(t["layer"], t["head"]) for t in row["thumbs"]] == [(layer, h) for h in range(n)], (kind, layer)
+                assert row["thumbs"] == [[layer, h] for h in range(n)], (kind, layer)
                 assert row["header"] == f"layer {layer} ({n} head{'s' if n > 1 else ''})"
-                for t in row["thumbs"]:
-                    weights = attn[kind][layer][0, t["head"]]  # (q, k)
-                    assert (t["h"], t["w"]) == weights.shape
-                    rgba = np.array(t["rgba"]).reshape(t["h"], t["w"], 4)
-                    blocked = np.triu(np.ones(weights.shape, dtype=bool), 1) if kind == "decoder_self" else \
-                        np.zeros(weights.shape, dtype=bool)
-                    assert (rgba[blocked] == [216, 216, 216, 255]).all()
-                    np.testing.assert_allclose(rgba[~blocked][:, 3] / 255, weights[~blocked], atol=0.6 / 255 + 1e-4)
-                    want = scores["kinds"][theirs]["importance"][layer][t["head"]]
-                    assert t["score"] == f"importance {want:.3f}"
+            for t in thumbs:
+                check_thumbnail(t, attn[kind][t["layer"]][0, t["head"]], kind)
+                want = scores["kinds"][kind]["importance"][t["layer"]][t["head"]]
+                assert t["score"] == f"importance {want:.3f}"
         assert [url.split("#")[0] for url in browser.requests()] == [page.as_uri()]
+        assert console_errors(browser) == []
     finally:
         browser.close()

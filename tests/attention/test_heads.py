@@ -1,120 +1,25 @@
-"""Removing, scoring and inspecting heads (annotated/attention/importance.py, annotated/attention/profiles.py)."""
+"""Scoring, measuring and labelling heads, and their intervals (annotated/attention/importance.py, profiles.py,
+bootstrap.py), and the command's options (annotated/attention/heads.py)."""
+import io
 import math
 import subprocess
 import sys
-from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from annotated.attention.profiles import position_profiles
-from annotated.sites import KINDS, attention_at, head_counts, keep_heads, keep_heads_fused, keep_heads_per_head, remove_heads, set_head_counts, sites
-from annotated.attention.importance import head_importance, mean_token_loss
-from annotated.tokens import PAD, BOS, EOS
-from annotated.transformer import (PerHeadAttention, attention_explicit, convert_model, make_model, padding_mask,
-                                   target_mask)
+from annotated.attention.bootstrap import paired_bleu_change, paired_loss_change, bleu_statistics, \
+    bleu_from_statistics
+from annotated.attention.profiles import attention_sums, head_label, position_profiles, profile_rows, summarise
+from annotated.sites import KINDS, attention_at, keep_heads, remove_heads, sites
+from annotated.attention.importance import head_importance, mean_token_loss, sentence_losses
+from annotated.tokens import PAD
+from annotated.transformer import PerHeadAttention
 
 from conftest import REPO
-
-
-def tiny_model(attention="per_head", dtype=torch.float64, seed=0, N=2, h=3, d_model=12, vocab=17):
-    """A small model with every parameter random (biases too, so no block of zeros hides a mistake)."""
-    torch.manual_seed(seed)
-    m = make_model(src_vocab=vocab, tgt_vocab=vocab, N=N, d_model=d_model, d_ff=16, h=h, dropout=0.0,
-                   max_len=20, attention=attention).to(dtype)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn_like(p) * 0.5)
-    return m.eval()
-
-
-def batch(seed=1, B=3, S=7, T=6, vocab=17):
-    """Token ids with padding: src (B, S), tgt (B, T) = bos ... eos pad."""
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, vocab, (B, S), generator=g)
-    tgt = torch.randint(4, vocab, (B, T), generator=g)
-    tgt[:, 0] = BOS
-    for b in range(B):
-        s_len, t_len = S - b, T - b
-        src[b, s_len:] = PAD
-        tgt[b, t_len - 1] = EOS
-        tgt[b, t_len:] = PAD
-    return SimpleNamespace(src=src, tgt=tgt)
-
-
-def logits(model, b):
-    tgt_in = b.tgt[:, :-1]
-    return model(b.src, tgt_in, padding_mask(b.src, PAD), target_mask(tgt_in, PAD))
-
-
-@pytest.mark.parametrize("form", ["per_head", "fused"])
-def test_removing_no_heads_changes_nothing(form):
-    model, b = tiny_model(form), batch()
-    same = remove_heads(model, {site: [] for site in sites(model)})
-    assert torch.equal(logits(same, b), logits(model, b))  # exactly: the same numbers, the same operations
-    for site in sites(model):
-        att = attention_at(model, *site)
-        kept = keep_heads(att, range(att.h))
-        assert all(torch.equal(p, q) for p, q in zip(att.parameters(), kept.parameters()))
-
-
-def test_per_head_removal_leaves_out_exactly_term_i():
-    """keep_heads_per_head computes sum over the other heads of head_j W_O[j] + b_O, written out here."""
-    att = attention_at(tiny_model(), "enc_self", 0)
-    x = torch.randn(2, 5, att.d_model, dtype=torch.float64)
-    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])[:, None, :]  # (B, 1, T) padding mask
-    for i in range(att.h):
-        want = att.b_O.clone()
-        for j in range(att.h):
-            if j != i:
-                head_j, _ = attention_explicit(x @ att.W_Q[j] + att.b_Q[j], x @ att.W_K[j] + att.b_K[j],
-                                               x @ att.W_V[j] + att.b_V[j], mask)
-                want = want + head_j @ att.W_O[j]
-        got, _ = keep_heads_per_head(att, [j for j in range(att.h) if j != i])(x, x, mask)
-        # float64, sums of a dozen products of O(1) numbers: rounding is ~1e-15; a wrong head is O(1) off
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-
-
-def test_removing_a_head_per_head_equals_fused_without_its_blocks():
-    per_head, b = tiny_model("per_head"), batch()
-    fused = convert_model(per_head, "fused")
-    for kind, layer in sites(per_head):
-        for i in range(per_head.config.h):
-            keep = [j for j in range(per_head.config.h) if j != i]
-            a = remove_heads(per_head, {(kind, layer): [i]})  # term i left out of the per-head loop
-            f = convert_model(fused, "fused")  # the fused model built without block i
-            attn = attention_at(fused, kind, layer)
-            stack = f.encoder if kind == "enc_self" else f.decoder
-            setattr(stack.layers[layer], "cross_attn" if kind == "cross" else "self_attn",
-                    keep_heads_fused(attn, keep))
-            # float64: the two forms add the same products in a different order, so they differ by rounding
-            # (~1e-15 relative on logits of size ~10); removing the wrong head changes logits by O(1)
-            torch.testing.assert_close(logits(a, b), logits(f, b), rtol=0, atol=1e-10)
-            # and the blocks are the same numbers: fusing the pruned per-head attention gives f's, bit for bit
-            fused_a = convert_model(a, "fused")
-            assert all(torch.equal(p, q) for p, q in zip(attention_at(fused_a, kind, layer).parameters(),
-                                                         attention_at(f, kind, layer).parameters()))
-            assert not torch.allclose(logits(a, b), logits(per_head, b), atol=1e-3)  # the head did matter
-
-
-def test_remove_heads_leaves_the_model_alone_and_counts_heads():
-    model = tiny_model("fused")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    pruned = remove_heads(model, {("enc_self", 1): [0, 2], ("cross", 0): [1]})
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert head_counts(pruned) == {"enc_self": [3, 1], "dec_self": [3, 3], "cross": [2, 3]}
-    assert head_counts(model) == {kind: [3, 3] for kind in KINDS}
-
-
-def test_keep_heads_rejects_bad_indices():
-    att = attention_at(tiny_model(), "cross", 0)
-    with pytest.raises(ValueError, match="at least one head"):
-        keep_heads(att, [])
-    with pytest.raises(ValueError, match=r"\[0, 3\)"):
-        keep_heads(att, [0, 3])
-    with pytest.raises(ValueError, match="2 integers >= 1"):
-        set_head_counts(tiny_model(), {"enc_self": [3], "dec_self": [3, 3], "cross": [3, 3]})
+from test_sites import batch, tiny_model
 
 
 class _Gated(nn.Module):
@@ -127,9 +32,8 @@ class _Gated(nn.Module):
         self.without = keep_heads(att, [j for j in range(att.h) if j != i])
 
     def forward(self, *args, **kwargs):
-        out, p = self.full(*args, **kwargs)
-        rest, _ = self.without(*args, **kwargs)
-        return rest + self.xi * (out - rest), p
+        out, rest = self.full(*args, **kwargs), self.without(*args, **kwargs)
+        return rest + self.xi * (out - rest)
 
 
 def test_importance_matches_finite_differences():
@@ -162,16 +66,156 @@ def test_position_profiles_sum_to_one_when_the_window_covers_every_offset():
     model, b = tiny_model("fused", dtype=torch.float32), batch()
     prof = position_profiles(model, [b], window=10)  # sequences are shorter than 10: every offset is shown
     for kind in KINDS:
-        for layer_profile in prof[kind]:
-            sums = layer_profile[:, :-1].sum(axis=1)  # (h,) offsets only
-            assert sums == pytest.approx([1.0] * 3, abs=1e-5)
-            last = layer_profile[:, -1]
+        for measures in prof[kind]:
+            rows = profile_rows(measures)  # (h, 2 window + 2)
+            assert rows[:, :-1].sum(axis=1) == pytest.approx([1.0] * 3, abs=1e-5)  # offsets only
+            assert measures["uniform_offsets"].sum() == pytest.approx(1.0, abs=1e-9)
+            last = rows[:, -1]
             assert all(math.isnan(v) for v in last) if kind == "dec_self" else all(0 <= v <= 1 for v in last)
+            assert ((0 <= measures["entropy"]) & (measures["entropy"] <= 1 + 1e-9)).all()
 
 
 def test_dec_self_profile_puts_nothing_on_future_offsets():
     prof = position_profiles(tiny_model("per_head", dtype=torch.float32), [batch()], window=3)
-    assert (prof["dec_self"][0][:, 4:7] == 0).all()  # offsets +1 ... +3 are masked (causal)
+    assert (prof["dec_self"][0]["offsets"][:, 4:7] == 0).all()  # offsets +1 ... +3 are masked (causal)
+    assert (prof["dec_self"][0]["uniform_offsets"][4:7] == 0).all()
+
+
+# ---------------------------------------------------------------- labels of heads built by hand
+
+def _head(kind, S, T, where, share=0.9):
+    """(T_q, T_k) probabilities: `share` on key where(q) (None: nowhere), the rest spread evenly over the
+    visible keys (all S source keys, or keys 0 ... q in dec_self)."""
+    T_q = S if kind == "enc_self" else T
+    T_k = T if kind == "dec_self" else S
+    p = torch.zeros(T_q, T_k, dtype=torch.float64)
+    for q in range(T_q):
+        n = q + 1 if kind == "dec_self" else S
+        key = where(q, n)
+        rest = 1.0 if key is None else 1.0 - share
+        p[q, :n] = rest / n
+        if key is not None:
+            p[q, key] += share
+    return p
+
+
+def _label(kind, heads, S=14, T=12, window=4):
+    """Labels of hand-built heads (a list of (T_q, T_k) tensors) as `position_profiles` would measure them."""
+    p = torch.stack(heads)[None]  # (1, h, T_q, T_k)
+    sums = attention_sums(p, kind, torch.tensor([S]), torch.tensor([T]), window)
+    measures = summarise(sums)
+    return [head_label(measures, i, kind) for i in range(len(heads))]
+
+
+def test_labels_of_constructed_heads():
+    S, T = 14, 12
+    flat = lambda q, n: None  # noqa: E731  uniform over the visible keys: 1/14 = 0.07 on the previous token too
+    previous = lambda q, n: max(q - 1, 0)  # noqa: E731
+    last = lambda q, n: S - 1  # noqa: E731
+    first = lambda q, n: 0  # noqa: E731
+    diagonal = lambda q, n: round(q * (S - 1) / (T - 1))  # noqa: E731
+    two_back = lambda q, n: max(q - 2, 0)  # noqa: E731
+    # a flat head weighs its previous token exactly as uniform attention does: diffuse, not positional
+    assert _label("enc_self", [_head("enc_self", S, T, f) for f in (flat, previous, last, two_back)]) == \
+        ["diffuse", "positional (offset -1)", "aligns to the last source token", "positional (offset -2)"]
+    assert _label("dec_self", [_head("dec_self", S, T, f) for f in (flat, previous, first)]) == \
+        ["diffuse", "positional (offset -1)", "aligns to <s>"]
+    assert _label("cross", [_head("cross", S, T, f) for f in (flat, diagonal, last, first)]) == \
+        ["diffuse", "monotonic alignment", "aligns to the last source token", "aligns to the first source token"]
+
+
+def test_a_head_split_between_many_offsets_is_mixed():
+    S = 20
+
+    def spread(q):  # a quarter each on q-3, q-1, q+1 and q+3 (folded back into the sentence at its ends)
+        row = torch.zeros(S, dtype=torch.float64)
+        for d in (-3, -1, 1, 3):
+            row[min(max(q + d, 0), S - 1)] += 0.25
+        return row
+
+    p = torch.stack([spread(q) for q in range(S)])  # (S, S)
+    assert _label("enc_self", [p], S=S, T=S) == ["mixed"]
+
+
+def test_a_weak_preference_for_the_previous_token_is_not_positional():
+    """0.3 on the previous token, the rest on two keys far away that move around: not diffuse (three keys),
+    and the previous token clears uniform's 1/14 by 0.23, less than MARGIN (0.25)."""
+    S = 14
+    p = torch.zeros(S, S, dtype=torch.float64)
+    for q in range(S):
+        p[q, max(q - 1, 0)] += 0.3
+        p[q, (q + 5) % S] += 0.35
+        p[q, (q + 9) % S] += 0.35
+    assert _label("enc_self", [p], S=S, T=S) == ["mixed"]
+    p_strong = p.clone()
+    for q in range(S):  # 0.1 taken from each far key and given to the previous token: 0.5 clears 1/14 by 0.43
+        p_strong[q, max(q - 1, 0)] += 0.2
+        p_strong[q, (q + 5) % S] -= 0.1
+        p_strong[q, (q + 9) % S] -= 0.1
+    assert _label("enc_self", [p_strong], S=S, T=S) == ["positional (offset -1)"]
+
+
+# ---------------------------------------------------------------- bootstrap intervals
+
+REFS = [f"a man number {i} walks his dog in the park." for i in range(40)]
+
+
+def test_bleu_of_all_sentences_is_sacrebleus_corpus_bleu():
+    import sacrebleu
+
+    hyps = [r.replace("dog", "cat") if i % 3 else r.replace(" in the park", "") for i, r in enumerate(REFS)]
+    want = sacrebleu.metrics.BLEU().corpus_score(hyps, [REFS]).score
+    assert bleu_from_statistics(bleu_statistics(hyps, REFS).sum(0)) == pytest.approx(want, abs=1e-9)
+
+
+def test_identical_systems_give_an_interval_of_width_zero_around_zero():
+    hyps = [r.replace("park", "garden") if i % 2 else r for i, r in enumerate(REFS)]
+    c = paired_bleu_change(hyps, hyps, REFS)
+    assert (c.value, c.low, c.high) == (0.0, 0.0, 0.0) and not c.significant
+
+
+def test_a_clearly_better_system_gives_an_interval_excluding_zero():
+    worse = [r.replace("walks his dog", "runs") if i % 2 else r for i, r in enumerate(REFS)]
+    c = paired_bleu_change(worse, REFS, REFS)
+    assert c.value > 0 and c.low > 0 and c.significant
+    assert c.low <= c.value <= c.high
+
+
+def test_a_change_on_few_sentences_is_not_significant():
+    """One sentence of 40 slightly different, in either direction: the interval contains 0."""
+    a = list(REFS)
+    b = list(REFS)
+    b[0] = b[0].replace("park", "garden")
+    c = paired_bleu_change(a, b, REFS)
+    assert c.value < 0 and c.low < 0 <= c.high and not c.significant
+
+
+def test_the_same_seed_gives_the_same_interval_and_another_seed_another():
+    worse = [r.replace("dog", "cat") if i % 3 == 0 else r.replace("park", "street") if i % 5 == 0 else r
+             for i, r in enumerate(REFS)]
+    assert paired_bleu_change(worse, REFS, REFS, seed=3) == paired_bleu_change(worse, REFS, REFS, seed=3)
+    assert paired_bleu_change(worse, REFS, REFS, seed=3) != paired_bleu_change(worse, REFS, REFS, seed=4)
+
+
+def test_loss_interval_is_paired():
+    """b is a's loss plus 0.1 per token on every sentence, with sentences of very different losses: pairing
+    cancels the spread between sentences, so the interval is exactly the 0.1 shift."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(5, 20, size=50).astype(float)
+    loss_a = tokens * rng.uniform(1.0, 5.0, size=50)
+    c = paired_loss_change(loss_a, tokens, loss_a + 0.1 * tokens, tokens)
+    assert c.value == pytest.approx(0.1) and c.low == pytest.approx(0.1) and c.high == pytest.approx(0.1)
+
+
+def test_sentence_losses_add_up_to_the_mean_token_loss():
+    model, b = tiny_model("fused"), batch()
+    loss, tokens = sentence_losses(model, [b])
+    assert tokens.tolist() == [5, 4, 3]  # T - 1 - b predicted tokens in row b
+    assert loss.sum() / tokens.sum() == pytest.approx(mean_token_loss(model, b.src, b.tgt).item(), rel=1e-9)
+    for r in range(3):  # one sentence at a time, its padding cut off, gives its own loss
+        src = b.src[r:r + 1, :int((b.src[r] != PAD).sum())]
+        tgt = b.tgt[r:r + 1, :int((b.tgt[r] != PAD).sum())]
+        assert loss[r] / tokens[r] == pytest.approx(mean_token_loss(model, src, tgt).item(), rel=1e-9)
 
 
 def test_per_head_importance_input_is_not_changed():
@@ -193,11 +237,16 @@ def run_main(argv, capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--checkpoint", "no/such.pt"], "no such file"),
-    (["--checkpoint", "{ckpt}", "--sentences", "0"], "--sentences: must be a whole number >= 1"),
-    (["--checkpoint", "{ckpt}", "--threshold", "0.5"], "--threshold only applies with --prune"),
-    (["--checkpoint", "{ckpt}", "--prune", "--threshold", "-1"], "--threshold: must be a finite number >= 0"),
-    (["--checkpoint", "{ckpt}", "--prune", "--threshold", "nan"], "--threshold: must be a finite number >= 0"),
+    (["--checkpoint", "{ckpt}", "--sentences", "1"], "--sentences: must be a whole number >= 2"),
+    (["--checkpoint", "{ckpt}", "--max-loss-increase", "0.5"], "--max-loss-increase only applies with --prune"),
+    (["--checkpoint", "{ckpt}", "--prune", "--max-loss-increase", "-1"],
+     "--max-loss-increase: must be a finite number >= 0"),
+    (["--checkpoint", "{ckpt}", "--prune", "--max-loss-increase", "nan"],
+     "--max-loss-increase: must be a finite number >= 0"),
     (["--checkpoint", "{ckpt}", "--test-sentences", "5"], "--test-sentences only applies with --prune"),
+    (["--checkpoint", "{ckpt}", "--finetune-steps", "5"], "--finetune-steps only applies with --prune"),
+    (["--checkpoint", "{ckpt}", "--prune", "--finetune-steps", "-1"], "--finetune-steps: must be a whole number >= 0"),
+    (["--checkpoint", "{ckpt}", "--resamples", "0"], "--resamples: must be a whole number >= 1"),
     (["--checkpoint", "{ckpt}", "--beam", "0"], "--beam: must be a whole number >= 1"),
     (["--checkpoint", "{ckpt}", "--threads", "0"], "--threads: must be a whole number >= 1"),
     (["--checkpoint", "{ckpt}", "--sentences", "many"], "--sentences: must be a whole number"),
@@ -231,6 +280,91 @@ def test_without_a_checkpoint_or_a_run_it_says_how_to_get_one(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)  # no runs/ here
     code, err = run_main([], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "no checkpoint found" in err
+
+
+def test_help_states_the_stop_rule(capsys):
+    from annotated.attention.heads import main
+
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "stops at the first removal that raises the held-out validation loss" in text
+    assert "--finetune-steps" in text and "--resamples" in text
+
+
+# ---------------------------------------------------------------- pictures
+
+def _change(value, significant):
+    return {"value": value, "low": value - 0.5 if significant else -1.0,
+            "high": value + 0.5 if significant else 1.0, "significant": significant}
+
+
+def _report():
+    """A heads report of one layer of two heads per kind, with made-up numbers."""
+    bleu = {"enc_self": [(0.5, False), (-3.0, True)], "dec_self": [(-1.0, False), (0.2, False)],
+            "cross": [(-2.0, True), (0.0, False)]}
+    loss = {"enc_self": [(0.01, False), (0.3, True)], "dec_self": [(0.02, True), (-0.05, False)],
+            "cross": [(0.1, True), (0.0, False)]}
+    importance = {"enc_self": [0.1, 0.2], "dec_self": [0.05, 0.9], "cross": [0.3, 0.4]}
+    return {"kinds": {k: {"importance": [importance[k]], "bleu_change": [[_change(*c) for c in bleu[k]]],
+                          "loss_change": [[_change(*c) for c in loss[k]]]} for k in KINDS}}
+
+
+def test_heat_maps_share_one_colour_range_per_measure_and_hatch_what_is_not_significant():
+    from annotated.attention.heads import heat_map, measure_ranges
+    from annotated.attention.pictures import CMAP
+
+    report = _report()
+    ranges = measure_ranges(report)
+    assert ranges == {"importance": (0.0, 0.9), "bleu_change": (-3.0, 3.0), "loss_change": (-0.3, 0.3)}
+    for kind in KINDS:
+        fig = heat_map(kind, report, ranges)
+        panels = [ax for ax in fig.axes if ax.images]
+        assert len(panels) == 3 and len(fig.axes) == 6  # three panels, each with its colour bar
+        for ax, key in zip(panels, ("importance", "bleu_change", "loss_change")):
+            assert ax.images[0].get_clim() == ranges[key] and ax.images[0].get_cmap().name == CMAP
+            assert (ax.get_xlabel(), ax.get_ylabel()) == ("head", "layer")
+            hatched = sum(1 for patch in ax.patches if patch.get_hatch())
+            quiet = 0 if key == "importance" else sum(not c["significant"] for c in report["kinds"][kind][key][0])
+            assert hatched == quiet, (kind, key)
+
+
+def test_the_example_figure_shows_every_head_with_its_label():
+    from types import SimpleNamespace
+
+    from annotated.attention.heads import examples_figure
+
+    model = tiny_model("fused", dtype=torch.float32)
+    tokenizer = SimpleNamespace(pieces=lambda ids: [f"w{i}" for i in ids])
+    labels = {k: [[f"{k} {l} {i}" for i in range(3)] for l in range(2)] for k in KINDS}
+    fig = examples_figure(model, tokenizer, [5, 6, 7, 8, 12], [9, 10, 11], labels)
+    grids = [ax for ax in fig.axes if ax.images and ax.get_title()]
+    assert len(grids) == 6 * 3  # 3 attentions x 2 layers, 3 heads each
+    for ax in grids:
+        kind = ax.get_title().split("[")[0]
+        layer, head = int(ax.get_title().split("[")[1][0]), int(ax.get_title().split("head ")[1][0])
+        assert ax.get_title().endswith(labels[kind][layer][head])
+        weights = ax.images[0].get_array()  # (T_q, T_k): 5 source tokens; 4 target positions (<s> + 3 words)
+        assert weights.shape == {"enc_self": (5, 5), "dec_self": (4, 4), "cross": (4, 5)}[kind]
+        assert np.allclose(weights.sum(-1), 1.0, atol=1e-5)  # each query's row of the head's attention
+
+
+def test_progress_is_a_bar_with_a_total_on_a_terminal_and_plain_lines_in_a_log():
+    from tqdm import tqdm
+
+    from annotated.plumbing.progress import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen, log = Terminal(), io.StringIO()
+    with progress(total=7, desc="ablation", stream=screen) as bar:
+        assert isinstance(bar, tqdm) and bar.total == 7
+        bar.update(7)
+    with progress(total=7, desc="ablation", stream=log) as bar:
+        bar.update(7)
+    assert "\r" not in log.getvalue() and log.getvalue().splitlines()[-1].startswith("ablation: 7/7 (100%)")
+    assert "left" in log.getvalue().splitlines()[-1]
 
 
 def test_command_misuse_exits_2_without_traceback():
