@@ -30,7 +30,8 @@ help:
 	@echo "                  ARGS='--prune' also removes heads (pruned.pt) and measures BLEU and speed"
 	@echo "make docs         the annotated source as a page: docs/_build/index.html (offline)"
 	@echo "make notebook     annotated/transformer.py as an executed notebook, examples and figures inline:"
-	@echo "                  docs/_build/transformer.ipynb"
+	@echo "                  docs/_build/transformer.ipynb (about 30 s; says how to open it)"
+	@echo "make jupyter      install JupyterLab into .venv (requirements-notebook.txt) and open the notebook"
 	@echo "make bench        speed and memory against torch.nn.Transformer [ARGS='--sizes cpu --quick']"
 	@echo "make gpu-report   every GPU figure in one command: bench, gpu preset de<->en, DDP (CUDA only, < 22 min)"
 	@echo "make help         this list"
@@ -101,7 +102,7 @@ gpu-report: $(SETUP)
 attention: $(SETUP)
 	$(PY) -m annotated.attention.dump $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
-# make heads [CHECKPOINT=runs/<run>/best.pt] [ARGS='--prune --threshold 0.5 --sentences 300']: per head,
+# make heads [CHECKPOINT=runs/<run>/best.pt] [ARGS='--prune --max-loss-increase 0.02 --sentences 300']: per head,
 # importance, validation BLEU and loss without it, and its attention by relative position (python -m
 # annotated.attention.heads --help); writes heads.json and pictures beside the checkpoint (--out elsewhere).
 .PHONY: heads
@@ -113,10 +114,16 @@ heads: $(SETUP)
 # runs/*/best.pt, else the copy task (trained once, ~20 s, cached in docs/_build/.cache). A file in the output
 # folder that no docs build wrote is never replaced: ARGS=--overwrite allows it (python -m docs.build --help).
 # make notebook: annotated/transformer.py as docs/_build/transformer.ipynb, its prose examples and figures as
-# code cells, executed (docs/notebook.py).
-.PHONY: docs notebook
+# code cells, executed (docs/notebook.py; python -m docs.notebook --help). make jupyter: JupyterLab, from
+# requirements-notebook.txt (not requirements.txt: the tests need no Jupyter), into .venv, then opens it.
+.PHONY: docs notebook jupyter
 docs: $(SETUP)
 	$(PY) -m docs.build $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 notebook: $(SETUP)
-	$(PY) -m docs.build --notebook
+	$(PY) -m docs.notebook $(ARGS)
+
+jupyter: $(SETUP)
+	$(PY) -m pip install -q -r requirements-notebook.txt
+	test -f docs/_build/transformer.ipynb || $(PY) -m docs.notebook
+	$(PY) -m jupyterlab docs/_build/transformer.ipynb

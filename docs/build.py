@@ -1,13 +1,19 @@
 # %% [markdown]
-# # `make docs`: the annotated modules as one page
+# # `make docs`: the annotated modules as one book
 #
-# The page is generated from the source, so the two cannot disagree. Each
-# module under `annotated/` is a chapter; the chapters follow `READING_ORDER`,
-# which names every module (`test_reading_order_names_every_module`). What
-# the build has to say about itself (a module missing or not in the order, a
+# The page is generated from the source, so the two cannot disagree. It opens
+# with its title, a short introduction (per-head against fused attention, with
+# the block-matrix figure) and a short contents list (parts and chapters; a
+# chapter's sections unfold under it). Then come the parts of `PARTS`, which
+# follow the package's folders: Part I the chapter, Part II the proof, Part
+# III data, training and decoding, Part IV attention and heads, and an
+# appendix for the plumbing. Each module under `annotated/` is a chapter; a
+# module no part lists goes into the part of its folder (`FOLDER_PART`), with
+# a note on the console (`test_an_unlisted_module_lands_in_the_part_of_its_folder`).
+# What the build has to say about itself (a module missing or in no part, a
 # figure drawn from the copy task instead of a checkpoint) goes to the
-# console, never onto the reader's page. Inside a chapter the cells keep the
-# file's order:
+# console; the line saying the page is generated sits in the footer. Inside
+# a chapter the cells keep the file's order:
 #
 # * the file is split into cells by **jupytext** (the same parser `make
 #   notebook` uses), so page and notebook see the same cells;
@@ -20,17 +26,29 @@
 #   Python's `doctest` reads them) become highlighted console blocks instead of
 #   Markdown block quotes;
 # * code cells are highlighted by **Pygments**, each labelled with its file and
-#   line range (and checked to be the file's text verbatim);
+#   line range (and checked to be the file's text verbatim); a long cell is
+#   cut at blank lines into pieces (`code_pieces`), and a piece without prose
+#   of its own gets its definitions' docstring summaries beside it;
+# * on a wide screen each prose cell sits on the left of the code it
+#   explains, row by row, as in labml's annotated pages; below 1100 px the rows
+#   become one column. Long lines wrap under themselves with a hanging indent,
+#   so no code block scrolls sideways (`test_the_book_at_1400_px`,
+#   `test_the_book_is_one_column_on_a_narrow_screen`);
 # * figures come from `docs/figures.py`, drawn at build time, and sit after
-#   the prose they illustrate;
-# * after the chapters, the part "Guides": the Markdown files of `GUIDES`,
-#   each an article titled by its first heading (section 4).
+#   the prose they illustrate (after that prose's code, when the prose ends
+#   with them);
+# * Part I's chapter ends with the attention viewer of its example, in an
+#   `<iframe>` (section 8);
+# * after the parts, the part "Guides": the Markdown files of `GUIDES`,
+#   each an article titled by its first heading (section 4). A fence without
+#   a language is shown as a console session when a line starts with `$ `,
+#   else as plain text, never as Python (`test_logs_and_shell_are_not_highlighted_as_python`).
 #
-# Output: `docs/_build/index.html` and `docs/_build/figures/*.png` (and the
-# record `.docs-build.json` of what was written, section 6), with an
-# inline stylesheet and no external resource of any kind; a
-# Content-Security-Policy in the page forbids the browser to fetch anything
-# but the page's own images.
+# Output: `docs/_build/index.html`, `docs/_build/figures/*.png` and
+# `docs/_build/viewer/index.html` (and the record `.docs-build.json` of what
+# was written, section 6), with an inline stylesheet and no external
+# resource of any kind; a Content-Security-Policy in the page forbids the
+# browser to fetch anything but the page's own images and the viewer's frame.
 #
 # This builder lives in `docs/`, not in the `annotated` package: the package is
 # the book; the builder is tooling, not a chapter (and so is neither rendered
@@ -47,7 +65,7 @@ import sys
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python docs/build.py` as well as `python -m docs.build`
@@ -63,7 +81,7 @@ from markdown_it import MarkdownIt  # noqa: E402
 from mdit_py_plugins.dollarmath import dollarmath_plugin  # noqa: E402
 from pygments import highlight as _pygments_highlight  # noqa: E402
 from pygments.formatters import HtmlFormatter  # noqa: E402
-from pygments.lexers import PythonLexer, get_lexer_by_name  # noqa: E402
+from pygments.lexers import get_lexer_by_name  # noqa: E402
 from pygments.util import ClassNotFound  # noqa: E402
 
 from annotated.plumbing.checkpoint import CheckpointError  # noqa: E402
@@ -71,13 +89,22 @@ from annotated.plumbing.files import atomic_write  # noqa: E402
 from annotated.plumbing.options import Parser, at_least, writable_dir  # noqa: E402
 from docs import figures as figs  # noqa: E402
 
-READING_ORDER: tuple[str, ...] = (  # paths under annotated/, without .py
-    "transformer", "tokens", "sites", "proof/torch_mha", "proof/equivalence", "proof/harness",  # the model; the proof
-    "training/data", "decoding/search", "training/train", "training/distributed", "training/runs",
-    "training/evaluate", "training/syncs",  # training a translator
-    "decoding/translate", "attention/dump", "attention/pictures", "attention/viewer",  # using a trained model
-    "attention/importance", "attention/profiles", "attention/prune", "attention/heads",
-    "plumbing/checks", "plumbing/checkpoint", "plumbing/files", "plumbing/interrupts", "plumbing/options")  # plumbing
+PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: paths under annotated/ without .py)
+    ("part-1", "Part I. The chapter", ("transformer", "tokens")),
+    ("part-2", "Part II. The proof", ("proof/torch_mha", "proof/equivalence")),
+    ("part-3", "Part III. Data, training and decoding",
+     ("training/data", "decoding/search", "training/train", "training/distributed", "training/runs",
+      "training/evaluate", "training/syncs", "training/config", "training/results", "decoding/translate")),
+    ("part-4", "Part IV. Attention and heads",
+     ("sites", "attention/dump", "attention/pictures", "attention/viewer", "attention/importance",
+      "attention/profiles", "attention/prune", "attention/bootstrap", "attention/heads")),
+    ("appendix", "Appendix. The plumbing",
+     ("plumbing/checks", "plumbing/checkpoint", "plumbing/devices", "plumbing/files", "plumbing/interrupts",
+      "plumbing/options", "plumbing/progress",
+      "proof/harness", "recording")))
+FOLDER_PART = {"": "part-1", "proof": "part-2", "training": "part-3", "decoding": "part-3", "attention": "part-4",
+               "plumbing": "appendix"}  # where a module no part lists goes, by its folder (else the appendix)
+READING_ORDER: tuple[str, ...] = tuple(m for _, _, modules in PARTS for m in modules)
 GUIDES: tuple[str, ...] = (  # Markdown files, relative to the repository root, in page order
     "docs/training.md", "docs/distributed.md", "docs/faults.md", "docs/heads.md", "benchmarks/README.md")
 DEFAULT_OUT = ROOT / "docs" / "_build"
@@ -232,14 +259,27 @@ def fence_doctests(prose: str) -> str:
     return "\n".join(out)
 
 
+def fence_language(code: str, lang: str) -> str:
+    """The Pygments lexer for a fence: its own word, else `console` for shell sessions (`$ ` prompts), else text.
+
+    >>> fence_language("$ make test\\nok", ""), fence_language("epoch 1 loss 4.2", ""), fence_language("x", "sh")
+    ('console', 'text', 'sh')
+    """
+    if lang:
+        return lang
+    return "console" if any(line.startswith("$ ") for line in code.split("\n")) else "text"
+
+
 def highlight_code(code: str, lang: str = "python") -> str:
-    """Pygments HTML (class-based; the stylesheet is inline in the page) in a <pre>."""
+    """Pygments HTML (class-based; the stylesheet is inline in the page) in a <pre>, one <span class="l"> a line,
+    so a long line wraps under itself with a hanging indent instead of scrolling."""
     try:
-        lexer = get_lexer_by_name(lang) if lang else PythonLexer()
+        lexer = get_lexer_by_name(fence_language(code, lang))
     except ClassNotFound:
         lexer = get_lexer_by_name("text")
     body = _pygments_highlight(code, lexer, HtmlFormatter(nowrap=True))
-    return f'<pre class="highlight"><code>{body}</code></pre>\n'
+    lines = "".join(f'<span class="l">{line}\n</span>' for line in body.rstrip("\n").split("\n"))
+    return f'<pre class="highlight"><code>{lines}</code></pre>\n'
 
 
 def slugify(text: str) -> str:
@@ -273,7 +313,9 @@ def make_markdown(math: bool = True) -> MarkdownIt:
         return latex_to_mathml(tokens[idx].content, False, _where(env, tokens[idx].content))
 
     def math_block(self, tokens, idx, options, env):
-        return latex_to_mathml(tokens[idx].content.strip(), True, _where(env, tokens[idx].content.strip())) + "\n"
+        formula = latex_to_mathml(tokens[idx].content.strip(), True, _where(env, tokens[idx].content.strip()))
+        return f'<div class="math">{formula}</div>\n'
+
 
     def heading_close(self, tokens, idx, options, env):
         anchor = tokens[idx].meta.get("id")
@@ -360,26 +402,95 @@ def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs
     return "".join(parts), not first_h1
 
 
+PIECE = 24  # a code cell longer than this is cut at blank lines into pieces of about this many lines
+
+
+def code_pieces(cell: Cell) -> list[Cell]:
+    """A code cell cut at blank lines into pieces of at least PIECE lines (the last may be shorter),
+    preferring cuts before a top-level statement; the pieces together are the cell, line for line.
+
+    >>> text = "\\n".join(["def a():"] + ["    x = 1"] * 30 + ["", "def b():"] + ["    pass"] * 3)
+    >>> [(p.line, p.end) for p in code_pieces(Cell("code", text, 10, 10 + text.count("\\n")))]
+    [(10, 41), (42, 45)]
+    """
+    lines, pieces, start = cell.source.split("\n"), [], 0
+    for i in range(1, len(lines) - 1):
+        top_level = lines[i + 1][:1] not in ("", " ", "\t", ")", "]", "}")
+        long_enough = i - start >= (PIECE if top_level else 2 * PIECE)
+        if not lines[i].strip() and long_enough and len(lines) - i > 3:
+            pieces.append((start, i + 1))  # the blank line ends the piece
+            start = i + 1
+    pieces.append((start, len(lines)))
+    return [Cell("code", "\n".join(lines[a:b]), cell.line + a, cell.line + b - 1) for a, b in pieces]
+
+
+_DEFINITION = re.compile(r'^(?:@.*\n)*(?:async )?(def|class) (\w+)[^\n]*\n'  # a definition, then its docstring's
+                         r'\s*(?:r?"""|\'\'\')\s*([^\n]*?)\s*(?:"""|\'\'\'|$)', re.M)  # first line
+
+
+def piece_note(piece: Cell) -> str:
+    """The words beside a piece of code that has no prose cell of its own: its definitions' docstring summaries.
+
+    >>> piece_note(Cell("code", "def f(x):\\n    \'\'\'Costs $5 and `x` <b>.\'\'\'\\n    return x", 1, 3))
+    '<ul class="defs"><li><code>f</code>: Costs $5 and <code>x</code> &lt;b&gt;.</li></ul>\\n'
+    """
+    words = lambda text: re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))  # noqa: E731 (no math here)
+    items = [f"<li><code>{html.escape(name)}</code>: {words(summary)}</li>"
+             for _, name, summary in _DEFINITION.findall(piece.source) if summary]
+    return f'<ul class="defs">{"".join(items)}</ul>\n' if items else ""
+
+
+def code_block(page: Page, name: str, rel: str, piece: Cell) -> str:
+    anchor = page.unique_id(f"{name}-L{piece.line}")
+    return (f'<div class="code" id="{anchor}"><div class="where"><a href="#{anchor}">{rel}, '
+            f'lines {piece.line}–{piece.end}</a></div>\n{highlight_code(piece.source)}</div>\n')
+
+
+def row(prose: str, code: str) -> str:
+    """One line of the page: prose on the left, the code it explains on the right (one column when narrow)."""
+    if not code:
+        return f'<div class="row solo"><div class="prose">\n{prose}</div></div>\n'
+    kind = "row" if prose.strip() else "row bare"
+    return f'<div class="{kind}"><div class="prose">\n{prose}</div>{code}</div>\n'
+
+
+_SLOT = re.compile(r"(<!--figure:\w+-->)")
+
+
 def render_chapter(page: Page, name: str, path: Path, root: Path, want: list[figs.Figure]) -> str:
+    """The chapter as rows: each prose cell beside the code cell after it, long code cut into pieces (each
+    beside its definitions' summaries), figures in rows of their own where the prose placed them."""
     rel = path.relative_to(root).as_posix()
-    cells = read_cells(path)
-    parts, used_chapter_id = [], False
-    for cell in cells:
+    parts, used_chapter_id, prose, after = [], False, "", []  # after: figures that close the pending prose
+    for cell in read_cells(path):
         if cell.kind == "markdown":
             body, used = render_prose(page, name, cell, rel, want, first_h1=not used_chapter_id)
             used_chapter_id |= used
-            parts.append(f'<div class="prose">\n{body}</div>\n')
-        else:
-            anchor = page.unique_id(f"{name}-L{cell.line}")
-            parts.append(f'<div class="code" id="{anchor}"><div class="where"><a href="#{anchor}">{rel}, '
-                         f'lines {cell.line}–{cell.end}</a></div>\n{highlight_code(cell.source)}</div>\n')
+            chunks, after = _SLOT.split(prose + "".join(after) + body), []  # text, slot, text, ..., text
+            while len(chunks) >= 3 and not chunks[-1].strip():  # figures that end the prose follow its code
+                blank, slot = chunks.pop(), chunks.pop()
+                after.insert(0, slot + "\n")
+                chunks[-1] += blank
+            *before, prose = chunks
+            for i, chunk in enumerate(before):
+                parts.append((row(chunk, "") if chunk.strip() else "") if i % 2 == 0 else f"{chunk}\n")
+            continue
+        for n, piece in enumerate(code_pieces(cell)):
+            words = prose if n == 0 and prose.strip() else piece_note(piece)
+            parts.append(row(words, code_block(page, name, rel, piece)))
+            if n == 0:
+                parts.extend(after)
+                prose, after = "", []
+    if prose.strip():
+        parts.append(row(prose, ""))
+    parts.extend(after)
     if not used_chapter_id:  # a module without a title: give it one
         page.ids.add(name)
         page.headings.append(Heading(1, f"<code>{rel}</code>", name))
         parts.insert(0, f'<h1 id="{name}"><code>{rel}</code></h1>\n')
     for fig in want:
         if fig.heading is None and fig.name not in page.placed:
-            parts.append(_figure_slot(fig.name))
+            parts.append(_figure_slot(fig.name) + "\n")
             page.placed.append(fig.name)
     lines = sum(1 for _ in path.open(encoding="utf-8"))
     source = f'<p class="source">Source: <code>{rel}</code>, {lines} lines. <a href="#contents">Contents</a></p>\n'
@@ -469,90 +580,138 @@ def resolve_links(body: str, rel: str, targets: dict[str, str], ids: set[str]) -
 
 # %%
 CSS = """
-:root { color-scheme: light; }
-body { margin: 0 auto; max-width: 58rem; padding: 1rem 1.5rem 5rem; color: #1f2328; background: #fff;
+:root { color-scheme: light; --code-bg: #f6f8fa; }
+body { margin: 0 auto; max-width: 46rem; padding: 1rem 1.5rem 5rem; color: #1f2328; background: #fff;
        font: 17px/1.6 "DejaVu Serif", Georgia, "Times New Roman", serif; }
 h1, h2, h3, h4 { font-family: "DejaVu Sans", "Helvetica Neue", Arial, sans-serif; line-height: 1.25;
                  margin: 2.2em 0 0.6em; }
 h1 { font-size: 2rem; border-bottom: 2px solid #d0d7de; padding-bottom: 0.3em; }
-h1.part { font-size: 2.6rem; text-align: center; border: none; margin-top: 3em; }
+h1.part { font-size: 2.4rem; text-align: center; border: none; margin-top: 3em; }
+h1.title { font-size: 2.8rem; border: none; margin: 0.8em 0 0.1em; }
+p.subtitle { font-size: 1.15rem; color: #57606a; margin: 0 0 1.5em; }
 h2 { font-size: 1.45rem; } h3 { font-size: 1.15rem; }
 a { color: #0550ae; } a.anchor { color: #afb8c1; text-decoration: none; font-size: 0.8em; }
 h1:hover a.anchor, h2:hover a.anchor, h3:hover a.anchor { color: #0550ae; }
 code, pre { font-family: "DejaVu Sans Mono", Menlo, Consolas, monospace; font-size: 0.8rem; }
-:not(pre) > code { background: #f3f4f6; padding: 0.1em 0.3em; border-radius: 4px; }
-pre { background: #f6f8fa; padding: 0.7em 0.9em; overflow-x: auto; line-height: 1.45; border-radius: 6px;
-      margin: 0.6em 0; }
-.code { margin: 1.2em 0; border-left: 3px solid #8c959f; }
+:not(pre) > code { background: #f3f4f6; padding: 0.1em 0.3em; border-radius: 4px; overflow-wrap: anywhere; }
+pre { background: var(--code-bg); padding: 0.7em 0.9em; line-height: 1.45; border-radius: 6px; margin: 0.6em 0;
+      white-space: pre-wrap; overflow-wrap: anywhere; }
+pre .l { display: block; padding-left: 2.5em; text-indent: -2.5em; }  /* a wrapped line hangs under itself */
+.code { margin: 1.2em 0; border-left: 3px solid #8c959f; min-width: 0; }
 .code pre { border-radius: 0 6px 6px 0; margin: 0; }
 .where { font: 0.75rem "DejaVu Sans", Arial, sans-serif; color: #57606a; padding: 0 0 0.2em 0.9em; }
 .where a { color: inherit; text-decoration: none; }
 .source { color: #57606a; font-size: 0.9rem; margin-top: -0.3em; }
-math { font-size: 1.1em; } math[display="block"] { margin: 0.8em 0; overflow-x: auto; overflow-y: hidden; }
+ul.defs { list-style: none; padding: 0; font-size: 0.9rem; color: #424a53; }
+ul.defs li { margin: 0.4em 0; }
+math { font-size: 1.1em; } math[display="block"] { margin: 0.8em 0; }
+div.math { overflow-x: auto; overflow-y: hidden; }  /* a formula wider than a phone scrolls, alone */
 table { border-collapse: collapse; margin: 1em 0; display: block; max-width: 100%; overflow-x: auto; }
 th, td { border: 1px solid #d0d7de; padding: 0.3em 0.6em; vertical-align: top; }
 td code { overflow-wrap: anywhere; }  /* a long test name may wrap, not squeeze the other columns */
 figure { margin: 1.5em 0; text-align: center; }
 figure img { max-width: 100%; height: auto; }
-figcaption { font-size: 0.9rem; color: #424a53; text-align: left; margin-top: 0.4em; }
+.embed iframe { display: block; width: 100%; height: 640px; border: 1px solid #d0d7de; border-radius: 6px; }
+figcaption { font-size: 0.9rem; color: #424a53; text-align: left; margin: 0.4em auto 0; max-width: 46rem; }
 nav#contents { background: #f6f8fa; border: 1px solid #d0d7de; border-radius: 6px; padding: 0.5em 1.2em;
-               font-family: "DejaVu Sans", Arial, sans-serif; font-size: 0.92rem; }
-nav#contents h2 { margin: 0.4em 0; font-size: 1.2rem; } nav#contents p.part { margin: 0.8em 0 0; font-weight: bold; }
-nav#contents ol { padding-left: 1.4em; margin: 0.2em 0; } nav#contents > ol > li { margin-top: 0.4em; }
-nav#contents ul { list-style: none; padding-left: 0.9em; margin: 0.1em 0; columns: 2 18rem; }
-footer { margin-top: 4em; color: #57606a; font-size: 0.85rem; }
+               font-family: "DejaVu Sans", Arial, sans-serif; font-size: 0.92rem; margin: 2em 0; }
+nav#contents h2 { margin: 0.4em 0; font-size: 1.2rem; }
+nav#contents ol { padding-left: 1.4em; margin: 0.2em 0; } nav#contents > ol > li { margin-top: 0.6em; }
+nav#contents > ol > li > a { font-weight: bold; }
+nav#contents details > summary { cursor: pointer; } nav#contents details > summary::marker { color: #8c959f; }
+nav#contents ul { list-style: none; padding-left: 0.9em; margin: 0.1em 0 0.4em; columns: 2 18rem; }
+footer { margin-top: 4em; color: #57606a; font-size: 0.85rem; border-top: 1px solid #d0d7de; padding-top: 1em; }
+/* Wide screens: prose on the left, the code it explains on the right, row by row. */
+@media (min-width: 1100px) {
+  body { max-width: 110rem; padding: 1rem 2rem 5rem; }
+  header { max-width: 64rem; margin: 0 auto; } header > :not(section), #introduction > p { max-width: 46rem; }
+  footer, article.guide, h1.part { max-width: 46rem; margin-left: auto; margin-right: auto; }
+  .solo > .prose { max-width: 46rem; }
+  .row { display: grid; grid-template-columns: minmax(0, 2fr) minmax(0, 3fr); gap: 2rem; align-items: start; }
+  .row > .prose { padding-top: 0.2em; } .row > .prose > :first-child { margin-top: 0.6em; }
+  .row.bare > .prose { border-right: 1px dashed #d0d7de; min-height: 1em; }
+  .solo > .prose { padding: 0; }
+}
 """
 
-# The browser may load nothing but this page's own images: no scripts, fonts, frames or connections.
+# The browser may load nothing but this page's own images: no scripts, fonts, frames or connections;
+# a page with an embed (section 8) may also frame pages of its own folder (which run their own scripts).
 CSP = "default-src 'none'; img-src 'self'; style-src 'unsafe-inline'"
+FRAMES = "; frame-src 'self'"
 
 
 def _toc(headings: list[Heading]) -> str:
-    items, chapter_open = [], False
+    """Parts, each with its chapters; a chapter's sections unfold under it (<details>, no script)."""
+    items, state = [], []  # state: the open elements, innermost last
+
+    def close(down_to: int) -> None:
+        while len(state) > down_to:
+            items.append(state.pop())
+
     for hd in headings:
-        if hd.level == 0:  # a part (the guides): a list of its own
-            items.append(f'{"</ul></li>" if chapter_open else ""}</ol><p class="part"><a href="#{hd.id}">'
-                         f'{hd.text_html}</a></p><ol>')
-            chapter_open = False
+        link = f'<a href="#{hd.id}">{hd.text_html}</a>'
+        if hd.level == 0:
+            close(0)
+            items.append(f"<li>{link}<ol>")
+            state.append("</ol></li>")
         elif hd.level == 1:
-            if chapter_open:
-                items.append("</ul></li>")
-            items.append(f'<li><a href="#{hd.id}">{hd.text_html}</a><ul>')
-            chapter_open = True
-        elif hd.level == 2:
-            items.append(f'<li><a href="#{hd.id}">{hd.text_html}</a></li>')
-    if chapter_open:
-        items.append("</ul></li>")
-    return ("<ol>" + "".join(items) + "</ol>").replace("<ul></ul>", "").replace("<ol></ol>", "")
+            close(1)
+            items.append(f"<li><details><summary>{link}</summary><ul>")
+            state.append("</ul></details></li>")
+        elif hd.level == 2 and state:
+            items.append(f"<li>{link}</li>")
+    close(0)
+    return ("<ol>" + "".join(items) + "</ol>").replace("<ul></ul></details>", "</details>")
 
 
-def render_page(chapters_html: list[str], page: Page) -> str:
+INTRODUCTION = """\
+Multi-head attention can be written in two ways, and this book writes both. In the **per-head** form
+(`PerHeadAttention`) head $i$ owns rectangular matrices $W_Q[i]$, $W_K[i]$, $W_V[i]$ of $d_{model}$ rows and
+$d_k$ columns and a block $W_O[i]$ of the output matrix, and a loop runs the paper's formula one head at a
+time. In the **fused** form (`FusedAttention`) the same matrices lie side by side in one matrix, one product
+computes every head at once and a `view` hands each head its block, so the two forms are the same function
+(Figure 1; Part II proves it).
+
+Part I is the chapter: the whole model, trained on a copy task in about 20 seconds on a laptop's CPU. Part II checks the
+equivalence symbolically, exactly and numerically, and against `torch.nn.MultiheadAttention`; Part III trains
+a translator and decodes with it; Part IV looks at what the heads attend to, measures how much each one
+matters, and removes heads. Each prose cell sits beside the code it explains; the guides follow the parts.
+"""
+
+
+def render_page(chapters_html: list[str], page: Page, intro_html: str = "", frames: bool = False) -> str:
     body = "".join(chapters_html)
     for number, name in enumerate(page.placed, start=1):
-        body = body.replace(_figure_slot(name), page.figure_html[name].replace("{number}", str(number)))
+        slot = _figure_slot(name)
+        intro_html, body = (text.replace(slot, page.figure_html[name].replace("{number}", str(number)))
+                            for text in (intro_html, body))
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<meta http-equiv="Content-Security-Policy" content="{CSP}">
+<meta http-equiv="Content-Security-Policy" content="{CSP + FRAMES if frames else CSP}">
 <title>{TITLE}</title>
 <style>{HtmlFormatter(style="default").get_style_defs(".highlight")}
 {CSS}</style>
 </head>
 <body>
 <header>
-<p class="source">{GENERATED} from the modules in <code>annotated/</code> and the guides'
-Markdown files; edit those, not this page.</p>
+<h1 class="title" id="top">{TITLE}</h1>
+<p class="subtitle">A literate PyTorch implementation of “Attention Is All You Need”, with every attention
+written twice: one head at a time, and fused.</p>
+<section id="introduction">
+{intro_html}</section>
 <nav id="contents"><h2>Contents</h2>
 {_toc(page.headings)}
 </nav>
 </header>
 <main>
 {body}</main>
-<footer>Rendered from the source by <code>docs/build.py</code>: prose with markdown-it-py, math with
-latex2mathml (MathML, drawn by the browser), code with Pygments, figures with matplotlib from the modules'
-own functions.</footer>
+<footer><p>{GENERATED} from the modules in <code>annotated/</code> and the guides' Markdown files; edit those,
+not this page. Rendered by <code>docs/build.py</code>: prose with markdown-it-py, math with latex2mathml
+(MathML, drawn by the browser), code with Pygments, figures with matplotlib from the modules' own
+functions.</p></footer>
 </body>
 </html>
 """
@@ -584,7 +743,7 @@ class OutputError(ValueError):
     """The output folder holds a file the build would replace but did not write; the message names the fix."""
 
 
-_OURS = {"page": re.compile(r"index\.html|figures/\w+\.png"), "notebooks": re.compile(r"\w+\.ipynb")}
+_OURS = {"page": re.compile(r"index\.html|figures/\w+\.png|viewer/index\.html"), "notebooks": re.compile(r"\w+\.ipynb")}
 
 
 def read_manifest(out: Path) -> dict[str, list[str]]:
@@ -653,6 +812,22 @@ def chapter_list(root: Path, modules: Sequence[str]) -> tuple[list[str], list[st
     return present + unlisted, missing, unlisted
 
 
+def part_of(module: str) -> str:
+    """The id of the part a module belongs to: the part that lists it, else the part of its folder.
+
+    >>> part_of("proof/harness"), part_of("training/new_thing"), part_of("plumbing/x"), part_of("elsewhere/y")
+    ('appendix', 'part-3', 'appendix', 'appendix')
+    """
+    listed = [pid for pid, _, modules in PARTS if module in modules]
+    return listed[0] if listed else FOLDER_PART.get(posixpath.dirname(module), "appendix")
+
+
+def in_parts(chapters: Sequence[str]) -> list[tuple[str, str, list[str]]]:
+    """(part id, title, its chapters in reading order) for every part with a chapter, in PARTS order."""
+    grouped = [(pid, title, [c for c in chapters if part_of(c) == pid]) for pid, title, _ in PARTS]
+    return [g for g in grouped if g[2]]
+
+
 def draw_figures(out: Path, ctx: figs.FigureContext, selected: Sequence[figs.Figure], md: MarkdownIt,
                  progress: bool = True) -> tuple[dict[str, str], list[Path]]:
     """Draw each figure to out/figures/<name>.png; returns (name -> <figure> html, files)."""
@@ -676,13 +851,16 @@ def draw_figures(out: Path, ctx: figs.FigureContext, selected: Sequence[figs.Fig
 
 def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] = READING_ORDER,
           guides: Sequence[str] = GUIDES, checkpoint: Optional[Path | str] = "auto", copy_steps: int = 300,
-          with_figures: bool = True, progress: bool = True, say=print, overwrite: bool = False) -> BuildResult:
+          with_figures: bool = True, progress: bool = True, say=print, overwrite: bool = False,
+          embeds: Optional[Mapping[str, Embed]] = None) -> BuildResult:
     """Render the modules, then the guides, into out/index.html (+ out/figures/). Returns what was built.
 
     `checkpoint`: "auto" uses runs/latest/best.pt or the newest runs/*/best.pt
     for the attention figure if one exists (else the copy task); a path uses
     that checkpoint (an error if it does not load); None always uses the copy task.
     `overwrite`: replace files in `out` that no docs build wrote (else OutputError).
+    `embeds`: module -> the `Embed` placed at the end of that module's chapter (default: EMBEDS with the
+    figures, none without).
     """
     out, root = Path(out), Path(root)
     if copy_steps < 0:
@@ -691,9 +869,14 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
     if not chapters:
         raise DocsError(f"no module of {list(modules)} exists under {root / 'annotated'}")
     notes = [f"annotated/{m}.py does not exist: its chapter is missing." for m in missing]
-    notes += [f"annotated/{m}.py is not in READING_ORDER (docs/build.py): shown at the end." for m in unlisted]
+    titles = {pid: title for pid, title, _ in PARTS}
+    notes += [f"annotated/{m}.py is in no part of PARTS (docs/build.py): shown in {titles[part_of(m)]}, by its "
+              f"folder." for m in unlisted]
     selected = list(figs.FIGURES) if with_figures else []
-    writes = ["index.html"] + [f"figures/{f.name}.png" for f in selected]
+    embeds = {m: e for m, e in (EMBEDS if embeds is None and with_figures else embeds or {}).items()
+              if m in chapters}
+    writes = ["index.html"] + [f"figures/{f.name}.png" for f in selected] + [f for e in embeds.values()
+                                                                            for f in e.files]
     record = read_manifest(out)
     check_output(out, writes, record, overwrite)  # before any work
     write_manifest(out, {"page": sorted(set(record["page"]) | set(writes)), "notebooks": record["notebooks"]})
@@ -707,13 +890,26 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
     notes += ctx.notes
 
     page = Page(md, figure_html)
-    page.ids.update({"contents", "appendix-figures", "guides"} | {f"fig-{f.name}" for f in selected})
-    chapters_html = []
-    for name in chapters:
-        chapters_html.append(render_chapter(page, name, root / "annotated" / f"{name}.py", root,
-                                            [f for f in selected if f.module == name]))
+    page.ids.update({"top", "introduction", "contents", "appendix-figures", "guides"}
+                    | {f"fig-{f.name}" for f in selected} | {pid for pid, _, _ in PARTS})
+    intro = md.render(INTRODUCTION, {"where": "docs/build.py (INTRODUCTION)"})
+    for f in selected:
+        if f.module == figs.INTRODUCTION:
+            intro += _figure_slot(f.name) + "\n"
+            page.placed.append(f.name)
+    chapters_html, chapters = [], [c for _, _, members in in_parts(chapters) for c in members]
+    for pid, title, members in in_parts(chapters):
+        page.headings.append(Heading(0, html.escape(title), pid))
+        chapters_html.append(f'<h1 class="part" id="{pid}">{html.escape(title)}</h1>\n')
+        for name in members:
+            chapter = render_chapter(page, name, root / "annotated" / f"{name}.py", root,
+                                     [f for f in selected if f.module == name])
+            if name in embeds:
+                end = embeds[name].make(out, ctx)
+                chapter = chapter.replace("</article>", f'<div class="embed">{end}</div>\n</article>')
+            chapters_html.append(chapter)
     placed = {name: next(f.module for f in selected if f.name == name) for name in page.placed}
-    leftover = [f for f in selected if f.name not in page.placed]
+    leftover = [f for f in selected if f.name not in page.placed and f.module != figs.INTRODUCTION]
     appendix = ""
     if leftover:
         appendix = ('<article class="chapter"><h1 id="appendix-figures">Figures without a place</h1>\n'
@@ -738,7 +934,7 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
     appendix += "".join(resolve_links(a, g, targets, page.ids) for g, (a, _) in articles.items())
     body = [link_module_mentions(c, chapters) for c in chapters_html + [appendix]]
     index = out / "index.html"
-    atomic_write(index, render_page(body, page))
+    atomic_write(index, render_page(body, page, link_module_mentions(intro, chapters), frames=bool(embeds)))
     removed = [out / name for name in record["page"] if name not in writes and (out / name).is_file()]
     for stale in removed:  # recorded by an earlier build, not written by this one
         stale.unlink()
@@ -747,7 +943,48 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
 
 
 # %% [markdown]
-# ## 8. The notebook
+# ## 8. Embeds: an interactive piece at the end of a chapter
+#
+# An `Embed` names the files it writes into the output folder (recorded in
+# the build's record like the figures, so a later build replaces or removes
+# them, and a file of the user's there stops the build) and a function of
+# the output folder and the figures' context that writes them and returns
+# the HTML closing its chapter. The chapter ends with the attention viewer
+# of its example (`viewer_page` in `docs/figures.py`: the trained
+# translator when a checkpoint is found, else the copy-task model) in an
+# `<iframe>`; the viewer page carries its own Content-Security-Policy,
+# which allows its script by hash, and the book's policy allows only frames
+# of its own folder (`frame-src 'self'`) besides its images
+# (`test_the_viewer_is_embedded_at_the_end_of_the_chapter`).
+
+# %%
+@dataclass(frozen=True)
+class Embed:
+    files: tuple[str, ...]  # what `make` writes, relative to the output folder
+    make: Callable[[Path, figs.FigureContext], str]  # (out, context) -> HTML that ends the chapter
+
+
+VIEWER_CAPTION = ("**The attention viewer** for {name}, opened on the mean over the heads of the last decoder "
+                  "layer's cross-attention, as a heatmap: rows are queries, columns keys, and each row sums "
+                  "to 1. " + figs.ROW_CONVENTION + " The menus above the heatmap choose another kind of "
+                  "attention (the encoder's or the decoder's self-attention), layer or head, or the lines "
+                  "and model views; the arrow keys move between heads and layers.")
+
+
+def embed_viewer(out: Path, ctx: figs.FigureContext) -> str:
+    """Write out/viewer/index.html (the embedded attention viewer) and return its <iframe> and caption."""
+    atomic_write(out / figs.VIEWER, figs.viewer_page(ctx))
+    caption = make_markdown().renderInline(VIEWER_CAPTION.format(name=ctx.shown_sentence().name),
+                                           {"where": "docs/build.py (VIEWER_CAPTION)"})
+    return (f'<figure id="viewer"><iframe src="{figs.VIEWER}" title="attention viewer"></iframe>\n'
+            f'<figcaption>{caption}</figcaption></figure>')
+
+
+EMBEDS: dict[str, Embed] = {"transformer": Embed((figs.VIEWER,), embed_viewer)}  # module -> its chapter's end
+
+
+# %% [markdown]
+# ## 9. The notebook
 #
 # `make notebook` writes the chapter as a Jupyter notebook: the same cells,
 # prose as Markdown cells, plus the prose's examples and a few figures as
@@ -783,7 +1020,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--copy-steps", type=at_least(0), default=300, help="training steps of the copy-task model")
     p.add_argument("--overwrite", action="store_true",
                    help="replace files in --out that no docs build wrote (an index.html of yours, say)")
-    p.add_argument("--no-figures", action="store_true", help="skip drawing figures (faster)")
+    p.add_argument("--no-figures", action="store_true",
+                   help="skip drawing figures and the attention viewer (faster)")
     p.add_argument("--notebook", nargs="*", metavar="MODULE", default=None,
                    help="write notebooks instead of the page (default: transformer)")
     args = p.parse_args(argv)

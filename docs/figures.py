@@ -4,7 +4,11 @@
 # Every picture on the page is drawn at build time by running the modules'
 # own functions (`sinusoidal_encoding`, `subsequent_mask`, `rate`,
 # `attention_explicit`, `smoothed_targets`, a trained model's attention
-# probabilities), so a figure cannot disagree with the code next to it.
+# probabilities as `record_attention` gives them, its configuration and its
+# per-head matrices), so a figure cannot disagree with the code next to it.
+# The pictures of the model itself (architecture, block matrices, one head at
+# work) are drawn in `docs/model_figures.py`; every matrix or attention
+# picture uses the colour map `CMAP` of `annotated/attention/pictures.py`.
 #
 # A `Figure` says what to draw and where it goes: the chapter (module name)
 # and the prose heading it illustrates; the page builder (`docs/build.py`)
@@ -28,6 +32,9 @@ import torch
 from matplotlib.figure import Figure as MplFigure
 
 from annotated import transformer as T
+from annotated.attention.pictures import CMAP
+from annotated.recording import record_attention
+from docs import model_figures as M
 
 ROOT = Path(__file__).resolve().parent.parent
 DPI = 90
@@ -44,6 +51,15 @@ class FigureContext:
     say: Callable[[str], None] = print
     checkpoint_required: bool = False  # True: a checkpoint that does not load is an error, not a fallback
     notes: list[str] = field(default_factory=list)  # what the build should tell the reader
+    shown: Optional[tuple] = field(default=None, repr=False)  # shown_sentence's answer, once computed
+
+    def shown_sentence(self) -> tuple:
+        """(model, source ids (1, S), one label per source position, a few words naming the model):
+        the trained translator and its sentence if a checkpoint loads, else the copy-task model and a
+        random source. Computed once per build."""
+        if self.shown is None:
+            self.shown = _shown_sentence(self)
+        return self.shown
 
 
 @dataclass(frozen=True)
@@ -243,7 +259,15 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
 # layer while it translates one sentence, every head. Otherwise from the copy
 # task of the first chapter (trained for `copy_steps` steps, and kept in
 # `cache_dir` so the next build does not train again): there the decoder
-# should read the source one position at a time.
+# should read the source one position at a time. The same model and sentence
+# (`FigureContext.shown_sentence`) serve the architecture and one-head figures.
+#
+# The probabilities are recorded with `record_attention` while the model
+# encodes the source and decodes, fed `<s>` and its own greedy output but the
+# last token. The rows follow the convention of every attention picture of
+# the project (`ROW_CONVENTION`): a decoder row (query) is labelled by the
+# token the decoder predicts at that position; a key column by the token fed
+# in at that position (`test_attention_figure_labels_decoder_rows_by_the_predicted_token`).
 
 # %%
 def find_checkpoint(root: Path) -> Optional[Path]:
@@ -275,51 +299,6 @@ def copy_task_model(ctx: FigureContext) -> T.EncoderDecoder:
     return model
 
 
-def _attention_grid(panels: list[tuple[str, torch.Tensor, list[str], list[str]]], ncols: int,
-                    width: float) -> MplFigure:
-    """Panels (title, probs (T_q, T_k), query labels, key labels), `ncols` to a row."""
-    nrows = -(-len(panels) // ncols)
-    fig = MplFigure(figsize=(width, 0.4 + 1.05 * width / ncols * nrows))
-    axes = fig.subplots(nrows, ncols, squeeze=False).flatten()
-    for j, ax in enumerate(axes):
-        if j >= len(panels):
-            ax.set_axis_off()
-            continue
-        title, probs, q_labels, k_labels = panels[j]
-        ax.imshow(probs.numpy(), cmap="viridis", vmin=0, vmax=1)
-        ax.set_title(title, fontsize="small")
-        ax.set_xticks(range(len(k_labels)), [label_text(t) for t in k_labels], rotation=90, fontsize="x-small")
-        ax.set_yticks(range(len(q_labels)), [label_text(t) for t in q_labels] if j % ncols == 0 else [],
-                      fontsize="x-small")
-    return fig
-
-
-def _copy_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
-    model = copy_task_model(ctx)
-    gen = torch.Generator().manual_seed(7)
-    src = torch.randint(3, model.config.src_vocab, (1, 8), generator=gen)  # (1, S)
-    src_mask = T.padding_mask(src, T.PAD)  # (1, 1, S)
-    out = T.greedy_decode(model, src, src_mask, max_len=src.size(1) + 1, bos=T.BOS, eos=T.EOS, pad=T.PAD)
-    tgt = torch.cat([torch.tensor([[T.BOS]]), out], dim=1)  # (1, T)
-    with torch.no_grad():
-        memory, enc = model.encode_with_attention(src, src_mask)
-        _, _, cross = model.decode_with_attention(memory, src_mask, tgt, T.target_mask(tgt, T.PAD))
-    names = {T.BOS: "<s>", T.EOS: "</s>", T.PAD: "<pad>"}
-    label = lambda ids: [names.get(t, str(t)) for t in ids.tolist()]  # noqa: E731
-    src_l, tgt_l = label(src[0]), label(tgt[0])
-    h = model.config.h
-    panels = ([(f"encoder, head {i + 1}", enc[-1][0, i], src_l, src_l) for i in range(h)]
-              + [(f"cross, head {i + 1}", cross[-1][0, i], tgt_l, src_l) for i in range(h)])
-    fig = _attention_grid(panels, ncols=h, width=2.4 * h)
-    copied = out[0, :src.size(1)].tolist() == src[0].tolist()
-    caption = (f"Attention of the copy-task model (trained {ctx.copy_steps} steps, no checkpoint in `runs/`): "
-               f"top, the last encoder layer's self-attention over the source {' '.join(src_l)}; bottom, "
-               "the last decoder layer's cross-attention, one row per target position (fed `<s>` and its "
-               f"own output, which {'copies the source exactly' if copied else 'is not yet a correct copy'}). "
-               "Rows are queries, columns keys; each row sums to 1.")
-    return fig, caption
-
-
 def _checkpoint_sentence(path: Path, src_lang: str) -> str:
     """A sentence to translate: the run's first test sample if recorded, else a fixed one."""
     import json
@@ -337,7 +316,55 @@ def _checkpoint_sentence(path: Path, src_lang: str) -> str:
             "cs": "Dva mladí muži hrají fotbal na louce."}.get(src_lang, "Two young men play soccer in a field.")
 
 
-def _checkpoint_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
+def _attention_grid(panels: list[tuple[str, torch.Tensor, list[str], list[str]]], ncols: int,
+                    width: float) -> MplFigure:
+    """Panels (title, probs (T_q, T_k), query labels, key labels), `ncols` to a row."""
+    nrows = -(-len(panels) // ncols)
+    fig = MplFigure(figsize=(width, 0.4 + 1.05 * width / ncols * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False).flatten()
+    for j, ax in enumerate(axes):
+        if j >= len(panels):
+            ax.set_axis_off()
+            continue
+        title, probs, q_labels, k_labels = panels[j]
+        ax.imshow(probs.numpy(), cmap=CMAP, vmin=0, vmax=1)
+        ax.set_title(title, fontsize="small")
+        ax.set_xticks(range(len(k_labels)), [label_text(t) for t in k_labels], rotation=90, fontsize="x-small")
+        ax.set_yticks(range(len(q_labels)), [label_text(t) for t in q_labels] if j % ncols == 0 else [],
+                      fontsize="x-small")
+    return fig
+
+
+_NAMES = {T.BOS: "<s>", T.EOS: "</s>", T.PAD: "<pad>"}
+ROW_CONVENTION = ("A decoder row (query) is labelled by the token the decoder predicts at that position; a key "
+                  "column by the token fed in at that position.")
+
+
+@dataclass
+class Shown:
+    """The model the page's model pictures show, and one sentence for it."""
+
+    model: T.EncoderDecoder
+    src: torch.Tensor             # (1, S) source ids
+    labels: list[str]             # one per source position
+    name: str                     # a few words naming the model, for captions
+    label: Callable[[list[int]], list[str]]  # ids -> one label per id
+    tokenizer: object = None      # the checkpoint's, or None for the copy task
+    meta: dict = field(default_factory=dict)
+    sentence: str = ""
+    short: str = "copy-task model"  # the name without markup, for a picture's title
+
+
+def _copy_shown(ctx: FigureContext) -> Shown:
+    model = copy_task_model(ctx)
+    gen = torch.Generator().manual_seed(7)
+    src = torch.randint(3, model.config.src_vocab, (1, 8), generator=gen)  # (1, S)
+    label = lambda ids: [_NAMES.get(t, str(t)) for t in ids]  # noqa: E731
+    return Shown(model, src, label(src[0].tolist()),
+                 f"the copy-task model (trained {ctx.copy_steps} steps, no checkpoint in `runs/`)", label)
+
+
+def _checkpoint_shown(ctx: FigureContext) -> Shown:
     from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
 
     model, tokenizer, meta = load_checkpoint(ctx.checkpoint)
@@ -345,53 +372,144 @@ def _checkpoint_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
         raise CheckpointError(f"checkpoint {ctx.checkpoint} holds no tokenizer, so no sentence can be encoded")
     sentence = _checkpoint_sentence(ctx.checkpoint, meta.get("src_lang", ""))
     ids = tokenizer.encode(sentence)[: model.config.max_len]
-    src = torch.tensor([ids])  # (1, S)
-    src_mask = T.padding_mask(src, T.PAD)  # (1, 1, S)
-    max_len = min(model.config.max_len - 1, src.size(1) + 20)
-    out = T.greedy_decode(model, src, src_mask, max_len=max_len, bos=T.BOS, eos=T.EOS, pad=T.PAD)
-    tgt = torch.cat([torch.tensor([[T.BOS]]), out], dim=1)  # (1, T)
-    with torch.no_grad():
-        memory = model.encode(src, src_mask)
-        _, _, cross = model.decode_with_attention(memory, src_mask, tgt, T.target_mask(tgt, T.PAD))
-    names = {T.BOS: "<s>", T.EOS: "</s>", T.PAD: "<pad>"}
-    label = lambda ids: [names.get(t) or "".join(tokenizer.pieces([t])) for t in ids]  # noqa: E731
-    src_l, tgt_l = label(ids), label(tgt[0].tolist())  # one label per position
-    probs = cross[-1][0]  # (h, T, S)
-    panels = [(f"head {i + 1}", probs[i], tgt_l, src_l) for i in range(probs.size(0))]
-    fig = _attention_grid(panels, ncols=min(4, len(panels)), width=12)
-    translation = tokenizer.decode(out[0].tolist())
-    run = ctx.checkpoint.parent.name
+    label = lambda ids: [_NAMES.get(t) or "".join(tokenizer.pieces([t])) for t in ids]  # noqa: E731
     languages = as_text(f"{meta.get('src_lang', '?')}→{meta.get('tgt_lang', '?')}")
-    caption = (f"Cross-attention of the last decoder layer of the trained translator "
-               f"{as_text(f'{run}/{ctx.checkpoint.name}')} ({languages}), every head, translating "
-               f"“{as_text(sentence)}” greedily into “{as_text(translation)}”. Rows are target "
-               "subwords (queries), columns source subwords (keys); each row sums to 1.")
-    return fig, caption
+    name = f"the trained translator {as_text(f'{ctx.checkpoint.parent.name}/{ctx.checkpoint.name}')} ({languages})"
+    return Shown(model.eval(), torch.tensor([ids]), label(ids), name, label, tokenizer, meta, sentence,
+                 f"translator {ctx.checkpoint.parent.name}")
 
 
-def draw_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
+def _shown_sentence(ctx: FigureContext) -> Shown:
     if ctx.checkpoint is not None:
         from annotated.plumbing.checkpoint import CheckpointError
 
         try:
-            return _checkpoint_attention(ctx)
+            return _checkpoint_shown(ctx)
         except CheckpointError as e:
             if ctx.checkpoint_required:
                 raise
-            ctx.notes.append(f"attention figure: {e}; drawn from the copy-task model instead")
+            ctx.notes.append(f"model figures: {e}; drawn from the copy-task model instead")
             ctx.say(f"note: {e}; using the copy-task model")
-    return _copy_attention(ctx)
+    return _copy_shown(ctx)
+
+
+def decoded(model: T.EncoderDecoder, src: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the decoder is fed (1, T): <s> and its own output but the last token; what it predicts (1, T))."""
+    src_mask = T.padding_mask(src, T.PAD)  # (1, 1, S)
+    out = T.greedy_decode(model, src, src_mask, max_len=max_len, bos=T.BOS, eos=T.EOS, pad=T.PAD)  # (1, T)
+    return torch.cat([torch.tensor([[T.BOS]]), out[:, :-1]], dim=1), out  # (1, T), (1, T)
+
+
+def last_layer_attention(model: T.EncoderDecoder, src: torch.Tensor, tgt_in: torch.Tensor) -> dict:
+    """{"enc_self": (h, S, S), "cross": (h, T, S)}: the last layer's probabilities, via record_attention."""
+    src_mask, last = T.padding_mask(src, T.PAD), model.config.N - 1
+    with torch.no_grad(), record_attention(model) as probs:
+        memory = model.encode(src, src_mask)
+        model.decode(memory, src_mask, tgt_in, T.target_mask(tgt_in, T.PAD))
+    return {kind: probs[kind, last][0][0] for kind in ("enc_self", "cross")}
+
+
+def draw_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
+    shown = ctx.shown_sentence()
+    model, src = shown.model, shown.src
+    limit = src.size(1) + 1 if shown.tokenizer is None else min(model.config.max_len - 1, src.size(1) + 20)
+    tgt_in, out = decoded(model, src, limit)
+    probs = last_layer_attention(model, src, tgt_in)
+    predicted = shown.label(out[0].tolist())
+    h = probs["cross"].size(0)
+    if shown.tokenizer is None:  # the copy task: the encoder's self-attention too
+        panels = ([(f"encoder, head {i + 1}", probs["enc_self"][i], shown.labels, shown.labels) for i in range(h)]
+                  + [(f"cross, head {i + 1}", probs["cross"][i], predicted, shown.labels) for i in range(h)])
+        fig = _attention_grid(panels, ncols=h, width=2.4 * h)
+        copied = out[0, :src.size(1)].tolist() == src[0].tolist()
+        caption = (f"Attention of {shown.name}: top, the last encoder layer's self-attention over the source "
+                   f"{' '.join(shown.labels)}; bottom, the last decoder layer's cross-attention, one row per "
+                   "target position, while the model decodes greedily (its output "
+                   f"{'copies the source exactly' if copied else 'is not yet a correct copy'}). "
+                   "Rows are queries, columns keys; each row sums to 1. " + ROW_CONVENTION)
+        return fig, caption
+    panels = [(f"head {i + 1}", probs["cross"][i], predicted, shown.labels) for i in range(h)]
+    fig = _attention_grid(panels, ncols=min(4, h), width=12)
+    caption = (f"Cross-attention of the last decoder layer of {shown.name}, every head, translating "
+               f"“{as_text(shown.sentence)}” greedily into "
+               f"“{as_text(shown.tokenizer.decode(out[0].tolist()))}”. "
+               "Rows are target subwords (queries), columns source subwords (keys); each row sums to 1. "
+               + ROW_CONVENTION)
+    return fig, caption
+
+
+# %% [markdown]
+# ## The attention viewer at the end of the chapter
+#
+# The chapter ends with the attention viewer (`annotated/attention/viewer.py`)
+# for the model and sentence of the attention figure (`shown_sentence`),
+# decoded greedily as in the figure. The attention is dumped by `dump_model`
+# of `annotated/attention/dump.py` into a temporary folder of the cache, read
+# back with `read_index` and `load_sentence`, and written as one embedded
+# viewer page (`viewer_html(..., embedded=True)`), which the page builder
+# shows in an `<iframe>`. It opens on the mean over heads of the last decoder
+# layer's cross-attention, the attention of the figure. The copy task has no
+# subword tokenizer: its symbols are the token labels (`SymbolTokens`), as in
+# the figure.
+
+# %%
+VIEWER = "viewer/index.html"  # where the page builder writes the viewer, relative to the output folder
+
+
+class SymbolTokens:
+    """The copy task's tokenizer for a dump: a sentence is its symbol ids written out, each id its own label."""
+
+    def encode(self, sentence: str) -> list[int]:
+        return [int(word) for word in sentence.split()]
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        return [str(i) for i in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def viewer_start(model: T.EncoderDecoder) -> str:
+    """The view the viewer opens on: the last layer's cross-attention, mean over heads, as a heatmap."""
+    return f"s=0&kind=cross&layer={model.config.N - 1}&head=mean&view=head"
+
+
+def viewer_page(ctx: FigureContext) -> str:
+    """The embedded viewer page (HTML) for the shown model and sentence."""
+    import tempfile
+
+    from annotated.attention.dump import dump_model, load_sentence, read_index
+    from annotated.attention.viewer import viewer_html
+
+    shown = ctx.shown_sentence()
+    tokenizer = shown.tokenizer or SymbolTokens()
+    ids = shown.src[0].tolist()
+    sentence = shown.sentence if shown.sentence and tokenizer.encode(shown.sentence) == ids else tokenizer.decode(ids)
+    if ctx.cache_dir is not None:
+        ctx.cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=ctx.cache_dir, prefix="viewer-") as tmp:
+        folder = dump_model(shown.model, tokenizer, [sentence], Path(tmp) / "dump", checkpoint=shown.short,
+                            meta=shown.meta, pictures=False, viewer=False, beam_size=1)
+        index, arrays = read_index(folder), [load_sentence(folder, 0)[0]]
+    return viewer_html(index, arrays, embedded=True, start=viewer_start(shown.model))
 
 
 # %% [markdown]
 # ## The list the page builder reads
+#
+# A figure of the module `INTRODUCTION` goes into the book's introduction,
+# before the first part.
 
 # %%
+INTRODUCTION = "introduction"
 FIGURES: tuple[Figure, ...] = (
     Figure("scaling", "transformer", "1. Attention: a soft dictionary lookup", draw_scaling),
     Figure("subsequent_mask", "transformer", "2. Masks for padding and for the future", draw_subsequent_mask),
     Figure("positional_encoding", "transformer", "Embeddings and positional encoding", draw_positional_encoding),
     Figure("rate", "transformer", "8. A first experiment: learning to copy", draw_rate),
     Figure("attention", "transformer", None, draw_attention),
+    Figure("block_matrices", INTRODUCTION, None, M.draw_block_matrices),
+    Figure("one_head", "transformer", "3. Multi-head attention, one head at a time", M.draw_one_head),
+    Figure("architecture", "transformer", "Stacks, generator and the encoder-decoder", M.draw_architecture),
     Figure("label_smoothing", "training/train", "Label smoothing", draw_label_smoothing),
 )

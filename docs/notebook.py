@@ -12,16 +12,41 @@
 #   (`>>> ...`) become a code cell right after it. They stay doctests in the
 #   module, where `make test` checks their printed results; in the notebook
 #   they run again and show those results.
-# * **Figures drawn by the chapter's own code.** A few cells plot what the code
-#   above them defines: the score variance with and without `sqrt(d_k)`, the
-#   masks, the positional encoding, and the attention of a copy-task model
-#   trained by `train_copy_task` (300 steps, about 20 s on a CPU).
+# * **Figures drawn by the chapter's own code.** The chapter's figures of the
+#   page (`docs/figures.py`), drawn by cells that call what the code above
+#   them defines: the score variance with and without `sqrt(d_k)`, the
+#   masks, the positional encoding, the learning-rate schedule, and the
+#   attention of a copy-task model trained by `train_copy_task` (300 steps,
+#   about 20 s on a CPU), recorded by `record_attention`
+#   (`annotated/recording.py`) and drawn in the colour map and with the
+#   colour bar of every attention picture (`CMAP` of
+#   `annotated/attention/pictures.py`).
+# * **A few "try it" cells.** Short cells that call the code just defined
+#   and show the result: a multi-head attention's output shape, the largest
+#   difference between a per-head attention and its fused conversion, a
+#   small model's parameter count and logits, greedy decoding with it, and
+#   the exact-match accuracy of the copy model of the figure (`TRIES`).
+# * **Nothing that only a command does.** The chapter's command
+#   `python -m annotated.transformer`, its block under
+#   `if __name__ == "__main__":` (it trains both attention forms, about a
+#   minute and a half), is left out of its cell: "Run All" runs the
+#   chapter, and a prose cell after it says how to run the command.
+# * **Runs where it lies.** The chapter imports `annotated.tokens`, so the
+#   first cell puts the repository on `sys.path`: the first folder, from the
+#   notebook's working folder up to `/`, that holds
+#   `annotated/transformer.py`, else the repository the notebook was built
+#   from.
 # * **Executed at build time.** Each code cell runs in one fresh namespace, in
 #   order, as a kernel would run it; printed text, the value of a cell's last
 #   expression and every matplotlib figure are stored as the cell's outputs.
-#   A cell that fails stops the build naming the cell. The last cell, the
-#   copy-task demo under `if __name__ == "__main__":`, does not run here
-#   (in Jupyter it does, about a minute).
+#   A cell that fails stops the build naming the cell.
+#
+# ```sh
+# make notebook    # docs/_build/transformer.ipynb, executed; says how to open it
+# make jupyter     # installs JupyterLab into .venv (requirements-notebook.txt) and opens the notebook
+# ```
+#
+# (`tests/test_notebook.py` builds it and checks what it shows.)
 
 # %%
 from __future__ import annotations
@@ -37,10 +62,12 @@ import sys
 import types
 from pathlib import Path
 
-import jupytext
-import nbformat
-
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python docs/notebook.py` as well as `python -m docs.notebook`
+    sys.path.insert(0, str(ROOT))
+
+import jupytext  # noqa: E402
+import nbformat  # noqa: E402
 
 # %% [markdown]
 # ## Examples out of the prose
@@ -80,14 +107,14 @@ def _is_expression(source: str) -> bool:
 
 
 # %% [markdown]
-# ## The figures
+# ## The figures and the try-it cells
 #
-# Each figure cell goes after the first code cell that follows the prose
-# heading it illustrates, so everything it calls is defined by then.
+# Each figure or try-it cell goes after the first code cell that follows the
+# prose heading it illustrates, so everything it calls is defined by then.
 
 # %%
-FIGURES: dict[str, str] = {
-    "## 1. Attention: a soft dictionary lookup": '''\
+FIGURES: list[tuple[str, str]] = [
+    ("## 1. Attention: a soft dictionary lookup", '''\
 # Figure: why divide by sqrt(d_k). Scores of random unit-variance queries and keys.
 import matplotlib.pyplot as plt
 gen = torch.Generator().manual_seed(0)
@@ -105,8 +132,8 @@ ax1.loglog(dims, var_raw, "o-", label="q.k"); ax1.loglog(dims, var_scaled, "s-",
 ax1.set(xlabel="d_k", ylabel="variance of the score"); ax1.legend()
 ax2.semilogx(dims, top_raw, "o-", label="unscaled"); ax2.semilogx(dims, top_scaled, "s-", label="scaled")
 ax2.set(xlabel="d_k", ylabel="mean largest of 16 weights", ylim=(0, 1.05)); ax2.legend()
-plt.show()''',
-    "## 2. Masks for padding and for the future": '''\
+plt.show()'''),
+    ("## 2. Masks for padding and for the future", '''\
 # Figure: the decoder's mask for a padded target (True = may attend, drawn dark).
 import matplotlib.pyplot as plt
 tgt = torch.tensor([[1, 7, 8, 9, 2, 0, 0]])  # bos, three words, eos, two pads
@@ -114,52 +141,139 @@ fig, axes = plt.subplots(1, 3, figsize=(9, 3))
 for ax, (title, m) in zip(axes, [("padding_mask", padding_mask(tgt, 0).expand(1, 7, 7)),
                                  ("subsequent_mask", subsequent_mask(7)), ("target_mask", target_mask(tgt, 0))]):
     ax.imshow(m[0].numpy(), cmap="Greys", vmin=0, vmax=1); ax.set(title=title, xlabel="key position", ylabel="query position")
-plt.show()''',
-    "### Embeddings and positional encoding": '''\
+plt.show()'''),
+    ("### Embeddings and positional encoding", '''\
 # Figure: the sinusoidal positional encoding (rows: positions, columns: dimensions).
 import matplotlib.pyplot as plt
 pe = sinusoidal_encoding(100, 64)
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
-ax1.imshow(pe.T.numpy(), aspect="auto", cmap="RdBu"); ax1.set(xlabel="position", ylabel="dimension")
+im = ax1.imshow(pe.T.numpy(), aspect="auto", cmap="RdBu", vmin=-1, vmax=1, origin="lower")
+ax1.set(xlabel="position", ylabel="dimension"); fig.colorbar(im, ax=ax1, label="PE")
 for i in (0, 2, 8, 32):
     ax2.plot(pe[:, i].numpy(), label=f"dim {i}")
 ax2.set(xlabel="position", ylabel="PE"); ax2.legend()
-plt.show()''',
-    "## 8. A first experiment: learning to copy": '''\
-# Figure: what a small copy model attends to. Trained here for 300 steps (about 20 s on a CPU).
+plt.show()'''),
+    ("## 8. A first experiment: learning to copy", '''\
+# Figure: the learning-rate schedule: a linear warm-up to d_model^-0.5 * warmup^-0.5, then step^-0.5.
 import matplotlib.pyplot as plt
+steps = range(1, 20001, 20)
+fig, ax = plt.subplots(figsize=(6, 3.2))
+for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
+    ax.plot(list(steps), [rate(s, d_model, warmup) for s in steps], label=f"d_model={d_model}, warmup={warmup}")
+ax.set(xlabel="step", ylabel="learning rate", title="rate(step, d_model, warmup)"); ax.legend()
+plt.show()'''),
+    ("## 8. A first experiment: learning to copy", '''\
+# Figure: what a small copy model attends to. Trained here for 300 steps (about 20 s on a CPU).
+# A row is a query and sums to 1, labelled by the token the decoder predicts there; a column is a source token.
+import matplotlib.pyplot as plt
+from annotated.recording import record_attention
+from annotated.attention.pictures import CMAP, COLOUR_BAR
 copy_model = train_copy_task("fused", steps=300)
 src, tgt = copy_batch(1, 10, copy_model.config.src_vocab, torch.Generator().manual_seed(3))
 src_mask = padding_mask(src, PAD)
 ys = torch.cat([torch.full((1, 1), BOS), greedy_decode(copy_model, src, src_mask, 11, BOS, EOS, PAD)], dim=1)
 S, n = int(src_mask.sum()), ys.size(1) - 1
-with torch.no_grad():
-    memory = copy_model.encode(src, src_mask)
-    *_, cross = copy_model.decode_with_attention(memory, src_mask, ys[:, :-1], subsequent_mask(n))
-fig, axes = plt.subplots(1, cross[-1].size(1), figsize=(12, 3.2))
+# record_attention hooks the package's own classes: the same weights in annotated.transformer's model
+import dataclasses, annotated.transformer
+recorded = annotated.transformer.make_model(**dataclasses.asdict(copy_model.config))
+recorded.load_state_dict(copy_model.state_dict())
+with torch.no_grad(), record_attention(recorded.eval()) as probs:
+    recorded.decode(recorded.encode(src, src_mask), src_mask, ys[:, :-1], subsequent_mask(n))
+cross = probs["cross", copy_model.config.N - 1][0]  # (1, h, n, S)
+fig, axes = plt.subplots(1, cross.size(1), figsize=(12, 3.4), layout="constrained")
+predicted = [str(t) if t != EOS else "</s>" for t in ys[0, 1:].tolist()]
 for i, ax in enumerate(axes):
-    ax.imshow(cross[-1][0, i, :, :S].numpy(), cmap="viridis", vmin=0, vmax=1)
-    ax.set(title=f"last layer, head {i}", xlabel="source position", ylabel="output step")
+    im = ax.imshow(cross[0, i, :, :S].numpy(), cmap=CMAP, vmin=0, vmax=1)
+    ax.set(title=f"last layer, head {i}", xlabel="key: source token", ylabel="query: predicted token",
+           xticks=range(S), xticklabels=src[0, :S].tolist(), yticks=range(n), yticklabels=predicted)
+fig.colorbar(im, ax=axes, shrink=0.8, label=COLOUR_BAR)
 print("source:", src[0, :S].tolist(), " output:", ys[0, 1:].tolist())
-plt.show()''',
-}
+plt.show()'''),
+]
+
+TRIES: list[tuple[str, str]] = [
+    ("## 3. Multi-head attention, one head at a time", '''\
+# Try it: one PerHeadAttention on a batch of 2 sequences of 5 vectors: (B, T, d_model) in and out.
+torch.manual_seed(0)
+mha = PerHeadAttention(d_model=16, h=4)
+x = torch.randn(2, 5, 16)  # (B, T, d_model)
+tuple(mha(x, x).shape), mha.d_k'''),
+    ("## 5. Converting between the two forms", '''\
+# Try it: the fused conversion of a per-head attention computes the same function (in float64).
+torch.manual_seed(0)
+per_head = PerHeadAttention(d_model=16, h=4).double()
+x = torch.randn(2, 5, 16, dtype=torch.float64)  # (B, T, d_model)
+print(f"largest difference: {(fuse(per_head)(x, x) - per_head(x, x)).abs().max().item():.1e}")'''),
+    ("### Stacks, generator and the encoder-decoder", '''\
+# Try it: a small model, its number of parameters and the shape of its logits for one sentence pair.
+torch.manual_seed(0)
+model = make_model(src_vocab=11, tgt_vocab=11, N=2, d_model=32, d_ff=64, h=4)
+src, tgt_in = torch.tensor([[3, 4, 5, 6]]), torch.tensor([[BOS, 3, 4]])  # (1, S), (1, T)
+logits = model(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD))  # (1, T, V)
+sum(p.numel() for p in model.parameters()), tuple(logits.shape)'''),
+    ("## 7. Greedy decoding", '''\
+# Try it: greedy decoding with the untrained model above. It has learnt nothing yet: its tokens are no copy
+# of the source [3, 4, 5, 6] (section 8 trains one that copies).
+greedy_decode(model.eval(), src, padding_mask(src, PAD), max_len=6, bos=BOS, eos=EOS, pad=PAD)'''),
+    ("## 8. A first experiment: learning to copy", '''\
+# Try it: the exact-match accuracy of the copy model above (300 steps) on 200 fresh sequences.
+copy_accuracy(copy_model, n=200)'''),
+]
+
+SETUP = f'''\
+# The chapter imports `annotated.tokens`: put the repository on sys.path (the first folder, from here up,
+# that holds annotated/transformer.py, else the repository this notebook was built from).
+import sys
+from pathlib import Path
+_here = Path.cwd().resolve()
+_root = next((p for p in (_here, *_here.parents) if (p / "annotated" / "transformer.py").is_file()),
+             Path({str(ROOT)!r}))
+if str(_root) not in sys.path:
+    sys.path.insert(0, str(_root))'''
+
+COMMAND_NOTE = """\
+*The chapter ends with the command, under `if __name__ == "__main__":`, `python -m annotated.transformer`
+(`make copy`): it trains the copy task with both attention forms, about a minute and a half on a CPU, and
+prints each form's exact-match accuracy. It is left out here so that "Run All" runs the chapter only; to run
+it, type `make copy` in a terminal, or `!python -m annotated.transformer` in a cell.*"""
+
+
+def without_command(source: str) -> tuple[str, bool]:
+    """`source` less its top-level `if __name__ == "__main__":` block, and whether it had one.
+
+    >>> without_command('x = 1\\n\\n\\nif __name__ == "__main__":\\n    print(x)\\n')
+    ('x = 1', True)
+    """
+    lines = source.splitlines()
+    for node in ast.parse(source).body:
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__" and \
+                [getattr(c, "value", None) for c in test.comparators] == ["__main__"]:
+            del lines[node.lineno - 1:node.end_lineno]
+            return "\n".join(lines).rstrip(), True
+    return source, False
 
 
 def notebook_cells(module_path: Path) -> list:
-    """The chapter's cells, each prose cell followed by its examples, and the figure cells."""
+    """A setup cell, the chapter's cells (each prose cell followed by its examples), the figure and try-it cells."""
     nb = jupytext.read(module_path, fmt="py:percent")
-    cells, pending = [], []
+    cells, pending = [nbformat.v4.new_code_cell(SETUP, metadata={"tags": ["setup"]})], []
     for cell in nb.cells:
+        command = False
+        if cell.cell_type == "code":
+            cell.source, command = without_command(cell.source)
         cells.append(cell)
+        if command:
+            cells.append(nbformat.v4.new_markdown_cell(COMMAND_NOTE, metadata={"tags": ["note"]}))
         if cell.cell_type == "markdown":
             cells += [nbformat.v4.new_code_cell(src, metadata={"tags": ["example"]})
                       for src in example_cells(cell.source)]
-            for heading, code in FIGURES.items():
+            for heading, code, tag in [(h, c, "figure") for h, c in FIGURES] + [(h, c, "try") for h, c in TRIES]:
                 if cell.source.lstrip("# ").startswith(heading.lstrip("# ")) or \
                         f"\n{heading}" in f"\n{cell.source}":
-                    pending.append(code)
+                    pending.append((code, tag))
         else:
-            cells += [nbformat.v4.new_code_cell(code, metadata={"tags": ["figure"]}) for code in pending]
+            cells += [nbformat.v4.new_code_cell(code, metadata={"tags": [tag]}) for code, tag in pending]
             pending = []
     return cells
 
@@ -235,3 +349,37 @@ def render_notebook(src: Path, run: bool = True) -> str:
         execute(nb.cells, f"{src.stem}_notebook")
     nbformat.validate(nb)
     return nbformat.writes(nb)
+
+
+# %% [markdown]
+# ## The command
+#
+# `python -m docs.notebook` (`make notebook`) builds the notebook with
+# `build_notebook` of `docs/build.py` and says how to open it.
+
+# %%
+def main(argv=None) -> int:
+    from annotated.plumbing.options import Parser, writable_dir
+
+    p = Parser(prog="python -m docs.notebook", name="notebook",
+               description="Write annotated/transformer.py as an executed Jupyter notebook, its prose examples "
+                           "and figures inline: docs/_build/transformer.ipynb (about 30 s on a CPU).")
+    p.add_argument("--out", type=writable_dir, default=ROOT / "docs" / "_build",
+                   help="output folder (default docs/_build)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a transformer.ipynb in --out that no docs build wrote")
+    args = p.parse_args(argv)
+    from docs.build import DocsError, build_notebook
+
+    try:
+        path = build_notebook("transformer", args.out, overwrite=args.overwrite)
+    except (DocsError, CellError) as e:
+        print(f"notebook: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, DocsError) else 1
+    print(f"wrote {path}\nopen it with `make jupyter` (installs JupyterLab into .venv from "
+          f"requirements-notebook.txt, once) or, with Jupyter installed, `jupyter lab {path}`")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

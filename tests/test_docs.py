@@ -80,14 +80,38 @@ def test_build_doctests():
     assert result.attempted >= 3 and result.failed == 0
 
 
-def test_chapters_follow_reading_order_and_skip_missing_modules(site):
+def test_chapters_follow_the_parts_and_skip_missing_modules(site):
     result, page = site
     present = [m for m in B.READING_ORDER if (ROOT / "annotated" / f"{m}.py").is_file()]
-    assert result.chapters[:len(present)] == present
+    assert [c for c in result.chapters if c in present] == present  # PARTS order, parts in order
     assert result.skipped == [m for m in B.READING_ORDER if m not in present]
     positions = [page.index(f'<h1 id="{m}"') for m in result.chapters]
     assert positions == sorted(positions)
+    parts = [(page.index(f'<h1 class="part" id="{pid}">'), pid) for pid, _, _ in B.PARTS]
+    assert [p for _, p in sorted(parts)] == [pid for pid, _, _ in B.PARTS]  # Part I ... Appendix
+    for m in result.chapters:  # under the heading of its own part
+        at = page.index(f'<h1 id="{m}"')
+        assert max((pos, pid) for pos, pid in parts if pos < at)[1] == B.part_of(m), m
+    assert B.part_of("transformer") == "part-1" and B.part_of("proof/equivalence") == "part-2"
+    assert B.part_of("decoding/search") == B.part_of("training/train") == "part-3"
+    assert B.part_of("sites") == B.part_of("attention/dump") == "part-4"
+    assert B.part_of("plumbing/files") == B.part_of("proof/harness") == B.part_of("recording") == "appendix"
     assert "Build notes" not in page and 'class="notes"' not in page  # the reader sees chapters, not the build
+    footer = page[page.index("<footer>"):]
+    assert B.GENERATED in footer and B.GENERATED not in page[:page.index("<footer>")]
+
+
+def test_an_unlisted_module_lands_in_the_part_of_its_folder(tmp_path):
+    (tmp_path / "annotated" / "training").mkdir(parents=True)
+    shutil.copy(ROOT / "annotated" / "transformer.py", tmp_path / "annotated" / "transformer.py")
+    (tmp_path / "annotated" / "training" / "extra.py").write_text("# %% [markdown]\n# # Extra\n\n# %%\nx = 1\n")
+    result = B.build(tmp_path / "out", root=tmp_path, modules=("transformer",), with_figures=False, progress=False)
+    assert result.chapters == ["transformer", "training/extra"]
+    assert ("annotated/training/extra.py is in no part of PARTS (docs/build.py): shown in Part III. Data, "
+            "training and decoding, by its folder.") in result.notes
+    page = result.index.read_text(encoding="utf-8")
+    assert page.index('id="part-1"') < page.index('id="transformer"') < page.index('id="part-3"') < page.index(
+        'id="training/extra"')
 
 
 def test_reading_order_names_every_module():
@@ -234,7 +258,8 @@ def test_a_build_replaces_and_removes_only_its_own_files(tmp_path, monkeypatch, 
     mine = {"figures/holiday.png": b"\x89PNG my picture", "notes.txt": b"my notes"}
     for name, data in mine.items():
         (out / name).write_bytes(data)
-    kw = dict(modules=("transformer",), checkpoint=None, copy_steps=0, progress=False, say=lambda s: None)
+    kw = dict(modules=("transformer",), checkpoint=None, copy_steps=0, progress=False, say=lambda s: None,
+              embeds={})  # the viewer's file: test_the_viewer_file_is_the_builds_own
     monkeypatch.setattr(F, "FIGURES", tuple(cheap.values()))
     first = B.build(out, **kw)
     assert sorted(p.name for p in first.figures) == ["positional_encoding.png", "subsequent_mask.png"]
@@ -291,17 +316,24 @@ def test_bad_options_are_one_line_and_exit_2_before_any_work(option, message, tm
 
 
 def test_code_is_the_files_code_verbatim_in_source_order(site):
+    """Every code cell is on the page, cut at blank lines into pieces that together are its lines, in order."""
     _, page = site
     chapter = _chapter(page, "transformer")
-    shown = [_text(block) for block in re.findall(r'<div class="code" id="transformer-L\d+">.*?</pre>',
-                                                   chapter, flags=re.S)]
-    shown = [re.sub(r"^annotated/transformer\.py, lines \d+–\d+\n", "", s) for s in shown]
+    blocks = re.findall(r'<div class="code" id="transformer-L(\d+)">.*?, lines (\d+)–(\d+)</a>(.*?)</pre>',
+                        chapter, flags=re.S)
     lines = (ROOT / "annotated" / "transformer.py").read_text(encoding="utf-8").split("\n")
+    for anchor, first, last, block in blocks:
+        assert anchor == first and _text(block).strip("\n") == "\n".join(lines[int(first) - 1:int(last)]).strip("\n")
+    shown = [(int(a), int(b)) for _, a, b, _ in blocks]
     cells = [c for c in B.read_cells(ROOT / "annotated" / "transformer.py") if c.kind == "code"]
-    assert len(shown) == len(cells) > 10
-    for text, cell in zip(shown, cells):
-        assert text.rstrip("\n") == "\n".join(lines[cell.line - 1:cell.end])
-    assert any("def attention_explicit" in s for s in shown) and 'if __name__ == "__main__":' in shown[-1]
+    covered = [[(a, b) for a, b in shown if cell.line <= a and b <= cell.end] for cell in cells]
+    assert sum(map(len, covered)) == len(shown) and len(cells) > 10  # each piece inside one cell
+    for cell, pieces in zip(cells, covered):  # the pieces tile the cell, in order
+        assert pieces[0][0] == cell.line and pieces[-1][1] == cell.end
+        assert all(b + 1 == a for (_, b), (a, _) in zip(pieces, pieces[1:]))
+    assert max(b - a + 1 for a, b in shown) < max(c.end - c.line + 1 for c in cells)  # long cells were cut
+    texts = [_text(b) for *_, b in blocks]
+    assert any("def attention_explicit" in t for t in texts) and 'if __name__ == "__main__":' in texts[-1]
 
 
 def test_math_becomes_mathml_and_no_tex_is_left(site):
@@ -334,7 +366,8 @@ def test_doctest_examples_render_as_highlighted_code_not_quotes(site):
     source = (ROOT / "annotated" / "transformer.py").read_text(encoding="utf-8")
     prose_blocks = len(re.findall(r"(?m)^#$\n^# >>> ", source))  # doctest blocks in prose start after a blank
     assert prose_blocks >= 2
-    assert chapter.count('<pre class="highlight"><code><span class="gp">&gt;&gt;&gt; </span>') == prose_blocks
+    opening = '<pre class="highlight"><code><span class="l"><span class="gp">&gt;&gt;&gt; </span>'
+    assert chapter.count(opening) == prose_blocks
     assert "<blockquote>" not in chapter
     assert "&gt;&gt;&gt; d_k = 64" not in _text(chapter) and ">>> d_k = 64" in _text(chapter)
     assert '<span class="gp">&gt;&gt;&gt; </span>' in chapter  # Pygments' console prompt token
@@ -344,6 +377,10 @@ def test_figures_sit_after_the_prose_they_illustrate(site):
     result, page = site
     assert len(result.figures) == len(F.FIGURES)
     for fig in F.FIGURES:
+        if fig.module == F.INTRODUCTION:  # in the book's introduction, before the contents and the parts
+            intro = page[page.index('<section id="introduction">'):page.index("</section>")]
+            assert result.placed[fig.name] == "introduction" and f'<figure id="fig-{fig.name}">' in intro
+            continue
         if fig.module not in result.chapters:
             assert result.placed[fig.name] == "appendix"
             continue
@@ -389,11 +426,13 @@ def test_no_external_resources_and_every_local_one_exists(site):
         assert not re.match(r"^\s*([a-z][a-z0-9+.-]*:|//)", value, re.I), (tag, key, value)  # no scheme at all
         if not value.startswith("#"):
             assert (result.index.parent / value).is_file(), (tag, key, value)
-    for tag in ("script", "iframe", "object", "embed", "link"):
+    for tag in ("script", "object", "embed", "link"):
         assert f"<{tag}" not in page
+    assert re.findall(r"<iframe [^>]*>", page) == [f'<iframe src="{F.VIEWER}" title="attention viewer">']
     styles = "".join(re.findall(r"<style>(.*?)</style>", page, re.S))
     assert "@import" not in styles and "url(" not in styles
-    assert "default-src 'none'" in page  # the page's CSP forbids any fetch but its own images
+    # the page's CSP forbids any fetch but its own images and frames of its own folder (the viewer)
+    assert f'content="{B.CSP}; frame-src \'self\'"' in page and "default-src 'none'" in B.CSP
 
 
 def test_find_checkpoint_prefers_latest_then_newest(tmp_path):
@@ -474,10 +513,11 @@ def test_page_in_headless_chromium(site, tmp_path):
 
     result, page = site
     report, requests, failed, log, png = browse(result.index, tmp_path)
-    # the page and its figures, nothing else, all from disk
+    # the page, its figures and the viewer's frame, nothing else, all from disk
     assert requests[0] == result.index.resolve().as_uri()
     assert all(url.startswith("file://") for url in requests), requests
-    assert sorted(u.rsplit("/", 1)[1] for u in requests[1:]) == sorted(p.name for p in result.figures)
+    assert sorted(requests[1:]) == sorted(p.resolve().as_uri() for p in
+                                          result.figures + [result.index.parent / F.VIEWER])
     assert not failed and not [entry for entry in log if entry["level"] == "error"], (failed, log)
     # every figure loaded
     assert len(report["images"]) == len(result.figures) and all(i["loaded"] for i in report["images"])
@@ -546,3 +586,253 @@ def test_attention_figure_from_a_checkpoint(tmp_path):
     for probs in panels:  # (target positions, source subwords), each row a distribution
         assert probs.shape[1] == len(tokenizer.encode(sentence))
         torch.testing.assert_close(torch.as_tensor(probs.sum(axis=1)), torch.ones(probs.shape[0], dtype=torch.float32))
+    from docs import model_figures as M
+
+    for draw in (M.draw_one_head, M.draw_architecture):  # the same translator, the same sentence
+        fig, caption = draw(ctx)
+        assert "r1/best.pt" in html.unescape(_text(B.make_markdown().renderInline(caption)))
+        assert F.png_bytes(fig).startswith(b"\x89PNG")
+    viewer = viewer_data(F.viewer_page(ctx))["sentences"][0]  # the viewer: the same translator and sentence
+    assert viewer["source"] == sentence and viewer["src_tokens"] == ctx.shown_sentence().labels
+    assert viewer["src_tokens"] == tokenizer.pieces(tokenizer.encode(sentence))  # subwords, not ids
+
+
+# ---------------------------------------------------------------- the model's own figures
+
+def test_block_matrix_numbers_are_the_modules():
+    """Figure 1's panels: the fused heads are the per-head products, and both ends are the modules' outputs."""
+    from docs import model_figures as M
+
+    n = M.block_numbers()
+    assert torch.equal(n.W_Q, torch.cat(n.W_Q_blocks, dim=1))  # W_Q = [W_Q[1] | ... | W_Q[h]]
+    for i, W in enumerate(n.W_Q_blocks):
+        assert W.shape == (n.per_head.d_model, n.per_head.d_k)  # a d_model x d_k rectangle
+        torch.testing.assert_close(n.heads_q[i], n.X @ W)  # the view's head i is X W_Q[i]
+    with torch.no_grad():
+        torch.testing.assert_close(n.out, n.fused(n.X[None], n.X[None])[0])
+        torch.testing.assert_close(n.out, n.per_head(n.X[None], n.X[None])[0])
+    torch.testing.assert_close(n.terms.sum(0), n.out)  # Concat(heads) W_O = sum_i head_i W_O[i]
+
+
+def test_one_head_figure_is_the_modules_head():
+    """The figure's weights and weighted sum for each head are the module's, masked keys included."""
+    from annotated.recording import attend_with_probabilities
+    from annotated.sites import attention_at
+    from docs import model_figures as M
+
+    torch.manual_seed(0)
+    model = T.make_model(src_vocab=11, tgt_vocab=11, N=2, d_model=16, d_ff=32, h=4, dropout=0.0,
+                         attention="per_head").eval()
+    src = torch.tensor([[5, 6, 7, 8, 9, T.PAD]])  # the padding key must get no weight
+    x, mask = M.attention_input(model, src)
+    att = attention_at(model, "enc_self", 1)
+    with torch.no_grad():
+        out, p = attend_with_probabilities(att, x[None], x[None], mask)  # (1, T, d_model), (1, h, T, T)
+        V = att.keys_values(x[None])[1]  # (1, h, T, d_v)
+    query, total = 2, 0
+    for i in range(att.h):
+        n = M.one_head(att, x, mask, [str(t) for t in src[0].tolist()], query, i)
+        torch.testing.assert_close(n.p, p[0, i, query])
+        assert n.p[-1] == 0 and n.scores[-1] == float("-inf")
+        torch.testing.assert_close(n.out, p[0, i, query] @ V[0, i])  # the head's output
+        total = total + n.out @ att.W_O[i]
+    torch.testing.assert_close(total + att.b_O, out[0, query])  # and the heads make the module's output
+
+
+def test_attention_figure_labels_decoder_rows_by_the_predicted_token(tmp_path):
+    ctx = F.FigureContext(root=ROOT, checkpoint=None, copy_steps=0, cache_dir=tmp_path, say=lambda s: None)
+    fig, caption = F.draw_attention(ctx)
+    assert F.ROW_CONVENTION in caption
+    shown = ctx.shown_sentence()
+    tgt_in, out = F.decoded(shown.model, shown.src, shown.src.size(1) + 1)
+    h = shown.model.config.h
+    cross = [ax for ax in fig.axes if ax.images][h]  # the first cross-attention panel
+    assert [t.get_text() for t in cross.get_yticklabels()] == shown.label(out[0].tolist())
+    assert tgt_in[0, 0] == T.BOS and torch.equal(tgt_in[0, 1:], out[0, :-1])  # fed: <s> and all but the last
+
+
+def test_logs_and_shell_are_not_highlighted_as_python(site):
+    _, page = site
+    guides = _guides(page)
+    blocks = re.findall(r'<pre class="highlight"><code>(.*?)</code></pre>', guides, re.S)
+    prompts = [b for b in blocks if "$ python -m annotated.decoding.translate" in html.unescape(_text(b))]
+    logs = [b for b in blocks if "val BLEU" in _text(b)]
+    assert prompts and logs
+    assert all('class="gp"' in b for b in prompts)  # a console prompt, not an error
+    assert all(re.search(r'class="(k|kn|nb|err)"', b) is None for b in logs)  # plain text: no Python keywords
+    assert 'class="err"' not in guides
+
+
+BOOK_REPORT = """(() => {
+  const boxes = e => e.getBoundingClientRect();
+  const codes = [...document.querySelectorAll('div.code')];
+  const beside = codes.filter(c => { const p = c.parentElement.querySelector(':scope > .prose');
+    if (!p || !p.textContent.trim()) return false;
+    const a = boxes(p), b = boxes(c); return a.right <= b.left && a.top < b.bottom && b.top < a.bottom; });
+  const first = document.querySelector('body h1');
+  const intro = document.getElementById('introduction');
+  const figures = ['architecture', 'block_matrices', 'one_head', 'attention'].map(n => {
+    const f = document.getElementById('fig-' + n), img = f && f.querySelector('img'),
+          cap = f && f.querySelector('figcaption');
+    return {name: n, present: !!f, loaded: !!img && img.complete && img.naturalWidth > 0,
+            caption: cap ? cap.textContent : ''}; });
+  return {
+    pres: document.querySelectorAll('pre').length,
+    scrolling: [...document.querySelectorAll('pre')].filter(p => p.scrollWidth > p.clientWidth + 1)
+                 .map(p => p.textContent.slice(0, 80)),
+    page_wider: document.documentElement.scrollWidth > window.innerWidth,
+    codes: codes.length, beside: beside.length,
+    first_h1: first ? first.textContent : null,
+    intro_top: intro ? boxes(intro).top : null, intro_text: intro ? intro.textContent : '',
+    intro_figure: !!(intro && intro.querySelector('#fig-block_matrices')),
+    figures,
+  };
+})()"""
+
+
+def book_report(index: Path, tmp: Path, width: int):
+    browser = Chromium(CHROMIUM, tmp / "profile", tmp / "chromium.log")
+    try:
+        browser.open(index.resolve().as_uri(), width, 1000, domains=("Network", "Page", "Runtime", "Log"))
+        report = browser.js(BOOK_REPORT)
+        log = [e["params"]["entry"] for e in browser.events if e.get("method") == "Log.entryAdded"]
+        return report, log
+    finally:
+        browser.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (.ci/run installs Debian's package)")
+def test_the_book_at_1400_px(site, tmp_path):
+    """Title and introduction first; prose beside code; no code block scrolls sideways; every figure captioned."""
+    result, _ = site
+    report, log = book_report(result.index, tmp_path, 1400)
+    assert [e for e in log if e["level"] == "error"] == []
+    assert report["first_h1"] == B.TITLE and report["intro_top"] < 300  # in the first screenful
+    assert "per-head" in report["intro_text"] and "fused" in report["intro_text"] and report["intro_figure"]
+    assert report["pres"] > 100 and report["scrolling"] == [] and not report["page_wider"]
+    assert report["beside"] > 0.5 * report["codes"], (report["beside"], report["codes"])
+    for fig in report["figures"]:
+        assert fig["present"] and fig["loaded"] and len(fig["caption"]) > 100, fig
+    captions = {f["name"]: f["caption"] for f in report["figures"]}
+    assert "rows" in captions["block_matrices"] and "columns" in captions["block_matrices"]
+    assert "Rows are the key positions" in captions["one_head"]
+    assert F.ROW_CONVENTION in captions["attention"]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (.ci/run installs Debian's package)")
+def test_the_book_is_one_column_on_a_narrow_screen(site, tmp_path):
+    result, _ = site
+    report, _ = book_report(result.index, tmp_path, 700)
+    assert report["beside"] == 0 and report["scrolling"] == [] and not report["page_wider"]
+
+
+def test_an_embed_ends_its_chapter(tmp_path):
+    """EMBEDS: an `Embed` whose function of the output folder and the figures' context returns the HTML that
+    closes one chapter (the slot of the attention viewer); without figures no embed is made by default."""
+    seen = []
+    embed = B.Embed((), lambda out, ctx: seen.append((out, type(ctx))) or '<p id="embedded">the viewer</p>')
+    kw = dict(modules=("transformer", "tokens"), with_figures=False, progress=False)
+    result = B.build(tmp_path / "out", embeds={"transformer": embed}, **kw)
+    page = result.index.read_text(encoding="utf-8")
+    assert seen == [(tmp_path / "out", F.FigureContext)]
+    chapter = _chapter(page, "transformer")
+    assert chapter.rstrip().endswith('<div class="embed"><p id="embedded">the viewer</p></div>\n</article>')
+    assert page.count('id="embedded"') == 1 and "frame-src" in page
+    plain = B.build(tmp_path / "plain", **kw).index.read_text(encoding="utf-8")
+    assert "<iframe" not in plain and "frame-src" not in plain and f'content="{B.CSP}"' in plain
+
+
+def test_the_viewer_file_is_the_builds_own(tmp_path, monkeypatch):
+    """viewer/index.html is recorded like the figures: a user's file there stops the build untouched; the
+    build's own is replaced by the next build and removed by one that no longer embeds it."""
+    monkeypatch.setattr(F, "FIGURES", ())
+    kw = dict(modules=("transformer",), checkpoint=None, copy_steps=0, progress=False, say=lambda s: None)
+    out, viewer = tmp_path / "site", tmp_path / "site" / F.VIEWER
+    viewer.parent.mkdir(parents=True)
+    viewer.write_text("my own page")
+    with pytest.raises(B.OutputError, match="viewer/index.html exists and was not written by a docs build"):
+        B.build(out, **kw)
+    assert viewer.read_text() == "my own page" and not (out / "index.html").exists()
+    viewer.unlink()
+    B.build(out, **kw)
+    assert F.VIEWER in json.loads((out / B.MANIFEST).read_text())["page"]
+    first = viewer.read_text(encoding="utf-8")
+    assert 'id="attention-data"' in first and '<body class="embedded">' in first
+    assert B.build(out, **kw).removed == [] and viewer.read_text(encoding="utf-8") == first  # replaced
+    assert B.build(out, embeds={}, **kw).removed == [viewer] and not viewer.exists()
+
+
+def viewer_data(page: str) -> dict:
+    """The data a viewer page carries (its JSON script element)."""
+    return json.loads(re.search(r'<script type="application/json" id="attention-data">(.*?)</script>', page,
+                                re.S).group(1))
+
+
+def test_the_viewer_shows_the_figures_model_and_sentence(tmp_path):
+    """The copy task: its symbols are the labels, source as in the figure, rows what the model predicts."""
+    from annotated.attention.dump import translate_sentence
+
+    ctx = F.FigureContext(root=ROOT, checkpoint=None, copy_steps=0, cache_dir=tmp_path, say=lambda s: None)
+    data = viewer_data(F.viewer_page(ctx))
+    shown = ctx.shown_sentence()
+    sentence = data["sentences"][0]
+    assert sentence["src_tokens"] == shown.labels == [str(t) for t in shown.src[0].tolist()]
+    predicted = translate_sentence(shown.model, shown.src[0].tolist(), beam_size=1)  # greedy, as the figure
+    assert sentence["tgt_out_tokens"] == shown.label(predicted)
+    assert sentence["tgt_in_tokens"] == ["<s>"] + shown.label(predicted[:-1])
+    assert data["start"] == f"s=0&kind=cross&layer={shown.model.config.N - 1}&head=mean&view=head"
+    assert [p.name[:7] for p in tmp_path.iterdir()] == ["copy-0-"]  # the cached model; no dump left behind
+
+
+VIEWER_REPORT = """[document.body.dataset.rendered || '', document.body.className,
+  [...document.querySelectorAll('th.row')].map(t => t.textContent),
+  [...document.querySelectorAll('th.col')].map(t => t.textContent),
+  (() => { const r = document.querySelector('table.heat'); return r ? r.getBoundingClientRect().width : 0; })()]"""
+
+
+def embedded_viewer(browser: Chromium, rendered: str, timeout: float = 20) -> list:
+    """VIEWER_REPORT from inside the page's one frame, once its viewer shows `rendered`."""
+    frames = browser.page("Page.getFrameTree")["frameTree"].get("childFrames", [])
+    assert len(frames) == 1, frames
+    world = browser.page("Page.createIsolatedWorld", frameId=frames[0]["frame"]["id"])["executionContextId"]
+    deadline, report = time.time() + timeout, None
+    while time.time() < deadline:
+        report = browser.page("Runtime.evaluate", expression=VIEWER_REPORT, contextId=world,
+                              returnByValue=True)["result"]["value"]
+        if report[0] == rendered:
+            return report
+        time.sleep(0.05)
+    raise TimeoutError(f"the embedded viewer never showed {rendered}: {report}")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (.ci/run installs Debian's package)")
+def test_the_viewer_is_embedded_at_the_end_of_the_chapter(site, tmp_path):
+    """At 1400 px the chapter ends with the viewer in a frame: it loads, shows the head view of the last
+    decoder layer's cross-attention with every token labelled, and nothing logs an error."""
+    result, page = site
+    chapter = _chapter(page, "transformer")
+    end = chapter[chapter.rindex('<div class="embed">'):]
+    assert f'<iframe src="{F.VIEWER}"' in end and end.rstrip().endswith("</figure></div>\n</article>")
+    caption = html.unescape(_text(end))
+    assert F.ROW_CONVENTION in caption and "each row sums to 1" in caption and "copy-task model" in caption
+    ctx = F.FigureContext(root=ROOT, checkpoint=None, copy_steps=COPY_STEPS,
+                          cache_dir=result.index.parent / ".cache", say=lambda s: None)
+    expected = viewer_data((result.index.parent / F.VIEWER).read_text(encoding="utf-8"))["sentences"][0]
+    assert expected["src_tokens"] == ctx.shown_sentence().labels  # the figure's model and sentence
+    browser = Chromium(CHROMIUM, tmp_path / "profile", tmp_path / "chromium.log")
+    try:
+        browser.open(result.index.resolve().as_uri(), 1400, 1000, domains=("Network", "Page", "Runtime", "Log"))
+        browser.js("document.getElementById('viewer').scrollIntoView()")
+        last = ctx.shown_sentence().model.config.N - 1
+        rendered, body, rows, cols, heat = embedded_viewer(browser, f"0/cross/{last}/mean")
+        assert body == "embedded" and rows == expected["tgt_out_tokens"] and cols == expected["src_tokens"]
+        frame = browser.js("(() => { const r = document.querySelector('#viewer iframe').getBoundingClientRect();"
+                           " return [r.width, r.height]; })()")
+        assert frame[0] >= 0.6 * 1400 and frame[1] >= 400 and heat >= 0.5 * frame[0], (frame, heat)
+        errors = [e["params"] for e in browser.events
+                  if e["method"] in ("Runtime.exceptionThrown", "Network.loadingFailed")
+                  or (e["method"] == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "warning"))
+                  or (e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] in ("error", "warning"))]
+        assert errors == []
+    finally:
+        browser.close()

@@ -4,7 +4,12 @@ from __future__ import annotations
 import base64
 import doctest
 import io
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 
@@ -21,15 +26,31 @@ def built(tmp_path_factory):
     return nbformat.read(path, as_version=4)
 
 
-def test_the_chapter_cells_are_all_there_verbatim_and_in_order(built):
+def test_the_chapter_cells_are_all_there_verbatim_and_in_order_but_the_command(built):
     import jupytext
 
     chapter = jupytext.read(ROOT / "annotated" / "transformer.py", fmt="py:percent").cells
+    commands = [c for c in chapter if c.cell_type == "code" and 'if __name__ == "__main__":' in c.source]
+    assert len(commands) == 1  # the chapter has its command: leaving it out is a real choice
     ours = iter(c for c in built.cells if not c.metadata.get("tags"))
     for cell in chapter:
         mine = next(ours)
-        assert (mine.cell_type, mine.source) == (cell.cell_type, cell.source)
+        assert mine.cell_type == cell.cell_type
+        if cell is commands[0]:  # everything before the command, verbatim
+            head = cell.source[:cell.source.index('if __name__ == "__main__":')].rstrip()
+            assert mine.source == head
+        else:
+            assert mine.source == cell.source
     assert next(ours, None) is None
+    assert not [c for c in built.cells if c.cell_type == "code" and "__main__" in c.source]  # Run All trains nothing
+    [note] = [c for c in built.cells if "note" in c.metadata.get("tags", [])]
+    assert "make copy" in note.source and note.cell_type == "markdown"
+
+
+def test_at_least_ten_code_cells_show_outputs(built):
+    shown = [c for c in built.cells if c.cell_type == "code" and c.outputs]
+    assert len(shown) >= 10, len(shown)
+    assert all(c.execution_count for c in built.cells if c.cell_type == "code")  # every code cell ran, in order
 
 
 def test_every_prose_example_runs_and_shows_the_result_its_doctest_checks(built):
@@ -57,12 +78,74 @@ def test_the_figures_are_drawn_inline(built):
     import matplotlib.image
 
     figures = [c for c in built.cells if "figure" in c.metadata.get("tags", [])]
-    assert len(figures) == len(NB.FIGURES)
+    assert len(figures) == len(NB.FIGURES) == 5  # scaling, masks, positional encoding, learning rate, copy attention
+    assert any("rate(" in c.source for c in figures)
     for cell in figures:
         pngs = [o["data"]["image/png"] for o in cell.outputs if o["output_type"] == "display_data"]
         assert pngs, cell.source.splitlines()[0]
         pixels = matplotlib.image.imread(io.BytesIO(base64.b64decode(pngs[0])), format="png")
         assert pixels[..., :3].std() > 0.05  # not a blank image
+
+
+def colour_bar_columns(pixels: np.ndarray, table: np.ndarray) -> list[int]:
+    """The x of every pixel column that holds a colour bar of `table`: a run of at least 40 pixels whose
+    colours are the table's (within 0.03) and run smoothly (steps of at most 3% of the map, never back up)
+    from its top end (>= 95%) down to its bottom (<= 5%): a heatmap's cells jump, a bar does not."""
+    found = []
+    for x in range(pixels.shape[1]):
+        column = pixels[:, x, :3]  # (H, 3)
+        dist = np.linalg.norm(column[:, None, :] - table[None, :, :3], axis=-1)  # (H, n)
+        idx = np.where(dist.min(1) < 0.03, dist.argmin(1) / (len(table) - 1), np.nan)  # (H,) position in the map
+        start = None
+        for y in range(len(idx) + 1):
+            inside = y < len(idx) and not np.isnan(idx[y])
+            if inside and start is None:
+                start = y
+            elif not inside and start is not None:
+                run = idx[start:y]
+                steps = np.diff(run)
+                if y - start >= 40 and run[0] >= 0.95 and run[-1] <= 0.05 and ((steps >= -0.03) & (steps <= 0.005)).all():
+                    found.append(x)
+                start = None
+    return found
+
+
+def figure_pixels(cell) -> np.ndarray:
+    import matplotlib.image
+
+    [png] = [o["data"]["image/png"] for o in cell.outputs if o["output_type"] == "display_data"]
+    return matplotlib.image.imread(io.BytesIO(base64.b64decode(png)), format="png")
+
+
+def test_the_copy_attention_figure_has_the_pictures_colour_map_and_bar(built):
+    import matplotlib
+
+    from annotated.attention.pictures import CMAP
+
+    [cell] = [c for c in built.cells if "figure" in c.metadata.get("tags", []) and "copy_model" in c.source]
+    table = matplotlib.colormaps[CMAP].resampled(256)(np.arange(256))  # (256, 4)
+    assert colour_bar_columns(figure_pixels(cell), table), "no colour bar of CMAP from 1 (top) to 0 (bottom)"
+    [masks] = [c for c in built.cells if "figure" in c.metadata.get("tags", []) and "target_mask" in c.source]
+    assert not colour_bar_columns(figure_pixels(masks), table)  # the check can fail: no bar there
+
+
+def test_the_try_it_cells_show_what_their_comments_say(built):
+    tries = {c.source.splitlines()[0]: c for c in built.cells if "try" in c.metadata.get("tags", [])}
+    assert len(tries) == len(NB.TRIES) == 5
+
+    def shown(word):
+        [cell] = [c for first, c in tries.items() if word in first]
+        [out] = cell.outputs
+        return out["text"] if out["output_type"] == "stream" else out["data"]["text/plain"]
+
+    assert shown("PerHeadAttention") == "((2, 5, 16), 4)"
+    assert float(shown("fused conversion").split(":")[1]) < 1e-12  # the same function, to rounding
+    assert shown("small model").endswith("(1, 3, 11))")
+    from annotated.tokens import EOS
+
+    decoded = eval(shown("greedy decoding").removeprefix("tensor(").removesuffix(")"))[0]
+    assert decoded[:5] != [3, 4, 5, 6, EOS]  # untrained: no copy
+    assert float(shown("exact-match accuracy")) >= 0.9  # the figure's copy model copies
 
 
 def test_the_copy_model_figure_shows_a_model_that_copies(built):
@@ -77,3 +160,21 @@ def test_a_failing_cell_stops_the_build_naming_it():
     with pytest.raises(NB.CellError, match=r"notebook cell 2 failed: ZeroDivisionError"):
         NB.execute(cells, "failing_notebook")
     assert cells[0].outputs == []
+
+
+def test_the_first_cell_finds_the_repository_from_anywhere(tmp_path):
+    """Run from a folder outside the repository (and without PYTHONPATH), the setup cell still lets the
+    chapter's `from annotated.tokens import ...` work; without it, that import fails."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    chapter_import = "from annotated.tokens import BOS, EOS, PAD; print('imported')"
+    for code, works in ((NB.SETUP + "\n" + chapter_import, True), (chapter_import, False)):
+        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert (r.returncode == 0 and "imported" in r.stdout) == works, r.stderr
+
+
+def test_the_command_prints_its_help():
+    r = subprocess.run([sys.executable, "-m", "docs.notebook", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m docs.notebook")
+    assert "--out" in r.stdout and "transformer.ipynb" in r.stdout
