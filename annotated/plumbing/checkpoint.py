@@ -58,6 +58,7 @@ import torch
 
 from annotated.plumbing.files import atomic_write
 from annotated import sites
+from annotated.tokens import Tokenizer
 from annotated.transformer import EncoderDecoder, TransformerConfig, make_model
 
 FORMAT = "annotated-checkpoint-v1"
@@ -227,8 +228,6 @@ def load_checkpoint(path: os.PathLike | str, map_location: str = "cpu"):
     model = model_from_state(state, path).eval()
     tokenizer = None
     if state.get("tokenizer") is not None:
-        from annotated.training.data import Tokenizer
-
         try:
             tokenizer = Tokenizer.from_bytes(state["tokenizer"])
         except Exception as e:

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from annotated.plumbing.files import atomic_write, new_file_mode
-from annotated.tokens import BOS, EOS, PAD, UNK
+from annotated.tokens import BOS, EOS, PAD, UNK, Tokenizer, TokenizerError
 
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -397,87 +397,9 @@ def load_multi30k(split: str, src_lang: str = "de", tgt_lang: str = "en", cache_
 #   entries: 362 for the German and English training split of Multi30k.
 #   (`test_prose_numbers_of_the_full_training_split`.)
 #
-# `Tokenizer` wraps a trained model. It is fully described by the model's
-# bytes (`to_bytes`/`from_bytes`), which is what checkpoints store.
-
-# %%
-class Tokenizer:
-    """A sentencepiece model with the project's ids: pad=0, bos=1, eos=2, unk=3."""
-
-    def __init__(self, model: bytes):
-        import sentencepiece as spm
-
-        self._model = bytes(model)
-        try:
-            self._sp = spm.SentencePieceProcessor(model_proto=self._model)
-        except Exception as e:  # sentencepiece raises RuntimeError with a C++ location only
-            raise DataError(f"these {len(self._model)} bytes are not a sentencepiece model ({e})") from None
-        ids = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
-        if ids != (PAD, BOS, EOS, UNK):
-            raise DataError(f"the sentencepiece model has pad, bos, eos, unk ids {ids}; this project needs "
-                            f"{(PAD, BOS, EOS, UNK)}: train it with train_tokenizer()")
-
-    @classmethod
-    def from_bytes(cls, model: bytes) -> "Tokenizer":
-        return cls(model)
-
-    def to_bytes(self) -> bytes:
-        return self._model
-
-    @property
-    def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
-
-    def encode(self, text: str) -> list[int]:
-        """Subword ids of `text`, without bos or eos."""
-        return self.encode_batch([text])[0]
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """encode() for many texts at once (sentencepiece's own loop, faster)."""
-        texts = list(texts)
-        try:
-            return self._sp.encode(texts, out_type=int)
-        except (RuntimeError, TypeError):  # sentencepiece names neither the text nor the reason
-            for n, text in enumerate(texts):
-                if not isinstance(text, str):
-                    raise TypeError(f"text {n} is a {type(text).__name__}, not a str") from None
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    raise ValueError(f"text {n} is not valid Unicode: {text[e.start]!r} at position {e.start} "
-                                     f"(a lone surrogate, e.g. from undecodable input bytes)") from None
-            raise
-
-    def _check_ids(self, ids) -> list[int]:
-        ids = ids.tolist() if isinstance(ids, Tensor) else list(ids)
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return ids
-
-    def decode(self, ids: Union[Sequence[int], Tensor]) -> str:
-        """Text of `ids`: stops at the first eos, skips pad and bos."""
-        ids = self._check_ids(ids)
-        if EOS in ids:
-            ids = ids[:ids.index(EOS)]
-        return self._sp.decode([i for i in ids if i not in (PAD, BOS)])
-
-    def pieces(self, ids: Union[Sequence[int], Tensor]) -> list[str]:
-        """The subword string of each id, e.g. ['▁Ein', '▁Hund'] ('▁' marks a preceding space)."""
-        return [self._sp.id_to_piece(i) for i in self._check_ids(ids)]
-
-    def __reduce__(self):  # pickle through the model bytes
-        return (Tokenizer.from_bytes, (self._model,))
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Tokenizer) and other._model == self._model
-
-    def __hash__(self) -> int:
-        return hash(self._model)
-
-    def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self.vocab_size}, sha256={hashlib.sha256(self._model).hexdigest()[:12]})"
-
+# `Tokenizer` (`annotated/tokens.py`, beside the reserved ids it checks)
+# wraps a trained model. It is fully described by the model's bytes
+# (`to_bytes`/`from_bytes`), which is what checkpoints store.
 
 # %% [markdown]
 # ### Training the vocabulary, once
@@ -562,7 +484,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Optional[P
     if path.is_file():
         try:
             return Tokenizer.from_bytes(path.read_bytes())
-        except DataError as e:
+        except TokenizerError as e:
             warnings.warn(f"ignoring the damaged tokenizer cache {path} ({e}); training again", DataWarning,
                           stacklevel=2)
     model = _train_spm(texts, vocab_size)

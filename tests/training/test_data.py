@@ -26,9 +26,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from annotated.tokens import Tokenizer, TokenizerError
 from annotated.training import data
 from annotated.training.data import (
-    BOS, EOS, PAD, SHA256, URL_ENV, DataError, DataWarning, Tokenizer, collate, encode_pairs, fetch,
+    BOS, EOS, PAD, SHA256, URL_ENV, DataError, DataWarning, collate, encode_pairs, fetch,
     load_multi30k, make_batches, read_lines, read_parallel, split_long, train_tokenizer,
 )
 
@@ -350,7 +351,7 @@ def test_tokenizer_bytes_and_pickle_round_trip(tokenizer):
     assert pickle.loads(pickle.dumps(tokenizer)) == tokenizer
     s = "Zwei Männer spielen Fußball."
     assert again.encode(s) == tokenizer.encode(s)
-    with pytest.raises(DataError, match="not a sentencepiece model"):
+    with pytest.raises(TokenizerError, match="not a sentencepiece model"):
         Tokenizer.from_bytes(b"not a model")
 
 
