@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated import transformer as T
+from annotated import transformer
 from browser import CHROMIUM, Chromium
 from docs import build as B
 from docs import figures as F
@@ -551,7 +551,7 @@ def tiny_run(tmp_path, sentence: str) -> Path:
     texts = [" ".join(words[i] for i in torch.randint(len(words), (6,), generator=gen)).capitalize() + "."
              for _ in range(300)]
     tokenizer = data.train_tokenizer(texts, 350, cache_dir=tmp_path / "cache")
-    model = T.make_model(src_vocab=tokenizer.vocab_size, tgt_vocab=tokenizer.vocab_size, N=1, d_model=16, d_ff=32,
+    model = transformer.make_model(src_vocab=tokenizer.vocab_size, tgt_vocab=tokenizer.vocab_size, N=1, d_model=16, d_ff=32,
                          h=4, max_len=80, dropout=0.0)
     run = tmp_path / "runs" / "r1"
     save_checkpoint(run / "best.pt", model, tokenizer, {"src_lang": "de", "tgt_lang": "en"})
@@ -621,9 +621,9 @@ def test_one_head_figure_is_the_modules_head():
     from docs import model_figures as M
 
     torch.manual_seed(0)
-    model = T.make_model(src_vocab=11, tgt_vocab=11, N=2, d_model=16, d_ff=32, h=4, dropout=0.0,
+    model = transformer.make_model(src_vocab=11, tgt_vocab=11, N=2, d_model=16, d_ff=32, h=4, dropout=0.0,
                          attention="per_head").eval()
-    src = torch.tensor([[5, 6, 7, 8, 9, T.PAD]])  # the padding key must get no weight
+    src = torch.tensor([[5, 6, 7, 8, 9, transformer.PAD]])  # the padding key must get no weight
     x, mask = M.attention_input(model, src)
     att = attention_at(model, "enc_self", 1)
     with torch.no_grad():
@@ -648,7 +648,7 @@ def test_attention_figure_labels_decoder_rows_by_the_predicted_token(tmp_path):
     h = shown.model.config.h
     cross = [ax for ax in fig.axes if ax.images][h]  # the first cross-attention panel
     assert [t.get_text() for t in cross.get_yticklabels()] == shown.label(out[0].tolist())
-    assert tgt_in[0, 0] == T.BOS and torch.equal(tgt_in[0, 1:], out[0, :-1])  # fed: <s> and all but the last
+    assert tgt_in[0, 0] == transformer.BOS and torch.equal(tgt_in[0, 1:], out[0, :-1])  # fed: <s> and all but the last
 
 
 def test_logs_and_shell_are_not_highlighted_as_python(site):

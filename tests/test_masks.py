@@ -9,7 +9,7 @@ kernel returns there: checked with a kernel that writes NaN into such rows.
 import pytest
 import torch
 
-import annotated.transformer as T
+from annotated import transformer
 from annotated.transformer import attention, attention_explicit, target_mask
 
 PAD = 0
@@ -50,14 +50,14 @@ def nan_in_blocked_rows(real):
 
 
 def test_fast_path_gives_zeros_for_fully_blocked_queries_whatever_the_kernel(monkeypatch):
-    monkeypatch.setattr(T, "FAST_PATH", True)
-    monkeypatch.setattr(T.F, "scaled_dot_product_attention", nan_in_blocked_rows(T.F.scaled_dot_product_attention))
+    monkeypatch.setattr(transformer, "FAST_PATH", True)
+    monkeypatch.setattr(transformer.F, "scaled_dot_product_attention", nan_in_blocked_rows(transformer.F.scaled_dot_product_attention))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 4, 5, generator=gen) for _ in range(3))  # (B, h, T, d)
     mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
     mask[0, :, 1] = False  # sentence 0, query 1: no key at all
     mask[1, :, 3, :2] = False  # sentence 1, query 3: two keys left
-    kernel_out = T.F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    kernel_out = transformer.F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert kernel_out[0, :, 1].isnan().all()  # the stand-in kernel does what it should
     out = output(attention(q, k, v, mask))  # (B, h, T_q, d)
     assert torch.equal(out[0, :, 1], torch.zeros(3, 5))

@@ -97,7 +97,7 @@ def test_recorded_probabilities_equal_a_written_out_softmax(form, norm, pruned):
 
 @pytest.mark.parametrize("form", ["fused", "per_head"])
 def test_recording_changes_no_output(form, monkeypatch):
-    monkeypatch.setattr(T, "FAST_PATH", True)
+    monkeypatch.setattr(transformer, "FAST_PATH", True)
     m = model(form, dtype=torch.float32)
     src, tgt, src_mask, tgt_mask = inputs()
     with torch.no_grad():

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-import annotated.transformer as T
+from annotated import transformer
 from annotated.plumbing.checks import check_token_ids
 from annotated.decoding.search import beam_search, greedy
 from annotated.recording import attend_with_probabilities, record_attention
@@ -74,9 +74,9 @@ def test_sdpa_path_matches_explicit_path(cls, monkeypatch):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
     mask = random_mask(2, 5, 5, gen) & subsequent_mask(5)
-    monkeypatch.setattr(T, "FAST_PATH", True)
+    monkeypatch.setattr(transformer, "FAST_PATH", True)
     fast = att(x, x, mask)
-    monkeypatch.setattr(T, "FAST_PATH", False)
+    monkeypatch.setattr(transformer, "FAST_PATH", False)
     slow = att(x, x, mask)
     assert (fast - slow).abs().max() <= 1e-12
 
@@ -93,13 +93,13 @@ def test_attention_weights_are_a_distribution_over_allowed_keys():
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_fully_masked_query_gives_zeros(fast, monkeypatch):
-    monkeypatch.setattr(T, "FAST_PATH", fast)
+    monkeypatch.setattr(transformer, "FAST_PATH", fast)
     q = torch.randn(1, 3, 4)
     k = v = torch.randn(1, 5, 4)
     mask = torch.ones(1, 3, 5, dtype=torch.bool)
     mask[0, 1] = False  # query 1 may attend to nothing
-    out = T.attention(q, k, v, mask)
-    _, p = T.attention_explicit(q, k, v, mask)
+    out = transformer.attention(q, k, v, mask)
+    _, p = transformer.attention_explicit(q, k, v, mask)
     assert torch.all(out[0, 1] == 0) and torch.all(p[0, 1] == 0)
     assert not torch.isnan(out).any()
     assert torch.all(out[0, 0] != 0)
@@ -125,14 +125,14 @@ def test_scaling_keeps_score_variance_at_one(fast, monkeypatch):
     whose variance is 2 var(s) for independent scores. 50,000 queries: the sample variance of a variance-2
     normal quantity is within 0.1 of 2 by about 8 standard errors. A scale of 1/d_k or none fails by far.
     """
-    monkeypatch.setattr(T, "FAST_PATH", fast)  # the SDPA kernel and the explicit form
+    monkeypatch.setattr(transformer, "FAST_PATH", fast)  # the SDPA kernel and the explicit form
     gen = torch.Generator().manual_seed(0)
     n = 50_000
     v = torch.eye(2, dtype=torch.float64).expand(n, 2, 2)  # (n, T_k=2, d_v=2)
     for d_k in (16, 64, 256):
         q = torch.randn(n, 1, d_k, generator=gen, dtype=torch.float64)  # (n, 1, d_k)
         k = torch.randn(n, 2, d_k, generator=gen, dtype=torch.float64)  # (n, 2, d_k)
-        out = T.attention(q, k, v)  # (n, 1, 2): the two probabilities
+        out = transformer.attention(q, k, v)  # (n, 1, 2): the two probabilities
         diff = (out[:, 0, 0].log() - out[:, 0, 1].log())  # s_1 - s_2
         assert abs(diff.var().item() / 2 - 1) < 0.05, d_k
 
@@ -153,8 +153,8 @@ def test_shared_query_key_matrix_gives_symmetric_scores():
     X = torch.randn(6, 8, generator=gen, dtype=torch.float64)
     W, W2 = (torch.randn(8, 4, generator=gen, dtype=torch.float64) for _ in range(2))
     v = torch.eye(6, dtype=torch.float64)
-    _, p_shared = T.attention_explicit(X @ W, X @ W, v)  # (6, 6)
-    _, p_two = T.attention_explicit(X @ W, X @ W2, v)
+    _, p_shared = transformer.attention_explicit(X @ W, X @ W, v)  # (6, 6)
+    _, p_two = transformer.attention_explicit(X @ W, X @ W2, v)
     # attention_explicit() computes exactly softmax(Q K^T / sqrt(d_k)): a wrong scale fails here
     assert torch.allclose(p_shared, ((X @ W) @ (X @ W).T / 2.0).softmax(-1), atol=1e-12, rtol=0)
     assert torch.allclose(p_two, ((X @ W) @ (X @ W2).T / 2.0).softmax(-1), atol=1e-12, rtol=0)
@@ -184,7 +184,7 @@ def test_attention_ignores_the_order_of_keys_and_values(cls):
 @pytest.mark.parametrize("fast", [True, False])
 def test_attention_dropout_is_off_in_eval_mode(cls, fast, monkeypatch):
     """An attention with dropout 0.5 in eval mode is deterministic and equals the same weights at dropout 0."""
-    monkeypatch.setattr(T, "FAST_PATH", fast)
+    monkeypatch.setattr(transformer, "FAST_PATH", fast)
     torch.manual_seed(0)
     att = cls(12, 3, dropout=0.5).double()
     random_biases(att, torch.Generator().manual_seed(0))
@@ -223,7 +223,7 @@ def test_fused_view_picks_out_column_block_i():
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     Q = fu._heads(x, fu.W_Q, fu.b_Q, fu.d_k)  # (B, h, T, d_k)
     for i in range(4):
-        assert torch.equal(Q[:, i], T.affine(x, fu.W_Q, fu.b_Q)[..., 3 * i:3 * (i + 1)])  # exactly block i
+        assert torch.equal(Q[:, i], transformer.affine(x, fu.W_Q, fu.b_Q)[..., 3 * i:3 * (i + 1)])  # exactly block i
         assert torch.allclose(Q[:, i], x @ ph.W_Q[i] + ph.b_Q[i], atol=1e-12, rtol=0)
 
 
@@ -243,7 +243,7 @@ def test_cost_of_h_heads_is_similar_to_one_full_width_head(cls, monkeypatch):
     """With d_k = d_v = d_model / h the matrix products cost exactly as many FLOPs for h = 8 as for h = 1;
     the softmax handles h times as many scores (the prose's "similar")."""
     from torch.utils.flop_counter import FlopCounterMode
-    monkeypatch.setattr(T, "FAST_PATH", False)  # count the explicit form's products
+    monkeypatch.setattr(transformer, "FAST_PATH", False)  # count the explicit form's products
     flops, scores = {}, {}
     for h in (1, 8):
         att = cls(64, h).eval()
@@ -332,8 +332,8 @@ def test_norm_placement_matches_prose():
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8)
     sub = lambda z: 2 * z + 1  # noqa: E731  any sublayer
-    post = T.Residual(8, 0.0, "post")
-    pre = T.Residual(8, 0.0, "pre")
+    post = transformer.Residual(8, 0.0, "post")
+    pre = transformer.Residual(8, 0.0, "pre")
     assert torch.allclose(post(x, sub), post.ln(x + sub(x)))        # LayerNorm(x + Sublayer(x))
     assert torch.allclose(pre(x, sub), x + sub(pre.ln(x)))          # x + Sublayer(LayerNorm(x))
     assert isinstance(make_model(small_config(norm="post")).encoder.final_ln, torch.nn.Identity)
@@ -352,7 +352,7 @@ def test_embeddings_are_scaled_and_tied():
 
 
 def test_positional_encoding_formula():
-    pe = T.sinusoidal_encoding(30, 8)
+    pe = transformer.sinusoidal_encoding(30, 8)
     pos, i = 17, 2
     assert math.isclose(pe[pos, 2 * i].item(), math.sin(pos / 10000 ** (2 * i / 8)), abs_tol=1e-6)
     assert math.isclose(pe[pos, 2 * i + 1].item(), math.cos(pos / 10000 ** (2 * i / 8)), abs_tol=1e-6)
@@ -459,8 +459,8 @@ def test_bad_token_ids_are_rejected_at_the_door():
 
 @pytest.mark.parametrize("attention", ["fused", "per_head"])
 def test_copy_task_learns_to_copy(attention):
-    model = T.train_copy_task(attention)
-    acc = T.copy_accuracy(model)
+    model = transformer.train_copy_task(attention)
+    acc = transformer.copy_accuracy(model)
     print(f"copy task, {attention}: {acc:.1%}")
     assert acc >= 0.99
 

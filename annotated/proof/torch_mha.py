@@ -69,7 +69,8 @@ import torch
 from torch import Tensor, nn
 
 from annotated.plumbing.checks import check_torch_mha
-from annotated.transformer import FusedAttention, PerHeadAttention, split, subsequent_mask  # noqa: F401 (doctests)
+from annotated.transformer import (BLOCKS, FusedAttention, PerHeadAttention, split,  # noqa: F401 (doctests)
+                                   subsequent_mask)
 
 AttentionLike = Union[PerHeadAttention, FusedAttention, nn.MultiheadAttention]
 
@@ -111,10 +112,10 @@ def fused_parameters(att: AttentionLike, *, grads: bool = False) -> dict[str, Te
     if isinstance(att, FusedAttention):
         return {n: get(p) for n, p in att.named_parameters()}
     if isinstance(att, PerHeadAttention):
-        out = {n: torch.cat([get(p) for p in getattr(att, n)], dim=1) for n in ("W_Q", "W_K", "W_V")}  # (d_model, h*d)
-        out["W_O"] = torch.cat([get(p) for p in att.W_O], dim=0)  # (h*d_v, d_model)
+        # the chapter's BLOCKS table: W_Q, W_K, W_V side by side (dim 1), W_O stacked (dim 0), biases end to end
+        out = {n: torch.cat([get(p) for p in getattr(att, n)], dim=dim)
+               for n, (dim, _) in BLOCKS.items() if getattr(att, n) is not None}  # (d_model, h*d), (h*d_v, d_model)...
         if att.bias:
-            out.update({n: torch.cat([get(p) for p in getattr(att, n)]) for n in ("b_Q", "b_K", "b_V")})  # (h*d,)
             out["b_O"] = get(att.b_O)
         return out
     E = shape["d_model"]
@@ -134,15 +135,11 @@ def _load_fused_parameters(dst: AttentionLike, params: dict[str, Tensor]) -> Non
         for n, p in dst.named_parameters():
             p.copy_(params[n])
     elif isinstance(dst, PerHeadAttention):
-        for n, d in (("W_Q", s["d_k"]), ("W_K", s["d_k"]), ("W_V", s["d_v"])):
-            for W_i, block in zip(getattr(dst, n), params[n].split(d, dim=1)):
-                W_i.copy_(block)  # (d_model, d)
-        for W_i, block in zip(dst.W_O, params["W_O"].split(s["d_v"], dim=0)):
-            W_i.copy_(block)  # (d_v, d_model)
+        for n, (dim, width) in BLOCKS.items():  # head i's block of each parameter, as the chapter's split cuts it
+            if getattr(dst, n) is not None:
+                for p_i, block in zip(getattr(dst, n), params[n].split(s[width], dim)):
+                    p_i.copy_(block)  # (d_model, d), (d_v, d_model) or (d,)
         if s["bias"]:
-            for n, d in (("b_Q", s["d_k"]), ("b_K", s["d_k"]), ("b_V", s["d_v"])):
-                for b_i, block in zip(getattr(dst, n), params[n].split(d)):
-                    b_i.copy_(block)
             dst.b_O.copy_(params["b_O"])
     else:
         dst.in_proj_weight.copy_(torch.cat([params["W_Q"].T, params["W_K"].T, params["W_V"].T], dim=0))

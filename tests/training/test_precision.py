@@ -8,7 +8,7 @@ import torch
 import train_wmt
 from annotated.plumbing import devices
 from annotated.training import data
-from annotated.training import train as T
+from annotated.training import train
 from annotated.transformer import make_model
 
 CPU = torch.device("cpu")
@@ -80,14 +80,14 @@ def test_a_bf16_step_on_the_cpu_gives_the_fp32_loss_to_bf16_rounding(seed):
     itself. Each bf16 input carries a relative error up to 2^-9, but the loss is a mean over a few hundred
     tokens whose errors partly cancel; measured: at most 2.2e-4 relative over seeds 0-4. The parameters and
     Adam's moments stay fp32."""
-    cfg = T.PRESETS["smoke"].with_model(dropout=0.0)
+    cfg = train.PRESETS["smoke"].with_model(dropout=0.0)
     torch.manual_seed(seed)
     model = make_model(src_vocab=60, tgt_vocab=60, N=2, d_model=64, d_ff=128, h=4, dropout=0.0, max_len=64)
     batch, losses = toy_batch(seed), {}
     for precision in ("fp32", "bf16"):
         m = copy.deepcopy(model)
-        opt, sched = T.make_optimizer(m, cfg)
-        loss, n, _, found_inf = T.train_step(m, opt, sched, [batch], batch.ntokens, cfg, CPU, precision=precision)
+        opt, sched = train.make_optimizer(m, cfg)
+        loss, n, _, found_inf = train.train_step(m, opt, sched, [batch], batch.ntokens, cfg, CPU, precision=precision)
         assert loss.dtype == torch.float32 and torch.isfinite(loss) and found_inf == 0
         assert all(p.dtype == torch.float32 for p in m.parameters())
         assert all(v.dtype == torch.float32 for s in opt.state.values() for k, v in s.items() if k != "step")
@@ -102,9 +102,9 @@ def test_the_loss_is_fp32_under_bf16_autocast():
     batch = toy_batch(0)
     with devices.autocast(CPU, "bf16"):
         logits = model(batch.src, batch.tgt[:, :-1], None, None)
-        loss, _ = T.batch_loss(model, batch.src, batch.tgt, 0.1)
+        loss, _ = train.batch_loss(model, batch.src, batch.tgt, 0.1)
     assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
-    assert dataclasses.replace(T.PRESETS["smoke"]).precision == "fp32"  # the tests' preset: the same on every CPU
+    assert dataclasses.replace(train.PRESETS["smoke"]).precision == "fp32"  # the tests' preset: the same on every CPU
 
 
 def test_threads_default_to_every_core_shared_among_torchruns_processes(monkeypatch):

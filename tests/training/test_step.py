@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 from annotated.tokens import PAD
 from annotated.training import data
-from annotated.training import train as T
+from annotated.training import train
 from annotated.transformer import make_model, padding_mask, rate, target_mask
 
 CPU = torch.device("cpu")
-CFG = dataclasses.replace(T.PRESETS["smoke"].with_model(dropout=0.0), warmup=5, lr_factor=2.0)
+CFG = dataclasses.replace(train.PRESETS["smoke"].with_model(dropout=0.0), warmup=5, lr_factor=2.0)
 
 
 def tiny_model(seed: int = 0):
@@ -40,10 +40,10 @@ def test_the_optimizer_uses_rate_n_at_step_n():
     """Step n (counted from 1) updates with rate(n, d_model, warmup, factor), the schedule of the first
     chapter; an off-by-one (rate(s) for the scheduler's counter s = n - 1) is caught from step 2 on."""
     model = tiny_model()
-    opt, sched = T.make_optimizer(model, CFG)
+    opt, sched = train.make_optimizer(model, CFG)
     seen, batches = applied_gradients(opt), toy_batches(n_pairs=96, max_tokens=100)
     for b in batches[:8]:
-        T.train_step(model, opt, sched, [b], b.ntokens, CFG, CPU)
+        train.train_step(model, opt, sched, [b], b.ntokens, CFG, CPU)
     want = [rate(n, CFG.d_model, CFG.warmup, CFG.lr_factor) for n in range(1, len(seen) + 1)]
     assert len(seen) == 8 and [lr for lr, _ in seen] == pytest.approx(want, rel=1e-12)
 
@@ -58,8 +58,8 @@ def test_the_step_reports_the_label_smoothed_loss_of_its_batch():
         logits = model(b.src, b.tgt[:, :-1], padding_mask(b.src, PAD), target_mask(b.tgt[:, :-1], PAD))
     want = F.cross_entropy(logits.reshape(-1, logits.size(-1)), b.tgt[:, 1:].reshape(-1), ignore_index=PAD,
                            label_smoothing=CFG.label_smoothing, reduction="sum")
-    opt, sched = T.make_optimizer(model, CFG)
-    loss, tokens, _, _ = T.train_step(model, opt, sched, [b], b.ntokens, CFG, CPU)
+    opt, sched = train.make_optimizer(model, CFG)
+    loss, tokens, _, _ = train.train_step(model, opt, sched, [b], b.ntokens, CFG, CPU)
     assert int(tokens) == b.ntokens == int((b.tgt[:, 1:] != PAD).sum())
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
 
@@ -70,14 +70,14 @@ def test_a_gradient_above_clip_norm_is_applied_at_clip_norm():
     cfg = dataclasses.replace(CFG, clip_norm=0.05)
     model, b = tiny_model(), toy_batches()[0]
     raw_model = copy.deepcopy(model)
-    loss, n = T.batch_loss(raw_model, b.src, b.tgt, cfg.label_smoothing)
+    loss, n = train.batch_loss(raw_model, b.src, b.tgt, cfg.label_smoothing)
     (loss / n).backward()
     raw = [p.grad for p in raw_model.parameters()]
     raw_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in raw]))
     assert raw_norm > 10 * cfg.clip_norm
-    opt, sched = T.make_optimizer(model, cfg)
+    opt, sched = train.make_optimizer(model, cfg)
     seen = applied_gradients(opt)
-    _, _, gnorm, _ = T.train_step(model, opt, sched, [b], b.ntokens, cfg, CPU)
+    _, _, gnorm, _ = train.train_step(model, opt, sched, [b], b.ntokens, cfg, CPU)
     [(_, applied)] = seen
     applied_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in applied]))
     assert gnorm.item() == pytest.approx(raw_norm.item(), rel=1e-5)
@@ -97,15 +97,15 @@ def test_accumulated_batches_are_normalised_by_the_steps_token_count():
 
     def gradient(objective):
         m = copy.deepcopy(model)
-        (l1, n1), (l2, n2) = (T.batch_loss(m, b.src, b.tgt, cfg.label_smoothing) for b in (b1, b2))
+        (l1, n1), (l2, n2) = (train.batch_loss(m, b.src, b.tgt, cfg.label_smoothing) for b in (b1, b2))
         objective(l1, n1, l2, n2).backward()
         return [p.grad for p in m.parameters()]
 
     pooled = gradient(lambda l1, n1, l2, n2: (l1 + l2) / (n1 + n2))
     mean_of_means = gradient(lambda l1, n1, l2, n2: (l1 / n1 + l2 / n2) / 2)
-    opt, sched = T.make_optimizer(model, cfg)
+    opt, sched = train.make_optimizer(model, cfg)
     seen = applied_gradients(opt)
-    T.train_step(model, opt, sched, [b1, b2], T.step_tokens([b1, b2], cfg.accum)[0], cfg, CPU)
+    train.train_step(model, opt, sched, [b1, b2], train.step_tokens([b1, b2], cfg.accum)[0], cfg, CPU)
     [(_, applied)] = seen
     scale = max(g.abs().max().item() for g in pooled)
     worst = max((g - p).abs().max().item() for g, p in zip(applied, pooled))

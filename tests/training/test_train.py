@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from annotated.training import train as T
+from annotated.training import train
 from annotated.tokens import PAD
 from annotated.transformer import rate
 
@@ -19,9 +19,9 @@ def test_label_smoothing_matches_formula():
     logits = torch.randn(B, L, V, generator=gen, dtype=torch.float64)
     target = torch.randint(1, V, (B, L), generator=gen)
     target[0, -2:] = PAD
-    ours = T.label_smoothed_loss(logits, target, eps)
+    ours = train.label_smoothed_loss(logits, target, eps)
     # the prose's formula, term by term: -sum_k q(k) log p(k) over non-pad positions
-    q = T.smoothed_targets(target, V, eps).double()  # (B*L, V)
+    q = train.smoothed_targets(target, V, eps).double()  # (B*L, V)
     assert torch.allclose(q.sum(-1), torch.ones(B * L, dtype=torch.float64))
     per_pos = -(q * logits.reshape(-1, V).float().log_softmax(-1).double()).sum(-1)  # (B*L,)
     want = per_pos[target.reshape(-1) != PAD].sum()
@@ -35,7 +35,7 @@ def test_no_smoothing_is_cross_entropy():
     logits = torch.randn(2, 4, 7)
     target = torch.tensor([[3, 4, PAD, PAD], [1, 2, 3, 4]])
     ce = F.cross_entropy(logits.reshape(-1, 7), target.reshape(-1), ignore_index=PAD, reduction="sum")
-    assert torch.allclose(T.label_smoothed_loss(logits, target, 0.0), ce)
+    assert torch.allclose(train.label_smoothed_loss(logits, target, 0.0), ce)
 
 
 def test_schedule_warms_up_then_decays():
@@ -47,13 +47,13 @@ def test_schedule_warms_up_then_decays():
 
 
 def test_presets_are_valid_and_bad_settings_are_named():
-    for name, cfg in T.PRESETS.items():
-        T.make_optimizer(torch.nn.Linear(2, 2), cfg)
+    for name, cfg in train.PRESETS.items():
+        train.make_optimizer(torch.nn.Linear(2, 2), cfg)
         assert cfg.model_for(100).share_embeddings and cfg.model_for(100).tie_generator
     with pytest.raises(ValueError, match="two different languages"):
-        T.TrainConfig(src_lang="de", tgt_lang="de")
+        train.TrainConfig(src_lang="de", tgt_lang="de")
     with pytest.raises(ValueError, match="label_smoothing must be in"):
-        T.TrainConfig(label_smoothing=1.5)
+        train.TrainConfig(label_smoothing=1.5)
 
 
 def test_command_line_flags_override_the_preset():
@@ -68,12 +68,12 @@ def test_command_line_flags_override_the_preset():
     want = dict(N=3, d_model=256, d_ff=1024, h=8, dropout=0.2, label_smoothing=0.05, warmup=900, lr_factor=1.5,
                 val_bleu_sentences=400)
     assert preset == "gpu" and {k: train_wmt.setting(cfg, k) for k in want} == want
-    gpu = T.PRESETS["gpu"]
+    gpu = train.PRESETS["gpu"]
     model_back = {k: getattr(gpu.model, k) for k in want if k in train_wmt.MODEL_OPTIONS}
     run_back = {k: getattr(gpu, k) for k in want if k not in train_wmt.MODEL_OPTIONS}
     assert dataclasses.replace(cfg, **run_back).with_model(**model_back) == gpu
-    assert train_wmt.config_from_args(train_wmt.parse_args([]), cuda=False)[1] == T.PRESETS["cpu"]
-    assert train_wmt.config_from_args(train_wmt.parse_args([]), cuda=True)[1] == T.PRESETS["gpu"]
+    assert train_wmt.config_from_args(train_wmt.parse_args([]), cuda=False)[1] == train.PRESETS["cpu"]
+    assert train_wmt.config_from_args(train_wmt.parse_args([]), cuda=True)[1] == train.PRESETS["gpu"]
     with pytest.raises(ValueError, match="d_model=256 is not divisible by h=6"):
         train_wmt.config_from_args(train_wmt.parse_args(["--d-model", "256", "--heads", "6"]), cuda=False)
     with pytest.raises(ValueError, match="dropout must be in"):
@@ -95,16 +95,16 @@ def test_presets_are_defined_by_steps_as_the_prose_says(data_url, cache):
     recipe with 8192-token batches, 4,200 steps (about 65 epochs), beam 5, the last 5 epochs averaged."""
     from annotated.training import data
 
-    gpu, cpu = T.PRESETS["gpu"], T.PRESETS["cpu"]
-    differ = {f.name for f in dataclasses.fields(T.TrainConfig) if getattr(gpu, f.name) != getattr(cpu, f.name)}
+    gpu, cpu = train.PRESETS["gpu"], train.PRESETS["cpu"]
+    differ = {f.name for f in dataclasses.fields(train.TrainConfig) if getattr(gpu, f.name) != getattr(cpu, f.name)}
     assert gpu.model == cpu.model
     assert differ == {"max_tokens", "max_steps", "beam_size", "average_last", "val_bleu_sentences"}
     assert (gpu.max_tokens, cpu.max_tokens, gpu.max_steps, cpu.max_steps, gpu.beam_size, gpu.average_last) == \
         (8192, 2500, 4200, 2200, 5, 5)
     assert gpu.val_bleu_sentences is None  # every validation sentence, for choosing best.pt
-    for cfg in T.PRESETS.values():
+    for cfg in train.PRESETS.values():
         assert cfg.max_minutes is None and cfg.epochs is None and cfg.max_steps
-    tokenizer, train_pairs, _, _ = T.prepare_data(gpu, T.DataSource(data_url, cache))
+    tokenizer, train_pairs, _, _ = train.prepare_data(gpu, train.DataSource(data_url, cache))
     encoded = data.encode_pairs(train_pairs, tokenizer)
     encoded = [encoded[i] for i in data.split_long(encoded, gpu.max_len)[0]]
     for cfg, epochs in ((cpu, 10.5), (gpu, 65)):
@@ -118,7 +118,7 @@ def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "runs" / "run"
     lines = []
-    results = T.train(T.PRESETS["smoke"], run, data_url=data_url, cache_dir=cache, progress=False, log=lines.append)
+    results = train.train(train.PRESETS["smoke"], run, data_url=data_url, cache_dir=cache, progress=False, log=lines.append)
     on_disk = json.loads((run / "results.json").read_text())
     assert (on_disk["precision"], on_disk["precision_reason"]) == ("fp32", "fp32 asked for")
     assert on_disk["threads"] == torch.get_num_threads() >= 1
@@ -142,7 +142,7 @@ def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, monkeypatch,
     events = EventAccumulator(str(run / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert set(T.TRAIN_TAGS.values()) | set(T.VALIDATION_TAGS.values()) <= tags, tags
+    assert set(train.TRAIN_TAGS.values()) | set(train.VALIDATION_TAGS.values()) <= tags, tags
     assert {"test_best/beam_bleu", "test_best/greedy_chrf"} <= tags, tags
     assert events.Scalars("test_best/beam_bleu")[0].value == pytest.approx(on_disk["test"]["best"]["beam"]["bleu"])
     assert list((run / "tb" / "hparams").iterdir())  # the settings beside the test scores (HPARAMS tab)
@@ -157,24 +157,24 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, data_url, cache):
     arithmetic is the same, so the losses agree to every printed digit. Dropout 0.1, so the
     dropout masks after the resume are right only if the random state was restored.
     """
-    cfg = dataclasses.replace(T.PRESETS["smoke"].with_model(dropout=0.1), test_sentences=2, val_bleu_sentences=2,
+    cfg = dataclasses.replace(train.PRESETS["smoke"].with_model(dropout=0.1), test_sentences=2, val_bleu_sentences=2,
                               log_every=1)
     quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
-    T.train(cfg, tmp_path / "whole", **quiet)
-    T.train(dataclasses.replace(cfg, max_steps=7), tmp_path / "parts", **quiet)
+    train.train(cfg, tmp_path / "whole", **quiet)
+    train.train(dataclasses.replace(cfg, max_steps=7), tmp_path / "parts", **quiet)
     assert len(losses(tmp_path / "parts")) == 7
-    with pytest.raises(T.TrainingError, match="already holds a run"):
-        T.train(cfg, tmp_path / "parts", **quiet)
-    T.train(cfg, tmp_path / "parts", resume=True, **quiet)
+    with pytest.raises(train.TrainingError, match="already holds a run"):
+        train.train(cfg, tmp_path / "parts", **quiet)
+    train.train(cfg, tmp_path / "parts", resume=True, **quiet)
     assert losses(tmp_path / "parts") == losses(tmp_path / "whole")
 
 
 def test_resume_with_other_model_settings_is_refused(tmp_path, data_url, cache):
-    cfg = dataclasses.replace(T.PRESETS["smoke"], max_steps=2, test_sentences=2)
+    cfg = dataclasses.replace(train.PRESETS["smoke"], max_steps=2, test_sentences=2)
     quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
-    T.train(cfg, tmp_path / "r", **quiet)
-    with pytest.raises(T.CheckpointError, match="d_model: checkpoint 32 vs now 64"):
-        T.train(cfg.with_model(d_model=64), tmp_path / "r", resume=True, **quiet)
+    train.train(cfg, tmp_path / "r", **quiet)
+    with pytest.raises(train.CheckpointError, match="d_model: checkpoint 32 vs now 64"):
+        train.train(cfg.with_model(d_model=64), tmp_path / "r", resume=True, **quiet)
 
 
 def test_training_modules_import_no_attention_pictures_and_form_no_circle():

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import train_wmt
-from annotated.training import train as T
+from annotated.training import train
 
 ROOT = Path(__file__).resolve().parents[2]
-SMOKE = dataclasses.replace(T.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2, max_steps=2)
+SMOKE = dataclasses.replace(train.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2, max_steps=2)
 
 
 def quiet(data_url, cache):
@@ -94,13 +94,13 @@ def test_a_users_latest_file_or_folder_is_left_alone(tmp_path, monkeypatch, data
     (tmp_path / "b" / "runs" / "latest" / "keep.txt").write_text("mine")
     for where in ("a", "b"):
         monkeypatch.chdir(tmp_path / where)
-        T.train(SMOKE, Path("runs") / "run", **quiet(data_url, cache))
+        train.train(SMOKE, Path("runs") / "run", **quiet(data_url, cache))
         assert sorted(p.name for p in (tmp_path / where / "runs").iterdir()) == ["latest", "run"]
     assert (tmp_path / "a" / "runs" / "latest").read_text() == "my notes"
     assert (tmp_path / "b" / "runs" / "latest" / "keep.txt").read_text() == "mine"
     monkeypatch.chdir(tmp_path / "c")
-    T.train(SMOKE, Path("runs") / "run1", **quiet(data_url, cache))
-    T.train(SMOKE, tmp_path / "c" / "runs" / "run2", **quiet(data_url, cache))  # the same folder, absolute
+    train.train(SMOKE, Path("runs") / "run1", **quiet(data_url, cache))
+    train.train(SMOKE, tmp_path / "c" / "runs" / "run2", **quiet(data_url, cache))  # the same folder, absolute
     assert os.readlink(tmp_path / "c" / "runs" / "latest") == "run2"  # our link moves on
 
 
@@ -109,16 +109,16 @@ def test_latest_is_written_only_in_the_default_runs_folder(tmp_path, monkeypatch
     purposes; `latest` lives in runs/ (of the current directory) only."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "some" / "folder").mkdir(parents=True)
-    T.train(SMOKE, tmp_path / "some" / "folder" / "run1", **quiet(data_url, cache))
+    train.train(SMOKE, tmp_path / "some" / "folder" / "run1", **quiet(data_url, cache))
     assert sorted(p.name for p in (tmp_path / "some" / "folder").iterdir()) == ["run1"]
     assert not (tmp_path / "runs").exists()
 
 
 def test_latest_moves_only_once_the_run_has_a_checkpoint(tmp_path, monkeypatch, data_url, cache):
     monkeypatch.chdir(tmp_path)
-    T.train(SMOKE, Path("runs") / "good", **quiet(data_url, cache))
+    train.train(SMOKE, Path("runs") / "good", **quiet(data_url, cache))
     with pytest.raises(ValueError):  # a data error before any checkpoint
-        T.train(SMOKE, Path("runs") / "bad", train_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
+        train.train(SMOKE, Path("runs") / "bad", train_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
                 val_files=(tmp_path / "no.src", tmp_path / "no.tgt"), test_files=(tmp_path / "no.src",
                                                                                    tmp_path / "no.tgt"),
                 **quiet(data_url, cache))
@@ -153,7 +153,7 @@ def test_a_users_test_set_is_named_by_its_files(tmp_path, data_url, cache):
     src.write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
     tgt.write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
     lines = []
-    results = T.train(SMOKE, tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False, log=lines.append,
+    results = train.train(SMOKE, tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False, log=lines.append,
                       train_files=(src, tgt), val_files=(src, tgt), test_files=(src, tgt))
     on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
     assert on_disk["test_set"] == results["test_set"] == f"{src} + {tgt}"
@@ -171,7 +171,7 @@ def test_every_option_has_help_and_names_each_presets_value():
         assert action.help and action.help.strip(), action.option_strings
     helps = {a.dest: a.help for a in parser._actions}
     for dest in ("d_model", "dropout", "label_smoothing", "vocab_size", "beam_size", "seed", "precision"):
-        want = ", ".join(f"{name}: {train_wmt.setting(cfg, dest)}" for name, cfg in T.PRESETS.items())
+        want = ", ".join(f"{name}: {train_wmt.setting(cfg, dest)}" for name, cfg in train.PRESETS.items())
         assert helps[dest].endswith(f"({want})"), helps[dest]
     smoke = {a.dest: a.help for a in train_wmt.build_parser("smoke")._actions}
     assert smoke["d_model"].endswith("(default under --preset smoke: 32)")
@@ -193,7 +193,7 @@ def test_print_config_prints_the_resolved_settings_and_trains_nothing(tmp_path, 
     assert code == 0 and list(tmp_path.iterdir()) == []
     from annotated.training.config import config_from_dict
 
-    assert config_from_dict(shown["train_config"]) == T.PRESETS["smoke"].with_model(d_model=64, dropout=0.2)
+    assert config_from_dict(shown["train_config"]) == train.PRESETS["smoke"].with_model(d_model=64, dropout=0.2)
     assert (shown["preset"], shown["precision"], shown["run_dir"]) == ("smoke", "fp32", str(tmp_path / "run"))
 
 

@@ -11,9 +11,9 @@ import functools
 import pytest
 import torch
 
-from annotated.training import train as T
+from annotated.training import train
 
-SMOKE = dataclasses.replace(T.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2, log_every=1, max_steps=14)
+SMOKE = dataclasses.replace(train.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2, log_every=1, max_steps=14)
 
 
 def rows(run):
@@ -28,11 +28,11 @@ def test_compiled_training_matches_eager_with_few_recompiles(tmp_path, data_url,
     import torch._dynamo
 
     quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
-    T.train(SMOKE, tmp_path / "eager", **quiet)
+    train.train(SMOKE, tmp_path / "eager", **quiet)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    T.train(dataclasses.replace(SMOKE, compile=True), tmp_path / "compiled", **quiet)
+    train.train(dataclasses.replace(SMOKE, compile=True), tmp_path / "compiled", **quiet)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     eager, compiled = rows(tmp_path / "eager"), rows(tmp_path / "compiled")
     assert [s for s, _ in eager] == [s for s, _ in compiled] == list(range(1, 15))

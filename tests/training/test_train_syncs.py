@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from annotated.training import data
-from annotated.training import train as T
+from annotated.training import train
 from annotated.training.syncs import SyncCounter
 from annotated.transformer import make_model
 
-SMOKE = dataclasses.replace(T.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2)
+SMOKE = dataclasses.replace(train.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2)
 
 
 def toy_epoch(n_batches=12, seed=0):
@@ -27,21 +27,21 @@ def run_steps(batches, log_every, patch=None):
     cfg = dataclasses.replace(SMOKE, log_every=log_every, max_steps=None, epochs=1)
     torch.manual_seed(0)
     model = make_model(src_vocab=60, tgt_vocab=60, N=1, d_model=32, d_ff=64, h=2, dropout=0.1, max_len=64)
-    opt, sched = T.make_optimizer(model, cfg)
+    opt, sched = train.make_optimizer(model, cfg)
     rows = []
     # rank 1: log_point reads and agrees as every rank does; only rank 0 writes rows (no run folder here)
-    run = T.Run(cfg, None, T.Placement(1, 1, torch.device("cpu")), T.Arithmetic("fp32", "test", 1),
-                T.Learner(model, patch(model) if patch else model, opt, sched), T.RunData(None, [], [], [], []), {},
+    run = train.Run(cfg, None, train.Placement(1, 1, torch.device("cpu")), train.Arithmetic("fp32", "test", 1),
+                train.Learner(model, patch(model) if patch else model, opt, sched), train.RunData(None, [], [], [], []), {},
                 print, writer=type("W", (), {"add_scalar": lambda *a: None})())
-    meter = T.Meter(run.place.dev)
-    tokens = T.step_tokens(batches, cfg.accum)
-    state = T.RunState()
+    meter = train.Meter(run.place.dev)
+    tokens = train.step_tokens(batches, cfg.accum)
+    state = train.RunState()
     with SyncCounter() as counter:
         for i, b in enumerate(batches):
-            meter.add(*T.train_step(run.learner.model_for_step, opt, sched, [b], tokens[i], cfg, run.place.dev))
+            meter.add(*train.train_step(run.learner.model_for_step, opt, sched, [b], tokens[i], cfg, run.place.dev))
             state.step += 1
             if state.step % log_every == 0 or i == len(batches) - 1:
-                rows.append(T.log_point(run, state, meter, False, False))
+                rows.append(train.log_point(run, state, meter, False, False))
     return counter, rows
 
 
@@ -77,14 +77,14 @@ def test_log_rows_are_token_weighted_means_of_the_steps(tmp_path, data_url, cach
     """Rows every 5 steps and at each epoch end; each is the token-weighted mean of the per-step rows of the same
     run logged every step (same arithmetic: the sums differ only in float64 rounding, relative 1e-12)."""
     quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
-    T.train(dataclasses.replace(SMOKE, log_every=1), tmp_path / "each", **quiet)
-    T.train(dataclasses.replace(SMOKE, log_every=5), tmp_path / "five", **quiet)
+    train.train(dataclasses.replace(SMOKE, log_every=1), tmp_path / "each", **quiet)
+    train.train(dataclasses.replace(SMOKE, log_every=5), tmp_path / "five", **quiet)
     each, five = (rows(tmp_path / r) for r in ("each", "five"))
     assert [s for s, _ in five] == [5, 10, 14, 15, 20, 25, 28]  # every 5th step, and each epoch's end (14, 28)
-    tokenizer, pairs, _, _ = T.prepare_data(SMOKE, T.DataSource(data_url, cache))
+    tokenizer, pairs, _, _ = train.prepare_data(SMOKE, train.DataSource(data_url, cache))
     encoded = data.encode_pairs(pairs, tokenizer)
     encoded = [encoded[i] for i in data.split_long(encoded, SMOKE.max_len)[0]]
-    n = [k for e in (0, 1) for k in T.step_tokens(data.make_batches(encoded, SMOKE.max_tokens, shuffle=True,
+    n = [k for e in (0, 1) for k in train.step_tokens(data.make_batches(encoded, SMOKE.max_tokens, shuffle=True,
                                                                      seed=SMOKE.seed + e, max_len=SMOKE.max_len), 1)]
     prev = 0
     for step, mean in five:
@@ -101,11 +101,11 @@ def test_resume_cuts_the_log_back_to_the_checkpoint(tmp_path, data_url, cache):
     """After a SIGKILL the log holds rows past last.pt's step; --resume drops them (else they would appear twice)."""
     quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
     cfg = dataclasses.replace(SMOKE, log_every=1)
-    T.train(cfg, tmp_path / "whole", **quiet)
-    T.train(dataclasses.replace(cfg, max_steps=7), tmp_path / "parts", **quiet)
+    train.train(cfg, tmp_path / "whole", **quiet)
+    train.train(dataclasses.replace(cfg, max_steps=7), tmp_path / "parts", **quiet)
     with open(tmp_path / "parts" / "train_loss.tsv", "a") as f:  # steps a killed run logged after its checkpoint
         f.write("8\t9.0\n9\t9.0\n")
-    T.train(cfg, tmp_path / "parts", resume=True, **quiet)
+    train.train(cfg, tmp_path / "parts", resume=True, **quiet)
     assert rows(tmp_path / "parts") == rows(tmp_path / "whole")
 
 
@@ -114,7 +114,7 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run_at_the_nex
     """A NaN loss at step 3 of epoch 2 with log_every 4: the fused Adam kernel skips that update (found_inf), the
     run goes on to the read at the next multiple of 4 and stops there naming the step; last.pt stays epoch 1's."""
     run = tmp_path / "run"
-    real, seen = T.batch_loss, []
+    real, seen = train.batch_loss, []
 
     def faulty(model, src, tgt, eps):
         loss, n = real(model, src, tgt, eps)
@@ -124,11 +124,11 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run_at_the_nex
                 return loss * float("nan"), n
         return loss, n
 
-    monkeypatch.setattr(T, "batch_loss", faulty)
-    with pytest.raises(T.TrainingError, match=r"the loss became nan at step 17 \(epoch 2\); 1 step\(s\) with a "
+    monkeypatch.setattr(train, "batch_loss", faulty)
+    with pytest.raises(train.TrainingError, match=r"the loss became nan at step 17 \(epoch 2\); 1 step\(s\) with a "
                                               r"non-finite loss or gradient were skipped; stopped at step 20, the "
                                               r"last good checkpoint .*last\.pt is kept"):
-        T.train(dataclasses.replace(SMOKE, log_every=4), run, data_url=data_url, cache_dir=cache, progress=False,
+        train.train(dataclasses.replace(SMOKE, log_every=4), run, data_url=data_url, cache_dir=cache, progress=False,
                 log=lambda s: None)
     from annotated.plumbing.checkpoint import read_checkpoint
     assert read_checkpoint(run / "last.pt")["run_state"]["step"] == 14
