@@ -126,4 +126,4 @@ notebook: $(SETUP)
 jupyter: $(SETUP)
 	$(PY) -m pip install -q -r requirements-notebook.txt
 	test -f docs/_build/transformer.ipynb || $(PY) -m docs.notebook
-	$(PY) -m jupyterlab docs/_build/transformer.ipynb
+	$(PY) -m jupyterlab $(if $(filter 0,$(shell id -u)),--allow-root) docs/_build/transformer.ipynb
