@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-import annotated.transformer as T
+from annotated import transformer
 from annotated.recording import attend_with_probabilities, record_attention
 from annotated.sites import attention_at, remove_heads, sites
 from annotated.tokens import PAD

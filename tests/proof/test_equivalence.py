@@ -16,7 +16,7 @@ import torch
 
 import annotated.proof.equivalence as E
 from annotated.proof.torch_mha import fused_parameters
-import annotated.transformer as T
+from annotated import transformer
 from annotated.proof.harness import (
     TOL, Case, MhaCase, compare_forms, compare_with_torch_mha, max_scaled, mha_cases, mha_fastpath, random_biases,
 )
@@ -77,9 +77,9 @@ def _attend_without_transpose(self, x_q, K, V, mask):
     B, T_q, _ = x_q.shape
     if mask is not None:
         mask = mask.expand(B, T_q, K.size(-2)).unsqueeze(1)
-    heads = T.attention(self.queries(x_q), K, V, mask)  # (B, h, T_q, d_v)
+    heads = transformer.attention(self.queries(x_q), K, V, mask)  # (B, h, T_q, d_v)
     concat = heads.reshape(B, T_q, self.h * self.d_v)  # the bug: no transpose(1, 2)
-    return T.affine(concat, self.W_O, self.b_O)
+    return transformer.affine(concat, self.W_O, self.b_O)
 
 
 SMALL = dict(h=range(1, 5), d=range(1, 4), BT=((2, 3),))  # enough sizes to show each bug
@@ -194,9 +194,9 @@ def test_fast_path_really_runs_and_flag_is_restored():
 # --- 4. kernels and whole models ----------------------------------------------
 
 def test_sdpa_path_matches_explicit_path_on_generated_cases():
-    before = T.FAST_PATH
+    before = transformer.FAST_PATH
     assert_all_pass(E.check_sdpa_paths(examples=100))
-    assert T.FAST_PATH == before
+    assert transformer.FAST_PATH == before
 
 
 def test_whole_copy_model_converts_with_same_logits_and_decodes():
