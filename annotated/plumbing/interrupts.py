@@ -20,7 +20,9 @@ working: a progress bar may be open), and exits with code 130 (the shell's code 
 load for a second or more) it exits at once: nothing has been computed or written yet, and a
 KeyboardInterrupt raised inside an extension's start-up ends in a traceback or an abort. That holds for
 the imports at the top of a command (`quiet_ctrl_c_while_starting`) and for those `main()` does itself
-(`run_command`'s handler checks whether an import is under way). Anywhere else in `main()` the Ctrl-C
+(`run_command`'s handler checks whether an import is under way). An import that `main()` makes after it
+has begun writing exits at once too: no file it writes is left half-written (every write is atomic), but a
+temporary file or staging folder it had begun can remain beside its target. Anywhere else in `main()` the Ctrl-C
 raises KeyboardInterrupt, so that `finally` blocks and atomic writes clean up; a Ctrl-C that lands while
 PyTorch's C++ code is calling back into Python can reach the caller as another error (the
 KeyboardInterrupt is turned into a RuntimeError on the way out), and `ctrl_c_requested()` tells such an
