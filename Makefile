@@ -67,7 +67,7 @@ clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
 # make translate TEXT="Ein Hund rennt über die Wiese."   (no TEXT: reads stdin, one sentence a line)
-# CHECKPOINT=runs/<run>/best.pt (default: runs/latest/best.pt, else the newest runs/*/best.pt);
+# CHECKPOINT=runs/<run>/best.pt (default: the latest run's model, runs/latest/averaged.pt or best.pt);
 # ARGS="--beam 1" etc. for more (python -m annotated.decoding.translate --help).
 # TEXT and CHECKPOINT reach the command exactly as typed: `$(call quoted,NAME)` is the variable's unexpanded
 # value in single quotes (so `$5`, `$HOME`, spaces and `;` stay text), each ' written as '\''.
@@ -110,8 +110,8 @@ heads: $(SETUP)
 	$(PY) -m annotated.attention.heads $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 # make docs: annotated/*.py rendered into docs/_build/index.html (math as MathML, figures drawn by the
-# modules' own code; offline). Attention figure from CHECKPOINT=..., else runs/latest/best.pt or the newest
-# runs/*/best.pt, else the copy task (trained once, ~20 s, cached in docs/_build/.cache). A file in the output
+# modules' own code; offline). Attention figure from CHECKPOINT=..., else the latest run's model (averaged.pt or
+# best.pt), else the copy task (trained once, ~20 s, cached in docs/_build/.cache). A file in the output
 # folder that no docs build wrote is never replaced: ARGS=--overwrite allows it (python -m docs.build --help).
 # make notebook: annotated/transformer.py as docs/_build/transformer.ipynb, its prose examples and figures as
 # code cells, executed (docs/notebook.py; python -m docs.notebook --help). make jupyter: JupyterLab, from

@@ -78,6 +78,9 @@ def build_parser(chosen: str | None = None) -> Parser:
     p.add_argument("--dropout", type=fraction, help="dropout probability, in [0, 1)" + default("dropout"))
     p.add_argument("--label-smoothing", type=fraction,
                    help="label smoothing epsilon, in [0, 1)" + default("label_smoothing"))
+    p.add_argument("--case-augment", type=fraction,
+                   help="share of the training pairs added again with both sides in capitals or lower case, in "
+                        "[0, 1]" + default("case_augment"))
     p.add_argument("--warmup", type=at_least(1), help="learning-rate warm-up steps" + default("warmup"))
     p.add_argument("--lr-factor", type=positive, help="scale of the paper's learning-rate schedule (peak lr "
                                                       "= factor * d_model^-0.5 * warmup^-0.5)" + default("lr_factor"))

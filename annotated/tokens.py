@@ -89,6 +89,14 @@ class Tokenizer:
         """The subword string of each id, e.g. ['▁Ein', '▁Hund'] ('▁' marks a preceding space)."""
         return [self._sp.id_to_piece(i) for i in self._check_ids(ids)]
 
+    def spells_unseen(self, ids: Union[Sequence[int], Tensor]) -> bool:
+        """Whether `ids` hold `unk` or a byte piece: a character the tokenizer never saw in training."""
+        return any(i == UNK or self._sp.is_byte(i) for i in self._check_ids(ids))
+
+    def score(self, ids: Union[Sequence[int], Tensor]) -> float:
+        """The sum of the pieces' sentencepiece scores (for BPE, higher for pieces merged earlier: more frequent)."""
+        return sum(self._sp.get_score(i) for i in self._check_ids(ids))
+
     def __reduce__(self):  # pickle through the model bytes
         return (Tokenizer.from_bytes, (self._model,))
 

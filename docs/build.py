@@ -94,7 +94,8 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
     ("part-2", "Part II. The proof", ("proof/torch_mha", "proof/equivalence")),
     ("part-3", "Part III. Data, training and decoding",
      ("training/data", "decoding/search", "training/train", "training/distributed", "training/runs",
-      "training/evaluate", "training/syncs", "training/config", "training/results", "decoding/translate")),
+      "training/evaluate", "training/syncs", "training/config", "training/results", "decoding/translate",
+      "decoding/casing")),
     ("part-4", "Part IV. Attention and heads",
      ("sites", "attention/dump", "attention/pictures", "attention/viewer", "attention/importance",
       "attention/profiles", "attention/prune", "attention/bootstrap", "attention/heads")),
@@ -855,7 +856,7 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
           embeds: Optional[Mapping[str, Embed]] = None) -> BuildResult:
     """Render the modules, then the guides, into out/index.html (+ out/figures/). Returns what was built.
 
-    `checkpoint`: "auto" uses runs/latest/best.pt or the newest runs/*/best.pt
+    `checkpoint`: "auto" uses the latest run's model (runs/latest/averaged.pt or best.pt)
     for the attention figure if one exists (else the copy task); a path uses
     that checkpoint (an error if it does not load); None always uses the copy task.
     `overwrite`: replace files in `out` that no docs build wrote (else OutputError).
@@ -1015,8 +1016,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "docs/_build/index.html, or convert a chapter to a notebook.")
     p.add_argument("--out", type=writable_dir, default=DEFAULT_OUT, help="output folder (default docs/_build)")
     p.add_argument("--checkpoint", default="auto",
-                   help="checkpoint for the attention figure: auto (runs/latest/best.pt or newest "
-                        "runs/*/best.pt, else the copy task), none (copy task), or a path")
+                   help="checkpoint for the attention figure: auto (the latest run's model, averaged.pt or best.pt, "
+                        "else the copy task), none (copy task), or a path")
     p.add_argument("--copy-steps", type=at_least(0), default=300, help="training steps of the copy-task model")
     p.add_argument("--overwrite", action="store_true",
                    help="replace files in --out that no docs build wrote (an index.html of yours, say)")

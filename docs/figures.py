@@ -254,8 +254,8 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
 # %% [markdown]
 # ## Attention pictures
 #
-# From a trained translator when a checkpoint exists (`runs/latest/best.pt`,
-# else the newest `runs/*/best.pt`): the cross-attention of the last decoder
+# From a trained translator when a checkpoint exists (the latest run's model,
+# `runs/latest/averaged.pt` or `best.pt`): the cross-attention of the last decoder
 # layer while it translates one sentence, every head. Otherwise from the copy
 # task of the first chapter (trained for `copy_steps` steps, and kept in
 # `cache_dir` so the next build does not train again): there the decoder

@@ -595,8 +595,8 @@ def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: 
 #
 # `python -m annotated.attention.dump [--checkpoint PATH] [--out DIR] [--n 3] [--beam 4] [sentence ...]`
 # (also `make attention ARGS='...'`). Without `--checkpoint` it takes the
-# best checkpoint of the most recent training run, `runs/latest/best.pt`,
-# found by `latest_checkpoint` (`annotated/plumbing/checkpoint.py`), as the translator finds it;
+# model of the most recent training run (`runs/latest/averaged.pt`, else
+# `best.pt`), found by `latest_checkpoint` (`annotated/plumbing/checkpoint.py`), as the translator finds it;
 # without sentences, the first `--n` sentences of Multi30k's
 # `test_2016_flickr` in the checkpoint's source language (downloaded as in
 # training; `$MULTI30K_URL` or `--data-url` choose the mirror), with their
@@ -613,7 +613,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog="python -m annotated.attention.dump", name="attention",
                description="Dump, draw and browse every attention weight of a trained translator.")
     p.add_argument("sentences", nargs="*", help="source sentences (default: the first --n of test_2016_flickr)")
-    p.add_argument("--checkpoint", type=Path, help="checkpoint file (default: runs/latest/best.pt)")
+    p.add_argument("--checkpoint", type=Path, help="checkpoint file (default: the latest run's model, runs/latest/averaged.pt or best.pt)")
     p.add_argument("--out", type=Path, help="output directory (default: attention/ next to the checkpoint)")
     p.add_argument("--n", type=at_least(1), default=3, help="how many test sentences when none are given (default 3)")
     p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")

@@ -43,7 +43,7 @@ STOP_RULE = ("Pruning ranks heads by importance on the validation sentences at e
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=NAME, description=__doc__.split("\n\n")[1].replace("\n", " "), epilog=STOP_RULE)
     p.add_argument("--checkpoint", type=Path, default=None,
-                   help="checkpoint file (default: runs/latest/best.pt, else the newest runs/*/best.pt)")
+                   help="checkpoint file (default: the latest run's model, runs/latest/averaged.pt or best.pt)")
     p.add_argument("--out", type=writable_dir, default=None, help="output folder (default: the checkpoint's folder)")
     p.add_argument("--sentences", type=at_least(2), default=300,
                    help="validation sentences for ablation, importance and the pruning search (default 300)")

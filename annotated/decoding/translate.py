@@ -60,11 +60,11 @@ from typing import Iterable, Iterator, Optional, TextIO
 
 import torch
 
+from annotated.decoding import casing
 from annotated.decoding.search import translate_ids
 from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from annotated.plumbing.checks import check_tokenizer
 from annotated.plumbing.options import Parser, at_least, device, number
-from annotated.tokens import UNK
 from annotated.transformer import EncoderDecoder
 
 NAME = "translate"
@@ -72,10 +72,11 @@ NAME = "translate"
 # %% [markdown]
 # ## 1. Which checkpoint
 #
-# `--checkpoint PATH`, or else the best checkpoint of the latest training
-# run, found by `latest_checkpoint` (`annotated/plumbing/checkpoint.py`, section
-# "Which checkpoint"): `runs/latest/best.pt`, else the most recently written
-# `runs/*/best.pt`, else an error that says how to get one.
+# `--checkpoint PATH`, or else the model of the latest training run, found
+# by `latest_checkpoint` (`annotated/plumbing/checkpoint.py`, section "Which
+# checkpoint"): `runs/latest/averaged.pt` where the run averaged its last
+# epochs, else `runs/latest/best.pt`; else that of the run whose `best.pt`
+# was written last; else an error that says how to get one.
 
 # %% [markdown]
 # ## 2. From text to subword ids, and the input rules
@@ -90,6 +91,7 @@ NAME = "translate"
 # | empty, or only whitespace | an empty output line; on stderr `line N: empty input, printed an empty line` |
 # | longer than `MAX_LINE_BYTES` (64 KiB) | an empty output line; on stderr `line N: longer than 65536 bytes, printed an empty line` |
 # | more subwords than the model's `max_len` | split at sentence ends (`.`, `!`, `?`, `…`), a part still too long at clause ends (`,`, `;`, `:`), then between words; each part is translated and the translations are joined in order; on stderr `line N: K subwords, more than the model's max_len=M; translated in P parts` |
+# | in capitals (`EIN MANN FÄHRT.`), all lower case, or caps-locked (`eIN mANN`) | recased first (`annotated/decoding/casing.py`), translated, and answered in capitals or lower case (caps lock: as usual); on stderr `line N: in capitals: translated as 'Ein Mann fährt.'`; `--case as-typed` turns this off |
 # | characters never seen in training (emoji, symbols, other scripts) | set aside: the rest of the sentence is translated, and they are put back at the end of the translation, in their order (each run of such characters stays together; in a line split into sentences, at the end of their sentence's translation) |
 # | bytes that are not UTF-8 (stdin) | each undecodable byte becomes U+FFFD, itself an unseen character; on stderr `line N: not valid UTF-8, undecodable bytes replaced by U+FFFD` |
 # | anything else the decoder rejects with a `ValueError` | an empty output line; on stderr `line N: error: ...` |
@@ -152,17 +154,13 @@ def decode_line(raw: bytes) -> tuple[str, Optional[str]]:
         return raw.decode("utf-8", errors="replace"), "not valid UTF-8, undecodable bytes replaced by U+FFFD"
 
 
-BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
-
-
 def unseen_characters(text: str, tokenizer) -> set[str]:
     """The characters of `text` the tokenizer has no piece for (it would spell them as bytes, or unknown)."""
     unseen = set()
     for c in set(text):
         if c.isspace():
             continue
-        ids = tokenizer.encode(c)
-        if UNK in ids or any(BYTE_PIECE.fullmatch(p) for p in tokenizer.pieces(ids)):
+        if tokenizer.spells_unseen(tokenizer.encode(c)):
             unseen.add(c)
     return unseen
 
@@ -225,20 +223,27 @@ class Line:
     where: str
     segments: list[tuple[list[list[int]], list[str]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    case: Optional[str] = None  # the input's style (casing.style), to answer in it
 
     @property
     def sources(self) -> list[list[int]]:
         return [ids for parts, _ in self.segments for ids in parts]
 
 
-def prepare(where: str, text: Optional[str], note: Optional[str], tokenizer, max_len: int) -> Line:
-    """Apply the input rules to one line (text None: longer than MAX_LINE_BYTES)."""
+def prepare(where: str, text: Optional[str], note: Optional[str], tokenizer, max_len: int,
+            case: str = "auto") -> Line:
+    """Apply the input rules to one line (text None: longer than MAX_LINE_BYTES); `case="auto"` recases
+    capitals, lower case and caps lock (`annotated/decoding/casing.py`), "as-typed" does not."""
     line = Line(where, notes=[note] if note else [])
     if text is None:
         return line
     if not text.strip():
         line.notes.append("empty input, printed an empty line")
         return line
+    if case == "auto":
+        text, line.case = casing.normalise(text, tokenizer)
+        if line.case:
+            line.notes.append(f"{CASE_NOTES[line.case]}: translated as {text!r}")
     try:
         line.segments = sentences_that_fit(text, tokenizer, max_len)
     except ValueError as e:  # e.g. a lone surrogate from an undecodable argument
@@ -273,15 +278,15 @@ def translate_prepared(model: EncoderDecoder, tokenizer, lines: list[Line], beam
     answers = []
     for line in lines:
         words = [word for parts, aside in line.segments for word in [tokenizer.decode(next(outputs)) for _ in parts] + aside]
-        answer = " ".join(w for w in words if w)
+        answer = casing.restore(" ".join(w for w in words if w), line.case)
         answers.append(" ".join(answer.splitlines()))  # a line break from byte pieces would shift the output
     return answers
 
 
 def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, length_penalty: float = 0.6,
-              max_extra: int = 50) -> tuple[str, Optional[str]]:
+              max_extra: int = 50, case: str = "auto") -> tuple[str, Optional[str]]:
     """One sentence -> (translation on one line, what the input rules did, or None)."""
-    line = prepare("text", text, None, tokenizer, model.config.max_len)
+    line = prepare("text", text, None, tokenizer, model.config.max_len, case)
     answer = translate_prepared(model, tokenizer, [line], beam_size, length_penalty, max_extra)[0]
     return answer, "; ".join(line.notes) or None
 
@@ -382,6 +387,9 @@ input rules (each bad line still gets one output line, and the next line is serv
                                     the parts are translated and joined in order; note on stderr
   characters unseen in training  -> (emoji, symbols, other scripts) set aside; the rest is translated
                                     and they are put back at the end of the translation, in order
+  all capitals / all lower case  -> recased (each word as the tokenizer knows it best), translated, and
+                                    answered in capitals / lower case; caps lock (eIN mANN) is swapped
+                                    back; note on stderr (--case as-typed: translated as typed)
   non-UTF-8 bytes on stdin       -> replaced by U+FFFD; warning on stderr naming the line
   any other error for one line   -> prints an empty line; the error on stderr
 reading stdin: a file or pipe is read {WINDOW} lines at a time, translated in batches, answered in
@@ -391,6 +399,7 @@ output length: at most min(max_len, source subwords + --max-extra) subwords.
 checkpoint missing, corrupt or incompatible, or a bad option: one line on stderr, exit code 2.
 Ctrl-C: "translate: interrupted" on stderr, exit code 130.
 """
+CASE_NOTES = {"upper": "in capitals", "lower": "all lower case", "inverted": "caps lock"}
 WAITING = "translate: waiting for sentences, one per line (Ctrl-D to end)"
 
 
@@ -402,13 +411,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=RULES)
     p.add_argument("sentences", nargs="*", help="sentences to translate (default: read stdin)")
     p.add_argument("--checkpoint", type=Path, default=None,
-                   help="checkpoint file (default: runs/latest/best.pt, else the newest runs/*/best.pt)")
+                   help="checkpoint file (default: the latest run's model, runs/latest/averaged.pt or best.pt)")
     p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where to look without --checkpoint")
     p.add_argument("--beam", type=at_least(1), default=4, help="beam width; 1 = greedy (default 4)")
     p.add_argument("--length-penalty", type=number(0, None), default=0.6,
                    help="GNMT alpha: score = log P / ((5 + |Y|) / 6)^alpha (default 0.6)")
     p.add_argument("--max-extra", type=at_least(0), default=50,
                    help="output at most source length + this many subwords, capped at max_len (default 50)")
+    p.add_argument("--case", choices=("auto", "as-typed"), default="auto",
+                   help="auto: a line in capitals, in lower case or caps-locked is recased before translating and "
+                        "answered in its style; as-typed: translated as it is (default auto)")
     p.add_argument("--device", type=device, default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     return p
 
@@ -443,7 +455,7 @@ def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
 
 def _answer(model, tokenizer, window: list, args) -> tuple[list[Line], list[str]]:
     """Prepared lines and their answers; a window the decoder rejects is answered line by line."""
-    prepared = [prepare(where, text, note, tokenizer, model.config.max_len) for where, text, note in window]
+    prepared = [prepare(where, text, note, tokenizer, model.config.max_len, args.case) for where, text, note in window]
     try:
         return prepared, translate_prepared(model, tokenizer, prepared, args.beam, args.length_penalty,
                                             args.max_extra)

@@ -244,30 +244,42 @@ def load_checkpoint(path: os.PathLike | str, map_location: str = "cpu"):
 # ## Which checkpoint
 #
 # Training writes each run into `runs/<name>/`, with `best.pt` (best
-# validation BLEU) and `last.pt`, and points `runs/latest` at the newest run
-# (a symlink, or a text file holding the run directory's name). Without
-# `--checkpoint` the translator and `make attention` take, in this order:
+# validation BLEU), `last.pt` and, when the run averages its last epochs
+# (the `cpu` and `gpu` presets do), `averaged.pt`; it points `runs/latest`
+# at the newest run (a symlink, or a text file holding the run directory's
+# name). A run's **model** (`run_model`) is `averaged.pt` where there is
+# one, else `best.pt`: the rule is fixed before any test score is seen,
+# never chosen by it. Without `--checkpoint` the translator, `make
+# attention` and `make heads` take, in this order:
 #
-# 1. `runs/latest/best.pt`, where `runs/latest` is a symlink to a run
-#    directory or a text file naming one (relative to `runs/`, or as a path);
-# 2. else the most recently written `runs/*/best.pt`;
+# 1. the model of `runs/latest`, a symlink to a run directory or a text file
+#    naming one (relative to `runs/`, or as a path);
+# 2. else the model of the run whose `best.pt` was written last;
 # 3. else it stops with an error that says how to get a checkpoint.
 
 # %%
+def run_model(run: Path) -> Optional[Path]:
+    """A run's model: `averaged.pt` when the run averaged its last epochs, else `best.pt`; None without either."""
+    for name in ("averaged.pt", "best.pt"):
+        if (run / name).is_file():
+            return run / name
+    return None
+
+
 def latest_checkpoint(runs_dir: str | Path = "runs") -> Path:
-    """The best checkpoint of the latest training run under `runs_dir`."""
+    """The model of the latest training run under `runs_dir`."""
     runs = Path(runs_dir)
     latest = runs / "latest"
     if latest.is_dir():  # a symlink to the run directory
-        if (latest / "best.pt").is_file():
-            return latest / "best.pt"
+        if run_model(latest):
+            return run_model(latest)
     elif latest.is_file():  # a text file naming it
         name = latest.read_text(encoding="utf-8", errors="replace").strip()
         for run in (runs / name, Path(name)):
-            if name and (run / "best.pt").is_file():
-                return run / "best.pt"
+            if name and run_model(run):
+                return run_model(run)
     found = [p for p in runs.glob("*/best.pt") if p.is_file()]
     if found:
-        return max(found, key=lambda p: p.stat().st_mtime)
+        return run_model(max(found, key=lambda p: p.stat().st_mtime).parent)
     raise CheckpointError(f"no checkpoint found: neither {latest}/best.pt nor any {runs}/*/best.pt exists; "
                           f"train one (`make train`) or pass --checkpoint PATH")

@@ -14,12 +14,13 @@
 # machine, on a CPU or a GPU. `max_minutes` stays available as an optional cap.
 #
 # * `cpu`: 2 + 2 layers, `d_model` 128, a joint vocabulary of 5,000 subwords,
-#   batches of 2500 tokens, 2,200 steps (about 10.5 epochs of Multi30k) with 800
-#   warm-up steps to a peak learning rate twice the paper's formula. Small
-#   enough to train on two CPU cores.
+#   batches of 2500 tokens, 4,200 steps (about 20 epochs of Multi30k) with
+#   800 warm-up steps to a peak learning rate twice the paper's formula, and
+#   the average of the last 5 epoch checkpoints (`averaged.pt`, the run's
+#   model). Small enough to train on two CPU cores within half an hour (bf16,
+#   both cores; `docs/training.md` has the measured runs).
 # * `gpu`: the same model and schedule with batches of 8192 tokens (3.3 times
-#   the data per step), 4,200 steps (about 65 epochs), beam 5, and the
-#   average of the last 5 epoch checkpoints. A model this small is bound by
+#   the data per step, about 65 epochs in the same 4,200 steps) and beam 5. A model this small is bound by
 #   kernel launches more than by arithmetic on a GPU, so a bigger batch costs
 #   little per step; the step never waits for the host (`train.py`), and
 #   batches of few shapes (`data.make_batches`) let `--compile` replay CUDA
@@ -58,6 +59,7 @@ class TrainConfig:
     src_lang: str = "de"
     tgt_lang: str = "en"
     train_limit: Optional[int] = None  # use only the first n training pairs (smoke tests)
+    case_augment: float = 0.0        # share of training pairs added again in capitals or lower case (data.py)
     # the model; its vocabulary is the joint sentencepiece vocabulary to train
     model: TransformerConfig = field(default_factory=lambda: joint_model(8000, N=3, d_model=256, d_ff=1024, h=8,
                                                                          max_len=256))
@@ -92,6 +94,8 @@ class TrainConfig:
         if self.model.src_vocab != self.model.tgt_vocab or not self.model.share_embeddings:
             raise ValueError("training uses one joint vocabulary with shared embeddings: model needs "
                              "src_vocab == tgt_vocab and share_embeddings (see joint_model)")
+        if not 0 <= self.case_augment <= 1:
+            raise ValueError(f"case_augment must be in [0, 1], got {self.case_augment}")
         if not 0 <= self.label_smoothing < 1:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if min(self.max_tokens, self.accum, self.log_every, self.beam_size) < 1 or self.vocab_size < 8:
@@ -163,10 +167,10 @@ def config_from_dict(saved: dict) -> TrainConfig:
 
 
 _CPU = TrainConfig(model=joint_model(5000, N=2, d_model=128, d_ff=512, h=4, dropout=0.1, max_len=256),
-                   max_tokens=2500, epochs=None, max_steps=2200, warmup=800, lr_factor=2.0, beam_size=4,
-                   val_bleu_sentences=300)
+                   max_tokens=2500, epochs=None, max_steps=4200, warmup=800, lr_factor=2.0, beam_size=4,
+                   val_bleu_sentences=300, average_last=5)
 PRESETS = {
-    "gpu": dataclasses.replace(_CPU, max_tokens=8192, max_steps=4200, beam_size=5, average_last=5,
+    "gpu": dataclasses.replace(_CPU, max_tokens=8192, max_steps=4200, beam_size=5,
                                val_bleu_sentences=None),
     "cpu": _CPU,
     "smoke": TrainConfig(model=joint_model(500, N=1, d_model=32, d_ff=64, h=2, dropout=0.0, max_len=64),

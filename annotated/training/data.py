@@ -351,6 +351,31 @@ def load_multi30k(split: str, src_lang: str = "de", tgt_lang: str = "en", cache_
 
 
 # %% [markdown]
+# ### Capitals in training (optional)
+#
+# Multi30k's sentences are cased as people write. `case_augmented` adds, for
+# a share of the training pairs chosen by a seeded generator, a second copy
+# with both sides in capitals (half of the chosen pairs) or in lower case
+# (the other half), so that a model can learn to answer a shouted sentence
+# in kind (`TrainConfig.case_augment`, `--case-augment`; 0 by default: the
+# translator recases such input instead, `annotated/decoding/casing.py`).
+# The copies join the training pairs before the vocabulary is trained.
+
+# %%
+def case_augmented(pairs: Sequence[tuple[str, str]], share: float, seed: int = 0) -> list[tuple[str, str]]:
+    """`pairs`, then a capitals or lower-case copy of `round(share * len(pairs))` of them (seeded choice).
+
+    >>> case_augmented([("Ein Hund.", "A dog."), ("Zwei Männer.", "Two men.")], 1.0, seed=0)[2:]
+    [('ZWEI MÄNNER.', 'TWO MEN.'), ('ein hund.', 'a dog.')]
+    """
+    if not 0 <= share <= 1:
+        raise ValueError(f"share must be in [0, 1], got {share}")
+    chosen = random.Random(seed).sample(range(len(pairs)), round(share * len(pairs)))
+    cased = (str.upper, str.lower)
+    return list(pairs) + [(cased[n % 2](pairs[i][0]), cased[n % 2](pairs[i][1])) for n, i in enumerate(chosen)]
+
+
+# %% [markdown]
 # ## 3. Subwords: a shared BPE vocabulary
 #
 # A word-level vocabulary cannot translate a word it never saw, and a

@@ -501,6 +501,7 @@ def prepare_data(cfg: TrainConfig, source: DataSource):
     train_pairs = load("train", source.train_files)
     if cfg.train_limit:
         train_pairs = train_pairs[:cfg.train_limit]
+    train_pairs = data.case_augmented(train_pairs, cfg.case_augment, cfg.seed)
     val_pairs, test_pairs = load("val", source.val_files), load("test_2016_flickr", source.test_files)
     if cfg.test_sentences:
         test_pairs = test_pairs[:cfg.test_sentences]

@@ -20,8 +20,9 @@ import torch
 
 from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from annotated.training.data import train_tokenizer
+from annotated.decoding import casing
 from annotated.decoding.search import translate_ids
-from annotated.decoding.translate import main, translate
+from annotated.decoding.translate import main, set_aside_unseen, translate
 from annotated.transformer import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -288,7 +289,7 @@ def test_a_translation_is_always_one_line(loaded):
     model, tok = loaded
 
     class Spells:  # the real tokenizer, except that decoding yields line breaks
-        encode, pieces = staticmethod(tok.encode), staticmethod(tok.pieces)
+        encode, spells_unseen = staticmethod(tok.encode), staticmethod(tok.spells_unseen)
 
         def decode(self, ids):
             return "a\nb\r\nc\u2028d"
@@ -323,6 +324,10 @@ def test_latest_checkpoint_follows_runs_latest_then_the_newest(tmp_path):
     assert latest_checkpoint(runs) == old
     (runs / "latest").write_text("gone")  # naming a run without best.pt: the newest instead
     assert latest_checkpoint(runs) == new
+    (runs / "b" / "averaged.pt").write_bytes(b"x")  # a run that averaged its last epochs: that is its model
+    assert latest_checkpoint(runs) == runs / "b" / "averaged.pt"
+    (runs / "latest").write_text("a")
+    assert latest_checkpoint(runs) == old  # a run without averaged.pt: best.pt
 
 
 def test_without_checkpoint_option_uses_the_latest_run(ckpt, loaded, tmp_path):
@@ -344,6 +349,26 @@ def test_unseen_characters_are_set_aside_and_put_back_at_the_end(loaded):
     both = translate(model, tok, "🐕 Ein Hund rennt über die Wiese. 👍🏽 東京")[0]
     assert both == expected(loaded, plain) + " 🐕 👍🏽 東京"  # in their order; a run of them stays together
     assert translate(model, tok, "🐕🐕")[0] == "🐕🐕"  # nothing else to translate
+
+
+def test_capitals_lower_case_and_caps_lock_are_recased_then_answered_in_their_style(ckpt, loaded, spy):
+    """A line in capitals is translated as its recased form and answered in capitals; lower case likewise in
+    lower case; caps lock as the sentence it meant. `--case as-typed` translates the line as it stands."""
+    model, tok = loaded
+    plain = "Zwei Männer spielen Fußball im Park."
+    answer_in = {"upper": str.upper, "lower": str.lower, "inverted": lambda s: s}
+    for typed, style in ((plain.upper(), "upper"), (plain.lower(), "lower"), (casing.swap_case(plain), "inverted")):
+        recased = casing.normalise(typed, tok)
+        assert recased[1] == style
+        assert translate(model, tok, typed)[0] == answer_in[style](expected(loaded, recased[0]))
+    assert casing.normalise(casing.swap_case(plain), tok)[0] == plain
+    spy.calls.clear()
+    assert translate(model, tok, "ZWEI MÄNNER", case="as-typed")[1] is None
+    assert spy.calls == [[tok.encode(set_aside_unseen("ZWEI MÄNNER", tok)[0])]]  # only the other input rules
+    code, out, err = run_main("--checkpoint", ckpt, "ZWEI MÄNNER.", "--case", "auto")
+    recased = casing.normalise("ZWEI MÄNNER.", tok)[0]
+    assert (code, out, err) == (0, expected(loaded, recased).upper() + "\n",
+                                f"argument 1: in capitals: translated as {recased!r}\n")
 
 
 class Spy:

@@ -604,3 +604,14 @@ def test_split_long():
         assert b.src.size(1) > 10 or b.tgt[:, :-1].size(1) > 10
     with pytest.raises(ValueError, match="max_len must be a positive int"):
         split_long(encoded, 0)
+
+
+@given(st.lists(st.tuples(st.text(max_size=8), st.text(max_size=8)), max_size=30),
+       st.floats(0, 1), st.integers(0, 3))
+def test_case_augmented_adds_capital_or_lower_copies_of_the_pairs(pairs, share, seed):
+    out = data.case_augmented(pairs, share, seed)
+    assert out[:len(pairs)] == pairs and len(out) == len(pairs) + round(share * len(pairs))
+    for n, pair in enumerate(out[len(pairs):]):  # capitals, lower case, capitals, ...
+        cased = str.upper if n % 2 == 0 else str.lower
+        assert pair in {(cased(s), cased(t)) for s, t in pairs}
+    assert data.case_augmented(pairs, share, seed) == out  # seeded

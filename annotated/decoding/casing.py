@@ -1,0 +1,132 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Capitals: shouted, lower-case and caps-lock input
+#
+# The model learnt from sentences cased as people write them. Typed in
+# capitals ("EIN MANN FÄHRT FAHRRAD."), a German sentence becomes subwords
+# the model has hardly seen (`▁E`, `IN`, `▁MA`, `NN`, ...), and what comes
+# out is noise. The translator therefore looks at the case of each line
+# before translating it (`style`):
+#
+# | style | the line | what the translator does |
+# | --- | --- | --- |
+# | `"upper"` | most of its words of two or more letters are all capitals | recase it (below), translate, and answer in capitals |
+# | `"lower"` | no capital at all, and a word of two or more letters | recase it, translate, and answer in lower case |
+# | `"inverted"` | most words that mix cases start lower and go on upper (`eIN mANN`: caps lock with shift) | swap every letter's case, translate the result and answer normally |
+# | `None` | anything else (a sentence as people write it) | translate it as it is |
+#
+# **Recasing** (`recase`) gives each word the casing the tokenizer knows
+# best, lower (`ein`), capitalised (`Mann`) or, for a line typed in capitals,
+# capitals (`USA`): a form without characters the tokenizer never saw
+# (spelled in byte pieces), and among those the one sentencepiece spells
+# with the fewest subwords, since a frequent word of the training data is one piece in the
+# casing it was seen in, and the same word in a casing it rarely had takes
+# several. Capitals spell "ß" as "SS", so a word with "ss" also tries "ß"
+# in its place (`FUSSBALL` -> `Fußball`), which must then take strictly
+# fewer subwords. Between forms of as many subwords, the one whose subwords
+# were merged earlier (sentencepiece's piece scores, higher for more
+# frequent pieces) wins, and then the lower form. The first letter of the line
+# becomes a capital. Nothing but the tokenizer is needed, so every
+# checkpoint can do it.
+#
+# What it is worth on `test_2016_flickr` (the whole source in capitals, in
+# lower case, or caps-locked) is measured by `benchmarks/case.py` and given
+# in `docs/training.md`; `--case as-typed` turns it off.
+
+# %%
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+WORD = re.compile(r"\w+")
+
+
+def style(text: str) -> Optional[str]:
+    """"upper", "lower", "inverted", or None for a line cased as people write.
+
+    >>> [style(s) for s in ("EIN MANN FÄHRT.", "ein mann fährt.", "eIN mANN FÄHRT.", "Ein Mann fährt.", "Der ICE.")]
+    ['upper', 'lower', 'inverted', None, None]
+    >>> style("eIN HUND RENNT ÜBER DIE wIESE."), style("Ein iPhone."), style("USA")
+    ('inverted', None, 'upper')
+    >>> [style(s) for s in ("", "A", "42 !", "I", "a")]
+    [None, None, None, None, None]
+    """
+    words = [w for w in WORD.findall(text) if sum(c.isalpha() for c in w) >= 2]
+    if not words:
+        return None
+    mixed = [w for w in words if not w.isupper() and not w.islower()]
+    inverted = [w for w in mixed if w[0].islower() and w[1:].isupper()]
+    if inverted and len(inverted) * 2 > len(mixed):
+        return "inverted"
+    if sum(w.isupper() for w in words) * 2 > len(words):
+        return "upper"
+    if not any(c.isupper() for c in text):
+        return "lower"
+    return None
+
+
+def recase(text: str, tokenizer, keep_capitals: bool = False) -> str:
+    """Each word in the casing the tokenizer spells in the fewest subwords (see above); the first letter a
+    capital. With `keep_capitals`, a word's all-capitals form is a candidate too."""
+    def best(match: re.Match) -> str:
+        word = match.group()
+        lower = word.lower()
+        forms = [lower, lower.capitalize()] + ([word.upper()] if keep_capitals else [])
+        if "ss" in lower:  # "ß" in capitals is "SS": FUSSBALL may be Fußball
+            forms += [lower.replace("ss", "ß"), lower.replace("ss", "ß").capitalize()]
+        costs = []
+        for n, form in enumerate(forms):
+            ids = tokenizer.encode(form)
+            costs.append((tokenizer.spells_unseen(ids), len(ids), "ß" in form and "ß" not in lower,
+                          -tokenizer.score(ids), n))
+        return forms[min(costs)[-1]]
+
+    recased = WORD.sub(best, text)
+    first = next((i for i, c in enumerate(recased) if c.isalpha()), None)
+    if first is None:
+        return recased
+    return recased[:first] + recased[first].upper() + recased[first + 1:]
+
+
+def swap_case(text: str) -> str:
+    """Each letter in the other case, as caps lock types it; a letter whose other case is two letters stays.
+
+    >>> swap_case("Ein Mann auf der Straße"), "Straße".swapcase()
+    ('eIN mANN AUF DER sTRAßE', 'sTRASSE')
+    """
+    return "".join(c.swapcase() if len(c.swapcase()) == 1 else c for c in text)
+
+
+def normalise(text: str, tokenizer) -> tuple[str, Optional[str]]:
+    """(the text to translate, its style); a line cased as people write comes back as it is."""
+    kind = style(text)
+    if kind == "inverted":
+        return swap_case(text), kind
+    if kind in ("upper", "lower"):
+        return recase(text, tokenizer, keep_capitals=kind == "upper"), kind
+    return text, kind
+
+
+def restore(translation: str, kind: Optional[str]) -> str:
+    """The translation in the input's style: capitals for "upper", lower case for "lower".
+
+    >>> restore("A man rides a bike.", "upper"), restore("A man rides a bike.", "lower")
+    ('A MAN RIDES A BIKE.', 'a man rides a bike.')
+    >>> restore("A man rides a bike.", "inverted"), restore("A man.", None)
+    ('A man rides a bike.', 'A man.')
+    """
+    if kind == "upper":
+        return translation.upper()
+    if kind == "lower":
+        return translation.lower()
+    return translation

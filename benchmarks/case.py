@@ -1,0 +1,92 @@
+"""Capitals, lower case and caps lock: test BLEU with the translator's recasing (`--case auto`) and without.
+
+    python -m benchmarks.case                                 # the latest run's model, all of test_2016_flickr
+    python -m benchmarks.case --checkpoint runs/x/best.pt --sentences 200 --out /tmp/case.json
+
+The test set's sources are given as written, in capitals (`str.upper`), in lower case (`str.lower`) and as
+typed with caps lock on (`casing.swap_case`); each goes through the translator's own input rules
+(`annotated.decoding.translate.prepare`) with `case="as-typed"` and with `case="auto"`, is translated by
+beam search, and is scored by sacreBLEU against the unchanged references, cased and lowercased. The
+lowercased score is the one that compares the variants (an answer in capitals is right in capitals).
+It also counts the sources that `casing.recase` turns from capitals back into exactly the written sentence.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from annotated.decoding import casing
+from annotated.decoding.translate import prepare, translate_prepared
+from annotated.plumbing.checkpoint import latest_checkpoint, load_checkpoint
+from annotated.plumbing.files import atomic_write
+from annotated.plumbing.options import Parser, at_least
+from annotated.training.data import load_multi30k
+from annotated.training.evaluate import score
+
+VARIANTS = {"as written": lambda s: s, "capitals": str.upper, "lower case": str.lower,
+            "caps lock": casing.swap_case}
+
+
+def measure(model, tokenizer, pairs: list[tuple[str, str]], beam: int, progress: bool = True) -> dict:
+    """{variant: {case mode: scores}} and the exact-recasing count."""
+    from tqdm.auto import tqdm
+
+    references = [t for _, t in pairs]
+    results = {}
+    jobs = [(v, mode) for v in VARIANTS for mode in ("as-typed", "auto")]
+    for variant, mode in tqdm(jobs, desc="case", unit="run", disable=not progress):
+        lines = [prepare(str(i), VARIANTS[variant](s), None, tokenizer, model.config.max_len, mode)
+                 for i, (s, _) in enumerate(pairs)]
+        with torch.inference_mode():
+            hyps = translate_prepared(model, tokenizer, lines, beam)
+        scores = score(hyps, references)
+        scores.pop("signature")
+        results.setdefault(variant, {})[mode] = scores
+    exact = sum(casing.recase(s.upper(), tokenizer, keep_capitals=True) == s for s, _ in pairs)
+    return {"scores": results, "recased_exactly": exact, "sentences": len(pairs), "beam": beam}
+
+
+def table(result: dict) -> str:
+    """Markdown: one row per variant, BLEU cased / lowercased with and without recasing."""
+    base = result["scores"]["as written"]["as-typed"]["bleu_lowercase"]
+    rows = ["| source | as typed: BLEU cased / lowercased | `--case auto`: BLEU cased / lowercased "
+            "| lowercased, auto minus as written |", "| --- | --- | --- | --- |"]
+    for variant, modes in result["scores"].items():
+        typed, auto = modes["as-typed"], modes["auto"]
+        rows.append(f"| {variant} | {typed['bleu']:.2f} / {typed['bleu_lowercase']:.2f} | {auto['bleu']:.2f} / "
+                    f"{auto['bleu_lowercase']:.2f} | {auto['bleu_lowercase'] - base:+.2f} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="python -m benchmarks.case", name="case", description=__doc__.splitlines()[0],
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, help="default: the latest run's model (runs/latest/averaged.pt or best.pt)")
+    p.add_argument("--sentences", type=at_least(1), help="only the first n test sentences (default: all)")
+    p.add_argument("--beam", type=at_least(1), default=4, help="beam width (default 4)")
+    p.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    args = p.parse_args(argv)
+    if args.out is not None and args.out.exists():
+        p.error(f"--out {args.out} exists; name a new file (nothing is overwritten)")
+    path = args.checkpoint or latest_checkpoint()
+    model, tokenizer, meta = load_checkpoint(path)
+    model.eval()
+    src, tgt = meta.get("src_lang", "de"), meta.get("tgt_lang", "en")
+    pairs = load_multi30k("test_2016_flickr", src, tgt)[:args.sentences]
+    result = dict(measure(model, tokenizer, pairs, args.beam, progress=sys.stderr.isatty()),
+                  checkpoint=str(path), direction=f"{src}->{tgt}")
+    print(f"{path}, test_2016_flickr {src}->{tgt}, {result['sentences']} sentences, beam {args.beam}")
+    print(table(result))
+    print(f"sources in capitals recased into exactly the written sentence: {result['recased_exactly']} "
+          f"of {result['sentences']}")
+    if args.out:
+        atomic_write(args.out, json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
