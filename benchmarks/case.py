@@ -8,7 +8,8 @@ typed with caps lock on (`casing.swap_case`); each goes through the translator's
 (`annotated.decoding.translate.prepare`) with `case="as-typed"` and with `case="auto"`, is translated by
 beam search, and is scored by sacreBLEU against the unchanged references, cased and lowercased. The
 lowercased score is the one that compares the variants (an answer in capitals is right in capitals).
-It also counts the sources that `casing.recase` turns from capitals back into exactly the written sentence.
+It also counts the sources that recasing turns back into exactly the written sentence, with the checkpoint's
+case table (`annotated/decoding/casing.py`), or by the tokenizer alone for a checkpoint without one.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from annotated.decoding import casing
 from annotated.decoding.translate import prepare, translate_prepared
-from annotated.plumbing.checkpoint import latest_checkpoint, load_checkpoint
+from annotated.plumbing.checkpoint import latest_checkpoint, load_checkpoint, read_case_table
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.options import Parser, at_least
 from annotated.training.data import load_multi30k
@@ -31,23 +33,26 @@ VARIANTS = {"as written": lambda s: s, "capitals": str.upper, "lower case": str.
             "caps lock": casing.swap_case}
 
 
-def measure(model, tokenizer, pairs: list[tuple[str, str]], beam: int, progress: bool = True) -> dict:
-    """{variant: {case mode: scores}} and the exact-recasing count."""
+def measure(model, tokenizer, pairs: list[tuple[str, str]], beam: int, progress: bool = True,
+            table: Optional[dict] = None) -> dict:
+    """{variant: {case mode: scores}} and the exact-recasing counts, with the checkpoint's case `table`."""
     from tqdm.auto import tqdm
 
     references = [t for _, t in pairs]
     results = {}
     jobs = [(v, mode) for v in VARIANTS for mode in ("as-typed", "auto")]
     for variant, mode in tqdm(jobs, desc="case", unit="run", disable=not progress):
-        lines = [prepare(str(i), VARIANTS[variant](s), None, tokenizer, model.config.max_len, mode)
+        lines = [prepare(str(i), VARIANTS[variant](s), None, tokenizer, model.config.max_len, mode, table)
                  for i, (s, _) in enumerate(pairs)]
         with torch.inference_mode():
             hyps = translate_prepared(model, tokenizer, lines, beam)
         scores = score(hyps, references)
         scores.pop("signature")
         results.setdefault(variant, {})[mode] = scores
-    exact = sum(casing.recase(s.upper(), tokenizer, keep_capitals=True) == s for s, _ in pairs)
-    return {"scores": results, "recased_exactly": exact, "sentences": len(pairs), "beam": beam}
+    exact = {name: sum(casing.normalise(f(s), tokenizer, table)[0] == s for s, _ in pairs)
+             for name, f in VARIANTS.items() if name != "as written"}
+    return {"scores": results, "recased_exactly": exact, "case_table": table is not None, "sentences": len(pairs),
+            "beam": beam}
 
 
 def table(result: dict) -> str:
@@ -77,12 +82,15 @@ def main(argv=None) -> int:
     model.eval()
     src, tgt = meta.get("src_lang", "de"), meta.get("tgt_lang", "en")
     pairs = load_multi30k("test_2016_flickr", src, tgt)[:args.sentences]
-    result = dict(measure(model, tokenizer, pairs, args.beam, progress=sys.stderr.isatty()),
+    result = dict(measure(model, tokenizer, pairs, args.beam, progress=sys.stderr.isatty(),
+                          table=read_case_table(path)),
                   checkpoint=str(path), direction=f"{src}->{tgt}")
     print(f"{path}, test_2016_flickr {src}->{tgt}, {result['sentences']} sentences, beam {args.beam}")
     print(table(result))
-    print(f"sources in capitals recased into exactly the written sentence: {result['recased_exactly']} "
-          f"of {result['sentences']}")
+    for variant, n in result["recased_exactly"].items():
+        print(f"sources in {variant} recased into exactly the written sentence: {n} of {result['sentences']}")
+    print("case table: " + ("the checkpoint's" if result["case_table"] else "none in the checkpoint (the tokenizer "
+                                                                           "alone recases)"))
     if args.out:
         atomic_write(args.out, json.dumps(result, indent=1))
     return 0

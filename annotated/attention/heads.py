@@ -341,6 +341,7 @@ def analyse(model, tokenizer, val, batches, args) -> tuple[dict, dict]:
 
 def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> dict:
     from annotated.attention.prune import finetune, greedy_prune, removal_table, save_pruned, split_sentences
+    from annotated.plumbing.checkpoint import read_case_table
     from annotated.sites import head_counts
 
     ranking, held_out = split_sentences(len(val))
@@ -364,7 +365,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     removed = [f"{r.kind}[{r.layer}].{r.head}" for r in result.removed]
     save_pruned(args.out / "pruned.pt", pruned, tokenizer,
                 dict(meta, pruned_from=str(args.checkpoint), heads_removed=removed, head_counts=head_counts(pruned),
-                     finetune_steps=args.finetune_steps))
+                     finetune_steps=args.finetune_steps), read_case_table(args.checkpoint))
     b, a = rows["before"], rows["after"]
     final_loss = held_out_loss(pruned)
     say(f"pruning: removed {len(removed)} of {total} heads ({len(removed) / total:.0%}): {', '.join(removed) or '-'}")

@@ -163,12 +163,15 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def save_pruned(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: Optional[dict] = None) -> None:
-    """Save `model` as a fused checkpoint; non-uniform head counts go to the checkpoint's "heads" entry."""
+def save_pruned(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: Optional[dict] = None,
+                case_table: Optional[dict] = None) -> None:
+    """Save `model` as a fused checkpoint; non-uniform head counts go to the checkpoint's "heads" entry; the
+    unpruned checkpoint's case table (decoding/casing.py) goes along."""
     fused = convert_model(model, "fused")
     counts = head_counts(fused)
     uniform = all(h == fused.config.h for hs in counts.values() for h in hs)
-    save_checkpoint(path, fused, tokenizer, meta, **({} if uniform else {"heads": counts}))
+    extra = ({} if uniform else {"heads": counts}) | ({} if case_table is None else {"casing": case_table})
+    save_checkpoint(path, fused, tokenizer, meta, **extra)
 
 
 # %% [markdown]

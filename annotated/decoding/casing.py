@@ -24,19 +24,27 @@
 # | `"inverted"` | most words that mix cases start lower and go on upper (`eIN mANN`: caps lock with shift) | swap every letter's case, translate the result and answer normally |
 # | `None` | anything else (a sentence as people write it) | translate it as it is |
 #
-# **Recasing** (`recase`) gives each word the casing the tokenizer knows
-# best, lower (`ein`), capitalised (`Mann`) or, for a line typed in capitals,
-# capitals (`USA`): a form without characters the tokenizer never saw
-# (spelled in byte pieces), and among those the one sentencepiece spells
-# with the fewest subwords, since a frequent word of the training data is one piece in the
-# casing it was seen in, and the same word in a casing it rarely had takes
-# several. Capitals spell "ß" as "SS", so a word with "ss" also tries "ß"
+# **Recasing** (`recase`) gives each word the casing it has most often in
+# the training data's source sentences, not counting the first word of a
+# sentence (`case_table`; training stores this table in every checkpoint,
+# beside the tokenizer). A word the table lacks, or a checkpoint without a
+# table, falls back on the tokenizer: lower (`ein`), capitalised (`Mann`)
+# or, for a line typed in capitals, capitals (`USA`), whichever form has no
+# character the tokenizer never saw (spelled in byte pieces) and is spelled
+# with the fewest subwords, since a frequent word of the training data is
+# one piece in the casing it was seen in and takes several in a casing it
+# rarely had. Capitals spell "ß" as "SS", so a word with "ss" also tries "ß"
 # in its place (`FUSSBALL` -> `Fußball`), which must then take strictly
 # fewer subwords. Between forms of as many subwords, the one whose subwords
 # were merged earlier (sentencepiece's piece scores, higher for more
-# frequent pieces) wins, and then the lower form. The first letter of the line
-# becomes a capital. Nothing but the tokenizer is needed, so every
-# checkpoint can do it.
+# frequent pieces) wins, and then the lower form. The first letter of the
+# line becomes a capital. The table is the better guide: the vocabulary is
+# shared by both languages, so by the tokenizer alone the German `Shirt`
+# loses to the English `shirt`.
+#
+# `python -m annotated.decoding.casing --checkpoint OLD --out NEW` writes a
+# copy of a checkpoint trained before the table existed, with the table of
+# its Multi30k training data.
 #
 # What it is worth on `test_2016_flickr` (the whole source in capitals, in
 # lower case, or caps-locked) is measured by `benchmarks/case.py` and given
@@ -46,9 +54,24 @@
 from __future__ import annotations
 
 import re
-from typing import Optional
+from collections import Counter, defaultdict
+from typing import Iterable, Optional
 
 WORD = re.compile(r"\w+")
+
+
+def case_table(sentences: Iterable[str]) -> dict[str, str]:
+    """{lower-case word: its most frequent form}, the first word of each sentence not counted (ties: the form
+    seen first).
+
+    >>> case_table(["Der Mann sieht den Hund.", "Ein Hund und ein Mann.", "Hund"])
+    {'mann': 'Mann', 'sieht': 'sieht', 'den': 'den', 'hund': 'Hund', 'und': 'und', 'ein': 'ein'}
+    """
+    forms: defaultdict[str, Counter] = defaultdict(Counter)
+    for sentence in sentences:
+        for word in WORD.findall(sentence)[1:]:
+            forms[word.lower()][word] += 1
+    return {lower: counts.most_common(1)[0][0] for lower, counts in forms.items()}
 
 
 def style(text: str) -> Optional[str]:
@@ -75,12 +98,15 @@ def style(text: str) -> Optional[str]:
     return None
 
 
-def recase(text: str, tokenizer, keep_capitals: bool = False) -> str:
-    """Each word in the casing the tokenizer spells in the fewest subwords (see above); the first letter a
-    capital. With `keep_capitals`, a word's all-capitals form is a candidate too."""
+def recase(text: str, tokenizer, keep_capitals: bool = False, table: Optional[dict] = None) -> str:
+    """Each word in its most frequent casing (`table`), else in the one the tokenizer spells in the fewest
+    subwords (see above); the first letter a capital. With `keep_capitals`, a word's all-capitals form is a
+    candidate too."""
     def best(match: re.Match) -> str:
         word = match.group()
         lower = word.lower()
+        if table and lower in table:
+            return table[lower]
         forms = [lower, lower.capitalize()] + ([word.upper()] if keep_capitals else [])
         if "ss" in lower:  # "ß" in capitals is "SS": FUSSBALL may be Fußball
             forms += [lower.replace("ss", "ß"), lower.replace("ss", "ß").capitalize()]
@@ -107,13 +133,13 @@ def swap_case(text: str) -> str:
     return "".join(c.swapcase() if len(c.swapcase()) == 1 else c for c in text)
 
 
-def normalise(text: str, tokenizer) -> tuple[str, Optional[str]]:
+def normalise(text: str, tokenizer, table: Optional[dict] = None) -> tuple[str, Optional[str]]:
     """(the text to translate, its style); a line cased as people write comes back as it is."""
     kind = style(text)
     if kind == "inverted":
         return swap_case(text), kind
     if kind in ("upper", "lower"):
-        return recase(text, tokenizer, keep_capitals=kind == "upper"), kind
+        return recase(text, tokenizer, keep_capitals=kind == "upper", table=table), kind
     return text, kind
 
 
@@ -130,3 +156,43 @@ def restore(translation: str, kind: Optional[str]) -> str:
     if kind == "lower":
         return translation.lower()
     return translation
+
+
+# %% [markdown]
+# ## A table for an older checkpoint
+#
+# A checkpoint trained before training stored the table has none; this
+# command writes a copy with the table of its training data (Multi30k's
+# `train` split in its source language, as its settings name it) to a new
+# file: it never changes the checkpoint it reads.
+
+# %%
+def main(argv=None) -> int:
+    import argparse
+    from pathlib import Path
+
+    from annotated.plumbing.checkpoint import CheckpointError, add_case_table, read_checkpoint
+    from annotated.training.data import load_multi30k
+
+    p = argparse.ArgumentParser(prog="python -m annotated.decoding.casing",
+                                description="Write a copy of a checkpoint with the case table of its Multi30k "
+                                            "training data (for checkpoints trained without one).")
+    p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint to read (left unchanged)")
+    p.add_argument("--out", type=Path, required=True, help="the new checkpoint file (must not exist)")
+    args = p.parse_args(argv)
+    if args.out.exists():
+        p.error(f"--out {args.out} exists; name a new file (nothing is overwritten)")
+    try:
+        meta = read_checkpoint(args.checkpoint).get("meta", {})
+    except CheckpointError as e:
+        p.error(str(e))
+    if "src_lang" not in meta or "tgt_lang" not in meta:
+        p.error(f"{args.checkpoint} names no src_lang/tgt_lang; its training data is unknown")
+    pairs = load_multi30k("train", meta["src_lang"], meta["tgt_lang"])
+    add_case_table(args.checkpoint, args.out, case_table(s for s, _ in pairs))
+    print(f"{args.out}: {args.checkpoint} with the case table of Multi30k train.{meta['src_lang']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -62,7 +62,7 @@ import torch
 
 from annotated.decoding import casing
 from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_case_table
 from annotated.plumbing.checks import check_tokenizer
 from annotated.plumbing.options import Parser, at_least, device, number
 from annotated.transformer import EncoderDecoder
@@ -231,9 +231,10 @@ class Line:
 
 
 def prepare(where: str, text: Optional[str], note: Optional[str], tokenizer, max_len: int,
-            case: str = "auto") -> Line:
+            case: str = "auto", table: Optional[dict] = None) -> Line:
     """Apply the input rules to one line (text None: longer than MAX_LINE_BYTES); `case="auto"` recases
-    capitals, lower case and caps lock (`annotated/decoding/casing.py`), "as-typed" does not."""
+    capitals, lower case and caps lock (`annotated/decoding/casing.py`, with the checkpoint's case `table`),
+    "as-typed" does not."""
     line = Line(where, notes=[note] if note else [])
     if text is None:
         return line
@@ -241,7 +242,7 @@ def prepare(where: str, text: Optional[str], note: Optional[str], tokenizer, max
         line.notes.append("empty input, printed an empty line")
         return line
     if case == "auto":
-        text, line.case = casing.normalise(text, tokenizer)
+        text, line.case = casing.normalise(text, tokenizer, table)
         if line.case:
             line.notes.append(f"{CASE_NOTES[line.case]}: translated as {text!r}")
     try:
@@ -284,9 +285,9 @@ def translate_prepared(model: EncoderDecoder, tokenizer, lines: list[Line], beam
 
 
 def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, length_penalty: float = 0.6,
-              max_extra: int = 50, case: str = "auto") -> tuple[str, Optional[str]]:
+              max_extra: int = 50, case: str = "auto", table: Optional[dict] = None) -> tuple[str, Optional[str]]:
     """One sentence -> (translation on one line, what the input rules did, or None)."""
-    line = prepare("text", text, None, tokenizer, model.config.max_len, case)
+    line = prepare("text", text, None, tokenizer, model.config.max_len, case, table)
     answer = translate_prepared(model, tokenizer, [line], beam_size, length_penalty, max_extra)[0]
     return answer, "; ".join(line.notes) or None
 
@@ -430,13 +431,14 @@ def _say(stream: TextIO, message: str) -> None:
 
 
 def _load(args, stderr: TextIO):
-    """(model on the device, tokenizer); CheckpointError when the checkpoint cannot translate text."""
+    """(model on the device, tokenizer, case table or None); CheckpointError when the checkpoint cannot
+    translate text."""
     path = args.checkpoint if args.checkpoint is not None else latest_checkpoint(args.runs_dir)
     if args.checkpoint is None:
         _say(stderr, f"{NAME}: using {path}")
     model, tokenizer, _ = load_checkpoint(path)
     check_tokenizer(tokenizer, path, "translate text")
-    return model.to(args.device), tokenizer
+    return model.to(args.device), tokenizer, read_case_table(path)
 
 
 def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
@@ -453,9 +455,10 @@ def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
     return windows(_numbered([], stdin), WINDOW)
 
 
-def _answer(model, tokenizer, window: list, args) -> tuple[list[Line], list[str]]:
+def _answer(model, tokenizer, table, window: list, args) -> tuple[list[Line], list[str]]:
     """Prepared lines and their answers; a window the decoder rejects is answered line by line."""
-    prepared = [prepare(where, text, note, tokenizer, model.config.max_len, args.case) for where, text, note in window]
+    prepared = [prepare(where, text, note, tokenizer, model.config.max_len, args.case, table)
+                for where, text, note in window]
     try:
         return prepared, translate_prepared(model, tokenizer, prepared, args.beam, args.length_penalty,
                                             args.max_extra)
@@ -482,7 +485,7 @@ def main(argv: Optional[list[str]] = None, stdin=None, stdout=None, stderr: Opti
     stderr = sys.stderr if stderr is None else stderr
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        model, tokenizer = _load(args, stderr)
+        model, tokenizer, table = _load(args, stderr)
     except CheckpointError as e:
         _say(stderr, f"{NAME}: error: {e}")
         return 2
@@ -492,7 +495,7 @@ def main(argv: Optional[list[str]] = None, stdin=None, stdout=None, stderr: Opti
         bar = tqdm(unit=" sentences", desc=NAME, file=stderr, leave=False)
     try:
         for window in _input_windows(args, stdin, stderr):
-            prepared, answers = _answer(model, tokenizer, window, args)
+            prepared, answers = _answer(model, tokenizer, table, window, args)
             for line, answer in zip(prepared, answers):
                 for note in line.notes:
                     if bar is not None:

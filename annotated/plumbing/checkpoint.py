@@ -87,6 +87,22 @@ def save_checkpoint(path: os.PathLike | str, model: EncoderDecoder, tokenizer, m
     atomic_torch_save(state, path)
 
 
+def read_case_table(path: os.PathLike | str) -> Optional[dict]:
+    """The checkpoint's case table ({lower-case word: most frequent form}, `annotated/decoding/casing.py`), or
+    None for a checkpoint written without one."""
+    table = read_checkpoint(path).get("casing")
+    if table is None:
+        return None
+    if not isinstance(table, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
+        raise CheckpointError(f"checkpoint {path}: its case table is not a dict of words")
+    return table
+
+
+def add_case_table(path: os.PathLike | str, out: os.PathLike | str, table: dict) -> None:
+    """Write a copy of checkpoint `path` to `out` with `table` as its case table."""
+    atomic_torch_save(dict(read_checkpoint(path), casing=table), out)
+
+
 def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:
     """The raw checkpoint dict, after checking that it is one of ours."""
     path = Path(path)

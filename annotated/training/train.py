@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from annotated.decoding import casing
 from annotated.training import data
 from annotated.training import distributed
 from annotated.plumbing.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 (T.CheckpointError)
@@ -312,6 +313,7 @@ class RunData:
     val_batches: list
     val_pairs: list
     test_pairs: list
+    case_table: dict                  # the sources' words in their most frequent casing (decoding/casing.py)
 
 
 @dataclass
@@ -522,7 +524,8 @@ def load_run_data(cfg: TrainConfig, source: DataSource, place: Placement, say: C
     val_enc = data.encode_pairs(val_pairs, tokenizer)
     val_batches = data.make_batches([val_enc[i] for i in data.split_long(val_enc, cfg.max_len)[0]],
                                     cfg.max_tokens, max_len=cfg.max_len)
-    return RunData(tokenizer, [train_enc[i] for i in kept], val_batches, val_pairs, test_pairs)
+    return RunData(tokenizer, [train_enc[i] for i in kept], val_batches, val_pairs, test_pairs,
+                   casing.case_table(s for s, _ in train_pairs))
 
 
 def setup(cfg: TrainConfig, run_dir: Path, *, place: Placement, arithmetic: Arithmetic, resume: bool,
@@ -579,7 +582,7 @@ def save_resumable(run: Run, state: RunState) -> None:
     """last.pt: everything needed to resume; then runs/latest points here (runs.point_latest)."""
     learner = run.learner
     save_checkpoint(run.run_dir / "last.pt", learner.model, run.data.tokenizer, run.meta,
-                    optimizer=learner.opt.state_dict(), scheduler=learner.sched.state_dict(), rng=rng_state(),
+                    casing=run.data.case_table, optimizer=learner.opt.state_dict(), scheduler=learner.sched.state_dict(), rng=rng_state(),
                     run_state=dataclasses.asdict(state))
     point_latest(run.run_dir)  # the run has a checkpoint now
 
@@ -620,9 +623,11 @@ def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
     improved = val["bleu"] > state.best_bleu
     if improved:
         state.best_bleu = val["bleu"]
-        save_checkpoint(run.run_dir / "best.pt", model, tokenizer, dict(run.meta, **record))
+        save_checkpoint(run.run_dir / "best.pt", model, tokenizer, dict(run.meta, **record),
+                        casing=run.data.case_table)
     if cfg.average_last:
-        save_checkpoint(run.run_dir / f"epoch{state.epoch}.pt", model, tokenizer, dict(run.meta, **record))
+        save_checkpoint(run.run_dir / f"epoch{state.epoch}.pt", model, tokenizer, dict(run.meta, **record),
+                        casing=run.data.case_table)
         with contextlib.suppress(FileNotFoundError):
             (run.run_dir / f"epoch{state.epoch - cfg.average_last}.pt").unlink()
     save_resumable(run, state)

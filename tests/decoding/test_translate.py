@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from annotated.plumbing.checkpoint import (CheckpointError, add_case_table, latest_checkpoint, load_checkpoint,
+                                          read_case_table, save_checkpoint)
 from annotated.training.data import train_tokenizer
 from annotated.decoding import casing
 from annotated.decoding.search import translate_ids
@@ -362,6 +363,12 @@ def test_capitals_lower_case_and_caps_lock_are_recased_then_answered_in_their_st
         assert recased[1] == style
         assert translate(model, tok, typed)[0] == answer_in[style](expected(loaded, recased[0]))
     assert casing.normalise(casing.swap_case(plain), tok)[0] == plain
+    spy.calls.clear()
+    table_path = ckpt.parent / "with-table.pt"
+    add_case_table(ckpt, table_path, {"männer": "MäNNer"})  # a checkpoint's case table decides
+    code, out, err = run_main("--checkpoint", table_path, "ZWEI MÄNNER.")
+    assert err == "argument 1: in capitals: translated as 'Zwei MäNNer.'\n" and code == 0
+    assert read_case_table(ckpt) is None and read_case_table(table_path) == {"männer": "MäNNer"}
     spy.calls.clear()
     assert translate(model, tok, "ZWEI MÄNNER", case="as-typed")[1] is None
     assert spy.calls == [[tok.encode(set_aside_unseen("ZWEI MÄNNER", tok)[0])]]  # only the other input rules

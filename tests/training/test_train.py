@@ -137,6 +137,12 @@ def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, monkeypatch,
     assert float(steps[-1][1]) < float(steps[0][1])  # it learned something
     model, tok, meta = load_checkpoint(run / "best.pt")
     assert meta["src_lang"] == "de" and tok.vocab_size == model.config.src_vocab
+    from annotated.decoding.casing import case_table
+    from annotated.plumbing.checkpoint import read_case_table
+    from annotated.training.data import load_multi30k
+
+    sources = [s for s, _ in load_multi30k("train", "de", "en", cache_dir=cache, base_url=data_url)[:300]]
+    assert read_case_table(run / "best.pt") == read_case_table(run / "last.pt") == case_table(sources)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run / "tb"))

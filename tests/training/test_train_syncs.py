@@ -31,7 +31,7 @@ def run_steps(batches, log_every, patch=None):
     rows = []
     # rank 1: log_point reads and agrees as every rank does; only rank 0 writes rows (no run folder here)
     run = train.Run(cfg, None, train.Placement(1, 1, torch.device("cpu")), train.Arithmetic("fp32", "test", 1),
-                train.Learner(model, patch(model) if patch else model, opt, sched), train.RunData(None, [], [], [], []), {},
+                train.Learner(model, patch(model) if patch else model, opt, sched), train.RunData(None, [], [], [], [], {}), {},
                 print, writer=type("W", (), {"add_scalar": lambda *a: None})())
     meter = train.Meter(run.place.dev)
     tokens = train.step_tokens(batches, cfg.accum)
