@@ -12,17 +12,21 @@
 # # Capitals: shouted, lower-case and caps-lock input
 #
 # The model learnt from sentences cased as people write them. Typed in
-# capitals ("EIN MANN FÄHRT FAHRRAD."), a German sentence becomes subwords
-# the model has hardly seen (`▁E`, `IN`, `▁MA`, `NN`, ...), and what comes
-# out is noise. The translator therefore looks at the case of each line
+# capitals ("EIN MANN FÄHRT FAHRRAD."), a German sentence becomes single
+# letters (`▁E`, `I`, `N`, `▁M`, `A`, `N`, `N`, ...: the `cpu` preset's
+# vocabulary has no piece for words in capitals), and what comes out is
+# noise (`A pajamasherman egggggggADA"`). The translator therefore looks at the case of each line
 # before translating it (`style`):
 #
 # | style | the line | what the translator does |
 # | --- | --- | --- |
-# | `"upper"` | most of its words of two or more letters are all capitals | recase it (below), translate, and answer in capitals |
-# | `"lower"` | no capital at all, and a word of two or more letters | recase it, translate, and answer in lower case |
-# | `"inverted"` | most words that mix cases start lower and go on upper (`eIN mANN`: caps lock with shift) | swap every letter's case, translate the result and answer normally |
+# | `"inverted"` | most of its words that mix cases start lower and go on upper (`eIN mANN FÄHRT`: caps lock on, shift for the capitals) | swap every letter's case (`Ein Mann fährt`), translate, answer as usual |
+# | `"upper"` | else, most of its words (of two or more letters) all capitals | recase it (below), translate, and answer in capitals |
+# | `"lower"` | else, no capital at all (and a word of two or more letters) | recase it, translate, and answer in lower case |
 # | `None` | anything else (a sentence as people write it) | translate it as it is |
+#
+# The rules are checked in that order, each on the words of two or more
+# letters (`style`; its examples are the tests).
 #
 # **Recasing** (`recase`) gives each word the casing it has most often in
 # the training data's source sentences, not counting the first word of a

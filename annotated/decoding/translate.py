@@ -388,9 +388,10 @@ input rules (each bad line still gets one output line, and the next line is serv
                                     the parts are translated and joined in order; note on stderr
   characters unseen in training  -> (emoji, symbols, other scripts) set aside; the rest is translated
                                     and they are put back at the end of the translation, in order
-  all capitals / all lower case  -> recased (each word as the tokenizer knows it best), translated, and
-                                    answered in capitals / lower case; caps lock (eIN mANN) is swapped
-                                    back; note on stderr (--case as-typed: translated as typed)
+  all capitals / all lower case  -> recased (each word in its most frequent casing in the training data,
+                                    the checkpoint's case table), translated, and answered in capitals /
+                                    lower case; caps lock (eIN mANN) is swapped back; note on stderr
+                                    (--case as-typed: translated as typed)
   non-UTF-8 bytes on stdin       -> replaced by U+FFFD; warning on stderr naming the line
   any other error for one line   -> prints an empty line; the error on stderr
 reading stdin: a file or pipe is read {WINDOW} lines at a time, translated in batches, answered in
