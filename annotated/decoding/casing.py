@@ -46,9 +46,9 @@
 # shared by both languages, so by the tokenizer alone the German `Shirt`
 # loses to the English `shirt`.
 #
-# `python -m annotated.decoding.casing --checkpoint OLD --out NEW` writes a
-# copy of a checkpoint trained before the table existed, with the table of
-# its Multi30k training data.
+# `python -m annotated.training.add_case_table --checkpoint OLD --out NEW`
+# writes a copy of a checkpoint trained before the table existed, with the
+# table of its Multi30k training data.
 #
 # What it is worth on `test_2016_flickr` (the whole source in capitals, in
 # lower case, or caps-locked) is measured by `benchmarks/case.py` and given
@@ -161,42 +161,3 @@ def restore(translation: str, kind: Optional[str]) -> str:
         return translation.lower()
     return translation
 
-
-# %% [markdown]
-# ## A table for an older checkpoint
-#
-# A checkpoint trained before training stored the table has none; this
-# command writes a copy with the table of its training data (Multi30k's
-# `train` split in its source language, as its settings name it) to a new
-# file: it never changes the checkpoint it reads.
-
-# %%
-def main(argv=None) -> int:
-    import argparse
-    from pathlib import Path
-
-    from annotated.plumbing.checkpoint import CheckpointError, add_case_table, read_checkpoint
-    from annotated.training.data import load_multi30k
-
-    p = argparse.ArgumentParser(prog="python -m annotated.decoding.casing",
-                                description="Write a copy of a checkpoint with the case table of its Multi30k "
-                                            "training data (for checkpoints trained without one).")
-    p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint to read (left unchanged)")
-    p.add_argument("--out", type=Path, required=True, help="the new checkpoint file (must not exist)")
-    args = p.parse_args(argv)
-    if args.out.exists():
-        p.error(f"--out {args.out} exists; name a new file (nothing is overwritten)")
-    try:
-        meta = read_checkpoint(args.checkpoint).get("meta", {})
-    except CheckpointError as e:
-        p.error(str(e))
-    if "src_lang" not in meta or "tgt_lang" not in meta:
-        p.error(f"{args.checkpoint} names no src_lang/tgt_lang; its training data is unknown")
-    pairs = load_multi30k("train", meta["src_lang"], meta["tgt_lang"])
-    add_case_table(args.checkpoint, args.out, case_table(s for s, _ in pairs))
-    print(f"{args.out}: {args.checkpoint} with the case table of Multi30k train.{meta['src_lang']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
