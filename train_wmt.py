@@ -84,6 +84,9 @@ def build_parser(chosen: str | None = None) -> Parser:
     p.add_argument("--warmup", type=at_least(1), help="learning-rate warm-up steps" + default("warmup"))
     p.add_argument("--lr-factor", type=positive, help="scale of the paper's learning-rate schedule (peak lr "
                                                       "= factor * d_model^-0.5 * warmup^-0.5)" + default("lr_factor"))
+    p.add_argument("--cooldown", type=fraction,
+                   help="share of --max-steps, at the end, over which the learning rate falls linearly towards 0, "
+                        "in [0, 1) (0: the paper's schedule to the end)" + default("cooldown"))
     p.add_argument("--val-bleu-sentences", type=at_least(1),
                    help="translate only the first n val sentences each epoch" + default("val_bleu_sentences"))
     p.add_argument("--epochs", type=at_least(1), help="an upper bound on epochs" + default("epochs"))

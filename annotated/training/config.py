@@ -71,6 +71,7 @@ class TrainConfig:
     max_minutes: Optional[float] = None  # an optional cap on training wall time (checked between steps)
     warmup: int = 2000
     lr_factor: float = 1.0
+    cooldown: float = 0.0            # share of max_steps, at the end, over which the rate falls linearly to 0
     label_smoothing: float = 0.1
     clip_norm: Optional[float] = 1.0
     log_every: int = 50              # steps between two reads of the running loss (the only host syncs)
@@ -112,6 +113,9 @@ class TrainConfig:
         if self.warmup < 1 or not self.lr_factor > 0:
             raise ValueError(f"warmup must be >= 1 and lr_factor > 0, got warmup={self.warmup}, "
                              f"lr_factor={self.lr_factor}")
+        if not 0 <= self.cooldown < 1 or (self.cooldown and self.max_steps is None):
+            raise ValueError(f"cooldown is a share of max_steps in [0, 1) and needs max_steps, got "
+                             f"cooldown={self.cooldown}, max_steps={self.max_steps}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
@@ -120,6 +124,9 @@ class TrainConfig:
     d_model = property(lambda self: self.model.d_model)
     dropout = property(lambda self: self.model.dropout)
     max_len = property(lambda self: self.model.max_len, doc="the longest subword sequence the model accepts")
+
+    cooldown_steps = property(lambda self: round(self.cooldown * self.max_steps) if self.cooldown else 0,
+                              doc="the budget's last steps, over which the learning rate falls towards 0")
 
     def model_for(self, vocab: int) -> TransformerConfig:
         """The model's settings over the vocabulary the tokenizer actually has."""
@@ -167,7 +174,7 @@ def config_from_dict(saved: dict) -> TrainConfig:
 
 
 _CPU = TrainConfig(model=joint_model(5000, N=2, d_model=128, d_ff=512, h=4, dropout=0.1, max_len=256),
-                   max_tokens=2500, epochs=None, max_steps=4200, warmup=800, lr_factor=2.0, beam_size=4,
+                   max_tokens=2500, epochs=None, max_steps=4200, warmup=800, lr_factor=2.0, cooldown=0.3, beam_size=4,
                    val_bleu_sentences=300, average_last=5)
 PRESETS = {
     "gpu": dataclasses.replace(_CPU, max_tokens=8192, max_steps=4200, beam_size=5,

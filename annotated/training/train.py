@@ -99,7 +99,11 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, eps: float, pad: int = P
 # Teacher forcing feeds `tgt[:, :-1]` and predicts `tgt[:, 1:]`. The loss is
 # summed over predicted tokens and divided by their number, so long and short
 # batches weigh each token equally. The learning rate follows `rate()` from
-# the first chapter.
+# the first chapter, warm-up then the inverse square root of the step; a
+# run may end with a cooldown (the last `cooldown` share of its steps, 30%
+# in the `cpu` and `gpu` presets), a straight line from that rate towards
+# zero, so that its last checkpoints are taken at small steps, not at the
+# rate that makes the validation score jump by two points between epochs.
 
 # %%
 def batch_loss(model: EncoderDecoder, src: Tensor, tgt: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -109,13 +113,28 @@ def batch_loss(model: EncoderDecoder, src: Tensor, tgt: Tensor, eps: float) -> t
     return label_smoothed_loss(logits, tgt_out, eps), (tgt_out != PAD).sum()
 
 
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """The learning rate of optimizer step `step` (counted from 1): the paper's `rate()`, except over the
+    budget's last `cfg.cooldown_steps`, where it falls on a straight line from the rate it had reached
+    towards zero (`test_the_cooldown_falls_linearly_to_the_last_step`).
+
+    >>> cfg = dataclasses.replace(PRESETS["smoke"], cooldown=0.1)  # 28 steps, the last round(2.8) = 3 cool down
+    >>> [round(learning_rate(n, cfg) / rate(25, cfg.d_model, cfg.warmup), 2) for n in (25, 26, 27, 28)]
+    [1.0, 0.75, 0.5, 0.25]
+    """
+    start = cfg.max_steps - cfg.cooldown_steps if cfg.cooldown else step  # the last step at the paper's rate
+    if step <= start:
+        return rate(step, cfg.d_model, cfg.warmup, cfg.lr_factor)
+    # lrate = rate(start) * (max_steps + 1 - step) / (cooldown_steps + 1)
+    return rate(start, cfg.d_model, cfg.warmup, cfg.lr_factor) * (cfg.max_steps + 1 - step) / (cfg.cooldown_steps + 1)
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
     """Adam as in the paper, fused (one kernel for all parameters; it can skip a step on the device, below).
-    The scheduler's counter s counts the steps taken, so step s + 1 (counted from 1) runs at rate(s + 1)
-    (`test_the_optimizer_uses_rate_n_at_step_n`)."""
+    The scheduler's counter s counts the steps taken, so step s + 1 (counted from 1) runs at
+    learning_rate(s + 1) (`test_the_optimizer_uses_rate_n_at_step_n`)."""
     opt = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: rate(s + 1, cfg.d_model, cfg.warmup, cfg.lr_factor))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: learning_rate(s + 1, cfg))
     return opt, sched
 
 

@@ -48,6 +48,20 @@ def test_the_optimizer_uses_rate_n_at_step_n():
     assert len(seen) == 8 and [lr for lr, _ in seen] == pytest.approx(want, rel=1e-12)
 
 
+def test_the_cooldown_falls_linearly_to_the_last_step():
+    """With cooldown 0.25 of 12 steps, steps 1-9 run at rate(n) and steps 10, 11, 12 at 3/4, 2/4, 1/4 of
+    rate(9): a straight line from the rate reached towards zero, ending at the budget's last step."""
+    cfg = dataclasses.replace(CFG, max_steps=12, cooldown=0.25)
+    model = tiny_model()
+    opt, sched = train.make_optimizer(model, cfg)
+    seen, batches = applied_gradients(opt), toy_batches(n_pairs=96, max_tokens=100)
+    for b in batches[:12]:
+        train.train_step(model, opt, sched, [b], b.ntokens, cfg, CPU)
+    paper = [rate(n, cfg.d_model, cfg.warmup, cfg.lr_factor) for n in range(1, 10)]
+    want = paper + [paper[-1] * k / 4 for k in (3, 2, 1)]
+    assert cfg.cooldown_steps == 3 and [lr for lr, _ in seen] == pytest.approx(want, rel=1e-12)
+
+
 def test_the_step_reports_the_label_smoothed_loss_of_its_batch():
     """The summed loss a step returns is the label-smoothed cross-entropy of the batch, as
     F.cross_entropy(label_smoothing=eps) computes it, summed over its non-pad target tokens (float32 sums of a

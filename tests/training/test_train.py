@@ -54,6 +54,10 @@ def test_presets_are_valid_and_bad_settings_are_named():
         train.TrainConfig(src_lang="de", tgt_lang="de")
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         train.TrainConfig(label_smoothing=1.5)
+    with pytest.raises(ValueError, match=r"cooldown is a share of max_steps in \[0, 1\) and needs max_steps"):
+        train.TrainConfig(cooldown=0.3)  # epochs alone: no budget of steps to cool down at the end of
+    with pytest.raises(ValueError, match=r"cooldown is a share of max_steps in \[0, 1\)"):
+        train.TrainConfig(cooldown=1.0, max_steps=100)
 
 
 def test_command_line_flags_override_the_preset():
