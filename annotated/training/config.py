@@ -15,10 +15,12 @@
 #
 # * `cpu`: 2 + 2 layers, `d_model` 128, a joint vocabulary of 5,000 subwords,
 #   batches of 2500 tokens, 4,200 steps (about 20 epochs of Multi30k) with
-#   800 warm-up steps to a peak learning rate twice the paper's formula, and
-#   the average of the last 5 epoch checkpoints (`averaged.pt`, the run's
-#   model). Small enough to train on two CPU cores within half an hour (bf16,
-#   both cores; `docs/training.md` has the measured runs).
+#   800 warm-up steps to a peak learning rate twice the paper's formula, the
+#   paper's decay, then a cooldown: over the last 30% of the steps the rate
+#   falls linearly towards zero (`train.learning_rate`). The run's model is the
+#   average of the last 5 epoch checkpoints (`averaged.pt`). Small enough to
+#   train on two CPU cores within half an hour (bf16, both cores;
+#   `docs/training.md` has the measured runs).
 # * `gpu`: the same model and schedule with batches of 8192 tokens (3.3 times
 #   the data per step, about 65 epochs in the same 4,200 steps) and beam 5. A model this small is bound by
 #   kernel launches more than by arithmetic on a GPU, so a bigger batch costs

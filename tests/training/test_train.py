@@ -95,8 +95,9 @@ def losses(run_dir: Path) -> list[tuple[int, str]]:
 
 
 def test_presets_are_defined_by_steps_as_the_prose_says(data_url, cache):
-    """The presets' budgets are optimizer steps, never minutes. cpu: 4,200 steps, about 20 epochs; gpu: the cpu
-    recipe with 8192-token batches (4,200 steps, about 65 epochs) and beam 5; both average the last 5 epochs."""
+    """The presets' budgets are optimizer steps, never minutes. cpu: 4,200 steps, about 20 epochs, the last 30%
+    cooling down (1,260 steps); gpu: the cpu recipe with 8192-token batches (4,200 steps, about 65 epochs) and
+    beam 5; both average the last 5 epochs."""
     from annotated.training import data
 
     gpu, cpu = train.PRESETS["gpu"], train.PRESETS["cpu"]
@@ -105,6 +106,8 @@ def test_presets_are_defined_by_steps_as_the_prose_says(data_url, cache):
     assert differ == {"max_tokens", "beam_size", "val_bleu_sentences"}
     assert (gpu.max_tokens, cpu.max_tokens, gpu.max_steps, cpu.max_steps, gpu.beam_size, cpu.average_last) == \
         (8192, 2500, 4200, 4200, 5, 5)
+    assert cpu.cooldown_steps == 1260 and train.learning_rate(4200, cpu) == pytest.approx(
+        train.learning_rate(2940, cpu) / 1261)  # the rate of the last step: 1/1261 of the one cooldown starts at
     assert gpu.val_bleu_sentences is None  # every validation sentence, for choosing best.pt
     for cfg in train.PRESETS.values():
         assert cfg.max_minutes is None and cfg.epochs is None and cfg.max_steps
