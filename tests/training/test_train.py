@@ -130,7 +130,9 @@ def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, monkeypatch,
     assert (on_disk["precision"], on_disk["precision_reason"]) == ("fp32", "fp32 asked for")
     assert on_disk["threads"] == torch.get_num_threads() >= 1
     [first] = [line for line in lines if line.startswith(f"run {run}:")]
-    assert first.endswith(f"precision fp32 (fp32 asked for), {torch.get_num_threads()} CPU threads"), first
+    n = torch.get_num_threads()
+    threads = "1 CPU thread" if n == 1 else f"{n} CPU threads"
+    assert first.endswith(f"precision fp32 (fp32 asked for), {threads}"), first
     assert on_disk["test"]["best"]["beam"]["bleu"] == results["test"]["best"]["beam"]["bleu"]
     for kind in ("greedy", "beam"):
         r = on_disk["test"]["best"][kind]
