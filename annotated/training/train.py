@@ -589,7 +589,8 @@ def setup(cfg: TrainConfig, run_dir: Path, *, place: Placement, arithmetic: Arit
         atomic_write(run_dir / "config.json", json.dumps(config_dict(cfg), indent=2))
         say(f"run {run_dir}: {len(run_data.train_enc)} training pairs, vocab {tokenizer.vocab_size}, "
             f"{sum(p.numel() for p in model.parameters()):,} parameters, device {dev}, world size {place.world}, "
-            f"precision {arithmetic.precision} ({arithmetic.reason}), {arithmetic.threads} CPU thread{'' if arithmetic.threads == 1 else 's'}")
+            f"precision {arithmetic.precision} ({arithmetic.reason}), "
+            f"{arithmetic.threads} CPU thread{'' if arithmetic.threads == 1 else 's'}")
     return run, state
 
 
