@@ -1,6 +1,7 @@
 # One command each: every target that needs Python first builds .venv from
-# requirements.txt (once, and again when requirements.txt changes).
-# `make test PYTHON=python3` uses an existing interpreter instead (no install).
+# requirements.lock (once, and again when the lock changes): every package pinned with its hashes, the install
+# the README's figures and the shipped models came from. requirements.txt is the human list; `make lock`
+# resolves it into requirements.lock again. `make test PYTHON=python3` uses an existing interpreter (no install).
 
 PYTHON ?=
 VENV   := .venv
@@ -13,10 +14,11 @@ PY    := $(PYTHON)
 SETUP :=
 endif
 
-.PHONY: help setup test copy train clean equivalence
+.PHONY: help setup lock test copy train clean equivalence
 
 help:
-	@echo "make test         create .venv, install, run the whole test suite"
+	@echo "make test         create .venv, install requirements.lock, run the whole test suite"
+	@echo "make lock         resolve requirements.txt into requirements.lock (pinned, with hashes)"
 	@echo "make copy         train the copy task with both attention forms (CPU, about 1.5 min)"
 	@echo "make train        train de->en on Multi30k (preset gpu with CUDA, else cpu; PRESET=smoke|cpu|gpu,"
 	@echo "                  NPROC=2 for torchrun, ARGS='--src en --tgt de' for more)"
@@ -37,11 +39,18 @@ help:
 	@echo "make help         this list"
 	@echo "PYTHON=python3    use an existing interpreter instead of .venv"
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.lock
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install --upgrade pip
-	$(VENV)/bin/pip install -r requirements.txt
+	$(VENV)/bin/pip install --require-hashes -r requirements.lock
 	touch $@
+
+# make lock: requirements.txt resolved into requirements.lock (pip-tools, in a venv of its own, .lockenv);
+# with hashes of every wheel of each pinned release, so the lock installs on other platforms too.
+PIP_TOOLS := pip-tools==7.6.2
+lock:
+	test -x .lockenv/bin/pip-compile || (python3 -m venv .lockenv && .lockenv/bin/pip install -q $(PIP_TOOLS))
+	.lockenv/bin/pip-compile --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
+	    --no-emit-find-links --quiet -o requirements.lock requirements.txt
 
 setup: $(SETUP)
 
@@ -64,7 +73,7 @@ else
 endif
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .lockenv .pytest_cache .hypothesis
 
 # make translate TEXT="Ein Hund rennt über die Wiese."   (no TEXT: reads stdin, one sentence a line)
 # CHECKPOINT=runs/<run>/best.pt (default: the latest run's model, runs/latest/averaged.pt or best.pt);

@@ -6,7 +6,9 @@
 # last epochs' checkpoints, when `average_last` asks), greedy and with beam
 # search (`annotated/training/evaluate.py`), and writes `results.json`: the
 # settings, the arithmetic the run used (precision, threads) and why, the
-# per-epoch history, the test scores and a few sample translations. The test
+# per-epoch history, the test scores, a few sample translations and where the
+# run came from (`annotated/plumbing/provenance.py`: every installed package's
+# version, the interpreter, the CPU, the commit). The test
 # set is named `test_2016_flickr`, or, when the user brought their own, by its
 # two files. Tensorboard gets the test scores and the settings (its HPARAMS
 # tab), so runs with different settings can be compared side by side.
@@ -23,6 +25,7 @@ import torch
 
 from annotated.plumbing.checkpoint import atomic_torch_save, load_checkpoint, read_checkpoint
 from annotated.plumbing.files import atomic_write
+from annotated.plumbing.provenance import environment
 from annotated.training.config import TrainConfig, config_dict
 from annotated.training.evaluate import evaluate_bleu
 from annotated.training.runs import average_checkpoints
@@ -55,7 +58,8 @@ def score_test_set(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev: 
     test_set = f"{test_files[0]} + {test_files[1]}" if test_files else "test_2016_flickr"  # named by its files
     results = {"run_dir": str(run_dir), "device": str(dev), "torch": torch.__version__,
                "precision": arithmetic.precision, "precision_reason": arithmetic.reason,
-               "threads": arithmetic.threads, "train_config": config_dict(cfg), "test_set": test_set, "test": {}}
+               "threads": arithmetic.threads, "train_config": config_dict(cfg), "test_set": test_set, "test": {},
+               "environment": environment()}
     if test_files:
         results["test_files"] = [str(f) for f in test_files]
     last = read_checkpoint(run_dir / "last.pt")["run_state"]
