@@ -14,10 +14,12 @@ PY    := $(PYTHON)
 SETUP :=
 endif
 
-.PHONY: help setup lock test copy train clean equivalence
+.PHONY: help setup lock test lint format copy train clean equivalence
 
 help:
 	@echo "make test         create .venv, install requirements.lock, run the whole test suite"
+	@echo "make lint         ruff check (rules in pyproject.toml) and mypy on annotated/; CI runs it before the tests"
+	@echo "make format       ruff format: rewrites the files in the house style (pyproject.toml [tool.ruff.format])"
 	@echo "make lock         resolve requirements.txt into requirements.lock (pinned, with hashes)"
 	@echo "make copy         train the copy task with both attention forms (CPU, about 1.5 min)"
 	@echo "make train        train de->en on Multi30k (preset gpu with CUDA, else cpu; PRESET=smoke|cpu|gpu,"
@@ -56,6 +58,15 @@ setup: $(SETUP)
 
 test: $(SETUP)
 	$(PY) -m pytest
+
+# make lint: the linter and the type checker, both configured in pyproject.toml; nothing is rewritten.
+# make format: the formatter, which rewrites files (`ruff format --check` says which it would change).
+lint: $(SETUP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+format: $(SETUP)
+	$(PY) -m ruff format .
 
 copy: $(SETUP)
 	$(PY) -m annotated.transformer
