@@ -26,7 +26,6 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while the extensions load i
 
 from annotated.plumbing.options import Parser, at_least, device, number, writable_dir
 
-
 MODEL_OPTIONS = ("N", "d_model", "d_ff", "h", "dropout", "attention", "norm", "vocab_size")  # TrainConfig.model's
 
 
@@ -180,7 +179,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import sentencepiece  # noqa: F401
     import torch
-    import torch.utils.tensorboard  # noqa: F401
+    import torch.utils.tensorboard
 
     from annotated.attention.dump import log_alignment_image  # the epochs' alignment pictures (matplotlib)
     from annotated.plumbing.checkpoint import CheckpointError
@@ -199,7 +198,7 @@ def main(argv=None) -> int:
             print(json.dumps(resolved_settings(preset, cfg, where, torch.get_num_threads(), run_dir), indent=2))
             return 0
         result = train(cfg, run_dir, data_url=args.data_url, cache_dir=args.cache_dir, device=str(where),
-                       resume=args.resume, progress=not args.no_progress and sys.stderr.isatty() or
+                       resume=args.resume, progress=(not args.no_progress and sys.stderr.isatty()) or
                        os.environ.get("FORCE_PROGRESS") == "1",
                        train_files=args.train_files, val_files=args.val_files, test_files=args.test_files,
                        empty_lines=args.empty_lines, alignment_image=log_alignment_image)

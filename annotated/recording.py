@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor

@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor

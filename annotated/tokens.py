@@ -10,7 +10,7 @@ A checkpoint stores its tokenizer's bytes; `Tokenizer.from_bytes` loads them.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 from torch import Tensor
 
@@ -41,7 +41,7 @@ class Tokenizer:
                             f"{(PAD, BOS, EOS, UNK)}: train it with train_tokenizer()")
 
     @classmethod
-    def from_bytes(cls, model: bytes) -> "Tokenizer":
+    def from_bytes(cls, model: bytes) -> Tokenizer:
         return cls(model)
 
     def to_bytes(self) -> bytes:
@@ -78,22 +78,22 @@ class Tokenizer:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def decode(self, ids: Union[Sequence[int], Tensor]) -> str:
+    def decode(self, ids: Sequence[int] | Tensor) -> str:
         """Text of `ids`: stops at the first eos, skips pad and bos."""
         ids = self._check_ids(ids)
         if EOS in ids:
             ids = ids[:ids.index(EOS)]
         return self._sp.decode([i for i in ids if i not in (PAD, BOS)])
 
-    def pieces(self, ids: Union[Sequence[int], Tensor]) -> list[str]:
+    def pieces(self, ids: Sequence[int] | Tensor) -> list[str]:
         """The subword string of each id, e.g. ['▁Ein', '▁Hund'] ('▁' marks a preceding space)."""
         return [self._sp.id_to_piece(i) for i in self._check_ids(ids)]
 
-    def spells_unseen(self, ids: Union[Sequence[int], Tensor]) -> bool:
+    def spells_unseen(self, ids: Sequence[int] | Tensor) -> bool:
         """Whether `ids` hold `unk` or a byte piece: a character the tokenizer never saw in training."""
         return any(i == UNK or self._sp.is_byte(i) for i in self._check_ids(ids))
 
-    def score(self, ids: Union[Sequence[int], Tensor]) -> float:
+    def score(self, ids: Sequence[int] | Tensor) -> float:
         """The sum of the pieces' sentencepiece scores (for BPE, higher for pieces merged earlier: more frequent)."""
         return sum(self._sp.get_score(i) for i in self._check_ids(ids))
 

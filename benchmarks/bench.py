@@ -59,27 +59,27 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/bench.py` runs from the repository without installing
     sys.path.insert(0, str(ROOT))
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting  # noqa: E402
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
     quiet_ctrl_c_while_starting("benchmarks/bench.py")
 
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from annotated.decoding import search as decoding  # noqa: E402
 from annotated import transformer as tf  # noqa: E402
+from annotated.decoding import search as decoding  # noqa: E402
 from annotated.plumbing.devices import all_cores, autocast, cpu_has_bf16, default_device  # noqa: E402
+from annotated.tokens import BOS, EOS, PAD  # noqa: E402
 from annotated.training.config import PRESETS, TrainConfig, config_dict, config_from_dict, joint_model  # noqa: E402
 from annotated.training.train import batch_loss, label_smoothed_loss, make_optimizer  # noqa: E402
-from annotated.tokens import BOS, EOS, PAD  # noqa: E402
 from annotated.transformer import TransformerConfig, convert_model, make_model, padding_mask  # noqa: E402
 
 # %% [markdown]
@@ -126,7 +126,7 @@ class Size:
                 "train_sentences": self.train_sentences, "decode_sentences": self.decode_sentences}
 
     @staticmethod
-    def from_json(d: dict) -> "Size":
+    def from_json(d: dict) -> Size:
         return Size(d["name"], config_from_dict(d["train"]), d["train_sentences"], d["decode_sentences"])
 
 
@@ -338,7 +338,7 @@ def make_step(t: Trainee, model: nn.Module, batches, eps: float, amp) -> Callabl
 
 # %%
 def interleaved_times(fns: dict, reps: int, window: float, sync: Callable[[], None],
-                      progress: Optional[Callable[[str], None]] = None,
+                      progress: Callable[[str], None] | None = None,
                       clock: Callable[[], float] = time.perf_counter) -> tuple[dict, dict, dict]:
     """-> (seconds per call: name -> list over rounds, calls per window, errors: name -> message)."""
     fns, iters, errors = dict(fns), {}, {}
@@ -532,7 +532,7 @@ PEAK_BF16_TFLOPS = [  # (regular expression for torch.cuda.get_device_name(), de
 ]
 
 
-def peak_tflops(device_name: str) -> Optional[float]:
+def peak_tflops(device_name: str) -> float | None:
     """Dense bf16 peak TFLOP/s for a CUDA device name, or None if the table does not know it.
 
     >>> [peak_tflops(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A10G", "AMD EPYC")]
@@ -616,7 +616,7 @@ GPU_COMMAND = "make bench PYTHON=python3"  # on a machine with one CUDA GPU (an 
 CPU_COMMAND = "make bench ARGS='--device cpu'"
 
 
-def _target(target: str, size: str, where: str, value: Optional[float], ok: Callable[[float], bool],
+def _target(target: str, size: str, where: str, value: float | None, ok: Callable[[float], bool],
             unit: str, command: str) -> dict:
     t = {"target": target, "size": size, "device": where, "measured": value, "unit": unit,
          "status": "not measured" if value is None else ("met" if ok(value) else "not met")}
@@ -684,9 +684,9 @@ class Settings:
     decode: bool = True
     arithmetic: bool = True          # on the CPU: fp32 vs bf16, one thread vs all (bench_cpu_arithmetic)
     seed: int = 0
-    peak_tflops: Optional[float] = None  # for MFU; default from PEAK_BF16_TFLOPS on CUDA with bf16
+    peak_tflops: float | None = None  # for MFU; default from PEAK_BF16_TFLOPS on CUDA with bf16
     clock: str = "wall"              # "wall" or "cpu" (process CPU time, CPU device only)
-    compile_keys: Optional[tuple] = None  # the rows that get a compiled twin (None: all)
+    compile_keys: tuple | None = None  # the rows that get a compiled twin (None: all)
     sync_steps: int = 8              # training steps under the host-sync counter (0: skip)
 
     def __post_init__(self):
@@ -710,7 +710,7 @@ class Settings:
         return time.process_time if self.clock == "cpu" else time.perf_counter
 
 
-def _median(xs: list[float]) -> Optional[float]:
+def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
@@ -869,12 +869,11 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     name = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
     return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
@@ -889,7 +888,7 @@ def bench_translator_cli(st: Settings, log: Callable[[str], None], sentences: in
     from annotated.plumbing.checkpoint import save_checkpoint
     from annotated.training.data import train_tokenizer
 
-    words = "ein hund eine frau zwei männer rennt liest spielt über die wiese im park buch ball".split()
+    words = ["ein", "hund", "eine", "frau", "zwei", "männer", "rennt", "liest", "spielt", "über", "die", "wiese", "im", "park", "buch", "ball"]
     pick = random.Random(st.seed)
     texts = [" ".join(pick.choice(words) for _ in range(pick.randint(3, 10))) + "." for _ in range(sentences)]
     with tempfile.TemporaryDirectory() as folder:

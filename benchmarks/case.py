@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -34,7 +33,7 @@ VARIANTS = {"as written": lambda s: s, "capitals": str.upper, "lower case": str.
 
 
 def measure(model, tokenizer, pairs: list[tuple[str, str]], beam: int, progress: bool = True,
-            table: Optional[dict] = None) -> dict:
+            table: dict | None = None) -> dict:
     """{variant: {case mode: scores}} and the exact-recasing counts, with the checkpoint's case `table`."""
     from tqdm.auto import tqdm
 

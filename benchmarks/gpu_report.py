@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting  # noqa: E402
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
     quiet_ctrl_c_while_starting("benchmarks/gpu_report.py")
 
 from annotated.plumbing.options import Parser, number  # noqa: E402

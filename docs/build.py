@@ -63,16 +63,16 @@ import posixpath
 import re
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python docs/build.py` as well as `python -m docs.build`
     sys.path.insert(0, str(ROOT))
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting  # noqa: E402
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
     quiet_ctrl_c_while_starting("docs/build.py")
 
 import jupytext  # noqa: E402
@@ -372,7 +372,7 @@ def _figure_slot(name: str) -> str:
 
 
 def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs.Figure],
-                 first_h1: bool, md: Optional[MarkdownIt] = None) -> tuple[str, bool]:
+                 first_h1: bool, md: MarkdownIt | None = None) -> tuple[str, bool]:
     """HTML of one prose cell (figures marked by slots); returns (html, whether the chapter id was used).
     `md`: another renderer than the page's (the guides' has no math)."""
     md = md or page.md
@@ -851,9 +851,9 @@ def draw_figures(out: Path, ctx: figs.FigureContext, selected: Sequence[figs.Fig
 
 
 def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] = READING_ORDER,
-          guides: Sequence[str] = GUIDES, checkpoint: Optional[Path | str] = "auto", copy_steps: int = 300,
+          guides: Sequence[str] = GUIDES, checkpoint: Path | str | None = "auto", copy_steps: int = 300,
           with_figures: bool = True, progress: bool = True, say=print, overwrite: bool = False,
-          embeds: Optional[Mapping[str, Embed]] = None) -> BuildResult:
+          embeds: Mapping[str, Embed] | None = None) -> BuildResult:
     """Render the modules, then the guides, into out/index.html (+ out/figures/). Returns what was built.
 
     `checkpoint`: "auto" uses the latest run's model (runs/latest/averaged.pt or best.pt)
@@ -1010,7 +1010,7 @@ def build_notebook(module: str = "transformer", out: Path = DEFAULT_OUT, root: P
     return atomic_write(out / f"{module}.ipynb", render_notebook(src))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = Parser(prog="python -m docs.build", name="docs",
                description="Render annotated/*.py and the guides (docs/*.md, benchmarks/README.md) into "
                            "docs/_build/index.html, or convert a chapter to a notebook.")

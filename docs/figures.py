@@ -24,9 +24,9 @@ import hashlib
 import io
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from matplotlib.figure import Figure as MplFigure
@@ -45,13 +45,13 @@ class FigureContext:
     """What the drawing functions may use: where the repository is, which model to show."""
 
     root: Path = ROOT
-    checkpoint: Optional[Path] = None  # a trained translator; None: use the copy-task model
+    checkpoint: Path | None = None  # a trained translator; None: use the copy-task model
     copy_steps: int = 300              # training steps of the copy-task model (0: untrained)
-    cache_dir: Optional[Path] = None   # where the trained copy-task model is kept between builds
+    cache_dir: Path | None = None   # where the trained copy-task model is kept between builds
     say: Callable[[str], None] = print
     checkpoint_required: bool = False  # True: a checkpoint that does not load is an error, not a fallback
     notes: list[str] = field(default_factory=list)  # what the build should tell the reader
-    shown: Optional[tuple] = field(default=None, repr=False)  # shown_sentence's answer, once computed
+    shown: tuple | None = field(default=None, repr=False)  # shown_sentence's answer, once computed
 
     def shown_sentence(self) -> tuple:
         """(model, source ids (1, S), one label per source position, a few words naming the model):
@@ -66,7 +66,7 @@ class FigureContext:
 class Figure:
     name: str                 # the file is figures/<name>.png
     module: str               # the chapter it illustrates (annotated/<module>.py)
-    heading: Optional[str]    # placed after the prose of the heading starting with this; None: chapter end
+    heading: str | None    # placed after the prose of the heading starting with this; None: chapter end
     draw: Callable[[FigureContext], tuple[MplFigure, str]]
 
 
@@ -270,7 +270,7 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
 # in at that position (`test_attention_figure_labels_decoder_rows_by_the_predicted_token`).
 
 # %%
-def find_checkpoint(root: Path) -> Optional[Path]:
+def find_checkpoint(root: Path) -> Path | None:
     """The translator's default checkpoint (`latest_checkpoint` of root/runs), or None when there is none."""
     from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint
 

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
 
 CHROMIUM = shutil.which("chromium")
 NO_CHROMIUM = "no `chromium` on PATH (Debian's package; .ci/run installs it)"
@@ -32,7 +31,7 @@ class Chromium:
              "--disable-sync", "--disable-extensions", "--disable-dev-shm-usage",
              "--host-resolver-rules=MAP * ~NOTFOUND", "--remote-debugging-pipe"]
 
-    def __init__(self, binary: str, profile: Path, log: Optional[Path] = None):
+    def __init__(self, binary: str, profile: Path, log: Path | None = None):
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
 

@@ -3,7 +3,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import torch
 
 # The tests import the package from the repository root, without installing it.

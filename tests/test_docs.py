@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from browser import CHROMIUM, Chromium
 
 from annotated import transformer
-from browser import CHROMIUM, Chromium
 from docs import build as B
 from docs import figures as F
 
@@ -545,8 +545,7 @@ def tiny_run(tmp_path, sentence: str) -> Path:
     data = pytest.importorskip("annotated.training.data", reason="annotated/training/data.py (the tokenizer) not written yet")
     from annotated.plumbing.checkpoint import save_checkpoint
 
-    words = ("zwei junge männer spielen fußball auf einer wiese ein hund läuft durch das hohe gras eine frau "
-             "liest ein buch im park kinder bauen eine sandburg am strand der mann fährt fahrrad").split()
+    words = ["zwei", "junge", "männer", "spielen", "fußball", "auf", "einer", "wiese", "ein", "hund", "läuft", "durch", "das", "hohe", "gras", "eine", "frau", "liest", "ein", "buch", "im", "park", "kinder", "bauen", "eine", "sandburg", "am", "strand", "der", "mann", "fährt", "fahrrad"]
     gen = torch.Generator().manual_seed(0)
     texts = [" ".join(words[i] for i in torch.randint(len(words), (6,), generator=gen)).capitalize() + "."
              for _ in range(300)]

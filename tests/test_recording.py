@@ -15,8 +15,15 @@ from annotated import transformer
 from annotated.recording import attend_with_probabilities, record_attention
 from annotated.sites import attention_at, remove_heads, sites
 from annotated.tokens import PAD
-from annotated.transformer import (FusedAttention, PerHeadAttention, make_model, padding_mask, split,
-                                   subsequent_mask, target_mask)
+from annotated.transformer import (
+    FusedAttention,
+    PerHeadAttention,
+    make_model,
+    padding_mask,
+    split,
+    subsequent_mask,
+    target_mask,
+)
 
 TOL = 1e-12
 PRUNE = {("enc_self", 0): [1], ("dec_self", 1): [0, 2], ("cross", 0): [3]}

@@ -1,14 +1,24 @@
 """Which attention sits where, head counts, and removing heads (annotated/sites.py).
 
 `tiny_model`, `batch` and `logits` are shared with the tests of annotated/attention/."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from annotated.sites import (KINDS, attention_at, head_counts, keep_heads, keep_heads_fused, keep_heads_per_head,
-                             remove_heads, set_head_counts, sites)
-from annotated.tokens import PAD, BOS, EOS
+from annotated.sites import (
+    KINDS,
+    attention_at,
+    head_counts,
+    keep_heads,
+    keep_heads_fused,
+    keep_heads_per_head,
+    remove_heads,
+    set_head_counts,
+    sites,
+)
+from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import attention_explicit, convert_model, make_model, padding_mask, target_mask
-from types import SimpleNamespace
 
 
 def tiny_model(attention="per_head", dtype=torch.float64, seed=0, N=2, h=3, d_model=12, vocab=17):

@@ -12,12 +12,23 @@ import pytest
 import torch
 
 from annotated import transformer
-from annotated.plumbing.checks import check_token_ids
 from annotated.decoding.search import beam_search, greedy
+from annotated.plumbing.checks import check_token_ids
 from annotated.recording import attend_with_probabilities, record_attention
-from annotated.tokens import PAD, BOS, EOS
-from annotated.transformer import (FusedAttention, PerHeadAttention, TransformerConfig, convert_model, fuse,
-                                   greedy_decode, make_model, padding_mask, split, subsequent_mask, target_mask)
+from annotated.tokens import BOS, EOS, PAD
+from annotated.transformer import (
+    FusedAttention,
+    PerHeadAttention,
+    TransformerConfig,
+    convert_model,
+    fuse,
+    greedy_decode,
+    make_model,
+    padding_mask,
+    split,
+    subsequent_mask,
+    target_mask,
+)
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 

@@ -52,8 +52,8 @@ import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
@@ -62,18 +62,17 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one li
 import numpy as np
 import torch
 
-from annotated.plumbing.checks import check_eval_mode, check_id_list, check_tokenizer
 from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figure
 from annotated.attention.viewer import importance_fits, read_head_importance, viewer_html
-from annotated.plumbing.checkpoint import latest_checkpoint, load_checkpoint
 from annotated.decoding.search import translate_ids
+from annotated.plumbing.checkpoint import latest_checkpoint, load_checkpoint
+from annotated.plumbing.checks import check_eval_mode, check_id_list, check_tokenizer
 from annotated.plumbing.files import json_safe, new_file_mode, save_figure
-from annotated.sites import KINDS, head_counts
 from annotated.plumbing.options import Parser, at_least, device, writable_dir
 from annotated.recording import record_attention
-from annotated.tokens import PAD, BOS, EOS
+from annotated.sites import KINDS, head_counts
+from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import EncoderDecoder, padding_mask, subsequent_mask
-
 
 FORMAT = "annotated-attention-v2"
 OLD_FORMATS = ("annotated-attention-v1",)  # kinds named encoder / decoder_self: read no more, replaced on request
@@ -333,7 +332,7 @@ def read_index(out_dir: os.PathLike | str) -> dict:
     return index
 
 
-def bertviz_args(attn: dict, entry: Optional[dict] = None) -> dict:
+def bertviz_args(attn: dict, entry: dict | None = None) -> dict:
     """Keyword arguments for bertviz's `head_view(**...)` / `model_view(**...)`.
 
     Per kind a tuple of per-layer torch tensors (1, h, q, k), under bertviz's
@@ -377,7 +376,7 @@ DUMP_FILE = re.compile(r"index\.json|viewer\.html|sentence_\d{3,}(\.npz|_(enc_se
                        r"alignment_heads|encoder|decoder_self)\.png)")  # every name a dump writes (or wrote, v1)
 
 
-def not_a_dump(out_dir: os.PathLike | str) -> Optional[str]:
+def not_a_dump(out_dir: os.PathLike | str) -> str | None:
     """Why `out_dir` may not be replaced by a dump, or None (missing, empty, or a dump of ours)."""
     out_dir = Path(out_dir)
     if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
@@ -457,10 +456,10 @@ def _pictures(tmp: Path, stem: str, attn: dict, entry: dict) -> dict:
 
 
 def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_dir: os.PathLike | str, *,
-               checkpoint: Optional[str] = None, meta: Optional[dict] = None,
-               references: Optional[Sequence[Optional[str]]] = None, pictures: bool = True,
+               checkpoint: str | None = None, meta: dict | None = None,
+               references: Sequence[str | None] | None = None, pictures: bool = True,
                viewer: bool = True, dtype=np.float32, progress: bool = False, beam_size: int = 4,
-               importance: Optional[dict] = None) -> Path:
+               importance: dict | None = None) -> Path:
     """Translate `sentences` as the translator does and write their attention dump into `out_dir` (atomically).
 
     `importance`: each head's score per kind, {kind: [per layer [per head]]} (see `read_head_importance`);
@@ -515,10 +514,10 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
     return Path(out_dir)
 
 
-def dump(checkpoint_path: os.PathLike | str, sentences: Optional[Sequence[str]] = None,
-         out_dir: Optional[os.PathLike | str] = None, *, n: int = 3, data_url: Optional[str] = None,
-         cache_dir: Optional[os.PathLike | str] = None, references: Optional[Sequence[Optional[str]]] = None,
-         pictures: bool = True, viewer: bool = True, dtype=np.float32, device: Optional[str] = None,
+def dump(checkpoint_path: os.PathLike | str, sentences: Sequence[str] | None = None,
+         out_dir: os.PathLike | str | None = None, *, n: int = 3, data_url: str | None = None,
+         cache_dir: os.PathLike | str | None = None, references: Sequence[str | None] | None = None,
+         pictures: bool = True, viewer: bool = True, dtype=np.float32, device: str | None = None,
          progress: bool = False, beam_size: int = 4, say=None) -> Path:
     """Load a checkpoint and write the attention dump of `sentences` into `out_dir`; returns `out_dir`.
 
@@ -546,8 +545,8 @@ def dump(checkpoint_path: os.PathLike | str, sentences: Optional[Sequence[str]] 
                       beam_size=beam_size, importance=importance)
 
 
-def flickr_test_sentences(meta: dict, n: int, data_url: Optional[str] = None,
-                   cache_dir: Optional[os.PathLike | str] = None) -> tuple[list[str], list[str]]:
+def flickr_test_sentences(meta: dict, n: int, data_url: str | None = None,
+                   cache_dir: os.PathLike | str | None = None) -> tuple[list[str], list[str]]:
     """(sources, references): the first `n` pairs of test_2016_flickr in the checkpoint's languages."""
     from annotated.training.data import load_multi30k
 

@@ -19,7 +19,6 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -71,7 +70,7 @@ def outputs(prune: bool) -> list[str]:
     return names + (["pruned.pt"] if prune else [])
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked before any data or model work: one line and exit 2 (SystemExit) if wrong."""
     args = build_parser().parse_args(argv)
     if args.checkpoint is None:
@@ -108,7 +107,7 @@ def _batches(encoded, indices, max_len: int):
     return make_batches([chosen[i] for i in kept], max_tokens=4000)
 
 
-def _data(meta: dict, tokenizer, n: int, max_len: int, prune: bool, n_test: Optional[int]):
+def _data(meta: dict, tokenizer, n: int, max_len: int, prune: bool, n_test: int | None):
     from annotated.training.data import encode_pairs, load_multi30k
 
     src, tgt = meta.get("src_lang", "de"), meta.get("tgt_lang", "en")
@@ -145,7 +144,7 @@ def format_change(c: Change, fmt: str) -> str:
     return f"{c.value:{fmt}} [{c.low:{fmt}}, {c.high:{fmt}}]{'*' if c.significant else ' '}"
 
 
-def noisy_advice(widths: list[float], n: int, available: int) -> Optional[str]:
+def noisy_advice(widths: list[float], n: int, available: int) -> str | None:
     """A line when the median BLEU interval is wider than NOISY_BLEU; intervals shrink about as 1 / sqrt(n).
     `available`: how many validation sentences there are.
 
@@ -443,10 +442,10 @@ def write_pictures(model, tokenizer, report: dict, profiles_for_page, val, encod
              args.out / "heads_examples.png")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    from annotated.attention.bootstrap import CONFIDENCE
     from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
     from annotated.plumbing.files import atomic_write, json_safe
-    from annotated.attention.bootstrap import CONFIDENCE
     from annotated.training.data import DataError
 
     try:

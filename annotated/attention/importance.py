@@ -38,15 +38,15 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from annotated.plumbing.progress import tracked
-from annotated.tokens import PAD
 from annotated.sites import KINDS, attention_at, remove_heads, sites
+from annotated.tokens import PAD
 from annotated.transformer import EncoderDecoder, convert_model, padding_mask, target_mask
 
 # %% [markdown]

@@ -20,11 +20,10 @@
 # %%
 from __future__ import annotations
 
-import numpy as np
 import matplotlib
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-
 
 # %% [markdown]
 # ## 1. One vocabulary, one colour map, one way to label

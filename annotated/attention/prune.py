@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 
@@ -111,7 +111,7 @@ class PruneResult:
 
 def greedy_prune(model: EncoderDecoder, held_out_loss: Callable[[EncoderDecoder], float],
                  importance: Callable[[EncoderDecoder], dict], max_increase: float = MAX_LOSS_INCREASE,
-                 progress: bool = False, baseline: Optional[float] = None) -> PruneResult:
+                 progress: bool = False, baseline: float | None = None) -> PruneResult:
     """Remove heads, least important first, until the held-out loss would rise more than `max_increase`."""
     if not max_increase >= 0:
         raise ValueError(f"max_increase must be >= 0 (nats per token), got {max_increase}")
@@ -163,8 +163,8 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def save_pruned(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: Optional[dict] = None,
-                case_table: Optional[dict] = None) -> None:
+def save_pruned(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: dict | None = None,
+                case_table: dict | None = None) -> None:
     """Save `model` as a fused checkpoint; non-uniform head counts go to the checkpoint's "heads" entry; the
     unpruned checkpoint's case table (decoding/casing.py) goes along."""
     fused = convert_model(model, "fused")

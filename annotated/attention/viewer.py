@@ -27,11 +27,10 @@ import json
 import os
 import string
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
-from annotated.attention.pictures import MASKED, READING, KIND_LABELS, caption, colour_table, head_colours
+from annotated.attention.pictures import KIND_LABELS, MASKED, READING, caption, colour_table, head_colours
 from annotated.sites import KINDS
 
 LINE_MIN = 0.02  # the lines view draws a line for every weight at least this large
@@ -125,7 +124,7 @@ def viewer_file(name: str) -> str:
 
 
 def viewer_html(index: dict, arrays: list[dict], decimals: int = 4, *, embedded: bool = False,
-                start: Optional[str] = None) -> str:
+                start: str | None = None) -> str:
     """The self-contained viewer page for a dump (`index` as in index.json, `arrays` per sentence as
     `load_sentence` gives them).
 
@@ -193,7 +192,7 @@ def importance_fits(table, counts: list[int]) -> bool:
 
 
 def read_head_importance(checkpoint: os.PathLike | str, cfg,
-                         heads: Optional[dict] = None) -> tuple[Optional[dict], Optional[str]]:
+                         heads: dict | None = None) -> tuple[dict | None, str | None]:
     """({kind: [per layer [per head score]]}, None) from `heads.json` beside `checkpoint`
     (written by `python -m annotated.attention.heads`); (None, None) without one; (None, why) when it does not fit.
 

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 WORD = re.compile(r"\w+")
 
@@ -78,7 +78,7 @@ def case_table(sentences: Iterable[str]) -> dict[str, str]:
     return {lower: counts.most_common(1)[0][0] for lower, counts in forms.items()}
 
 
-def style(text: str) -> Optional[str]:
+def style(text: str) -> str | None:
     """"upper", "lower", "inverted", or None for a line cased as people write.
 
     >>> [style(s) for s in ("EIN MANN FÄHRT.", "ein mann fährt.", "eIN mANN FÄHRT.", "Ein Mann fährt.", "Der ICE.")]
@@ -102,7 +102,7 @@ def style(text: str) -> Optional[str]:
     return None
 
 
-def recase(text: str, tokenizer, keep_capitals: bool = False, table: Optional[dict] = None) -> str:
+def recase(text: str, tokenizer, keep_capitals: bool = False, table: dict | None = None) -> str:
     """Each word in its most frequent casing (`table`), else in the one the tokenizer spells in the fewest
     subwords (see above); the first letter a capital. With `keep_capitals`, a word's all-capitals form is a
     candidate too."""
@@ -137,7 +137,7 @@ def swap_case(text: str) -> str:
     return "".join(c.swapcase() if len(c.swapcase()) == 1 else c for c in text)
 
 
-def normalise(text: str, tokenizer, table: Optional[dict] = None) -> tuple[str, Optional[str]]:
+def normalise(text: str, tokenizer, table: dict | None = None) -> tuple[str, str | None]:
     """(the text to translate, its style); a line cased as people write comes back as it is."""
     kind = style(text)
     if kind == "inverted":
@@ -147,7 +147,7 @@ def normalise(text: str, tokenizer, table: Optional[dict] = None) -> tuple[str, 
     return text, kind
 
 
-def restore(translation: str, kind: Optional[str]) -> str:
+def restore(translation: str, kind: str | None) -> str:
     """The translation in the input's style: capitals for "upper", lower case for "lower".
 
     >>> restore("A man rides a bike.", "upper"), restore("A man rides a bike.", "lower")

@@ -37,11 +37,12 @@
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import Tensor
 
 from annotated.plumbing.checks import check_beam, check_decoder_output, check_decoding, check_sources
-from annotated.tokens import PAD, BOS, EOS
+from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import Cache, EncoderDecoder, greedy_decode, padding_mask, subsequent_mask
 
 # %% [markdown]

@@ -54,9 +54,10 @@ import re
 import stat
 import sys
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, TextIO
+from typing import TextIO
 
 import torch
 
@@ -118,7 +119,7 @@ MAX_LINE_BYTES = 1 << 16
 WINDOW = 256  # lines read, translated and flushed together from a file or pipe
 
 
-def bounded_lines(stream, limit: int = MAX_LINE_BYTES) -> Iterator[Optional[bytes]]:
+def bounded_lines(stream, limit: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:
     """Each line of a binary stream without its line end, or None for a line longer than `limit` bytes;
     never more than `limit + 2` bytes of a line in memory.
 
@@ -139,7 +140,7 @@ def bounded_lines(stream, limit: int = MAX_LINE_BYTES) -> Iterator[Optional[byte
         yield line if len(line) <= limit else None
 
 
-def decode_line(raw: bytes) -> tuple[str, Optional[str]]:
+def decode_line(raw: bytes) -> tuple[str, str | None]:
     """UTF-8 bytes (newline already removed) -> (text, note or None); bad bytes become U+FFFD.
 
     >>> decode_line("Straße".encode())
@@ -223,15 +224,15 @@ class Line:
     where: str
     segments: list[tuple[list[list[int]], list[str]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    case: Optional[str] = None  # the input's style (casing.style), to answer in it
+    case: str | None = None  # the input's style (casing.style), to answer in it
 
     @property
     def sources(self) -> list[list[int]]:
         return [ids for parts, _ in self.segments for ids in parts]
 
 
-def prepare(where: str, text: Optional[str], note: Optional[str], tokenizer, max_len: int,
-            case: str = "auto", table: Optional[dict] = None) -> Line:
+def prepare(where: str, text: str | None, note: str | None, tokenizer, max_len: int,
+            case: str = "auto", table: dict | None = None) -> Line:
     """Apply the input rules to one line (text None: longer than MAX_LINE_BYTES); `case="auto"` recases
     capitals, lower case and caps lock (`annotated/decoding/casing.py`, with the checkpoint's case `table`),
     "as-typed" does not."""
@@ -285,7 +286,7 @@ def translate_prepared(model: EncoderDecoder, tokenizer, lines: list[Line], beam
 
 
 def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, length_penalty: float = 0.6,
-              max_extra: int = 50, case: str = "auto", table: Optional[dict] = None) -> tuple[str, Optional[str]]:
+              max_extra: int = 50, case: str = "auto", table: dict | None = None) -> tuple[str, str | None]:
     """One sentence -> (translation on one line, what the input rules did, or None)."""
     line = prepare("text", text, None, tokenizer, model.config.max_len, case, table)
     answer = translate_prepared(model, tokenizer, [line], beam_size, length_penalty, max_extra)[0]
@@ -302,7 +303,7 @@ def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, l
 # and then those already waiting. A terminal gets windows of one line.
 
 # %%
-def _numbered(sentences: list[str], stdin) -> Iterator[tuple[str, Optional[str], Optional[str]]]:
+def _numbered(sentences: list[str], stdin) -> Iterator[tuple[str, str | None, str | None]]:
     """(where, text or None when too long, note) for each command-line sentence, or each line of stdin."""
     if sentences:
         # arguments undecodable in the locale arrive as surrogate escapes: same rule as stdin
@@ -475,7 +476,7 @@ def _answer(model, tokenizer, table, window: list, args) -> tuple[list[Line], li
     return prepared, answers
 
 
-def main(argv: Optional[list[str]] = None, stdin=None, stdout=None, stderr: Optional[TextIO] = None) -> int:
+def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO | None = None) -> int:
     """Run the translator; `stdin`/`stdout` are binary streams (default: the process's)."""
     try:
         args = build_parser().parse_args(argv)

@@ -52,12 +52,12 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from annotated.plumbing.files import atomic_write
 from annotated import sites
+from annotated.plumbing.files import atomic_write
 from annotated.tokens import Tokenizer
 from annotated.transformer import EncoderDecoder, TransformerConfig, make_model
 
@@ -73,7 +73,7 @@ def atomic_torch_save(obj: Any, path: os.PathLike | str) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def save_checkpoint(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: Optional[dict] = None,
+def save_checkpoint(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: dict | None = None,
                     **training_state: Any) -> None:
     """Write model, config, tokenizer and metadata (plus any training state) atomically."""
     state = {
@@ -87,7 +87,7 @@ def save_checkpoint(path: os.PathLike | str, model: EncoderDecoder, tokenizer, m
     atomic_torch_save(state, path)
 
 
-def read_case_table(path: os.PathLike | str) -> Optional[dict]:
+def read_case_table(path: os.PathLike | str) -> dict | None:
     """The checkpoint's case table ({lower-case word: most frequent form}, `annotated/decoding/casing.py`), or
     None for a checkpoint written without one."""
     table = read_checkpoint(path).get("casing")
@@ -134,7 +134,7 @@ def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:
     return state
 
 
-def _zip_damage(path: Path) -> Optional[str]:
+def _zip_damage(path: Path) -> str | None:
     """What is wrong with the zip archive torch.save wrote (every member's CRC-32 checked), or None."""
     if not zipfile.is_zipfile(path):
         return None  # no zip directory at the end: torch.load says what it is
@@ -149,7 +149,7 @@ def _zip_damage(path: Path) -> Optional[str]:
 MAX_POSITIONS = 65536  # max_len above this is refused: the positional table alone is max_len x d_model floats
 
 
-def _check_field(name: str, kind: str, value) -> Optional[str]:
+def _check_field(name: str, kind: str, value) -> str | None:
     """What is wrong with one config value of declared type `kind` ("int", "int | None", ...), or None."""
     kinds = {part.strip() for part in kind.split("|")}
     if value is None and "None" in kinds:
@@ -167,7 +167,7 @@ def _check_field(name: str, kind: str, value) -> Optional[str]:
 
 
 def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>",
-                 heads: Optional[dict] = None) -> TransformerConfig:
+                 heads: dict | None = None) -> TransformerConfig:
     """The stored config as a TransformerConfig, checked field by field and against the stored tensors'
     shapes, without building the model (CheckpointError naming the field otherwise).
 
@@ -274,7 +274,7 @@ def load_checkpoint(path: os.PathLike | str, map_location: str = "cpu"):
 # 3. else it stops with an error that says how to get a checkpoint.
 
 # %%
-def run_model(run: Path) -> Optional[Path]:
+def run_model(run: Path) -> Path | None:
     """A run's model: `averaged.pt` when the run averaged its last epochs, else `best.pt`; None without either."""
     for name in ("averaged.pt", "best.pt"):
         if (run / name).is_file():

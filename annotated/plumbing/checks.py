@@ -36,7 +36,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -105,7 +105,7 @@ def check_decoding(model: nn.Module, src: Tensor, src_mask: Tensor | None, max_l
     limit = model.config.max_len
     if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= limit:
         raise ValueError(f"max_len must be an int in [1, {limit}] (the model's max_len), got {max_len!r}")
-    if S > limit:
+    if limit < S:
         raise ValueError(f"source length {S} exceeds the model's max_len={limit}")
 
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def default_device(name: Optional[str] = None) -> torch.device:
+def default_device(name: str | None = None) -> torch.device:
     """`name` (cpu, cuda, cuda:1) when given, else cuda when available, else cpu.
 
     >>> default_device("cpu"), default_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,7 +62,7 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def cpu_has_bf16(flags: Optional[frozenset[str]] = None) -> bool:
+def cpu_has_bf16(flags: frozenset[str] | None = None) -> bool:
     """True when the CPU multiplies bf16 in hardware: an avx512_bf16 or amx_bf16 flag, and a torch built to use
     AVX512 or AMX kernels (torch.backends.cpu.get_cpu_capability())."""
     flags = cpu_flags() if flags is None else flags
@@ -72,7 +71,7 @@ def cpu_has_bf16(flags: Optional[frozenset[str]] = None) -> bool:
 
 
 def resolve_precision(requested: str, device: torch.device,
-                      flags: Optional[frozenset[str]] = None) -> tuple[str, str]:
+                      flags: frozenset[str] | None = None) -> tuple[str, str]:
     """("fp32" or "bf16", the reason in words) for `requested` (auto, fp32, bf16) on `device`.
     Raises ValueError for bf16 on hardware without it. `flags`: the CPU's (default: read from /proc/cpuinfo)."""
     if requested not in ("auto", "fp32", "bf16"):

@@ -23,8 +23,9 @@ import glob
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Optional, Union
+from typing import Any, BinaryIO, Union
 
 try:
     import fcntl  # POSIX; without it (Windows) stale temporary files are left alone
@@ -104,7 +105,7 @@ def remove_stale_temporaries(path: os.PathLike | str) -> list[Path]:
     return removed
 
 
-def save_figure(fig, path: os.PathLike | str, dpi: Optional[float] = None) -> Path:
+def save_figure(fig, path: os.PathLike | str, dpi: float | None = None) -> Path:
     """Write a matplotlib figure to `path` as PNG through `atomic_write` (the figure's own dpi unless `dpi`).
 
     A figure that fails to draw leaves an earlier file at `path` as it was
@@ -113,7 +114,7 @@ def save_figure(fig, path: os.PathLike | str, dpi: Optional[float] = None) -> Pa
     return atomic_write(path, lambda f: fig.savefig(f, format="png", **options))
 
 
-def json_safe(value: Any, digits: Optional[int] = None) -> Any:
+def json_safe(value: Any, digits: int | None = None) -> Any:
     """`value` made fit for `json.dumps`: dict keys become strings, tuples lists, numpy arrays and scalars
     Python lists and numbers, NaN and infinities None (JSON has no such numbers), floats rounded to `digits`
     when given, and anything else its repr.

@@ -39,7 +39,7 @@ import functools
 import os
 import signal
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 INTERRUPTED = 130
 _requested = False

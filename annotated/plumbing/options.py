@@ -29,8 +29,9 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NoReturn, Optional
+from typing import NoReturn
 
 
 class Parser(argparse.ArgumentParser):
@@ -38,7 +39,7 @@ class Parser(argparse.ArgumentParser):
 
     `name` starts the line (default: `prog`), so that every error of one command reads alike."""
 
-    def __init__(self, *args, name: Optional[str] = None, **kwargs):
+    def __init__(self, *args, name: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.name = name or self.prog
 
@@ -59,7 +60,7 @@ def at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def number(low: Optional[float], high: Optional[float], *, above: bool = False) -> Callable[[str], float]:
+def number(low: float | None, high: float | None, *, above: bool = False) -> Callable[[str], float]:
     """A finite number in [low, high] (either end may be None: open); `above=True` excludes `low` itself.
 
     >>> number(0, None, above=True)("0")

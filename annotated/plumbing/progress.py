@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Iterable, Iterator, Optional, TextIO, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TextIO, TypeVar
 
 T = TypeVar("T")
 LINES = 10  # plain lines between start and end
@@ -60,7 +61,7 @@ class PlainProgress:
         self.close()
 
 
-def progress(total: int, desc: str, unit: str = "it", stream: Optional[TextIO] = None):
+def progress(total: int, desc: str, unit: str = "it", stream: TextIO | None = None):
     """A tqdm bar with `total` (and so an ETA) when `stream` is a terminal, else a `PlainProgress`."""
     stream = sys.stderr if stream is None else stream
     if getattr(stream, "isatty", lambda: False)():

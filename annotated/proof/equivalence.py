@@ -90,15 +90,34 @@ from tqdm import tqdm
 
 import annotated.transformer as T
 from annotated.plumbing.checks import check_source_and_target
-from annotated.proof.torch_mha import copy_attention, from_torch_mha, to_torch_mha, torch_mha_masks
 from annotated.proof.harness import (
-    MHA_MODES, TOL, CheckResult, attention_cases, compare_forms, compare_paths, compare_with_torch_mha, dtype_name,
-    fast_path, max_abs, mha_cases, nanmax, run_property,
+    MHA_MODES,
+    TOL,
+    CheckResult,
+    attention_cases,
+    compare_forms,
+    compare_paths,
+    compare_with_torch_mha,
+    dtype_name,
+    fast_path,
+    max_abs,
+    mha_cases,
+    nanmax,
+    run_property,
 )
+from annotated.proof.torch_mha import copy_attention, from_torch_mha, to_torch_mha, torch_mha_masks
 from annotated.recording import attend_with_probabilities
-from annotated.tokens import PAD, BOS, EOS
-from annotated.transformer import (FusedAttention, PerHeadAttention, convert_model, fuse, greedy_decode,
-                                   padding_mask, split, target_mask)
+from annotated.tokens import BOS, EOS, PAD
+from annotated.transformer import (
+    FusedAttention,
+    PerHeadAttention,
+    convert_model,
+    fuse,
+    greedy_decode,
+    padding_mask,
+    split,
+    target_mask,
+)
 
 # %% [markdown]
 # ## 1. Symbolic, all sizes: the block algebra

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import annotated.transformer as T
 from annotated.plumbing.interrupts import ctrl_c_requested
-from annotated.proof.torch_mha import fused_parameters, from_torch_mha, to_torch_mha, torch_mha_masks
+from annotated.proof.torch_mha import from_torch_mha, fused_parameters, to_torch_mha, torch_mha_masks
 from annotated.recording import attend_with_probabilities
 from annotated.transformer import FusedAttention, PerHeadAttention, fuse, split
 
@@ -46,7 +46,7 @@ class CheckResult:
     part: str = ""  # which part of the report (annotated/proof/equivalence.py) the row belongs to
 
     @staticmethod
-    def of(check: str, cases: int, max_diff: float, tol: float, notes=()) -> "CheckResult":
+    def of(check: str, cases: int, max_diff: float, tol: float, notes=()) -> CheckResult:
         """A result that passes iff there were cases and every difference was within tolerance."""
         ok = cases > 0 and max_diff <= tol  # NaN fails: NaN <= tol is False
         return CheckResult(check, cases, max_diff, tol, ok, list(notes))

@@ -69,8 +69,7 @@ import torch
 from torch import Tensor, nn
 
 from annotated.plumbing.checks import check_torch_mha
-from annotated.transformer import (BLOCKS, FusedAttention, PerHeadAttention, split,  # noqa: F401 (doctests)
-                                   subsequent_mask)
+from annotated.transformer import BLOCKS, FusedAttention, PerHeadAttention, split, subsequent_mask  # noqa: F401 (doctests)
 
 AttentionLike = Union[PerHeadAttention, FusedAttention, nn.MultiheadAttention]
 

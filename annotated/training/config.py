@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from annotated.transformer import TransformerConfig
 
@@ -60,7 +59,7 @@ class TrainConfig:
     # data
     src_lang: str = "de"
     tgt_lang: str = "en"
-    train_limit: Optional[int] = None  # use only the first n training pairs (smoke tests)
+    train_limit: int | None = None  # use only the first n training pairs (smoke tests)
     case_augment: float = 0.0        # share of training pairs added again in capitals or lower case (data.py)
     # the model; its vocabulary is the joint sentencepiece vocabulary to train
     model: TransformerConfig = field(default_factory=lambda: joint_model(8000, N=3, d_model=256, d_ff=1024, h=8,
@@ -68,21 +67,21 @@ class TrainConfig:
     # optimisation
     max_tokens: int = 4096           # tokens per batch (source or target, whichever is larger, before padding)
     accum: int = 1                   # batches per optimizer step
-    max_steps: Optional[int] = None  # optimizer steps of the run (in total); the budget that defines a preset
-    epochs: Optional[int] = 20       # an upper bound on epochs (None: max_steps alone decides)
-    max_minutes: Optional[float] = None  # an optional cap on training wall time (checked between steps)
+    max_steps: int | None = None  # optimizer steps of the run (in total); the budget that defines a preset
+    epochs: int | None = 20       # an upper bound on epochs (None: max_steps alone decides)
+    max_minutes: float | None = None  # an optional cap on training wall time (checked between steps)
     warmup: int = 2000
     lr_factor: float = 1.0
     cooldown: float = 0.0            # share of max_steps, at the end, over which the rate falls linearly to 0
     label_smoothing: float = 0.1
-    clip_norm: Optional[float] = 1.0
+    clip_norm: float | None = 1.0
     log_every: int = 50              # steps between two reads of the running loss (the only host syncs)
     precision: str = "auto"          # auto, fp32 or bf16 (annotated/plumbing/devices.py)
     # evaluation
     beam_size: int = 4
     length_penalty: float = 0.6
-    val_bleu_sentences: Optional[int] = None  # translate only the first n val sentences each epoch
-    test_sentences: Optional[int] = None      # score only the first n test sentences (smoke runs)
+    val_bleu_sentences: int | None = None  # translate only the first n val sentences each epoch
+    test_sentences: int | None = None      # score only the first n test sentences (smoke runs)
     average_last: int = 0            # average the last n epoch checkpoints at the end
     # hardware / reproducibility
     compile: bool = False

@@ -50,16 +50,16 @@ import urllib.error
 import urllib.request
 import warnings
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Union
 
 import torch
 from torch import Tensor
 
-from annotated.plumbing.files import atomic_write, new_file_mode
+from annotated.plumbing.files import atomic_write
 from annotated.tokens import BOS, EOS, PAD, UNK, Tokenizer, TokenizerError
-
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -120,7 +120,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or "~/.cache/annotated").expanduser()
 
 
-def resolve_base_url(base_url: Optional[str] = None) -> str:
+def resolve_base_url(base_url: str | None = None) -> str:
     """The base URL to download from, ending in '/'. A plain path becomes a file:// URL.
 
     >>> resolve_base_url("file:///data/multi30k")
@@ -215,7 +215,7 @@ def _check_gzip(fd: int, name: str, url: str) -> None:
                         f"or the server sent something else; nothing was cached; {_how_to_fix()}") from None
 
 
-def fetch(name: str, cache_dir: PathLike, base_url: Optional[str] = None, *, timeout: float = 60.0) -> Path:
+def fetch(name: str, cache_dir: PathLike, base_url: str | None = None, *, timeout: float = 60.0) -> Path:
     """The verified local copy of the Multi30k file `name` (e.g. "train.de.gz") in `cache_dir`."""
     if name not in SHA256:
         raise DataError(f"unknown Multi30k file {name!r}; the pinned files are {', '.join(SHA256)}")
@@ -336,8 +336,8 @@ def read_parallel(src_path: PathLike, tgt_path: PathLike, *, empty: str = "error
 # (`test_load_multi30k_val_has_one_pair_per_line`.)
 
 # %%
-def load_multi30k(split: str, src_lang: str = "de", tgt_lang: str = "en", cache_dir: Optional[PathLike] = None,
-                  base_url: Optional[str] = None) -> list[tuple[str, str]]:
+def load_multi30k(split: str, src_lang: str = "de", tgt_lang: str = "en", cache_dir: PathLike | None = None,
+                  base_url: str | None = None) -> list[tuple[str, str]]:
     """(source, target) pairs of one Multi30k split, downloaded and verified on first use."""
     if split not in SPLITS:
         raise DataError(f"unknown Multi30k split {split!r}; choose one of {SPLITS}")
@@ -459,7 +459,7 @@ SPM_SETTINGS = dict(
 SPM_SEED = 0
 
 
-def tokenizer_cache_key(texts: Sequence[str], vocab_size: int, settings: Optional[dict] = None) -> str:
+def tokenizer_cache_key(texts: Sequence[str], vocab_size: int, settings: dict | None = None) -> str:
     """sha256 over the sentencepiece version, the settings, vocab_size and the texts."""
     import sentencepiece as spm
 
@@ -497,7 +497,7 @@ def _train_spm(texts: Sequence[str], vocab_size: int) -> bytes:
     return out.getvalue()
 
 
-def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Optional[PathLike] = None) -> Tokenizer:
+def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: PathLike | None = None) -> Tokenizer:
     """A joint BPE tokenizer of `vocab_size` pieces trained on `texts`, cached in <cache_dir>/sentencepiece."""
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise DataError(f"vocab_size must be a positive int, got {vocab_size!r}")
@@ -583,11 +583,11 @@ class Batch:
     def __len__(self) -> int:
         return self.src.size(0)
 
-    def to(self, device, non_blocking: bool = False) -> "Batch":
+    def to(self, device, non_blocking: bool = False) -> Batch:
         return Batch(self.src.to(device, non_blocking=non_blocking), self.tgt.to(device, non_blocking=non_blocking),
                      self.index)
 
-    def pin_memory(self) -> "Batch":
+    def pin_memory(self) -> Batch:
         """The same batch in page-locked host memory (needs CUDA), so that `to(cuda, non_blocking=True)` is
         queued on the GPU like a kernel instead of waiting for the GPU's queue to drain first."""
         return Batch(self.src.pin_memory(), self.tgt.pin_memory(), self.index)
@@ -604,7 +604,7 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _columns(src_len: int, tgt_len: int, pad_to: int = 1, max_len: Optional[int] = None) -> tuple[int, int]:
+def _columns(src_len: int, tgt_len: int, pad_to: int = 1, max_len: int | None = None) -> tuple[int, int]:
     """(S, T) of a batch whose longest source has src_len ids and longest target tgt_len ids (bos/eos excluded):
     S and the decoder's T - 1 rounded up to multiples of pad_to, capped at max_len.
 
@@ -625,7 +625,7 @@ def _width(pair: tuple[Sequence[int], Sequence[int]]) -> int:
 
 
 def collate(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], index: Sequence[int], pad_to: int = 1,
-            max_len: Optional[int] = None) -> Batch:
+            max_len: int | None = None) -> Batch:
     """The padded Batch of the examples encoded[i] for i in index (columns as in `_columns`).
 
     >>> b = collate([([5, 6, 7], [8]), ([9], [10, 11])], [0, 1])
@@ -643,7 +643,7 @@ def collate(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], index: Seque
     return Batch(src, tgt, torch.tensor(list(index), dtype=torch.long))  # index (B,)
 
 
-def _bucket(encoded, max_tokens: int, rng: Optional[random.Random]) -> list[list[int]]:
+def _bucket(encoded, max_tokens: int, rng: random.Random | None) -> list[list[int]]:
     """Indices sorted by width, cut greedily into runs with B * width <= max_tokens."""
     order = list(range(len(encoded)))
     if rng is not None:
@@ -698,7 +698,7 @@ def _split_to_multiple(groups: list[list[int]], world_size: int) -> list[list[in
 
 def make_batches(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], max_tokens: int, shuffle: bool = False,
                  seed: int = 0, rank: int = 0, world_size: int = 1, pad_to: int = 8,
-                 max_len: Optional[int] = None) -> list[Batch]:
+                 max_len: int | None = None) -> list[Batch]:
     """This process's batches: length-bucketed, B * max(S, T) <= max_tokens, each example once over all ranks.
 
     Seven pairs of widths 3 ... 9 (n source ids, n target ids + bos + eos) in three batches of at most 18

@@ -77,8 +77,8 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 

@@ -20,26 +20,34 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from annotated.decoding import casing
-from annotated.training import data
-from annotated.training import distributed
 from annotated.plumbing.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 (T.CheckpointError)
 from annotated.plumbing.devices import autocast, default_device, resolve_precision
-from annotated.plumbing.interrupts import StopFlag
 from annotated.plumbing.files import atomic_write
+from annotated.plumbing.interrupts import StopFlag
+from annotated.tokens import PAD
+from annotated.training import data, distributed
 from annotated.training.config import PRESETS, TrainConfig, config_dict  # noqa: F401 (PRESETS: T.PRESETS)
 from annotated.training.evaluate import evaluate_bleu
 from annotated.training.results import Arithmetic, score_test_set
-from annotated.training.runs import (RunState, TrainingError, check_run_dir, log_line, point_latest, resume_state,
-                                     rng_state, set_rng_state, truncate_log)
-from annotated.tokens import PAD
+from annotated.training.runs import (
+    RunState,
+    TrainingError,
+    check_run_dir,
+    log_line,
+    point_latest,
+    resume_state,
+    rng_state,
+    set_rng_state,
+    truncate_log,
+)
 from annotated.transformer import EncoderDecoder, make_model, padding_mask, rate, target_mask
 
 # %% [markdown]
@@ -299,11 +307,11 @@ AlignmentImage = Callable[..., object]  # (writer, model, tokenizer, sentence, s
 class DataSource:
     """Where the sentence pairs come from: Multi30k (`data_url`, `cache_dir`), or the user's three pairs of files
     (`empty_lines`: read_parallel's rule for a pair with an empty side: error, skip or keep)."""
-    data_url: Optional[str] = None
-    cache_dir: Optional[Path] = None
-    train_files: Optional[tuple[str, str]] = None
-    val_files: Optional[tuple[str, str]] = None
-    test_files: Optional[tuple[str, str]] = None
+    data_url: str | None = None
+    cache_dir: Path | None = None
+    train_files: tuple[str, str] | None = None
+    val_files: tuple[str, str] | None = None
+    test_files: tuple[str, str] | None = None
     empty_lines: str = "error"
 
 
@@ -358,7 +366,7 @@ class Run:
     say: Callable[[str], None]
     writer: object = None
     bar: object = None
-    alignment_image: Optional[AlignmentImage] = None
+    alignment_image: AlignmentImage | None = None
     t_start: float = field(default_factory=time.perf_counter)
     tally: EpochTally = field(default_factory=EpochTally)
 
@@ -370,10 +378,10 @@ class Run:
         return self.cfg.max_minutes is not None and time.perf_counter() - self.t_start > 60 * self.cfg.max_minutes
 
 
-def train(cfg: TrainConfig, run_dir: Path, *, data_url: Optional[str] = None, cache_dir: Optional[Path] = None,
-          device: Optional[str] = None, resume: bool = False, progress: bool = True,
+def train(cfg: TrainConfig, run_dir: Path, *, data_url: str | None = None, cache_dir: Path | None = None,
+          device: str | None = None, resume: bool = False, progress: bool = True,
           train_files=None, val_files=None, test_files=None, empty_lines: str = "error",
-          log: Callable[[str], None] | None = None, alignment_image: Optional[AlignmentImage] = None) -> dict:
+          log: Callable[[str], None] | None = None, alignment_image: AlignmentImage | None = None) -> dict:
     """Train (or resume) a run in `run_dir`; returns the final results (also in results.json).
 
     `alignment_image(writer, model, tokenizer, sentence, step)`, when given, logs a picture of the model's
@@ -431,7 +439,7 @@ def loop(run: Run, state: RunState, progress: bool) -> bool:
     return False
 
 
-def run_epoch(run: Run, state: RunState, stop: StopFlag) -> Optional[str]:
+def run_epoch(run: Run, state: RunState, stop: StopFlag) -> str | None:
     """Train the rest of the current epoch. None when it is done, else why it stopped: "stop" (Ctrl-C),
     "steps" (max_steps reached) or "time" (max_minutes)."""
     cfg, place, learner = run.cfg, run.place, run.learner
@@ -467,7 +475,7 @@ TRAIN_TAGS = {"loss": "train/loss_per_token", "lr": "train/learning_rate", "grad
               "tokens_per_s": "train/tokens_per_second"}  # tensorboard's name of each logged quantity
 
 
-def log_point(run: Run, state: RunState, meter: Meter, asked: bool, late: bool) -> Optional[str]:
+def log_point(run: Run, state: RunState, meter: Meter, asked: bool, late: bool) -> str | None:
     """Read the running sums (all ranks agree here), stop on a skipped step, log a row. "stop", "time" or None."""
     r = meter.read(run.place.world, asked, late)
     if r.skipped:

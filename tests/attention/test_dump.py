@@ -21,15 +21,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from browser import CHROMIUM, NO_CHROMIUM, Chromium
 
 from annotated.attention import dump as A
 from annotated.attention import pictures as P
 from annotated.attention import viewer as V
-from browser import CHROMIUM, NO_CHROMIUM, Chromium
 from annotated.plumbing.checkpoint import CheckpointError, save_checkpoint
-from annotated.sites import head_counts
 from annotated.recording import record_attention
-from annotated.tokens import PAD, BOS
+from annotated.sites import head_counts
+from annotated.tokens import BOS, PAD
 from annotated.transformer import convert_model, make_model, padding_mask
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -755,8 +755,8 @@ def test_viewer_survives_markup_in_the_sentences(tokenizer, tmp_path):
 
 def test_the_dump_translates_as_the_translator_does(full_dump, checkpoints):
     """The viewer and `make translate` show the same sentence: same decoder (beam 4), same settings."""
-    from annotated.plumbing.checkpoint import load_checkpoint
     from annotated.decoding.translate import translate
+    from annotated.plumbing.checkpoint import load_checkpoint
 
     model, tokenizer, _ = load_checkpoint(checkpoints[1])
     index = A.read_index(full_dump)
@@ -890,8 +890,8 @@ PRUNED_COUNTS = {"enc_self": [3, 4], "dec_self": [4, 1], "cross": [3, 2]}  # of 
 def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer, tmp_path):
     """A pruned checkpoint (fewer heads in some layers): per-layer arrays of its own heads, pictures with
     empty cells, head scores that fit it, and a viewer whose rows and menus hold exactly each layer's heads."""
-    from annotated.sites import remove_heads
     from annotated.attention.prune import save_pruned
+    from annotated.sites import remove_heads
 
     full = tiny_model(tokenizer.vocab_size, attention="fused", dtype=torch.float32, h=4)
     ckpt = tmp_path / "run" / "pruned.pt"

@@ -5,14 +5,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
-from annotated.decoding.search import translate_ids
-from annotated.sites import KINDS, attention_at, head_counts, remove_heads, sites
-from annotated.attention.prune import count_parameters, finetune, greedy_prune, save_pruned, split_sentences
-from annotated.transformer import FusedAttention
-
 from test_sites import batch, logits, tiny_model
+
+from annotated.attention.prune import count_parameters, finetune, greedy_prune, save_pruned, split_sentences
+from annotated.decoding.search import translate_ids
+from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
+from annotated.sites import KINDS, attention_at, head_counts, remove_heads, sites
+from annotated.transformer import FusedAttention
 
 
 @pytest.mark.parametrize("form", ["per_head", "fused"])
@@ -274,9 +273,9 @@ def test_a_pruned_checkpoint_works_with_the_translator_the_equivalence_check_and
 def test_head_counts_above_the_configs_h_are_refused_before_anything_is_built(tmp_path, monkeypatch):
     import io
 
-    from annotated.plumbing import checkpoint
     from annotated import sites
     from annotated.decoding import translate
+    from annotated.plumbing import checkpoint
     from annotated.transformer import make_model
 
     model = tiny_model("fused", dtype=torch.float32, N=1, h=2)

@@ -23,8 +23,15 @@ import pytest
 import torch
 from torch import nn
 
-from annotated.decoding.search import beam_search, greedy, length_penalty, reorder_cache, sequence_logprob, translate_ids
-from annotated.tokens import PAD, BOS, EOS
+from annotated.decoding.search import (
+    beam_search,
+    greedy,
+    length_penalty,
+    reorder_cache,
+    sequence_logprob,
+    translate_ids,
+)
+from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import convert_model, copy_batch, make_model, padding_mask, train_copy_task
 
 TOL = 1e-10

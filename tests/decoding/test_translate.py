@@ -18,12 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated.plumbing.checkpoint import (CheckpointError, add_case_table, latest_checkpoint, load_checkpoint,
-                                          read_case_table, save_checkpoint)
-from annotated.training.data import train_tokenizer
 from annotated.decoding import casing
 from annotated.decoding.search import translate_ids
 from annotated.decoding.translate import main, set_aside_unseen, translate
+from annotated.plumbing.checkpoint import (
+    CheckpointError,
+    add_case_table,
+    latest_checkpoint,
+    load_checkpoint,
+    read_case_table,
+    save_checkpoint,
+)
+from annotated.training.data import train_tokenizer
 from annotated.transformer import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,7 +226,7 @@ def test_a_huge_line_is_never_held_in_memory(ckpt, loaded):
     from annotated.decoding.translate import MAX_LINE_BYTES
 
     Watched.largest = 0
-    stdin = Watched(Generated(5_000_000, "\nEin Hund.\n".encode()), buffer_size=1 << 16)
+    stdin = Watched(Generated(5_000_000, b"\nEin Hund.\n"), buffer_size=1 << 16)
     out, err = io.BytesIO(), io.StringIO()
     assert main(["--checkpoint", str(ckpt)], stdin=stdin, stdout=out, stderr=err) == 0
     assert out.getvalue().decode().split("\n") == ["", expected(loaded, "Ein Hund."), ""]
@@ -335,7 +341,7 @@ def test_without_checkpoint_option_uses_the_latest_run(ckpt, loaded, tmp_path):
     (tmp_path / "runs" / "r1").mkdir(parents=True)
     (tmp_path / "runs" / "r1" / "best.pt").symlink_to(ckpt)
     (tmp_path / "runs" / "latest").symlink_to("r1")
-    code, out, err = run_main("--runs-dir", tmp_path / "runs", stdin="Ein Hund.\n".encode())
+    code, out, err = run_main("--runs-dir", tmp_path / "runs", stdin=b"Ein Hund.\n")
     assert code == 0 and out == expected(loaded, "Ein Hund.") + "\n"
     assert err == f"translate: using {tmp_path / 'runs' / 'latest' / 'best.pt'}\n"
 

@@ -5,7 +5,13 @@ import stat
 import pytest
 import torch
 
-from annotated.plumbing.checkpoint import CheckpointError, atomic_torch_save, load_checkpoint, read_checkpoint, save_checkpoint
+from annotated.plumbing.checkpoint import (
+    CheckpointError,
+    atomic_torch_save,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
 from annotated.transformer import make_model
 
 

@@ -1,10 +1,10 @@
 """pyproject.toml: the console scripts of `pip install -e .` are the commands' own main functions, and the
 package it describes holds every subpackage and the viewer's web assets. Read and imported, not installed."""
 import importlib
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))

@@ -37,20 +37,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from annotated import transformer
 import train_wmt
-from annotated.training import train
+from annotated import transformer
 from annotated.decoding import translate
 from annotated.decoding.search import beam_search, greedy
-from annotated.tokens import EOS, PAD
 from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
-from annotated.training.data import DataWarning
 from annotated.plumbing.files import remove_stale_temporaries
 from annotated.recording import attend_with_probabilities, record_attention
-from annotated.transformer import (PerHeadAttention, convert_model, fuse, make_model, padding_mask, subsequent_mask,
-                                   target_mask)
+from annotated.tokens import EOS, PAD
+from annotated.training import train
+from annotated.training.data import DataWarning
+from annotated.transformer import (
+    PerHeadAttention,
+    convert_model,
+    fuse,
+    make_model,
+    padding_mask,
+    subsequent_mask,
+    target_mask,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = 240  # seconds: a guard against a hung child process, never a timing assertion
@@ -267,7 +275,7 @@ def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command
     """`make equivalence` and `make bench` stopped by Ctrl-C while they work: one line, exit 130.
     (Each writes its results only at the end, atomically: nothing is left half-written.)"""
     out_file = tmp_path / "bench.json"
-    p = subprocess.Popen([sys.executable, *command, *(["--out", str(out_file)] if "bench:" == started else [])],
+    p = subprocess.Popen([sys.executable, *command, *(["--out", str(out_file)] if started == "bench:" else [])],
                          cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         err = b""
@@ -670,7 +678,7 @@ def outcome(call, valid: bool):
     except ValueError:
         assert not valid, "a valid input was refused"
         return None
-    except Exception as e:  # noqa: BLE001 - any other type is the failure this suite looks for
+    except Exception as e:  # any other type is the failure this suite looks for
         raise AssertionError(f"{type(e).__name__} escaped instead of a ValueError: {e}") from e
     assert valid, "an invalid input gave a result instead of a ValueError"
     return result
@@ -683,7 +691,7 @@ def close_to(result, reference, dtype):
     assert err <= TOL[dtype] * max(1.0, reference.abs().max().item() if reference.numel() else 0.0), err
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def attention_modules(d_model: int, h: int, bias: bool, dtype: torch.dtype):
     """(per-head, fused) in `dtype`, the same function, and the float64 per-head reference."""
     torch.manual_seed(d_model * 10 + h)
@@ -777,7 +785,7 @@ def test_attention_matches_the_float64_reference(case):
 VOCAB_SRC, VOCAB_TGT, MAX_LEN, D_MODEL = 11, 13, 8, 8
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def models(attention: str, norm: str, dtype: torch.dtype):
     """A small model in `dtype` and its float64 per-head reference (the same function)."""
     torch.manual_seed(1)
@@ -910,7 +918,7 @@ def test_decoders_give_a_translation_or_a_value_error(case):
     src_mask = make_src_mask(case["src_mask"], src) if src.dim() == 2 else None
     # valid, read off the arguments themselves
     valid = (src.dtype in (torch.int64, torch.int32) and src.dim() == 2 and src.size(1) <= MAX_LEN
-             and (src.numel() == 0 or 0 <= int(src.min()) and int(src.max()) < VOCAB_SRC)
+             and (src.numel() == 0 or (int(src.min()) >= 0 and int(src.max()) < VOCAB_SRC))
              and (src_mask is None or (src_mask.dtype == torch.bool and src_mask.dim() == 3
                                        and is_broadcast(src_mask.shape, (src.size(0),) + (src.size(1),) * 2)))
              and 1 <= max_len <= MAX_LEN and case["beam"] >= 1 and case["fault"] != "training")
@@ -926,7 +934,7 @@ def test_decoders_give_a_translation_or_a_value_error(case):
         return
     B = src.size(0)
     assert out.dtype == torch.long and out.size(0) == B and out.size(1) <= max_len
-    assert out.numel() == 0 or (0 <= int(out.min()) and int(out.max()) < VOCAB_TGT)
+    assert out.numel() == 0 or (int(out.min()) >= 0 and int(out.max()) < VOCAB_TGT)
     after_eos = (out == EOS).long().cumsum(dim=1) - (out == EOS).long() > 0  # (B, L) strictly after the first eos
     assert (out[after_eos] == PAD).all()
 

@@ -15,11 +15,19 @@ import pytest
 import torch
 
 import annotated.proof.equivalence as E
-from annotated.proof.torch_mha import fused_parameters
 from annotated import transformer
 from annotated.proof.harness import (
-    TOL, Case, MhaCase, compare_forms, compare_with_torch_mha, max_scaled, mha_cases, mha_fastpath, random_biases,
+    TOL,
+    Case,
+    MhaCase,
+    compare_forms,
+    compare_with_torch_mha,
+    max_scaled,
+    mha_cases,
+    mha_fastpath,
+    random_biases,
 )
+from annotated.proof.torch_mha import fused_parameters
 from annotated.transformer import FusedAttention, PerHeadAttention, fuse, make_model
 
 CORNER_CASES = ["h = 1", "h = d_model", "h*d_k != d_model", "d_k != d_v", "T_q = 1", "T_k = 1", "self-attention",
@@ -196,7 +204,7 @@ def test_fast_path_really_runs_and_flag_is_restored():
 def test_sdpa_path_matches_explicit_path_on_generated_cases():
     before = transformer.FAST_PATH
     assert_all_pass(E.check_sdpa_paths(examples=100))
-    assert transformer.FAST_PATH == before
+    assert before == transformer.FAST_PATH
 
 
 def test_whole_copy_model_converts_with_same_logits_and_decodes():

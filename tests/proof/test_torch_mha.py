@@ -8,10 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from annotated.proof.torch_mha import (
-    _shape_str, attention_shape, copy_attention, from_torch_mha, fused_parameters, to_torch_mha, torch_mha_masks,
-)
 from annotated.proof.harness import random_biases
+from annotated.proof.torch_mha import (
+    _shape_str,
+    attention_shape,
+    copy_attention,
+    from_torch_mha,
+    fused_parameters,
+    to_torch_mha,
+    torch_mha_masks,
+)
 from annotated.recording import attend_with_probabilities
 from annotated.transformer import FusedAttention, PerHeadAttention, split
 

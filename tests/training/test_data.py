@@ -24,13 +24,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from annotated.tokens import Tokenizer, TokenizerError
 from annotated.training import data
 from annotated.training.data import (
-    BOS, EOS, PAD, SHA256, URL_ENV, DataError, DataWarning, collate, encode_pairs, fetch,
-    load_multi30k, make_batches, read_lines, read_parallel, split_long, train_tokenizer,
+    BOS,
+    EOS,
+    PAD,
+    SHA256,
+    URL_ENV,
+    DataError,
+    DataWarning,
+    collate,
+    encode_pairs,
+    fetch,
+    load_multi30k,
+    make_batches,
+    read_lines,
+    read_parallel,
+    split_long,
+    train_tokenizer,
 )
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "multi30k"
@@ -111,7 +126,7 @@ def test_pinned_hashes_match_the_shared_sums(base_url):
     except OSError as e:  # URLError is an OSError
         pytest.skip(f"no SHA256SUMS beside the Multi30k files to compare the pinned hashes with ({url}: {e})")
     sums = dict(reversed(line.split()) for line in text.splitlines() if line)
-    assert SHA256 == sums
+    assert sums == SHA256
     assert set(SHA256) == {f"{s}.{l}.gz" for s in data.SPLITS for l in data.LANGS}
 
 
@@ -214,9 +229,8 @@ def test_loopback_http_server_good_and_corrupted(source, tmp_path):
         with pytest.raises(DataError, match=r"val\.en\.gz .*HTTP 404.*MULTI30K_URL"):
             fetch("val.en.gz", tmp_path / "cache", url)
     assert leftovers(tmp_path / "cache") == ["val.de.gz"]
-    with http_server(tmp_path / "bad") as url:
-        with pytest.raises(DataError, match=r"val\.de\.gz .*has sha256"):
-            fetch("val.de.gz", tmp_path / "cache2", url)
+    with http_server(tmp_path / "bad") as url, pytest.raises(DataError, match=r"val\.de\.gz .*has sha256"):
+        fetch("val.de.gz", tmp_path / "cache2", url)
     assert leftovers(tmp_path / "cache2") == []
 
 
@@ -263,7 +277,7 @@ def test_line_breaks_and_gzip_detection(tmp_path):
     raw = (b"\xef\xbb\xbfa\n"                  # a UTF-8 byte-order mark, dropped
            b"b\r\r\n"                         # the terminator "\r\n" goes, the "\r" inside stays
            + "c\u2028d\n".encode("utf-8")     # characters str.splitlines() would break at
-           + "e\x0cf\x85g\x1ch\n".encode("utf-8")
+           + "e\x0cf\x85g\x1ch\n".encode()
            + b" spaced  out \n"                # spaces are kept as they are
            + b"last")                          # no newline at the end
     expected = ["a", "b\r", "c\u2028d", "e\x0cf\x85g\x1ch", " spaced  out ", "last"]
@@ -432,9 +446,9 @@ def check_batch(b, encoded, pad_to=8):
     longest_src = max(1, max(len(encoded[i][0]) for i in b.index.tolist()))
     longest_tgt = max(len(encoded[i][1]) + 2 for i in b.index.tolist())
     if pad_to == 8:
-        assert S == up8(longest_src) and b.tgt.size(1) - 1 == up8(longest_tgt - 1)
+        assert up8(longest_src) == S and b.tgt.size(1) - 1 == up8(longest_tgt - 1)
     else:
-        assert S == longest_src and b.tgt.size(1) == longest_tgt
+        assert longest_src == S and b.tgt.size(1) == longest_tgt
     for r, i in enumerate(b.index.tolist()):
         x, y = encoded[i]
         assert b.src[r].tolist() == x + [PAD] * (S - len(x))

@@ -7,8 +7,7 @@ import torch
 
 import train_wmt
 from annotated.plumbing import devices
-from annotated.training import data
-from annotated.training import train
+from annotated.training import data, train
 from annotated.transformer import make_model
 
 CPU = torch.device("cpu")

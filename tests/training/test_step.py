@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from annotated.tokens import PAD
-from annotated.training import data
-from annotated.training import train
+from annotated.training import data, train
 from annotated.transformer import make_model, padding_mask, rate, target_mask
 
 CPU = torch.device("cpu")

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from annotated.training import train
 from annotated.tokens import PAD
+from annotated.training import train
 from annotated.transformer import rate
 
 

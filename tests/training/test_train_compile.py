@@ -8,9 +8,6 @@ op by op. Everything about shapes and recompiles is the same; only the kernels' 
 import dataclasses
 import functools
 
-import pytest
-import torch
-
 from annotated.training import train
 
 SMOKE = dataclasses.replace(train.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2, log_every=1, max_steps=14)

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from annotated.training import data
-from annotated.training import train
+from annotated.training import data, train
 from annotated.training.syncs import SyncCounter
 from annotated.transformer import make_model
 
