@@ -49,7 +49,7 @@ def build_parser(chosen: str | None = None) -> Parser:
     from annotated.training.config import PRESETS
 
     def default(name: str) -> str:  # "(gpu: 128, cpu: 128, smoke: 32)" or, with --preset, that preset's value
-        shown = lambda v: "none" if v is None else v  # noqa: E731
+        shown = lambda v: "none" if v is None else v
         if chosen:
             return f" (default under --preset {chosen}: {shown(setting(PRESETS[chosen], name))})"
         return " (" + ", ".join(f"{p}: {shown(setting(c, name))}" for p, c in PRESETS.items()) + ")"

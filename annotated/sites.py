@@ -50,7 +50,7 @@ from annotated.transformer import BLOCKS, EncoderDecoder, FusedAttention, PerHea
 
 # %%
 def _check_keep(att, keep: Sequence[int]) -> list[int]:
-    keep = sorted(set(int(i) for i in keep))
+    keep = sorted({int(i) for i in keep})
     if not keep:
         raise ValueError(f"an attention needs at least one head; asked to keep none of its {att.h}")
     if keep[0] < 0 or keep[-1] >= att.h:

@@ -333,7 +333,7 @@ class PerHeadAttention(_Attention):
         self.W_K = nn.ParameterList(nn.Parameter(_xavier(d_model, d_k, d_model, h * d_k)) for _ in range(h))
         self.W_V = nn.ParameterList(nn.Parameter(_xavier(d_model, d_v, d_model, h * d_v)) for _ in range(h))
         self.W_O = nn.ParameterList(nn.Parameter(_xavier(d_v, d_model, h * d_v, d_model)) for _ in range(h))
-        zeros = lambda d: nn.ParameterList(nn.Parameter(torch.zeros(d)) for _ in range(h))  # noqa: E731
+        zeros = lambda d: nn.ParameterList(nn.Parameter(torch.zeros(d)) for _ in range(h))
         self.b_Q, self.b_K, self.b_V = (zeros(d_k), zeros(d_k), zeros(d_v)) if bias else (None, None, None)
         self.b_O = nn.Parameter(torch.zeros(d_model)) if bias else None
 
@@ -412,7 +412,7 @@ class FusedAttention(_Attention):
         self.W_K = nn.Parameter(_xavier(d_model, h * d_k, d_model, h * d_k))
         self.W_V = nn.Parameter(_xavier(d_model, h * d_v, d_model, h * d_v))
         self.W_O = nn.Parameter(_xavier(h * d_v, d_model, h * d_v, d_model))  # W_O[1] over ... over W_O[h]
-        zeros = lambda d: nn.Parameter(torch.zeros(d)) if bias else None  # noqa: E731
+        zeros = lambda d: nn.Parameter(torch.zeros(d)) if bias else None
         self.b_Q, self.b_K, self.b_V, self.b_O = zeros(h * d_k), zeros(h * d_k), zeros(h * d_v), zeros(d_model)
 
     def _heads(self, x: Tensor, W: Tensor, b: Tensor | None, d: int) -> Tensor:

@@ -1112,7 +1112,7 @@ def main(argv=None) -> dict:
                             peak_tflops=args.peak_tflops, clock=args.clock,
                             compile_keys=None if device.type == "cuda" else ("fused_sdpa",))
     except ValueError as e:
-        raise SystemExit(f"bench.py: {e}")
+        raise SystemExit(f"bench.py: {e}") from None
 
     from tqdm.auto import tqdm
     bar = tqdm(desc="bench", unit=" phase", leave=False)

@@ -187,7 +187,7 @@ def latex_to_mathml(tex: str, display: bool, where: str = "<formula>") -> str:
     try:
         mathml = _latex2mathml(tex, display="block" if display else "inline")
         root = ET.fromstring(mathml)
-    except Exception as e:  # latex2mathml raises many kinds on bad input
+    except Exception as e:  # noqa: BLE001 - latex2mathml raises many kinds on bad input
         raise DocsError(f"{where}: cannot convert the formula ${tex}$ to MathML ({type(e).__name__}: {e})") from None
     for element in root.iter():
         unknown = re.search(r"\\[A-Za-z]+", element.text or "")
@@ -435,7 +435,7 @@ def piece_note(piece: Cell) -> str:
     >>> piece_note(Cell("code", "def f(x):\\n    \'\'\'Costs $5 and `x` <b>.\'\'\'\\n    return x", 1, 3))
     '<ul class="defs"><li><code>f</code>: Costs $5 and <code>x</code> &lt;b&gt;.</li></ul>\\n'
     """
-    words = lambda text: re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))  # noqa: E731 (no math here)
+    words = lambda text: re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))  # no math here
     items = [f"<li><code>{html.escape(name)}</code>: {words(summary)}</li>"
              for _, name, summary in _DEFINITION.findall(piece.source) if summary]
     return f'<ul class="defs">{"".join(items)}</ul>\n' if items else ""

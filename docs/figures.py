@@ -359,7 +359,7 @@ def _copy_shown(ctx: FigureContext) -> Shown:
     model = copy_task_model(ctx)
     gen = torch.Generator().manual_seed(7)
     src = torch.randint(3, model.config.src_vocab, (1, 8), generator=gen)  # (1, S)
-    label = lambda ids: [_NAMES.get(t, str(t)) for t in ids]  # noqa: E731
+    label = lambda ids: [_NAMES.get(t, str(t)) for t in ids]
     return Shown(model, src, label(src[0].tolist()),
                  f"the copy-task model (trained {ctx.copy_steps} steps, no checkpoint in `runs/`)", label)
 
@@ -372,7 +372,7 @@ def _checkpoint_shown(ctx: FigureContext) -> Shown:
         raise CheckpointError(f"checkpoint {ctx.checkpoint} holds no tokenizer, so no sentence can be encoded")
     sentence = _checkpoint_sentence(ctx.checkpoint, meta.get("src_lang", ""))
     ids = tokenizer.encode(sentence)[: model.config.max_len]
-    label = lambda ids: [_NAMES.get(t) or "".join(tokenizer.pieces([t])) for t in ids]  # noqa: E731
+    label = lambda ids: [_NAMES.get(t) or "".join(tokenizer.pieces([t])) for t in ids]
     languages = as_text(f"{meta.get('src_lang', '?')}→{meta.get('tgt_lang', '?')}")
     name = f"the trained translator {as_text(f'{ctx.checkpoint.parent.name}/{ctx.checkpoint.name}')} ({languages})"
     return Shown(model.eval(), torch.tensor([ids]), label(ids), name, label, tokenizer, meta, sentence,

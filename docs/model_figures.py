@@ -208,7 +208,7 @@ def attention_input(model: T.EncoderDecoder, src: torch.Tensor, kind: str = "enc
 @torch.no_grad()
 def one_head(att: T.PerHeadAttention, x: torch.Tensor, mask, tokens: list, query: int, head: int) -> OneHead:
     """Head `head` of `att` at position `query` of x (T, d_model), computed by hand from W_Q[i] etc."""
-    bias = lambda b: 0 if b is None else b[head]  # noqa: E731
+    bias = lambda b: 0 if b is None else b[head]
     q = x[query] @ att.W_Q[head] + bias(att.b_Q)  # (d_k,)
     K = x @ att.W_K[head] + bias(att.b_K)  # (T, d_k)
     V = x @ att.W_V[head] + bias(att.b_V)  # (T, d_v)

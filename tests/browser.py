@@ -40,7 +40,7 @@ class Chromium:
             os.dup2(a, 3)
             os.dup2(b, 4)
 
-        err = open(log, "wb") if log else subprocess.DEVNULL
+        err = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - the browser process writes it; closed below
         try:
             self.proc = subprocess.Popen([binary, *self.FLAGS, f"--user-data-dir={profile}", "about:blank"],
                                          preexec_fn=wire_fds, close_fds=False, stdin=subprocess.DEVNULL,
@@ -128,7 +128,7 @@ class Chromium:
     def close(self):
         try:
             self.send("Browser.close", timeout=10)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a browser that cannot answer is stopped below
             pass
         try:
             self.proc.wait(timeout=10)

@@ -133,7 +133,7 @@ def test_reference_has_the_same_parameters_and_runs():
     # the same number of weights (torch packs W_Q, W_K, W_V into one in_proj_weight, so compare totals),
     # and the same LayerNorms: none after a post-norm stack
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters())
-    layer_norms = lambda m: sum(isinstance(x, torch.nn.LayerNorm) for x in m.modules())  # noqa: E731
+    layer_norms = lambda m: sum(isinstance(x, torch.nn.LayerNorm) for x in m.modules())
     assert layer_norms(ours) == layer_norms(ref) == 5 * cfg.N
     assert ref.generator.weight is ref.src_embed.weight is ref.tgt_embed.weight
     src, tgt = bench.make_batches(1, 4, cfg.src_vocab, 0)[0]

@@ -239,7 +239,7 @@ def test_guide_links_resolve_within_the_page_or_become_text(guide_site):
 def test_guide_page_in_headless_chromium(guide_site, tmp_path):
     """A guide's web link and remote image stay off the network; every in-page link lands."""
     result, _ = guide_site
-    report, requests, failed, log, _ = browse(result.index, tmp_path)
+    report, requests, failed, _log, _ = browse(result.index, tmp_path)
     assert requests == [result.index.resolve().as_uri()] and not failed
     assert report["guides"] == ["guide-a", "guide-b", "guide-notes"]
     assert report["broken_links"] == [] and report["other_links"] == [] and report["images"] == []
@@ -275,7 +275,7 @@ def test_a_build_replaces_and_removes_only_its_own_files(tmp_path, monkeypatch, 
     theirs.mkdir()
     (theirs / "index.html").write_text("<h1>my home page</h1>")
     before = files_under(theirs)
-    with pytest.raises(B.OutputError, match="index.html exists and was not written by a docs build"):
+    with pytest.raises(B.OutputError, match=r"index\.html exists and was not written by a docs build"):
         B.build(theirs, **kw)
     assert B.main(["--out", str(theirs), "--no-figures", "--checkpoint", "none"]) == 2
     err = capsys.readouterr().err
@@ -489,7 +489,7 @@ PAGE_REPORT = """(async () => {
 })()"""
 
 
-def browse(index: Path, tmp: Path, width: int = 1000, height: int = 1300, scroll_to: str = None):
+def browse(index: Path, tmp: Path, width: int = 1000, height: int = 1300, scroll_to: str | None = None):
     """Open the page; returns (report from PAGE_REPORT, request URLs, failed loads, log entries, PNG bytes)."""
     browser = Chromium(CHROMIUM, tmp / "profile", tmp / "chromium.log")
     try:
@@ -749,7 +749,7 @@ def test_the_viewer_file_is_the_builds_own(tmp_path, monkeypatch):
     out, viewer = tmp_path / "site", tmp_path / "site" / F.VIEWER
     viewer.parent.mkdir(parents=True)
     viewer.write_text("my own page")
-    with pytest.raises(B.OutputError, match="viewer/index.html exists and was not written by a docs build"):
+    with pytest.raises(B.OutputError, match=r"viewer/index\.html exists and was not written by a docs build"):
         B.build(out, **kw)
     assert viewer.read_text() == "my own page" and not (out / "index.html").exists()
     viewer.unlink()
@@ -823,7 +823,7 @@ def test_the_viewer_is_embedded_at_the_end_of_the_chapter(site, tmp_path):
         browser.open(result.index.resolve().as_uri(), 1400, 1000, domains=("Network", "Page", "Runtime", "Log"))
         browser.js("document.getElementById('viewer').scrollIntoView()")
         last = ctx.shown_sentence().model.config.N - 1
-        rendered, body, rows, cols, heat = embedded_viewer(browser, f"0/cross/{last}/mean")
+        _rendered, body, rows, cols, heat = embedded_viewer(browser, f"0/cross/{last}/mean")
         assert body == "embedded" and rows == expected["tgt_out_tokens"] and cols == expected["src_tokens"]
         frame = browser.js("(() => { const r = document.querySelector('#viewer iframe').getBoundingClientRect();"
                            " return [r.width, r.height]; })()")

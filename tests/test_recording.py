@@ -69,7 +69,7 @@ def reference(att, x_q, x_kv, mask):
 @torch.no_grad()
 def reference_model(m, src, tgt, src_mask, tgt_mask):
     """Every attention's probabilities, from the sublayer inputs traced by hand through the layers."""
-    into = lambda res, x: res.ln(x) if res.pre else x  # noqa: E731  what the sublayer sees
+    into = lambda res, x: res.ln(x) if res.pre else x  # what the sublayer sees
     want, x = {}, m.pos(m.src_embed(src))
     for l, layer in enumerate(m.encoder.layers):
         z = into(layer.res_attn, x)

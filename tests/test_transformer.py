@@ -342,7 +342,7 @@ def test_appending_padding_changes_no_real_output(attention):
 def test_norm_placement_matches_prose():
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8)
-    sub = lambda z: 2 * z + 1  # noqa: E731  any sublayer
+    sub = lambda z: 2 * z + 1  # any sublayer
     post = transformer.Residual(8, 0.0, "post")
     pre = transformer.Residual(8, 0.0, "pre")
     assert torch.allclose(post(x, sub), post.ln(x + sub(x)))        # LayerNorm(x + Sublayer(x))

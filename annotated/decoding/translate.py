@@ -452,7 +452,7 @@ def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
         _say(stderr, WAITING)
         return windows(_numbered([], stdin), 1)
     if _is_pipe(stdin):  # the reading thread gets its own reader: one it may still hold when the process ends
-        own = open(os.dup(stdin.fileno()), "rb", buffering=MAX_LINE_BYTES + 2)
+        own = open(os.dup(stdin.fileno()), "rb", buffering=MAX_LINE_BYTES + 2)  # noqa: SIM115 - the thread holds it
         return arrived_windows(_numbered([], own), WINDOW)
     return windows(_numbered([], stdin), WINDOW)
 

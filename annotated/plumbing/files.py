@@ -25,14 +25,14 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Union
+from typing import Any, BinaryIO
 
 try:
     import fcntl  # POSIX; without it (Windows) stale temporary files are left alone
 except ImportError:  # pragma: no cover
     fcntl = None
 
-Content = Union[bytes, str, Callable[[BinaryIO], None]]
+Content = bytes | str | Callable[[BinaryIO], None]
 
 
 def new_file_mode(base: int = 0o666) -> int:

@@ -304,7 +304,7 @@ def tags(B: int, T_len: int, h: int, d: int) -> Tensor:
     >>> tags(2, 1, 2, 2)[1, 0].tolist()
     [[1000000.0, 1000001.0], [1000100.0, 1000101.0]]
     """
-    ar = lambda k, n: torch.arange(n, dtype=torch.float64).view([-1 if j == k else 1 for j in range(4)])  # noqa: E731
+    ar = lambda k, n: torch.arange(n, dtype=torch.float64).view([-1 if j == k else 1 for j in range(4)])
     return 1_000_000 * ar(0, B) + 10_000 * ar(1, T_len) + 100 * ar(2, h) + ar(3, d)  # (B, T, h, d)
 
 
@@ -443,7 +443,7 @@ def tracer_checks(progress: bool = False, sizes: dict | None = None) -> list[Che
 def exact_cases(n: int = 200, seed: int = 0) -> list[dict]:
     """n cases: h in 1..4, d_k = d_v in 1..3, B in 1..3, T_q, T_k in 1..5, bias or not, self or cross."""
     gen = torch.Generator().manual_seed(seed)
-    pick = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
+    pick = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))
     out = []
     for k in range(n):
         h, d, cross = pick(1, 4), pick(1, 3), bool(k % 2)
@@ -843,7 +843,7 @@ def format_report(results: list[CheckResult], identities: list[tuple[str, str, b
     table = [(r.check, str(r.cases), _fmt(r.max_diff), "exact" if r.tol == 0 else f"{r.tol:.0e}",
               "pass" if r.passed else "FAIL") for r in results]
     widths = [max(len(row[i]) for row in table + [header]) for i in range(5)]
-    fmt = lambda row: " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in  # noqa: E731
+    fmt = lambda row: " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                                  enumerate(zip(row, widths)))
     lines += [fmt(header), "-+-".join("-" * w for w in widths)]
     part = None

@@ -63,15 +63,13 @@
 # %%
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 from torch import Tensor, nn
 
 from annotated.plumbing.checks import check_torch_mha
 from annotated.transformer import BLOCKS, FusedAttention, PerHeadAttention, split, subsequent_mask  # noqa: F401 (doctests)
 
-AttentionLike = Union[PerHeadAttention, FusedAttention, nn.MultiheadAttention]
+AttentionLike = PerHeadAttention | FusedAttention | nn.MultiheadAttention
 
 
 def _shape_str(shape: dict) -> str:

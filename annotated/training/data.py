@@ -207,9 +207,9 @@ def _check_gzip(fd: int, name: str, url: str) -> None:
     try:
         with open(fd, "rb", closefd=False) as raw:
             raw.seek(0)
-            f = gzip.open(raw, "rb")
-            while f.read(1 << 20):
-                pass
+            with gzip.open(raw, "rb") as f:
+                while f.read(1 << 20):
+                    pass
     except (EOFError, OSError, zlib.error) as e:
         raise DataError(f"{name} from {url} is not a complete gzip file ({e}): the download was cut short "
                         f"or the server sent something else; nothing was cached; {_how_to_fix()}") from None

@@ -107,12 +107,12 @@ def _label(kind, heads, S=14, T=12, window=4):
 
 def test_labels_of_constructed_heads():
     S, T = 14, 12
-    flat = lambda q, n: None  # noqa: E731  uniform over the visible keys: 1/14 = 0.07 on the previous token too
-    previous = lambda q, n: max(q - 1, 0)  # noqa: E731
-    last = lambda q, n: S - 1  # noqa: E731
-    first = lambda q, n: 0  # noqa: E731
-    diagonal = lambda q, n: round(q * (S - 1) / (T - 1))  # noqa: E731
-    two_back = lambda q, n: max(q - 2, 0)  # noqa: E731
+    flat = lambda q, n: None  # uniform over the visible keys: 1/14 = 0.07 on the previous token too
+    previous = lambda q, n: max(q - 1, 0)
+    last = lambda q, n: S - 1
+    first = lambda q, n: 0
+    diagonal = lambda q, n: round(q * (S - 1) / (T - 1))
+    two_back = lambda q, n: max(q - 2, 0)
     # a flat head weighs its previous token exactly as uniform attention does: diffuse, not positional
     assert _label("enc_self", [_head("enc_self", S, T, f) for f in (flat, previous, last, two_back)]) == \
         ["diffuse", "positional (offset -1)", "aligns to the last source token", "positional (offset -2)"]

@@ -262,7 +262,7 @@ def test_a_pruned_checkpoint_works_with_the_translator_the_equivalence_check_and
     index = attention_maps.read_index(dump)
     assert index["head_counts"] == PRUNED_COUNTS
     assert [entry["translation"] for entry in index["sentences"]] == want
-    for i, entry in enumerate(index["sentences"]):
+    for i, _entry in enumerate(index["sentences"]):
         attn, _ = attention_maps.load_sentence(dump, i)
         for kind in KINDS:
             assert [a.shape[1] for a in attn[kind]] == PRUNED_COUNTS[kind]

@@ -232,7 +232,7 @@ def test_reorder_cache_moves_and_drops_rows_of_a_real_cache():
             m.decode(memory, None, torch.full((3, 1), BOS), None, cache=cache, start=0)
         index = torch.tensor([2, 0])
         moved = reorder_cache(cache, index)
-        tensors = lambda c: [t for layer in c for kv in layer.values() for t in kv]  # noqa: E731
+        tensors = lambda c: [t for layer in c for kv in layer.values() for t in kv]
         assert len(tensors(cache)) == 2 * 2 * 2  # layers x (self, cross) x (keys, values)
         for before, after in zip(tensors(cache), tensors(moved), strict=True):
             assert after.shape == (2, 2) + before.shape[2:] and torch.equal(after, before[index])  # (2, h, T, d)

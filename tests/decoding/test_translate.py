@@ -317,7 +317,7 @@ def make_run(runs, name, mtime):
 
 def test_latest_checkpoint_follows_runs_latest_then_the_newest(tmp_path):
     runs = tmp_path / "runs"
-    with pytest.raises(CheckpointError, match="no checkpoint found.*--checkpoint PATH"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint found.*--checkpoint PATH"):
         latest_checkpoint(runs)
     old = make_run(runs, "a", 1_000)
     new = make_run(runs, "b", 2_000)
@@ -434,7 +434,7 @@ def test_a_sentence_longer_than_max_len_is_split_at_clause_ends(knows_clauses, s
     translation, note = translate(model, tok, text)
     parts = spy.calls[-1]
     assert len(parts) > 1 and all(len(p) <= MAX_LEN for p in parts) and note.endswith(f"in {len(parts)} parts")
-    assert sum(parts, []) == tok.encode(text)  # nothing lost, nothing added, in order
+    assert [t for part in parts for t in part] == tok.encode(text)  # nothing lost, nothing added, in order
     assert all(tok.decode(p)[-1] in ",;:" for p in parts[:-1])  # each cut at a clause end
     alone = " ".join(tok.decode(translate_ids(model, [p], 4, 0.6)[0]) for p in parts)
     assert translation == " ".join(alone.splitlines())  # (the output stays one line)

@@ -31,15 +31,15 @@ def test_round_trip_restores_config_and_parameters(tmp_path):
 
 
 def test_missing_truncated_and_foreign_files_name_the_file(tmp_path):
-    with pytest.raises(CheckpointError, match="nope.pt: no such file"):
+    with pytest.raises(CheckpointError, match=r"nope\.pt: no such file"):
         load_checkpoint(tmp_path / "nope.pt")
     save_checkpoint(tmp_path / "a.pt", tiny_model(), None)
     data = (tmp_path / "a.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="cut.pt is corrupt"):
+    with pytest.raises(CheckpointError, match=r"cut\.pt is corrupt"):
         load_checkpoint(tmp_path / "cut.pt")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    with pytest.raises(CheckpointError, match="other.pt is not an annotated checkpoint"):
+    with pytest.raises(CheckpointError, match=r"other\.pt is not an annotated checkpoint"):
         load_checkpoint(tmp_path / "other.pt")
 
 
@@ -48,7 +48,7 @@ def test_parameters_that_do_not_fit_the_config_are_reported(tmp_path):
     state = read_checkpoint(tmp_path / "a.pt")
     state["config"]["d_ff"] = 32
     torch.save(state, tmp_path / "b.pt")
-    with pytest.raises(CheckpointError, match="b.pt: parameters do not match its config"):
+    with pytest.raises(CheckpointError, match=r"b\.pt: parameters do not match its config"):
         load_checkpoint(tmp_path / "b.pt")
 
 

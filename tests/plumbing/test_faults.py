@@ -258,7 +258,7 @@ def test_sigint_at_start_up_exits_130_without_a_traceback(tmp_path, data_url, ca
     try:
         time.sleep(0.5)  # any moment after the interpreter started gives the same outcome
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=GUARD)
+        _out, err = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
@@ -284,7 +284,7 @@ def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command
             assert chunk, f"{command} ended before it started working: {err.decode(errors='replace')}"
             err += chunk
         p.send_signal(signal.SIGINT)
-        out, rest = p.communicate(timeout=GUARD)
+        _out, rest = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
@@ -309,7 +309,7 @@ def test_other_commands_exit_130_on_ctrl_c_while_torch_loads(tmp_path, command, 
     try:
         time.sleep(0.4)  # past the interpreter's own start (~0.05 s), inside `import torch` (over 1 s here)
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=GUARD)
+        _out, err = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
@@ -816,7 +816,7 @@ def model_cases(draw):
     B = draw(st.integers(0, 3))
     start = draw(st.integers(0, MAX_LEN)) if op == "decode" else 0
     S, T = draw(st.integers(0, MAX_LEN)), draw(st.integers(0, MAX_LEN - start))
-    ids = lambda B_, T_, vocab: token_ids(B_, T_, vocab, gen, False, draw(st.sampled_from([torch.int64,  # noqa: E731
+    ids = lambda B_, T_, vocab: token_ids(B_, T_, vocab, gen, False, draw(st.sampled_from([torch.int64,
                                                                                         torch.int32])))
     src, tgt = ids(B, S, VOCAB_SRC), ids(B, T, VOCAB_TGT)
     src_mask = draw(st.sampled_from(["padding", "padding", "none", "one row"]))
@@ -865,7 +865,7 @@ def test_model_matches_the_float64_reference(case):
         want = lambda: recorded(reference, lambda: reference.encode(src, src_mask), ["enc_self"])
         shape, n_maps = (B, S, D_MODEL), [(B, 2, S, S)]
     elif op == "decode":
-        decode = lambda m, mem: lambda: m.decode(mem, src_mask, tgt, tgt_mask, start=start)  # noqa: E731
+        decode = lambda m, mem: lambda: m.decode(mem, src_mask, tgt, tgt_mask, start=start)
         result = recorded(model, decode(model, memory.to(dtype)), ra and ["dec_self", "cross"])
         want = lambda: recorded(reference, decode(reference, memory.to(dtype).double()), ["dec_self", "cross"])
         shape, n_maps = (B, T_len, D_MODEL), [(B, 2, T_len, T_len), (B, 2, T_len, S)]
@@ -963,7 +963,7 @@ def test_once_escaped_fused_attention_returns_unasked_probabilities(monkeypatch)
 @pytest.mark.parametrize("shape", [(), (4,), (1,)])
 @escape("FusedAttention: a 0-d or 1-d mask (valid: it broadcasts) fails in mask.unsqueeze(-3) with IndexError")
 def test_once_escaped_fused_attention_low_rank_mask(shape):
-    _, fused, reference = attention_modules(8, 2, True, torch.float32)
+    _, fused, _reference = attention_modules(8, 2, True, torch.float32)
     x = torch.randn(2, 3, 8)
     result = outcome(lambda: fused(x, torch.randn(2, 4, 8), torch.ones(shape, dtype=torch.bool)), valid=True)
     assert result.shape == (2, 3, 8)

@@ -198,7 +198,7 @@ def test_unreachable_or_missing_source_names_the_variable(where, tmp_path, monke
 
 
 def test_unknown_file_name_is_rejected(tmp_path):
-    with pytest.raises(DataError, match="unknown Multi30k file 'val.xx.gz'"):
+    with pytest.raises(DataError, match=r"unknown Multi30k file 'val\.xx\.gz'"):
         fetch("val.xx.gz", tmp_path)
 
 

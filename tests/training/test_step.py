@@ -22,7 +22,7 @@ def tiny_model(seed: int = 0):
 
 def toy_batches(n_pairs: int = 48, max_tokens: int = 200, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    ids = lambda: [int(t) for t in torch.randint(4, 60, (int(torch.randint(3, 20, (1,), generator=gen)),),  # noqa
+    ids = lambda: [int(t) for t in torch.randint(4, 60, (int(torch.randint(3, 20, (1,), generator=gen)),),
                                                  generator=gen)]
     return data.make_batches([(ids(), ids()) for _ in range(n_pairs)], max_tokens, shuffle=True, seed=seed)
 

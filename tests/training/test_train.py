@@ -47,7 +47,7 @@ def test_schedule_warms_up_then_decays():
 
 
 def test_presets_are_valid_and_bad_settings_are_named():
-    for name, cfg in train.PRESETS.items():
+    for _name, cfg in train.PRESETS.items():
         train.make_optimizer(torch.nn.Linear(2, 2), cfg)
         assert cfg.model_for(100).share_embeddings and cfg.model_for(100).tie_generator
     with pytest.raises(ValueError, match="two different languages"):

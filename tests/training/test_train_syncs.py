@@ -49,7 +49,7 @@ def test_steps_between_log_points_dispatch_no_sync(log_every):
     """N steps dispatch no synchronising operator at all: bounded by the number of reads ceil(N / log_every)
     (a read's .cpu() copy is a sync only on an accelerator, so on the CPU even those count 0)."""
     batches = toy_epoch()
-    counter, rows = run_steps(batches, log_every)
+    counter, _rows = run_steps(batches, log_every)
     assert counter.total <= math.ceil(len(batches) / log_every), counter.counts
     assert counter.total == 0, counter.counts
 
