@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from annotated.sites import Site, attention_at, sites
-from annotated.transformer import EncoderDecoder, attention_explicit
+from annotated.transformer import EncoderDecoder, attention_explicit, head_mask
 
 
 def _probabilities(att, x_q: Tensor, x_kv: Tensor | None = None, mask: Tensor | None = None, *,
@@ -59,8 +59,7 @@ def _probabilities(att, x_q: Tensor, x_kv: Tensor | None = None, mask: Tensor | 
         raise ValueError("give exactly one of x_kv and precomputed kv")
     K, V = att.keys_values(x_kv) if kv is None else kv  # (B, h, T_k, d_k), (B, h, T_k, d_v)
     B, T_q, _ = x_q.shape
-    if mask is not None:
-        mask = mask.expand(B, T_q, K.size(-2)).unsqueeze(1)  # (B, 1, T_q, T_k) the same mask for every head
+    mask = head_mask(mask, B, T_q, K.size(-2))  # (B, 1, T_q, T_k) the same mask for every head
     return attention_explicit(att.queries(x_q), K, V, mask)[1]  # (B, h, T_q, T_k)
 
 

@@ -62,12 +62,12 @@ def _check_keep(att, keep: Sequence[int]) -> list[int]:
 def keep_heads_per_head(att: PerHeadAttention, keep: Sequence[int]) -> PerHeadAttention:
     """A PerHeadAttention holding only the heads in `keep`: sum_{i in keep} head_i W_O[i] + b_O."""
     keep = _check_keep(att, keep)
-    new = empty_like(att, h=len(keep))
+    new = empty_like(att, type(att), h=len(keep))
     for name in BLOCKS:  # every per-head parameter: W_Q, W_K, W_V, W_O and the head biases
         if getattr(att, name) is not None:
             for j, i in enumerate(keep):
                 getattr(new, name)[j].copy_(getattr(att, name)[i])  # head i becomes head j
-    if att.bias:
+    if att.b_O is not None and new.b_O is not None:  # both or neither: the same `bias`
         new.b_O.copy_(att.b_O)  # (d_model,) belongs to no head
     return new
 
@@ -118,12 +118,12 @@ def keep_heads_fused(att: FusedAttention, keep: Sequence[int]) -> FusedAttention
     W_O keeps row blocks, each head bias keeps its stretch; b_O stays whole.
     """
     keep = _check_keep(att, keep)
-    new = empty_like(att, h=len(keep))
+    new = empty_like(att, type(att), h=len(keep))
     for name, (dim, width) in BLOCKS.items():
         if getattr(att, name) is not None:
             index = _block_index(keep, getattr(att, width), att.W_Q.device)  # (h' d,)
             getattr(new, name).copy_(getattr(att, name).index_select(dim, index))  # blocks in `keep` only
-    if att.bias:
+    if att.b_O is not None and new.b_O is not None:  # both or neither: the same `bias`
         new.b_O.copy_(att.b_O)  # (d_model,)
     return new
 
@@ -215,5 +215,5 @@ def set_head_counts(model: EncoderDecoder, counts: Mapping[str, Sequence[int]]) 
         for layer, h in enumerate(hs):
             att = attention_at(model, kind, layer)
             if h != att.h:
-                _replace_attention(model, kind, layer, empty_like(att, h=h))
+                _replace_attention(model, kind, layer, empty_like(att, type(att), h=h))
     return model

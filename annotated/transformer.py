@@ -31,11 +31,13 @@
 # %%
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -128,9 +130,23 @@ def attention_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = No
 # kernels, so we zero those rows afterwards to keep our rule.
 # (`test_sdpa_path_matches_explicit_path`.) To look at the probabilities,
 # `annotated/recording.py` recomputes them with `attention_explicit`.
+# Everything that switches the path (the benchmarks, the proofs, the tests)
+# does it with `with fast_path(False):`, which restores the switch afterwards
+# (`test_fast_path_switches_and_restores`).
 
 # %%
 FAST_PATH = True
+
+
+@contextlib.contextmanager
+def fast_path(enabled: bool) -> Iterator[None]:
+    """`FAST_PATH` set to `enabled` inside the block, and back to what it was after it (also on an error)."""
+    global FAST_PATH
+    before, FAST_PATH = FAST_PATH, enabled
+    try:
+        yield
+    finally:
+        FAST_PATH = before
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, dropout_p: float = 0.0) -> Tensor:
@@ -243,6 +259,17 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 # only receives rounding noise. We keep it because `nn.MultiheadAttention`
 # has it too (its `in_proj_bias`), which makes conversions exact.
 #
+# **One interface, two implementations.** `_Attention` below is what every
+# multi-head attention of this chapter is: its sizes, and `forward` (attend
+# from `x_q` to `x_kv`), written once. It names the three methods a form
+# provides: `queries` and `keys_values` in the layouts above, and `_attend`,
+# which attends given the keys and values (the decoder passes its cache
+# there). `PerHeadAttention` implements them with a loop over heads,
+# `FusedAttention` (section 4) with one product each; everything else (the
+# decoder's cache, the recorder of `annotated/recording.py`, the proofs) uses
+# only these, so either form plugs in. A form that left one out could not be
+# built (`test_an_attention_form_must_provide_the_interface`).
+#
 # The paper uses `d_k = d_v = d_model / h`, so that "the total computational
 # cost is similar to that of single-head attention with full dimensionality":
 # the matrix products cost the same number of operations for any `h`, while
@@ -295,8 +322,8 @@ def affine(x: Tensor, W: Tensor, b: Tensor | None = None) -> Tensor:
     return torch.addmm(b, x.reshape(-1, x.size(-1)), W).view(*x.shape[:-1], W.size(-1))  # (..., m)
 
 
-class _Attention(nn.Module):
-    """What both forms share: sizes, and attending given precomputed keys and values."""
+class _Attention(nn.Module, ABC):
+    """The interface of both forms: sizes, `forward` written once, and the three methods a form provides."""
 
     def __init__(self, d_model: int, h: int, d_k: int | None = None, d_v: int | None = None,
                  bias: bool = True, dropout: float = 0.0):
@@ -317,9 +344,34 @@ class _Attention(nn.Module):
         (B, h, T_k, d_v)) pair from `keys_values` (the decoder's cache) and
         replaces `x_kv`.
         """
-        assert (x_kv is None) != (kv is None), "give exactly one of x_kv and precomputed kv"
-        K, V = self.keys_values(x_kv) if kv is None else kv  # (B, h, T_k, d_k), (B, h, T_k, d_v)
+        if kv is None:
+            assert x_kv is not None, "give exactly one of x_kv and precomputed kv"
+            kv = self.keys_values(x_kv)
+        else:
+            assert x_kv is None, "give exactly one of x_kv and precomputed kv"
+        K, V = kv  # (B, h, T_k, d_k), (B, h, T_k, d_v)
         return self._attend(x_q, K, V, mask)
+
+    @abstractmethod
+    def queries(self, x_q: Tensor) -> Tensor:
+        """Every head's queries from x_q (B, T_q, d_model): (B, h, T_q, d_k)."""
+
+    @abstractmethod
+    def keys_values(self, x_kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Every head's keys and values from x_kv (B, T_k, d_model): (B, h, T_k, d_k) and (B, h, T_k, d_v)."""
+
+    @abstractmethod
+    def _attend(self, x_q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None) -> Tensor:
+        """MultiHead from x_q (B, T_q, d_model) to the given keys and values: (B, T_q, d_model)."""
+
+
+def head_mask(mask: Tensor | None, B: int, T_q: int, T_k: int) -> Tensor | None:
+    """A mask that broadcasts to (B, T_q, T_k) as (B, 1, T_q, T_k): the same mask for every head.
+
+    >>> tuple(head_mask(padding_mask(torch.tensor([[5, 6, 0]]), pad=0), 1, 2, 3).shape)
+    (1, 1, 2, 3)
+    """
+    return None if mask is None else mask.expand(B, T_q, T_k).unsqueeze(1)  # (B, 1, T_q, T_k)
 
 
 class PerHeadAttention(_Attention):
@@ -333,8 +385,8 @@ class PerHeadAttention(_Attention):
         self.W_K = nn.ParameterList(nn.Parameter(_xavier(d_model, d_k, d_model, h * d_k)) for _ in range(h))
         self.W_V = nn.ParameterList(nn.Parameter(_xavier(d_model, d_v, d_model, h * d_v)) for _ in range(h))
         self.W_O = nn.ParameterList(nn.Parameter(_xavier(d_v, d_model, h * d_v, d_model)) for _ in range(h))
-        zeros = lambda d: nn.ParameterList(nn.Parameter(torch.zeros(d)) for _ in range(h))
-        self.b_Q, self.b_K, self.b_V = (zeros(d_k), zeros(d_k), zeros(d_v)) if bias else (None, None, None)
+        zeros = lambda d: nn.ParameterList(nn.Parameter(torch.zeros(d)) for _ in range(h)) if bias else None
+        self.b_Q, self.b_K, self.b_V = zeros(d_k), zeros(d_k), zeros(d_v)
         self.b_O = nn.Parameter(torch.zeros(d_model)) if bias else None
 
     @staticmethod
@@ -352,7 +404,7 @@ class PerHeadAttention(_Attention):
         return K, V
 
     def _attend(self, x_q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None) -> Tensor:
-        p_drop, out = self.dropout if self.training else 0.0, 0
+        p_drop, out = self.dropout if self.training else 0.0, x_q.new_zeros(())  # the sum over heads starts at 0
         for i in range(self.h):
             # head_i = Attention(Q W_Q[i], K W_K[i], V W_V[i])
             q_i = self._project(x_q, self.W_Q, self.b_Q, i)  # (B, T_q, d_k)
@@ -438,8 +490,7 @@ class FusedAttention(_Attention):
 
     def _attend(self, x_q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None) -> Tensor:
         B, T_q, _ = x_q.shape
-        if mask is not None:
-            mask = mask.expand(B, T_q, K.size(-2)).unsqueeze(1)  # (B, 1, T_q, T_k) the same mask for every head
+        mask = head_mask(mask, B, T_q, K.size(-2))  # (B, 1, T_q, T_k) the same mask for every head
         heads = attention(self.queries(x_q), K, V, mask,
                           dropout_p=self.dropout if self.training else 0.0)  # (B, h, T_q, d_v)
         # MultiHead = Concat(head_1, ..., head_h) W_O
@@ -463,11 +514,13 @@ BLOCKS = {"W_Q": (1, "d_k"), "W_K": (1, "d_k"), "W_V": (1, "d_v"), "W_O": (0, "d
           "b_Q": (0, "d_k"), "b_K": (0, "d_k"), "b_V": (0, "d_v")}
 
 
-def empty_like(src: _Attention, cls: type | None = None, h: int | None = None) -> _Attention:
-    """A new attention of class `cls` (default: src's) with src's sizes, device, dtype and mode,
-    and `h` heads (default: src's); its parameters are placeholders for the caller to overwrite."""
-    cls, h = cls or type(src), h or src.h
-    dst = cls(src.d_model, h, src.d_k, src.d_v, src.bias, src.dropout)
+A = TypeVar("A", bound=_Attention)
+
+
+def empty_like(src: _Attention, cls: type[A], h: int | None = None) -> A:
+    """A new attention of class `cls` with src's sizes, device, dtype and mode, and `h` heads
+    (default: src's); its parameters are placeholders for the caller to overwrite."""
+    dst = cls(src.d_model, h or src.h, src.d_k, src.d_v, src.bias, src.dropout)
     p = next(src.parameters())
     return dst.to(device=p.device, dtype=p.dtype).train(src.training)
 
@@ -481,7 +534,7 @@ def fuse(per_head: PerHeadAttention) -> FusedAttention:
     for name, (dim, _) in BLOCKS.items():
         if getattr(per_head, name) is not None:
             getattr(fused, name).copy_(torch.cat(list(getattr(per_head, name)), dim=dim))  # (d_model, h*d) ...
-    if per_head.b_O is not None:
+    if per_head.b_O is not None and fused.b_O is not None:  # both or neither: the same `bias`
         fused.b_O.copy_(per_head.b_O)
     return fused
 
@@ -497,12 +550,15 @@ def split(fused: FusedAttention) -> PerHeadAttention:
             blocks = getattr(fused, name).split(getattr(fused, width), dim)  # h blocks
             for block_i, block in zip(getattr(per_head, name), blocks):
                 block_i.copy_(block)  # (d_model, d), (d_v, d_model) or (d,)
-    if fused.b_O is not None:
+    if fused.b_O is not None and per_head.b_O is not None:  # both or neither: the same `bias`
         per_head.b_O.copy_(fused.b_O)
     return per_head
 
 
-def convert_model(model: nn.Module, attention: Literal["fused", "per_head"]) -> nn.Module:
+M = TypeVar("M", bound=nn.Module)
+
+
+def convert_model(model: M, attention: Literal["fused", "per_head"]) -> M:
     """A copy of `model` whose every attention is in the given form (same function).
 
     The model keeps its other settings; an `EncoderDecoder` also gets its
@@ -511,14 +567,15 @@ def convert_model(model: nn.Module, attention: Literal["fused", "per_head"]) -> 
     if attention not in ("fused", "per_head"):
         raise ValueError(f"attention must be 'fused' or 'per_head', got {attention!r}")
     new = copy.deepcopy(model)
-    convert = fuse if attention == "fused" else split
-    source_cls = PerHeadAttention if attention == "fused" else FusedAttention
     for module in list(new.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, source_cls):
-                setattr(module, name, convert(child))
-    if hasattr(new, "config"):
-        new.config = replace(model.config, attention=attention)
+            if attention == "fused" and isinstance(child, PerHeadAttention):
+                setattr(module, name, fuse(child))
+            elif attention == "per_head" and isinstance(child, FusedAttention):
+                setattr(module, name, split(child))
+    config = getattr(new, "config", None)
+    if config is not None:
+        new.config = replace(config, attention=attention)
     return new
 
 
@@ -637,6 +694,8 @@ def sinusoidal_encoding(max_len: int, d_model: int) -> Tensor:
 
 
 class PositionalEncoding(nn.Module):
+    pe: Tensor  # (max_len, d_model), a buffer: moves with the model, not trained, not saved
+
     def __init__(self, d_model: int, max_len: int, dropout: float = 0.0):
         super().__init__()
         self.register_buffer("pe", sinusoidal_encoding(max_len, d_model), persistent=False)

@@ -74,7 +74,7 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one li
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from annotated import transformer as tf  # noqa: E402
+from annotated import transformer  # noqa: E402
 from annotated.decoding import search as decoding  # noqa: E402
 from annotated.plumbing.devices import all_cores, autocast, cpu_has_bf16, default_device  # noqa: E402
 from annotated.tokens import BOS, EOS, PAD  # noqa: E402
@@ -213,7 +213,7 @@ class TorchTransformerReference(nn.Module):
         self.config, d = cfg, cfg.d_model
         self.src_embed = nn.Embedding(cfg.src_vocab, d)
         self.tgt_embed = self.src_embed if cfg.share_embeddings else nn.Embedding(cfg.tgt_vocab, d)
-        self.register_buffer("pe", tf.sinusoidal_encoding(cfg.max_len, d), persistent=False)
+        self.register_buffer("pe", transformer.sinusoidal_encoding(cfg.max_len, d), persistent=False)
         self.dropout = nn.Dropout(cfg.dropout)
         with warnings.catch_warnings():  # a note about nested tensors, which only inference uses
             warnings.simplefilter("ignore")
@@ -264,16 +264,6 @@ VARIANTS = {  # key -> label
 }
 
 
-@contextlib.contextmanager
-def fast_path(on: bool):
-    """Set annotated.transformer.FAST_PATH for the duration of a block."""
-    old, tf.FAST_PATH = tf.FAST_PATH, on
-    try:
-        yield
-    finally:
-        tf.FAST_PATH = old
-
-
 @dataclass
 class Trainee:
     """One row: a model, its loss function, its optimiser, and the FAST_PATH setting it runs with."""
@@ -316,7 +306,7 @@ def make_step(t: Trainee, model: nn.Module, batches, eps: float, amp) -> Callabl
     def step():
         src, tgt = next(batch_iter)
         t.opt.zero_grad(set_to_none=True)
-        with amp(), fast_path(t.fast):
+        with amp(), transformer.fast_path(t.fast):
             loss, n_tokens = t.loss_fn(model, src, tgt, eps)
         (loss / n_tokens).backward()
         t.opt.step()
@@ -509,7 +499,7 @@ def run_memory_probe(size: Size, n_batches: int, sentences: int, seed: int, keys
 def training_flops(cfg: TransformerConfig, src_lengths: list[int], tgt_lengths: list[int]) -> int:
     """Model FLOPs of one training step (forward + backward) on sentences of these lengths."""
     d, N, V = cfg.d_model, cfg.N, cfg.tgt_vocab
-    d_k, d_v = tf._head_sizes(d, cfg.h, cfg.d_k, cfg.d_v)
+    d_k, d_v = transformer._head_sizes(d, cfg.h, cfg.d_k, cfg.d_v)
     H_k, H_v = cfg.h * d_k, cfg.h * d_v
     attn_proj = 2 * d * H_k + 2 * d * H_v  # W_Q, W_K (d x H_k), W_V (d x H_v), W_O (H_v x d)
     ffn = 2 * d * cfg.d_ff  # W_1, W_2
@@ -894,7 +884,7 @@ def bench_translator_cli(st: Settings, log: Callable[[str], None], sentences: in
     with tempfile.TemporaryDirectory() as folder:
         tok = train_tokenizer(texts, 320, cache_dir=folder)
         torch.manual_seed(st.seed)
-        model = tf.make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=2, d_model=32, d_ff=64, h=4,
+        model = transformer.make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=2, d_model=32, d_ff=64, h=4,
                               dropout=0.0, max_len=64).eval()
         save_checkpoint(Path(folder) / "tiny.pt", model, tok)
         lines, ids = "".join(t + "\n" for t in texts).encode(), [tok.encode(t) for t in texts]

@@ -22,11 +22,12 @@ import torch
 
 from annotated.decoding import casing
 from annotated.decoding.translate import prepare, translate_prepared
-from annotated.plumbing.checkpoint import latest_checkpoint, load_checkpoint, read_case_table
+from annotated.plumbing.checkpoint import load_checkpoint, read_case_table
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.options import Parser, at_least
 from annotated.training.data import load_multi30k
 from annotated.training.evaluate import score
+from annotated.training.runs import latest_checkpoint
 
 VARIANTS = {"as written": lambda s: s, "capitals": str.upper, "lower case": str.lower,
             "caps lock": casing.swap_case}

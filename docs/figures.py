@@ -272,7 +272,8 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
 # %%
 def find_checkpoint(root: Path) -> Path | None:
     """The translator's default checkpoint (`latest_checkpoint` of root/runs), or None when there is none."""
-    from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint
+    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.training.runs import latest_checkpoint
 
     try:
         return latest_checkpoint(root / "runs")

@@ -20,7 +20,7 @@ import torch
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
-from annotated import transformer as T
+from annotated import transformer
 from annotated.attention.pictures import CMAP
 from annotated.sites import attention_at
 
@@ -80,21 +80,21 @@ class BlockNumbers:
     W_O: torch.Tensor          # (h*d_v, d_model)
     terms: torch.Tensor        # (h, T, d_model): head_i W_O[i]
     out: torch.Tensor          # (T, d_model): Concat(heads) W_O
-    per_head: T.PerHeadAttention
-    fused: T.FusedAttention
+    per_head: transformer.PerHeadAttention
+    fused: transformer.FusedAttention
 
 
 @torch.no_grad()
 def block_numbers(d_model: int = 6, h: int = 3, T_len: int = 4, seed: int = 0) -> BlockNumbers:
     torch.manual_seed(seed)
-    per_head = T.PerHeadAttention(d_model, h, bias=False).eval()
-    fused = T.fuse(per_head).eval()
+    per_head = transformer.PerHeadAttention(d_model, h, bias=False).eval()
+    fused = transformer.fuse(per_head).eval()
     d_k = fused.d_k
     X = torch.randn(1, T_len, d_model)  # (1, T, d_model)
     XW_Q = X @ fused.W_Q  # (1, T, h*d_k)
     heads_q = XW_Q.view(1, T_len, h, d_k).transpose(1, 2)[0]  # (h, T, d_k)
     K, V = per_head.keys_values(X)  # (1, h, T, d_k), (1, h, T, d_v)
-    heads = T.attention_explicit(per_head.queries(X), K, V)[0][0]  # (h, T, d_v)
+    heads = transformer.attention_explicit(per_head.queries(X), K, V)[0][0]  # (h, T, d_v)
     concat = heads.transpose(0, 1).reshape(T_len, h * fused.d_v)  # (T, h*d_v)
     terms = torch.stack([heads[i] @ per_head.W_O[i] for i in range(h)])  # (h, T, d_model)
     return BlockNumbers(X[0], [w.detach() for w in per_head.W_Q], fused.W_Q.detach(), XW_Q[0], heads_q, heads,
@@ -188,7 +188,7 @@ class OneHead:
     mask: torch.Tensor | None   # the call's mask
 
 
-def attention_input(model: T.EncoderDecoder, src: torch.Tensor, kind: str = "enc_self", layer: int = -1):
+def attention_input(model: transformer.EncoderDecoder, src: torch.Tensor, kind: str = "enc_self", layer: int = -1):
     """(x_q (T, d_model), mask or None) that the attention at (kind, layer) receives while encoding src."""
     layer = layer % model.config.N
     seen = {}
@@ -199,14 +199,14 @@ def attention_input(model: T.EncoderDecoder, src: torch.Tensor, kind: str = "enc
     handle = attention_at(model, kind, layer).register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
-            model.encode(src, T.padding_mask(src, T.PAD))
+            model.encode(src, transformer.padding_mask(src, transformer.PAD))
     finally:
         handle.remove()
     return seen["x"][0], seen["mask"]
 
 
 @torch.no_grad()
-def one_head(att: T.PerHeadAttention, x: torch.Tensor, mask, tokens: list, query: int, head: int) -> OneHead:
+def one_head(att: transformer.PerHeadAttention, x: torch.Tensor, mask, tokens: list, query: int, head: int) -> OneHead:
     """Head `head` of `att` at position `query` of x (T, d_model), computed by hand from W_Q[i] etc."""
     bias = lambda b: 0 if b is None else b[head]
     q = x[query] @ att.W_Q[head] + bias(att.b_Q)  # (d_k,)
@@ -225,7 +225,7 @@ def draw_one_head(ctx) -> tuple[MplFigure, str]:
 
     shown = ctx.shown_sentence()
     model, src, labels, where = shown.model, shown.src, shown.labels, shown.name
-    per_head = T.convert_model(model, "per_head").eval()
+    per_head = transformer.convert_model(model, "per_head").eval()
     x, mask = attention_input(per_head, src)
     layer = model.config.N
     query = len(labels) // 2

@@ -29,3 +29,14 @@ def data_url():
 def cache(tmp_path_factory):
     """One download and tokenizer cache for the whole run (test files that need their own define `cache`)."""
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def fast_path():
+    """`fast_path(False)` in a test: the chapter's `transformer.fast_path` for the rest of the test, undone after."""
+    import contextlib
+
+    from annotated import transformer
+
+    with contextlib.ExitStack() as stack:
+        yield lambda enabled: stack.enter_context(transformer.fast_path(enabled))

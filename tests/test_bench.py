@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from annotated import transformer as tf
+from annotated import transformer
 from annotated.decoding import search as decoding
 from annotated.tokens import BOS, EOS, PAD
 from annotated.training.config import TrainConfig, joint_model
@@ -71,7 +71,7 @@ def test_cpu_arithmetic_rows_compare_against_fp32_on_every_core(result):
 
 
 def test_memory_columns(result):
-    model = tf.make_model(TINY.model_config())
+    model = transformer.make_model(TINY.model_config())
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     largest = max(p.numel() * 4 for p in model.parameters())
     for r in result["train"]:
@@ -116,12 +116,12 @@ def test_result_is_json_and_written_atomically(result, tmp_path):
 
 def test_flop_formula_matches_flop_counter():
     # no padding, so real lengths are the computed lengths; the explicit path runs plain matmuls
-    cfg = tf.TransformerConfig(src_vocab=50, tgt_vocab=50, N=2, d_model=32, d_ff=48, h=4, d_k=6, d_v=10,
+    cfg = transformer.TransformerConfig(src_vocab=50, tgt_vocab=50, N=2, d_model=32, d_ff=48, h=4, d_k=6, d_v=10,
                                dropout=0.0, share_embeddings=True, tie_generator=True)
     src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 6))
     for attention in ("fused", "per_head"):
-        model = tf.make_model(cfg, attention=attention)
-        with bench.fast_path(False), FlopCounterMode(display=False) as counter:
+        model = transformer.make_model(cfg, attention=attention)
+        with transformer.fast_path(False), FlopCounterMode(display=False) as counter:
             loss, _ = batch_loss(model, src, tgt, 0.1)
             loss.backward()
         assert counter.get_total_flops() == bench.training_flops(cfg, [7] * 3, [5] * 3), attention
@@ -129,7 +129,7 @@ def test_flop_formula_matches_flop_counter():
 
 def test_reference_has_the_same_parameters_and_runs():
     cfg = TINY.model_config()
-    ours, ref = tf.make_model(cfg), bench.TorchTransformerReference(cfg)
+    ours, ref = transformer.make_model(cfg), bench.TorchTransformerReference(cfg)
     # the same number of weights (torch packs W_Q, W_K, W_V into one in_proj_weight, so compare totals),
     # and the same LayerNorms: none after a post-norm stack
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters())
@@ -140,7 +140,7 @@ def test_reference_has_the_same_parameters_and_runs():
     loss, n = bench.reference_batch_loss(ref, src, tgt, 0.1)
     assert torch.isfinite(loss) and n == int((tgt[:, 1:] != PAD).sum())
     with pytest.raises(ValueError, match="d_k = d_v"):
-        bench.TorchTransformerReference(tf.TransformerConfig(src_vocab=10, tgt_vocab=10, d_model=32, h=2, d_k=8))
+        bench.TorchTransformerReference(transformer.TransformerConfig(src_vocab=10, tgt_vocab=10, d_model=32, h=2, d_k=8))
 
 
 def test_make_batches_look_like_training_batches():
@@ -162,11 +162,11 @@ def test_make_batches_look_like_training_batches():
 
 def test_suppressed_eos_forces_full_length_decoding():
     torch.manual_seed(0)
-    model = tf.make_model(TINY.model_config()).eval()
+    model = transformer.make_model(TINY.model_config()).eval()
     with torch.no_grad():
         model.generator.bias[EOS] = 1e4  # eos is every step's most likely token
     src = bench.make_batches(1, 2, TINY.train.vocab_size, 0)[0][0]
-    mask = tf.padding_mask(src, PAD)
+    mask = transformer.padding_mask(src, PAD)
     assert decoding.greedy(model, src, mask, 9).size(1) == 1  # stops at once
     bench.suppress_eos(model)
     for out in (decoding.greedy(model, src, mask, 9), decoding.greedy(model, src, mask, 9, use_cache=False),

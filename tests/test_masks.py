@@ -49,8 +49,8 @@ def nan_in_blocked_rows(real):
     return kernel
 
 
-def test_fast_path_gives_zeros_for_fully_blocked_queries_whatever_the_kernel(monkeypatch):
-    monkeypatch.setattr(transformer, "FAST_PATH", True)
+def test_fast_path_gives_zeros_for_fully_blocked_queries_whatever_the_kernel(monkeypatch, fast_path):
+    fast_path(True)
     monkeypatch.setattr(transformer.F, "scaled_dot_product_attention", nan_in_blocked_rows(transformer.F.scaled_dot_product_attention))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 4, 5, generator=gen) for _ in range(3))  # (B, h, T, d)

@@ -78,16 +78,16 @@ def test_per_head_and_fused_agree(dtype, bias, kind):
 
 
 @pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
-def test_sdpa_path_matches_explicit_path(cls, monkeypatch):
+def test_sdpa_path_matches_explicit_path(cls, fast_path):
     torch.manual_seed(0)
     att = cls(16, 4).double()
     random_biases(att, torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
     mask = random_mask(2, 5, 5, gen) & subsequent_mask(5)
-    monkeypatch.setattr(transformer, "FAST_PATH", True)
+    fast_path(True)
     fast = att(x, x, mask)
-    monkeypatch.setattr(transformer, "FAST_PATH", False)
+    fast_path(False)
     slow = att(x, x, mask)
     assert (fast - slow).abs().max() <= 1e-12
 
@@ -102,9 +102,44 @@ def test_attention_weights_are_a_distribution_over_allowed_keys():
     assert torch.allclose(p.sum(-1), torch.ones(2, 3, 5, dtype=torch.float64))
 
 
+def test_fast_path_switches_and_restores(monkeypatch):
+    real, calls = transformer.attention_explicit, []
+    monkeypatch.setattr(transformer, "attention_explicit", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q = k = v = torch.randn(1, 3, 4)
+    before = transformer.FAST_PATH
+    with transformer.fast_path(not before):
+        assert transformer.FAST_PATH is (not before)
+        with transformer.fast_path(False):
+            transformer.attention(q, k, v)  # the explicit form
+        assert transformer.FAST_PATH is (not before)
+    assert transformer.FAST_PATH is before and calls == [1]
+    with transformer.fast_path(True):
+        transformer.attention(q, k, v)  # SDPA: the explicit form is not called
+    assert calls == [1]
+    with pytest.raises(RuntimeError), transformer.fast_path(not before):
+        raise RuntimeError("the switch is restored even after an error")
+    assert transformer.FAST_PATH is before
+
+
+def test_an_attention_form_must_provide_the_interface():
+    class NoAttend(transformer._Attention):  # queries and keys_values, but not _attend
+        def queries(self, x_q):
+            return x_q
+
+        def keys_values(self, x_kv):
+            return x_kv, x_kv
+
+    with pytest.raises(TypeError, match="_attend"):
+        NoAttend(8, 2)
+    for cls in (PerHeadAttention, FusedAttention):
+        assert issubclass(cls, transformer._Attention) and not cls.__abstractmethods__
+    assert transformer._Attention.__abstractmethods__ == {"queries", "keys_values", "_attend"}
+
+
+
 @pytest.mark.parametrize("fast", [True, False])
-def test_fully_masked_query_gives_zeros(fast, monkeypatch):
-    monkeypatch.setattr(transformer, "FAST_PATH", fast)
+def test_fully_masked_query_gives_zeros(fast, fast_path):
+    fast_path(fast)
     q = torch.randn(1, 3, 4)
     k = v = torch.randn(1, 5, 4)
     mask = torch.ones(1, 3, 5, dtype=torch.bool)
@@ -129,14 +164,14 @@ def test_fully_masked_query_gives_zeros(fast, monkeypatch):
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_scaling_keeps_score_variance_at_one(fast, monkeypatch):
+def test_scaling_keeps_score_variance_at_one(fast, fast_path):
     """attention() divides q.k by sqrt(d_k): its scores have variance 1 for unit-variance q and k.
 
     With two keys and values e_1, e_2, the output is the probabilities, and log(p_1 / p_2) = s_1 - s_2,
     whose variance is 2 var(s) for independent scores. 50,000 queries: the sample variance of a variance-2
     normal quantity is within 0.1 of 2 by about 8 standard errors. A scale of 1/d_k or none fails by far.
     """
-    monkeypatch.setattr(transformer, "FAST_PATH", fast)  # the SDPA kernel and the explicit form
+    fast_path(fast)  # the SDPA kernel and the explicit form
     gen = torch.Generator().manual_seed(0)
     n = 50_000
     v = torch.eye(2, dtype=torch.float64).expand(n, 2, 2)  # (n, T_k=2, d_v=2)
@@ -193,9 +228,9 @@ def test_attention_ignores_the_order_of_keys_and_values(cls):
 
 @pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
 @pytest.mark.parametrize("fast", [True, False])
-def test_attention_dropout_is_off_in_eval_mode(cls, fast, monkeypatch):
+def test_attention_dropout_is_off_in_eval_mode(cls, fast, fast_path):
     """An attention with dropout 0.5 in eval mode is deterministic and equals the same weights at dropout 0."""
-    monkeypatch.setattr(transformer, "FAST_PATH", fast)
+    fast_path(fast)
     torch.manual_seed(0)
     att = cls(12, 3, dropout=0.5).double()
     random_biases(att, torch.Generator().manual_seed(0))
@@ -250,11 +285,11 @@ def test_fuse_split_round_trip_is_bit_identical(bias):
 
 
 @pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
-def test_cost_of_h_heads_is_similar_to_one_full_width_head(cls, monkeypatch):
+def test_cost_of_h_heads_is_similar_to_one_full_width_head(cls, fast_path):
     """With d_k = d_v = d_model / h the matrix products cost exactly as many FLOPs for h = 8 as for h = 1;
     the softmax handles h times as many scores (the prose's "similar")."""
     from torch.utils.flop_counter import FlopCounterMode
-    monkeypatch.setattr(transformer, "FAST_PATH", False)  # count the explicit form's products
+    fast_path(False)  # count the explicit form's products
     flops, scores = {}, {}
     for h in (1, 8):
         att = cls(64, h).eval()

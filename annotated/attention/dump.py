@@ -65,13 +65,14 @@ import torch
 from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figure
 from annotated.attention.viewer import importance_fits, read_head_importance, viewer_html
 from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import latest_checkpoint, load_checkpoint
+from annotated.plumbing.checkpoint import load_checkpoint
 from annotated.plumbing.checks import check_eval_mode, check_id_list, check_tokenizer
 from annotated.plumbing.files import json_safe, new_file_mode, save_figure
 from annotated.plumbing.options import Parser, at_least, device, writable_dir
 from annotated.recording import record_attention
 from annotated.sites import KINDS, head_counts
 from annotated.tokens import BOS, EOS, PAD
+from annotated.training.runs import latest_checkpoint
 from annotated.transformer import EncoderDecoder, padding_mask, subsequent_mask
 
 FORMAT = "annotated-attention-v2"
@@ -344,7 +345,7 @@ def bertviz_args(attn: dict, entry: dict | None = None) -> dict:
         if len(set(counts)) > 1:
             raise ValueError(f"bertviz needs the same number of heads in every layer, but the {kind} layers have "
                              f"{counts} heads (a pruned model); show it with viewer.html instead")
-    out = {"encoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["enc_self"]),
+    out: dict[str, object] = {"encoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["enc_self"]),
            "decoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["dec_self"]),
            "cross_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["cross"])}
     if entry is not None:
@@ -595,7 +596,7 @@ def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: 
 # `python -m annotated.attention.dump [--checkpoint PATH] [--out DIR] [--n 3] [--beam 4] [sentence ...]`
 # (also `make attention ARGS='...'`). Without `--checkpoint` it takes the
 # model of the most recent training run (`runs/latest/averaged.pt`, else
-# `best.pt`), found by `latest_checkpoint` (`annotated/plumbing/checkpoint.py`), as the translator finds it;
+# `best.pt`), found by `latest_checkpoint` (`annotated/training/runs.py`), as the translator finds it;
 # without sentences, the first `--n` sentences of Multi30k's
 # `test_2016_flickr` in the checkpoint's source language (downloaded as in
 # training; `$MULTI30K_URL` or `--data-url` choose the mirror), with their

@@ -19,6 +19,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked before any data or model work: one line and exit 2 (SystemExit) if wrong."""
     args = build_parser().parse_args(argv)
     if args.checkpoint is None:
-        from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint
+        from annotated.plumbing.checkpoint import CheckpointError
+        from annotated.training.runs import latest_checkpoint
 
         try:
             args.checkpoint = latest_checkpoint("runs")
@@ -464,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{NAME}: error: {e}", file=sys.stderr)
         return 2
     model = model.to(args.device)
-    report = {"checkpoint": str(args.checkpoint),
+    report: dict[str, Any] = {"checkpoint": str(args.checkpoint),
               "validation": {"split": "val", "sentences": len(val), "decoding": "greedy",
                              "loss": "cross-entropy per target token", "resamples": args.resamples,
                              "seed": args.seed, "confidence": CONFIDENCE}}

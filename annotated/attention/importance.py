@@ -111,7 +111,8 @@ def head_importance(model: EncoderDecoder, batches: Iterable, progress: bool = F
         n += 1
     if n == 0:
         raise ValueError("head_importance needs at least one sentence")
-    scores, k = {kind: [] for kind in KINDS}, 0
+    scores: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
+    k = 0
     for (kind, _), Ws in W_O:
         scores[kind].append((total[k:k + len(Ws)] / n).tolist())
         k += len(Ws)
@@ -151,7 +152,7 @@ def ablate(model: EncoderDecoder, evaluate: Callable[[EncoderDecoder], dict],
            progress: bool = False) -> dict[str, list[list[dict]]]:
     """{kind: [[evaluate(model without head i of that layer) for each head i] per layer]}."""
     jobs = [(site, i) for site in sites(model) for i in range(attention_at(model, *site).h)]
-    out = {kind: [[] for _ in range(model.config.N)] for kind in KINDS}
+    out: dict[str, list[list[dict]]] = {kind: [[] for _ in range(model.config.N)] for kind in KINDS}
     for (kind, layer), i in tracked(jobs, len(jobs), "ablation", "head", progress):
         out[kind][layer].append(evaluate(remove_heads(model, {(kind, layer): [i]}).eval()))
     return out

@@ -20,6 +20,8 @@
 # %%
 from __future__ import annotations
 
+from typing import Final
+
 import matplotlib
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -52,7 +54,7 @@ CMAP = "viridis"  # every attention picture: grids, alignments, the viewer's col
 HEAD_COLOURS = "tab10"  # the viewer's lines view: one colour per head
 RANGE = (0.0, 1.0)  # attention weights are probabilities
 MASKED = "#d0d0d0"  # grey: a weight the causal mask forces to zero
-LAYOUT = "constrained"
+LAYOUT: Final = "constrained"
 
 KIND_LABELS = {"enc_self": "encoder self-attention", "dec_self": "decoder self-attention (masked)",
                "cross": "cross-attention (decoder -> source)"}
@@ -81,8 +83,8 @@ def colour_table(n: int = 64, cmap: str = CMAP) -> list[str]:
 
 def head_colours(n: int) -> list[str]:
     """One '#rrggbb' per head from `HEAD_COLOURS` (repeating after 10 heads)."""
-    table = matplotlib.colormaps[HEAD_COLOURS].colors
-    return [matplotlib.colors.to_hex(table[i % len(table)]) for i in range(n)]
+    table = matplotlib.colormaps[HEAD_COLOURS]  # a listed map of `table.N` colours
+    return [matplotlib.colors.to_hex(table(i % table.N)) for i in range(n)]
 
 
 # %% [markdown]

@@ -120,7 +120,7 @@ def script_json(value) -> str:
 
 def viewer_file(name: str) -> str:
     """The text of `annotated/attention/web/<name>` (package data)."""
-    return importlib.resources.files("annotated.attention").joinpath("web", name).read_text(encoding="utf-8")
+    return importlib.resources.files("annotated.attention").joinpath("web").joinpath(name).read_text(encoding="utf-8")
 
 
 def viewer_html(index: dict, arrays: list[dict], decimals: int = 4, *, embedded: bool = False,

@@ -335,7 +335,7 @@ def _search(model, src, src_mask, max_len, k, alpha, bos, eos, use_cache, finish
             rows = rows[keep_rows]
             memory = memory.index_select(0, rows)  # (A'*k, S, d_model) beams of a sentence share it
             mask = None if mask is None else mask.index_select(0, rows)  # (A'*k, 1|S, S)
-        if use_cache:
+        if cache is not None:
             cache = reorder_cache(cache, rows)
 
 

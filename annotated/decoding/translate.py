@@ -63,9 +63,10 @@ import torch
 
 from annotated.decoding import casing
 from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_case_table
+from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, read_case_table
 from annotated.plumbing.checks import check_tokenizer
 from annotated.plumbing.options import Parser, at_least, device, number
+from annotated.training.runs import latest_checkpoint
 from annotated.transformer import EncoderDecoder
 
 NAME = "translate"
@@ -74,7 +75,7 @@ NAME = "translate"
 # ## 1. Which checkpoint
 #
 # `--checkpoint PATH`, or else the model of the latest training run, found
-# by `latest_checkpoint` (`annotated/plumbing/checkpoint.py`, section "Which
+# by `latest_checkpoint` (`annotated/training/runs.py`, "Which
 # checkpoint"): `runs/latest/averaged.pt` where the run averaged its last
 # epochs, else `runs/latest/best.pt`; else that of the run whose `best.pt`
 # was written last; else an error that says how to get one.
@@ -305,10 +306,11 @@ def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, l
 # %%
 def _numbered(sentences: list[str], stdin) -> Iterator[tuple[str, str | None, str | None]]:
     """(where, text or None when too long, note) for each command-line sentence, or each line of stdin."""
+    raws: Iterator[bytes | None]
     if sentences:
         # arguments undecodable in the locale arrive as surrogate escapes: same rule as stdin
-        raws = (s.encode("utf-8", errors="surrogateescape") for s in sentences)
-        raws = (raw if len(raw) <= MAX_LINE_BYTES else None for raw in raws)
+        encoded = (s.encode("utf-8", errors="surrogateescape") for s in sentences)
+        raws = (raw if len(raw) <= MAX_LINE_BYTES else None for raw in encoded)
     else:
         raws = bounded_lines(stdin)
     for i, raw in enumerate(raws, 1):
@@ -481,7 +483,7 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a bad option (2, its one line already on stderr)
-        return e.code
+        return e.code if isinstance(e.code, int) else 2
     stdin = sys.stdin.buffer if stdin is None else stdin
     stdout = sys.stdout.buffer if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr

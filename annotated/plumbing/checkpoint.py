@@ -203,8 +203,8 @@ def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>"
             problem = f"the config needs {name} {list(wanted[name])}, which the file does not hold"
         elif name not in wanted:
             problem = f"the file holds {name}, which the config does not make"
-        elif stored[name] != wanted[name]:
-            problem = (f"{name} is stored as {list(stored[name]) if stored[name] is not None else 'no tensor'} "
+        elif (got := stored[name]) != wanted[name]:
+            problem = (f"{name} is stored as {list(got) if got is not None else 'no tensor'} "
                        f"but the config needs {list(wanted[name])}")
         else:
             continue
@@ -254,48 +254,3 @@ def load_checkpoint(path: os.PathLike | str, map_location: str = "cpu"):
                                   f"model's vocabularies have {cfg.src_vocab} (source) and {cfg.tgt_vocab} "
                                   f"(target); they do not belong together")
     return model, tokenizer, state.get("meta", {})
-
-
-# %% [markdown]
-# ## Which checkpoint
-#
-# Training writes each run into `runs/<name>/`, with `best.pt` (best
-# validation BLEU), `last.pt` and, when the run averages its last epochs
-# (the `cpu` and `gpu` presets do), `averaged.pt`; it points `runs/latest`
-# at the newest run (a symlink, or a text file holding the run directory's
-# name). A run's **model** (`run_model`) is `averaged.pt` where there is
-# one, else `best.pt`: the rule is fixed before any test score is seen,
-# never chosen by it. Without `--checkpoint` the translator, `make
-# attention` and `make heads` take, in this order:
-#
-# 1. the model of `runs/latest`, a symlink to a run directory or a text file
-#    naming one (relative to `runs/`, or as a path);
-# 2. else the model of the run whose `best.pt` was written last;
-# 3. else it stops with an error that says how to get a checkpoint.
-
-# %%
-def run_model(run: Path) -> Path | None:
-    """A run's model: `averaged.pt` when the run averaged its last epochs, else `best.pt`; None without either."""
-    for name in ("averaged.pt", "best.pt"):
-        if (run / name).is_file():
-            return run / name
-    return None
-
-
-def latest_checkpoint(runs_dir: str | Path = "runs") -> Path:
-    """The model of the latest training run under `runs_dir`."""
-    runs = Path(runs_dir)
-    latest = runs / "latest"
-    if latest.is_dir():  # a symlink to the run directory
-        if run_model(latest):
-            return run_model(latest)
-    elif latest.is_file():  # a text file naming it
-        name = latest.read_text(encoding="utf-8", errors="replace").strip()
-        for run in (runs / name, Path(name)):
-            if name and run_model(run):
-                return run_model(run)
-    found = [p for p in runs.glob("*/best.pt") if p.is_file()]
-    if found:
-        return run_model(max(found, key=lambda p: p.stat().st_mtime).parent)
-    raise CheckpointError(f"no checkpoint found: neither {latest}/best.pt nor any {runs}/*/best.pt exists; "
-                          f"train one (`make train`) or pass --checkpoint PATH")

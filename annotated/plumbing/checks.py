@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from annotated.plumbing.checkpoint import CheckpointError
 from annotated.tokens import PAD
+from annotated.transformer import EncoderDecoder
 
 
 def check_eval_mode(model: nn.Module, what: str) -> None:
@@ -92,7 +93,7 @@ def check_mask(mask: Tensor, scores_shape: tuple[int, ...], name: str = "mask") 
                          f"shape {tuple(scores_shape)} (B, T_q, T_k)")
 
 
-def check_decoding(model: nn.Module, src: Tensor, src_mask: Tensor | None, max_len: int) -> None:
+def check_decoding(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int) -> None:
     """What `greedy`, `beam_search` and `sequence_logprob` expect: eval mode, (B, S) source ids of the
     vocabulary, S <= config.max_len, a source mask (B or 1, 1 or S, S), 1 <= max_len <= config.max_len."""
     check_eval_mode(model, "decoding")
@@ -109,7 +110,7 @@ def check_decoding(model: nn.Module, src: Tensor, src_mask: Tensor | None, max_l
         raise ValueError(f"source length {S} exceeds the model's max_len={limit}")
 
 
-def check_decoder_output(model: nn.Module, src: Tensor, ys: Tensor) -> None:
+def check_decoder_output(model: EncoderDecoder, src: Tensor, ys: Tensor) -> None:
     """What `sequence_logprob` scores: (B, L) ids as the decoders return them, 1 <= L <= config.max_len."""
     limit = model.config.max_len
     if not isinstance(ys, Tensor) or ys.dim() != 2 or ys.size(0) != src.size(0) or not 1 <= ys.size(1) <= limit:
@@ -126,7 +127,7 @@ def check_beam(beam_size: int, length_penalty: float) -> None:
         raise ValueError(f"length_penalty (alpha) must be a finite number >= 0, got {length_penalty!r}")
 
 
-def check_sources(model: nn.Module, sources: Sequence[Sequence[int]], batch_size: int, max_extra: int) -> None:
+def check_sources(model: EncoderDecoder, sources: Sequence[Sequence[int]], batch_size: int, max_extra: int) -> None:
     """What `translate_ids` expects: eval mode, lists of source ids of the vocabulary, a batch size >= 1, and
     max_extra >= 0. (A source longer than max_len is allowed: `translate_ids` cuts it and says so.)"""
     check_eval_mode(model, "translating")
@@ -163,7 +164,7 @@ def check_id_list(name: str, ids: Sequence[int], vocab: int, max_len: int, allow
     return ids
 
 
-def check_source_and_target(model: nn.Module, src: Tensor, tgt: Tensor) -> None:
+def check_source_and_target(model: EncoderDecoder, src: Tensor, tgt: Tensor) -> None:
     """A batch of sources and targets for one teacher-forced pass: ids of the vocabularies, equal batch
     sizes, lengths within config.max_len."""
     cfg = model.config

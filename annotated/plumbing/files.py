@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 try:
     import fcntl  # POSIX; without it (Windows) stale temporary files are left alone
 except ImportError:  # pragma: no cover
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # the module or None: the checks below ask which
 
 Content = bytes | str | Callable[[BinaryIO], None]
 

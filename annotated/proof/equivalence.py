@@ -76,6 +76,8 @@ import math
 import os
 import sys
 import textwrap
+from collections.abc import Callable
+from typing import Any
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
@@ -88,7 +90,7 @@ from sympy import BlockMatrix, MatrixSymbol, OneMatrix, ZeroMatrix, block_collap
 from torch import Tensor, nn
 from tqdm import tqdm
 
-import annotated.transformer as T
+from annotated import transformer
 from annotated.plumbing.checks import check_source_and_target
 from annotated.proof.harness import (
     MHA_MODES,
@@ -99,7 +101,6 @@ from annotated.proof.harness import (
     compare_paths,
     compare_with_torch_mha,
     dtype_name,
-    fast_path,
     max_abs,
     mha_cases,
     nanmax,
@@ -112,6 +113,7 @@ from annotated.transformer import (
     FusedAttention,
     PerHeadAttention,
     convert_model,
+    fast_path,
     fuse,
     greedy_decode,
     padding_mask,
@@ -295,17 +297,17 @@ def check_symbolic() -> tuple[CheckResult, list[tuple[str, str, bool]]]:
 # (one head, one column, one position, `h*d_k != d_model`).
 
 # %%
-TRACER_SIZES = dict(h=range(1, 9), d=range(1, 6), BT=((1, 1), (2, 3), (3, 5)))
+TRACER_SIZES: dict[str, Any] = dict(h=range(1, 9), d=range(1, 6), BT=((1, 1), (2, 3), (3, 5)))
 
 
-def tags(B: int, T_len: int, h: int, d: int) -> Tensor:
+def tags(B: int, T: int, h: int, d: int) -> Tensor:
     """tag(n, t, i, c) = 1e6 n + 1e4 t + 100 i + c, laid out as (B, T, h, d) by broadcasting (no view).
 
     >>> tags(2, 1, 2, 2)[1, 0].tolist()
     [[1000000.0, 1000001.0], [1000100.0, 1000101.0]]
     """
     ar = lambda k, n: torch.arange(n, dtype=torch.float64).view([-1 if j == k else 1 for j in range(4)])
-    return 1_000_000 * ar(0, B) + 10_000 * ar(1, T_len) + 100 * ar(2, h) + ar(3, d)  # (B, T, h, d)
+    return 1_000_000 * ar(0, B) + 10_000 * ar(1, T) + 100 * ar(2, h) + ar(3, d)  # (B, T, h, d)
 
 
 def _as_columns(tg: Tensor) -> Tensor:
@@ -313,15 +315,15 @@ def _as_columns(tg: Tensor) -> Tensor:
     return torch.cat([tg[:, :, i] for i in range(tg.size(2))], dim=-1)  # (B, T, h*d)
 
 
-def _heads_case(h: int, d: int, B: int, T_len: int) -> bool:
+def _heads_case(h: int, d: int, B: int, T: int) -> bool:
     att = FusedAttention(h * d, h, d_k=d, d_v=d).double()
-    tg = tags(B, T_len, h, d)  # (B, T, h, d)
+    tg = tags(B, T, h, d)  # (B, T, h, d)
     x, eye = _as_columns(tg), torch.eye(h * d, dtype=torch.float64)
     want = tg.permute(0, 2, 1, 3)  # (B, h, T, d): head i holds block i (a permute of the tag axes, not the code)
     return all(torch.equal(att._heads(x, eye, b, d), want) for b in (None, torch.zeros(h * d, dtype=torch.float64)))
 
 
-def _identity_attention(cls: type, h: int, d_k: int, d_v: int) -> nn.Module:
+def _identity_attention(cls: type, h: int, d_k: int, d_v: int) -> PerHeadAttention | FusedAttention:
     fused = FusedAttention(h * d_v, h, d_k=d_k, d_v=d_v).double().eval()
     with torch.no_grad():
         for p in fused.parameters():
@@ -331,26 +333,27 @@ def _identity_attention(cls: type, h: int, d_k: int, d_v: int) -> nn.Module:
     return fused if cls is FusedAttention else split(fused)
 
 
-def _forward_case(cls: type, h: int, d_k: int, d_v: int, B: int, T_len: int) -> bool:
+def _forward_case(cls: type, h: int, d_k: int, d_v: int, B: int, T: int) -> bool:
     att = _identity_attention(cls, h, d_k, d_v)
-    x = _as_columns(tags(B, T_len, h, d_v))  # (B, T, h*d_v)
-    diagonal = torch.eye(T_len, dtype=torch.bool).unsqueeze(0)  # (1, T, T): query t sees key t only
+    x = _as_columns(tags(B, T, h, d_v))  # (B, T, h*d_v)
+    diagonal = torch.eye(T, dtype=torch.bool).unsqueeze(0)  # (1, T, T): query t sees key t only
     with torch.no_grad():
         outs = []
         for flag in (True, False):  # the SDPA kernel and the explicit softmax
             with fast_path(flag):
                 outs.append(att(x, x, diagonal))
         K, _ = att.keys_values(x)  # (B, h, T, d_k) with W_K = 0
-    return all(torch.equal(out, x) for out in outs) and K.shape == (B, h, T_len, d_k)
+    return all(torch.equal(out, x) for out in outs) and K.shape == (B, h, T, d_k)
 
 
-def _keys_case(cls: type, h: int, d: int, B: int, T_len: int) -> bool:
+def _keys_case(cls: type, h: int, d: int, B: int, T: int) -> bool:
     fused = FusedAttention(h * d, h, d_k=d, d_v=d).double()
     with torch.no_grad():
         fused.W_K.copy_(torch.eye(h * d))
-        fused.b_K.zero_()
+        if fused.b_K is not None:  # built with biases
+            fused.b_K.zero_()
     att = fused if cls is FusedAttention else split(fused)
-    tg = tags(B, T_len, h, d)
+    tg = tags(B, T, h, d)
     with torch.no_grad():
         K, _ = att.keys_values(_as_columns(tg))  # (B, h, T, d)
     return torch.equal(K, tg.permute(0, 2, 1, 3))
@@ -366,6 +369,7 @@ def _fuse_split_case(h: int, d_k: int, d_v: int) -> bool:
                 rows = block.shape[0] if block.dim() == 2 else 1
                 tg = tags(p + 1, rows, h, width)[p, :, i]  # (rows, width): tag(p, r, i, c)
                 block.copy_(tg if block.dim() == 2 else tg[0])
+        assert per_head.b_O is not None  # built with biases
         per_head.b_O.copy_(tags(8, 1, 1, d_model)[7, 0, 0])
     fused = fuse(per_head)
     ok = True
@@ -377,6 +381,7 @@ def _fuse_split_case(h: int, d_k: int, d_v: int) -> bool:
         else:  # column blocks: column i*d + c
             want = torch.cat([tg[:, i] for i in range(h)], dim=1)  # (rows, h*d)
         ok &= torch.equal(getattr(fused, name), want if name.startswith("W") else want[0])
+    assert fused.b_O is not None
     ok &= torch.equal(fused.b_O, per_head.b_O)
     back = split(fused)
     return ok and all(torch.equal(a, b) for a, b in zip(per_head.parameters(), back.parameters(), strict=True))
@@ -387,14 +392,14 @@ def tracer_checks(progress: bool = False, sizes: dict | None = None) -> list[Che
     sizes = TRACER_SIZES if sizes is None else sizes
     hs, ds, BTs = sizes["h"], sizes["d"], sizes["BT"]
     forms = (PerHeadAttention, FusedAttention)
-    checks = {
+    checks: dict[str, list[tuple[Callable[..., bool], tuple]]] = {
         "FusedAttention._heads: head i = column block i (with and without bias)":
-            [(_heads_case, (h, d, B, T_len)) for h in hs for d in ds for B, T_len in BTs],
+            [(_heads_case, (h, d, B, T)) for h in hs for d in ds for B, T in BTs],
         "whole forward of both forms, identity weights: every tag returns to its place (concatenation in _attend)":
-            [(_forward_case, (cls, h, d_k, d_v, B, T_len)) for cls in forms for h in hs for d_k in ds for d_v in ds
-             for B, T_len in BTs],
+            [(_forward_case, (cls, h, d_k, d_v, B, T)) for cls in forms for h in hs for d_k in ds for d_v in ds
+             for B, T in BTs],
         "keys_values of both forms: (B, h, T, d_k), head i = block i":
-            [(_keys_case, (cls, h, d, B, T_len)) for cls in forms for h in hs for d in ds for B, T_len in BTs],
+            [(_keys_case, (cls, h, d, B, T)) for cls in forms for h in hs for d in ds for B, T in BTs],
         "fuse puts head i's entries in block i (W_O: row block i); split puts every entry back":
             [(_fuse_split_case, (h, d_k, d_v)) for h in hs for d_k in ds for d_v in ds],
     }
@@ -622,7 +627,7 @@ def check_torch_mha(progress: bool = False) -> list[CheckResult]:
 # ### Two kernels, and whole models
 #
 # **SDPA vs explicit softmax.** `attention()` runs PyTorch's fused
-# `scaled_dot_product_attention` when `T.FAST_PATH` is on, else the
+# `scaled_dot_product_attention` when `transformer.FAST_PATH` is on, else the
 # explicit `softmax(Q K^T / sqrt(d_k)) V`. On
 # generated cases (fully masked queries included) both forms must give the
 # same outputs and input gradients either way. The flag is set inside the
@@ -660,14 +665,14 @@ def logits_tolerance(dtype: torch.dtype, logits: Tensor) -> float:
     return TOL[torch.float32] * max(1.0, logits.abs().max().item())
 
 
-def compare_model_forms(model: T.EncoderDecoder, src: Tensor, tgt: Tensor, max_len: int) -> dict:
+def compare_model_forms(model: transformer.EncoderDecoder, src: Tensor, tgt: Tensor, max_len: int) -> dict:
     """Convert `model` to the other attention form; compare logits (float32, float64) and greedy decodes."""
     check_source_and_target(model, src, tgt)  # the door, before any model work
-    other = "fused" if model.config.attention == "per_head" else "per_head"
+    other: transformer.AttentionForm = "fused" if model.config.attention == "per_head" else "per_head"
     a = copy.deepcopy(model).eval()  # the caller's model keeps its dtype and mode
     b = convert_model(a, other).eval()
     src_mask, tgt_mask = padding_mask(src, PAD), target_mask(tgt, PAD)
-    res = {}
+    res: dict[Any, Any] = {}
     with torch.no_grad():
         for dtype in (torch.float32, torch.float64):
             ma, mb = a.to(dtype), b.to(dtype)
@@ -700,10 +705,10 @@ def check_copy_model(steps: int = 150, batch_size: int = 64, sentences: int = 50
     """A per-head copy-task model (briefly trained) vs its fused conversion."""
     with tqdm(total=1, desc=f"training the copy-task model ({steps} steps)", leave=False, disable=not progress,
               file=sys.stderr) as bar:
-        model = T.train_copy_task(attention="per_head", steps=steps, batch_size=batch_size, seed=seed)
+        model = transformer.train_copy_task(attention="per_head", steps=steps, batch_size=batch_size, seed=seed)
         bar.update(1)
     gen = torch.Generator().manual_seed(seed + 1)
-    src, tgt = T.copy_batch(sentences, 10, model.config.src_vocab, gen)
+    src, tgt = transformer.copy_batch(sentences, 10, model.config.src_vocab, gen)
     res = compare_model_forms(model, src, tgt[:, :-1], max_len=11)
     rows = _model_rows(f"copy-task model ({steps} steps)", res)
     want = tgt[:, 1:]  # (n, 11): symbols, eos, pad
@@ -727,11 +732,11 @@ def check_checkpoint(path: str, sentences: int = 64, seed: int = 0) -> list[Chec
         return [CheckResult(f"checkpoint {path}: loads", 0, math.inf, 0.0, False, [f"{type(e).__name__}: {e}"])]
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
-    S, T_len = min(20, cfg.max_len), min(20, cfg.max_len)
+    S, T = min(20, cfg.max_len), min(20, cfg.max_len)
     src = torch.randint(4, cfg.src_vocab, (sentences, S), generator=gen)  # (n, S) ids past pad/bos/eos/unk
     lengths = torch.randint(1, S + 1, (sentences,), generator=gen)
     src = src.masked_fill(torch.arange(S) >= lengths[:, None], PAD)  # (n, S) with padding
-    tgt = torch.cat([torch.full((sentences, 1), BOS), torch.randint(4, cfg.tgt_vocab, (sentences, T_len - 1),
+    tgt = torch.cat([torch.full((sentences, 1), BOS), torch.randint(4, cfg.tgt_vocab, (sentences, T - 1),
                                                                     generator=gen)], dim=1)  # (n, T)
     res = compare_model_forms(model, src, tgt, max_len=min(30, cfg.max_len))
     return _model_rows(f"checkpoint {path}", res)
@@ -748,7 +753,7 @@ def check_checkpoint(path: str, sentences: int = 64, seed: int = 0) -> list[Chec
 # `to_torch_mha` on shapes `nn.MultiheadAttention` cannot hold.
 
 # %%
-def bad_conversions() -> list[tuple[str, object]]:
+def bad_conversions() -> list[tuple[str, Callable[[], object]]]:
     """(description, thunk) pairs; each thunk must raise a ValueError naming the shapes."""
     P, F_, M = PerHeadAttention, FusedAttention, nn.MultiheadAttention
     return [

@@ -21,11 +21,10 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
-import annotated.transformer as T
 from annotated.plumbing.interrupts import ctrl_c_requested
 from annotated.proof.torch_mha import from_torch_mha, fused_parameters, to_torch_mha, torch_mha_masks
 from annotated.recording import attend_with_probabilities
-from annotated.transformer import FusedAttention, PerHeadAttention, fuse, split
+from annotated.transformer import FusedAttention, PerHeadAttention, fast_path, fuse, split
 
 # Tolerances of the numerical checks, and why, in annotated/proof/equivalence.py.
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -118,10 +117,14 @@ def random_biases(att: nn.Module, gen: torch.Generator) -> None:
 def case_pair(case: Case) -> tuple[PerHeadAttention, FusedAttention]:
     """Both forms for a case: one built at random, the other converted from it."""
     torch.manual_seed(case.seed)
-    cls = PerHeadAttention if case.start == "per_head" else FusedAttention
-    first = cls(case.d_model, case.h, case.d_k, case.d_v, bias=case.bias).to(case.dtype)
-    random_biases(first, torch.Generator().manual_seed(case.seed))
-    return (first, fuse(first)) if case.start == "per_head" else (split(first), first)
+    gen = torch.Generator().manual_seed(case.seed)
+    if case.start == "per_head":
+        per_head = PerHeadAttention(case.d_model, case.h, case.d_k, case.d_v, bias=case.bias).to(case.dtype)
+        random_biases(per_head, gen)
+        return per_head, fuse(per_head)
+    fused = FusedAttention(case.d_model, case.h, case.d_k, case.d_v, bias=case.bias).to(case.dtype)
+    random_biases(fused, gen)
+    return split(fused), fused
 
 
 def case_inputs(case: Case) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
@@ -286,7 +289,7 @@ class MhaCase:
 def mha_cases() -> list[MhaCase]:
     """Every combination, for d_model=8 with h = 2 and 4 (even: fast path possible) and d_model=6 with h = 3;
     the form converted to nn.MultiheadAttention alternates between fused and per-head."""
-    out = []
+    out: list[MhaCase] = []
     for d_model, h in ((8, 2), (8, 4), (6, 3)):
         for bias in (True, False):
             for batch_first in (True, False):
@@ -344,7 +347,8 @@ def compare_with_torch_mha(case: MhaCase, seed: int = 0) -> dict:
         attn_mask, kpm = torch_mha_masks(ours_mask, B, case.h)
 
     before, after = fused_parameters(fu), fused_parameters(back)
-    res = {"roundtrip": before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)}
+    res: dict[str, float] = {"roundtrip": before.keys() == after.keys() and all(torch.equal(before[n], after[n])
+                                                                                 for n in before)}
     if train:  # compare gradients too
         out_o, p_o, gin_o = run_with_grads(ours, x_q, x_kv, ours_mask, G, case.cross)
         q = x_q.clone().requires_grad_()
@@ -378,23 +382,12 @@ def nanmax(values) -> float:
 
 # --- the SDPA kernel vs the explicit softmax ------------------------------------------------------
 
-@contextlib.contextmanager
-def fast_path(enabled: bool):
-    """Set annotated.transformer.FAST_PATH inside the block, then restore it."""
-    before = T.FAST_PATH
-    T.FAST_PATH = enabled
-    try:
-        yield
-    finally:
-        T.FAST_PATH = before
-
-
 def compare_paths(case: Case) -> dict[str, float]:
     """SDPA path vs explicit path, for both forms, on one case: outputs and input gradients."""
     worst = {"output": 0.0, "grad inputs": 0.0}
     for att in case_pair(case):
         x_q, x_kv, mask, G = case_inputs(case)
-        got = {}
+        got: dict[bool, tuple[Tensor, list]] = {}
         for flag in (True, False):
             q = x_q.clone().requires_grad_()
             kv = x_kv.clone().requires_grad_() if case.cross else q

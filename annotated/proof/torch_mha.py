@@ -63,6 +63,8 @@
 # %%
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 from torch import Tensor, nn
 
@@ -70,6 +72,7 @@ from annotated.plumbing.checks import check_torch_mha
 from annotated.transformer import BLOCKS, FusedAttention, PerHeadAttention, split, subsequent_mask  # noqa: F401 (doctests)
 
 AttentionLike = PerHeadAttention | FusedAttention | nn.MultiheadAttention
+Dst = TypeVar("Dst", PerHeadAttention, FusedAttention, nn.MultiheadAttention)
 
 
 def _shape_str(shape: dict) -> str:
@@ -101,7 +104,7 @@ def fused_parameters(att: AttentionLike, *, grads: bool = False) -> dict[str, Te
     """
     shape = attention_shape(att)
 
-    def get(p: Tensor | None) -> Tensor:
+    def get(p: Tensor) -> Tensor:
         if not grads:
             return p
         return p.grad if p.grad is not None else torch.zeros_like(p)
@@ -112,7 +115,7 @@ def fused_parameters(att: AttentionLike, *, grads: bool = False) -> dict[str, Te
         # the chapter's BLOCKS table: W_Q, W_K, W_V side by side (dim 1), W_O stacked (dim 0), biases end to end
         out = {n: torch.cat([get(p) for p in getattr(att, n)], dim=dim)
                for n, (dim, _) in BLOCKS.items() if getattr(att, n) is not None}  # (d_model, h*d), (h*d_v, d_model)...
-        if att.bias:
+        if att.b_O is not None:
             out["b_O"] = get(att.b_O)
         return out
     E = shape["d_model"]
@@ -136,7 +139,7 @@ def _load_fused_parameters(dst: AttentionLike, params: dict[str, Tensor]) -> Non
             if getattr(dst, n) is not None:
                 for p_i, block in zip(getattr(dst, n), params[n].split(s[width], dim)):
                     p_i.copy_(block)  # (d_model, d), (d_v, d_model) or (d,)
-        if s["bias"]:
+        if dst.b_O is not None:  # the `bias` of both
             dst.b_O.copy_(params["b_O"])
     else:
         dst.in_proj_weight.copy_(torch.cat([params["W_Q"].T, params["W_K"].T, params["W_V"].T], dim=0))
@@ -146,7 +149,7 @@ def _load_fused_parameters(dst: AttentionLike, params: dict[str, Tensor]) -> Non
             dst.out_proj.bias.copy_(params["b_O"])
 
 
-def copy_attention(src: AttentionLike, dst: AttentionLike) -> AttentionLike:
+def copy_attention(src: AttentionLike, dst: Dst) -> Dst:
     """Copy the parameters of `src` into the existing `dst` (any of the three kinds); returns `dst`.
 
     Both must have the same `attention_shape`; otherwise a ValueError names both shapes.

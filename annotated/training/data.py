@@ -53,7 +53,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -451,7 +451,7 @@ def case_augmented(pairs: Sequence[tuple[str, str]], share: float, seed: int = 0
 # (`test_vocab_size_that_does_not_fit_is_explained`).
 
 # %%
-SPM_SETTINGS = dict(
+SPM_SETTINGS: dict[str, Any] = dict(
     model_type="bpe", character_coverage=1.0, normalization_rule_name="identity",
     remove_extra_whitespaces=False, byte_fallback=True, pad_id=PAD, bos_id=BOS, eos_id=EOS, unk_id=UNK,
     input_sentence_size=5_000_000, shuffle_input_sentence=True, num_threads=4, minloglevel=2,

@@ -79,6 +79,7 @@ import inspect
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -124,7 +125,8 @@ def wrap(model: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
     # that setting, else the older one)
     no_buffer_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
                       else "broadcast_buffers")
-    return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, **{no_buffer_sync: False})
+    settings: dict[str, Any] = {no_buffer_sync: False}
+    return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, **settings)
 
 
 def from_rank0(fn: Callable, rank: int, world: int):
@@ -133,7 +135,7 @@ def from_rank0(fn: Callable, rank: int, world: int):
         return fn()
     import torch.distributed as dist
 
-    box = [None]
+    box: list[Any] = [None]
     if rank == 0:
         try:
             box = [(True, fn())]

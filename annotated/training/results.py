@@ -20,6 +20,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,7 +57,7 @@ def score_test_set(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev: 
     """Test BLEU of the best (and averaged) checkpoint, greedy and beam; writes results.json and, given a
     tensorboard writer, the test scores and the settings."""
     test_set = f"{test_files[0]} + {test_files[1]}" if test_files else "test_2016_flickr"  # named by its files
-    results = {"run_dir": str(run_dir), "device": str(dev), "torch": torch.__version__,
+    results: dict[str, Any] = {"run_dir": str(run_dir), "device": str(dev), "torch": torch.__version__,
                "precision": arithmetic.precision, "precision_reason": arithmetic.reason,
                "threads": arithmetic.threads, "train_config": config_dict(cfg), "test_set": test_set, "test": {},
                "environment": environment()}
@@ -64,7 +65,7 @@ def score_test_set(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev: 
         results["test_files"] = [str(f) for f in test_files]
     last = read_checkpoint(run_dir / "last.pt")["run_state"]
     results.update(steps=last["step"], train_s=round(last.get("train_s", 0.0), 1), history=last["history"])
-    samples = []
+    samples: list = []
     for name, path in checkpoints_to_test(cfg, run_dir).items():
         model, _, meta = load_checkpoint(path)
         model.to(dev)

@@ -22,6 +22,20 @@
 # model settings or another tokenizer (`resume_state`), and cuts
 # `train_loss.tsv` back to the checkpoint's step: rows written after the last
 # save by a killed run would otherwise appear twice (`truncate_log`).
+#
+# **Which checkpoint.** Training writes each run into `runs/<name>/`, with `best.pt` (best
+# validation BLEU), `last.pt` and, when the run averages its last epochs
+# (the `cpu` and `gpu` presets do), `averaged.pt`; it points `runs/latest`
+# at the newest run (a symlink, or a text file holding the run directory's
+# name). A run's **model** (`run_model`) is `averaged.pt` where there is
+# one, else `best.pt`: the rule is fixed before any test score is seen,
+# never chosen by it. Without `--checkpoint` the translator, `make
+# attention` and `make heads` take, in this order:
+#
+# 1. the model of `runs/latest`, a symlink to a run directory or a text file
+#    naming one (relative to `runs/`, or as a path);
+# 2. else the model of the run whose `best.pt` was written last;
+# 3. else it stops with an error that says how to get a checkpoint.
 
 # %%
 from __future__ import annotations
@@ -94,6 +108,33 @@ def point_latest(run_dir: Path) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def run_model(run: Path) -> Path | None:
+    """A run's model: `averaged.pt` when the run averaged its last epochs, else `best.pt`; None without either."""
+    for name in ("averaged.pt", "best.pt"):
+        if (run / name).is_file():
+            return run / name
+    return None
+
+
+def latest_checkpoint(runs_dir: str | Path = "runs") -> Path:
+    """The model of the latest training run under `runs_dir`."""
+    runs = Path(runs_dir)
+    latest = runs / "latest"
+    if latest.is_dir():  # a symlink to the run directory
+        if model := run_model(latest):
+            return model
+    elif latest.is_file():  # a text file naming it
+        name = latest.read_text(encoding="utf-8", errors="replace").strip()
+        for run in (runs / name, Path(name)):
+            if name and (model := run_model(run)):
+                return model
+    found = [p for p in runs.glob("*/best.pt") if p.is_file()]
+    if found and (model := run_model(max(found, key=lambda p: p.stat().st_mtime).parent)):
+        return model
+    raise CheckpointError(f"no checkpoint found: neither {latest}/best.pt nor any {runs}/*/best.pt exists; "
+                          f"train one (`make train`) or pass --checkpoint PATH")
 
 
 def log_line(run_dir: Path, text: str) -> None:

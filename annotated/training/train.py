@@ -23,18 +23,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from annotated.decoding import casing
-from annotated.plumbing.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 (T.CheckpointError)
+from annotated.plumbing.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 - train.CheckpointError for the callers
 from annotated.plumbing.devices import autocast, default_device, resolve_precision
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.interrupts import StopFlag
-from annotated.tokens import PAD
+from annotated.tokens import PAD, Tokenizer
 from annotated.training import data, distributed
-from annotated.training.config import PRESETS, TrainConfig, config_dict  # noqa: F401 (PRESETS: T.PRESETS)
+from annotated.training.config import PRESETS, TrainConfig, config_dict  # noqa: F401 - train.PRESETS for the callers
 from annotated.training.evaluate import evaluate_bleu
 from annotated.training.results import Arithmetic, score_test_set
 from annotated.training.runs import (
@@ -114,7 +115,7 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, eps: float, pad: int = P
 # rate that makes the validation score jump by two points between epochs.
 
 # %%
-def batch_loss(model: EncoderDecoder, src: Tensor, tgt: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def batch_loss(model: torch.nn.Module, src: Tensor, tgt: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(summed loss, number of predicted tokens), both 0-d tensors on the batch's device (nothing is read)."""
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T-1), (B, T-1)
     logits = model(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD))  # (B, T-1, V)
@@ -130,7 +131,9 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     >>> [round(learning_rate(n, cfg) / rate(25, cfg.d_model, cfg.warmup), 2) for n in (25, 26, 27, 28)]
     [1.0, 0.75, 0.5, 0.25]
     """
-    start = cfg.max_steps - cfg.cooldown_steps if cfg.cooldown else step  # the last step at the paper's rate
+    if not cfg.cooldown or cfg.max_steps is None:  # (a cooldown needs max_steps: TrainConfig checks)
+        return rate(step, cfg.d_model, cfg.warmup, cfg.lr_factor)
+    start = cfg.max_steps - cfg.cooldown_steps  # the last step at the paper's rate
     if step <= start:
         return rate(step, cfg.d_model, cfg.warmup, cfg.lr_factor)
     # lrate = rate(start) * (max_steps + 1 - step) / (cooldown_steps + 1)
@@ -329,13 +332,13 @@ class Learner:
     model: EncoderDecoder             # the plain model (checkpoints, evaluation)
     model_for_step: torch.nn.Module   # what the step calls: the model, or DDP / torch.compile around it
     opt: torch.optim.Optimizer
-    sched: object
-    ddp: object = None
+    sched: Any                        # a LambdaLR
+    ddp: Any = None
 
 
 @dataclass
 class RunData:
-    tokenizer: object
+    tokenizer: Tokenizer
     train_enc: list                   # the training pairs as subword ids (over-long pairs left out)
     val_batches: list
     val_pairs: list
@@ -364,8 +367,8 @@ class Run:
     data: RunData
     meta: dict
     say: Callable[[str], None]
-    writer: object = None
-    bar: object = None
+    writer: Any = None                # a tensorboard SummaryWriter on rank 0
+    bar: Any = None                   # a tqdm bar
     alignment_image: AlignmentImage | None = None
     t_start: float = field(default_factory=time.perf_counter)
     tally: EpochTally = field(default_factory=EpochTally)
@@ -587,8 +590,8 @@ def setup(cfg: TrainConfig, run_dir: Path, *, place: Placement, arithmetic: Arit
     ddp = distributed.wrap(model, dev) if place.world > 1 else None
     model_for_step = ddp or model
     if cfg.compile:  # CUDA graphs on a GPU (batches come in few shapes); inductor's default on the CPU
-        model_for_step = torch.compile(model_for_step, dynamic=True,
-                                       mode="reduce-overhead" if dev.type == "cuda" else None)
+        model_for_step = cast(torch.nn.Module, torch.compile(model_for_step, dynamic=True,
+                                                             mode="reduce-overhead" if dev.type == "cuda" else None))
     meta = {"src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "train_config": config_dict(cfg)}
     run = Run(cfg, run_dir, place, arithmetic, Learner(model, model_for_step, opt, sched, ddp), run_data, meta, say)
     if main:

@@ -24,12 +24,12 @@ from annotated.decoding.translate import main, set_aside_unseen, translate
 from annotated.plumbing.checkpoint import (
     CheckpointError,
     add_case_table,
-    latest_checkpoint,
     load_checkpoint,
     read_case_table,
     save_checkpoint,
 )
 from annotated.training.data import train_tokenizer
+from annotated.training.runs import latest_checkpoint
 from annotated.transformer import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
