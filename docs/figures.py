@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from matplotlib.figure import Figure as MplFigure
 
-from annotated import transformer as T
+from annotated import transformer
 from annotated.attention.pictures import CMAP
 from annotated.recording import record_attention
 from docs import model_figures as M
@@ -112,8 +112,8 @@ def draw_scaling(ctx: FigureContext) -> tuple[MplFigure, str]:
         raw = (q @ k.transpose(-2, -1)).flatten()  # (n*16,)
         var_raw.append(raw.var().item())
         var_scaled.append((raw / math.sqrt(d_k)).var().item())
-        _, p_scaled = T.attention_explicit(q, k, v)  # (n, 1, 16)
-        _, p_raw = T.attention_explicit(q * math.sqrt(d_k), k, v)  # (n, 1, 16) = softmax(q k^T)
+        _, p_scaled = transformer.attention_explicit(q, k, v)  # (n, 1, 16)
+        _, p_raw = transformer.attention_explicit(q * math.sqrt(d_k), k, v)  # (n, 1, 16) = softmax(q k^T)
         max_scaled.append(p_scaled.amax(-1).mean().item())
         max_raw.append(p_raw.amax(-1).mean().item())
     fig = MplFigure(figsize=(9, 3.2))
@@ -142,7 +142,7 @@ def draw_scaling(ctx: FigureContext) -> tuple[MplFigure, str]:
 # %%
 def draw_subsequent_mask(ctx: FigureContext) -> tuple[MplFigure, str]:
     T_len = 12
-    mask = T.subsequent_mask(T_len)[0]  # (T, T)
+    mask = transformer.subsequent_mask(T_len)[0]  # (T, T)
     fig = MplFigure(figsize=(3.6, 3.4))
     ax = fig.subplots()
     ax.imshow(mask.int().numpy(), cmap="Greys", vmin=0, vmax=1)
@@ -153,7 +153,7 @@ def draw_subsequent_mask(ctx: FigureContext) -> tuple[MplFigure, str]:
 
 
 def draw_positional_encoding(ctx: FigureContext) -> tuple[MplFigure, str]:
-    pe = T.sinusoidal_encoding(100, 64)  # (100, 64)
+    pe = transformer.sinusoidal_encoding(100, 64)  # (100, 64)
     fig = MplFigure(figsize=(10, 3.2))
     ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.1, 1]})
     im = ax1.imshow(pe.T.numpy(), aspect="auto", cmap="RdBu", vmin=-1, vmax=1, origin="lower",
@@ -180,7 +180,7 @@ def draw_rate(ctx: FigureContext) -> tuple[MplFigure, str]:
     fig = MplFigure(figsize=(6, 3.2))
     ax = fig.subplots()
     for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
-        ax.plot(list(steps), [T.rate(s, d_model, warmup) for s in steps],
+        ax.plot(list(steps), [transformer.rate(s, d_model, warmup) for s in steps],
                 label=f"d_model={d_model}, warmup={warmup}")
     ax.set(xlabel="step", ylabel="learning rate", title="rate(step, d_model, warmup)")
     ax.legend()
@@ -211,7 +211,7 @@ def _smoothing_functions(ctx: FigureContext):
             q[torch.arange(target.numel()), target.reshape(-1)] += 1 - eps
             return q
 
-        def label_smoothed_loss(logits, target, eps, pad=T.PAD):
+        def label_smoothed_loss(logits, target, eps, pad=transformer.PAD):
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(),
                                                      label_smoothing=eps, reduction="none")
             return loss.masked_fill(target.flatten() == pad, 0.0).sum()
@@ -281,7 +281,7 @@ def find_checkpoint(root: Path) -> Path | None:
         return None
 
 
-def copy_task_model(ctx: FigureContext) -> T.EncoderDecoder:
+def copy_task_model(ctx: FigureContext) -> transformer.EncoderDecoder:
     """The copy-task model, trained once per version of transformer.py and number of steps."""
     from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -294,7 +294,7 @@ def copy_task_model(ctx: FigureContext) -> T.EncoderDecoder:
             ctx.say(f"ignoring the cached copy-task model: {e}")
     ctx.say(f"training the copy-task model for the attention figure ({ctx.copy_steps} steps, "
             f"about {ctx.copy_steps // 15 + 1} s on one CPU core)")
-    model = T.train_copy_task(steps=ctx.copy_steps)
+    model = transformer.train_copy_task(steps=ctx.copy_steps)
     if cached is not None:
         save_checkpoint(cached, model, None, {"copy_steps": ctx.copy_steps})
     return model
@@ -336,7 +336,7 @@ def _attention_grid(panels: list[tuple[str, torch.Tensor, list[str], list[str]]]
     return fig
 
 
-_NAMES = {T.BOS: "<s>", T.EOS: "</s>", T.PAD: "<pad>"}
+_NAMES = {transformer.BOS: "<s>", transformer.EOS: "</s>", transformer.PAD: "<pad>"}
 ROW_CONVENTION = ("A decoder row (query) is labelled by the token the decoder predicts at that position; a key "
                   "column by the token fed in at that position.")
 
@@ -345,7 +345,7 @@ ROW_CONVENTION = ("A decoder row (query) is labelled by the token the decoder pr
 class Shown:
     """The model the page's model pictures show, and one sentence for it."""
 
-    model: T.EncoderDecoder
+    model: transformer.EncoderDecoder
     src: torch.Tensor             # (1, S) source ids
     labels: list[str]             # one per source position
     name: str                     # a few words naming the model, for captions
@@ -394,19 +394,19 @@ def _shown_sentence(ctx: FigureContext) -> Shown:
     return _copy_shown(ctx)
 
 
-def decoded(model: T.EncoderDecoder, src: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decoded(model: transformer.EncoderDecoder, src: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(what the decoder is fed (1, T): <s> and its own output but the last token; what it predicts (1, T))."""
-    src_mask = T.padding_mask(src, T.PAD)  # (1, 1, S)
-    out = T.greedy_decode(model, src, src_mask, max_len=max_len, bos=T.BOS, eos=T.EOS, pad=T.PAD)  # (1, T)
-    return torch.cat([torch.tensor([[T.BOS]]), out[:, :-1]], dim=1), out  # (1, T), (1, T)
+    src_mask = transformer.padding_mask(src, transformer.PAD)  # (1, 1, S)
+    out = transformer.greedy_decode(model, src, src_mask, max_len=max_len, bos=transformer.BOS, eos=transformer.EOS, pad=transformer.PAD)  # (1, T)
+    return torch.cat([torch.tensor([[transformer.BOS]]), out[:, :-1]], dim=1), out  # (1, T), (1, T)
 
 
-def last_layer_attention(model: T.EncoderDecoder, src: torch.Tensor, tgt_in: torch.Tensor) -> dict:
+def last_layer_attention(model: transformer.EncoderDecoder, src: torch.Tensor, tgt_in: torch.Tensor) -> dict:
     """{"enc_self": (h, S, S), "cross": (h, T, S)}: the last layer's probabilities, via record_attention."""
-    src_mask, last = T.padding_mask(src, T.PAD), model.config.N - 1
+    src_mask, last = transformer.padding_mask(src, transformer.PAD), model.config.N - 1
     with torch.no_grad(), record_attention(model) as probs:
         memory = model.encode(src, src_mask)
-        model.decode(memory, src_mask, tgt_in, T.target_mask(tgt_in, T.PAD))
+        model.decode(memory, src_mask, tgt_in, transformer.target_mask(tgt_in, transformer.PAD))
     return {kind: probs[kind, last][0][0] for kind in ("enc_self", "cross")}
 
 
@@ -470,7 +470,7 @@ class SymbolTokens:
         return " ".join(str(i) for i in ids)
 
 
-def viewer_start(model: T.EncoderDecoder) -> str:
+def viewer_start(model: transformer.EncoderDecoder) -> str:
     """The view the viewer opens on: the last layer's cross-attention, mean over heads, as a heatmap."""
     return f"s=0&kind=cross&layer={model.config.N - 1}&head=mean&view=head"
 
