@@ -26,27 +26,32 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while the extensions load i
 
 from annotated.plumbing.options import Parser, at_least, device, number, writable_dir
 
-MODEL_OPTIONS = ("N", "d_model", "d_ff", "h", "dropout", "attention", "norm", "vocab_size")  # TrainConfig.model's
-
-
-def setting(cfg, name: str):
-    """The value of option `name` in a TrainConfig (the model's options live in cfg.model)."""
-    if name == "vocab_size":
-        return cfg.vocab_size
-    return getattr(cfg.model, name) if name in MODEL_OPTIONS else getattr(cfg, name)
-
 
 def preset_asked(argv) -> str | None:
     """The --preset of `argv` (before the whole parse: the help texts show that preset's defaults)."""
+    from annotated.training.config import PRESETS
+
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", choices=("gpu", "cpu", "smoke"))
+    pre.add_argument("--preset", choices=tuple(PRESETS))
     known, _ = pre.parse_known_args(argv)
     return known.preset
 
 
+def option_type(option):
+    """The check that reads an option's value (annotated/plumbing/options.py), from its `Option`."""
+    if option.integer:
+        return int
+    if option.whole_from is not None:
+        return at_least(option.whole_from)
+    if option.low is not None or option.high is not None:
+        return number(option.low, option.high, above=option.above)
+    return None
+
+
 def build_parser(chosen: str | None = None) -> Parser:
-    """The command line; each option's help names its value in every preset, or only in `chosen`."""
-    from annotated.training.config import PRESETS
+    """The command line: one option per entry of `OPTIONS` (annotated/training/config.py), each help naming the
+    setting's value in every preset, or only in `chosen`; then the options of the run itself."""
+    from annotated.training.config import OPTIONS, PRESETS, setting
 
     def default(name: str) -> str:  # "(gpu: 128, cpu: 128, smoke: 32)" or, with --preset, that preset's value
         shown = lambda v: "none" if v is None else v
@@ -54,61 +59,20 @@ def build_parser(chosen: str | None = None) -> Parser:
             return f" (default under --preset {chosen}: {shown(setting(PRESETS[chosen], name))})"
         return " (" + ", ".join(f"{p}: {shown(setting(c, name))}" for p, c in PRESETS.items()) + ")"
 
-    positive = number(0, None, above=True)  # a finite number > 0
-    fraction = number(0, 1)  # a finite number in [0, 1]
     p = Parser(prog="train_wmt.py", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    p.add_argument("--preset", choices=("gpu", "cpu", "smoke"),
+    p.add_argument("--preset", choices=tuple(PRESETS),
                    help="settings bundle (default: gpu when CUDA is available, else cpu); every option below "
                         "changes one of its settings and shows each preset's value")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved settings (preset and options, device, precision, threads) and exit "
                         "without training")
-    p.add_argument("--src", dest="src_lang", help="source language: en, de, fr, cs" + default("src_lang"))
-    p.add_argument("--tgt", dest="tgt_lang", help="target language" + default("tgt_lang"))
-    p.add_argument("--attention", choices=("fused", "per_head"),
-                   help="multi-head attention form" + default("attention"))
-    p.add_argument("--norm", choices=("post", "pre"), help="layer norm placement" + default("norm"))
-    p.add_argument("--layers", dest="N", type=at_least(1), help="encoder and decoder layers N" + default("N"))
-    p.add_argument("--d-model", dest="d_model", type=at_least(1), help="model width d_model" + default("d_model"))
-    p.add_argument("--d-ff", dest="d_ff", type=at_least(1), help="feed-forward width d_ff" + default("d_ff"))
-    p.add_argument("--heads", dest="h", type=at_least(1),
-                   help="attention heads h (d_k = d_model / h)" + default("h"))
-    p.add_argument("--dropout", type=fraction, help="dropout probability, in [0, 1)" + default("dropout"))
-    p.add_argument("--label-smoothing", type=fraction,
-                   help="label smoothing epsilon, in [0, 1)" + default("label_smoothing"))
-    p.add_argument("--case-augment", type=fraction,
-                   help="share of the training pairs added again with both sides in capitals or lower case, in "
-                        "[0, 1]" + default("case_augment"))
-    p.add_argument("--warmup", type=at_least(1), help="learning-rate warm-up steps" + default("warmup"))
-    p.add_argument("--lr-factor", type=positive, help="scale of the paper's learning-rate schedule (peak lr "
-                                                      "= factor * d_model^-0.5 * warmup^-0.5)" + default("lr_factor"))
-    p.add_argument("--cooldown", type=fraction,
-                   help="share of --max-steps, at the end, over which the learning rate falls linearly towards 0, "
-                        "in [0, 1) (0: the paper's schedule to the end)" + default("cooldown"))
-    p.add_argument("--val-bleu-sentences", type=at_least(1),
-                   help="translate only the first n val sentences each epoch" + default("val_bleu_sentences"))
-    p.add_argument("--epochs", type=at_least(1), help="an upper bound on epochs" + default("epochs"))
-    p.add_argument("--max-steps", type=at_least(1),
-                   help="optimizer steps of the run (the preset's budget)" + default("max_steps"))
-    p.add_argument("--max-minutes", type=positive, help="an optional cap on training minutes" + default("max_minutes"))
-    p.add_argument("--log-every", type=at_least(1),
-                   help="steps between two reads of the loss" + default("log_every"))
-    p.add_argument("--max-tokens", type=at_least(1), help="tokens per batch" + default("max_tokens"))
-    p.add_argument("--accum", type=at_least(1), help="batches per optimizer step" + default("accum"))
-    p.add_argument("--vocab-size", type=at_least(8),
-                   help="subwords of the joint sentencepiece vocabulary" + default("vocab_size"))
-    p.add_argument("--beam-size", type=at_least(1),
-                   help="beam width of the final test translation" + default("beam_size"))
-    p.add_argument("--average-last", type=at_least(0),
-                   help="average the last N epoch checkpoints at the end" + default("average_last"))
-    p.add_argument("--seed", type=int, help="seed of the initial weights, dropout and the batches' shuffle"
-                                            + default("seed"))
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16"),
-                   help="arithmetic: auto is bf16 autocast on CUDA and on a CPU with bf16 instructions "
-                        "(avx512_bf16 or AMX), else fp32; the loss and the optimizer stay fp32" + default("precision"))
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile the model (CUDA graphs on a GPU)" + default("compile"))
+    for name, option in OPTIONS.items():
+        flag, help_ = option.flag or "--" + name.replace("_", "-"), option.help + default(name)
+        if option.switch:
+            p.add_argument(flag, dest=name, action="store_true", default=None, help=help_)
+        else:
+            p.add_argument(flag, dest=name, type=option_type(option), choices=option.choices, help=help_)
     p.add_argument("--run-dir", type=Path, help="a new folder for checkpoints, logs and results "
                                                 "(default runs/<preset>-<src>-<tgt>-<time>; runs/latest points "
                                                 "to the newest run in runs/)")
@@ -156,7 +120,7 @@ def config_from_args(args, cuda: bool):
     """(preset name, TrainConfig): the preset, with every flag the user gave laid over it."""
     import dataclasses
 
-    from annotated.training.config import PRESETS
+    from annotated.training.config import MODEL_OPTIONS, PRESETS
 
     preset = args.preset or ("gpu" if cuda else "cpu")
     given = {k: v for k, v in vars(args).items() if v is not None}

@@ -31,6 +31,12 @@
 #   computes in fp32 on every machine, so its numbers do not depend on
 #   whether the CPU has bf16 instructions.
 #
+# Every setting a user may change from `train_wmt.py`'s command line is in
+# `OPTIONS`: its option, what it means and the values it takes. The command
+# line is generated from that table, choices included (`PRESETS`,
+# `PRECISIONS`, the chapter's attention forms and norms), so a setting and its
+# option cannot drift apart (`test_every_option_sets_a_setting_and_every_choice_is_the_configs`).
+#
 # Checkpoints and `results.json` store the settings as `config_dict(cfg)`,
 # the model's settings under `"model"`; `config_from_dict` reads that form and
 # the flat one older runs wrote (`N`, `d_model`, ... beside `src_lang`).
@@ -41,8 +47,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import get_args
 
-from annotated.transformer import TransformerConfig
+from annotated.transformer import AttentionForm, Norm, TransformerConfig
 
 LANGUAGES = ("en", "de", "fr", "cs")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -185,3 +192,65 @@ PRESETS = {
                          max_tokens=800, epochs=None, max_steps=28, warmup=20, train_limit=300, beam_size=2,
                          val_bleu_sentences=20, test_sentences=20, precision="fp32"),  # 28 steps: 2 epochs of 14
 }
+
+
+@dataclass(frozen=True)
+class Option:
+    """How the command line sets one setting: the option, what it means, and the values it takes."""
+    help: str
+    flag: str | None = None                # default: --name-with-dashes
+    integer: bool = False                  # any whole number
+    whole_from: int | None = None          # a whole number >= this
+    low: float | None = None               # a finite number >= low (> low with `above`) and <= high
+    high: float | None = None
+    above: bool = False
+    choices: tuple[str, ...] | None = None
+    switch: bool = False                   # a flag without a value: on when given
+
+
+MODEL_OPTIONS = ("N", "d_model", "d_ff", "h", "dropout", "attention", "norm", "vocab_size")  # set in cfg.model
+OPTIONS = {  # setting -> its command-line option, in the order --help lists them
+    "src_lang": Option(f"source language: {', '.join(LANGUAGES)}", flag="--src"),
+    "tgt_lang": Option("target language", flag="--tgt"),
+    "attention": Option("multi-head attention form", choices=get_args(AttentionForm)),
+    "norm": Option("layer norm placement", choices=get_args(Norm)),
+    "N": Option("encoder and decoder layers N", flag="--layers", whole_from=1),
+    "d_model": Option("model width d_model", whole_from=1),
+    "d_ff": Option("feed-forward width d_ff", whole_from=1),
+    "h": Option("attention heads h (d_k = d_model / h)", flag="--heads", whole_from=1),
+    "dropout": Option("dropout probability, in [0, 1)", low=0, high=1),
+    "label_smoothing": Option("label smoothing epsilon, in [0, 1)", low=0, high=1),
+    "case_augment": Option("share of the training pairs added again with both sides in capitals or lower case, in "
+                           "[0, 1]", low=0, high=1),
+    "warmup": Option("learning-rate warm-up steps", whole_from=1),
+    "lr_factor": Option("scale of the paper's learning-rate schedule (peak lr = factor * d_model^-0.5 * "
+                        "warmup^-0.5)", low=0, above=True),
+    "cooldown": Option("share of --max-steps, at the end, over which the learning rate falls linearly towards 0, "
+                       "in [0, 1) (0: the paper's schedule to the end)", low=0, high=1),
+    "val_bleu_sentences": Option("translate only the first n val sentences each epoch", whole_from=1),
+    "epochs": Option("an upper bound on epochs", whole_from=1),
+    "max_steps": Option("optimizer steps of the run (the preset's budget)", whole_from=1),
+    "max_minutes": Option("an optional cap on training minutes", low=0, above=True),
+    "log_every": Option("steps between two reads of the loss", whole_from=1),
+    "max_tokens": Option("tokens per batch", whole_from=1),
+    "accum": Option("batches per optimizer step", whole_from=1),
+    "vocab_size": Option("subwords of the joint sentencepiece vocabulary", whole_from=8),
+    "beam_size": Option("beam width of the final test translation", whole_from=1),
+    "average_last": Option("average the last N epoch checkpoints at the end", whole_from=0),
+    "seed": Option("seed of the initial weights, dropout and the batches' shuffle", integer=True),
+    "precision": Option("arithmetic: auto is bf16 autocast on CUDA and on a CPU with bf16 instructions (avx512_bf16 "
+                        "or AMX), else fp32; the loss and the optimizer stay fp32", choices=PRECISIONS),
+    "compile": Option("torch.compile the model (CUDA graphs on a GPU)", switch=True),
+}
+
+
+def setting(cfg: TrainConfig, name: str):
+    """The value of setting `name` in `cfg` (the model's settings live in cfg.model).
+
+    >>> setting(PRESETS["smoke"], "d_model"), setting(PRESETS["smoke"], "vocab_size"), setting(PRESETS["smoke"], "seed")
+    (32, 500, 0)
+    """
+    if name == "vocab_size":
+        return cfg.vocab_size
+    return getattr(cfg.model, name) if name in MODEL_OPTIONS else getattr(cfg, name)
+

@@ -64,6 +64,7 @@ def test_command_line_flags_override_the_preset():
     """Every model and optimisation setting can be changed from the command line, without editing a preset:
     `train_wmt.py --preset gpu --layers 3 --d-model 256 ...` trains the gpu preset with those numbers."""
     import train_wmt
+    from annotated.training.config import MODEL_OPTIONS, setting
 
     args = train_wmt.parse_args(["--preset", "gpu", "--layers", "3", "--d-model", "256", "--d-ff", "1024",
                                  "--heads", "8", "--dropout", "0.2", "--label-smoothing", "0.05",
@@ -71,10 +72,10 @@ def test_command_line_flags_override_the_preset():
     preset, cfg = train_wmt.config_from_args(args, cuda=False)
     want = dict(N=3, d_model=256, d_ff=1024, h=8, dropout=0.2, label_smoothing=0.05, warmup=900, lr_factor=1.5,
                 val_bleu_sentences=400)
-    assert preset == "gpu" and {k: train_wmt.setting(cfg, k) for k in want} == want
+    assert preset == "gpu" and {k: setting(cfg, k) for k in want} == want
     gpu = train.PRESETS["gpu"]
-    model_back = {k: getattr(gpu.model, k) for k in want if k in train_wmt.MODEL_OPTIONS}
-    run_back = {k: getattr(gpu, k) for k in want if k not in train_wmt.MODEL_OPTIONS}
+    model_back = {k: getattr(gpu.model, k) for k in want if k in MODEL_OPTIONS}
+    run_back = {k: getattr(gpu, k) for k in want if k not in MODEL_OPTIONS}
     assert dataclasses.replace(cfg, **run_back).with_model(**model_back) == gpu
     assert train_wmt.config_from_args(train_wmt.parse_args([]), cuda=False)[1] == train.PRESETS["cpu"]
     assert train_wmt.config_from_args(train_wmt.parse_args([]), cuda=True)[1] == train.PRESETS["gpu"]

@@ -11,6 +11,7 @@ import torch
 
 import train_wmt
 from annotated.training import train
+from annotated.training.config import setting
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = dataclasses.replace(train.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2, max_steps=2)
@@ -171,7 +172,7 @@ def test_every_option_has_help_and_names_each_presets_value():
         assert action.help and action.help.strip(), action.option_strings
     helps = {a.dest: a.help for a in parser._actions}
     for dest in ("d_model", "dropout", "label_smoothing", "vocab_size", "beam_size", "seed", "precision"):
-        want = ", ".join(f"{name}: {train_wmt.setting(cfg, dest)}" for name, cfg in train.PRESETS.items())
+        want = ", ".join(f"{name}: {setting(cfg, dest)}" for name, cfg in train.PRESETS.items())
         assert helps[dest].endswith(f"({want})"), helps[dest]
     smoke = {a.dest: a.help for a in train_wmt.build_parser("smoke")._actions}
     assert smoke["d_model"].endswith("(default under --preset smoke: 32)")
@@ -209,3 +210,28 @@ def test_log_lines_go_through_tqdms_writer_and_into_train_log(tmp_path, monkeypa
     log_line(tmp_path, "epoch   1 step     14  train loss 6.1")
     assert written == ["epoch   1 step     14  train loss 6.1"]
     assert (tmp_path / "train.log").read_text() == "epoch   1 step     14  train loss 6.1\n"
+
+
+def test_every_option_sets_a_setting_and_every_choice_is_the_configs():
+    """The options come from `OPTIONS` (annotated/training/config.py): each sets the setting it names (the cpu
+    preset's own value, given on the command line, gives back the cpu preset), a whole-number option refuses the
+    number below its bound, and the choices are the config's: PRESETS, PRECISIONS, the chapter's forms and norms."""
+    from typing import get_args
+
+    from annotated import transformer
+    from annotated.training.config import MODEL_OPTIONS, OPTIONS, PRECISIONS, PRESETS, RUN_FIELDS
+
+    assert set(OPTIONS) <= set(RUN_FIELDS) | set(MODEL_OPTIONS)
+    choices = {a.dest: a.choices for a in train_wmt.build_parser()._actions}
+    assert choices["preset"] == tuple(PRESETS) and choices["precision"] == PRECISIONS
+    assert choices["attention"] == get_args(transformer.AttentionForm) and choices["norm"] == get_args(transformer.Norm)
+    cpu = PRESETS["cpu"]
+    for name, option in OPTIONS.items():
+        flag, value = option.flag or "--" + name.replace("_", "-"), setting(cpu, name)
+        if value is None or option.switch:
+            continue
+        args = train_wmt.parse_args(["--preset", "cpu", flag, str(value)])
+        assert train_wmt.config_from_args(args, cuda=False)[1] == cpu, name
+        if option.whole_from is not None:
+            with pytest.raises(SystemExit):
+                train_wmt.parse_args([flag, str(option.whole_from - 1)])
