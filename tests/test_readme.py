@@ -3,7 +3,8 @@
 - it stays short (at most 12 KB; the long material lives in docs/*.md and benchmarks/README.md);
 - its set-up block is what CI runs (`.ci/run` ends in the README's test command);
 - every `make` target it or the long pages name exists in `make help`;
-- every local file it links to exists, and every test it or the long pages cite exists in tests/;
+- every local file it links to exists, and every test it, the long pages, CONTRIBUTING.md or a module's prose
+  cites exists in tests/;
 - no figure is a placeholder ("not yet measured"): an unmeasured figure is simply absent.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+PAGES = [README, ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+MODULES = sorted((ROOT / "annotated").rglob("*.py"))
 
 
 def _code_blocks(text: str) -> list[str]:
@@ -64,7 +66,7 @@ def test_every_cited_test_exists():
     defined = set()
     for path in (ROOT / "tests").rglob("test_*.py"):
         defined |= set(re.findall(r"^(?:async )?def (test_\w+)", path.read_text(encoding="utf-8"), flags=re.M))
-    for page in PAGES:
+    for page in [*PAGES, *MODULES]:
         cited = set(re.findall(r"\b(test_\w+)\b", page.read_text(encoding="utf-8")))
         # a test's name here is a sentence (`test_fully_masked_query_gives_zeros`), which tells it from a
         # data name (`test_2016_flickr`, the JSON key `test_bleu_lowercase`); `test_once_escaped_*` is a family
