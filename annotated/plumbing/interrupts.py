@@ -23,7 +23,17 @@ the imports at the top of a command (`quiet_ctrl_c_while_starting`) and for thos
 (`run_command`'s handler checks whether an import is under way). An import that `main()` makes after it
 has begun writing exits at once too: no file it writes is left half-written (every write is atomic), but a
 temporary file or staging folder it had begun can remain beside its target. Anywhere else in `main()` the Ctrl-C
-raises KeyboardInterrupt, so that `finally` blocks and atomic writes clean up; a Ctrl-C that lands while
+raises KeyboardInterrupt, so that `finally` blocks and atomic writes clean up, but only where the exception can
+reach `main()`'s caller. A signal handler runs at whatever bytecode is next, and some Python code is called from
+places that cannot pass an exception on: a garbage-collector callback (hypothesis registers one), a `__del__`
+or a weakref callback (Python prints the exception as "Exception ignored in" with a traceback and drops it, and
+the command goes on), and code run by `exec` or `eval` of a string (the exception passes, but it marks the
+interpreter so that `python -m` ends killed by SIGINT, return code -2, instead of with 130). The handler looks at
+the stack it interrupted: inside one of those it raises nothing there, and has the KeyboardInterrupt raised at
+the next line of the code that called it (a trace function on that one frame, `sys.settrace` until then), where
+it passes on as usual; `sys.unraisablehook` does the same for a KeyboardInterrupt that reached a place the stack
+did not show (a weakref callback), and prints nothing.
+A Ctrl-C that lands while
 PyTorch's C++ code is calling back into Python can reach the caller as another error (the
 KeyboardInterrupt is turned into a RuntimeError on the way out), and `ctrl_c_requested()` tells such an
 error from a real one, so that it is not reported as a failed check. A `main()` that reports the
@@ -36,6 +46,7 @@ Options that make no sense are refused by `annotated/plumbing/options.py` (one l
 stderr naming the option and what it takes, exit code 2, before any work).
 """
 import functools
+import gc
 import os
 import signal
 import sys
@@ -69,6 +80,82 @@ def importing(frame) -> bool:
     return False
 
 
+def _cannot_pass_an_exception_on(code, callbacks) -> bool:
+    return code in callbacks or code.co_name == "__del__" or (code.co_filename, code.co_name) == ("<string>",
+                                                                                                 "<module>")
+
+
+def where_it_can_be_caught(frame):
+    """The frame in which a KeyboardInterrupt raised now at `frame` would reach `run_command`: `frame` itself,
+    or, where the stack holds code that cannot pass an exception on (a garbage-collector callback, a `__del__`,
+    code run by `exec` or `eval` of a string), the frame that called the outermost such code.
+
+    >>> import sys
+    >>> where_it_can_be_caught(sys._getframe()) is sys._getframe()
+    True
+    >>> exec("inside = where_it_can_be_caught(sys._getframe())"); inside is sys._getframe()
+    True
+    """
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    safe, f = frame, frame
+    while f is not None and f.f_code is not run_command.__code__:
+        if _cannot_pass_an_exception_on(f.f_code, callbacks):
+            safe = f.f_back
+        f = f.f_back
+    return safe
+
+
+def _trace_no_new_frames(frame, event, arg):
+    return None
+
+
+def _raise_at_the_next_line_of(frame) -> None:
+    """Raise KeyboardInterrupt in `frame` at its next line (its trace function), or in its caller if it returns
+    first. Tracing is on until then, for this thread only, and for no other frame."""
+    def at_next_line(f, event, arg):
+        if event == "return":
+            sys.settrace(None)
+            if f.f_back is not None and f.f_back.f_code is not run_command.__code__:
+                _raise_at_the_next_line_of(f.f_back)
+            return None
+        if event == "line":
+            sys.settrace(None)
+            f.f_trace = None
+            raise KeyboardInterrupt
+        return at_next_line
+
+    frame.f_trace = at_next_line
+    sys.settrace(_trace_no_new_frames)
+
+
+def _raise_where_it_can_be_caught(frame) -> None:
+    """Raise KeyboardInterrupt here if it can reach `run_command`; else once the code that cannot pass it on has
+    returned, at the next line of its caller."""
+    safe = where_it_can_be_caught(frame)
+    if safe is frame:
+        raise KeyboardInterrupt
+    if safe is not None and safe.f_code is not run_command.__code__:
+        _raise_at_the_next_line_of(safe)
+    # (else the work ends with the code itself, and run_command sees the request)
+
+
+def _raise_where_the_dropped_one_would_have_gone(previous, unraisable) -> None:
+    """`sys.unraisablehook` while `run_command` runs: a KeyboardInterrupt raised where the stack did not show that
+    it would be dropped (a weakref callback, say) is raised again at the next line of the code that was running
+    (the frame that called this hook), and nothing is printed. Any other unraisable exception is printed as ever."""
+    if issubclass(unraisable.exc_type, KeyboardInterrupt):
+        caller = sys._getframe(1)
+        _raise_where_it_can_be_caught_later(caller)
+        return
+    previous(unraisable)
+
+
+def _raise_where_it_can_be_caught_later(frame) -> None:
+    safe = where_it_can_be_caught(frame)
+    if safe is not None and safe.f_code is not run_command.__code__:
+        _raise_at_the_next_line_of(safe)
+
+
 def _while_starting(name: str, signum, frame) -> None:
     _exit_at_once(name)
 
@@ -78,7 +165,7 @@ def _while_running(name: str, signum, frame) -> None:
     _requested = True
     if importing(frame):
         _exit_at_once(name)
-    raise KeyboardInterrupt
+    _raise_where_it_can_be_caught(frame)
 
 
 def quiet_ctrl_c_while_starting(name: str) -> None:
@@ -92,6 +179,7 @@ def run_command(main: Callable[[], object], name: str) -> None:
 
     A Ctrl-C anywhere counts, even one an extension swallowed: what `main()` did after it is not trusted."""
     signal.signal(signal.SIGINT, functools.partial(_while_running, name))
+    sys.unraisablehook = functools.partial(_raise_where_the_dropped_one_would_have_gone, sys.unraisablehook)
     code = None
     try:
         code = main()
@@ -117,7 +205,8 @@ class StopFlag:
 
     def _handler(self, signum, frame):
         if self.requested:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
+            _raise_where_it_can_be_caught(frame)
+            return
         self.requested = True
 
     def __enter__(self) -> "StopFlag":
