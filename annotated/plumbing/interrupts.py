@@ -24,15 +24,17 @@ the imports at the top of a command (`quiet_ctrl_c_while_starting`) and for thos
 has begun writing exits at once too: no file it writes is left half-written (every write is atomic), but a
 temporary file or staging folder it had begun can remain beside its target. Anywhere else in `main()` the Ctrl-C
 raises KeyboardInterrupt, so that `finally` blocks and atomic writes clean up, but only where the exception can
-reach `main()`'s caller. A signal handler runs at whatever bytecode is next, and some Python code is called from
-places that cannot pass an exception on: a garbage-collector callback (hypothesis registers one), a `__del__`
-or a weakref callback (Python prints the exception as "Exception ignored in" with a traceback and drops it, and
-the command goes on), and code run by `exec` or `eval` of a string (the exception passes, but it marks the
-interpreter so that `python -m` ends killed by SIGINT, return code -2, instead of with 130). The handler looks at
-the stack it interrupted: inside one of those it raises nothing there, and has the KeyboardInterrupt raised at
-the next line of the code that called it (a trace function on that one frame, `sys.settrace` until then), where
-it passes on as usual; `sys.unraisablehook` does the same for a KeyboardInterrupt that reached a place the stack
-did not show (a weakref callback), and prints nothing.
+reach `main()`'s caller in order. A signal handler runs at whatever bytecode is next, and not every place can
+pass an exception on: inside a garbage-collector callback (hypothesis registers one), a `__del__` or a weakref
+callback Python prints it as "Exception ignored in" with a traceback and drops it, and the command goes on;
+raised in code run by `exec` or `eval` of a string it marks the interpreter so that `python -m` ends killed by
+SIGINT (return code -2) whatever `sys.exit` says; and a library interrupted between taking a lock and the
+`try` that releases it (tqdm's two write locks) can hang the exit. So the handler raises KeyboardInterrupt only
+at a line of the project's own code with none of those places below it on the stack (`can_be_caught_at`);
+anywhere else it has it raised at the next such line, when the library returns to our code or calls it (a
+trace function, `sys.settrace` until then, this thread only). `sys.unraisablehook` does the same for a
+KeyboardInterrupt that a library dropped after all, and prints nothing. A second Ctrl-C raises at once
+wherever it can pass on, library code included (for a library that runs long without calling our code).
 A Ctrl-C that lands while
 PyTorch's C++ code is calling back into Python can reach the caller as another error (the
 KeyboardInterrupt is turned into a RuntimeError on the way out), and `ctrl_c_requested()` tells such an
@@ -80,80 +82,83 @@ def importing(frame) -> bool:
     return False
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # annotated/
+_own_files = {_PACKAGE}  # and the running command's own file (run_command adds it)
+
+
+def _own(code) -> bool:
+    """Whether `code` is the project's own (the package, or the command's file), not a library's."""
+    return code.co_filename.startswith(_PACKAGE + os.sep) or code.co_filename in _own_files
+
+
 def _cannot_pass_an_exception_on(code, callbacks) -> bool:
     return code in callbacks or code.co_name == "__del__" or (code.co_filename, code.co_name) == ("<string>",
                                                                                                  "<module>")
 
 
-def where_it_can_be_caught(frame):
-    """The frame in which a KeyboardInterrupt raised now at `frame` would reach `run_command`: `frame` itself,
-    or, where the stack holds code that cannot pass an exception on (a garbage-collector callback, a `__del__`,
-    code run by `exec` or `eval` of a string), the frame that called the outermost such code.
+def can_be_caught_at(frame) -> bool:
+    """Whether a KeyboardInterrupt raised now at `frame` reaches `run_command`'s caller in order: `frame` is the
+    project's own code (whose `finally` blocks are written for it), and no frame between it and `run_command`
+    is code that cannot pass an exception on (a garbage-collector callback, a `__del__`, code run by `exec` or
+    `eval` of a string).
 
     >>> import sys
-    >>> where_it_can_be_caught(sys._getframe()) is sys._getframe()
-    True
-    >>> exec("inside = where_it_can_be_caught(sys._getframe())"); inside is sys._getframe()
-    True
+    >>> can_be_caught_at(sys._getframe(0))  # a doctest's frame: not the project's own code
+    False
+    >>> def own(): return can_be_caught_at(sys._getframe())
+    >>> own.__code__ = own.__code__.replace(co_filename=__file__)
+    >>> own(), eval("own()")
+    (True, False)
     """
+    return _own(frame.f_code) and _passes_on(frame)
+
+
+def _passes_on(frame) -> bool:
+    """No frame between `frame` and `run_command` is code that cannot pass an exception on."""
     callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
-    safe, f = frame, frame
-    while f is not None and f.f_code is not run_command.__code__:
-        if _cannot_pass_an_exception_on(f.f_code, callbacks):
-            safe = f.f_back
-        f = f.f_back
-    return safe
+    while frame is not None and frame.f_code is not run_command.__code__:
+        if _cannot_pass_an_exception_on(frame.f_code, callbacks):
+            return False
+        frame = frame.f_back
+    return True
 
 
-def _trace_no_new_frames(frame, event, arg):
-    return None
-
-
-def _raise_at_the_next_line_of(frame) -> None:
-    """Raise KeyboardInterrupt in `frame` at its next line (its trace function), or in its caller if it returns
-    first. Tracing is on until then, for this thread only, and for no other frame."""
+def _raise_at_the_next_line_that_can_pass_it_on(frame) -> None:
+    """Raise KeyboardInterrupt at the next line that the project's own code runs where it can pass it on: in
+    `frame`'s stack once the library code running now returns to it, or in own code that the library calls.
+    Until then tracing is on (this thread only): own frames get a trace function, library calls none."""
     def at_next_line(f, event, arg):
-        if event == "return":
-            sys.settrace(None)
-            if f.f_back is not None and f.f_back.f_code is not run_command.__code__:
-                _raise_at_the_next_line_of(f.f_back)
-            return None
-        if event == "line":
+        if event == "line" and can_be_caught_at(f):
             sys.settrace(None)
             f.f_trace = None
             raise KeyboardInterrupt
         return at_next_line
 
-    frame.f_trace = at_next_line
-    sys.settrace(_trace_no_new_frames)
+    def on_call(f, event, arg):
+        return at_next_line if _own(f.f_code) else None
+
+    while frame is not None and frame.f_code is not run_command.__code__:
+        if _own(frame.f_code):
+            frame.f_trace = at_next_line
+        frame = frame.f_back
+    sys.settrace(on_call)
 
 
 def _raise_where_it_can_be_caught(frame) -> None:
-    """Raise KeyboardInterrupt here if it can reach `run_command`; else once the code that cannot pass it on has
-    returned, at the next line of its caller."""
-    safe = where_it_can_be_caught(frame)
-    if safe is frame:
+    """Raise KeyboardInterrupt here if it can pass on from here, else at the next line where it can."""
+    if can_be_caught_at(frame):
         raise KeyboardInterrupt
-    if safe is not None and safe.f_code is not run_command.__code__:
-        _raise_at_the_next_line_of(safe)
-    # (else the work ends with the code itself, and run_command sees the request)
+    _raise_at_the_next_line_that_can_pass_it_on(frame)
 
 
 def _raise_where_the_dropped_one_would_have_gone(previous, unraisable) -> None:
-    """`sys.unraisablehook` while `run_command` runs: a KeyboardInterrupt raised where the stack did not show that
-    it would be dropped (a weakref callback, say) is raised again at the next line of the code that was running
-    (the frame that called this hook), and nothing is printed. Any other unraisable exception is printed as ever."""
+    """`sys.unraisablehook` while `run_command` runs: a KeyboardInterrupt dropped where the stack did not show it
+    (should a library catch it and report it as unraisable) is raised again at the next line where it can pass
+    on, and nothing is printed. Any other unraisable exception is printed as ever."""
     if issubclass(unraisable.exc_type, KeyboardInterrupt):
-        caller = sys._getframe(1)
-        _raise_where_it_can_be_caught_later(caller)
+        _raise_at_the_next_line_that_can_pass_it_on(sys._getframe(1))
         return
     previous(unraisable)
-
-
-def _raise_where_it_can_be_caught_later(frame) -> None:
-    safe = where_it_can_be_caught(frame)
-    if safe is not None and safe.f_code is not run_command.__code__:
-        _raise_at_the_next_line_of(safe)
 
 
 def _while_starting(name: str, signum, frame) -> None:
@@ -162,9 +167,12 @@ def _while_starting(name: str, signum, frame) -> None:
 
 def _while_running(name: str, signum, frame) -> None:
     global _requested
-    _requested = True
+    again, _requested = _requested, True
     if importing(frame):
         _exit_at_once(name)
+    if again and _passes_on(frame):  # a second Ctrl-C: at once, even inside a library that runs long
+        sys.settrace(None)
+        raise KeyboardInterrupt
     _raise_where_it_can_be_caught(frame)
 
 
@@ -178,6 +186,7 @@ def run_command(main: Callable[[], object], name: str) -> None:
     """Run a command's `main()` and exit with its code (0 when it returns no int); Ctrl-C: one line, 130.
 
     A Ctrl-C anywhere counts, even one an extension swallowed: what `main()` did after it is not trusted."""
+    _own_files.add(main.__code__.co_filename)
     signal.signal(signal.SIGINT, functools.partial(_while_running, name))
     sys.unraisablehook = functools.partial(_raise_where_the_dropped_one_would_have_gone, sys.unraisablehook)
     code = None

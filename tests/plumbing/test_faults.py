@@ -51,6 +51,7 @@ from annotated.plumbing.files import remove_stale_temporaries
 from annotated.recording import attend_with_probabilities, record_attention
 from annotated.transformer import (PerHeadAttention, convert_model, fuse, make_model, padding_mask, subsequent_mask,
                                    target_mask)
+from children import IMPORT_TIMES, said, wait_past_the_quiet_handler
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = 240  # seconds: a guard against a hung child process, never a timing assertion
@@ -245,15 +246,17 @@ def test_no_command_uses_another_ctrl_c_protocol():
 
 def test_sigint_at_start_up_exits_130_without_a_traceback(tmp_path, data_url, cache):
     """Ctrl-C before training starts (importing torch, reading data): exit 130, one line, nothing to resume."""
-    p = subprocess.Popen(train_cli("--run-dir", tmp_path / "run", "--data-url", data_url, "--cache-dir", cache),
-                         cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = train_cli("--run-dir", tmp_path / "run", "--data-url", data_url, "--cache-dir", cache)
+    p = subprocess.Popen([command[0], *IMPORT_TIMES, *command[1:]], cwd=tmp_path, env=child_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)  # any moment after the interpreter started gives the same outcome
+        wait_past_the_quiet_handler(p)  # any moment after that gives the same outcome
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
+    err = said(err)
     assert p.returncode == 130, err
     assert "Traceback" not in err and err.startswith("train_wmt.py: interrupted") and err.count("\n") == 1, err
     assert not (tmp_path / "run" / "last.pt").exists()
@@ -296,15 +299,16 @@ def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command
 ], ids=["equivalence", "attention", "bench", "docs"])
 def test_other_commands_exit_130_on_ctrl_c_while_torch_loads(tmp_path, command, name):
     """A Ctrl-C in the first second (the interpreter is importing torch): one line, exit 130, nothing written."""
-    p = subprocess.Popen([sys.executable, *(c.format(tmp=tmp_path) for c in command)], cwd=tmp_path,
+    p = subprocess.Popen([sys.executable, *IMPORT_TIMES, *(c.format(tmp=tmp_path) for c in command)], cwd=tmp_path,
                          env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.4)  # past the interpreter's own start (~0.05 s), inside `import torch` (over 1 s here)
+        wait_past_the_quiet_handler(p)  # inside the heavy imports (torch: over 1 s here)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
+    err = said(err)
     assert p.returncode == 130 and err == f"{name}: interrupted\n", (p.returncode, err[-800:])
     assert not list(tmp_path.iterdir())
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from annotated.plumbing.scripts import SCRIPTS
+from children import IMPORT_TIMES, said, wait_past_the_quiet_handler
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = 120  # seconds: a guard against a hung child (a swallowed Ctrl-C), never a timing assertion
@@ -88,7 +89,7 @@ def test_ctrl_c_in_code_that_cannot_pass_an_exception_on_still_exits_130(place, 
 def script(name: str) -> list[str]:
     """What the console script that `pip install` writes does: import the entry point and exit with its value."""
     function = name.removeprefix("annotated-")
-    return [sys.executable, "-c", f"import sys; from annotated.plumbing.scripts import {function}; "
+    return [sys.executable, *IMPORT_TIMES, "-c", f"import sys; from annotated.plumbing.scripts import {function}; "
                                   f"sys.exit({function}())"]
 
 
@@ -97,13 +98,13 @@ def test_console_scripts_exit_130_on_ctrl_c_while_torch_loads(name, tmp_path):
     p = subprocess.Popen(script(name), cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
-        time.sleep(0.4)  # past the interpreter's own start (~0.05 s), inside `import torch` (over 1 s here)
+        wait_past_the_quiet_handler(p)  # and inside the command module's imports (torch: over 1 s)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
-    assert (p.returncode, err) == (130, f"{name}: interrupted\n"), (p.returncode, err[-800:])
+    assert (p.returncode, said(err)) == (130, f"{name}: interrupted\n"), (p.returncode, said(err)[-800:])
     assert not list(tmp_path.iterdir())
 
 
@@ -122,7 +123,7 @@ def test_a_console_script_stopped_while_it_works_exits_130_without_a_traceback(t
     finally:
         if p.poll() is None:
             p.kill()
-    err = (err + rest).decode(errors="replace")
+    err = said((err + rest).decode(errors="replace"))
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
     assert p.returncode == 130 and "Traceback" not in err and lines[-1] == "annotated-equivalence: interrupted", \
         err[-800:]
