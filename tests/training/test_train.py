@@ -127,12 +127,12 @@ def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, monkeypatch,
     lines = []
     results = train.train(train.PRESETS["smoke"], run, data_url=data_url, cache_dir=cache, progress=False, log=lines.append)
     on_disk = json.loads((run / "results.json").read_text())
-    assert (on_disk["precision"], on_disk["precision_reason"]) == ("fp32", "fp32 asked for")
+    assert (on_disk["precision"], on_disk["precision_reason"]) == ("fp32", "fp32 as set (by --precision or the preset)")
     assert on_disk["threads"] == torch.get_num_threads() >= 1
     [first] = [line for line in lines if line.startswith(f"run {run}:")]
     n = torch.get_num_threads()
     threads = "1 CPU thread" if n == 1 else f"{n} CPU threads"
-    assert first.endswith(f"precision fp32 (fp32 asked for), {threads}"), first
+    assert first.endswith(f"precision fp32 (fp32 as set (by --precision or the preset)), {threads}"), first
     assert on_disk["test"]["best"]["beam"]["bleu"] == results["test"]["best"]["beam"]["bleu"]
     for kind in ("greedy", "beam"):
         r = on_disk["test"]["best"][kind]
