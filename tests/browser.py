@@ -31,7 +31,21 @@ class Chromium:
              "--disable-sync", "--disable-extensions", "--disable-dev-shm-usage",
              "--host-resolver-rules=MAP * ~NOTFOUND", "--remote-debugging-pipe"]
 
+    STARTS = 3  # tries: a browser that dies while starting on a loaded machine is started again
+
     def __init__(self, binary: str, profile: Path, log: Path | None = None):
+        self.log = log or Path(profile).parent / f"{Path(profile).name}.chromium.log"
+        failures = []
+        for attempt in range(self.STARTS):
+            try:
+                self._start(binary, Path(f"{profile}-{attempt}") if attempt else Path(profile))
+                return
+            except (EOFError, TimeoutError, BrokenPipeError) as e:  # died or hung while starting
+                failures.append(f"try {attempt + 1}: {e}")
+                self._stop()
+        raise RuntimeError(f"Chromium did not start in {self.STARTS} tries: {'; '.join(failures)}")
+
+    def _start(self, binary: str, profile: Path) -> None:
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
 
@@ -40,19 +54,34 @@ class Chromium:
             os.dup2(a, 3)
             os.dup2(b, 4)
 
-        err = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - the browser process writes it; closed below
-        try:
+        with open(self.log, "ab") as err:
             self.proc = subprocess.Popen([binary, *self.FLAGS, f"--user-data-dir={profile}", "about:blank"],
                                          preexec_fn=wire_fds, close_fds=False, stdin=subprocess.DEVNULL,
                                          stdout=err, stderr=err)
-        finally:
-            if log:
-                err.close()
         os.close(to_child_r)
         os.close(from_child_w)
         self._buf, self._id, self.events = b"", 0, []
-        target = self.send("Target.createTarget", url="about:blank")["targetId"]
+        target = self.send("Target.createTarget", url="about:blank", timeout=120)["targetId"]
         self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+
+    def _stop(self) -> None:
+        """End a browser that failed to start, and close our ends of its pipes."""
+        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for fd in (getattr(self, "_to_child", None), getattr(self, "_from_child", None)):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._to_child = self._from_child = None
+
+    def _died(self) -> str:
+        """Why the pipe closed: the browser's exit status and the end of its log."""
+        code = self.proc.poll() if getattr(self, "proc", None) is not None else None
+        tail = self.log.read_bytes()[-600:].decode(errors="replace") if self.log.exists() else ""
+        return f"exit status {code}; log {self.log}: ...{tail}"
 
     def _next_message(self, deadline: float) -> dict:
         while b"\0" not in self._buf:
@@ -61,7 +90,7 @@ class Chromium:
                 raise TimeoutError("Chromium did not answer in time")
             chunk = os.read(self._from_child, 1 << 20)
             if not chunk:
-                raise EOFError("Chromium closed the DevTools pipe")
+                raise EOFError(f"Chromium closed the DevTools pipe ({self._died()})")
             self._buf += chunk
         raw, self._buf = self._buf.split(b"\0", 1)
         message = json.loads(raw)
@@ -69,7 +98,7 @@ class Chromium:
             self.events.append(message)
         return message
 
-    def send(self, method: str, session: bool = False, timeout: float = 60, **params) -> dict:
+    def send(self, method: str, session: bool = False, timeout: float = 120, **params) -> dict:
         self._id += 1
         message = {"id": self._id, "method": method, "params": params}
         if session:
@@ -96,7 +125,7 @@ class Chromium:
         self.page("Page.navigate", url=url)
         self.wait_event("Page.loadEventFired")
 
-    def wait_event(self, method: str, timeout: float = 60) -> dict:
+    def wait_event(self, method: str, timeout: float = 120) -> dict:
         deadline = time.time() + timeout
         seen = [e for e in self.events if e["method"] == method]
         if seen:
@@ -114,7 +143,7 @@ class Chromium:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def wait_js(self, expression: str, timeout: float = 20):
+    def wait_js(self, expression: str, timeout: float = 60):
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.js(expression):
@@ -128,12 +157,11 @@ class Chromium:
     def close(self):
         try:
             self.send("Browser.close", timeout=10)
-        except Exception:  # noqa: BLE001 - a browser that cannot answer is stopped below
+        except Exception:
             pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        os.close(self._to_child)
-        os.close(self._from_child)
+        self._stop()

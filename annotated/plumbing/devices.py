@@ -12,7 +12,7 @@ gradients and the optimizer's moments stay fp32.
 >>> resolve_precision("auto", torch.device("cpu"), flags=frozenset({"avx2"}))
 ('fp32', 'auto: this CPU has no bf16 instructions (avx512_bf16 or amx_bf16)')
 >>> resolve_precision("fp32", torch.device("cpu"))
-('fp32', 'fp32 asked for')
+('fp32', 'fp32 as set (by --precision or the preset)')
 """
 from __future__ import annotations
 
@@ -70,6 +70,12 @@ def cpu_has_bf16(flags: frozenset[str] | None = None) -> bool:
     return any(f in flags for f in BF16_CPU_FLAGS) and capability.startswith(("AVX512", "AMX"))
 
 
+def cuda_has_bf16(device: torch.device) -> bool:
+    """True for a GPU that multiplies bf16 in hardware: compute capability 8.0 or later (A100, H100, RTX 30xx on).
+    A T4 (7.5) or V100 (7.0) has none: `torch.cuda.is_bf16_supported()` says True there too, counting emulation."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def resolve_precision(requested: str, device: torch.device,
                       flags: frozenset[str] | None = None) -> tuple[str, str]:
     """("fp32" or "bf16", the reason in words) for `requested` (auto, fp32, bf16) on `device`.
@@ -77,13 +83,14 @@ def resolve_precision(requested: str, device: torch.device,
     if requested not in ("auto", "fp32", "bf16"):
         raise ValueError(f"precision must be auto, fp32 or bf16, got {requested!r}")
     if requested == "fp32":
-        return "fp32", "fp32 asked for"
+        return "fp32", "fp32 as set (by --precision or the preset)"
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
+        if cuda_has_bf16(device):
             return "bf16", f"{requested}: CUDA device with bf16"
         if requested == "bf16":
-            raise ValueError(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bf16; use fp32")
-        return "fp32", "auto: this CUDA device has no bf16"
+            raise ValueError(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bf16 matrix products "
+                             f"(compute capability below 8.0), so bf16 would be emulated and slower; use fp32 or auto")
+        return "fp32", "auto: this CUDA device has no bf16 matrix products (compute capability below 8.0)"
     if device.type == "cpu":
         if cpu_has_bf16(flags):
             return "bf16", f"{requested}: this CPU has bf16 instructions (avx512_bf16 or amx_bf16)"

@@ -23,7 +23,19 @@ the imports at the top of a command (`quiet_ctrl_c_while_starting`) and for thos
 (`run_command`'s handler checks whether an import is under way). An import that `main()` makes after it
 has begun writing exits at once too: no file it writes is left half-written (every write is atomic), but a
 temporary file or staging folder it had begun can remain beside its target. Anywhere else in `main()` the Ctrl-C
-raises KeyboardInterrupt, so that `finally` blocks and atomic writes clean up; a Ctrl-C that lands while
+raises KeyboardInterrupt, so that `finally` blocks and atomic writes clean up, but only where the exception can
+reach `main()`'s caller in order. A signal handler runs at whatever bytecode is next, and not every place can
+pass an exception on: inside a garbage-collector callback (hypothesis registers one), a `__del__` or a weakref
+callback Python prints it as "Exception ignored in" with a traceback and drops it, and the command goes on;
+raised in code run by `exec` or `eval` of a string it marks the interpreter so that `python -m` ends killed by
+SIGINT (return code -2) whatever `sys.exit` says; and a library interrupted between taking a lock and the
+`try` that releases it (tqdm's two write locks) can hang the exit. So the handler raises KeyboardInterrupt only
+at a line of the project's own code with none of those places below it on the stack (`can_be_caught_at`);
+anywhere else it has it raised at the next such line, when the library returns to our code or calls it (a
+trace function, `sys.settrace` until then, this thread only). `sys.unraisablehook` does the same for a
+KeyboardInterrupt that a library dropped after all, and prints nothing. A second Ctrl-C raises at once
+wherever it can pass on, library code included (for a library that runs long without calling our code).
+A Ctrl-C that lands while
 PyTorch's C++ code is calling back into Python can reach the caller as another error (the
 KeyboardInterrupt is turned into a RuntimeError on the way out), and `ctrl_c_requested()` tells such an
 error from a real one, so that it is not reported as a failed check. A `main()` that reports the
@@ -36,6 +48,7 @@ Options that make no sense are refused by `annotated/plumbing/options.py` (one l
 stderr naming the option and what it takes, exit code 2, before any work).
 """
 import functools
+import gc
 import os
 import signal
 import sys
@@ -69,16 +82,98 @@ def importing(frame) -> bool:
     return False
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # annotated/
+_own_files = {_PACKAGE}  # and the running command's own file (run_command adds it)
+
+
+def _own(code) -> bool:
+    """Whether `code` is the project's own (the package, or the command's file), not a library's."""
+    return code.co_filename.startswith(_PACKAGE + os.sep) or code.co_filename in _own_files
+
+
+def _cannot_pass_an_exception_on(code, callbacks) -> bool:
+    return code in callbacks or code.co_name == "__del__" or (code.co_filename, code.co_name) == ("<string>",
+                                                                                                 "<module>")
+
+
+def can_be_caught_at(frame) -> bool:
+    """Whether a KeyboardInterrupt raised now at `frame` reaches `run_command`'s caller in order: `frame` is the
+    project's own code (whose `finally` blocks are written for it), and no frame between it and `run_command`
+    is code that cannot pass an exception on (a garbage-collector callback, a `__del__`, code run by `exec` or
+    `eval` of a string).
+
+    >>> import sys
+    >>> can_be_caught_at(sys._getframe(0))  # a doctest's frame: not the project's own code
+    False
+    >>> def own(): return can_be_caught_at(sys._getframe())
+    >>> own.__code__ = own.__code__.replace(co_filename=__file__)
+    >>> own(), eval("own()")
+    (True, False)
+    """
+    return _own(frame.f_code) and _passes_on(frame)
+
+
+def _passes_on(frame) -> bool:
+    """No frame between `frame` and `run_command` is code that cannot pass an exception on."""
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None and frame.f_code is not run_command.__code__:
+        if _cannot_pass_an_exception_on(frame.f_code, callbacks):
+            return False
+        frame = frame.f_back
+    return True
+
+
+def _raise_at_the_next_line_that_can_pass_it_on(frame) -> None:
+    """Raise KeyboardInterrupt at the next line that the project's own code runs where it can pass it on: in
+    `frame`'s stack once the library code running now returns to it, or in own code that the library calls.
+    Until then tracing is on (this thread only): own frames get a trace function, library calls none."""
+    def at_next_line(f, event, arg):
+        if event == "line" and can_be_caught_at(f):
+            sys.settrace(None)
+            f.f_trace = None
+            raise KeyboardInterrupt
+        return at_next_line
+
+    def on_call(f, event, arg):
+        return at_next_line if _own(f.f_code) else None
+
+    while frame is not None and frame.f_code is not run_command.__code__:
+        if _own(frame.f_code):
+            frame.f_trace = at_next_line
+        frame = frame.f_back
+    sys.settrace(on_call)
+
+
+def _raise_where_it_can_be_caught(frame) -> None:
+    """Raise KeyboardInterrupt here if it can pass on from here, else at the next line where it can."""
+    if can_be_caught_at(frame):
+        raise KeyboardInterrupt
+    _raise_at_the_next_line_that_can_pass_it_on(frame)
+
+
+def _raise_where_the_dropped_one_would_have_gone(previous, unraisable) -> None:
+    """`sys.unraisablehook` while `run_command` runs: a KeyboardInterrupt dropped where the stack did not show it
+    (should a library catch it and report it as unraisable) is raised again at the next line where it can pass
+    on, and nothing is printed. Any other unraisable exception is printed as ever."""
+    if issubclass(unraisable.exc_type, KeyboardInterrupt):
+        _raise_at_the_next_line_that_can_pass_it_on(sys._getframe(1))
+        return
+    previous(unraisable)
+
+
 def _while_starting(name: str, signum, frame) -> None:
     _exit_at_once(name)
 
 
 def _while_running(name: str, signum, frame) -> None:
     global _requested
-    _requested = True
+    again, _requested = _requested, True
     if importing(frame):
         _exit_at_once(name)
-    raise KeyboardInterrupt
+    if again and _passes_on(frame):  # a second Ctrl-C: at once, even inside a library that runs long
+        sys.settrace(None)
+        raise KeyboardInterrupt
+    _raise_where_it_can_be_caught(frame)
 
 
 def quiet_ctrl_c_while_starting(name: str) -> None:
@@ -91,7 +186,9 @@ def run_command(main: Callable[[], object], name: str) -> None:
     """Run a command's `main()` and exit with its code (0 when it returns no int); Ctrl-C: one line, 130.
 
     A Ctrl-C anywhere counts, even one an extension swallowed: what `main()` did after it is not trusted."""
+    _own_files.add(main.__code__.co_filename)
     signal.signal(signal.SIGINT, functools.partial(_while_running, name))
+    sys.unraisablehook = functools.partial(_raise_where_the_dropped_one_would_have_gone, sys.unraisablehook)
     code = None
     try:
         code = main()
@@ -117,7 +214,8 @@ class StopFlag:
 
     def _handler(self, signum, frame):
         if self.requested:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
+            _raise_where_it_can_be_caught(frame)
+            return
         self.requested = True
 
     def __enter__(self) -> "StopFlag":

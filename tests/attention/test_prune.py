@@ -309,3 +309,23 @@ def test_head_counts_above_the_configs_h_are_refused_before_anything_is_built(tm
     built.clear()
     assert head_counts(load_checkpoint(fine)[0])["enc_self"] == [1]
     assert built == ["meta", "cpu"] and counted == ["meta", "cpu"]
+
+
+def test_every_removal_is_judged_against_the_unpruned_model():
+    """Each head removed costs 0.015 nats per token more than the model before it: every step is within
+    max_increase = 0.02 of the previous one, but only the first is within it of the unpruned model, so the search
+    keeps one removal and stops at the second (a rule comparing with the previous step would remove every head
+    and let the loss drift without bound)."""
+    model = tiny_model("fused", N=1, h=2, dtype=torch.float32)
+    scores = {"enc_self": [0.9, 0.1], "dec_self": [0.8, 0.3], "cross": [0.2, 0.95]}
+
+    def importance(m):
+        return {k: [scores[k] if attention_at(m, k, 0).h == 2 else [scores[k][0]]] for k in KINDS}
+
+    def held_out_loss(m):
+        return 2.0 + 0.015 * sum(c == [1] for c in head_counts(m).values())
+
+    result = greedy_prune(model, held_out_loss, importance, max_increase=0.02)
+    assert [s.kept for s in result.steps] == [True, False]
+    assert [s.held_out_loss for s in result.steps] == [pytest.approx(2.015), pytest.approx(2.03)]
+    assert sum(c == [1] for c in head_counts(result.model).values()) == 1

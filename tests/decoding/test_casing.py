@@ -53,3 +53,10 @@ def test_ties_go_to_the_piece_merged_first_then_lower_case():
 
     assert casing.recase("wiese rennt wiese", Pieces()) == "Wiese rennt Wiese"
 
+
+
+@pytest.mark.parametrize("line", ["EIN MANN FÄHRT Fahrrad.", "DREI KINDER SPIELEN IM Park.", "Zwei HUNDE RENNEN."])
+def test_a_line_mostly_in_capitals_is_upper_case(line):
+    """The rule says "most of its words": one word typed as usual in a line in capitals does not change it."""
+    assert casing.style(line) == "upper"
+    assert casing.style("Ein MANN fährt Fahrrad.") is None  # one word of four: as people write

@@ -516,3 +516,26 @@ def test_a_file_on_stdin_shows_a_progress_bar_on_a_terminals_stderr(ckpt, loaded
     assert main(["--checkpoint", str(ckpt), "--beam", "1"], stdin=stdin, stdout=out, stderr=err) == 0
     assert "translate: 0 sentences" in err.getvalue() and err.getvalue().endswith("\r")  # drawn, then cleared
     assert out.getvalue().decode().split("\n") == [expected(loaded, s, 1) for s in SENTENCES] + [""]
+
+
+def test_a_sentence_much_longer_than_the_training_sentences_is_translated_in_clauses(knows_clauses, spy):
+    """Test sentences joined by commas into one sentence of more than LONG_SENTENCE characters, for a model whose
+    max_len would take it whole: split at clause ends into runs within LONG_SENTENCE, each translated, the
+    answers joined in order, and a note naming the length. The answer is the parts' translations, each whole."""
+    from annotated.decoding.translate import LONG_SENTENCE
+
+    _, tok = knows_clauses
+    torch.manual_seed(0)
+    model = make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2,
+                       dropout=0.0, max_len=512).eval()
+    clauses = [t.rstrip(".") for t in TEXTS[:6] if not t.startswith(("A ", "Two"))] * 5
+    text = ", ".join(clauses) + "."
+    assert len(text) > LONG_SENTENCE and len(tok.encode(text)) <= 512
+    translation, note = translate(model, tok, text)
+    parts = spy.calls[-1]
+    assert len(parts) > 1 and note == (f"{len(text)} characters, longer than the sentences the model learned from "
+                                       f"({LONG_SENTENCE}); translated in {len(parts)} parts")
+    assert sum(parts, []) == tok.encode(text)  # nothing lost, nothing added, in order
+    assert all(len(tok.decode(p)) <= LONG_SENTENCE and tok.decode(p)[-1] == "," for p in parts[:-1])
+    alone = " ".join(tok.decode(translate_ids(model, [p], 4, 0.6)[0]) for p in parts)
+    assert translation == " ".join(alone.splitlines())

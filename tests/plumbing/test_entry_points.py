@@ -1,5 +1,6 @@
-"""pyproject.toml: the console scripts of `pip install -e .` are the commands' own main functions, and the
-package it describes holds every subpackage and the viewer's web assets. Read and imported, not installed."""
+"""pyproject.toml: the console scripts of `pip install -e .` run the commands' own main functions through the one
+Ctrl-C protocol (annotated/plumbing/scripts.py), and the package it describes holds every subpackage and the
+viewer's web assets. Read and imported, not installed; `test_interrupts.py` runs the scripts."""
 import importlib
 from pathlib import Path
 
@@ -19,8 +20,10 @@ TARGETS = {"train": "train_wmt", "translate": "annotated.decoding.translate",
 def test_console_scripts_resolve_to_the_commands_main_functions(target, module):
     assert f"$(PY) {'train_wmt.py' if module == 'train_wmt' else '-m ' + module}" in (ROOT / "Makefile").read_text()
     name, function = SCRIPTS[f"annotated-{target}"].split(":")
-    assert (name, function) == (module, "main")
-    main = getattr(importlib.import_module(name), function)
+    assert (name, function) == ("annotated.plumbing.scripts", target)
+    assert callable(getattr(importlib.import_module(name), function))
+    assert importlib.import_module(name).SCRIPTS[f"annotated-{target}"] == module
+    main = importlib.import_module(module).main
     assert callable(main) and main.__module__ == module and main.__name__ == "main"
 
 

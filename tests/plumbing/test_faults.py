@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from children import IMPORT_TIMES, said, wait_past_the_quiet_handler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -253,15 +254,17 @@ def test_no_command_uses_another_ctrl_c_protocol():
 
 def test_sigint_at_start_up_exits_130_without_a_traceback(tmp_path, data_url, cache):
     """Ctrl-C before training starts (importing torch, reading data): exit 130, one line, nothing to resume."""
-    p = subprocess.Popen(train_cli("--run-dir", tmp_path / "run", "--data-url", data_url, "--cache-dir", cache),
-                         cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = train_cli("--run-dir", tmp_path / "run", "--data-url", data_url, "--cache-dir", cache)
+    p = subprocess.Popen([command[0], *IMPORT_TIMES, *command[1:]], cwd=tmp_path, env=child_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)  # any moment after the interpreter started gives the same outcome
+        wait_past_the_quiet_handler(p)  # any moment after that gives the same outcome
         p.send_signal(signal.SIGINT)
-        _out, err = p.communicate(timeout=GUARD)
+        out, err = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
+    err = said(err)
     assert p.returncode == 130, err
     assert "Traceback" not in err and err.startswith("train_wmt.py: interrupted") and err.count("\n") == 1, err
     assert not (tmp_path / "run" / "last.pt").exists()
@@ -284,7 +287,7 @@ def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command
             assert chunk, f"{command} ended before it started working: {err.decode(errors='replace')}"
             err += chunk
         p.send_signal(signal.SIGINT)
-        _out, rest = p.communicate(timeout=GUARD)
+        out, rest = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
@@ -304,15 +307,16 @@ def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command
 ], ids=["equivalence", "attention", "bench", "docs"])
 def test_other_commands_exit_130_on_ctrl_c_while_torch_loads(tmp_path, command, name):
     """A Ctrl-C in the first second (the interpreter is importing torch): one line, exit 130, nothing written."""
-    p = subprocess.Popen([sys.executable, *(c.format(tmp=tmp_path) for c in command)], cwd=tmp_path,
+    p = subprocess.Popen([sys.executable, *IMPORT_TIMES, *(c.format(tmp=tmp_path) for c in command)], cwd=tmp_path,
                          env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.4)  # past the interpreter's own start (~0.05 s), inside `import torch` (over 1 s here)
+        wait_past_the_quiet_handler(p)  # inside the heavy imports (torch: over 1 s here)
         p.send_signal(signal.SIGINT)
-        _out, err = p.communicate(timeout=GUARD)
+        out, err = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
+    err = said(err)
     assert p.returncode == 130 and err == f"{name}: interrupted\n", (p.returncode, err[-800:])
     assert not list(tmp_path.iterdir())
 
@@ -678,7 +682,7 @@ def outcome(call, valid: bool):
     except ValueError:
         assert not valid, "a valid input was refused"
         return None
-    except Exception as e:  # any other type is the failure this suite looks for
+    except Exception as e:
         raise AssertionError(f"{type(e).__name__} escaped instead of a ValueError: {e}") from e
     assert valid, "an invalid input gave a result instead of a ValueError"
     return result
@@ -753,12 +757,19 @@ def test_attention_matches_the_float64_reference(case):
     mask, d_model = case["mask"], case["d_model"]
     assert mask is None or is_broadcast(mask.shape, (x.size(0), x.size(1), x_kv.size(1)))  # the strategy's promise
     x_low, kv_low = x.to(case["dtype"]), x_kv.to(case["dtype"])
-    with transformer.fast_path(case["fast"]):
+    fast_before = transformer.FAST_PATH
+    transformer.FAST_PATH = case["fast"]
+    try:
         call = attend_with_probabilities if case["probabilities"] else lambda m, *args: (m(*args), None)
         out, probs = call(module, x_low, kv_low, mask)
-    with transformer.fast_path(False):
+    finally:
+        transformer.FAST_PATH = fast_before
+    transformer.FAST_PATH, fast_before = False, transformer.FAST_PATH
+    try:
         # the reference sees the inputs after rounding to the tested dtype
         ref_out, ref_probs = attend_with_probabilities(reference, x_low.double(), kv_low.double(), mask)
+    finally:
+        transformer.FAST_PATH = fast_before
     B, T_q, T_k = x.size(0), x.size(1), x_kv.size(1)
     assert out.shape == (B, T_q, d_model)
     close_to(out, ref_out, case["dtype"])
@@ -866,8 +877,11 @@ def test_model_matches_the_float64_reference(case):
         result = model(src, tgt, src_mask, tgt_mask)
         want = lambda: (reference(src, tgt, src_mask, tgt_mask),)
         shape, n_maps, ra = (B, T_len, VOCAB_TGT), [], False
-    with transformer.fast_path(False):
+    fast_before, transformer.FAST_PATH = transformer.FAST_PATH, False
+    try:
         ref = want()
+    finally:
+        transformer.FAST_PATH = fast_before
     out = result[0] if ra else result
     assert out.shape == shape
     close_to(out, ref[0], dtype)
@@ -943,8 +957,8 @@ def escape(reason):
 
 
 @escape("FusedAttention returns the probabilities beside its output when FAST_PATH is off")
-def test_once_escaped_fused_attention_returns_unasked_probabilities(fast_path):
-    fast_path(False)
+def test_once_escaped_fused_attention_returns_unasked_probabilities(monkeypatch):
+    monkeypatch.setattr(transformer, "FAST_PATH", False)
     _, fused, _ = attention_modules(8, 2, True, torch.float32)
     x = torch.randn(2, 3, 8)
     assert isinstance(fused(x, x), torch.Tensor) and fused(x, x).shape == (2, 3, 8)  # the output alone
@@ -953,7 +967,7 @@ def test_once_escaped_fused_attention_returns_unasked_probabilities(fast_path):
 @pytest.mark.parametrize("shape", [(), (4,), (1,)])
 @escape("FusedAttention: a 0-d or 1-d mask (valid: it broadcasts) fails in mask.unsqueeze(-3) with IndexError")
 def test_once_escaped_fused_attention_low_rank_mask(shape):
-    _, fused, _reference = attention_modules(8, 2, True, torch.float32)
+    _, fused, reference = attention_modules(8, 2, True, torch.float32)
     x = torch.randn(2, 3, 8)
     result = outcome(lambda: fused(x, torch.randn(2, 4, 8), torch.ones(shape, dtype=torch.bool)), valid=True)
     assert result.shape == (2, 3, 8)

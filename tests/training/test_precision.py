@@ -33,8 +33,8 @@ def test_auto_is_fp32_on_a_torch_without_avx512_kernels(monkeypatch):
 
 
 def test_fp32_when_asked_and_bf16_refused_where_unsupported(avx512_torch):
-    assert devices.resolve_precision("fp32", CPU, flags=frozenset({"avx512_bf16"})) == ("fp32", "fp32 asked for")
-    with pytest.raises(ValueError, match=r"--precision bf16: this CPU has no bf16 instructions .*use "
+    assert devices.resolve_precision("fp32", CPU, flags=frozenset({"avx512_bf16"})) == ("fp32", "fp32 as set (by --precision or the preset)")
+    with pytest.raises(ValueError, match="--precision bf16: this CPU has no bf16 instructions .*use "
                                          "--precision fp32 or auto"):
         devices.resolve_precision("bf16", CPU, flags=frozenset({"avx2"}))
     with pytest.raises(ValueError, match="precision must be auto, fp32 or bf16, got 'fp16'"):
@@ -61,7 +61,7 @@ def test_bf16_on_a_cpu_without_it_is_one_line_before_any_work(tmp_path, capsys, 
 def test_the_run_log_and_print_config_name_precision_and_threads(capsys):
     assert train_wmt.main(["--preset", "smoke", "--print-config", "--threads", "1", "--precision", "fp32"]) == 0
     shown = capsys.readouterr().out
-    assert '"precision": "fp32"' in shown and '"precision_reason": "fp32 asked for"' in shown
+    assert '"precision": "fp32"' in shown and '"precision_reason": "fp32 as set (by --precision or the preset)"' in shown
     assert '"threads": 1' in shown
 
 
@@ -117,3 +117,21 @@ def test_threads_default_to_every_core_shared_among_torchruns_processes(monkeypa
     assert devices.default_threads() == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert devices.default_threads() == 1
+
+
+@pytest.mark.parametrize("gpu, capability, expected", [("Tesla T4", (7, 5), "fp32"), ("Tesla V100", (7, 0), "fp32"),
+                                                       ("NVIDIA A100", (8, 0), "bf16"), ("NVIDIA H100", (9, 0), "bf16")])
+def test_auto_on_a_gpu_is_bf16_only_where_it_multiplies_bf16_in_hardware(gpu, capability, expected, monkeypatch):
+    """A faked CUDA device: torch's own `is_bf16_supported()` says True on all four (emulation counts), so it
+    cannot be the rule; `bf16` on a T4 or V100 is refused, naming the GPU and the reason."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    cuda = torch.device("cuda")
+    assert devices.resolve_precision("auto", cuda)[0] == expected
+    assert devices.resolve_precision("fp32", cuda)[0] == "fp32"
+    if expected == "fp32":
+        with pytest.raises(ValueError, match=f"{gpu} has no bf16.*use fp32"):
+            devices.resolve_precision("bf16", cuda)
+    else:
+        assert devices.resolve_precision("bf16", cuda)[0] == "bf16"

@@ -128,12 +128,12 @@ def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, monkeypatch,
     lines = []
     results = train.train(train.PRESETS["smoke"], run, data_url=data_url, cache_dir=cache, progress=False, log=lines.append)
     on_disk = json.loads((run / "results.json").read_text())
-    assert (on_disk["precision"], on_disk["precision_reason"]) == ("fp32", "fp32 asked for")
+    assert (on_disk["precision"], on_disk["precision_reason"]) == ("fp32", "fp32 as set (by --precision or the preset)")
     assert on_disk["threads"] == torch.get_num_threads() >= 1
     [first] = [line for line in lines if line.startswith(f"run {run}:")]
     n = torch.get_num_threads()
     threads = "1 CPU thread" if n == 1 else f"{n} CPU threads"
-    assert first.endswith(f"precision fp32 (fp32 asked for), {threads}"), first
+    assert first.endswith(f"precision fp32 (fp32 as set (by --precision or the preset)), {threads}"), first
     assert on_disk["test"]["best"]["beam"]["bleu"] == results["test"]["best"]["beam"]["bleu"]
     for kind in ("greedy", "beam"):
         r = on_disk["test"]["best"][kind]
@@ -227,3 +227,32 @@ def test_training_modules_import_no_attention_pictures_and_form_no_circle():
     for m in graph:
         visit(m)
     assert "train" not in graph["evaluate"] | graph["runs"] | graph["config"] | graph["results"]
+
+
+TIMINGS = {"train_s", "tokens_per_s", "eval_s"}  # wall-clock figures: the only ones allowed to differ
+
+
+def figures(run: Path) -> dict:
+    """results.json's figures (the history of every epoch and the test scores), without wall-clock times and
+    the checkpoint paths; plus the per-step loss log and the final parameters' bytes."""
+    results = json.loads((run / "results.json").read_text())
+    history = [{k: v for k, v in epoch.items() if k not in TIMINGS} for epoch in results["history"]]
+    test = {name: {k: v for k, v in scores.items() if k != "checkpoint"} for name, scores in results["test"].items()}
+    from annotated.plumbing.checkpoint import read_checkpoint
+    model = read_checkpoint(run / "last.pt")["model"]
+    return {"history": history, "test": test, "steps": results["steps"],
+            "losses": (run / "train_loss.tsv").read_text(),
+            "parameters": {k: t.contiguous().numpy().tobytes() for k, t in model.items()}}
+
+
+def test_two_runs_on_one_install_give_bit_identical_figures(tmp_path, data_url, cache):
+    """The same preset and seed twice in one process (one install, one machine): every figure of results.json
+    (losses, validation and test BLEU and chrF, to the last digit), the loss log and the final parameters are
+    identical, bit for bit. (Across machines a different CPU's kernels may round differently: docs/training.md.)"""
+    cfg = dataclasses.replace(train.PRESETS["smoke"], max_steps=16, test_sentences=4, val_bleu_sentences=4)
+    runs = [tmp_path / "a" / "run", tmp_path / "b" / "run"]
+    for run in runs:
+        train.train(cfg, run, data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    first, second = (figures(run) for run in runs)
+    assert first["history"] and first["test"] and first["steps"] == 16
+    assert first == second

@@ -1,0 +1,34 @@
+"""annotated/training/results.py and runs.py: `averaged.pt` is the element-wise mean of exactly the last
+`average_last` epoch checkpoints (the smoke preset never averages, so its run cannot show it)."""
+import dataclasses
+
+import pytest
+import torch
+
+from annotated.plumbing.checkpoint import read_checkpoint, save_checkpoint
+from annotated.training import train
+from annotated.training.results import checkpoints_to_test
+from annotated.transformer import make_model
+
+
+@pytest.mark.parametrize("average_last, epochs", [(3, 5), (2, 2), (5, 3)])
+def test_averaged_is_the_mean_of_exactly_the_last_epochs(average_last, epochs, tmp_path):
+    """Epoch checkpoints with different random parameters; averaged.pt holds, for every parameter, the mean of
+    the last `average_last` of them (all of them when fewer exist), to float32 rounding of the float64 mean."""
+    cfg = dataclasses.replace(train.PRESETS["smoke"], average_last=average_last)
+    states = []
+    for epoch in range(1, epochs + 1):
+        torch.manual_seed(epoch)
+        model = make_model(src_vocab=11, tgt_vocab=11, N=1, d_model=8, d_ff=16, h=2, dropout=0.0, max_len=16)
+        save_checkpoint(tmp_path / f"epoch{epoch}.pt", model, None, {"epoch": epoch})
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    save_checkpoint(tmp_path / "best.pt", model, None, {"epoch": epochs})
+    paths = checkpoints_to_test(cfg, tmp_path)
+    assert set(paths) == {"best", "averaged"}
+    averaged = read_checkpoint(paths["averaged"])["model"]
+    last = states[-average_last:]
+    for name, value in averaged.items():
+        mean = (sum(s[name].double() for s in last) / len(last)).float()
+        assert torch.equal(value, mean), name
+    assert read_checkpoint(paths["averaged"])["meta"]["averaged"] == \
+        [str(tmp_path / f"epoch{e}.pt") for e in range(max(1, epochs - average_last + 1), epochs + 1)]
