@@ -344,6 +344,46 @@ def _tokenizer_of(folder: Path, src_map: list[int], tgt_map: list[int]):
     return tokenizer if vocab == pieces and src_map == tgt_map == identity else None
 
 
+def _renumbered_tokenizer(folder: Path, src_map: list[int], tgt_map: list[int]):
+    """Our Tokenizer for a Marian folder with one vocabulary (OPUS-MT's layout): its source sentencepiece model
+    with the pieces renumbered to our ids, or None where that cannot be done."""
+    import json
+
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from annotated.tokens import Tokenizer, TokenizerError
+
+    spm, vocab_file = folder / "source.spm", folder / "vocab.json"
+    if src_map != tgt_map or not (spm.is_file() and vocab_file.is_file()):
+        return None
+    piece_of = {i: p for p, i in json.loads(vocab_file.read_text(encoding="utf-8")).items()}
+    if sorted(piece_of) != sorted(set(src_map)):
+        return None
+    proto = pb.ModelProto()
+    proto.ParseFromString(spm.read_bytes())
+    known = {p.piece: (p.score, p.type) for p in proto.pieces}
+    lowest = min((score for score, _ in known.values()), default=0.0) - 1000.0
+    names = [piece_of[i] for i in src_map]
+    if names[BOS] == names[PAD]:  # the decoder start is the pad: our bos needs a piece of its own
+        names[BOS] = next(n for n in ("<s>", "<bos>", "<annotated-bos>") if n not in names)
+    del proto.pieces[:]
+    for i, name in enumerate(names):
+        score, kind = known.get(name, (lowest, pb.ModelProto.SentencePiece.NORMAL))  # target-only: never chosen
+        if i in (PAD, BOS, EOS, UNK):
+            score, kind = 0.0, pb.ModelProto.SentencePiece.UNKNOWN if i == UNK else pb.ModelProto.SentencePiece.CONTROL
+        elif kind in (pb.ModelProto.SentencePiece.UNKNOWN, pb.ModelProto.SentencePiece.CONTROL):
+            kind = pb.ModelProto.SentencePiece.CONTROL  # the source model's own specials: never produced
+        proto.pieces.add(piece=name, score=score, type=kind)
+    spec = proto.trainer_spec
+    spec.pad_id, spec.bos_id, spec.eos_id, spec.unk_id = PAD, BOS, EOS, UNK
+    spec.pad_piece, spec.bos_piece, spec.eos_piece, spec.unk_piece = names[:4]
+    spec.vocab_size = len(names)
+    try:
+        return Tokenizer(proto.SerializeToString())
+    except TokenizerError:
+        return None
+
+
 def _unk_of(folder: Path) -> Optional[int]:
     import json
 
@@ -362,7 +402,7 @@ def import_marian(folder: Path, out: Path, attention: str = "fused", overwrite: 
         raise FileNotFoundError(f"{folder} holds no config.json: give a folder written by save_pretrained")
     hf = MarianMTModel.from_pretrained(str(folder), local_files_only=True).float().eval()
     model, src_map, tgt_map = from_marian(hf, attention, _unk_of(folder))
-    tokenizer = _tokenizer_of(folder, src_map, tgt_map)
+    tokenizer = _tokenizer_of(folder, src_map, tgt_map) or _renumbered_tokenizer(folder, src_map, tgt_map)
     meta = {"imported_from": str(folder), "marian_source_ids": src_map, "marian_target_ids": tgt_map}
     save_checkpoint(out, model, tokenizer, meta)
     return out, tokenizer is not None
