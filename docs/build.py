@@ -92,7 +92,7 @@ from docs import figures as figs  # noqa: E402
 PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: paths under annotated/ without .py)
     ("part-1", "Part I. The chapter", ("transformer", "tokens")),
     ("part-2", "Part II. The proof", ("proof/torch_mha", "proof/equivalence", "interop/layout", "interop/marian",
-                                      "interop/agreement")),
+                                      "interop/folders", "interop/agreement")),
     ("part-3", "Part III. Data, training and decoding",
      ("training/data", "decoding/search", "training/train", "training/distributed", "training/runs",
       "training/evaluate", "training/syncs", "training/config", "training/results", "decoding/translate",

@@ -42,12 +42,11 @@ if __name__ == "__main__":
 
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from annotated.decoding.search import translate_ids
-from annotated.interop.marian import export_marian
+from annotated.interop.folders import export_marian
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import padding_mask, subsequent_mask
 
@@ -96,7 +95,7 @@ def generate_ids(hf, sources: list[list[int]], length_penalty: float, batch_size
 
 
 def compare(checkpoint: Path, sentences: int = 1000, alpha: float = 0.6, hf_length_penalty: float = 1.0,
-            data_url: Optional[str] = None) -> dict:
+            data_url: str | None = None) -> dict:
     """The figures of this module for `checkpoint` on the first `sentences` test sentences."""
     from transformers import MarianMTModel
 
@@ -127,7 +126,7 @@ def compare(checkpoint: Path, sentences: int = 1000, alpha: float = 0.6, hf_leng
     return result
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import json
 
     from annotated.plumbing.options import Parser, at_least, number

@@ -30,8 +30,8 @@
 # %%
 from __future__ import annotations
 
-from torch import Tensor
 import torch
+from torch import Tensor
 
 # %% [markdown]
 # ## The two layouts of the sinusoids

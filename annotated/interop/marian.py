@@ -53,16 +53,25 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while torch and transformer
 
 import math
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import Tensor
 
-from annotated.interop.layout import (inverse_permutation, marian_to_ours, ours_to_marian, permute_residual,
-                                      sinusoid_permutation)
+from annotated.interop.layout import (
+    inverse_permutation,
+    marian_to_ours,
+    ours_to_marian,
+    permute_residual,
+    sinusoid_permutation,
+)
 from annotated.plumbing.checks import check_marian_config, check_marian_exportable
-from annotated.tokens import BOS, EOS, PAD, UNK
-from annotated.transformer import EncoderDecoder, TransformerConfig, convert_model, make_model
+from annotated.tokens import BOS, EOS, PAD
+from annotated.transformer import (
+    EncoderDecoder,
+    TransformerConfig,
+    convert_model,
+    make_model,
+)
 
 NAME = "marian"
 TO_MARIAN_ACTIVATION = {"relu": "relu", "gelu": "gelu", "silu": "swish"}
@@ -91,7 +100,7 @@ FROM_MARIAN_ACTIVATION = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu
 #   exactly Marian's (`test_import_gives_marian_logits`).
 
 # %%
-def token_map(pad: int, start: int, eos: int, unk: Optional[int], vocab: int) -> list[int]:
+def token_map(pad: int, start: int, eos: int, unk: int | None, vocab: int) -> list[int]:
     """Our id -> Marian's id: pad, decoder start, eos, unk at our 0, 1, 2, 3, then Marian's other ids in order.
 
     Without a known `unk` (a model folder without a vocabulary), the first id not yet taken plays it.
@@ -146,7 +155,7 @@ def _complete_state(model: EncoderDecoder) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def to_marian(model: EncoderDecoder, heads: Optional[dict] = None):
+def to_marian(model: EncoderDecoder, heads: dict | None = None):
     """A transformers MarianMTModel computing the same function as `model` (same dtype, eval mode)."""
     from transformers import MarianMTModel
 
@@ -200,7 +209,7 @@ def our_config(config, src_vocab: int, tgt_vocab: int, share: bool, tie: bool) -
 
 
 @torch.no_grad()
-def from_marian(hf, attention: str = "fused", unk: Optional[int] = None) -> tuple[EncoderDecoder, list[int], list[int]]:
+def from_marian(hf, attention: str = "fused", unk: int | None = None) -> tuple[EncoderDecoder, list[int], list[int]]:
     """Our model computing the same function as MarianMTModel `hf`, and the source and target token maps
     (our id -> Marian's id). `unk` is the vocabulary's unk id, where known."""
     config = hf.config
@@ -228,188 +237,99 @@ def from_marian(hf, attention: str = "fused", unk: Optional[int] = None) -> tupl
 # %% [markdown]
 # ## 4. Folders and files
 #
-# An exported folder holds what `save_pretrained` writes (`config.json`,
-# `generation_config.json`, `model.safetensors`) and the tokenizer files of
-# `MarianTokenizer`: our sentencepiece model as both `source.spm` and
-# `target.spm`, and `vocab.json`, which maps each piece to its id (ours: the
-# sentencepiece model's own ids). One difference in use: `MarianTokenizer`
-# appends `</s>` to every source, and our models were trained on sources
-# without it. To give the exported model what ours sees, encode with
-# `tokenizer(text, add_special_tokens=False)`.
+# `annotated/interop/folders.py` writes and reads the folders: `export_marian`
+# saves the model with `save_pretrained` beside `MarianTokenizer`'s files for
+# our sentencepiece model, `import_marian` reads any folder
+# `from_pretrained` reads, with its tokenizer where there is one.
+
+# %% [markdown]
+# ## 5. What the tests establish
 #
-# The generation config asks for our translator's search where
-# `transformers` has it: beam 4, stop a sentence when 4 translations have
-# finished (`early_stopping=True`, our rule, `annotated/decoding/search.py`).
-# The length penalties differ in form: ours is GNMT's `((5 + |Y|) / 6)^alpha`,
-# `generate` divides by `|Y|^length_penalty`; the two agree only at 0. The
-# export writes `length_penalty=1.0`, `transformers`' default, and section 6
-# measures what that changes.
+# `tests/interop/test_marian.py` builds every model from a config with
+# random weights (transformers' initialisation scaled up, so that logits
+# spread over several units and any slip shows), nothing downloaded:
 #
-# Nothing is overwritten without `--overwrite`: the folder is written
-# beside its target under a temporary name and renamed into place at the end,
-# and an existing target is replaced only with `--overwrite` and only if it
-# holds a `config.json` (it looks like a model folder, not a home directory).
+# - `test_sinusoid_tables_differ_by_the_permutation`: Marian's table,
+#   renumbered by `sinusoid_permutation`, is ours, bit for bit.
+# - `test_import_gives_marian_logits`, for three Marian shapes (OPUS-MT's id
+#   layout with SiLU; separate source and target vocabularies with GELU;
+#   ReLU without embedding scaling and with an untied output projection, 1 to
+#   3 layers, 3 to 8 heads, d_model 16 to 32): our logits equal Marian's in
+#   float64 within 1e-9 under the token map, and the probabilities too.
+# - `test_export_gives_our_logits`, for three of our shapes (shared and
+#   tied; separate and untied; per-head without attention biases): Marian's
+#   logits equal ours within 1e-9 in float64 and 1e-4 in float32 (the
+#   measured differences are about 1e-15 and 1e-6: two orders of
+#   floating-point operations).
+# - `test_round_trip_is_exact`: export then import gives back every
+#   parameter bit for bit, in either attention form.
+# - `test_permuting_the_residual_stream_is_a_symmetry` (the theorem of
+#   `layout.py`, with a random permutation) and
+#   `test_a_wrong_permutation_is_caught` (none, or two coordinates swapped:
+#   the logits move by more than 1e-2).
+# - `test_beam_search_equals_generate`: our `beam_search` and `generate`
+#   with `num_beams=4`, `early_stopping=True` and no length penalty give the
+#   same token ids, for sentences that end on their own and sentences cut at
+#   the length limit.
+#
+# `tests/interop/test_marian_files.py` goes through folders: the export
+# loads offline in `MarianMTModel` and `MarianTokenizer`, which cuts text
+# into our ids; importing an export gives back the checkpoint and its
+# tokenizer; a folder in OPUS-MT's layout (`</s>` at 0, `<pad>` last, the
+# vocabulary's ids unlike the sentencepiece model's) imports with a tokenizer
+# that, under the token map, cuts text exactly as `MarianTokenizer` does.
+# Each of these tests was seen to fail when the conversion was broken on
+# purpose (the renumbering skipped, `W_O` left untransposed, SiLU read as
+# GELU, the `-inf` of the duplicated pad left out, `W_2` left out of the
+# renumbering, the export's decoder started with the pad).
 
-# %%
-def _write_tokenizer(tokenizer, folder: Path) -> None:
-    """source.spm, target.spm, vocab.json and MarianTokenizer's own config, for our tokenizer."""
-    import json
+# %% [markdown]
+# ## 6. A trained model and its export, on real sentences
+#
+# `annotated/interop/agreement.py` exports a checkpoint, loads it back with
+# `from_pretrained` and compares on test_2016_flickr. FIGURES
+#
+# The length penalties are the one setting that cannot be matched: GNMT's
+# `((5 + |Y|) / 6)^alpha` against `|Y|^length_penalty`. They rank two
+# finished translations of lengths `m < n` the same way except when the
+# ratio of their log-probabilities falls between the two penalties' ratios,
+# which happens for a few sentences of a test set; the figures above count
+# them.
 
-    from transformers import MarianTokenizer
-
-    for name in ("source.spm", "target.spm"):
-        (folder / name).write_bytes(tokenizer.to_bytes())
-    vocab = {piece: i for i, piece in enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
-    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    MarianTokenizer(str(folder / "source.spm"), str(folder / "target.spm"), str(folder / "vocab.json"),
-                    unk_token=vocab_piece(tokenizer, UNK), eos_token=vocab_piece(tokenizer, EOS),
-                    pad_token=vocab_piece(tokenizer, PAD)).save_pretrained(str(folder))
-
-
-def vocab_piece(tokenizer, i: int) -> str:
-    return tokenizer.pieces([i])[0]
-
-
-def generation_config(cfg: TransformerConfig, length_penalty: float = 1.0):
-    from transformers import GenerationConfig
-
-    return GenerationConfig(decoder_start_token_id=BOS, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-                            num_beams=4, early_stopping=True, length_penalty=length_penalty,
-                            max_length=cfg.max_len, forced_eos_token_id=None)
-
-
-def _check_target(out: Path, overwrite: bool, kind: str) -> None:
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite to replace it, or choose another {kind}")
-    if out.exists() and kind == "folder" and not (out.is_dir() and (out / "config.json").is_file()):
-        raise FileExistsError(f"{out} exists and is not a model folder (no config.json in it); it is not replaced: "
-                              f"choose another folder")
-    if out.exists() and kind == "file" and not out.is_file():
-        raise FileExistsError(f"{out} exists and is not a file; choose another output path")
-
-
-def _publish(staging: Path, out: Path) -> None:
-    """Move the finished `staging` folder to `out`, replacing an old `out` (checked by the caller)."""
-    import shutil
-    import tempfile
-
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-        out.rename(old / "x")
-        staging.rename(out)
-        shutil.rmtree(old)
-    else:
-        staging.rename(out)
-
-
-def export_marian(checkpoint: Path, out: Path, overwrite: bool = False) -> Path:
-    """Write checkpoint `checkpoint` as a MarianMTModel folder `out`; returns `out`."""
-    import shutil
-    import tempfile
-
-    from annotated.plumbing.checkpoint import load_checkpoint, read_checkpoint
-
-    _check_target(out, overwrite, "folder")
-    model, tokenizer, _ = load_checkpoint(checkpoint)
-    hf = to_marian(model, read_checkpoint(checkpoint).get("heads"))
-    hf.generation_config = generation_config(model.config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        hf.save_pretrained(str(staging))
-        if tokenizer is not None:
-            _write_tokenizer(tokenizer, staging)
-        _publish(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
-
-
-def _tokenizer_of(folder: Path, src_map: list[int], tgt_map: list[int]):
-    """Our Tokenizer for a Marian folder whose sentencepiece model has our ids (an export of ours), else None."""
-    import json
-
-    from annotated.tokens import Tokenizer, TokenizerError
-
-    files = [folder / n for n in ("source.spm", "target.spm", "vocab.json")]
-    if not all(f.is_file() for f in files) or files[0].read_bytes() != files[1].read_bytes():
-        return None
-    try:
-        tokenizer = Tokenizer(files[0].read_bytes())
-    except TokenizerError:
-        return None
-    vocab = json.loads(files[2].read_text(encoding="utf-8"))
-    identity = list(range(tokenizer.vocab_size))
-    pieces = dict(zip(tokenizer.pieces(identity), identity))
-    return tokenizer if vocab == pieces and src_map == tgt_map == identity else None
-
-
-def _renumbered_tokenizer(folder: Path, src_map: list[int], tgt_map: list[int]):
-    """Our Tokenizer for a Marian folder with one vocabulary (OPUS-MT's layout): its source sentencepiece model
-    with the pieces renumbered to our ids, or None where that cannot be done."""
-    import json
-
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    from annotated.tokens import Tokenizer, TokenizerError
-
-    spm, vocab_file = folder / "source.spm", folder / "vocab.json"
-    if src_map != tgt_map or not (spm.is_file() and vocab_file.is_file()):
-        return None
-    piece_of = {i: p for p, i in json.loads(vocab_file.read_text(encoding="utf-8")).items()}
-    if sorted(piece_of) != sorted(set(src_map)):
-        return None
-    proto = pb.ModelProto()
-    proto.ParseFromString(spm.read_bytes())
-    known = {p.piece: (p.score, p.type) for p in proto.pieces}
-    lowest = min((score for score, _ in known.values()), default=0.0) - 1000.0
-    names = [piece_of[i] for i in src_map]
-    if names[BOS] == names[PAD]:  # the decoder start is the pad: our bos needs a piece of its own
-        names[BOS] = next(n for n in ("<s>", "<bos>", "<annotated-bos>") if n not in names)
-    del proto.pieces[:]
-    for i, name in enumerate(names):
-        score, kind = known.get(name, (lowest, pb.ModelProto.SentencePiece.NORMAL))  # target-only: never chosen
-        if i in (PAD, BOS, EOS, UNK):
-            score, kind = 0.0, pb.ModelProto.SentencePiece.UNKNOWN if i == UNK else pb.ModelProto.SentencePiece.CONTROL
-        elif kind in (pb.ModelProto.SentencePiece.UNKNOWN, pb.ModelProto.SentencePiece.CONTROL):
-            kind = pb.ModelProto.SentencePiece.CONTROL  # the source model's own specials: never produced
-        proto.pieces.add(piece=name, score=score, type=kind)
-    spec = proto.trainer_spec
-    spec.pad_id, spec.bos_id, spec.eos_id, spec.unk_id = PAD, BOS, EOS, UNK
-    spec.pad_piece, spec.bos_piece, spec.eos_piece, spec.unk_piece = names[:4]
-    spec.vocab_size = len(names)
-    try:
-        return Tokenizer(proto.SerializeToString())
-    except TokenizerError:
-        return None
-
-
-def _unk_of(folder: Path) -> Optional[int]:
-    import json
-
-    vocab = folder / "vocab.json"
-    return json.loads(vocab.read_text(encoding="utf-8")).get("<unk>") if vocab.is_file() else None
-
-
-def import_marian(folder: Path, out: Path, attention: str = "fused", overwrite: bool = False) -> tuple[Path, bool]:
-    """Write the MarianMTModel folder `folder` as our checkpoint `out`; returns (out, whether it holds a tokenizer)."""
-    from transformers import MarianMTModel
-
-    from annotated.plumbing.checkpoint import save_checkpoint
-
-    _check_target(out, overwrite, "file")
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} holds no config.json: give a folder written by save_pretrained")
-    hf = MarianMTModel.from_pretrained(str(folder), local_files_only=True).float().eval()
-    model, src_map, tgt_map = from_marian(hf, attention, _unk_of(folder))
-    tokenizer = _tokenizer_of(folder, src_map, tgt_map) or _renumbered_tokenizer(folder, src_map, tgt_map)
-    meta = {"imported_from": str(folder), "marian_source_ids": src_map, "marian_target_ids": tgt_map}
-    save_checkpoint(out, model, tokenizer, meta)
-    return out, tokenizer is not None
+# %% [markdown]
+# ## 7. Looking at an OPUS-MT model's heads
+#
+# The conversion reads any `MarianMTModel` folder, so the per-head tools work
+# on the OPUS-MT translators. On a machine with internet:
+#
+# ```python
+# from transformers import MarianMTModel, MarianTokenizer
+# name = "Helsinki-NLP/opus-mt-de-en"
+# MarianMTModel.from_pretrained(name).save_pretrained("opus-mt-de-en")
+# MarianTokenizer.from_pretrained(name).save_pretrained("opus-mt-de-en")
+# ```
+#
+# then copy the folder here and run
+#
+# ```sh
+# make import HF=opus-mt-de-en OUT=opus-mt-de-en.pt ARGS='--attention per_head'
+# make heads CHECKPOINT=opus-mt-de-en.pt        # 6 layers x 3 attentions x 8 heads
+# make attention CHECKPOINT=opus-mt-de-en.pt
+# make translate CHECKPOINT=opus-mt-de-en.pt TEXT='Ein Hund rennt über die Wiese.'
+# ```
+#
+# Three differences from `generate` remain in such use, none of them in the
+# conversion: OPUS-MT was trained with `</s>` at the end of every source,
+# which our translator does not add; `MarianTokenizer` normalises
+# punctuation with `sacremoses` where that is installed, and ours does not;
+# and the imported tokenizer cuts text with the *source* sentencepiece model
+# (OPUS-MT has one per language, over one vocabulary), giving the pieces
+# only the target model knows a score so low that a source is never cut
+# into them, so that decoding spells them as the target model would.
 
 
 # %% [markdown]
-# ## 5. The command
+# ## 8. The command
 #
 # `export CHECKPOINT DIR` and `import HF_DIR OUT.pt` (`--attention per_head`
 # stores the imported model head by head; `--overwrite` replaces an earlier
@@ -434,7 +354,8 @@ def build_parser():
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    from annotated.interop.folders import export_marian, import_marian
     from annotated.plumbing.checkpoint import CheckpointError
     from annotated.plumbing.options import fail
 

@@ -9,14 +9,19 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import MarianConfig, MarianMTModel  # noqa: E402
+from transformers import MarianConfig, MarianMTModel
 
-from annotated.decoding.search import beam_search  # noqa: E402
-from annotated.interop import layout  # noqa: E402
-from annotated.interop.layout import permute_residual, sinusoid_permutation  # noqa: E402
-from annotated.interop.marian import from_marian, to_marian  # noqa: E402
-from annotated.tokens import BOS, EOS, PAD  # noqa: E402
-from annotated.transformer import convert_model, make_model, padding_mask, sinusoidal_encoding, subsequent_mask  # noqa: E402
+from annotated.decoding.search import beam_search
+from annotated.interop import layout
+from annotated.interop.layout import permute_residual, sinusoid_permutation
+from annotated.interop.marian import from_marian, to_marian
+from annotated.tokens import BOS, EOS, PAD
+from annotated.transformer import (
+    make_model,
+    padding_mask,
+    sinusoidal_encoding,
+    subsequent_mask,
+)
 
 # Marian shapes: OPUS-MT's id layout (pad last, the decoder starts with it), separate vocabularies, no scaling
 MARIAN_SHAPES = {
@@ -71,7 +76,7 @@ def marian_batch(config, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     ordinary = [i for i in range(min(config.vocab_size, config.decoder_vocab_size))
                 if i not in (config.pad_token_id, config.eos_token_id)]
-    pick = lambda *shape: torch.tensor(ordinary)[torch.randint(len(ordinary), shape, generator=g)]  # noqa: E731
+    pick = lambda *shape: torch.tensor(ordinary)[torch.randint(len(ordinary), shape, generator=g)]
     src, tgt = pick(3, 9), pick(3, 6)
     src[1, 6:] = config.pad_token_id  # a shorter sentence
     src[:, -1] = config.eos_token_id
@@ -100,7 +105,9 @@ def our_logits(model, src, tgt):
 
 
 def test_sinusoid_tables_differ_by_the_permutation():
-    from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
+    from transformers.models.marian.modeling_marian import (
+        MarianSinusoidalPositionalEmbedding,
+    )
 
     for d_model in (16, 24, 512):
         marian = MarianSinusoidalPositionalEmbedding(512, d_model).create_weight()  # (512, d_model)

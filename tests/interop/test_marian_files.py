@@ -8,13 +8,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import MarianMTModel, MarianTokenizer  # noqa: E402
+from transformers import MarianMTModel, MarianTokenizer
 
-from annotated.interop.marian import main  # noqa: E402
-from annotated.plumbing.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from annotated.tokens import BOS, PAD  # noqa: E402
-from annotated.training.data import train_tokenizer  # noqa: E402
-from annotated.transformer import make_model, padding_mask, subsequent_mask  # noqa: E402
+from annotated.interop.marian import main
+from annotated.plumbing.checkpoint import load_checkpoint, save_checkpoint
+from annotated.tokens import BOS, PAD
+from annotated.training.data import train_tokenizer
+from annotated.transformer import make_model, padding_mask, subsequent_mask
 
 ROOT = Path(__file__).resolve().parents[2]
 SENTENCES = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park.", "Eine Frau liest ein Buch.",
@@ -56,7 +56,7 @@ def test_import_of_an_export_is_the_checkpoint(checkpoint, tmp_path):
     main(["export", str(checkpoint), str(tmp_path / "out")])
     assert main(["import", str(tmp_path / "out"), str(tmp_path / "back.pt"), "--attention", "per_head"]) == 0
     model, tokenizer, _ = load_checkpoint(checkpoint)
-    back, back_tokenizer, meta = load_checkpoint(tmp_path / "back.pt")
+    back, back_tokenizer, _ = load_checkpoint(tmp_path / "back.pt")
     assert back_tokenizer == tokenizer and back.config.attention == "per_head"
     src = torch.tensor([tokenizer.encode(s) for s in SENTENCES[:2]][:1])
     tgt = torch.tensor([[BOS] + tokenizer.encode("Two men")])
@@ -102,7 +102,7 @@ def test_make_targets_pass_paths_as_typed(tmp_path):
     hostile = "my runs/$USER;touch pwned/it's.pt"
     for target, var, command in (("export", "CHECKPOINT", "export"), ("import", "HF", "import")):
         r = subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), target, f"PYTHON={echo}", f"{var}={hostile}",
-                            "OUT=o ut"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+                            "OUT=o ut"], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == f'["-m", "annotated.interop.marian", "{command}", "{hostile}", "o ut"]'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["python"]
