@@ -287,14 +287,15 @@ def from_marian(hf, attention: str = "fused", unk: int | None = None) -> tuple[E
 # ## 6. A trained model and its export, on real sentences
 #
 # `annotated/interop/agreement.py` exports a checkpoint, loads it back with
-# `from_pretrained` and compares on test_2016_flickr. FIGURES
+# `from_pretrained` and compares on test_2016_flickr: logits in float64 and
+# float32, and translations with and without length penalties
+# (`tests/interop/test_agreement.py` runs it on a trained checkpoint).
 #
 # The length penalties are the one setting that cannot be matched: GNMT's
 # `((5 + |Y|) / 6)^alpha` against `|Y|^length_penalty`. They rank two
 # finished translations of lengths `m < n` the same way except when the
-# ratio of their log-probabilities falls between the two penalties' ratios,
-# which happens for a few sentences of a test set; the figures above count
-# them.
+# ratio of their log-probabilities falls between the two penalties' ratios;
+# `agreement.py` counts the translations where the two searches then differ.
 
 # %% [markdown]
 # ## 7. Looking at an OPUS-MT model's heads
