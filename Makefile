@@ -32,6 +32,8 @@ help:
 	@echo "make attention    dump, draw and browse the attention of the latest run [CHECKPOINT=...]"
 	@echo "make heads        what each head does: importance, ablation, inspection [CHECKPOINT=...];"
 	@echo "                  ARGS='--prune' also removes heads (pruned.pt) and measures BLEU and speed"
+	@echo "make export       CHECKPOINT=... OUT=dir: the checkpoint as a transformers MarianMTModel folder"
+	@echo "make import       HF=dir OUT=file.pt: a MarianMTModel folder (save_pretrained) as our checkpoint"
 	@echo "make docs         the annotated source as a page: docs/_build/index.html (offline)"
 	@echo "make notebook     annotated/transformer.py as an executed notebook, examples and figures inline:"
 	@echo "                  docs/_build/transformer.ipynb (about 30 s; says how to open it)"
@@ -114,6 +116,17 @@ bench: $(SETUP)
 .PHONY: gpu-report
 gpu-report: $(SETUP)
 	$(PY) benchmarks/gpu_report.py $(ARGS)
+
+# make export CHECKPOINT=runs/<run>/averaged.pt OUT=exported [ARGS=--overwrite]; make import HF=folder OUT=model.pt
+# [ARGS='--attention per_head']: annotated/interop/marian.py, to and from transformers' MarianMTModel.
+.PHONY: export import
+HF ?=
+OUT ?=
+export: $(SETUP)
+	$(PY) -m annotated.interop.marian export $(call quoted,CHECKPOINT) $(call quoted,OUT) $(ARGS)
+
+import: $(SETUP)
+	$(PY) -m annotated.interop.marian import $(call quoted,HF) $(call quoted,OUT) $(ARGS)
 
 # make attention [CHECKPOINT=runs/<run>/best.pt] [ARGS='--n 5' or ARGS='"Ein Hund rennt."']: dump, draw and
 # browse every attention weight (annotated/attention/dump.py); default: best.pt of the latest run, first 3 test

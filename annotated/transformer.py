@@ -587,11 +587,16 @@ def convert_model(model: M, attention: Literal["fused", "per_head"]) -> M:
 # All sizes in one small dataclass, used by every part below. Defaults are
 # the paper's base model. `share_embeddings` uses one table for source and
 # target (needs one joint vocabulary), `tie_generator` makes the output
-# projection reuse the target embedding table (section 3.4).
+# projection reuse the target embedding table (section 3.4). `activation` is
+# the feed-forward network's nonlinearity: the paper's ReLU by default; GELU
+# and SiLU (also called swish) are there because real translators use them
+# (the OPUS-MT models of `annotated/interop/marian.py` use SiLU).
 
 # %%
 Norm = Literal["post", "pre"]
 AttentionForm = Literal["fused", "per_head"]
+Activation = Literal["relu", "gelu", "silu"]
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu}
 
 
 @dataclass(frozen=True)
@@ -611,8 +616,11 @@ class TransformerConfig:
     bias: bool = True             # biases in the attention projections
     share_embeddings: bool = False
     tie_generator: bool = False
+    activation: Activation = "relu"  # of the feed-forward network: "relu" (paper), "gelu" or "silu"
 
     def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
         if self.norm not in ("post", "pre"):
             raise ValueError(f"norm must be 'post' or 'pre', got {self.norm!r}")
         if self.attention not in ("fused", "per_head"):
@@ -630,12 +638,15 @@ class TransformerConfig:
 #
 # $$\mathrm{FFN}(x) = \max(0,\ x W_1 + b_1)\, W_2 + b_2$$
 #
-# applied to every position separately (`d_model -> d_ff -> d_model`).
+# applied to every position separately (`d_model -> d_ff -> d_model`). With
+# `activation="gelu"` or `"silu"` the `max(0, .)` becomes `x Phi(x)` (Phi the
+# standard normal distribution function) or `x sigmoid(x)`.
 
 # %%
 class FeedForward(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0):
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, activation: Activation = "relu"):
         super().__init__()
+        self.activation = ACTIVATIONS[activation]
         self.W_1 = nn.Parameter(_xavier(d_model, d_ff, d_model, d_ff))
         self.b_1 = nn.Parameter(torch.zeros(d_ff))
         self.W_2 = nn.Parameter(_xavier(d_ff, d_model, d_ff, d_model))
@@ -644,7 +655,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # FFN(x) = max(0, x W_1 + b_1) W_2 + b_2
-        hidden = torch.relu(affine(x, self.W_1, self.b_1))  # (B, T, d_ff)
+        hidden = self.activation(affine(x, self.W_1, self.b_1))  # (B, T, d_ff)
         return affine(self.dropout(hidden), self.W_2, self.b_2)  # (B, T, d_model)
 
 
@@ -776,7 +787,8 @@ def _cat_time(past: tuple[Tensor, Tensor], new: tuple[Tensor, Tensor]) -> tuple[
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.self_attn, self.ffn = _make_attention(cfg), FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.self_attn = _make_attention(cfg)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation)
         self.res_attn, self.res_ffn = (Residual(cfg.d_model, cfg.dropout, cfg.norm) for _ in range(2))
 
     def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
@@ -788,7 +800,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.self_attn, self.cross_attn = _make_attention(cfg), _make_attention(cfg)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation)
         self.res_self, self.res_cross, self.res_ffn = (Residual(cfg.d_model, cfg.dropout, cfg.norm)
                                                        for _ in range(3))
 

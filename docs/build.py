@@ -91,7 +91,8 @@ from docs import figures as figs  # noqa: E402
 
 PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: paths under annotated/ without .py)
     ("part-1", "Part I. The chapter", ("transformer", "tokens")),
-    ("part-2", "Part II. The proof", ("proof/torch_mha", "proof/equivalence")),
+    ("part-2", "Part II. The proof", ("proof/torch_mha", "proof/equivalence", "interop/layout", "interop/marian",
+                                      "interop/folders", "interop/agreement")),
     ("part-3", "Part III. Data, training and decoding",
      ("training/data", "decoding/search", "training/train", "training/distributed", "training/runs",
       "training/evaluate", "training/syncs", "training/config", "training/results", "decoding/translate",
@@ -103,7 +104,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
      ("plumbing/checks", "plumbing/checkpoint", "plumbing/devices", "plumbing/files", "plumbing/interrupts",
       "plumbing/options", "plumbing/progress",
       "proof/harness", "recording")))
-FOLDER_PART = {"": "part-1", "proof": "part-2", "training": "part-3", "decoding": "part-3", "attention": "part-4",
+FOLDER_PART = {"": "part-1", "proof": "part-2", "interop": "part-2", "training": "part-3", "decoding": "part-3", "attention": "part-4",
                "plumbing": "appendix"}  # where a module no part lists goes, by its folder (else the appendix)
 READING_ORDER: tuple[str, ...] = tuple(m for _, _, modules in PARTS for m in modules)
 GUIDES: tuple[str, ...] = (  # Markdown files, relative to the repository root, in page order
@@ -674,7 +675,8 @@ computes every head at once and a `view` hands each head its block, so the two f
 (Figure 1; Part II proves it).
 
 Part I is the chapter: the whole model, trained on a copy task in about 20 seconds on a laptop's CPU. Part II checks the
-equivalence symbolically, exactly and numerically, and against `torch.nn.MultiheadAttention`; Part III trains
+equivalence symbolically, exactly and numerically, against `torch.nn.MultiheadAttention`, and proves the
+conversions to and from Hugging Face's `MarianMTModel` (the OPUS-MT translators) the same function; Part III trains
 a translator and decodes with it; Part IV looks at what the heads attend to, measures how much each one
 matters, and removes heads. Each prose cell sits beside the code it explains; the guides follow the parts.
 """

@@ -25,6 +25,7 @@
 # | the heads command (`annotated/attention/heads.py`) | `check_tokenizer` |
 # | the equivalence report's checkpoint check (`annotated/proof/equivalence.py`) | `check_source_and_target` |
 # | `from_torch_mha` (`annotated/proof/torch_mha.py`) | `check_torch_mha` |
+# | `to_marian`, `from_marian` (`annotated/interop/marian.py`) | `check_marian_exportable`, `check_marian_config` |
 #
 # Command-line options have their own door, `annotated/plumbing/options.py`.
 # Nothing in this file runs on the training hot path: a value check such as
@@ -200,3 +201,48 @@ def check_torch_mha(mha) -> None:
     if mha.bias_k is not None or mha.add_zero_attn:
         raise ValueError("nn.MultiheadAttention with add_bias_kv=True or add_zero_attn=True adds keys and values "
                          "that our attentions do not have")
+
+
+def check_marian_exportable(config, heads=None) -> None:
+    """A model that a MarianMTModel can hold: post-norm, heads d_model / h wide, the same h everywhere,
+    d_model even (the sinusoids come in pairs)."""
+    if config.norm != "post":
+        raise ValueError(f"this model is {config.norm}-norm; MarianMTModel is post-norm only, so no Marian model "
+                         f"computes it (export a model trained with norm='post')")
+    if heads is not None:
+        raise ValueError("this checkpoint is pruned (its attentions have different numbers of heads); MarianMTModel "
+                         "needs the same h in every attention: export the checkpoint it was pruned from")
+    d_k, d_v = config.d_k or config.d_model // config.h, config.d_v or config.d_model // config.h
+    if not d_k == d_v == config.d_model // config.h or config.d_model % config.h:
+        raise ValueError(f"MarianMTModel needs d_k = d_v = d_model / h, got d_model={config.d_model}, h={config.h}, "
+                         f"d_k={d_k}, d_v={d_v}")
+    if config.d_model % 2:
+        raise ValueError(f"d_model={config.d_model} is odd; the sinusoids of both models need it even")
+
+
+def check_marian_config(config) -> None:
+    """A MarianConfig our one TransformerConfig can express (ValueError naming the field otherwise)."""
+    from annotated.interop.marian import FROM_MARIAN_ACTIVATION
+
+    if getattr(config, "model_type", None) != "marian":
+        raise ValueError(f"expected a Marian model (model_type 'marian'), got {getattr(config, 'model_type', None)!r}")
+    for enc, dec in (("encoder_layers", "decoder_layers"), ("encoder_ffn_dim", "decoder_ffn_dim"),
+                     ("encoder_attention_heads", "decoder_attention_heads")):
+        if getattr(config, enc) != getattr(config, dec):
+            raise ValueError(f"{enc}={getattr(config, enc)} differs from {dec}={getattr(config, dec)}; our model has "
+                             f"one size for both stacks, so this Marian model cannot be imported")
+    if config.activation_function not in FROM_MARIAN_ACTIVATION:
+        raise ValueError(f"activation_function {config.activation_function!r} is not one of "
+                         f"{sorted(FROM_MARIAN_ACTIVATION)}, the ones our feed-forward network has")
+    if config.d_model % config.encoder_attention_heads or config.d_model % 2:
+        raise ValueError(f"d_model={config.d_model} must be even and divisible by the "
+                         f"{config.encoder_attention_heads} heads")
+    vocab = min(config.vocab_size, config.decoder_vocab_size)
+    ids = {"pad_token_id": config.pad_token_id, "eos_token_id": config.eos_token_id,
+           "decoder_start_token_id": config.decoder_start_token_id}
+    for name, i in ids.items():
+        if not isinstance(i, int) or not 0 <= i < vocab:
+            raise ValueError(f"{name}={i!r} is not a token id of the vocabulary [0, {vocab})")
+    if config.eos_token_id in (config.pad_token_id, config.decoder_start_token_id):
+        raise ValueError(f"eos_token_id={config.eos_token_id} is also the pad or decoder start id; our model "
+                         f"needs eos apart from both")

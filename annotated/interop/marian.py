@@ -1,0 +1,379 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Into the ecosystem: our model as a Hugging Face `MarianMTModel`, and back
+#
+# ```sh
+# python -m annotated.interop.marian export runs/<run>/averaged.pt exported/   # a transformers model folder
+# python -m annotated.interop.marian import exported/ imported.pt              # any MarianMTModel folder
+# make export CHECKPOINT=runs/<run>/averaged.pt OUT=exported/
+# make import HF=opus-mt-de-en/ OUT=opus-mt-de-en.pt
+# ```
+#
+# `MarianMTModel` is the `transformers` class of the OPUS-MT translators and
+# of every model trained with Marian NMT: an encoder-decoder Transformer with
+# post-norm, sinusoidal positions and tied embeddings, which is the paper's
+# model and ours. `export` writes a folder that `MarianMTModel.from_pretrained`
+# and `MarianTokenizer.from_pretrained` load with no network; `import` reads
+# any such folder (saved with `save_pretrained`) into one of our checkpoints,
+# fused or per-head, which then works with every command of the project.
+#
+# Each conversion copies, transposes and renumbers numbers and never
+# computes new ones (one exception below: a Marian model without embedding
+# scaling), so **the converted model is the same function**: the same logits
+# for the same token ids, up to the rounding of a different order of
+# floating-point operations. What has to be matched, and how:
+#
+# | | ours | Marian | conversion |
+# | --- | --- | --- | --- |
+# | weights | `x @ W` (paper) | `nn.Linear`: `x @ weight.T` | transpose (`layout.py`) |
+# | sinusoids | interleaved: sin, cos, sin, cos | all sines, then all cosines | renumber the residual stream (`layout.py`, with its proof) |
+# | heads | per-head or fused | fused `q_proj` ... | `convert_model` (the chapter, section 5) |
+# | activation | `activation`: relu, gelu, silu | `activation_function`: relu, gelu, swish/silu | the same function |
+# | embedding scale | always `sqrt(d_model)` | `scale_embedding` | divide the tables by `sqrt(d_model)` where Marian does not scale |
+# | output bias | `generator.bias` | `final_logits_bias` | copy |
+# | vocabularies | shared or separate, tied or not | `share_encoder_decoder_embeddings`, `tie_word_embeddings` | the same options |
+# | first decoder input | `bos` (id 1) | `decoder_start_token_id` (OPUS-MT: the pad id) | token id map, below |
+# | norm | post-norm (or pre-norm) | post-norm only | a pre-norm model cannot be exported |
+
+# %%
+from __future__ import annotations
+
+if __name__ == "__main__":  # as a command: a Ctrl-C while torch and transformers load is one line, exit 130
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("marian")
+
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from annotated.interop.layout import (
+    inverse_permutation,
+    marian_to_ours,
+    ours_to_marian,
+    permute_residual,
+    sinusoid_permutation,
+)
+from annotated.plumbing.checks import check_marian_config, check_marian_exportable
+from annotated.tokens import BOS, EOS, PAD
+from annotated.transformer import (
+    EncoderDecoder,
+    TransformerConfig,
+    convert_model,
+    make_model,
+)
+
+NAME = "marian"
+TO_MARIAN_ACTIVATION = {"relu": "relu", "gelu": "gelu", "silu": "swish"}
+FROM_MARIAN_ACTIVATION = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
+
+# %% [markdown]
+# ## 1. Token ids: `bos` and Marian's decoder start
+#
+# Our decoder starts every translation with `bos` (id 1) and pads with `pad`
+# (id 0), which the masks hide. Marian starts its decoder with
+# `decoder_start_token_id`, which in every OPUS-MT model *is* the pad id: its
+# decoder's attention is causal only, so a pad at position 0 is seen like any
+# token. The exact correspondence is therefore "our `bos` is Marian's
+# decoder start", which fixes the id map in both directions:
+#
+# - **Export** keeps our ids as they are and writes `decoder_start_token_id =
+#   bos = 1`, `pad_token_id = 0`, `eos_token_id = 2` into the config, so the
+#   exported model reads and writes exactly our token ids.
+# - **Import** maps Marian's pad, decoder start, `eos` and `unk` to our ids
+#   0, 1, 2, 3 and keeps the other ids in their order after them
+#   (`token_map`). When the decoder start is the pad id (OPUS-MT), it is
+#   needed twice, as our `pad` and as our `bos`, so our vocabulary has one
+#   entry more than Marian's; our `pad` row copies Marian's pad row and gets
+#   the output bias `-inf`. Then our logits are Marian's, id for id under the
+#   map, plus one logit `-inf` that changes no softmax: the probabilities are
+#   exactly Marian's (`test_import_gives_marian_logits`).
+
+# %%
+def token_map(pad: int, start: int, eos: int, unk: int | None, vocab: int) -> list[int]:
+    """Our id -> Marian's id: pad, decoder start, eos, unk at our 0, 1, 2, 3, then Marian's other ids in order.
+
+    Without a known `unk` (a model folder without a vocabulary), the first id not yet taken plays it.
+
+    >>> token_map(pad=5, start=5, eos=0, unk=1, vocab=6)  # OPUS-MT's layout: pad last, the decoder starts with it
+    [5, 5, 0, 1, 2, 3, 4]
+    >>> token_map(pad=0, start=1, eos=2, unk=3, vocab=6)  # ours: the identity
+    [0, 1, 2, 3, 4, 5]
+    """
+    taken = {pad, start, eos}
+    unk = unk if unk is not None else min(i for i in range(vocab) if i not in taken)
+    specials = [pad, start, eos, unk]
+    return specials + [i for i in range(vocab) if i not in specials]
+
+
+# %% [markdown]
+# ## 2. Export
+#
+# `to_marian` builds the `MarianMTModel` in memory: our parameters in the
+# fused form, the residual stream renumbered from our coordinates to
+# Marian's (the inverse of `sinusoid_permutation`), under Marian's names and
+# in its orientation. A model built without attention biases (`bias=False`)
+# gets zero biases, which Marian always has. The config says what ours says
+# (`marian_config`); `scale_embedding` is always on, because our embeddings
+# are always scaled by `sqrt(d_model)`.
+
+# %%
+def marian_config(cfg: TransformerConfig):
+    """The MarianConfig of a model with our config `cfg` and our token ids."""
+    from transformers import MarianConfig
+
+    return MarianConfig(
+        vocab_size=cfg.src_vocab, decoder_vocab_size=cfg.tgt_vocab, max_position_embeddings=cfg.max_len,
+        encoder_layers=cfg.N, decoder_layers=cfg.N, encoder_ffn_dim=cfg.d_ff, decoder_ffn_dim=cfg.d_ff,
+        encoder_attention_heads=cfg.h, decoder_attention_heads=cfg.h, d_model=cfg.d_model,
+        activation_function=TO_MARIAN_ACTIVATION[cfg.activation], dropout=cfg.dropout,
+        attention_dropout=cfg.dropout, activation_dropout=cfg.dropout, scale_embedding=True,
+        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS, forced_eos_token_id=None,
+        share_encoder_decoder_embeddings=cfg.share_embeddings, tie_word_embeddings=cfg.tie_generator)
+
+
+def _complete_state(model: EncoderDecoder) -> dict[str, Tensor]:
+    """Our fused state dict, with zero attention biases where the model has none."""
+    fused = convert_model(model, "fused") if model.config.attention == "per_head" else model
+    state = {k: v.detach() for k, v in fused.state_dict().items()}
+    for name, att in fused.named_modules():
+        if hasattr(att, "W_O") and not att.bias:
+            for b, width in (("b_Q", att.h * att.d_k), ("b_K", att.h * att.d_k), ("b_V", att.h * att.d_v),
+                             ("b_O", att.d_model)):
+                state[f"{name}.{b}"] = att.W_O.new_zeros(width)
+    return state
+
+
+@torch.no_grad()
+def to_marian(model: EncoderDecoder, heads: dict | None = None):
+    """A transformers MarianMTModel computing the same function as `model` (same dtype, eval mode)."""
+    from transformers import MarianMTModel
+
+    check_marian_exportable(model.config, heads)
+    cfg = model.config
+    state = permute_residual(_complete_state(model), inverse_permutation(sinusoid_permutation(cfg.d_model)))
+    hf_state = ours_to_marian(state, cfg.N)
+    if cfg.share_embeddings:
+        hf_state["model.shared.weight"] = hf_state["model.encoder.embed_tokens.weight"]
+    dtype = next(model.parameters()).dtype
+    hf = MarianMTModel(marian_config(cfg)).to(dtype).eval()
+    for name, t in hf.state_dict().items():
+        if "embed_positions" not in name:  # the sinusoids: Marian computes its own table
+            t.copy_(hf_state[name])
+    return hf
+
+
+# %% [markdown]
+# ## 3. Import
+#
+# `from_marian` runs the export backwards: Marian's tensors under our names,
+# renumbered by `sinusoid_permutation`, their token rows picked by
+# `token_map`. Two Marian options have no field of their own here:
+#
+# - **`scale_embedding=False`.** Our embeddings always multiply by
+#   `sqrt(d_model)`, so the imported tables are Marian's divided by it (the
+#   one place where a conversion computes: the product with `sqrt(d_model)`
+#   gives Marian's number back up to one rounding, about 1e-16 relative in
+#   float64). The generator must then keep Marian's undivided table, so it
+#   gets its own copy (`tie_generator=False`).
+# - **Which tables are one.** `share_encoder_decoder_embeddings` and
+#   `tie_word_embeddings` say which tables Marian ties, but in `transformers`
+#   5 `tie_word_embeddings=False` unties the encoder's and decoder's tables
+#   too, whatever the other flag says. So the import looks at the numbers:
+#   our `share_embeddings` holds where the encoder's and decoder's tables are
+#   equal, our `tie_generator` where the decoder's table equals the output
+#   projection's.
+# - **Different encoder and decoder sizes** (layers, widths, heads) do not fit
+#   our one config and are refused by `check_marian_config`, as are
+#   activations we do not have. Marian has no pre-norm option, so every
+#   imported model is post-norm.
+
+# %%
+def our_config(config, src_vocab: int, tgt_vocab: int, share: bool, tie: bool) -> TransformerConfig:
+    """Our TransformerConfig for a (checked) MarianConfig; `share` and `tie` say which of its tables are one."""
+    return TransformerConfig(
+        src_vocab=src_vocab, tgt_vocab=tgt_vocab, N=config.encoder_layers, d_model=config.d_model,
+        d_ff=config.encoder_ffn_dim, h=config.encoder_attention_heads, dropout=float(config.dropout),
+        max_len=config.max_position_embeddings, norm="post", bias=True, share_embeddings=share,
+        tie_generator=tie and config.scale_embedding, activation=FROM_MARIAN_ACTIVATION[config.activation_function])
+
+
+@torch.no_grad()
+def from_marian(hf, attention: str = "fused", unk: int | None = None) -> tuple[EncoderDecoder, list[int], list[int]]:
+    """Our model computing the same function as MarianMTModel `hf`, and the source and target token maps
+    (our id -> Marian's id). `unk` is the vocabulary's unk id, where known."""
+    config = hf.config
+    check_marian_config(config)
+    state = {k: v.detach() for k, v in hf.state_dict().items()}
+    state = permute_residual(marian_to_ours(state, config.encoder_layers), sinusoid_permutation(config.d_model))
+    src, tgt, head = state["src_embed.weight"], state["tgt_embed.weight"], state["generator.weight"]
+    share = src.shape == tgt.shape and torch.equal(src, tgt)  # one table, whatever the config's flags say
+    tie = tgt.shape == head.shape and torch.equal(tgt, head)
+    ids = (config.pad_token_id, config.decoder_start_token_id, config.eos_token_id, unk)
+    src_map, tgt_map = token_map(*ids, vocab=src.size(0)), token_map(*ids, vocab=tgt.size(0))
+    scale = 1.0 if config.scale_embedding else math.sqrt(config.d_model)
+    state["src_embed.weight"] = src[src_map] / scale  # (V_src, d_model)
+    state["tgt_embed.weight"] = tgt[tgt_map] / scale  # (V_tgt, d_model)
+    state["generator.weight"] = head[tgt_map]  # (V_tgt, d_model)
+    state["generator.bias"] = state["generator.bias"][tgt_map].clone()  # (V_tgt,)
+    if tgt_map[PAD] == tgt_map[BOS]:  # Marian's pad is our pad and our bos: only one of them may be predicted
+        state["generator.bias"][PAD] = -math.inf
+    dtype = next(hf.parameters()).dtype
+    model = make_model(our_config(config, len(src_map), len(tgt_map), share, tie)).to(dtype).eval()
+    model.load_state_dict(state, strict=True)
+    return (convert_model(model, attention) if attention == "per_head" else model), src_map, tgt_map
+
+
+# %% [markdown]
+# ## 4. Folders and files
+#
+# `annotated/interop/folders.py` writes and reads the folders: `export_marian`
+# saves the model with `save_pretrained` beside `MarianTokenizer`'s files for
+# our sentencepiece model, `import_marian` reads any folder
+# `from_pretrained` reads, with its tokenizer where there is one.
+
+# %% [markdown]
+# ## 5. What the tests establish
+#
+# `tests/interop/test_marian.py` builds every model from a config with
+# random weights (transformers' initialisation scaled up, so that logits
+# spread over several units and any slip shows), nothing downloaded:
+#
+# - `test_sinusoid_tables_differ_by_the_permutation`: Marian's table,
+#   renumbered by `sinusoid_permutation`, is ours, bit for bit.
+# - `test_import_gives_marian_logits`, for three Marian shapes (OPUS-MT's id
+#   layout with SiLU; separate source and target vocabularies with GELU;
+#   ReLU without embedding scaling and with an untied output projection, 1 to
+#   3 layers, 3 to 8 heads, d_model 16 to 32): our logits equal Marian's in
+#   float64 within 1e-9 under the token map, and the probabilities too.
+# - `test_export_gives_our_logits`, for three of our shapes (shared and
+#   tied; separate and untied; per-head without attention biases): Marian's
+#   logits equal ours within 1e-9 in float64 and 1e-4 in float32 (the
+#   measured differences are about 1e-15 and 1e-6: two orders of
+#   floating-point operations).
+# - `test_round_trip_is_exact`: export then import gives back every
+#   parameter bit for bit, in either attention form.
+# - `test_permuting_the_residual_stream_is_a_symmetry` (the theorem of
+#   `layout.py`, with a random permutation) and
+#   `test_a_wrong_permutation_is_caught` (none, or two coordinates swapped:
+#   the logits move by more than 1e-2).
+# - `test_beam_search_equals_generate`: our `beam_search` and `generate`
+#   with `num_beams=4`, `early_stopping=True` and no length penalty give the
+#   same token ids, for sentences that end on their own and sentences cut at
+#   the length limit.
+#
+# `tests/interop/test_marian_files.py` goes through folders: the export
+# loads offline in `MarianMTModel` and `MarianTokenizer`, which cuts text
+# into our ids; importing an export gives back the checkpoint and its
+# tokenizer; a folder in OPUS-MT's layout (`</s>` at 0, `<pad>` last, the
+# vocabulary's ids unlike the sentencepiece model's) imports with a tokenizer
+# that, under the token map, cuts text exactly as `MarianTokenizer` does.
+# Each of these tests was seen to fail when the conversion was broken on
+# purpose (the renumbering skipped, `W_O` left untransposed, SiLU read as
+# GELU, the `-inf` of the duplicated pad left out, `W_2` left out of the
+# renumbering, the export's decoder started with the pad).
+
+# %% [markdown]
+# ## 6. A trained model and its export, on real sentences
+#
+# `annotated/interop/agreement.py` exports a checkpoint, loads it back with
+# `from_pretrained` and compares on test_2016_flickr: logits in float64 and
+# float32, and translations with and without length penalties
+# (`tests/interop/test_agreement.py` runs it on a trained checkpoint).
+#
+# The length penalties are the one setting that cannot be matched: GNMT's
+# `((5 + |Y|) / 6)^alpha` against `|Y|^length_penalty`. They rank two
+# finished translations of lengths `m < n` the same way except when the
+# ratio of their log-probabilities falls between the two penalties' ratios;
+# `agreement.py` counts the translations where the two searches then differ.
+
+# %% [markdown]
+# ## 7. Looking at an OPUS-MT model's heads
+#
+# The conversion reads any `MarianMTModel` folder, so the per-head tools work
+# on the OPUS-MT translators. On a machine with internet:
+#
+# ```python
+# from transformers import MarianMTModel, MarianTokenizer
+# name = "Helsinki-NLP/opus-mt-de-en"
+# MarianMTModel.from_pretrained(name).save_pretrained("opus-mt-de-en")
+# MarianTokenizer.from_pretrained(name).save_pretrained("opus-mt-de-en")
+# ```
+#
+# then copy the folder here and run
+#
+# ```sh
+# make import HF=opus-mt-de-en OUT=opus-mt-de-en.pt ARGS='--attention per_head'
+# make heads CHECKPOINT=opus-mt-de-en.pt        # 6 layers x 3 attentions x 8 heads
+# make attention CHECKPOINT=opus-mt-de-en.pt
+# make translate CHECKPOINT=opus-mt-de-en.pt TEXT='Ein Hund rennt über die Wiese.'
+# ```
+#
+# Three differences from `generate` remain in such use, none of them in the
+# conversion: OPUS-MT was trained with `</s>` at the end of every source,
+# which our translator does not add; `MarianTokenizer` normalises
+# punctuation with `sacremoses` where that is installed, and ours does not;
+# and the imported tokenizer cuts text with the *source* sentencepiece model
+# (OPUS-MT has one per language, over one vocabulary), giving the pieces
+# only the target model knows a score so low that a source is never cut
+# into them, so that decoding spells them as the target model would.
+
+
+# %% [markdown]
+# ## 8. The command
+#
+# `export CHECKPOINT DIR` and `import HF_DIR OUT.pt` (`--attention per_head`
+# stores the imported model head by head; `--overwrite` replaces an earlier
+# output). A refusal is one line on stderr that names the fix, exit code 2.
+
+# %%
+def build_parser():
+    from annotated.plumbing.options import Parser
+
+    p = Parser(prog="python -m annotated.interop.marian", name=NAME,
+               description="Export a checkpoint as a transformers MarianMTModel folder, or import one.")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="checkpoint -> MarianMTModel folder")
+    e.add_argument("checkpoint", type=Path)
+    e.add_argument("out", type=Path, help="the folder to write")
+    i = sub.add_parser("import", help="MarianMTModel folder -> checkpoint")
+    i.add_argument("hf_dir", type=Path, help="a folder written by save_pretrained")
+    i.add_argument("out", type=Path, help="the checkpoint to write (.pt)")
+    i.add_argument("--attention", choices=("fused", "per_head"), default="fused")
+    for s in (e, i):
+        s.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from annotated.interop.folders import export_marian, import_marian
+    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.plumbing.options import fail
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "export":
+            out = export_marian(args.checkpoint, args.out, args.overwrite)
+            print(f"wrote {out}: MarianMTModel.from_pretrained({str(out)!r}) loads it")
+        else:
+            out, has_tokenizer = import_marian(args.hf_dir, args.out, args.attention, args.overwrite)
+            print(f"wrote {out}" + ("" if has_tokenizer else ": without a tokenizer (its sentencepiece model does "
+                                    "not use this project's ids), so it translates token ids, not text"))
+    except (CheckpointError, ValueError, FileExistsError, FileNotFoundError, OSError) as e:
+        fail(NAME, str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, NAME)

@@ -1,0 +1,180 @@
+"""Translation speed against the engines people would pick: test_2016_flickr with beam 4, in one process.
+
+    python -m benchmarks.translate                                   # the latest run's model, all 1,000 sentences
+    python -m benchmarks.translate --checkpoint runs/x/averaged.pt --sentences 200 --threads 1 --out /tmp/t.json
+
+Each tool translates the same sources (the checkpoint's tokenizer, no `</s>` on the source, as our model was
+trained) on the same number of threads, batched as it does best:
+
+- **translator (stdin)**: `annotated.decoding.translate.main` reading the sentences as a file on stdin, text in
+  and text out, recasing off (`--case as-typed`);
+- **translate_ids**: our batched beam search on subword ids (`annotated/decoding/search.py`), batches of 64
+  sentences of similar length;
+- **generate**: `transformers` `MarianMTModel.generate(num_beams=4, early_stopping=True)` on the export
+  (`annotated/interop/marian.py`), on translate_ids' batches;
+- **CTranslate2 float32 / int8**: the export converted by CTranslate2's own `TransformersConverter`, and
+  `Translator.translate_batch(beam_size=4, max_batch_size=64)`.
+
+CTranslate2's Marian loader assumes OPUS-MT's decoder start, a zero embedding in place of the pad's row. Our
+export starts the decoder with `bos`, whose embedding is not zero, so the benchmark converts with that
+loader's two start-token settings changed (`start_from_zero_embedding` off, `<s>` as the start token), and
+without the loader's removal of the vocabulary's last row (OPUS-MT's `<pad>`; ours is an ordinary piece):
+everything else is CTranslate2's own conversion. Each row prints sentences per second, corpus BLEU
+(sacreBLEU, cased) and its speed as a multiple of CTranslate2 float32's. Timings are the median of `--rounds`
+rounds in a rotating order, after one warm-up round per tool. Speed is never asserted by a test;
+`tests/test_translate_bench.py` checks that every tool runs and translates.
+"""
+from __future__ import annotations
+
+if __name__ == "__main__":
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("translate-bench")
+
+import io
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+NAME = "translate-bench"
+LENGTH_PENALTY = 0.6  # ours: GNMT alpha, the translator's default
+
+
+def convert_ctranslate2(hf_dir: Path, out: Path, quantization: str | None) -> Path:
+    """CTranslate2's TransformersConverter with the Marian loader starting the decoder from our bos."""
+    from ctranslate2.converters import transformers as ct2t
+
+    class BosStartMarianLoader(ct2t.MarianMTLoader):
+        def get_model_spec(self, model):  # all of Marian's but the removal of a last (pad) row: ours is a piece
+            model.config.normalize_before = False
+            model.config.normalize_embedding = False
+            return ct2t.BartLoader.get_model_spec(self, model)
+
+        def set_config(self, config, model, tokenizer):
+            super().set_config(config, model, tokenizer)
+            config.decoder_start_token = "<s>"
+
+        def set_decoder(self, spec, decoder):
+            super().set_decoder(spec, decoder)
+            spec.start_from_zero_embedding = False
+
+    saved = ct2t._MODEL_LOADERS["MarianConfig"]
+    ct2t._MODEL_LOADERS["MarianConfig"] = BosStartMarianLoader()
+    try:
+        ct2t.TransformersConverter(str(hf_dir)).convert(str(out), quantization=quantization, force=True)
+    finally:
+        ct2t._MODEL_LOADERS["MarianConfig"] = saved
+    return out
+
+
+def tools(checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[str], threads: int) -> dict:
+    """{name: a function translating every source, returning the texts}."""
+    import ctranslate2
+    from transformers import MarianMTModel
+
+    from annotated.decoding.search import translate_ids
+    from annotated.decoding.translate import main as translator
+    from annotated.interop.agreement import generate_ids
+    from annotated.interop.folders import export_marian
+    from annotated.plumbing.checkpoint import load_checkpoint
+
+    model, tokenizer, _ = load_checkpoint(checkpoint)
+    hf_dir = export_marian(checkpoint, folder / "hf")
+    hf = MarianMTModel.from_pretrained(str(hf_dir), local_files_only=True).float().eval()
+    engines = {q or "float32": ctranslate2.Translator(str(convert_ctranslate2(hf_dir, folder / f"ct2-{q}", q)),
+                                                      device="cpu", intra_threads=threads, inter_threads=1)
+               for q in (None, "int8")}
+    pieces = [tokenizer.pieces(s) for s in sources]
+    piece_id = {p: i for i, p in enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
+    stdin = ("\n".join(texts) + "\n").encode("utf-8")
+
+    def from_stdin() -> list[str]:
+        out = io.BytesIO()
+        translator(["--checkpoint", str(checkpoint), "--case", "as-typed", "--beam", "4"], stdin=io.BytesIO(stdin),
+                   stdout=out, stderr=io.StringIO())
+        return out.getvalue().decode("utf-8").splitlines()
+
+    def ours() -> list[str]:
+        with torch.inference_mode():
+            return [tokenizer.decode(h) for h in translate_ids(model, sources, 4, LENGTH_PENALTY)]
+
+    def generate() -> list[str]:
+        return [tokenizer.decode(h) for h in generate_ids(hf, sources, length_penalty=1.0)]
+
+    def ctranslate(engine) -> Callable[[], list[str]]:
+        def run() -> list[str]:
+            results = engine.translate_batch(pieces, beam_size=4, max_batch_size=64, batch_type="examples",
+                                             max_decoding_length=256)
+            return [tokenizer.decode([piece_id[p] for p in r.hypotheses[0]]) for r in results]
+        return run
+
+    return {"translator (stdin)": from_stdin, "translate_ids": ours, "generate": generate,
+            "CTranslate2 float32": ctranslate(engines["float32"]), "CTranslate2 int8": ctranslate(engines["int8"])}
+
+
+def measure(checkpoint: Path, sentences: int | None, threads: int, rounds: int,
+            data_url: str | None = None) -> dict:
+    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.training.data import load_multi30k
+    from annotated.training.evaluate import score
+
+    torch.set_num_threads(threads)
+    _, tokenizer, meta = load_checkpoint(checkpoint)
+    pairs = load_multi30k("test_2016_flickr", meta.get("src_lang", "de"), meta.get("tgt_lang", "en"),
+                          base_url=data_url)[:sentences]
+    texts, references = [s for s, _ in pairs], [t for _, t in pairs]
+    sources = [tokenizer.encode(s) for s in texts]
+    with tempfile.TemporaryDirectory() as folder:
+        runs = tools(checkpoint, Path(folder), sources, texts, threads)
+        names = list(runs)
+        seconds: dict[str, list[float]] = {n: [] for n in names}
+        outputs = {n: runs[n]() for n in names}  # warm-up, and the translations scored
+        for r in range(rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:  # a rotating order
+                start = time.perf_counter()
+                runs[n]()
+                seconds[n].append(time.perf_counter() - start)
+    rows = {}
+    for n in names:
+        rows[n] = {"sentences_per_s": round(len(pairs) / statistics.median(seconds[n]), 1),
+                   "bleu": score(outputs[n], references)["bleu"]}
+    base = rows["CTranslate2 float32"]["sentences_per_s"]
+    for row in rows.values():
+        row["x CTranslate2 float32"] = round(row["sentences_per_s"] / base, 2)
+    return {"checkpoint": str(checkpoint), "sentences": len(pairs), "threads": threads, "rounds": rounds,
+            "rows": rows}
+
+
+def table(result: dict) -> str:
+    lines = ["| tool | sentences/s | BLEU | x CTranslate2 float32 |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {n} | {r['sentences_per_s']} | {r['bleu']} | {r['x CTranslate2 float32']} |"
+              for n, r in result["rows"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from annotated.plumbing.checkpoint import latest_checkpoint
+    from annotated.plumbing.files import atomic_write
+    from annotated.plumbing.options import Parser, at_least
+
+    p = Parser(prog="python -m benchmarks.translate", name=NAME, description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", type=Path, default=None, help="default: the latest run's model")
+    p.add_argument("--sentences", type=at_least(1), default=None, help="the first N test sentences (default all)")
+    p.add_argument("--threads", type=at_least(1), default=1)
+    p.add_argument("--rounds", type=at_least(1), default=3)
+    p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
+    args = p.parse_args(argv)
+    result = measure(args.checkpoint or latest_checkpoint(), args.sentences, args.threads, args.rounds)
+    print(table(result))
+    if args.out is not None:
+        atomic_write(args.out, json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, NAME)

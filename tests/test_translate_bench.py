@@ -1,0 +1,59 @@
+"""benchmarks/translate.py: every tool runs and translates, and the CTranslate2 conversion is our model.
+
+No speed is asserted: the benchmark prints ratios measured in one run.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+ctranslate2 = pytest.importorskip("ctranslate2")
+from annotated.interop.folders import export_marian
+from annotated.plumbing.checkpoint import save_checkpoint
+from annotated.tokens import BOS, EOS, PAD
+from annotated.training.data import train_tokenizer
+from annotated.transformer import make_model, padding_mask, subsequent_mask
+from benchmarks import translate as bench
+
+SENTENCES = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park.", "Eine Frau liest ein Buch.",
+             "A dog runs across the meadow.", "Two men play football in the park.", "A woman reads a book."]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("bench")
+    tokenizer = train_tokenizer(SENTENCES * 20, 300, cache_dir=folder)
+    torch.manual_seed(0)
+    model = make_model(src_vocab=tokenizer.vocab_size, tgt_vocab=tokenizer.vocab_size, N=2, d_model=16, d_ff=32,
+                       h=4, dropout=0.0, max_len=256, share_embeddings=True, tie_generator=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+        model.generator.bias[EOS] += 3.0  # translations that end
+    save_checkpoint(folder / "model.pt", model, tokenizer, {"src_lang": "de", "tgt_lang": "en"})
+    return folder / "model.pt"
+
+
+def test_ctranslate2_scores_tokens_as_our_model_does(checkpoint, tmp_path):
+    from annotated.plumbing.checkpoint import load_checkpoint
+
+    model, tokenizer, _ = load_checkpoint(checkpoint)
+    converted = bench.convert_ctranslate2(export_marian(checkpoint, tmp_path / "hf"), tmp_path / "ct2", None)
+    engine = ctranslate2.Translator(str(converted), device="cpu", intra_threads=1)
+    src, tgt = tokenizer.encode(SENTENCES[0]), tokenizer.encode(SENTENCES[3]) + [EOS]
+    theirs = engine.score_batch([tokenizer.pieces(src)], [tokenizer.pieces(tgt[:-1])])[0].log_probs
+    s, t = torch.tensor([src]), torch.tensor([[BOS] + tgt[:-1]])
+    with torch.no_grad():
+        logp = model(s, t, padding_mask(s, PAD), subsequent_mask(t.size(1))).log_softmax(-1)[0]  # (T, V)
+    ours = logp.gather(-1, torch.tensor(tgt)[:, None])[:, 0]
+    assert len(theirs) == len(tgt) and (ours - torch.tensor(theirs)).abs().max() <= 1e-4
+
+
+def test_every_tool_translates(checkpoint, data_url):
+    result = bench.measure(checkpoint, sentences=5, threads=1, rounds=1, data_url=data_url)
+    assert list(result["rows"]) == ["translator (stdin)", "translate_ids", "generate", "CTranslate2 float32",
+                                    "CTranslate2 int8"]
+    assert result["rows"]["CTranslate2 float32"]["x CTranslate2 float32"] == 1.0
+    assert all(row["sentences_per_s"] > 0 for row in result["rows"].values())
+    assert "| translate_ids |" in bench.table(result)
