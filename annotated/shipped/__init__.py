@@ -115,9 +115,10 @@ def load_shipped(direction: str = DEFAULT, folder: Optional[Path] = None):
 
 
 def is_shipped(path: Path, folder: Optional[Path] = None) -> bool:
-    """Whether `path` is a model file of the box."""
+    """Whether `path` is a model file of the box (`<direction>.pt` in its folder)."""
     folder = FOLDER if folder is None else Path(folder)
-    return Path(path).resolve().parent == folder.resolve() and Path(path).suffix == ".pt"
+    path = Path(path)
+    return path.suffix == ".pt" and path.stem in DIRECTIONS and path.resolve().parent == folder.resolve()
 
 
 def outputs_beside(checkpoint: Path) -> Path:
