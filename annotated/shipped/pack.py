@@ -130,7 +130,8 @@ def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict
                    "run_model_float32": run, "signatures": test["signatures"],
                    "note": f"test and first_{FIRST}: this packed model as loaded (float16 weights in float32); "
                            "run_model_float32: the run's model before packing, from its results.json"},
-        "packed": {"by": f"{NAME} RUN_DIR", "commit": code_commit(), "torch": torch.__version__},
+        "packed": {"by": f"{NAME} {results.get('run_dir', 'RUN_DIR')}", "commit": code_commit(),
+                   "torch": torch.__version__},
     }
 
 
