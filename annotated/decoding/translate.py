@@ -413,11 +413,12 @@ WAITING = "translate: waiting for sentences, one per line (Ctrl-D to end)"
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m annotated.decoding.translate", name=NAME, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Translate sentences with a trained checkpoint: the arguments if given, "
-                    "else stdin, one sentence a line, one translation a line. The shipped models (and the "
-                    "training presets') learnt from Multi30k: about 29,000 image captions (English, with German "
-                    "translations). They translate descriptions of photos; everyday language is outside what "
-                    "they learnt and comes back as nonsense.",
+        description="Translate sentences with a trained checkpoint: the arguments if given,\n"
+                    "else stdin, one sentence a line, one translation a line.\n\n"
+                    "What the models know: the shipped models (and every training preset's) learnt from\n"
+                    "Multi30k, about 29,000 image captions (English, with German translations). They\n"
+                    "translate descriptions of photos; everyday language is outside what they learnt and\n"
+                    "comes back as nonsense.",
         epilog=RULES)
     p.add_argument("sentences", nargs="*", help="sentences to translate (default: read stdin)")
     p.add_argument("--checkpoint", type=Path, default=None,
