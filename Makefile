@@ -28,7 +28,8 @@ help:
 	@echo "                  every size, integer tracers through the real code, the whole function bit for"
 	@echo "                  bit where exact, generated cases, nn.MultiheadAttention, whole models"
 	@echo "                  (CPU, ~1 min; CHECKPOINT=path.pt also checks a trained checkpoint)"
-	@echo "make translate    TEXT='Ein Hund rennt.' [CHECKPOINT=...]; no TEXT: one sentence a line on stdin"
+	@echo "make translate    TEXT='Ein Hund rennt.' [CHECKPOINT=...]; no TEXT: one sentence a line on stdin;"
+	@echo "                  without a run, the shipped model (ARGS='--src en --tgt de' for en->de)"
 	@echo "make attention    dump, draw and browse the attention of the latest run [CHECKPOINT=...]"
 	@echo "make heads        what each head does: importance, ablation, inspection [CHECKPOINT=...];"
 	@echo "                  ARGS='--prune' also removes heads (pruned.pt) and measures BLEU and speed"
@@ -89,7 +90,8 @@ clean:
 	rm -rf $(VENV) .lockenv .pytest_cache .hypothesis
 
 # make translate TEXT="Ein Hund rennt über die Wiese."   (no TEXT: reads stdin, one sentence a line)
-# CHECKPOINT=runs/<run>/best.pt (default: the latest run's model, runs/latest/averaged.pt or best.pt);
+# CHECKPOINT=runs/<run>/best.pt or shipped:en-de (default: the latest run's model, runs/latest/averaged.pt or best.pt;
+# with no run, the model shipped in annotated/shipped/ for ARGS='--src .. --tgt ..', default de -> en);
 # ARGS="--beam 1" etc. for more (python -m annotated.decoding.translate --help).
 # TEXT and CHECKPOINT reach the command exactly as typed: `$(call quoted,NAME)` is the variable's unexpanded
 # value in single quotes (so `$5`, `$HOME`, spaces and `;` stay text), each ' written as '\''.

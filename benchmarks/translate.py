@@ -157,7 +157,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from annotated.plumbing.checkpoint import latest_checkpoint
+    from annotated.training.runs import latest_checkpoint
     from annotated.plumbing.files import atomic_write
     from annotated.plumbing.options import Parser, at_least
 

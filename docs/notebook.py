@@ -26,6 +26,11 @@
 #   difference between a per-head attention and its fused conversion, a
 #   small model's parameter count and logits, greedy decoding with it, and
 #   the exact-match accuracy of the copy model of the figure (`TRIES`).
+# * **A trained translator at the end.** After the chapter, cells load the
+#   de -> en model shipped in the package (`annotated/shipped/`, the `cpu`
+#   preset's, its sha256 checked), translate two sentences as `make
+#   translate` does, and draw the last layer's most peaked cross-attention
+#   head (`SHIPPED`; left out of a copy without the model).
 # * **Nothing that only a command does.** The chapter's command
 #   `python -m annotated.transformer`, its block under
 #   `if __name__ == "__main__":` (it trains both attention forms, about a
@@ -238,6 +243,57 @@ prints each form's exact-match accuracy. It is left out here so that "Run All" r
 it, type `make copy` in a terminal, or `!python -m annotated.transformer` in a cell.*"""
 
 
+SHIPPED_INTRO = """\
+## After the chapter: a trained translator from the box
+
+The package ships two translators that `make train` trained (the `cpu` preset: this chapter's model with N = 2,
+d_model = 128, h = 4, about 1.6 million parameters), de -> en and en -> de, in `annotated/shipped/`, each with a
+card (`de-en.json`) that says how it was made and what it scores. They learnt from Multi30k, about 29,000 image
+captions: they translate descriptions of photos, not everyday language. The cells below load the de -> en
+model (its sha256 checked against its card), translate two sentences with beam search as `make translate`
+does, and draw what one of its cross-attention heads looks at."""
+
+SHIPPED: list[str] = ['''\
+# Try it: the de -> en model of the box, loaded as float32; its card says how it was made and what it scores.
+from annotated.shipped import load_shipped, read_card
+from annotated.decoding.translate import translate
+translator, tokenizer, _ = load_shipped("de-en")
+card, sentences = read_card("de-en"), ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park."]
+test = card["scores"]["test"]
+print(f"{card['parameters']:,} parameters; test_2016_flickr BLEU {test['bleu']:.2f} "
+      f"({test['bleu_lowercase']:.2f} lowercased), beam 4; made by: {card['made']['command']}")
+for sentence in sentences:
+    print(f"{sentence}  ->  {translate(translator, tokenizer, sentence)[0]}")''', '''\
+# Figure: one cross-attention head of the shipped model on the first sentence: the last layer's most peaked
+# head (its rows nearest to one-hot). A row is a query and sums to 1, labelled by the token the decoder
+# predicts there; a column is a source subword (\u2581 starts a word). Layers and heads count from 0.
+import matplotlib.pyplot as plt
+from annotated.attention.dump import collect_attention, token_labels
+from annotated.attention.pictures import CMAP, COLOUR_BAR
+from annotated.decoding.search import translate_ids
+src_ids = tokenizer.encode(sentences[0])
+tgt_ids = translate_ids(translator, [src_ids], beam_size=4)[0] + [EOS]  # the translation printed above
+layer = translator.config.N - 1
+cross = collect_attention(translator, src_ids, tgt_ids)["cross"][layer][0]  # (h, T, S)
+head = int(cross.max(axis=-1).mean(axis=-1).argmax())
+fig, ax = plt.subplots(figsize=(5.5, 4.5), layout="constrained")
+im = ax.imshow(cross[head], cmap=CMAP, vmin=0, vmax=1)
+ax.set(title=f"cross-attention, layer {layer}, head {head}", xlabel="key: source token",
+       ylabel="query: predicted token", xticks=range(len(src_ids)), yticks=range(len(tgt_ids)))
+ax.set_xticklabels(token_labels(tokenizer, src_ids), rotation=90)
+ax.set_yticklabels(token_labels(tokenizer, tgt_ids))
+fig.colorbar(im, ax=ax, label=COLOUR_BAR)
+plt.show()''']
+
+
+def shipped_cells() -> list:
+    """The cells of the shipped translator, at the notebook's end; none in a copy without the de -> en model."""
+    if not (ROOT / "annotated" / "shipped" / "de-en.pt").is_file():
+        return []
+    return [nbformat.v4.new_markdown_cell(SHIPPED_INTRO, metadata={"tags": ["shipped"]})] + \
+        [nbformat.v4.new_code_cell(code, metadata={"tags": ["shipped"]}) for code in SHIPPED]
+
+
 def without_command(source: str) -> tuple[str, bool]:
     """`source` less its top-level `if __name__ == "__main__":` block, and whether it had one.
 
@@ -275,7 +331,7 @@ def notebook_cells(module_path: Path) -> list:
         else:
             cells += [nbformat.v4.new_code_cell(code, metadata={"tags": [tag]}) for code, tag in pending]
             pending = []
-    return cells
+    return cells + shipped_cells()
 
 
 # %% [markdown]

@@ -177,3 +177,14 @@ def test_the_command_prints_its_help():
                        timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("usage: python -m docs.notebook")
     assert "--out" in r.stdout and "transformer.ipynb" in r.stdout
+
+
+def test_the_shipped_translator_translates_and_draws_one_head_at_the_end(built):
+    if not (ROOT / "annotated" / "shipped" / "de-en.pt").is_file():
+        pytest.skip("no shipped de -> en model in this checkout")
+    cells = [c for c in built.cells if "shipped" in c.metadata.get("tags", [])]
+    assert [c.cell_type for c in cells] == ["markdown", "code", "code"] and built.cells[-3:] == cells
+    [text] = [o["text"] for o in cells[1].outputs if o["output_type"] == "stream"]
+    translations = [line.split("  ->  ")[1] for line in text.splitlines() if "  ->  " in line]
+    assert len(translations) == 2 and all(t.strip() for t in translations)
+    assert any(o.get("data", {}).get("image/png") for o in cells[2].outputs)

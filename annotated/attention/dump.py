@@ -70,9 +70,9 @@ from annotated.plumbing.checks import check_eval_mode, check_id_list, check_toke
 from annotated.plumbing.files import json_safe, new_file_mode, save_figure
 from annotated.plumbing.options import Parser, at_least, device, writable_dir
 from annotated.recording import record_attention
+from annotated.shipped import choose_checkpoint, outputs_beside
 from annotated.sites import KINDS, head_counts
 from annotated.tokens import BOS, EOS, PAD
-from annotated.training.runs import latest_checkpoint
 from annotated.transformer import EncoderDecoder, padding_mask, subsequent_mask
 
 FORMAT = "annotated-attention-v2"
@@ -597,6 +597,8 @@ def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: 
 # (also `make attention ARGS='...'`). Without `--checkpoint` it takes the
 # model of the most recent training run (`runs/latest/averaged.pt`, else
 # `best.pt`), found by `latest_checkpoint` (`annotated/training/runs.py`), as the translator finds it;
+# with no run, the model shipped in the package (`annotated/shipped/`; `--src`/`--tgt` pick the direction,
+# default de -> en), whose dump goes to `runs/shipped-<src>-<tgt>/attention/`;
 # without sentences, the first `--n` sentences of Multi30k's
 # `test_2016_flickr` in the checkpoint's source language (downloaded as in
 # training; `$MULTI30K_URL` or `--data-url` choose the mirror), with their
@@ -613,8 +615,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog="python -m annotated.attention.dump", name="attention",
                description="Dump, draw and browse every attention weight of a trained translator.")
     p.add_argument("sentences", nargs="*", help="source sentences (default: the first --n of test_2016_flickr)")
-    p.add_argument("--checkpoint", type=Path, help="checkpoint file (default: the latest run's model, runs/latest/averaged.pt or best.pt)")
-    p.add_argument("--out", type=Path, help="output directory (default: attention/ next to the checkpoint)")
+    p.add_argument("--checkpoint", type=Path, help="checkpoint file, or shipped:de-en / shipped:en-de (default: the "
+                   "latest run's model, runs/latest/averaged.pt or best.pt; with no run, the shipped model)")
+    p.add_argument("--src", help="source language of the model to use without --checkpoint (default de)")
+    p.add_argument("--tgt", help="its target language (default en)")
+    p.add_argument("--out", type=Path, help="output directory (default: attention/ next to the checkpoint; "
+                   "runs/shipped-<src>-<tgt>/attention/ for a shipped model)")
     p.add_argument("--n", type=at_least(1), default=3, help="how many test sentences when none are given (default 3)")
     p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")
     p.add_argument("--cache-dir", type=writable_dir, help="download cache (default as in training)")
@@ -629,8 +635,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        ckpt = args.checkpoint if args.checkpoint is not None else latest_checkpoint()
-        out = dump(ckpt, args.sentences or None, args.out, n=args.n, data_url=args.data_url,
+        ckpt = choose_checkpoint(args.checkpoint, "runs", args.src, args.tgt,
+                                 say=lambda line: print(f"attention: {line}", file=sys.stderr))
+        out = dump(ckpt, args.sentences or None, args.out or outputs_beside(ckpt) / "attention", n=args.n, data_url=args.data_url,
                    cache_dir=args.cache_dir, pictures=not args.no_pictures, viewer=not args.no_viewer,
                    device=args.device, progress=sys.stderr.isatty(), beam_size=args.beam,
                    say=lambda line: print(f"attention: note: {line}", file=sys.stderr))

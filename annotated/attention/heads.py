@@ -43,8 +43,12 @@ STOP_RULE = ("Pruning ranks heads by importance on the validation sentences at e
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=NAME, description=__doc__.split("\n\n")[1].replace("\n", " "), epilog=STOP_RULE)
     p.add_argument("--checkpoint", type=Path, default=None,
-                   help="checkpoint file (default: the latest run's model, runs/latest/averaged.pt or best.pt)")
-    p.add_argument("--out", type=writable_dir, default=None, help="output folder (default: the checkpoint's folder)")
+                   help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model, "
+                        "runs/latest/averaged.pt or best.pt; with no run, the shipped model for --src/--tgt)")
+    p.add_argument("--src", default=None, help="source language of the model to use without --checkpoint (default de)")
+    p.add_argument("--tgt", default=None, help="its target language (default en)")
+    p.add_argument("--out", type=writable_dir, default=None,
+                   help="output folder (default: the checkpoint's folder; runs/shipped-<src>-<tgt>/ for a shipped model)")
     p.add_argument("--sentences", type=at_least(2), default=300,
                    help="validation sentences for ablation, importance and the pruning search (default 300)")
     p.add_argument("--resamples", type=at_least(1), default=RESAMPLES,
@@ -74,15 +78,14 @@ def outputs(prune: bool) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked before any data or model work: one line and exit 2 (SystemExit) if wrong."""
     args = build_parser().parse_args(argv)
-    if args.checkpoint is None:
-        from annotated.plumbing.checkpoint import CheckpointError
-        from annotated.training.runs import latest_checkpoint
+    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.shipped import choose_checkpoint, outputs_beside
 
-        try:
-            args.checkpoint = latest_checkpoint("runs")
-        except CheckpointError as e:
-            fail(NAME, str(e))
-        print(f"{NAME}: using {args.checkpoint}", file=sys.stderr)
+    try:
+        args.checkpoint = choose_checkpoint(args.checkpoint, "runs", args.src, args.tgt,
+                                            say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
+    except CheckpointError as e:
+        fail(NAME, str(e))
     if not args.checkpoint.is_file():
         fail(NAME, f"--checkpoint {args.checkpoint}: no such file")
     for flag, value in (("--max-loss-increase", args.max_loss_increase), ("--test-sentences", args.test_sentences),
@@ -91,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             fail(NAME, f"{flag} only applies with --prune (add --prune, or drop {flag})")
     args.max_loss_increase = MAX_LOSS_INCREASE if args.max_loss_increase is None else args.max_loss_increase
     args.finetune_steps = args.finetune_steps or 0
-    args.out = args.out if args.out is not None else args.checkpoint.parent
+    args.out = args.out if args.out is not None else outputs_beside(args.checkpoint)
     existing = [n for n in outputs(args.prune) if (args.out / n).exists()]
     if existing and not args.force:
         fail(NAME, f"{args.out / existing[0]} exists (from an earlier run); add --force to overwrite, or pick --out")

@@ -66,7 +66,7 @@ from annotated.decoding.search import translate_ids
 from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, read_case_table
 from annotated.plumbing.checks import check_tokenizer
 from annotated.plumbing.options import Parser, at_least, device, number
-from annotated.training.runs import latest_checkpoint
+from annotated.shipped import choose_checkpoint, direction_asked
 from annotated.transformer import EncoderDecoder
 
 NAME = "translate"
@@ -78,7 +78,11 @@ NAME = "translate"
 # by `latest_checkpoint` (`annotated/training/runs.py`, "Which
 # checkpoint"): `runs/latest/averaged.pt` where the run averaged its last
 # epochs, else `runs/latest/best.pt`; else that of the run whose `best.pt`
-# was written last; else an error that says how to get one.
+# was written last; else, with no run at all, the trained model shipped in
+# the package for the direction asked (`--src`/`--tgt`, default de -> en),
+# said in one line on stderr (`choose_checkpoint` of `annotated/shipped/`).
+# The shipped models learnt from Multi30k's image captions: they translate
+# photo captions, not everyday language.
 
 # %% [markdown]
 # ## 2. From text to subword ids, and the input rules
@@ -438,12 +442,19 @@ WAITING = "translate: waiting for sentences, one per line (Ctrl-D to end)"
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m annotated.decoding.translate", name=NAME, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Translate sentences with a trained checkpoint: the arguments if given, "
-                    "else stdin, one sentence a line, one translation a line.",
+        description="Translate sentences with a trained checkpoint: the arguments if given,\n"
+                    "else stdin, one sentence a line, one translation a line.\n\n"
+                    "What the models know: the shipped models (and every training preset's) learnt from\n"
+                    "Multi30k, about 29,000 image captions (English, with German translations). They\n"
+                    "translate descriptions of photos; everyday language is outside what they learnt and\n"
+                    "comes back as nonsense.",
         epilog=RULES)
     p.add_argument("sentences", nargs="*", help="sentences to translate (default: read stdin)")
     p.add_argument("--checkpoint", type=Path, default=None,
-                   help="checkpoint file (default: the latest run's model, runs/latest/averaged.pt or best.pt)")
+                   help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model, "
+                        "runs/latest/averaged.pt or best.pt; with no run, the model shipped for --src/--tgt)")
+    p.add_argument("--src", default=None, help="source language: picks the run or shipped model (default de)")
+    p.add_argument("--tgt", default=None, help="target language (default en; --src en alone means en -> de)")
     p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where to look without --checkpoint")
     p.add_argument("--beam", type=at_least(1), default=4, help="beam width; 1 = greedy (default 4)")
     p.add_argument("--length-penalty", type=number(0, None), default=0.6,
@@ -464,11 +475,14 @@ def _say(stream: TextIO, message: str) -> None:
 def _load(args, stderr: TextIO):
     """(model on the device, tokenizer, case table or None); CheckpointError when the checkpoint cannot
     translate text."""
-    path = args.checkpoint if args.checkpoint is not None else latest_checkpoint(args.runs_dir)
-    if args.checkpoint is None:
-        _say(stderr, f"{NAME}: using {path}")
-    model, tokenizer, _ = load_checkpoint(path)
+    path = choose_checkpoint(args.checkpoint, args.runs_dir, args.src, args.tgt,
+                             say=lambda line: _say(stderr, f"{NAME}: {line}"))
+    model, tokenizer, meta = load_checkpoint(path)
     check_tokenizer(tokenizer, path, "translate text")
+    asked = direction_asked(args.src, args.tgt)
+    if asked and meta.get("src_lang") and asked != f"{meta['src_lang']}-{meta.get('tgt_lang')}":
+        raise CheckpointError(f"checkpoint {path} translates {meta['src_lang']} -> {meta.get('tgt_lang')}, not "
+                              f"{asked.replace('-', ' -> ')}; drop --src/--tgt or pick another --checkpoint")
     return model.to(args.device), tokenizer, read_case_table(path)
 
 

@@ -870,12 +870,20 @@ def format_report(results: list[CheckResult], identities: list[tuple[str, str, b
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Prove that per-head and fused attention are the same function.")
-    ap.add_argument("--checkpoint", help="also compare both forms of a trained checkpoint (a .pt file)")
+    ap.add_argument("--checkpoint", help="also compare both forms of a trained checkpoint (a .pt file, or "
+                    "shipped:de-en / shipped:en-de for a model shipped in the package)")
     ap.add_argument("--examples", type=int, default=300, help="Hypothesis cases for per-head vs fused")
     ap.add_argument("--copy-steps", type=int, default=150, help="training steps of the copy-task model")
     args = ap.parse_args(argv)
     if args.examples < 1 or args.copy_steps < 1:
         ap.error("--examples and --copy-steps must be positive")
+    if args.checkpoint is not None:  # a shipped model by name or path: found and its sha256 checked
+        from annotated.plumbing.checkpoint import CheckpointError
+        from annotated.shipped import choose_checkpoint
+        try:
+            args.checkpoint = str(choose_checkpoint(args.checkpoint))
+        except CheckpointError as e:
+            ap.error(str(e))
     if args.checkpoint is not None and not os.path.isfile(args.checkpoint):
         ap.error(f"checkpoint file {args.checkpoint} does not exist")
     # Every tensor here is tiny: one thread is as fast, and is not slowed down by other busy processes.

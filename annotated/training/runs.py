@@ -35,7 +35,10 @@
 # 1. the model of `runs/latest`, a symlink to a run directory or a text file
 #    naming one (relative to `runs/`, or as a path);
 # 2. else the model of the run whose `best.pt` was written last;
-# 3. else it stops with an error that says how to get a checkpoint.
+# 3. else, with no run, the trained model shipped in the package for the
+#    direction asked (`choose_checkpoint` of `annotated/shipped/`, which
+#    applies this whole rule and says on stderr which model it took);
+# 4. else it stops with an error that says how to get a checkpoint.
 
 # %%
 from __future__ import annotations

@@ -453,6 +453,7 @@ def test_cli_bad_options_exit_2_with_one_line_before_any_work(option, message, t
 
 def test_cli_without_any_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no runs/ here
+    monkeypatch.setattr("annotated.shipped.FOLDER", tmp_path / "empty box")  # and no shipped model
     assert A.main(["Ein Hund."]) == 2
     err = capsys.readouterr().err
     assert err.startswith("attention: error: no checkpoint found") and len(err.strip().splitlines()) == 1

@@ -276,6 +276,7 @@ def test_bad_checkpoint_file_is_one_line_exit_2(tmp_path, capsys):
 
 def test_without_a_checkpoint_or_a_run_it_says_how_to_get_one(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no runs/ here
+    monkeypatch.setattr("annotated.shipped.FOLDER", tmp_path / "empty box")  # and no shipped model
     code, err = run_main([], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "no checkpoint found" in err
 

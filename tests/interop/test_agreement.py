@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("transformers")
 from annotated.interop.agreement import compare
-from annotated.plumbing.checkpoint import CheckpointError, latest_checkpoint
+from annotated.plumbing.checkpoint import CheckpointError
+from annotated.training.runs import latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 

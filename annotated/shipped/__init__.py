@@ -1,0 +1,189 @@
+"""The translators in the box: a trained de -> en and en -> de model, shipped inside the package.
+
+A fresh clone (or `pip install`) can translate, draw attention and study heads before anything is trained:
+this folder holds the `cpu` preset's models, one per direction, each the run's model (`averaged.pt`) as
+`make train` makes it, packed by `python -m annotated.shipped.pack RUN_DIR` (`pack.py`):
+
+    de-en.pt    the checkpoint, in the format of `annotated/plumbing/checkpoint.py` (config, tokenizer, case table,
+                metadata) with its weights stored as float16; loaded as float32
+    de-en.json  its card: how it was made (command, commit, seed, steps, precision, package versions, machine), what
+                it scores on test_2016_flickr (BLEU cased and lowercased, chrF, beam 4, as packed), what it was
+                trained on, and the sha256 of de-en.pt
+
+Both learnt from Multi30k's 29,000 image captions, and they know photo captions: "Ein Hund rennt über die Wiese."
+translates well, everyday language ("Ich habe heute keine Zeit, weil ich arbeiten muss.") is out of their domain.
+
+**Checked on load.** A model file is used only if its sha256 is the one its card names (`shipped_model`); one
+that differs is refused, with how to get the right one back.
+
+**Which model a command uses** (`choose_checkpoint`, the one rule of every command that needs a model:
+`make translate`, `make attention`, `make heads`):
+
+1. `--checkpoint PATH` when given (`shipped:de-en` names a model of the box, checked as above);
+2. else the latest training run under `runs/` (`latest_checkpoint` of `annotated/training/runs.py`), of the
+   direction asked when one is asked (`--src`/`--tgt`), else whatever its direction;
+3. else the shipped model of the direction asked (default de -> en), said in one line on stderr.
+
+The box is read-only: outputs that a command writes beside its checkpoint go to `runs/shipped-<direction>/`
+instead (`outputs_beside`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
+from annotated.training.runs import latest_checkpoint, run_model
+
+FOLDER = Path(__file__).resolve().parent  # the box; the tests point it elsewhere
+DIRECTIONS = ("de-en", "en-de")
+DEFAULT = "de-en"
+NAME_PREFIX = "shipped:"  # --checkpoint shipped:de-en
+CARD_FORMAT = "annotated-shipped-v1"
+
+
+def direction_asked(src: str | None, tgt: str | None) -> str | None:
+    """"src-tgt" from --src/--tgt; one of de/en alone implies the other; None when neither is given.
+
+    >>> direction_asked("en", None), direction_asked(None, None), direction_asked("fr", "en")
+    ('en-de', None, 'fr-en')
+    """
+    if src is None and tgt is None:
+        return None
+    other = {"de": "en", "en": "de"}
+    src = src if src is not None else other.get(tgt or "")
+    tgt = tgt if tgt is not None else other.get(src or "")
+    if src is None or tgt is None:
+        raise CheckpointError("give both --src and --tgt (only de and en imply each other)")
+    if src == tgt:
+        raise CheckpointError(f"--src and --tgt are both {src!r}; give two different languages")
+    return f"{src}-{tgt}"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_card(direction: str, folder: Path | None = None) -> dict:
+    """The card (`<direction>.json`) of a shipped model; CheckpointError when there is none or it is unreadable."""
+    folder = FOLDER if folder is None else Path(folder)
+    path = folder / f"{direction}.json"
+    if direction not in DIRECTIONS:
+        raise CheckpointError(f"there is no shipped {direction.replace('-', '->')} model (the box holds "
+                              f"{', '.join(d.replace('-', '->') for d in DIRECTIONS)}); train one "
+                              f"(make train ARGS='--src {direction.split('-')[0]} --tgt {direction.split('-')[-1]}') "
+                              f"or pass --checkpoint PATH")
+    if not path.is_file():
+        raise CheckpointError(f"no shipped {direction.replace('-', '->')} model: {path} is missing (this copy of "
+                              f"the package was made without it); train one (make train) or pass --checkpoint PATH")
+    try:
+        card = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable card ({e}); restore it (git checkout -- {path.name}, or "
+                              f"reinstall the package)") from None
+    if not isinstance(card, dict) or card.get("format") != CARD_FORMAT or not isinstance(card.get("sha256"), str):
+        raise CheckpointError(f"{path} is not a shipped model's card (format {CARD_FORMAT!r} with a sha256)")
+    return card
+
+
+def shipped_model(direction: str = DEFAULT, folder: Path | None = None) -> Path:
+    """The path of the shipped model for `direction`, after checking that its sha256 is its card's."""
+    folder = FOLDER if folder is None else Path(folder)
+    card = read_card(direction, folder)
+    path = folder / card.get("file", f"{direction}.pt")
+    if not path.is_file():
+        raise CheckpointError(f"no shipped {direction.replace('-', '->')} model: {path} is missing; restore it "
+                              f"(git checkout -- {path.name}, or reinstall the package) or pass --checkpoint PATH")
+    found = sha256_of(path)
+    if found != card["sha256"]:
+        raise CheckpointError(
+            f"{path} does not match the sha256 in {path.with_suffix('.json').name} (file {found[:16]}..., card "
+            f"{card['sha256'][:16]}...): it changed after it was packed and is not used; restore it (git checkout "
+            f"-- {path.name} in {folder}, or reinstall the package) or pack it again from its run "
+            f"(python -m annotated.shipped.pack RUN_DIR --force)")
+    return path
+
+
+def load_shipped(direction: str = DEFAULT, folder: Path | None = None):
+    """(model in eval mode, float32; tokenizer; meta) of the shipped model for `direction`, checked first."""
+    return load_checkpoint(shipped_model(direction, folder))
+
+
+def is_shipped(path: Path, folder: Path | None = None) -> bool:
+    """Whether `path` is a model file of the box (`<direction>.pt` in its folder)."""
+    folder = FOLDER if folder is None else Path(folder)
+    path = Path(path)
+    return path.suffix == ".pt" and path.stem in DIRECTIONS and path.resolve().parent == folder.resolve()
+
+
+def outputs_beside(checkpoint: Path) -> Path:
+    """Where a command writes what belongs beside its checkpoint: the checkpoint's folder, but
+    `runs/shipped-<direction>/` for a model of the (read-only) box."""
+    checkpoint = Path(checkpoint)
+    return Path("runs") / f"shipped-{checkpoint.stem}" if is_shipped(checkpoint) else checkpoint.parent
+
+
+def _run_direction(model: Path) -> str | None:
+    """"src-tgt" of a run's model, from its run's config.json (written by training), else None."""
+    try:
+        config = json.loads((model.parent / "config.json").read_text(encoding="utf-8"))
+        return f"{config['src_lang']}-{config['tgt_lang']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_run(runs_dir: Path, direction: str | None) -> Path | None:
+    """The latest run's model (any direction when `direction` is None), else the newest run of `direction`, else
+    None."""
+    try:
+        latest = latest_checkpoint(runs_dir)
+    except CheckpointError:
+        return None
+    if direction is None or _run_direction(latest) == direction:
+        return latest
+    models = [run_model(run) for run in Path(runs_dir).iterdir() if run.is_dir() and run.name != "latest"]
+    fitting = [m for m in models if m is not None and _run_direction(m) == direction]
+    return max(fitting, key=lambda m: m.stat().st_mtime) if fitting else None
+
+
+def choose_checkpoint(checkpoint: Path | str | None, runs_dir: Path | str = "runs", src: str | None = None,
+                      tgt: str | None = None, say: Callable[[str], None] = lambda line: None) -> Path:
+    """The model a command uses: `checkpoint` when given (a `shipped:<direction>` name is checked), else the
+    latest run under `runs_dir` (of the direction asked, if asked), else the shipped model of the direction asked
+    (default de-en). `say` gets one line naming what was chosen when `checkpoint` is None.
+    CheckpointError when there is nothing to use."""
+    if checkpoint is not None:
+        name = str(checkpoint)
+        if name.startswith(NAME_PREFIX):
+            return shipped_model(name[len(NAME_PREFIX):])
+        return shipped_model(Path(name).stem) if is_shipped(Path(name)) else Path(checkpoint)
+    direction = direction_asked(src, tgt)
+    run = latest_run(Path(runs_dir), direction)
+    if run is not None:
+        say(f"using {run}")
+        return run
+    wanted = direction or DEFAULT
+    try:
+        path = shipped_model(wanted)
+    except CheckpointError as e:
+        raise CheckpointError(f"no checkpoint found: no {wanted.replace('-', '->')} run under {runs_dir}/ and "
+                              f"{e}") from None
+    score = read_card(wanted).get("scores", {}).get("test", {}).get("bleu_lowercase")
+    say(f"no trained {wanted.replace('-', '->')} run under {runs_dir}/: using the shipped model {_shown(path)} "
+        f"(Multi30k image captions{f', test BLEU {score:.1f} lowercased' if score is not None else ''}; "
+        f"make train trains your own)")
+    return path
+
+
+def _shown(path: Path) -> Path:
+    """`path` relative to the working folder when it lies below it (annotated/shipped/de-en.pt in a clone)."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path

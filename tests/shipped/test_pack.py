@@ -1,0 +1,99 @@
+"""annotated/shipped/pack.py: a run's model packed for the box, and its card."""
+import hashlib
+import json
+
+import pytest
+import torch
+
+from annotated.plumbing.checkpoint import load_checkpoint, read_checkpoint
+from annotated.shipped.pack import PackError, compact_state, main, pack, training_command
+from annotated.training.config import PRESETS, config_dict
+from annotated.training.evaluate import evaluate_bleu
+
+from tiny_box import PAIRS, make_run
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """(run folder, model file, card) of a tiny de-en run packed into its own box."""
+    root = tmp_path_factory.mktemp("pack")
+    run = make_run(root / "run")
+    model, card = pack(run, root / "box", pairs=PAIRS["de-en"], say=lambda line: None)
+    return run, model, json.loads(card.read_text())
+
+
+def test_the_packed_weights_are_the_float16_rounding_of_the_run_model_and_load_as_float32(packed):
+    run, model_file, _ = packed
+    original = read_checkpoint(run / "best.pt")
+    stored = read_checkpoint(model_file)
+    assert {t.dtype for t in stored["model"].values()} == {torch.float16}
+    loaded, tok, meta = load_checkpoint(model_file)
+    for name, weight in loaded.state_dict().items():
+        assert weight.dtype == torch.float32
+        assert torch.equal(weight, original["model"][name].half().float()), name
+    assert stored["tokenizer"] == original["tokenizer"] and stored["casing"] == original["casing"]
+
+
+def test_the_packed_file_keeps_tied_weights_once_and_no_training_state_or_local_paths(packed):
+    run, model_file, _ = packed
+    stored = read_checkpoint(model_file)
+    tied = {stored["model"][k].untyped_storage().data_ptr()
+            for k in ("src_embed.weight", "tgt_embed.weight", "generator.weight")}
+    assert len(tied) == 1  # one table on disk, as in the model
+    assert not {"optimizer", "run_state"} & stored.keys()
+    assert str(run) not in json.dumps(stored["meta"]) and stored["meta"]["averaged"] == ["epoch1.pt", "epoch2.pt"]
+    assert model_file.stat().st_size < (run / "best.pt").stat().st_size
+
+
+def test_the_card_names_the_file_its_sha256_how_it_was_made_and_what_it_learnt_from(packed):
+    run, model_file, card = packed
+    assert card["sha256"] == hashlib.sha256(model_file.read_bytes()).hexdigest()
+    assert card["bytes"] == model_file.stat().st_size and card["file"] == "de-en.pt"
+    made = card["made"]
+    assert made["command"] == "python train_wmt.py --preset smoke --src de --tgt en --seed 0 --precision fp32 --threads 1"
+    results = json.loads((run / "results.json").read_text())
+    assert made["packages"] == results["environment"]["packages"] and made["commit"] == results["environment"]["commit"]
+    assert (made["seed"], made["steps"], made["precision"], made["threads"]) == (0, 28, "fp32", 1)
+    assert "Multi30k" in card["trained_on"] and "out of its domain" in card["trained_on"]
+    assert card["scores"]["run_model_float32"] == {"bleu": 1.5, "bleu_lowercase": 2.5, "chrf": 3.5, "beam": 2,
+                                                   "sentences": 20}
+
+
+def test_the_card_scores_are_those_of_the_packed_model_as_loaded(packed):
+    _, model_file, card = packed
+    model, tok, _ = load_checkpoint(model_file)
+    scores, _ = evaluate_bleu(model, tok, PAIRS["de-en"], 4, 0.6)
+    assert {k: card["scores"]["test"][k] for k in ("bleu", "bleu_lowercase", "chrf")} == \
+        {k: scores[k] for k in ("bleu", "bleu_lowercase", "chrf")}
+    assert card["scores"]["test"]["sentences"] == len(PAIRS["de-en"]) and card["scores"]["beam"] == 4
+
+
+def test_packing_again_replaces_nothing_without_force(packed, capsys):
+    run, model_file, _ = packed
+    before = model_file.read_bytes()
+    assert main([str(run), "--out", str(model_file.parent)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pack: error: ") and "--force" in err and len(err.splitlines()) == 1
+    assert model_file.read_bytes() == before
+
+
+def test_an_unfinished_run_is_refused(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    assert main([str(tmp_path / "run"), "--out", str(tmp_path / "box")]) == 2
+    assert "results.json is missing" in capsys.readouterr().err and not (tmp_path / "box").exists()
+
+
+def test_the_training_command_is_the_preset_and_what_the_run_resolved():
+    results = {"train_config": config_dict(PRESETS["cpu"].__class__(**{**PRESETS["cpu"].__dict__, "src_lang": "en",
+                                                                        "tgt_lang": "de"})),
+               "precision": "fp32", "threads": 1}
+    assert training_command(results) == "python train_wmt.py --preset cpu --src en --tgt de --seed 0 --precision fp32 --threads 1"
+    results["train_config"]["max_steps"] = 8400  # no preset's budget: the packer cannot guess the options
+    with pytest.raises(PackError, match="--command"):
+        training_command(results)
+
+
+def test_a_weight_beyond_float16_is_refused():
+    state = {"config": {}, "model": {"w": torch.tensor([1.0, 1e6])}, "meta": {}}
+    with pytest.raises(PackError, match="float16"):
+        compact_state(state)
