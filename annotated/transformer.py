@@ -77,6 +77,8 @@ from annotated.tokens import BOS, EOS, PAD
 # its weights, have the same variance
 # (`test_scaling_keeps_score_variance_at_one`).
 #
+# <!-- figure: scaling -->
+#
 # ### Masks: one convention everywhere
 #
 # Some keys must not be looked at: padding, and (in the decoder) the future.
@@ -179,6 +181,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, dr
 # broadcasts over all queries. The decoder must not peek at the words it is
 # about to predict: `subsequent_mask(T)` lets position `i` attend to positions
 # `j <= i` only, a lower-triangular matrix of shape `(1, T, T)`.
+#
+# <!-- figure: subsequent_mask -->
 
 # %%
 def padding_mask(tokens: Tensor, pad: int) -> Tensor:
@@ -250,6 +254,8 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 # `d_v` are free,
 # and `d_model / h` is only their default (which then requires `h` to divide
 # `d_model`).
+#
+# <!-- figure: one_head -->
 
 # %%
 def _head_sizes(d_model: int, h: int, d_k: int | None, d_v: int | None) -> tuple[int, int]:
@@ -607,6 +613,8 @@ class FeedForward(nn.Module):
 #
 # For each frequency, `PE(pos + k)` is a rotation of `PE(pos)` by an angle
 # that depends on `k` only, which makes relative offsets easy to express.
+#
+# <!-- figure: positional_encoding -->
 
 # %%
 class Embeddings(nn.Module):
@@ -761,6 +769,8 @@ class DecoderLayer(nn.Module):
 # The encoder maps source ids to memory; the decoder maps memory and the
 # target prefix to one vector per target position; the generator turns each
 # into logits over the target vocabulary (the loss applies log-softmax).
+#
+# <!-- figure: architecture -->
 
 # %%
 class Encoder(nn.Module):
@@ -903,6 +913,8 @@ def greedy_decode(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, m
 # sequences, peak learning rate 0.3 x the formula's), small enough for a CPU;
 # the command prints how long each form took. `test_copy_task_learns_to_copy`
 # requires both forms to copy at least 99% of 1000 fresh sequences exactly.
+#
+# <!-- figure: rate -->
 
 # %%
 def rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
