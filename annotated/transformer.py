@@ -413,22 +413,22 @@ class FusedAttention(_Attention):
                  bias: bool = True, dropout: float = 0.0):
         super().__init__(d_model, h, d_k, d_v, bias, dropout)
         d_k, d_v = self.d_k, self.d_v
-        self.W_Q = nn.Parameter(_xavier(d_model, h * d_k, d_model, h * d_k))  # [W_Q[1] | ... | W_Q[h]]
+        self.W_Q = nn.Parameter(_xavier(d_model, h * d_k, d_model, h * d_k))  # [W_Q[0] | ... | W_Q[h-1]]
         self.W_K = nn.Parameter(_xavier(d_model, h * d_k, d_model, h * d_k))
         self.W_V = nn.Parameter(_xavier(d_model, h * d_v, d_model, h * d_v))
-        self.W_O = nn.Parameter(_xavier(h * d_v, d_model, h * d_v, d_model))  # W_O[1] over ... over W_O[h]
+        self.W_O = nn.Parameter(_xavier(h * d_v, d_model, h * d_v, d_model))  # W_O[0] over ... over W_O[h-1]
         zeros = lambda d: nn.Parameter(torch.zeros(d)) if bias else None  # noqa: E731
         self.b_Q, self.b_K, self.b_V, self.b_O = zeros(h * d_k), zeros(h * d_k), zeros(h * d_v), zeros(d_model)
 
     def _heads(self, x: Tensor, W: Tensor, b: Tensor | None, d: int) -> Tensor:
         B, T, _ = x.shape
-        # X W = [X W[1] | ... | X W[h]], then column block i -> head i
+        # X W = [X W[0] | ... | X W[h-1]], then column block i -> head i
         y = affine(x, W, b)  # (B, T, h*d)
         return y.view(B, T, self.h, d).transpose(1, 2)  # (B, h, T, d)
 
     def _concat(self, heads: Tensor) -> Tensor:
         B, _, T, _ = heads.shape
-        # Concat(head_1, ..., head_h): head i -> column block i
+        # Concat(head_0, ..., head_{h-1}): head i -> column block i
         return heads.transpose(1, 2).reshape(B, T, self.h * self.d_v)  # (B, T, h*d_v)
 
     def queries(self, x_q: Tensor) -> Tensor:
@@ -447,7 +447,7 @@ class FusedAttention(_Attention):
             mask = mask.expand(B, T_q, K.size(-2)).unsqueeze(1)  # (B, 1, T_q, T_k) the same mask for every head
         heads = attention(self.queries(x_q), K, V, mask,
                           dropout_p=self.dropout if self.training else 0.0)  # (B, h, T_q, d_v)
-        # MultiHead = Concat(head_1, ..., head_h) W_O
+        # MultiHead = Concat(head_0, ..., head_{h-1}) W_O
         return affine(self._concat(heads), self.W_O, self.b_O)  # (B, T_q, d_model)
 
 
@@ -479,7 +479,7 @@ def empty_like(src: _Attention, cls: type | None = None, h: int | None = None) -
 
 @torch.no_grad()
 def fuse(per_head: PerHeadAttention) -> FusedAttention:
-    """PerHeadAttention -> FusedAttention with W = [W[1] | ... | W[h]] (W_O stacked by rows)."""
+    """PerHeadAttention -> FusedAttention with W = [W[0] | ... | W[h-1]] (W_O stacked by rows)."""
     if not isinstance(per_head, PerHeadAttention):
         raise TypeError(f"fuse expects a PerHeadAttention, got {type(per_head).__name__}")
     fused = empty_like(per_head, FusedAttention)

@@ -241,7 +241,8 @@ def visible_length(tex: str) -> int:
 
 
 def _top_level(tex: str):
-    """(index, piece) of each top-level `=` and `\quad`/`\qquad` (outside braces, \left..\right, environments)."""
+    """(index, piece) of each top-level `=` and `\\quad`/`\\qquad` (outside braces, `\\left`..`\\right`,
+    environments)."""
     depth, i = 0, 0
     while i < len(tex):
         m = re.match(r"\\(left|right|begin|end|qquad|quad)\b|\\.|[{}=]", tex[i:])
@@ -259,7 +260,7 @@ def _top_level(tex: str):
 
 
 def formula_lines(tex: str) -> list[str]:
-    """A long display formula as its lines: each `\quad`-separated equation, each `=` of a chain.
+    """A long display formula as its lines: each `\\quad`-separated equation, each `=` of a chain.
 
     >>> print(*formula_lines(r"\\mathrm{MultiHead}(Q, K, V) = \\mathrm{Concat}(\\mathrm{head}_1, \\dots, \\mathrm{head}_h)\\, W_O = \\sum_i \\mathrm{head}_i\\, W_O^{(i)}"), sep="\\n")
     \\mathrm{MultiHead}(Q, K, V) = \\mathrm{Concat}(\\mathrm{head}_1, \\dots, \\mathrm{head}_h)\\, W_O
@@ -297,7 +298,8 @@ def display_mathml(tex: str, where: str = "<formula>") -> str:
     rows = []
     for line in lines:
         inner = ET.fromstring(latex_to_mathml(line, False, where))  # checked like any formula
-        cell = ET.Element(f"{_MATHML}mtd", {"class": "cont" if line.startswith("=") else "first", "displaystyle": "true"})
+        cell = ET.Element(f"{_MATHML}mtd", {"class": "cont" if line.startswith("=") else "first",
+                                            "displaystyle": "true"})
         cell.extend(list(inner))
         row = ET.Element(f"{_MATHML}mtr")
         row.append(cell)
@@ -475,6 +477,7 @@ class Page:
     ids: set[str] = field(default_factory=set)
     headings: list[Heading] = field(default_factory=list)
     placed: list[str] = field(default_factory=list)  # figure names, in page order
+    notes: list[str] = field(default_factory=list)   # for the console
 
     def free_id(self, base: str) -> str:
         candidate, n = base, 2
@@ -512,14 +515,14 @@ def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs
         tokens[i + 2].meta["id"] = anchor  # heading_close, for the permalink
         page.headings.append(Heading(level, md.renderer.renderInline(tokens[i + 1].children, md.options, env), anchor))
     for i, t in enumerate(tokens):  # a citation <!-- figure: name --> (a paragraph of its own): the figure
-        cited = _CITATION.fullmatch(t.content.strip()) if t.type == "inline" and tokens[i - 1].type == "paragraph_open" \
-            else None
+        paragraph = t.type == "inline" and tokens[i - 1].type == "paragraph_open"
+        cited = _CITATION.fullmatch(t.content.strip()) if paragraph else None
         if cited is None:
             continue
         name = cited.group(1)
         if name not in {f.name for f in figs.FIGURES}:
-            raise DocsError(f"{_where(env, cited.group(0))}: the prose cites <!-- figure: {name} -->, but "
-                            f"docs/figures.py has no figure of that name (FIGURES)")
+            page.notes.append(f"{_where(env, cited.group(0))}: the prose cites <!-- figure: {name} -->, but "
+                              f"FIGURES in docs/figures.py has no figure of that name: nothing shown there")
         t.children, t.content = [], ""  # the citation itself shows nothing
         tokens[i - 1].hidden = tokens[i + 1].hidden = True
         fig = next((f for f in want if f.name == name), None)
@@ -820,8 +823,8 @@ matters, and removes heads. Each prose cell sits beside the code it explains; th
 
 Heads, layers and positions are counted from 0 everywhere, as the code counts them: head 0 is the one that
 uses `W_Q[0]`, position 0 holds the first token, and the figures, the attention viewer, its pictures and
-`make heads` all say "head 0" for it. The paper's formulas number heads from 1 ($\mathrm{head}_1$ to
-$\mathrm{head}_h$), so the paper's $\mathrm{head}_i$ is head $i - 1$ here.
+`make heads` all say "head 0" for it. The paper's formulas number heads from 1 ($\\mathrm{head}_1$ to
+$\\mathrm{head}_h$), so the paper's $\\mathrm{head}_i$ is head $i - 1$ here.
 """
 
 
@@ -1028,6 +1031,7 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
                 end = embeds[name].make(out, ctx)
                 chapter = chapter.replace("</article>", f'<div class="embed">{end}</div>\n</article>')
             chapters_html.append(chapter)
+    notes += page.notes
     placed = {name: next(f.module for f in selected if f.name == name) for name in page.placed}
     leftover = [f for f in selected if f.name not in page.placed and f.module != figs.INTRODUCTION]
     appendix = ""

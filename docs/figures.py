@@ -15,8 +15,8 @@
 # its own, `<!-- figure: name -->` (an HTML comment: Jupyter shows nothing
 # there), and the page builder (`docs/build.py`) puts the figure there
 # (after the code beside that prose, when the prose ends with it). A figure
-# no prose cites goes to an appendix, with a note on the console; a citation
-# of a figure that does not exist stops the build, naming file and line. `draw(ctx)` returns a matplotlib
+# no prose cites goes to an appendix, with a note on the console, and so
+# does a citation of a figure that does not exist (naming file and line). `draw(ctx)` returns a matplotlib
 # figure and its caption (Markdown; `$...$` is math). Figures are built with
 # `matplotlib.figure.Figure` directly, never through `pyplot`, so drawing
 # leaves no global state behind.

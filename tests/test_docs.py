@@ -901,9 +901,10 @@ def test_long_formulas_are_set_one_equation_and_one_equals_sign_a_line():
     assert B.formula_lines(pe) == [pe[:pe.index(r"\quad")], pe[pe.index(r"\quad") + len(r"\quad") + 1:]]
     assert B.formula_lines(r"\mathrm{head}_i = \mathrm{Attention}(Q W_Q^{(i)},\ K W_K^{(i)},\ V W_V^{(i)})") == \
         [r"\mathrm{head}_i = \mathrm{Attention}(Q W_Q^{(i)},\ K W_K^{(i)},\ V W_V^{(i)})"]  # short: one line
-    assert B.formula_lines(r"f(\{a = b, c = d\}) = \frac{x = 1}{y} = z + \sum_{i=1}^{h} \mathrm{head}_i\, W_O^{(i)} w"
-                           r" + \mathrm{Concat}") == \
-        [r"f(\{a = b, c = d\}) = \frac{x = 1}{y}", r"= z + \sum_{i=1}^{h} \mathrm{head}_i\, W_O^{(i)} w + \mathrm{Concat}"]
+    nested = (r"f(\{a = b, c = d\}) = \frac{x = 1}{y} = z + \sum_{i=1}^{h} \mathrm{head}_i\, W_O^{(i)} w"
+              r" + \mathrm{Concat}(u, v, w, x, y)")  # an `=` inside braces or \{ \} is no line's start
+    assert B.visible_length(nested) > B.FORMULA_CHARS
+    assert B.formula_lines(nested) == [nested[:nested.index(" = z")], nested[nested.index(" = z") + 1:]]
     html_ = B.display_mathml(multihead)  # one <math> element, a table of two lines, the whole TeX as its alttext
     assert html_.count("<math ") == 1 and html_.count("<mtr>") == 2 and 'class="cont"' in html_
 
