@@ -356,7 +356,8 @@ def main(argv=None) -> int:
 
     p = Parser(prog="python -m docs.notebook", name="notebook",
                description="Write annotated/transformer.py as an executed Jupyter notebook, its prose examples "
-                           "and figures inline: docs/_build/transformer.ipynb (about 30 s on a CPU).")
+                           "and figures inline: docs/_build/transformer.ipynb (minutes: a Jupyter kernel trains the "
+                           "copy model, 300 steps; longer on a busy machine).")
     p.add_argument("--out", type=writable_dir, default=ROOT / "docs" / "_build",
                    help="output folder (default docs/_build)")
     p.add_argument("--overwrite", action="store_true",
