@@ -311,7 +311,7 @@ def execute(cells: list, name: str = "transformer_notebook", cwd: Path = ROOT) -
     """Run the code cells in order in a fresh kernel (nbclient) and store their outputs in place."""
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "language": "python",
                                                                         "display_name": "Python 3"}})
@@ -326,6 +326,9 @@ def execute(cells: list, name: str = "transformer_notebook", cwd: Path = ROOT) -
         failed = next(i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.outputs))
         raise CellError(f"{name}: notebook cell {failed + 1} failed: {e.ename}: {e.evalue}\n"
                         f"{code[failed].source}") from None
+    except (CellTimeoutError, DeadKernelError) as e:  # a cell past TIMEOUT, a kernel killed or crashed
+        done = sum(1 for c in nb.cells if c.cell_type == "code" and c.get("execution_count"))
+        raise CellError(f"{name}: notebook cell {done} did not finish ({type(e).__name__}: {e})") from None
     finally:  # new_notebook copied the cells: their outputs go back into the caller's
         sockets.cleanup()
         for mine, ran in zip(cells, nb.cells):
