@@ -80,6 +80,8 @@ from annotated.tokens import BOS, EOS, PAD
 # its weights, have the same variance
 # (`test_scaling_keeps_score_variance_at_one`).
 #
+# <!-- figure: scaling -->
+#
 # ### Masks: one convention everywhere
 #
 # Some keys must not be looked at: padding, and (in the decoder) the future.
@@ -196,6 +198,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, dr
 # broadcasts over all queries. The decoder must not peek at the words it is
 # about to predict: `subsequent_mask(T)` lets position `i` attend to positions
 # `j <= i` only, a lower-triangular matrix of shape `(1, T, T)`.
+#
+# <!-- figure: subsequent_mask -->
 
 # %%
 def padding_mask(tokens: Tensor, pad: int) -> Tensor:
@@ -278,6 +282,8 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 # `d_v` are free,
 # and `d_model / h` is only their default (which then requires `h` to divide
 # `d_model`).
+#
+# <!-- figure: one_head -->
 
 # %%
 def _head_sizes(d_model: int, h: int, d_k: int | None, d_v: int | None) -> tuple[int, int]:
@@ -460,22 +466,22 @@ class FusedAttention(_Attention):
                  bias: bool = True, dropout: float = 0.0):
         super().__init__(d_model, h, d_k, d_v, bias, dropout)
         d_k, d_v = self.d_k, self.d_v
-        self.W_Q = nn.Parameter(_xavier(d_model, h * d_k, d_model, h * d_k))  # [W_Q[1] | ... | W_Q[h]]
+        self.W_Q = nn.Parameter(_xavier(d_model, h * d_k, d_model, h * d_k))  # [W_Q[0] | ... | W_Q[h-1]]
         self.W_K = nn.Parameter(_xavier(d_model, h * d_k, d_model, h * d_k))
         self.W_V = nn.Parameter(_xavier(d_model, h * d_v, d_model, h * d_v))
-        self.W_O = nn.Parameter(_xavier(h * d_v, d_model, h * d_v, d_model))  # W_O[1] over ... over W_O[h]
+        self.W_O = nn.Parameter(_xavier(h * d_v, d_model, h * d_v, d_model))  # W_O[0] over ... over W_O[h-1]
         zeros = lambda d: nn.Parameter(torch.zeros(d)) if bias else None
         self.b_Q, self.b_K, self.b_V, self.b_O = zeros(h * d_k), zeros(h * d_k), zeros(h * d_v), zeros(d_model)
 
     def _heads(self, x: Tensor, W: Tensor, b: Tensor | None, d: int) -> Tensor:
         B, T, _ = x.shape
-        # X W = [X W[1] | ... | X W[h]], then column block i -> head i
+        # X W = [X W[0] | ... | X W[h-1]], then column block i -> head i
         y = affine(x, W, b)  # (B, T, h*d)
         return y.view(B, T, self.h, d).transpose(1, 2)  # (B, h, T, d)
 
     def _concat(self, heads: Tensor) -> Tensor:
         B, _, T, _ = heads.shape
-        # Concat(head_1, ..., head_h): head i -> column block i
+        # Concat(head_0, ..., head_{h-1}): head i -> column block i
         return heads.transpose(1, 2).reshape(B, T, self.h * self.d_v)  # (B, T, h*d_v)
 
     def queries(self, x_q: Tensor) -> Tensor:
@@ -493,7 +499,7 @@ class FusedAttention(_Attention):
         mask = head_mask(mask, B, T_q, K.size(-2))  # (B, 1, T_q, T_k) the same mask for every head
         heads = attention(self.queries(x_q), K, V, mask,
                           dropout_p=self.dropout if self.training else 0.0)  # (B, h, T_q, d_v)
-        # MultiHead = Concat(head_1, ..., head_h) W_O
+        # MultiHead = Concat(head_0, ..., head_{h-1}) W_O
         return affine(self._concat(heads), self.W_O, self.b_O)  # (B, T_q, d_model)
 
 
@@ -527,7 +533,7 @@ def empty_like(src: _Attention, cls: type[A], h: int | None = None) -> A:
 
 @torch.no_grad()
 def fuse(per_head: PerHeadAttention) -> FusedAttention:
-    """PerHeadAttention -> FusedAttention with W = [W[1] | ... | W[h]] (W_O stacked by rows)."""
+    """PerHeadAttention -> FusedAttention with W = [W[0] | ... | W[h-1]] (W_O stacked by rows)."""
     if not isinstance(per_head, PerHeadAttention):
         raise TypeError(f"fuse expects a PerHeadAttention, got {type(per_head).__name__}")
     fused = empty_like(per_head, FusedAttention)
@@ -676,6 +682,8 @@ class FeedForward(nn.Module):
 #
 # For each frequency, `PE(pos + k)` is a rotation of `PE(pos)` by an angle
 # that depends on `k` only, which makes relative offsets easy to express.
+#
+# <!-- figure: positional_encoding -->
 
 # %%
 class Embeddings(nn.Module):
@@ -833,6 +841,8 @@ class DecoderLayer(nn.Module):
 # The encoder maps source ids to memory; the decoder maps memory and the
 # target prefix to one vector per target position; the generator turns each
 # into logits over the target vocabulary (the loss applies log-softmax).
+#
+# <!-- figure: architecture -->
 
 # %%
 class Encoder(nn.Module):
@@ -975,6 +985,8 @@ def greedy_decode(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, m
 # sequences, peak learning rate 0.3 x the formula's), small enough for a CPU;
 # the command prints how long each form took. `test_copy_task_learns_to_copy`
 # requires both forms to copy at least 99% of 1000 fresh sequences exactly.
+#
+# <!-- figure: rate -->
 
 # %%
 def rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:

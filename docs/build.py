@@ -27,16 +27,24 @@
 #   Markdown block quotes;
 # * code cells are highlighted by **Pygments**, each labelled with its file and
 #   line range (and checked to be the file's text verbatim); a long cell is
-#   cut at blank lines into pieces (`code_pieces`), and a piece without prose
-#   of its own gets its definitions' docstring summaries beside it;
+#   cut at blank lines into pieces (`code_pieces`), its prose goes beside the
+#   piece that defines what the prose names in backticks (`pair_prose`: the
+#   prose on `PerHeadAttention` beside the class, not beside the helpers
+#   before it), and a piece without prose of its own gets its definitions'
+#   docstring summaries beside it;
 # * on a wide screen each prose cell sits on the left of the code it
 #   explains, row by row, as in labml's annotated pages; below 1100 px the rows
-#   become one column. Long lines wrap under themselves with a hanging indent,
-#   so no code block scrolls sideways (`test_the_book_at_1400_px`,
-#   `test_the_book_is_one_column_on_a_narrow_screen`);
-# * figures come from `docs/figures.py`, drawn at build time, and sit after
-#   the prose they illustrate (after that prose's code, when the prose ends
-#   with them);
+#   become one column. Long lines wrap with a hanging indent four
+#   characters deeper than the line's own, so no code block scrolls sideways
+#   and a continuation never reads as an outer statement
+#   (`test_the_book_at_1400_px`, `test_the_book_is_one_column_on_a_narrow_screen`,
+#   `test_a_wrapped_code_line_continues_deeper_than_its_own_indent`); a long
+#   display formula is set one equation, or one `=`, a line, so it fits the
+#   prose column (`test_no_display_formula_is_wider_than_its_column`); a
+#   table fits the column too (`test_no_table_scrolls_sideways_at_800_px`);
+# * figures come from `docs/figures.py`, drawn at build time, and sit where
+#   the prose cites them with a line `<!-- figure: name -->` (after that
+#   prose's code, when the prose ends with the citation);
 # * Part I's chapter ends with the attention viewer of its example, in an
 #   `<iframe>` (section 8);
 # * after the parts, the part "Guides": the Markdown files of `GUIDES`,
@@ -48,7 +56,8 @@
 # `docs/_build/viewer/index.html` (and the record `.docs-build.json` of what
 # was written, section 6), with an inline stylesheet and no external
 # resource of any kind; a Content-Security-Policy in the page forbids the
-# browser to fetch anything but the page's own images and the viewer's frame.
+# browser to fetch anything but the page's own images and the viewer's frame,
+# and to run any script but the one that fits the frame to the viewer.
 #
 # This builder lives in `docs/`, not in the `annotated` package: the package is
 # the book; the builder is tooling, not a chapter (and so is neither rendered
@@ -57,10 +66,13 @@
 # %%
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import json
 import posixpath
 import re
+import string
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping, Sequence
@@ -203,6 +215,103 @@ def latex_to_mathml(tex: str, display: bool, where: str = "<formula>") -> str:
     return ET.tostring(root, encoding="unicode")
 
 
+# %% [markdown]
+# ### Long display formulas: one line per equation, one per `=`
+#
+# Browsers do not break a formula across lines, and the prose column is
+# about 520 px wide beside the code. A display formula longer than
+# `FORMULA_CHARS` visible characters is set as a one-column table: each
+# equation of a `\quad`-separated list starts a line, and each further `=` of
+# a chain (`a = b = c`) starts a line of its own, indented, as a TeX author
+# would align it. A formula still wider than a phone scrolls inside its own
+# box, never under the code (`test_no_display_formula_is_wider_than_its_column`).
+
+# %%
+FORMULA_CHARS = 44  # visible characters that fit the prose column beside the code at 1400 px
+LIST_CHARS = 30     # a list of equations (`a = b,\\quad c = d`) longer than this: one equation a line
+
+
+def visible_length(tex: str) -> int:
+    """About how many characters a formula shows: a command counts one, braces and scripts' marks none.
+
+    >>> visible_length(r"\\mathrm{head}_i = x")
+    7
+    """
+    words = re.sub(r"\\(?:mathrm|text|texttt|mathbb|left|right|begin\{\w+\}|end\{\w+\}|[,;: !])", "", tex)
+    return len(re.sub(r"\\[A-Za-z]+", "#", re.sub(r"[{}^_\s]", "", words)))
+
+
+def _top_level(tex: str):
+    """(index, piece) of each top-level `=` and `\\quad`/`\\qquad` (outside braces, `\\left`..`\\right`,
+    environments)."""
+    depth, i = 0, 0
+    while i < len(tex):
+        m = re.match(r"\\(left|right|begin|end|qquad|quad)\b|\\.|[{}=]", tex[i:])
+        if not m:
+            i += 1
+            continue
+        token = m.group(0)
+        if token in ("{", r"\left", r"\begin"):
+            depth += 1
+        elif token in ("}", r"\right", r"\end"):
+            depth -= 1
+        elif depth == 0 and token in ("=", r"\quad", r"\qquad"):
+            yield i, token
+        i += len(token)
+
+
+def formula_lines(tex: str) -> list[str]:
+    """A long display formula as its lines: each `\\quad`-separated equation, each `=` of a chain.
+
+    >>> print(*formula_lines(r"\\mathrm{MultiHead}(Q, K, V) = \\mathrm{Concat}(\\mathrm{head}_1, \\dots, \\mathrm{head}_h)\\, W_O = \\sum_i \\mathrm{head}_i\\, W_O^{(i)}"), sep="\\n")
+    \\mathrm{MultiHead}(Q, K, V) = \\mathrm{Concat}(\\mathrm{head}_1, \\dots, \\mathrm{head}_h)\\, W_O
+    = \\sum_i \\mathrm{head}_i\\, W_O^{(i)}
+    >>> formula_lines("a = b")
+    ['a = b']
+    """
+    if visible_length(tex) <= LIST_CHARS:
+        return [tex]
+    equations, start = [], 0
+    for at, token in _top_level(tex):
+        if token != "=":
+            equations.append(tex[start:at].strip())
+            start = at + len(token)
+    equations.append(tex[start:].strip())
+    lines = []
+    for eq in filter(None, equations):
+        cuts = [at for at, token in _top_level(eq) if token == "="][1:]  # the first `=` stays on its line
+        if visible_length(eq) <= FORMULA_CHARS:
+            cuts = []
+        pieces = [eq[a:b].strip() for a, b in zip([0, *cuts], [*cuts, len(eq)])]
+        merged = [pieces[0]]  # a short continuation joins the line before it when both fit
+        for piece in pieces[1:]:
+            joined = f"{merged[-1]} {piece}"
+            merged[-1:] = [joined] if visible_length(joined) <= FORMULA_CHARS else [merged[-1], piece]
+        lines += merged
+    return lines
+
+
+def display_mathml(tex: str, where: str = "<formula>") -> str:
+    """A display formula as one <math> element: a single line, or a one-column table of `formula_lines`."""
+    lines = formula_lines(tex)
+    if len(lines) == 1:
+        return latex_to_mathml(tex, True, where)
+    rows = []
+    for line in lines:
+        inner = ET.fromstring(latex_to_mathml(line, False, where))  # checked like any formula
+        cell = ET.Element(f"{_MATHML}mtd", {"class": "cont" if line.startswith("=") else "first",
+                                            "displaystyle": "true"})
+        cell.extend(list(inner))
+        row = ET.Element(f"{_MATHML}mtr")
+        row.append(cell)
+        rows.append(row)
+    root = ET.Element(f"{_MATHML}math", {"display": "block", "class": "lines"})
+    table = ET.SubElement(root, f"{_MATHML}mtable", {"displaystyle": "true"})
+    table.extend(rows)
+    root.set("alttext", tex)
+    return ET.tostring(root, encoding="unicode")
+
+
 # MathML Core (what browsers implement) dropped the named space widths latex2mathml still writes.
 _NAMED_SPACES = {"negativeveryverythinmathspace": "-0.0556em", "negativeverythinmathspace": "-0.1111em",
                  "negativethinmathspace": "-0.1667em", "negativemediummathspace": "-0.2222em",
@@ -280,8 +389,20 @@ def highlight_code(code: str, lang: str = "python") -> str:
     except ClassNotFound:
         lexer = get_lexer_by_name("text")
     body = _pygments_highlight(code, lexer, HtmlFormatter(nowrap=True))
-    lines = "".join(f'<span class="l">{line}\n</span>' for line in body.rstrip("\n").split("\n"))
+    lines = "".join(f'<span class="l"{_indent(text)}>{line}\n</span>'
+                    for line, text in zip(body.rstrip("\n").split("\n"), code.split("\n") + [""] * len(body)))
     return f'<pre class="highlight"><code>{lines}</code></pre>\n'
+
+
+def _indent(line: str) -> str:
+    """The style attribute that hangs a wrapped line under its own text, four characters deeper than its
+    indent (none for an unindented line: the stylesheet's default).
+
+    >>> _indent("        return x"), _indent("x = 1")
+    (' style="--i:8"', '')
+    """
+    n = len(line) - len(line.lstrip(" "))
+    return f' style="--i:{n}"' if n else ""
 
 
 def slugify(text: str) -> str:
@@ -315,7 +436,7 @@ def make_markdown(math: bool = True) -> MarkdownIt:
         return latex_to_mathml(tokens[idx].content, False, _where(env, tokens[idx].content))
 
     def math_block(self, tokens, idx, options, env):
-        formula = latex_to_mathml(tokens[idx].content.strip(), True, _where(env, tokens[idx].content.strip()))
+        formula = display_mathml(tokens[idx].content.strip(), _where(env, tokens[idx].content.strip()))
         return f'<div class="math">{formula}</div>\n'
 
 
@@ -335,8 +456,10 @@ def make_markdown(math: bool = True) -> MarkdownIt:
 #
 # A chapter renders its cells in order. Headings get ids that are unique on
 # the page (prefixed by the chapter's name) and feed the table of contents.
-# A figure goes after the prose of the heading it names: before the next
-# heading of the same cell, or at the cell's end.
+# A figure goes where the prose cites it: a paragraph that is only
+# `<!-- figure: name -->` (Jupyter shows nothing there) becomes the figure.
+# A prose cell followed by another prose cell is a row of its own, without
+# code beside it.
 
 # %%
 @dataclass
@@ -355,6 +478,7 @@ class Page:
     ids: set[str] = field(default_factory=set)
     headings: list[Heading] = field(default_factory=list)
     placed: list[str] = field(default_factory=list)  # figure names, in page order
+    notes: list[str] = field(default_factory=list)   # for the console
 
     def free_id(self, base: str) -> str:
         candidate, n = base, 2
@@ -373,9 +497,10 @@ def _figure_slot(name: str) -> str:
 
 
 def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs.Figure],
-                 first_h1: bool, md: MarkdownIt | None = None) -> tuple[str, bool]:
+                 first_h1: bool, md: MarkdownIt | None = None, mark: bool = False) -> tuple[str, bool]:
     """HTML of one prose cell (figures marked by slots); returns (html, whether the chapter id was used).
-    `md`: another renderer than the page's (the guides' has no math)."""
+    `md`: another renderer than the page's (the guides' has no math). `mark`: each top-level block starts
+    with a comment naming the identifiers it mentions in backticks (`pair_prose` reads them)."""
     md = md or page.md
     env = {"file": rel, "line": cell.line, "source": cell.source}
     tokens = md.parse(fence_doctests(cell.source), env)
@@ -390,15 +515,34 @@ def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs
         tokens[i].attrSet("id", anchor)
         tokens[i + 2].meta["id"] = anchor  # heading_close, for the permalink
         page.headings.append(Heading(level, md.renderer.renderInline(tokens[i + 1].children, md.options, env), anchor))
-        for fig in want:
-            if fig.heading is not None and fig.name not in page.placed and text.startswith(fig.heading):
-                at = open_headings[n + 1] if n + 1 < len(open_headings) else len(tokens)
-                inserts.setdefault(at, []).append(fig.name)
-                page.placed.append(fig.name)
+    for i, t in enumerate(tokens):  # a citation <!-- figure: name --> (a paragraph of its own): the figure
+        paragraph = t.type == "inline" and tokens[i - 1].type == "paragraph_open"
+        cited = _CITATION.fullmatch(t.content.strip()) if paragraph else None
+        if cited is None:
+            continue
+        name = cited.group(1)
+        if name not in {f.name for f in figs.FIGURES}:
+            page.notes.append(f"{_where(env, cited.group(0))}: the prose cites <!-- figure: {name} -->, but "
+                              f"FIGURES in docs/figures.py has no figure of that name: nothing shown there")
+        t.children, t.content = [], ""  # the citation itself shows nothing
+        tokens[i - 1].hidden = tokens[i + 1].hidden = True
+        fig = next((f for f in want if f.name == name), None)
+        if fig is not None and fig.name not in page.placed:
+            inserts.setdefault(i - 1, []).append(fig.name)
+            page.placed.append(fig.name)
+    if mark:
+        for i, t in enumerate(tokens):
+            if t.level == 0 and not t.type.endswith("_close"):
+                end = i + 1 if not t.type.endswith("_open") else next(
+                    j + 1 for j in range(i, len(tokens)) if tokens[j].level == 0 and tokens[j].type.endswith("_close"))
+                block = tokens[i:end]
+                names = sorted({c.content.split("(")[0] for b in block for c in (b.children or [])
+                                if c.type == "code_inline" and re.fullmatch(r"\w+(\(.*\))?", c.content)})
+                inserts.setdefault(i, []).append(_mention(names))
     parts, start = [], 0
     for at in sorted(inserts):
         parts.append(md.renderer.render(tokens[start:at], md.options, env))
-        parts.extend(_figure_slot(name) for name in inserts[at])
+        parts.extend(name if name.startswith("<!--") else _figure_slot(name) for name in inserts[at])
         start = at
     parts.append(md.renderer.render(tokens[start:], md.options, env))
     return "".join(parts), not first_h1
@@ -457,6 +601,37 @@ def row(prose: str, code: str) -> str:
 
 
 _SLOT = re.compile(r"(<!--figure:\w+-->)")
+_CITATION = re.compile(r"<!--\s*figure:\s*(\w+)\s*-->")
+_MENTIONS = re.compile(r"<!--mentions:([\w,]*)-->")
+_DEFINED = re.compile(r"^(?:@.*\n)*(?:async )?(?:def|class) (\w+)", re.M)
+
+
+def _blank(html_text: str) -> bool:
+    return not _MENTIONS.sub("", html_text).strip()
+
+
+def _mention(names: Sequence[str]) -> str:
+    return f"<!--mentions:{','.join(names)}-->"
+
+
+def pair_prose(prose: str, pieces: list[Cell]) -> list[str]:
+    """The prose of a code cell shared among its pieces, so that it sits beside the code it explains: block by
+    block, in order, the prose stays beside the piece it is at until a block names (in backticks) something
+    that a later piece defines and this one does not; from there on it sits beside that piece.
+
+    >>> pieces = [Cell("code", "def helper():\\n    pass", 1, 2), Cell("code", "class Big:\\n    pass", 3, 4)]
+    >>> pair_prose("<h2>Title</h2>" + _mention([]) + "<p>intro</p>" + _mention(["Big"]) + "<p>Big does</p>", pieces)
+    ['<h2>Title</h2><p>intro</p>', '<p>Big does</p>']
+    """
+    defined = [set(_DEFINED.findall(p.source)) for p in pieces]
+    chunks = _MENTIONS.split(prose)  # text, names, text, names, text, ...
+    shares, at = [chunks[0]] + [""] * (len(pieces) - 1), 0
+    for names, text in zip(chunks[1::2], chunks[2::2]):
+        named = set(filter(None, names.split(",")))
+        if not _blank(text) and not named & defined[at]:
+            at = next((j for j in range(at + 1, len(pieces)) if named & defined[j]), at)
+        shares[at] += text
+    return shares
 
 
 def render_chapter(page: Page, name: str, path: Path, root: Path, want: list[figs.Figure]) -> str:
@@ -466,24 +641,30 @@ def render_chapter(page: Page, name: str, path: Path, root: Path, want: list[fig
     parts, used_chapter_id, prose, after = [], False, "", []  # after: figures that close the pending prose
     for cell in read_cells(path):
         if cell.kind == "markdown":
-            body, used = render_prose(page, name, cell, rel, want, first_h1=not used_chapter_id)
+            body, used = render_prose(page, name, cell, rel, want, first_h1=not used_chapter_id, mark=True)
             used_chapter_id |= used
+            if not _blank(prose):  # prose without code of its own (another prose cell follows): a row alone
+                parts.append(row(prose, ""))
+                prose = ""
             chunks, after = _SLOT.split(prose + "".join(after) + body), []  # text, slot, text, ..., text
-            while len(chunks) >= 3 and not chunks[-1].strip():  # figures that end the prose follow its code
+            while len(chunks) >= 3 and _blank(chunks[-1]):  # figures that end the prose follow its code
                 blank, slot = chunks.pop(), chunks.pop()
                 after.insert(0, slot + "\n")
                 chunks[-1] += blank
             *before, prose = chunks
             for i, chunk in enumerate(before):
-                parts.append((row(chunk, "") if chunk.strip() else "") if i % 2 == 0 else f"{chunk}\n")
+                parts.append((row(chunk, "") if not _blank(chunk) else "") if i % 2 == 0 else f"{chunk}\n")
             continue
-        for n, piece in enumerate(code_pieces(cell)):
-            words = prose if n == 0 and prose.strip() else piece_note(piece)
+        pieces = code_pieces(cell)
+        shares = pair_prose(prose, pieces)
+        last = max((n for n, share in enumerate(shares) if not _blank(share)), default=0)
+        for n, piece in enumerate(pieces):
+            words = shares[n] if not _blank(shares[n]) else piece_note(piece)
             parts.append(row(words, code_block(page, name, rel, piece)))
-            if n == 0:
+            if n == last:  # figures that end the prose follow the code beside its last words
                 parts.extend(after)
-                prose, after = "", []
-    if prose.strip():
+        prose, after = "", []
+    if not _blank(prose):
         parts.append(row(prose, ""))
     parts.extend(after)
     if not used_chapter_id:  # a module without a title: give it one
@@ -491,7 +672,7 @@ def render_chapter(page: Page, name: str, path: Path, root: Path, want: list[fig
         page.headings.append(Heading(1, f"<code>{rel}</code>", name))
         parts.insert(0, f'<h1 id="{name}"><code>{rel}</code></h1>\n')
     for fig in want:
-        if fig.heading is None and fig.name not in page.placed:
+        if fig.at_end and fig.name not in page.placed:
             parts.append(_figure_slot(fig.name) + "\n")
             page.placed.append(fig.name)
     lines = sum(1 for _ in path.open(encoding="utf-8"))
@@ -499,7 +680,7 @@ def render_chapter(page: Page, name: str, path: Path, root: Path, want: list[fig
     title = next(i for i, part in enumerate(parts) if f'<h1 id="{name}"' in part)
     head, tail = parts[title].split("</h1>\n", 1)  # right under the chapter's title
     parts[title] = f"{head}</h1>\n{source}{tail}"
-    return f'<article class="chapter">\n{"".join(parts)}</article>\n'
+    return _MENTIONS.sub("", f'<article class="chapter">\n{"".join(parts)}</article>\n')
 
 
 def link_module_mentions(body: str, chapters: Sequence[str]) -> str:
@@ -579,67 +760,29 @@ def resolve_links(body: str, rel: str, targets: dict[str, str], ids: set[str]) -
 
 # %% [markdown]
 # ## 5. The page
+#
+# What surrounds the chapters is two plain files beside this builder: the
+# page, `docs/templates/page.html` (a `string.Template`: `${title}`,
+# `${intro}`, `${toc}`, `${body}` and the others are filled in here), and its
+# style, `docs/static/book.css`. Both are read at every build and copied into
+# the page, which stays one file with nothing to fetch.
 
 # %%
-CSS = """
-:root { color-scheme: light; --code-bg: #f6f8fa; }
-body { margin: 0 auto; max-width: 46rem; padding: 1rem 1.5rem 5rem; color: #1f2328; background: #fff;
-       font: 17px/1.6 "DejaVu Serif", Georgia, "Times New Roman", serif; }
-h1, h2, h3, h4 { font-family: "DejaVu Sans", "Helvetica Neue", Arial, sans-serif; line-height: 1.25;
-                 margin: 2.2em 0 0.6em; }
-h1 { font-size: 2rem; border-bottom: 2px solid #d0d7de; padding-bottom: 0.3em; }
-h1.part { font-size: 2.4rem; text-align: center; border: none; margin-top: 3em; }
-h1.title { font-size: 2.8rem; border: none; margin: 0.8em 0 0.1em; }
-p.subtitle { font-size: 1.15rem; color: #57606a; margin: 0 0 1.5em; }
-h2 { font-size: 1.45rem; } h3 { font-size: 1.15rem; }
-a { color: #0550ae; } a.anchor { color: #afb8c1; text-decoration: none; font-size: 0.8em; }
-h1:hover a.anchor, h2:hover a.anchor, h3:hover a.anchor { color: #0550ae; }
-code, pre { font-family: "DejaVu Sans Mono", Menlo, Consolas, monospace; font-size: 0.8rem; }
-:not(pre) > code { background: #f3f4f6; padding: 0.1em 0.3em; border-radius: 4px; overflow-wrap: anywhere; }
-pre { background: var(--code-bg); padding: 0.7em 0.9em; line-height: 1.45; border-radius: 6px; margin: 0.6em 0;
-      white-space: pre-wrap; overflow-wrap: anywhere; }
-pre .l { display: block; padding-left: 2.5em; text-indent: -2.5em; }  /* a wrapped line hangs under itself */
-.code { margin: 1.2em 0; border-left: 3px solid #8c959f; min-width: 0; }
-.code pre { border-radius: 0 6px 6px 0; margin: 0; }
-.where { font: 0.75rem "DejaVu Sans", Arial, sans-serif; color: #57606a; padding: 0 0 0.2em 0.9em; }
-.where a { color: inherit; text-decoration: none; }
-.source { color: #57606a; font-size: 0.9rem; margin-top: -0.3em; }
-ul.defs { list-style: none; padding: 0; font-size: 0.9rem; color: #424a53; }
-ul.defs li { margin: 0.4em 0; }
-math { font-size: 1.1em; } math[display="block"] { margin: 0.8em 0; }
-div.math { overflow-x: auto; overflow-y: hidden; }  /* a formula wider than a phone scrolls, alone */
-table { border-collapse: collapse; margin: 1em 0; display: block; max-width: 100%; overflow-x: auto; }
-th, td { border: 1px solid #d0d7de; padding: 0.3em 0.6em; vertical-align: top; }
-td code { overflow-wrap: anywhere; }  /* a long test name may wrap, not squeeze the other columns */
-figure { margin: 1.5em 0; text-align: center; }
-figure img { max-width: 100%; height: auto; }
-.embed iframe { display: block; width: 100%; height: 640px; border: 1px solid #d0d7de; border-radius: 6px; }
-figcaption { font-size: 0.9rem; color: #424a53; text-align: left; margin: 0.4em auto 0; max-width: 46rem; }
-nav#contents { background: #f6f8fa; border: 1px solid #d0d7de; border-radius: 6px; padding: 0.5em 1.2em;
-               font-family: "DejaVu Sans", Arial, sans-serif; font-size: 0.92rem; margin: 2em 0; }
-nav#contents h2 { margin: 0.4em 0; font-size: 1.2rem; }
-nav#contents ol { padding-left: 1.4em; margin: 0.2em 0; } nav#contents > ol > li { margin-top: 0.6em; }
-nav#contents > ol > li > a { font-weight: bold; }
-nav#contents details > summary { cursor: pointer; } nav#contents details > summary::marker { color: #8c959f; }
-nav#contents ul { list-style: none; padding-left: 0.9em; margin: 0.1em 0 0.4em; columns: 2 18rem; }
-footer { margin-top: 4em; color: #57606a; font-size: 0.85rem; border-top: 1px solid #d0d7de; padding-top: 1em; }
-/* Wide screens: prose on the left, the code it explains on the right, row by row. */
-@media (min-width: 1100px) {
-  body { max-width: 110rem; padding: 1rem 2rem 5rem; }
-  header { max-width: 64rem; margin: 0 auto; } header > :not(section), #introduction > p { max-width: 46rem; }
-  footer, article.guide, h1.part { max-width: 46rem; margin-left: auto; margin-right: auto; }
-  .solo > .prose { max-width: 46rem; }
-  .row { display: grid; grid-template-columns: minmax(0, 2fr) minmax(0, 3fr); gap: 2rem; align-items: start; }
-  .row > .prose { padding-top: 0.2em; } .row > .prose > :first-child { margin-top: 0.6em; }
-  .row.bare > .prose { border-right: 1px dashed #d0d7de; min-height: 1em; }
-  .solo > .prose { padding: 0; }
-}
-"""
+CSS_FILE = Path(__file__).resolve().parent / "static" / "book.css"          # the page's stylesheet
+TEMPLATE_FILE = Path(__file__).resolve().parent / "templates" / "page.html"  # the page around the chapters
 
 # The browser may load nothing but this page's own images: no scripts, fonts, frames or connections;
-# a page with an embed (section 8) may also frame pages of its own folder (which run their own scripts).
+# a page with an embed (section 8) may also frame pages of its own folder (which run their own scripts) and
+# run one script of its own, `FIT_FRAMES` (allowed by its hash): a frame that says how tall its page is
+# (the viewer does, after each drawing) is made that tall, so no view of it is cut off or scrolls inside.
 CSP = "default-src 'none'; img-src 'self'; style-src 'unsafe-inline'"
-FRAMES = "; frame-src 'self'"
+FIT_FRAMES = """addEventListener('message', e => {
+  const h = e.data && e.data.viewerHeight;
+  for (const f of document.querySelectorAll('iframe'))
+    if (f.contentWindow === e.source && Number.isFinite(h) && h > 0) f.style.height = `${Math.min(h, 5000) + 2}px`;
+});"""
+FRAMES = (f"; frame-src 'self'; script-src "
+          f"'sha256-{base64.b64encode(hashlib.sha256(FIT_FRAMES.encode()).digest()).decode()}'")
 
 
 def _toc(headings: list[Heading]) -> str:
@@ -679,6 +822,11 @@ equivalence symbolically, exactly and numerically, against `torch.nn.MultiheadAt
 conversions to and from Hugging Face's `MarianMTModel` (the OPUS-MT translators) the same function; Part III trains
 a translator and decodes with it; Part IV looks at what the heads attend to, measures how much each one
 matters, and removes heads. Each prose cell sits beside the code it explains; the guides follow the parts.
+
+Heads, layers and positions are counted from 0 everywhere, as the code counts them: head 0 is the one that
+uses `W_Q[0]`, position 0 holds the first token, and the figures, the attention viewer, its pictures and
+`make heads` all say "head 0" for it. The paper's formulas number heads from 1 ($\\mathrm{head}_1$ to
+$\\mathrm{head}_h$), so the paper's $\\mathrm{head}_i$ is head $i - 1$ here.
 """
 
 
@@ -688,36 +836,10 @@ def render_page(chapters_html: list[str], page: Page, intro_html: str = "", fram
         slot = _figure_slot(name)
         intro_html, body = (text.replace(slot, page.figure_html[name].replace("{number}", str(number)))
                             for text in (intro_html, body))
-    return f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta http-equiv="Content-Security-Policy" content="{CSP + FRAMES if frames else CSP}">
-<title>{TITLE}</title>
-<style>{HtmlFormatter(style="default").get_style_defs(".highlight")}
-{CSS}</style>
-</head>
-<body>
-<header>
-<h1 class="title" id="top">{TITLE}</h1>
-<p class="subtitle">A literate PyTorch implementation of “Attention Is All You Need”, with every attention
-written twice: one head at a time, and fused.</p>
-<section id="introduction">
-{intro_html}</section>
-<nav id="contents"><h2>Contents</h2>
-{_toc(page.headings)}
-</nav>
-</header>
-<main>
-{body}</main>
-<footer><p>{GENERATED} from the modules in <code>annotated/</code> and the guides' Markdown files; edit those,
-not this page. Rendered by <code>docs/build.py</code>: prose with markdown-it-py, math with latex2mathml
-(MathML, drawn by the browser), code with Pygments, figures with matplotlib from the modules' own
-functions.</p></footer>
-</body>
-</html>
-"""
+    return string.Template(TEMPLATE_FILE.read_text(encoding="utf-8")).substitute(
+        csp=CSP + FRAMES if frames else CSP, title=TITLE, script=f"<script>{FIT_FRAMES}</script>" if frames else "",
+        css=HtmlFormatter(style="default").get_style_defs(".highlight") + "\n" + CSS_FILE.read_text(encoding="utf-8"),
+        intro=intro_html, toc=_toc(page.headings), body=body, generated=GENERATED)
 
 
 # %% [markdown]
@@ -911,16 +1033,17 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
                 end = embeds[name].make(out, ctx)
                 chapter = chapter.replace("</article>", f'<div class="embed">{end}</div>\n</article>')
             chapters_html.append(chapter)
+    notes += page.notes
     placed = {name: next(f.module for f in selected if f.name == name) for name in page.placed}
     leftover = [f for f in selected if f.name not in page.placed and f.module != figs.INTRODUCTION]
     appendix = ""
     if leftover:
         appendix = ('<article class="chapter"><h1 id="appendix-figures">Figures without a place</h1>\n'
-                    "<p>These figures illustrate chapters that are not on this page, or prose headings that "
-                    "were renamed (see <code>FIGURES</code> in <code>docs/figures.py</code>).</p>\n")
+                    "<p>These figures illustrate chapters that are not on this page, or no prose cites them "
+                    "(see <code>FIGURES</code> in <code>docs/figures.py</code>).</p>\n")
         page.headings.append(Heading(1, "Figures without a place", "appendix-figures"))
         for f in leftover:
-            why = "not built" if f.module not in chapters else f"no heading starting “{f.heading}”"
+            why = "not built" if f.module not in chapters else f"its prose cites no <!-- figure: {f.name} -->"
             notes.append(f"figure {f.name} belongs to annotated/{f.module}.py ({why}): shown in the appendix.")
             appendix += _figure_slot(f.name)
             page.placed.append(f.name)
@@ -967,11 +1090,14 @@ class Embed:
     make: Callable[[Path, figs.FigureContext], str]  # (out, context) -> HTML that ends the chapter
 
 
-VIEWER_CAPTION = ("**The attention viewer** for {name}, opened on the mean over the heads of the last decoder "
+VIEWER_CAPTION = ("**The attention viewer** for {name}, translating with beam search (beam 4) as `make "
+                  "translate` does, opened on the mean over the heads of the last decoder "
                   "layer's cross-attention, as a heatmap: rows are queries, columns keys, and each row sums "
                   "to 1. " + figs.ROW_CONVENTION + " The menus above the heatmap choose another kind of "
                   "attention (the encoder's or the decoder's self-attention), layer or head, or the lines "
-                  "and model views; the arrow keys move between heads and layers.")
+                  "and model views; the arrow keys move between heads and layers (after a click on the "
+                  "picture: while a menu has the focus, they are the menu's). The frame grows with the view "
+                  "it shows.")
 
 
 def embed_viewer(out: Path, ctx: figs.FigureContext) -> str:

@@ -10,9 +10,13 @@
 # work) are drawn in `docs/model_figures.py`; every matrix or attention
 # picture uses the colour map `CMAP` of `annotated/attention/pictures.py`.
 #
-# A `Figure` says what to draw and where it goes: the chapter (module name)
-# and the prose heading it illustrates; the page builder (`docs/build.py`)
-# puts it right after that heading's prose. `draw(ctx)` returns a matplotlib
+# A `Figure` says what to draw and which chapter (module name) it
+# illustrates. The chapter's prose cites it where it belongs, with a line of
+# its own, `<!-- figure: name -->` (an HTML comment: Jupyter shows nothing
+# there), and the page builder (`docs/build.py`) puts the figure there
+# (after the code beside that prose, when the prose ends with it). A figure
+# no prose cites goes to an appendix, with a note on the console, and so
+# does a citation of a figure that does not exist (naming file and line). `draw(ctx)` returns a matplotlib
 # figure and its caption (Markdown; `$...$` is math). Figures are built with
 # `matplotlib.figure.Figure` directly, never through `pyplot`, so drawing
 # leaves no global state behind.
@@ -64,10 +68,10 @@ class FigureContext:
 
 @dataclass(frozen=True)
 class Figure:
-    name: str                 # the file is figures/<name>.png
+    name: str                 # the file is figures/<name>.png; the prose cites it as <!-- figure: name -->
     module: str               # the chapter it illustrates (annotated/<module>.py)
-    heading: str | None    # placed after the prose of the heading starting with this; None: chapter end
     draw: Callable[[FigureContext], tuple[MplFigure, str]]
+    at_end: bool = False      # True: after the chapter's last code, where no prose can cite it
 
 
 def as_text(value) -> str:
@@ -263,8 +267,11 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
 # (`FigureContext.shown_sentence`) serve the architecture and one-head figures.
 #
 # The probabilities are recorded with `record_attention` while the model
-# encodes the source and decodes, fed `<s>` and its own greedy output but the
-# last token. The rows follow the convention of every attention picture of
+# encodes the source and decodes, fed `<s>` and its own output but the last
+# token, the output being the translator's: beam search of width 4
+# (`BEAM`), as `make translate` and the attention viewer decode, so the page
+# shows the command's translation. The copy task's caption says whether the
+# output is a correct copy, and where a wrong one goes wrong. The rows follow the convention of every attention picture of
 # the project (`ROW_CONVENTION`): a decoder row (query) is labelled by the
 # token the decoder predicts at that position; a key column by the token fed
 # in at that position (`test_attention_figure_labels_decoder_rows_by_the_predicted_token`).
@@ -394,11 +401,30 @@ def _shown_sentence(ctx: FigureContext) -> Shown:
     return _copy_shown(ctx)
 
 
-def decoded(model: transformer.EncoderDecoder, src: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(what the decoder is fed (1, T): <s> and its own output but the last token; what it predicts (1, T))."""
-    src_mask = transformer.padding_mask(src, transformer.PAD)  # (1, 1, S)
-    out = transformer.greedy_decode(model, src, src_mask, max_len=max_len, bos=transformer.BOS, eos=transformer.EOS, pad=transformer.PAD)  # (1, T)
+BEAM = 4  # the figures and the viewer decode as `make translate` does: beam search of width 4
+
+
+def decoded(model: transformer.EncoderDecoder, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the decoder is fed (1, T): <s> and its own output but the last token; what it predicts (1, T)),
+    translated as `make translate` translates (`translate_sentence`, beam `BEAM`)."""
+    from annotated.attention.dump import translate_sentence
+
+    out = torch.tensor([translate_sentence(model, src[0].tolist(), beam_size=BEAM)])  # (1, T)
     return torch.cat([torch.tensor([[transformer.BOS]]), out[:, :-1]], dim=1), out  # (1, T), (1, T)
+
+
+def copy_verdict(out: list[int], src: list[int]) -> str:
+    """What the caption says of a copy-task output: right, or wrong and where.
+
+    >>> copy_verdict([5, 6, 2], [5, 6]), copy_verdict([5, 7, 7, 2], [5, 6])
+    ('Its output copies the source exactly.', 'Its output is a wrong copy: 5 7 7 instead of 5 6, wrong from position 1 on (positions count from 0); the model has not learnt the task yet.')
+    """
+    got = out[:-1] if out[-1:] == [transformer.EOS] else out
+    if got == src:
+        return "Its output copies the source exactly."
+    first = next((i for i, (a, b) in enumerate(zip(got, src)) if a != b), min(len(got), len(src)))
+    return (f"Its output is a wrong copy: {' '.join(map(str, got))} instead of {' '.join(map(str, src))}, "
+            f"wrong from position {first} on (positions count from 0); the model has not learnt the task yet.")
 
 
 def last_layer_attention(model: transformer.EncoderDecoder, src: torch.Tensor, tgt_in: torch.Tensor) -> dict:
@@ -413,29 +439,95 @@ def last_layer_attention(model: transformer.EncoderDecoder, src: torch.Tensor, t
 def draw_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
     shown = ctx.shown_sentence()
     model, src = shown.model, shown.src
-    limit = src.size(1) + 1 if shown.tokenizer is None else min(model.config.max_len - 1, src.size(1) + 20)
-    tgt_in, out = decoded(model, src, limit)
+    tgt_in, out = decoded(model, src)
     probs = last_layer_attention(model, src, tgt_in)
     predicted = shown.label(out[0].tolist())
     h = probs["cross"].size(0)
     if shown.tokenizer is None:  # the copy task: the encoder's self-attention too
-        panels = ([(f"encoder, head {i + 1}", probs["enc_self"][i], shown.labels, shown.labels) for i in range(h)]
-                  + [(f"cross, head {i + 1}", probs["cross"][i], predicted, shown.labels) for i in range(h)])
+        panels = ([(f"encoder, head {i}", probs["enc_self"][i], shown.labels, shown.labels) for i in range(h)]
+                  + [(f"cross, head {i}", probs["cross"][i], predicted, shown.labels) for i in range(h)])
         fig = _attention_grid(panels, ncols=h, width=2.4 * h)
-        copied = out[0, :src.size(1)].tolist() == src[0].tolist()
         caption = (f"Attention of {shown.name}: top, the last encoder layer's self-attention over the source "
                    f"{' '.join(shown.labels)}; bottom, the last decoder layer's cross-attention, one row per "
-                   "target position, while the model decodes greedily (its output "
-                   f"{'copies the source exactly' if copied else 'is not yet a correct copy'}). "
+                   f"target position, while the model decodes with beam search (beam {BEAM}, as `make translate` "
+                   f"does). {copy_verdict(out[0].tolist(), src[0].tolist())} "
                    "Rows are queries, columns keys; each row sums to 1. " + ROW_CONVENTION)
         return fig, caption
-    panels = [(f"head {i + 1}", probs["cross"][i], predicted, shown.labels) for i in range(h)]
+    panels = [(f"head {i}", probs["cross"][i], predicted, shown.labels) for i in range(h)]
     fig = _attention_grid(panels, ncols=min(4, h), width=12)
     caption = (f"Cross-attention of the last decoder layer of {shown.name}, every head, translating "
-               f"“{as_text(shown.sentence)}” greedily into "
+               f"“{as_text(shown.sentence)}” with beam {BEAM}, as `make translate` does, into "
                f"“{as_text(shown.tokenizer.decode(out[0].tolist()))}”. "
                "Rows are target subwords (queries), columns source subwords (keys); each row sums to 1. "
                + ROW_CONVENTION)
+    return fig, caption
+
+
+# %% [markdown]
+# ## How to read the pictures: the patterns, drawn
+#
+# Part IV's "How to read the pictures" names the patterns a trained model's
+# heads show. This figure draws each one as the pictures of
+# `annotated/attention/pictures.py` draw a head (`_panel`: the colour map
+# `CMAP` from 0 to 1, grey where the causal mask blocks a cell), on small
+# matrices written here by hand, every row summing to 1: they are
+# illustrations of the patterns, not a model's weights, and the caption says
+# so (`test_reading_figure_rows_sum_to_one`).
+
+# %%
+def _rows(n_cols: int, peaks: list[list[tuple[int, float]]], floor: float = 0.02) -> np.ndarray:
+    """A (len(peaks), n_cols) matrix: each row `floor` everywhere plus its (column, weight) peaks, normalised."""
+    import numpy as np
+
+    m = np.full((len(peaks), n_cols), floor)
+    for r, row in enumerate(peaks):
+        for c, w in row:
+            m[r, c] += w
+    return m / m.sum(-1, keepdims=True)
+
+
+def reading_panels() -> list[tuple[str, np.ndarray, list[str], list[str], bool]]:
+    """(title, weights, row labels, column labels, causal) of each pattern of "How to read the pictures"."""
+    import numpy as np
+
+    src = ["▁Ein", "▁Hund", "▁rennt", "▁über", "▁die", "▁Wiese", "."]
+    fed = ["<s>", "▁A", "▁dog", "▁runs", "▁across", "▁the", "▁meadow", "."]
+    out = fed[1:] + ["</s>"]
+    S, T = len(src), len(out)
+    causal = np.tril(np.ones((T, T)))
+    prev = _rows(T, [[(max(t - 1, 0), 1.0)] for t in range(T)]) * causal
+    prev /= prev.sum(-1, keepdims=True)
+    cross = [[(0, 1.0)], [(1, 1.0)], [(2, 1.0)], [(3, 1.0)], [(4, 1.0)], [(5, 1.0)], [(6, 1.0)], [(6, 0.6), (5, 0.3)]]
+    return [
+        ("encoder: diagonal\n(each token keeps itself)", _rows(S, [[(i, 1.0)] for i in range(S)]), src, src, False),
+        ("encoder: shifted diagonal\n(the previous token)", _rows(S, [[(max(i - 1, 0), 1.0)] for i in range(S)]),
+         src, src, False),
+        ("encoder: a vertical stripe\n(everyone reads the period)", _rows(S, [[(S - 1, 1.0)]] * S, 0.05), src, src,
+         False),
+        ("decoder self: triangular\n(grey: blocked, exactly 0)", prev, out, fed, True),
+        ("cross: a diagonal band\n(word by word)", _rows(S, cross), out, src, False),
+    ]
+
+
+def draw_reading(ctx: FigureContext) -> tuple[MplFigure, str]:
+    from annotated.attention.pictures import _panel, add_colour_bar
+
+    panels = reading_panels()
+    fig = MplFigure(figsize=(13, 3.6), layout="constrained")
+    axes = fig.subplots(1, len(panels))
+    im = None
+    for ax, (title, weights, rows, cols, causal) in zip(axes, panels):
+        im = _panel(ax, weights, rows, cols, causal=causal, row_labels=True, col_labels=True, font=7,
+                    title=title, aspect="equal")
+    add_colour_bar(fig, im, list(axes))
+    caption = ("The patterns of “How to read the pictures”, drawn as every attention picture is drawn "
+               "(one colour map from 0 to 1; rows are queries and each sums to 1; grey cells are blocked by "
+               "the causal mask). These matrices are written by hand to show each pattern, not taken from a "
+               "model: from left to right, an encoder head that keeps each token, one that reads the previous "
+               "token, one that every token uses to read the final period, the decoder's triangular "
+               "self-attention reading the previous word, and a cross-attention head whose diagonal band "
+               "lines *Ein Hund rennt über die Wiese.* up with *A dog runs across the meadow.*, its `</s>` "
+               "row on the final period. " + ROW_CONVENTION)
     return fig, caption
 
 
@@ -444,7 +536,7 @@ def draw_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
 #
 # The chapter ends with the attention viewer (`annotated/attention/viewer.py`)
 # for the model and sentence of the attention figure (`shown_sentence`),
-# decoded greedily as in the figure. The attention is dumped by `dump_model`
+# decoded with beam search as in the figure and as `make translate` does. The attention is dumped by `dump_model`
 # of `annotated/attention/dump.py` into a temporary folder of the cache, read
 # back with `read_index` and `load_sentence`, and written as one embedded
 # viewer page (`viewer_html(..., embedded=True)`), which the page builder
@@ -490,7 +582,7 @@ def viewer_page(ctx: FigureContext) -> str:
         ctx.cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=ctx.cache_dir, prefix="viewer-") as tmp:
         folder = dump_model(shown.model, tokenizer, [sentence], Path(tmp) / "dump", checkpoint=shown.short,
-                            meta=shown.meta, pictures=False, viewer=False, beam_size=1)
+                            meta=shown.meta, pictures=False, viewer=False, beam_size=BEAM)
         index, arrays = read_index(folder), [load_sentence(folder, 0)[0]]
     return viewer_html(index, arrays, embedded=True, start=viewer_start(shown.model))
 
@@ -504,13 +596,14 @@ def viewer_page(ctx: FigureContext) -> str:
 # %%
 INTRODUCTION = "introduction"
 FIGURES: tuple[Figure, ...] = (
-    Figure("scaling", "transformer", "1. Attention: a soft dictionary lookup", draw_scaling),
-    Figure("subsequent_mask", "transformer", "2. Masks for padding and for the future", draw_subsequent_mask),
-    Figure("positional_encoding", "transformer", "Embeddings and positional encoding", draw_positional_encoding),
-    Figure("rate", "transformer", "8. A first experiment: learning to copy", draw_rate),
-    Figure("attention", "transformer", None, draw_attention),
-    Figure("block_matrices", INTRODUCTION, None, M.draw_block_matrices),
-    Figure("one_head", "transformer", "3. Multi-head attention, one head at a time", M.draw_one_head),
-    Figure("architecture", "transformer", "Stacks, generator and the encoder-decoder", M.draw_architecture),
-    Figure("label_smoothing", "training/train", "Label smoothing", draw_label_smoothing),
+    Figure("scaling", "transformer", draw_scaling),
+    Figure("subsequent_mask", "transformer", draw_subsequent_mask),
+    Figure("positional_encoding", "transformer", draw_positional_encoding),
+    Figure("rate", "transformer", draw_rate),
+    Figure("attention", "transformer", draw_attention, at_end=True),
+    Figure("block_matrices", INTRODUCTION, M.draw_block_matrices),
+    Figure("one_head", "transformer", M.draw_one_head),
+    Figure("architecture", "transformer", M.draw_architecture),
+    Figure("label_smoothing", "training/train", draw_label_smoothing),
+    Figure("reading", "attention/pictures", draw_reading),
 )

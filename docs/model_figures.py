@@ -109,10 +109,10 @@ def draw_block_matrices(ctx) -> tuple[MplFigure, str]:
     # row 1: the h rectangles and their concatenation
     x = 0.3
     for i, W in enumerate(n.W_Q_blocks):
-        c.matrix(x, 0.5, W, f"$W_Q[{i + 1}]$", lim=lim)
+        c.matrix(x, 0.5, W, f"$W_Q[{i}]$", lim=lim)
         x += d_k * CELL + 0.45
     c.text(x + 0.05, 0.5 + d_model * CELL / 2, "→")
-    c.matrix(x + 0.45, 0.5, n.W_Q, "$W_Q = [W_Q[1] | W_Q[2] | W_Q[3]]$", lim=lim, col_blocks=d_k)
+    c.matrix(x + 0.45, 0.5, n.W_Q, "$W_Q = [" + " | ".join(f"W_Q[{i}]" for i in range(h)) + "]$", lim=lim, col_blocks=d_k)
     c.fig.text((x + 0.45 + h * d_k * CELL + 0.3) / c.w, 1 - (0.5 + d_model * CELL / 2) / c.h,
                f"each $W_Q[i]$: $d_{{model}} \\times d_k$ = {d_model} × {d_k}\n"
                f"$W_Q$: $d_{{model}} \\times h\\,d_k$ = {d_model} × {h * d_k}", fontsize=12, va="center")
@@ -129,14 +129,14 @@ def draw_block_matrices(ctx) -> tuple[MplFigure, str]:
                fontsize=10.5, va="center")
     x += 1.75
     for i in range(h):
-        c.matrix(x, y, n.heads_q[i], f"head {i + 1}:\n$X W_Q[{i + 1}]$", lim=lim)
+        c.matrix(x, y, n.heads_q[i], f"head {i}:\n$X W_Q[{i}]$", lim=lim)
         x += d_k * CELL + 0.55
     # row 3: W_O as row blocks, and the concatenation times W_O as a sum over heads
     y = 4.5
     c.matrix(0.3, y, n.concat, "Concat(heads)", lim=lim, col_blocks=n.heads.shape[-1])
     x = 0.3 + n.concat.shape[1] * CELL + 0.25
     c.text(x, y + T_len * CELL / 2, "·")
-    c.matrix(x + 0.25, y, n.W_O, "$W_O$: rows $W_O[1]$, …", lim=lim, row_blocks=n.heads.shape[-1])
+    c.matrix(x + 0.25, y, n.W_O, "$W_O$: rows $W_O[0]$, …", lim=lim, row_blocks=n.heads.shape[-1])
     x += 0.25 + d_model * CELL + 0.3
     c.text(x, y + T_len * CELL / 2, "=")
     c.matrix(x + 0.3, y, n.out, "Concat(heads) $W_O$", lim=lim)
@@ -144,7 +144,7 @@ def draw_block_matrices(ctx) -> tuple[MplFigure, str]:
     c.text(x, y + T_len * CELL / 2, "=")
     x += 0.3
     for i in range(h):
-        c.matrix(x, y, n.terms[i], f"$head_{i + 1}\\, W_O[{i + 1}]$", lim=lim)
+        c.matrix(x, y, n.terms[i], f"$head_{i}\\, W_O[{i}]$", lim=lim)
         x += d_model * CELL
         if i < h - 1:
             c.text(x + 0.2, y + T_len * CELL / 2, "+")
@@ -248,9 +248,9 @@ def draw_one_head(ctx) -> tuple[MplFigure, str]:
         ax.set_title(title, fontsize=9, pad=3)
         return ax
 
-    strip(1.6, top + query * CELL, n.q[None], f"query {_safe(labels[query])}:\nq = x W_Q[{n.head + 1}]",
+    strip(1.6, top + query * CELL, n.q[None], f"query {_safe(labels[query])}:\nq = x W_Q[{n.head}]",
           [_safe(labels[query])])
-    strip(k_x, top, n.K, f"k = x W_K[{n.head + 1}], one row per key", [_safe(t) for t in labels])
+    strip(k_x, top, n.K, f"k = x W_K[{n.head}], one row per key", [_safe(t) for t in labels])
     ax = c.fig.add_axes(((k_x + d_k * cell + 0.3) / c.w, 1 - (top + T_len * CELL) / c.h, 1.6 / c.w,
                          T_len * CELL / c.h))
     finite = torch.where(torch.isfinite(n.scores), n.scores, torch.zeros_like(n.scores))
@@ -267,17 +267,17 @@ def draw_one_head(ctx) -> tuple[MplFigure, str]:
     ax.set_title("softmax: weight p", fontsize=9, pad=3)
     for j, p in enumerate(n.p.tolist()):
         ax.text(min(p, 0.6), j, f" {p:.2f}", fontsize=7, va="center")
-    strip(v_x, top, n.V, f"v = x W_V[{n.head + 1}]")
+    strip(v_x, top, n.V, f"v = x W_V[{n.head}]")
     strip(v_x, top + T_len * CELL + 0.6, n.out[None], "Σ p·v: the head's output")
-    caption = (f"One head at work: head {n.head + 1} of the last encoder layer's self-attention "
-               f"({where}), for the query at position {query + 1}, “{as_text(labels[query])}”. Rows are the key "
+    caption = (f"One head at work: head {n.head} of the last encoder layer's self-attention "
+               f"({where}), for the query at position {query}, “{as_text(labels[query])}”. Rows are the key "
                f"positions, labelled by the token fed in there; the columns of q and k are the $d_k = {d_k}$ "
                f"coordinates of the head's space, those of v and of the output its $d_v = {d_v}$. Each key's "
                "score is its row of k dotted with q, divided by $\\sqrt{d_k}$; the softmax turns the "
                "scores into weights that sum to 1; the output is the weighted sum of the rows of v, which "
                "is exactly the module's head output (`test_one_head_figure_is_the_modules_head`). All "
-               f"numbers computed with the model's own `W_Q[{n.head + 1}]`, `W_K[{n.head + 1}]`, "
-               f"`W_V[{n.head + 1}]` after `split`.")
+               f"numbers computed with the model's own `W_Q[{n.head}]`, `W_K[{n.head}]`, "
+               f"`W_V[{n.head}]` after `split`.")
     return c.fig, caption
 
 

@@ -37,14 +37,17 @@
 #   minute and a half), is left out of its cell: "Run All" runs the
 #   chapter, and a prose cell after it says how to run the command.
 # * **Runs where it lies.** The chapter imports `annotated.tokens`, so the
-#   first cell puts the repository on `sys.path`: the first folder, from the
-#   notebook's working folder up to `/`, that holds
-#   `annotated/transformer.py`, else the repository the notebook was built
-#   from.
-# * **Executed at build time.** Each code cell runs in one fresh namespace, in
-#   order, as a kernel would run it; printed text, the value of a cell's last
-#   expression and every matplotlib figure are stored as the cell's outputs.
-#   A cell that fails stops the build naming the cell.
+#   cell after the title puts the checkout on `sys.path` when the package is
+#   not installed: the first folder, from the notebook's working folder up
+#   to `/`, that holds `annotated/transformer.py`. No path of the machine
+#   that built it is written into the notebook; opened outside a checkout,
+#   the cell says what to do (`test_the_setup_cell_finds_the_checkout_it_sits_in`).
+# * **Executed at build time, by Jupyter's own executor.** nbclient runs the
+#   cells in order in a fresh IPython kernel (ipykernel), from the
+#   repository's root folder, exactly as "Run All" would: printed text, the
+#   value of a cell's last expression and every matplotlib figure (the
+#   inline backend) become the cell's outputs. A cell that fails stops the
+#   build naming the cell.
 #
 # ```sh
 # make notebook    # docs/_build/transformer.ipynb, executed; says how to open it
@@ -57,14 +60,10 @@
 from __future__ import annotations
 
 import ast
-import base64
-import codeop
-import contextlib
 import doctest
-import io
 import re
 import sys
-import types
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,7 +191,11 @@ for i, ax in enumerate(axes):
     ax.set(title=f"last layer, head {i}", xlabel="key: source token", ylabel="query: predicted token",
            xticks=range(S), xticklabels=src[0, :S].tolist(), yticks=range(n), yticklabels=predicted)
 fig.colorbar(im, ax=axes, shrink=0.8, label=COLOUR_BAR)
+copied = ys[0, 1:].tolist() == src[0, :S].tolist() + [EOS]
+verdict = "a correct copy" if copied else "a WRONG copy: this model has not learnt the task yet"
+fig.suptitle(f"heads and positions count from 0; the output is {verdict}")
 print("source:", src[0, :S].tolist(), " output:", ys[0, 1:].tolist())
+print(f"the output is {verdict}")
 plt.show()'''),
 ]
 
@@ -225,15 +228,19 @@ greedy_decode(model.eval(), src, padding_mask(src, PAD), max_len=6, bos=BOS, eos
 copy_accuracy(copy_model, n=200)'''),
 ]
 
-SETUP = f'''\
-# The chapter imports `annotated.tokens`: put the repository on sys.path (the first folder, from here up,
-# that holds annotated/transformer.py, else the repository this notebook was built from).
+SETUP = '''\
+# The chapter imports `annotated.tokens`. Unless the package is installed, put the checkout this notebook
+# sits in on sys.path: the first folder, from here up, that holds annotated/transformer.py.
+import importlib.util
 import sys
 from pathlib import Path
-_here = Path.cwd().resolve()
-_root = next((p for p in (_here, *_here.parents) if (p / "annotated" / "transformer.py").is_file()),
-             Path({str(ROOT)!r}))
-if str(_root) not in sys.path:
+if importlib.util.find_spec("annotated") is None:
+    _here = Path.cwd().resolve()
+    _root = next((p for p in (_here, *_here.parents) if (p / "annotated" / "transformer.py").is_file()), None)
+    if _root is None:
+        raise ModuleNotFoundError("the chapter needs the package `annotated`: open this notebook from inside "
+                                  "the repository's checkout (docs/_build/ is inside it), or run "
+                                  "`pip install -e .` in the checkout")
     sys.path.insert(0, str(_root))'''
 
 COMMAND_NOTE = """\
@@ -311,13 +318,16 @@ def without_command(source: str) -> tuple[str, bool]:
 
 
 def notebook_cells(module_path: Path) -> list:
-    """A setup cell, the chapter's cells (each prose cell followed by its examples), the figure and try-it cells."""
+    """The chapter's cells (each prose cell followed by its examples), the setup cell after the title (before
+    the first code cell), the figure and try-it cells."""
     nb = jupytext.read(module_path, fmt="py:percent")
-    cells, pending = [nbformat.v4.new_code_cell(SETUP, metadata={"tags": ["setup"]})], []
+    cells, pending = [], []
     for cell in nb.cells:
         command = False
         if cell.cell_type == "code":
             cell.source, command = without_command(cell.source)
+            if not any(c.cell_type == "code" for c in cells):
+                cells.append(nbformat.v4.new_code_cell(SETUP, metadata={"tags": ["setup"]}))
         cells.append(cell)
         if command:
             cells.append(nbformat.v4.new_markdown_cell(COMMAND_NOTE, metadata={"tags": ["note"]}))
@@ -337,63 +347,49 @@ def notebook_cells(module_path: Path) -> list:
 # %% [markdown]
 # ## Running the cells
 #
-# A small stand-in for a kernel: one module namespace, the cells compiled in
-# order by `codeop` (which carries `from __future__ import annotations` from
-# the first cell to the later ones, as IPython does), matplotlib's `Agg`
-# backend with `plt.show()` collected as PNG outputs.
+# nbclient starts a kernel (the `python3` kernel of ipykernel, in this
+# interpreter), runs every code cell in order and stores its outputs in the
+# cell, as Jupyter's "Run All" does. The kernel's working folder is the
+# repository's root, so the setup cell finds the checkout wherever `--out`
+# is; matplotlib draws with the inline backend, which turns each shown
+# figure into a PNG output. The copy model's 300 steps are the longest
+# cell; `TIMEOUT` bounds every cell.
 
 # %%
+TIMEOUT = 900  # seconds one cell may run (the copy model trains in about 20 s; a loaded machine is slower)
+
+
 class CellError(RuntimeError):
     """A notebook cell raised; the message names the cell."""
 
 
-def execute(cells: list, name: str = "transformer_notebook") -> None:
-    """Run the code cells in order and store their outputs in place."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def execute(cells: list, name: str = "transformer_notebook", cwd: Path = ROOT) -> None:
+    """Run the code cells in order in a fresh kernel (nbclient) and store their outputs in place."""
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-    module = types.ModuleType(name)
-    sys.modules[name] = module  # dataclasses and pickling look modules up by name
-    compiler = codeop.Compile()
-    count = 0
+    nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "language": "python",
+                                                                        "display_name": "Python 3"}})
+    sockets = tempfile.TemporaryDirectory(prefix="notebook-kernel-")  # local sockets: no TCP port is opened
+    kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(sockets.name) / "kernel"))
+    client = NotebookClient(nb, km=kernel, timeout=TIMEOUT, kernel_name="python3",
+                            resources={"metadata": {"path": str(cwd)}})
     try:
-        for cell in cells:
-            if cell.cell_type != "code":
-                continue
-            count += 1
-            cell.execution_count, cell.outputs = count, []
-            stdout = io.StringIO()
-            try:
-                with contextlib.redirect_stdout(stdout):
-                    value = _run(compiler, cell.source, module.__dict__, f"<notebook cell {count}>")
-            except Exception as e:
-                raise CellError(f"notebook cell {count} failed: {type(e).__name__}: {e}\n{cell.source}") from e
-            if stdout.getvalue():
-                cell.outputs.append(nbformat.v4.new_output("stream", name="stdout", text=stdout.getvalue()))
-            for num in plt.get_fignums():
-                buf = io.BytesIO()
-                plt.figure(num).savefig(buf, format="png", dpi=80, bbox_inches="tight", metadata={"Software": None})
-                cell.outputs.append(nbformat.v4.new_output(
-                    "display_data", data={"image/png": base64.b64encode(buf.getvalue()).decode("ascii"),
-                                          "text/plain": "<Figure>"}))
-            plt.close("all")
-            if value is not None:
-                cell.outputs.append(nbformat.v4.new_output("execute_result", data={"text/plain": repr(value)},
-                                                           execution_count=count))
-    finally:
-        sys.modules.pop(name, None)
-
-
-def _run(compiler, source: str, ns: dict, where: str):
-    """Execute a cell; return the value of its last statement if that is an expression (as Jupyter shows)."""
-    tree = ast.parse(source)
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        *body, last = tree.body
-        exec(compiler(ast.unparse(ast.Module(body=body, type_ignores=[])) if body else "pass", where, "exec"), ns)
-        return eval(compiler(ast.unparse(last), where, "eval"), ns)
-    exec(compiler(source, where, "exec"), ns)
-    return None
+        client.execute()
+    except CellExecutionError as e:
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        failed = next(i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.outputs))
+        raise CellError(f"{name}: notebook cell {failed + 1} failed: {e.ename}: {e.evalue}\n"
+                        f"{code[failed].source}") from None
+    except (CellTimeoutError, DeadKernelError) as e:  # a cell past TIMEOUT, a kernel killed or crashed
+        done = sum(1 for c in nb.cells if c.cell_type == "code" and c.get("execution_count"))
+        raise CellError(f"{name}: notebook cell {done} did not finish ({type(e).__name__}: {e})") from None
+    finally:  # new_notebook copied the cells: their outputs go back into the caller's
+        sockets.cleanup()
+        for mine, ran in zip(cells, nb.cells):
+            if mine.cell_type == "code":
+                mine.outputs, mine.execution_count = ran.outputs, ran.execution_count
 
 
 def render_notebook(src: Path, run: bool = True) -> str:
@@ -402,7 +398,7 @@ def render_notebook(src: Path, run: bool = True) -> str:
     nb.metadata.update(jupytext.read(src, fmt="py:percent").metadata)
     nb.metadata.pop("jupytext", None)
     if run:
-        execute(nb.cells, f"{src.stem}_notebook")
+        execute(nb.cells, f"{src.stem}.ipynb")
     nbformat.validate(nb)
     return nbformat.writes(nb)
 
@@ -419,7 +415,8 @@ def main(argv=None) -> int:
 
     p = Parser(prog="python -m docs.notebook", name="notebook",
                description="Write annotated/transformer.py as an executed Jupyter notebook, its prose examples "
-                           "and figures inline: docs/_build/transformer.ipynb (about 30 s on a CPU).")
+                           "and figures inline: docs/_build/transformer.ipynb (minutes: a Jupyter kernel trains the "
+                           "copy model, 300 steps; longer on a busy machine).")
     p.add_argument("--out", type=writable_dir, default=ROOT / "docs" / "_build",
                    help="output folder (default docs/_build)")
     p.add_argument("--overwrite", action="store_true",

@@ -25,6 +25,7 @@ from browser import CHROMIUM, Chromium
 from annotated import transformer
 from docs import build as B
 from docs import figures as F
+from docs import model_figures as M
 
 ROOT = Path(__file__).resolve().parent.parent
 COPY_STEPS = 20  # the page's attention picture needs a model, not a good one
@@ -387,12 +388,18 @@ def test_figures_sit_after_the_prose_they_illustrate(site):
         assert result.placed[fig.name] == fig.module
         chapter = _chapter(page, fig.module)
         at = chapter.index(f'<figure id="fig-{fig.name}">')
-        if fig.heading is None:  # end of the chapter: no heading after it
+        if fig.at_end:  # end of the chapter: no heading after it
             assert not re.search(r"<h[1-3] ", chapter[at:])
             continue
+        # the prose cites it (<!-- figure: name -->): it sits in the section of the citation, after its prose
+        source = (ROOT / "annotated" / f"{fig.module}.py").read_text(encoding="utf-8")
+        cited = source.index(f"# <!-- figure: {fig.name} -->")
+        heading = re.findall(r"(?m)^# #+ (.*)$", source[:cited])[-1]
         headings = [(m.start(), _text(m.group(1))) for m in re.finditer(r"<h[1-3] [^>]*>(.*?)</h[1-3]>", chapter)]
         before = [text for pos, text in headings if pos < at]
-        assert before and before[-1].startswith(fig.heading), (fig.name, before[-1:])
+        assert before and before[-1].rstrip(" ¶") == _text(B.make_markdown().renderInline(heading)), \
+            (fig.name, before[-1:], heading)
+        assert "<!-- figure" not in chapter and "&lt;!-- figure" not in chapter  # the citation shows nothing
 
 
 def test_figure_files_are_pngs_of_the_stated_size(site):
@@ -426,13 +433,15 @@ def test_no_external_resources_and_every_local_one_exists(site):
         assert not re.match(r"^\s*([a-z][a-z0-9+.-]*:|//)", value, re.I), (tag, key, value)  # no scheme at all
         if not value.startswith("#"):
             assert (result.index.parent / value).is_file(), (tag, key, value)
-    for tag in ("script", "object", "embed", "link"):
+    for tag in ("object", "embed", "link"):
         assert f"<{tag}" not in page
+    # one script, the page's own (allowed by its hash): it fits the viewer's frame to the viewer's height
+    assert page.count("<script") == 1 and re.findall(r"<script>(.*?)</script>", page, re.S) == [B.FIT_FRAMES]
     assert re.findall(r"<iframe [^>]*>", page) == [f'<iframe src="{F.VIEWER}" title="attention viewer">']
     styles = "".join(re.findall(r"<style>(.*?)</style>", page, re.S))
     assert "@import" not in styles and "url(" not in styles
     # the page's CSP forbids any fetch but its own images and frames of its own folder (the viewer)
-    assert f'content="{B.CSP}; frame-src \'self\'"' in page and "default-src 'none'" in B.CSP
+    assert f'content="{B.CSP}{B.FRAMES}"' in page and "default-src 'none'" in B.CSP
 
 
 def test_find_checkpoint_prefers_latest_then_newest(tmp_path):
@@ -639,11 +648,14 @@ def test_one_head_figure_is_the_modules_head():
 
 
 def test_attention_figure_labels_decoder_rows_by_the_predicted_token(tmp_path):
+    from annotated.attention.dump import translate_sentence
+
     ctx = F.FigureContext(root=ROOT, checkpoint=None, copy_steps=0, cache_dir=tmp_path, say=lambda s: None)
     fig, caption = F.draw_attention(ctx)
     assert F.ROW_CONVENTION in caption
     shown = ctx.shown_sentence()
-    tgt_in, out = F.decoded(shown.model, shown.src, shown.src.size(1) + 1)
+    tgt_in, out = F.decoded(shown.model, shown.src)
+    assert out[0].tolist() == translate_sentence(shown.model, shown.src[0].tolist(), beam_size=4)  # the command's
     h = shown.model.config.h
     cross = [ax for ax in fig.axes if ax.images][h]  # the first cross-attention panel
     assert [t.get_text() for t in cross.get_yticklabels()] == shown.label(out[0].tolist())
@@ -776,7 +788,7 @@ def test_the_viewer_shows_the_figures_model_and_sentence(tmp_path):
     shown = ctx.shown_sentence()
     sentence = data["sentences"][0]
     assert sentence["src_tokens"] == shown.labels == [str(t) for t in shown.src[0].tolist()]
-    predicted = translate_sentence(shown.model, shown.src[0].tolist(), beam_size=1)  # greedy, as the figure
+    predicted = translate_sentence(shown.model, shown.src[0].tolist(), beam_size=4)  # beam 4, as make translate
     assert sentence["tgt_out_tokens"] == shown.label(predicted)
     assert sentence["tgt_in_tokens"] == ["<s>"] + shown.label(predicted[:-1])
     assert data["start"] == f"s=0&kind=cross&layer={shown.model.config.N - 1}&head=mean&view=head"
@@ -827,7 +839,26 @@ def test_the_viewer_is_embedded_at_the_end_of_the_chapter(site, tmp_path):
         assert body == "embedded" and rows == expected["tgt_out_tokens"] and cols == expected["src_tokens"]
         frame = browser.js("(() => { const r = document.querySelector('#viewer iframe').getBoundingClientRect();"
                            " return [r.width, r.height]; })()")
-        assert frame[0] >= 0.6 * 1400 and frame[1] >= 400 and heat >= 0.5 * frame[0], (frame, heat)
+        assert frame[0] >= 0.6 * 1400 and frame[1] >= 150 and heat >= 0.5 * frame[0], (frame, heat)
+        # the frame is as tall as the view it shows: nothing cut off, no scrolling inside; it grows with the view
+        for view, rendered in (("head", f"0/cross/{last}/mean"), ("model", "0/model")):
+            frames = browser.page("Page.getFrameTree")["frameTree"]["childFrames"]
+            world = browser.page("Page.createIsolatedWorld", frameId=frames[0]["frame"]["id"])["executionContextId"]
+            browser.page("Runtime.evaluate", contextId=world, expression=f"location.hash = 's=0&kind=cross&"
+                         f"layer={last}&head=mean&view={view}'")
+            embedded_viewer(browser, rendered)
+            deadline, inner, outer = time.time() + 20, None, None
+            while time.time() < deadline:
+                inner = browser.page("Runtime.evaluate", contextId=world, returnByValue=True, expression=
+                                     "document.documentElement.scrollHeight")["result"]["value"]
+                outer = browser.js("document.querySelector('#viewer iframe').clientHeight")
+                if abs(outer - inner) <= 4:
+                    break
+                time.sleep(0.1)
+            assert abs(outer - inner) <= 4, (view, outer, inner)
+            sizes = getattr(browser, "sizes", {}) | {view: outer}
+            browser.sizes = sizes
+        assert browser.sizes["model"] > browser.sizes["head"] + 100, browser.sizes
         errors = [e["params"] for e in browser.events
                   if e["method"] in ("Runtime.exceptionThrown", "Network.loadingFailed")
                   or (e["method"] == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "warning"))
@@ -835,3 +866,151 @@ def test_the_viewer_is_embedded_at_the_end_of_the_chapter(site, tmp_path):
         assert errors == []
     finally:
         browser.close()
+
+
+FORMULAS = """(() => [...document.querySelectorAll('div.math')].map(d => {
+  const m = d.querySelector('math'), col = d.closest('.prose') || d.parentElement;
+  return [m.getAttribute('alttext').slice(0, 50), m.getBoundingClientRect().width, m.scrollWidth,
+          d.scrollWidth, d.clientWidth, col.getBoundingClientRect().width]; }))()"""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (.ci/run installs Debian's package)")
+@pytest.mark.parametrize("width", [1400, 800])
+def test_no_display_formula_is_wider_than_its_column(site, tmp_path, width):
+    """Every display formula fits its prose column whole (long ones are set one equation, one `=`, a line),
+    so none is cut or needs scrolling at 1400 px (beside the code) or 800 px (one column)."""
+    result, _ = site
+    browser = Chromium(CHROMIUM, tmp_path / "profile", tmp_path / "chromium.log")
+    try:
+        browser.open(result.index.resolve().as_uri(), width, 1000, domains=("Page", "Runtime"))
+        formulas = browser.js(FORMULAS)
+    finally:
+        browser.close()
+    assert len(formulas) >= 15
+    too_wide = [f for f in formulas if max(f[1], f[2], f[3]) > min(f[4], f[5]) + 1]
+    assert too_wide == []
+    assert any(f[0].startswith("\\mathrm{MultiHead}(Q, K, V) = \\mathrm{Concat}") for f in formulas)
+
+
+def test_long_formulas_are_set_one_equation_and_one_equals_sign_a_line():
+    multihead = (r"\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\, W_O"
+                 r" = \sum_i \mathrm{head}_i\, W_O^{(i)}")
+    assert B.formula_lines(multihead) == [multihead[:multihead.rindex(" = ")], multihead[multihead.rindex(" = ") + 1:]]
+    pe = r"PE_{(pos, 2i)} = \sin(pos / 10000^{2i/d_{model}}),\quad PE_{(pos, 2i+1)} = \cos(pos / 10000^{2i/d_{model}})"
+    assert B.formula_lines(pe) == [pe[:pe.index(r"\quad")], pe[pe.index(r"\quad") + len(r"\quad") + 1:]]
+    assert B.formula_lines(r"\mathrm{head}_i = \mathrm{Attention}(Q W_Q^{(i)},\ K W_K^{(i)},\ V W_V^{(i)})") == \
+        [r"\mathrm{head}_i = \mathrm{Attention}(Q W_Q^{(i)},\ K W_K^{(i)},\ V W_V^{(i)})"]  # short: one line
+    nested = (r"f(\{a = b, c = d\}) = \frac{x = 1}{y} = z + \sum_{i=1}^{h} \mathrm{head}_i\, W_O^{(i)} w"
+              r" + \mathrm{Concat}(u, v, w, x, y)")  # an `=` inside braces or \{ \} is no line's start
+    assert B.visible_length(nested) > B.FORMULA_CHARS
+    assert B.formula_lines(nested) == [nested[:nested.index(" = z")], nested[nested.index(" = z") + 1:]]
+    html_ = B.display_mathml(multihead)  # one <math> element, a table of two lines, the whole TeX as its alttext
+    assert html_.count("<math ") == 1 and html_.count("<mtr>") == 2 and 'class="cont"' in html_
+
+
+WRAPS = """(() => {
+  const lines = [...document.querySelectorAll('#transformer pre .l, article.chapter pre .l')];
+  const out = [];
+  for (const l of lines) {
+    const rects = [...l.getClientRects()];
+    if (rects.length !== 1) continue;
+    const range = document.createRange(); range.selectNodeContents(l);
+    const boxes = [...range.getClientRects()].filter(r => r.width > 0);
+    const tops = [...new Set(boxes.map(r => Math.round(r.top)))];
+    if (tops.length < 2) continue;  // not wrapped
+    const text = l.textContent, indent = text.length - text.trimStart().length;
+    const first = boxes.filter(r => Math.round(r.top) === tops[0]);
+    const rest = boxes.filter(r => Math.round(r.top) !== tops[0]);
+    const ch = (() => { const s = document.createElement('span'); s.textContent = 'x'; l.appendChild(s);
+                        const w = s.getBoundingClientRect().width; s.remove(); return w; })();
+    const lineLeft = l.getBoundingClientRect().left + parseFloat(getComputedStyle(l).paddingLeft)
+                     + parseFloat(getComputedStyle(l).textIndent);
+    out.push({text: text.slice(0, 60), indent, ch, lineLeft,
+              cont: Math.min(...rest.map(r => r.left)) - lineLeft});
+    if (out.length >= 200) break;
+  }
+  return out;
+})()"""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (.ci/run installs Debian's package)")
+def test_a_wrapped_code_line_continues_deeper_than_its_own_indent(site, tmp_path):
+    """At 800 px many long code lines wrap; each continues at least two characters deeper than the line's own
+    indent, so a continuation never reads as a statement of an outer block."""
+    result, _ = site
+    browser = Chromium(CHROMIUM, tmp_path / "profile", tmp_path / "chromium.log")
+    try:
+        browser.open(result.index.resolve().as_uri(), 800, 1000, domains=("Page", "Runtime"))
+        wraps = browser.js(WRAPS)
+    finally:
+        browser.close()
+    assert len(wraps) >= 20, len(wraps)
+    assert any(w["indent"] >= 8 for w in wraps)
+    shallow = [w for w in wraps if w["cont"] < (w["indent"] + 2) * w["ch"] - 1]
+    assert shallow == [], shallow[:3]
+
+
+def test_prose_sits_beside_the_code_it_names(site):
+    """Section 3's prose on `PerHeadAttention` sits in the row of the class, not beside the helpers before it;
+    the section's opening (its heading and formulas) stays at the top, beside the first piece."""
+    _, page = site
+    chapter = _chapter(page, "transformer")
+    rows = re.findall(r'<div class="row[^"]*"><div class="prose">\n(.*?)</div><div class="code" id="[^"]+">'
+                      r'.*?<pre class="highlight"><code>(.*?)</code></pre>', chapter, re.S)
+    [(prose, _)] = [(p, c) for p, c in rows if "class PerHeadAttention" in _text(c)]
+    assert _text(prose).strip().startswith("PerHeadAttention stores exactly these 4h matrices")
+    [(opening, code)] = [(p, c) for p, c in rows if "3. Multi-head attention, one head at a time" in _text(p)]
+    assert "def _head_sizes" in _text(code) and "PerHeadAttention stores" not in _text(opening)
+    assert "<!--mentions" not in page
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (.ci/run installs Debian's package)")
+def test_no_table_scrolls_sideways_at_800_px(site, tmp_path):
+    """The guides' tables (the benchmarks' nine columns among them) fit the column at 800 px."""
+    result, _ = site
+    browser = Chromium(CHROMIUM, tmp_path / "profile", tmp_path / "chromium.log")
+    try:
+        browser.open(result.index.resolve().as_uri(), 800, 1000, domains=("Page", "Runtime"))
+        tables = browser.js("[...document.querySelectorAll('table')].map(t => [t.textContent.slice(0, 60), "
+                            "t.scrollWidth, t.clientWidth, t.getBoundingClientRect().right])")
+        page_width = browser.js("document.documentElement.clientWidth")
+    finally:
+        browser.close()
+    assert len(tables) >= 10 and any("step peak MiB" in t[0] or "implementation" in t[0] for t in tables)
+    assert [t for t in tables if t[1] > t[2] + 1 or t[3] > page_width] == []
+
+
+def test_reading_figure_rows_sum_to_one():
+    """The hand-written patterns of "How to read the pictures" are attention: rows sum to 1, masked cells 0."""
+    import numpy as np
+
+    panels = F.reading_panels()
+    assert len(panels) == 5
+    for title, weights, rows, cols, causal in panels:
+        assert weights.shape == (len(rows), len(cols)), title
+        np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-12)
+        if causal:
+            assert (np.triu(weights, 1) == 0).all()
+    fig, caption = F.draw_reading(None)
+    assert "written by hand" in caption and "not taken from a model" in caption
+
+
+def test_the_copy_caption_says_whether_the_copy_is_right():
+    assert F.copy_verdict([5, 6, transformer.EOS], [5, 6]) == "Its output copies the source exactly."
+    wrong = F.copy_verdict([5, 7, transformer.EOS], [5, 6])
+    assert "wrong copy" in wrong and "position 1" in wrong
+
+
+def test_figures_count_heads_and_positions_from_zero(tmp_path):
+    """One convention everywhere: the figures say head 0 for the head of W_Q[0], as the code and the viewer do."""
+    ctx = F.FigureContext(root=ROOT, checkpoint=None, copy_steps=0, cache_dir=tmp_path, say=lambda s: None)
+    fig, _ = F.draw_attention(ctx)
+    titles = [ax.get_title() for ax in fig.axes if ax.images]
+    assert "encoder, head 0" in titles and "cross, head 0" in titles
+    h = ctx.shown_sentence().model.config.h
+    assert f"cross, head {h}" not in titles
+    drawing = M.draw_block_matrices(ctx)[0]
+    texts = [t.get_text() for t in drawing.texts] + [t.get_text() for ax in drawing.axes
+                                                      for t in [ax.title, *ax.texts, ax.xaxis.label, ax.yaxis.label]]
+    assert any("W_Q[0]" in t for t in texts) and not any("W_Q[3]" in t for t in texts)  # h = 3 there
+    assert "counted from 0" in B.INTRODUCTION

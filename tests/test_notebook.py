@@ -149,27 +149,61 @@ def test_the_try_it_cells_show_what_their_comments_say(built):
 
 def test_the_copy_model_figure_shows_a_model_that_copies(built):
     [cell] = [c for c in built.cells if "figure" in c.metadata.get("tags", []) and "copy" in c.source]
-    [text] = [o["text"] for o in cell.outputs if o["output_type"] == "stream"]
-    source, output = text.split("source:")[1].split("output:")
+    text = "".join(o["text"] for o in cell.outputs if o["output_type"] == "stream")
+    first, verdict = text.splitlines()
+    source, output = first.split("source:")[1].split("output:")
     assert eval(output)[:-1] == eval(source)  # the sequence copied, then eos
+    assert verdict == "the output is a correct copy"
+
+
+def test_the_copy_figure_says_when_the_copy_is_wrong():
+    """The figure's cell says "a WRONG copy" when the output is not the source: run on an untrained model."""
+    import contextlib
+    import io as _io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import torch
+
+    from annotated import transformer
+
+    [code] = [c for _, c in NB.FIGURES if "copy_model" in c]
+    code = code.replace('train_copy_task("fused", steps=300)', 'train_copy_task("fused", steps=0)')
+    namespace = {name: getattr(transformer, name) for name in dir(transformer) if not name.startswith("__")}
+    namespace["torch"] = torch
+    out = _io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code, namespace)
+    assert out.getvalue().splitlines()[-1].startswith("the output is a WRONG copy")
 
 
 def test_a_failing_cell_stops_the_build_naming_it():
-    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("1 / 0")]
-    with pytest.raises(NB.CellError, match=r"notebook cell 2 failed: ZeroDivisionError"):
+    """Executed by nbclient in a real kernel: the cells before the failure ran, the error names the cell."""
+    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("x + 1"),
+             nbformat.v4.new_code_cell("1 / 0")]
+    with pytest.raises(NB.CellError, match=r"notebook cell 3 failed: ZeroDivisionError"):
         NB.execute(cells, "failing_notebook")
-    assert cells[0].outputs == []
+    assert cells[0].outputs == [] and cells[1].outputs[0]["data"]["text/plain"] == "2"
 
 
-def test_the_first_cell_finds_the_repository_from_anywhere(tmp_path):
-    """Run from a folder outside the repository (and without PYTHONPATH), the setup cell still lets the
-    chapter's `from annotated.tokens import ...` work; without it, that import fails."""
+def test_the_setup_cell_finds_the_checkout_it_sits_in(built, tmp_path):
+    """The notebook carries no path of the machine that built it. Run from a folder inside the checkout (and
+    without PYTHONPATH), the setup cell lets the chapter's `from annotated.tokens import ...` work; from a
+    folder outside any checkout it stops with the fix; it comes after the title, before the first code."""
+    assert str(ROOT) not in NB.SETUP and str(ROOT) not in nbformat.writes(built)
+    first_code = next(c for c in built.cells if c.cell_type == "code")
+    assert built.cells[0].cell_type == "markdown" and built.cells[0].source.startswith("# ")
+    assert "setup" in first_code.metadata.get("tags", [])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     chapter_import = "from annotated.tokens import BOS, EOS, PAD; print('imported')"
-    for code, works in ((NB.SETUP + "\n" + chapter_import, True), (chapter_import, False)):
-        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+    for code, cwd, works in ((NB.SETUP + "\n" + chapter_import, ROOT / "docs", True),
+                             (chapter_import, ROOT / "docs", False),
+                             (NB.SETUP + "\n" + chapter_import, tmp_path, False)):
+        r = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
                            timeout=60)
         assert (r.returncode == 0 and "imported" in r.stdout) == works, r.stderr
+        if cwd == tmp_path:
+            assert "pip install -e ." in r.stderr and "inside the repository's checkout" in r.stderr
 
 
 def test_the_command_prints_its_help():

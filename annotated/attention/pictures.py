@@ -63,9 +63,9 @@ AXIS_LABELS = {  # kind -> (the token labelling a row, the token labelling a col
     "dec_self": ("the token the decoder predicts there", "the token fed in there"),
     "cross": ("the token the decoder predicts there", "the source token"),
 }
+WORD_MARK = "\u2581 marks the start of a word (sentencepiece)"
 READING = ("a row is a query and sums to 1; a decoder row (query) is labelled by the token the decoder "
-           "predicts at that position; a key column by the token fed in at that position; "
-           "\u2581 marks the start of a word (sentencepiece)")
+           "predicts at that position; a key column by the token fed in at that position; " + WORD_MARK)
 COLOUR_BAR = "attention weight (0 to 1)"
 
 
@@ -277,3 +277,5 @@ def figure_rgb(fig: Figure) -> np.ndarray:
 # "word `j`". Alignment is usually clearest in a middle-to-late layer rather
 # than always in the last one (Garg et al., 2019), so compare with the
 # `cross` grid, which shows all of them.
+#
+# <!-- figure: reading -->

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from annotated.attention.pictures import KIND_LABELS, MASKED, READING, caption, colour_table, head_colours
+from annotated.attention.pictures import KIND_LABELS, MASKED, READING, WORD_MARK, caption, colour_table, head_colours
 from annotated.sites import KINDS
 
 LINE_MIN = 0.02  # the lines view draws a line for every weight at least this large
@@ -47,15 +47,21 @@ LINE_MIN = 0.02  # the lines view draws a line for every weight at least this la
 # own script, allowed by its SHA-256 hash (so no injected script and no
 # inline event handler could run). Open it from disk in any browser.
 #
-# Above the views: a sentence, a kind, a layer and a head (or the mean over
-# heads), on one line however long the sentence; the caption says how to
-# read the picture in the words of `READING`
+# Above the views: a view, a kind, a layer, a head (or the mean over heads)
+# and a sentence, on one line where they fit and on more on a narrow screen
+# (`test_the_controls_wrap_on_a_narrow_screen`); the caption says how to
+# read the picture of the chosen kind in the words of `caption`
 # (`annotated/attention/pictures.py`): a row is a query and sums to 1, a
 # decoder row is labelled by the token the decoder predicts there, a key
-# column by the token fed in there, `▁` starts a word. The colour bar is the
+# column by the token fed in there, `▁` starts a word; the model view, which
+# shows every kind, gives the whole rule, `READING`. The colour bar is the
 # pictures' colour map `CMAP`, sampled into a table of 64 colours when the
-# page is written, from 0 to 1. The **arrow keys** move between heads
-# (left, right; "mean" comes before head 0) and layers (up, down).
+# page is written, from 0 to 1, shown where colours are weights (not in the
+# lines view); the grey swatch of the causal mask only where the mask
+# blanks cells (the decoder's self-attention, and the model view). Heads
+# and layers are counted from 0, as in the code. The **arrow keys** move
+# between heads (left, right; "mean" comes before head 0) and layers (up,
+# down), except while a menu has the focus: then they are the menu's.
 #
 # * **Head view** (`view=head`): the chosen matrix as a heatmap as wide as
 #   the page, every row and column labelled by its token. Hovering a row
@@ -92,8 +98,9 @@ LINE_MIN = 0.02  # the lines view draws a line for every weight at least this la
 #
 # **Inside another page.** `viewer_html(..., embedded=True, start="kind=cross&view=lines")`
 # gives the same page without its heading and footer, opening on `start`:
-# a file for an `<iframe>` (its own CSP travels with it, and the page that
-# frames it needs none for scripts).
+# a file for an `<iframe>` (its own CSP travels with it). After each
+# drawing it tells the page around it its height (`postMessage`), so that
+# a frame can be as tall as the view it shows (the book's is).
 #
 # The sentences are data, and data must not become markup. Inside a
 # `<script>` element the HTML parser looks only for `</script` and, after a
@@ -142,22 +149,61 @@ def viewer_html(index: dict, arrays: list[dict], decimals: int = 4, *, embedded:
         sentences.append(s)
     data = {"kinds": kinds, "layers": index["layers"], "heads": index["heads"], "head_counts": counts,
             "rows_cols": index["rows_cols"], "kind_names": KIND_LABELS,
-            "captions": {k: caption(k) for k in kinds}, "reading": READING,
+            "captions": {k: caption(k) for k in kinds}, "reading": READING, "word_mark": WORD_MARK,
             "colours": colour_table(64), "masked": MASKED, "head_colours": head_colours(index["heads"]),
-            "line_min": LINE_MIN, "start": start or "",
+            "line_min": LINE_MIN, "start": start if start is not None else opening_view(arrays, counts),
             "importance": index.get("head_importance"), "sentences": sentences}
     decoder = index.get("decoder") or {}
     search = f"beam {decoder['beam_size']}" if decoder.get("beam_size", 1) > 1 else "greedy"
     uniform = all(h == index["heads"] for k in kinds for h in counts[k])
     shape = f"{index['layers']} layers x {index['heads']} heads" if uniform else (
         f"{index['layers']} layers, pruned to " + ", ".join(f"{k} {counts[k]}" for k in kinds) + " heads per layer")
+    opened = "" if start is not None or not data["start"] else (
+        "; opens on the cross-attention head that aligns best, {}".format(
+            data["start"].split("&", 2)[2].replace("&view=head", "").replace("&", ", ").replace("=", " ")))
     footer = html.escape(f"checkpoint: {index.get('checkpoint')}; {shape}; "
-                         f"translated as make translate does ({search}); weights rounded to {decimals} decimals")
+                         f"translated as make translate does ({search}); weights rounded to {decimals} decimals"
+                         f"{opened}; heads and layers count from 0")
     js = viewer_file("viewer.js")
     page = string.Template(viewer_file("viewer.html"))
     return page.substitute(title=html.escape(str(index.get("checkpoint"))), css=viewer_file("viewer.css"),
                            csp=content_security_policy(js), body_class="embedded" if embedded else "",
                            footer=footer, data=script_json(data), js=js)
+
+
+# %% [markdown]
+# ## The view it opens on: the cross-attention head that aligns best
+#
+# Unless told otherwise (`start`), the page opens on the cross-attention
+# head that lines target words up with source words most clearly, rather
+# than on the encoder's first head. Its measure, `alignment`: the mean, over
+# the target positions (rows), of the row's largest weight, times the share
+# of the source positions that are the largest weight of some row. A head
+# whose every row sits on one source token (`▁Ein`, `</s>`) is peaked but
+# covers one column, and scores low; a head that walks the source word by
+# word scores near 1. The scores are averaged over the dump's sentences;
+# ties go to the later layer, then the lower head
+# (`test_the_viewer_opens_on_the_head_that_aligns`).
+
+# %%
+def alignment(weights: np.ndarray) -> float:
+    """How cleanly one head's (rows, keys) weights align rows with keys: mean row maximum x share of keys
+    that are some row's maximum.
+
+    >>> alignment(np.eye(3)), round(alignment(np.array([[1.0, 0.0], [1.0, 0.0]])), 2)
+    (1.0, 0.5)
+    """
+    rows = np.asarray(weights, dtype=np.float64)
+    return float(rows.max(-1).mean() * len(set(rows.argmax(-1).tolist())) / rows.shape[-1])
+
+
+def opening_view(arrays: list[dict], counts: dict) -> str:
+    """The address of the cross-attention head with the best `alignment` (mean over sentences), head view."""
+    if not arrays:
+        return ""
+    best = max(((np.mean([alignment(a["cross"][layer][0, head]) for a in arrays]), layer, -head)
+                for layer, n in enumerate(counts["cross"]) for head in range(n)))
+    return f"s=0&kind=cross&layer={best[1]}&head={-best[2]}&view=head"
 
 
 def content_security_policy(script: str) -> str:

@@ -82,6 +82,8 @@ from annotated.transformer import EncoderDecoder, make_model, padding_mask, rate
 # (section 5.4). Padding positions contribute nothing. This is the same
 # definition as `F.cross_entropy(..., label_smoothing=eps)`
 # (`test_label_smoothing_matches_formula`).
+#
+# <!-- figure: label_smoothing -->
 
 # %%
 def smoothed_targets(target: Tensor, vocab: int, eps: float) -> Tensor:

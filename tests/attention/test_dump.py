@@ -471,12 +471,12 @@ def png_pixels(data: bytes) -> np.ndarray:
     return matplotlib.image.imread(io.BytesIO(data), format="png")  # (H, W, 3 or 4) floats in [0, 1]
 
 
-def open_viewer(page: Path, tmp_path: Path, fragment: str = "") -> Chromium:
-    """Chromium showing `page` at WIDTH px, recording console messages, exceptions and CSP reports."""
+def open_viewer(page: Path, tmp_path: Path, fragment: str = "", width: int = WIDTH) -> Chromium:
+    """Chromium showing `page` at `width` px, recording console messages, exceptions and CSP reports."""
     if CHROMIUM is None:
         pytest.skip(NO_CHROMIUM)
     browser = Chromium(CHROMIUM, tmp_path / "profile")
-    browser.open(page.as_uri() + (f"#{fragment}" if fragment else ""), width=WIDTH, height=900,
+    browser.open(page.as_uri() + (f"#{fragment}" if fragment else ""), width=width, height=900,
                  domains=("Network", "Page", "Runtime", "Log"))
     return browser
 
@@ -492,6 +492,15 @@ def console_errors(browser: Chromium) -> list:
 def show(browser: Chromium, fragment: str, rendered: str) -> None:
     browser.js(f"location.hash = '{fragment}'")
     browser.wait_js(f"document.body.dataset.rendered === '{rendered}'")
+
+
+def opening(folder: Path) -> str:
+    """What `document.body.dataset.rendered` says when the dump's viewer opens (its best-aligned cross head)."""
+    index = A.read_index(folder)
+    arrays = [A.load_sentence(folder, i)[0] for i in range(len(index["sentences"]))]
+    view = dict(part.split("=") for part in V.opening_view(arrays, index["head_counts"]).split("&"))
+    assert view["kind"] == "cross" and view["view"] == "head"
+    return f"{view['s']}/cross/{view['layer']}/{view['head']}"
 
 
 def weights_from_colours(rgb: np.ndarray) -> np.ndarray:
@@ -525,7 +534,7 @@ def test_viewer_in_headless_chromium(full_dump, tmp_path):
     index = A.read_index(full_dump)
     browser = open_viewer(page, tmp_path)
     try:
-        assert browser.js("document.body.dataset.rendered") == "0/enc_self/0/0"
+        assert browser.js("document.body.dataset.rendered") == opening(full_dump)
 
         # every kind draws one cell per (query, key) and labels every row and column with its token
         for s, entry in enumerate(index["sentences"]):
@@ -590,7 +599,7 @@ def test_the_policy_stops_a_script_that_is_not_the_viewers(full_dump, tmp_path):
         "</body>", "<script>document.title = 'injected';</script></body>"), encoding="utf-8")
     browser = open_viewer(page, tmp_path)
     try:
-        browser.wait_js("document.body.dataset.rendered === '0/enc_self/0/0'")  # the viewer's own script ran
+        browser.wait_js(f"document.body.dataset.rendered === '{opening(full_dump)}'")  # the viewer's script ran
         assert browser.js("document.title") != "injected"
         assert any("Content Security Policy" in json.dumps(e) for e in console_errors(browser))
     finally:
@@ -618,11 +627,12 @@ def test_head_view_fills_the_page_and_labels_every_token(full_dump, tmp_path):
         assert browser.js("document.getElementById('controls').scrollHeight") < 40
         caption = browser.js("document.getElementById('caption').textContent")
         for words in ("row = query, it sums to 1", "\u2581 marks the start of a word",
-                      "labelled by the token the decoder predicts there", "key column by the token fed in"):
+                      "labelled by the token the decoder predicts there", "column = key, labelled by the source token"):
             assert words in caption, words
         legend = browser.js("(() => { const r = document.querySelector('#legend .bar').getBoundingClientRect(); "
-                            "return [r.width, r.height, document.getElementById('legend').textContent]; })()")
-        assert legend[0] > 50 and legend[1] > 5 and "attention weight" in legend[2] and "causal mask" in legend[2]
+                            "return [r.width, r.height, document.getElementById('legend').innerText]; })()")
+        assert legend[0] > 50 and legend[1] > 5 and "attention weight" in legend[2]
+        assert "causal mask" not in legend[2]  # cross-attention has no masked cell: no grey swatch
         assert console_errors(browser) == []
         shot = base64.b64decode(browser.page("Page.captureScreenshot", format="png")["data"])
         (ROOT / "docs" / "screenshots").mkdir(exist_ok=True)
@@ -632,7 +642,8 @@ def test_head_view_fills_the_page_and_labels_every_token(full_dump, tmp_path):
 
 
 def test_arrow_keys_move_between_heads_and_layers(full_dump, tmp_path):
-    """Left/right: the head ("mean" before head 0), up/down: the layer; held at the ends; even with a menu focused."""
+    """Left/right: the head ("mean" before head 0), up/down: the layer; held at the ends; not while a menu has
+    the focus (it keeps its own arrow keys)."""
     browser = open_viewer(full_dump / "viewer.html", tmp_path, "s=0&kind=dec_self&layer=0&head=0&view=head")
     try:
         browser.wait_js("document.body.dataset.rendered === '0/dec_self/0/0'")
@@ -651,11 +662,82 @@ def test_arrow_keys_move_between_heads_and_layers(full_dump, tmp_path):
         press("ArrowLeft", "1/0")
         press("ArrowLeft", "1/mean")
         press("ArrowUp", "0/mean")
-        browser.js("document.getElementById('layer').focus()")
-        press("ArrowRight", "0/0")  # a focused menu does not take the key
+        browser.js("document.getElementById('kind').focus()")
+        for kind in ("keyDown", "keyUp"):  # a focused menu keeps its keys: the head stays
+            browser.page("Input.dispatchKeyEvent", type=kind, key="ArrowRight", code="ArrowRight",
+                         windowsVirtualKeyCode=codes["ArrowRight"])
+        browser.js("new Promise(r => setTimeout(r, 300))")
         assert browser.js("[document.getElementById('layer').value, document.getElementById('head').value]") == \
-            ["0", "0"]
-        assert browser.js("location.hash") == "#s=0&kind=dec_self&layer=0&head=0&view=head"
+            ["0", "mean"]
+        assert browser.js("location.hash").endswith("&layer=0&head=mean&view=head")
+        browser.js("document.getElementById('kind').blur()")
+        browser.js("location.hash = 's=0&kind=dec_self&layer=0&head=mean&view=head'")
+        press("ArrowRight", "0/0")  # the menu left: the keys move heads again
+        assert console_errors(browser) == []
+    finally:
+        browser.close()
+
+
+def test_the_controls_wrap_on_a_narrow_screen(full_dump, tmp_path):
+    """At 800 px every menu is whole on the screen (the controls wrap onto a second line), the sentence menu
+    keeps a readable width, and nothing makes the page scroll sideways."""
+    browser = open_viewer(full_dump / "viewer.html", tmp_path, width=800)
+    try:
+        browser.wait_js(f"document.body.dataset.rendered === '{opening(full_dump)}'")
+        boxes = browser.js("[...document.querySelectorAll('#controls select')].map(e => { "
+                           "const r = e.getBoundingClientRect(); return [e.id, r.left, r.right, r.width]; })")
+        assert len(boxes) == 5
+        for name, left, right, width in boxes:
+            assert 0 <= left and right <= 800 and width >= 60, (name, left, right, width)
+        assert dict((b[0], b[3]) for b in boxes)["sentence"] >= 200
+        assert browser.js("document.documentElement.scrollWidth") <= 800
+        assert console_errors(browser) == []
+    finally:
+        browser.close()
+
+
+def test_the_legend_shows_only_what_applies(full_dump, tmp_path):
+    """The colour bar where colours are weights (head and model views, not the lines view); the grey swatch of
+    the causal mask only where cells are blocked (the decoder's self-attention, and the model view)."""
+    browser = open_viewer(full_dump / "viewer.html", tmp_path)
+    try:
+        seen = {}
+        for fragment, rendered in (("s=0&kind=cross&layer=1&head=0&view=head", "0/cross/1/0"),
+                                   ("s=0&kind=enc_self&layer=1&head=0&view=head", "0/enc_self/1/0"),
+                                   ("s=0&kind=dec_self&layer=1&head=0&view=head", "0/dec_self/1/0"),
+                                   ("s=0&kind=dec_self&layer=1&head=0&view=lines", "0/dec_self/1/0/lines"),
+                                   ("s=0&kind=cross&layer=1&head=0&view=model", "0/model")):
+            show(browser, fragment, rendered)
+            seen[rendered] = browser.js("[document.getElementById('colour-bar').getBoundingClientRect().width > 0, "
+                                        "document.querySelector('#legend .swatch').getBoundingClientRect().width > 0]")
+        assert seen == {"0/cross/1/0": [True, False], "0/enc_self/1/0": [True, False],
+                        "0/dec_self/1/0": [True, True], "0/dec_self/1/0/lines": [False, False],
+                        "0/model": [True, True]}
+        show(browser, "s=0&kind=enc_self&layer=1&head=0&view=head", "0/enc_self/1/0")
+        assert "decoder" not in browser.js("document.getElementById('caption').textContent")  # the encoder's own words
+        assert console_errors(browser) == []
+    finally:
+        browser.close()
+
+
+def test_the_viewer_opens_on_the_head_that_aligns(tmp_path):
+    """Without a start view the page opens on the cross-attention head with the best `alignment`: a head that
+    walks the source beats a sharper one whose every row sits on one token, and beats the spread-out ones."""
+    index, arrays = synthetic_dump(heads=3)
+    rows, cols = arrays[0]["cross"][0].shape[2:]
+    diagonal = np.full((rows, cols), 0.1 / (cols - 1))
+    diagonal[np.arange(rows), np.minimum(np.arange(rows), cols - 1)] = 0.9
+    stripe = np.full((rows, cols), 0.01 / (cols - 1))
+    stripe[:, -1] = 0.99  # sharper than the diagonal, but every row reads the same token
+    arrays[0]["cross"][0][0, 1], arrays[0]["cross"][0][0, 2] = diagonal, stripe
+    assert V.alignment(stripe) > 0 and V.alignment(diagonal) > 3 * V.alignment(stripe)
+    counts = {k: [3] for k in A.KINDS}
+    assert V.opening_view(arrays, counts) == "s=0&kind=cross&layer=0&head=1&view=head"
+    page = tmp_path / "viewer.html"
+    page.write_text(V.viewer_html(index, arrays), encoding="utf-8")
+    browser = open_viewer(page, tmp_path)
+    try:
+        browser.wait_js("document.body.dataset.rendered === '0/cross/0/1'")
         assert console_errors(browser) == []
     finally:
         browser.close()
@@ -745,7 +827,7 @@ def test_viewer_survives_markup_in_the_sentences(tokenizer, tmp_path):
     assert json.loads(data)["sentences"][0]["source"] == HOSTILE  # and read back unchanged
     browser = open_viewer(out / "viewer.html", tmp_path)
     try:
-        assert browser.js("document.body.dataset.rendered") == "0/enc_self/0/0"  # the script ran
+        assert browser.js("document.body.dataset.rendered") == opening(out)  # the script ran
         assert browser.js("DATA.sentences[0].source") == HOSTILE
         assert HOSTILE in browser.js("document.getElementById('sentence-text').textContent")
         assert browser.js("document.querySelectorAll('script').length") == 2  # no element made from the text

@@ -75,7 +75,8 @@ function buildControls() {
 function arrowKey(e) {  // left/right: head ("mean" first), up/down: layer
   const step = {ArrowLeft: [0, -1], ArrowRight: [0, 1], ArrowUp: [-1, 0], ArrowDown: [1, 0]}[e.key];
   if (!step || e.altKey || e.ctrlKey || e.metaKey) return;
-  e.preventDefault();  // also when a menu has the focus: the keys always mean heads and layers
+  if (e.target instanceof HTMLSelectElement) return;  // a focused menu keeps its own keys
+  e.preventDefault();
   state.layer = Math.min(DATA.layers - 1, Math.max(0, state.layer + step[0]));
   clampHead();
   const order = ['mean', ...Array.from({length: headsOf(state.kind, state.layer)}, (_, h) => h)];
@@ -342,8 +343,12 @@ function render() {
   $('sentence-text').textContent = `source: ${s.source}  |  translation: ${s.translation}` +
     (s.reference ? `  |  reference: ${s.reference}` : '');
   $('caption').textContent = model ? `How to read: ${DATA.reading}.`
-    : `How to read: ${DATA.reading}. Here, ${DATA.captions[state.kind]}.`;
+    : `How to read: ${DATA.captions[state.kind]}; ${DATA.word_mark}.`;
   $('main').hidden = state.view !== 'head'; $('lines').hidden = state.view !== 'lines'; $('model').hidden = !model;
+  // the colour bar where colours are weights (not in the lines view: there a line's opacity is its weight);
+  // the grey swatch where the causal mask blanks cells: the decoder's self-attention, and the model view
+  $('legend').hidden = state.view === 'lines';
+  $('mask-key').hidden = !(model || state.kind === 'dec_self');
   $('kind').disabled = model;
   clearHighlight();
   if (model) renderModel();
@@ -351,6 +356,13 @@ function render() {
   else renderHead();
   document.body.dataset.rendered = model ? `${state.s}/model`
     : `${state.s}/${state.kind}/${state.layer}/${state.head}${state.view === 'lines' ? '/lines' : ''}`;
+  tellHeight();
+}
+
+function tellHeight() {  // inside another page's frame: say how tall the page is, so the frame can fit it
+  if (window.parent === window || !document.body.classList.contains('embedded')) return;
+  window.parent.postMessage({viewerHeight: Math.ceil(document.documentElement.getBoundingClientRect().height)},
+                            '*');
 }
 
 readHash(); buildControls(); render();
