@@ -56,24 +56,25 @@
 # %%
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import datetime
-import gc
-import os
-import platform
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/bench.py` runs from the repository without installing
     sys.path.insert(0, str(ROOT))
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting  # noqa: E402
+if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
     quiet_ctrl_c_while_starting("benchmarks/bench.py")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
