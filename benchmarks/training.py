@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from annotated.transformer import make_model
 from annotated.training.train import make_optimizer
+from annotated.transformer import make_model
 from benchmarks.flops import training_flops
 from benchmarks.memory import cuda_step_peak, resident_bytes, run_memory_probe
 from benchmarks.rows import TrainRow

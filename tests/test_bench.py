@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from annotated.decoding import search as decoding
 from annotated import transformer as tf
+from annotated.decoding import search as decoding
+from annotated.tokens import BOS, EOS, PAD
 from annotated.training.config import TrainConfig, joint_model
 from annotated.training.train import batch_loss
-from annotated.tokens import PAD, BOS, EOS
 from benchmarks import arithmetic, bench, decoders, flops, reference, report, rows, sizes, targets, timing, training
 from benchmarks.trainees import fast_path
 
