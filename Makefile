@@ -40,7 +40,7 @@ help:
 	@echo "                  docs/_build/transformer.ipynb (minutes: it trains the copy model, 300 steps, in a"
 	@echo "                  Jupyter kernel; longer on a busy machine; says how to open it)"
 	@echo "make jupyter      install JupyterLab into .venv (requirements-notebook.txt) and open the notebook"
-	@echo "make bench        speed and memory against torch.nn.Transformer [ARGS='--sizes cpu --quick']"
+	@echo "make bench        speed, memory and share of the CPU's peak, against torch.nn.Transformer [ARGS='--quick']"
 	@echo "make gpu-report   every GPU figure in one command: bench, gpu preset de<->en, DDP (CUDA only, < 22 min)"
 	@echo "make help         this list"
 	@echo "PYTHON=python3    use an existing interpreter instead of .venv"
@@ -108,7 +108,7 @@ translate: $(SETUP)
 equivalence: $(SETUP)
 	$(PY) -m annotated.proof.equivalence $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT))
 
-# `make bench`: training-step and decoding speed against torch.nn.Transformer
+# `make bench`: training-step and decoding speed against torch.nn.Transformer, and the step as a share of the CPU's peak
 # (benchmarks/bench.py; ARGS='--sizes cpu --quick' etc.); writes benchmarks/results/<device>-<date>.json.
 .PHONY: bench
 bench: $(SETUP)

@@ -157,9 +157,9 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from annotated.training.runs import latest_checkpoint
     from annotated.plumbing.files import atomic_write
     from annotated.plumbing.options import Parser, at_least
+    from annotated.training.runs import latest_checkpoint
 
     p = Parser(prog="python -m benchmarks.translate", name=NAME, description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", type=Path, default=None, help="default: the latest run's model")

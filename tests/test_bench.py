@@ -1,4 +1,5 @@
-"""benchmarks/bench.py: the harness at a tiny size, the FLOP formula, fixed-length decoding, the targets.
+"""`make bench` (benchmarks/): the harness at a tiny size, the FLOP formula, the CPU's matmul peak and the step's
+share of it, fixed-length decoding, the targets.
 
 No test here asserts a speed: timings depend on the machine. They check that
 the harness measures what it says it measures.
@@ -15,59 +16,92 @@ from annotated.decoding import search as decoding
 from annotated.tokens import BOS, EOS, PAD
 from annotated.training.config import TrainConfig, joint_model
 from annotated.training.train import batch_loss
-from benchmarks import bench
+from annotated.transformer import fast_path
+from benchmarks import arithmetic, bench, decoders, flops, reference, report, rows, sizes, targets, timing, training
 
 # A tiny size: big enough vocabulary that the tied embedding table (2000 x 32
 # floats, 250 KiB) is one block the CPU memory probe can see.
-TINY = bench.Size("tiny", TrainConfig(model=joint_model(2000, N=1, d_model=32, d_ff=64, h=2, dropout=0.1, max_len=256),
+TINY = sizes.Size("tiny", TrainConfig(model=joint_model(2000, N=1, d_model=32, d_ff=64, h=2, dropout=0.1, max_len=256),
                                       warmup=10),
                   {"cpu": 6, "cuda": 6}, {"cpu": 3, "cuda": 3})
 
 
 @pytest.fixture(scope="module")
 def result():
-    settings = bench.Settings(torch.device("cpu"), reps=2, window=1e-6, train_batches=2, decode_batches=1)
+    settings = timing.Settings(torch.device("cpu"), reps=2, window=1e-6, train_batches=2, decode_batches=1, peak_n=64)
     return bench.run_benchmarks([TINY], settings, log=lambda s: None)
 
 
 def test_training_rows_compare_against_the_reference_of_the_same_run(result):
-    rows = {r["key"]: r for r in result["train"]}
-    assert set(rows) == set(bench.VARIANTS)
-    ref = rows["reference"]
-    for r in rows.values():
+    train = {r.key: r for r in result["train"]}
+    assert set(train) == set(rows.VARIANTS)
+    ref = train["reference"]
+    for r in train.values():
         # identical work: the same batches for every implementation
         for k in ("sentences", "batches", "src_shape", "tgt_shape", "target_tokens_per_step", "flops_per_step"):
-            assert r[k] == ref[k], k
-        assert "error" not in r, r.get("error")
-        assert len(r["step_s_rounds"]) == 2 and r["calls_per_round"] == 1  # window 1e-6: one call per round
-        assert r["step_s"] == pytest.approx(sorted(r["step_s_rounds"])[0] / 2 + sorted(r["step_s_rounds"])[1] / 2)
+            assert getattr(r, k) == getattr(ref, k), k
+        assert r.error is None, r.error
+        assert len(r.step_s_rounds) == 2 and r.calls_per_round == 1  # window 1e-6: one call per round
+        assert r.step_s == pytest.approx(sorted(r.step_s_rounds)[0] / 2 + sorted(r.step_s_rounds)[1] / 2)
         # the ratio is the reference's median step time over this row's, both from this result
-        assert r["ratio_vs_reference"] == pytest.approx(ref["step_s"] / r["step_s"])
-        assert r["tokens_per_s"] == pytest.approx(r["target_tokens_per_step"] / r["step_s"])
-        assert r["mfu"] is None  # no peak is known for a CPU
-    assert ref["ratio_vs_reference"] == pytest.approx(1.0)
+        assert r.ratio_vs_reference == pytest.approx(ref.step_s / r.step_s)
+        assert r.tokens_per_s == pytest.approx(r.target_tokens_per_step / r.step_s)
+        assert r.mfu is None  # no peak is known for a CPU
+    assert ref.ratio_vs_reference == pytest.approx(1.0)
     # predicted tokens: every non-pad position of tgt[:, 1:], averaged over the batches
-    batches = bench.make_batches(2, TINY.train_sentences["cpu"], TINY.train.vocab_size, 0)
-    assert ref["target_tokens_per_step"] == sum(int((t[:, 1:] != PAD).sum()) for _, t in batches) / 2
+    batches = sizes.make_batches(2, TINY.train_sentences["cpu"], TINY.train.vocab_size, 0)
+    assert ref.target_tokens_per_step == sum(int((t[:, 1:] != PAD).sum()) for _, t in batches) / 2
+    src_l, tgt_l, _ = sizes.real_lengths(batches)
+    assert ref.flops_per_step == flops.training_flops(TINY.model_config(), src_l, tgt_l) / 2
 
 
-def test_cpu_arithmetic_rows_compare_against_fp32_on_every_core(result):
-    """fp32 and bf16, one thread and every core, for the first size's fused SDPA step; each row's speed-up is
-    the fp32-on-every-core row's median step time over its own, both from this result (no speed asserted)."""
+def test_cpu_arithmetic_rows_compare_against_fp32_on_every_core_and_the_matmul_peak(result):
+    """fp32 and bf16, one thread and every core, for the fused SDPA step; each row's speed-up is the
+    fp32-on-every-core row's median step time over its own, and its share of the peak is its model FLOP/s over
+    the square matmul's 2 n^3 FLOPs per median matmul time at the same precision and threads, all from this
+    result (no speed asserted). bf16 is measured only on a CPU with bf16 instructions."""
     from annotated.plumbing.devices import all_cores, cpu_has_bf16
 
-    rows = {(r["precision"], r["threads"]): r for r in result["cpu_arithmetic"]}
-    assert set(rows) == {(p, n) for p in ("fp32", "bf16") for n in (1, all_cores())}
-    base = rows[("fp32", all_cores())]
-    assert base["speedup_vs_fp32_all_threads"] == pytest.approx(1.0)
-    for (precision, _), r in rows.items():
+    arith = {(r.precision, r.threads): r for r in result["cpu_arithmetic"]}
+    assert set(arith) == {(p, n) for p in ("fp32", "bf16") for n in (1, all_cores())}
+    base = arith[("fp32", all_cores())]
+    assert base.speedup_vs_fp32_all_threads == pytest.approx(1.0)
+    fp32_1 = result["train"][0]  # the training rows ran the same batches: the same model FLOPs per step
+    for (precision, _), r in arith.items():
+        assert r.flops_per_step == fp32_1.flops_per_step and r.peak_n == 64
         if precision == "bf16" and not cpu_has_bf16():
-            assert r["step_s"] is None and "no bf16 instructions" in r["note"]
+            assert r.step_s is None and r.peak_flops is None and r.share_of_peak is None
+            assert "no bf16 instructions" in r.note
             continue
-        assert "error" not in r and len(r["step_s_rounds"]) == 2, r
-        assert r["speedup_vs_fp32_all_threads"] == pytest.approx(base["step_s"] / r["step_s"])
-    assert "| tiny | bf16 | 1 |" in bench.markdown(result)
+        assert r.error is None and len(r.step_s_rounds) == 2 and len(r.peak_s_rounds) == 2, r
+        assert r.speedup_vs_fp32_all_threads == pytest.approx(base.step_s / r.step_s)
+        assert r.achieved_flops == pytest.approx(r.flops_per_step / r.step_s)
+        peak = 2 * 64 ** 3 / (sum(r.peak_s_rounds) / 2)  # the median of two rounds is their mean
+        assert r.peak_flops == pytest.approx(peak)
+        assert r.share_of_peak == pytest.approx(r.flops_per_step / r.step_s / peak)
+    table = bench.markdown(result)
+    assert "| tiny | bf16 | 1 |" in table and "share of peak" in table
+    if not cpu_has_bf16():
+        assert "not measured: this CPU has no bf16 instructions" in table
     assert torch.get_num_threads() == result["meta"]["threads"]  # the thread count is given back
+
+
+def test_the_peak_matmul_does_2_n_cubed_flops_at_its_precision():
+    """The peak's FLOP count (2 n^3) checked by PyTorch's FlopCounterMode; the call computes a @ b."""
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        fn = arithmetic.matmul(24, precision, seed=3)
+        with FlopCounterMode(display=False) as counter:
+            out = fn()
+        assert counter.get_total_flops() == 2 * 24 ** 3 and out.shape == (24, 24) and out.dtype == dtype, precision
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(24, 24, generator=gen), torch.randn(24, 24, generator=gen)
+    assert torch.allclose(arithmetic.matmul(24, "fp32", seed=3)(), a @ b)
+
+
+def test_arithmetic_runs_once_per_model():
+    """The gpu size trains the cpu preset's model on larger batches: one set of arithmetic rows for both."""
+    assert [s.name for s in arithmetic.distinct_models([sizes.SIZES[n] for n in ("cpu", "gpu", "base")])] == [
+        "cpu", "base"]
 
 
 def test_memory_columns(result):
@@ -75,30 +109,37 @@ def test_memory_columns(result):
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     largest = max(p.numel() * 4 for p in model.parameters())
     for r in result["train"]:
-        assert "memory_error" not in r, r.get("memory_error")
+        assert r.memory_error is None, r.memory_error
         # parameters plus Adam's two moments, all float32 (the tied table counted once)
-        assert r["resident_bytes"] == 3 * param_bytes
+        assert r.resident_bytes == 3 * param_bytes
         # the step's gradients are all alive at the end of backward, the tied table's among them
-        assert r["step_peak_bytes"] >= largest
+        assert r.step_peak_bytes >= largest
 
 
 def test_decode_rows_run_a_fixed_number_of_steps(result):
-    rows = {r["key"]: r for r in result["decode"]}
-    assert set(rows) == set(bench.DECODERS)
-    base = rows["greedy_recompute"]
-    batches = bench.make_batches(1, TINY.decode_sentences["cpu"], TINY.train.vocab_size, 1)
-    for r in rows.values():
-        assert "error" not in r, r.get("error")
-        assert r["steps"] == batches[0][1].size(1) - 1 and r["sentences"] == 3
-        assert r["ratio_vs_recompute"] == pytest.approx(base["seconds"] / r["seconds"])
-        assert r["sentences_per_s"] == pytest.approx(3 / r["seconds"])
+    decode = {r.key: r for r in result["decode"]}
+    assert set(decode) == set(rows.DECODERS)
+    base = decode["greedy_recompute"]
+    batches = sizes.make_batches(1, TINY.decode_sentences["cpu"], TINY.train.vocab_size, 1)
+    for r in decode.values():
+        assert r.error is None, r.error
+        assert r.steps == batches[0][1].size(1) - 1 and r.sentences == 3
+        assert r.ratio_vs_recompute == pytest.approx(base.seconds / r.seconds)
+        assert r.sentences_per_s == pytest.approx(3 / r.seconds)
 
 
 def test_result_is_json_and_written_atomically(result, tmp_path):
     path = tmp_path / "sub" / "out.json"
-    bench.write_json(result, path)
-    assert json.loads(path.read_text()) == json.loads(json.dumps(result))
+    report.write_json(result, path)
+    written = json.loads(path.read_text())
+    assert written == json.loads(json.dumps(report.to_json(result)))
     assert [p.name for p in path.parent.iterdir()] == ["out.json"]  # no temporary file left behind
+    # each row: its fields and its derived figures (what gpu_report.py and a reader of the file use)
+    row, first = written["train"][0], result["train"][0]
+    assert (row["label"], row["step_s"], row["tokens_per_s"], row["compiled"]) == (
+        first.label, first.step_s, first.tokens_per_s, first.compiled) and row["mfu"] is None and "error" not in row
+    assert written["cpu_arithmetic"][0]["share_of_peak"] == result["cpu_arithmetic"][0].share_of_peak
+    assert written["decode"][0]["sentences_per_s"] == result["decode"][0].sentences_per_s
     meta = result["meta"]
     assert meta["device_type"] == "cpu" and meta["torch"] == torch.__version__ and meta["sizes"] == ["tiny"]
     table = bench.markdown(result)
@@ -121,31 +162,31 @@ def test_flop_formula_matches_flop_counter():
     src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 6))
     for attention in ("fused", "per_head"):
         model = transformer.make_model(cfg, attention=attention)
-        with transformer.fast_path(False), FlopCounterMode(display=False) as counter:
+        with fast_path(False), FlopCounterMode(display=False) as counter:
             loss, _ = batch_loss(model, src, tgt, 0.1)
             loss.backward()
-        assert counter.get_total_flops() == bench.training_flops(cfg, [7] * 3, [5] * 3), attention
+        assert counter.get_total_flops() == flops.training_flops(cfg, [7] * 3, [5] * 3), attention
 
 
 def test_reference_has_the_same_parameters_and_runs():
     cfg = TINY.model_config()
-    ours, ref = transformer.make_model(cfg), bench.TorchTransformerReference(cfg)
+    ours, ref = transformer.make_model(cfg), reference.TorchTransformerReference(cfg)
     # the same number of weights (torch packs W_Q, W_K, W_V into one in_proj_weight, so compare totals),
     # and the same LayerNorms: none after a post-norm stack
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters())
     layer_norms = lambda m: sum(isinstance(x, torch.nn.LayerNorm) for x in m.modules())
     assert layer_norms(ours) == layer_norms(ref) == 5 * cfg.N
     assert ref.generator.weight is ref.src_embed.weight is ref.tgt_embed.weight
-    src, tgt = bench.make_batches(1, 4, cfg.src_vocab, 0)[0]
-    loss, n = bench.reference_batch_loss(ref, src, tgt, 0.1)
+    src, tgt = sizes.make_batches(1, 4, cfg.src_vocab, 0)[0]
+    loss, n = reference.reference_batch_loss(ref, src, tgt, 0.1)
     assert torch.isfinite(loss) and n == int((tgt[:, 1:] != PAD).sum())
     with pytest.raises(ValueError, match="d_k = d_v"):
-        bench.TorchTransformerReference(transformer.TransformerConfig(src_vocab=10, tgt_vocab=10, d_model=32, h=2, d_k=8))
+        reference.TorchTransformerReference(transformer.TransformerConfig(src_vocab=10, tgt_vocab=10, d_model=32, h=2, d_k=8))
 
 
 def test_make_batches_look_like_training_batches():
-    a = bench.make_batches(3, 10, 100, seed=5)
-    assert all(torch.equal(x, y) for p, q in zip(a, bench.make_batches(3, 10, 100, seed=5)) for x, y in zip(p, q))
+    a = sizes.make_batches(3, 10, 100, seed=5)
+    assert all(torch.equal(x, y) for p, q in zip(a, sizes.make_batches(3, 10, 100, seed=5)) for x, y in zip(p, q))
     shapes = {(s.shape, t.shape) for s, t in a}
     assert len(shapes) == 1  # one common shape
     for src, tgt in a:
@@ -157,7 +198,7 @@ def test_make_batches_look_like_training_batches():
         pos = torch.arange(tgt.size(1))
         assert ((tgt == PAD) == (pos > eos_at[:, None])).all()
     with pytest.raises(ValueError, match="sentences"):
-        bench.make_batches(1, 0, 100, 0)
+        sizes.make_batches(1, 0, 100, 0)
 
 
 def test_suppressed_eos_forces_full_length_decoding():
@@ -165,10 +206,10 @@ def test_suppressed_eos_forces_full_length_decoding():
     model = transformer.make_model(TINY.model_config()).eval()
     with torch.no_grad():
         model.generator.bias[EOS] = 1e4  # eos is every step's most likely token
-    src = bench.make_batches(1, 2, TINY.train.vocab_size, 0)[0][0]
+    src = sizes.make_batches(1, 2, TINY.train.vocab_size, 0)[0][0]
     mask = transformer.padding_mask(src, PAD)
     assert decoding.greedy(model, src, mask, 9).size(1) == 1  # stops at once
-    bench.suppress_eos(model)
+    decoders.suppress_eos(model)
     for out in (decoding.greedy(model, src, mask, 9), decoding.greedy(model, src, mask, 9, use_cache=False),
                 decoding.beam_search(model, src, mask, 9, beam_size=4)):
         assert out.shape == (2, 9) and not (out == EOS).any()
@@ -184,7 +225,7 @@ def test_interleaving_and_errors_without_timing():
         raise RuntimeError("out of memory")
 
     fns = {"a": fn("a"), "b": fn("b"), "c": fn("c"), "bad": broken}
-    times, iters, errors = bench.interleaved_times(fns, reps=3, window=1e-9, sync=lambda: syncs.append(1))
+    times, iters, errors = timing.interleaved_times(fns, reps=3, window=1e-9, sync=lambda: syncs.append(1))
     assert set(times) == {"a", "b", "c"} and all(len(v) == 3 for v in times.values())
     assert iters == {"a": 1, "b": 1, "c": 1} and errors == {"bad": "RuntimeError: out of memory"}
     # warm-up and calibration call each once, twice; then the order rotates from round to round
@@ -194,22 +235,33 @@ def test_interleaving_and_errors_without_timing():
 def test_times_are_per_call_medians_of_the_clock():
     now = [0.0]  # a fake clock: each function advances it by its cost, so the expected times are exact
     fns = {"a": lambda: now.__setitem__(0, now[0] + 0.5), "b": lambda: now.__setitem__(0, now[0] + 2.0)}
-    times, iters, errors = bench.interleaved_times(fns, reps=3, window=3.0, sync=lambda: None, clock=lambda: now[0])
+    times, iters, errors = timing.interleaved_times(fns, reps=3, window=3.0, sync=lambda: None, clock=lambda: now[0])
     assert iters == {"a": 6, "b": 2} and not errors  # calls per window: window / cost of one calibration call
     assert times == {"a": [0.5, 0.5, 0.5], "b": [2.0, 2.0, 2.0]}
 
 
-def _fake(device_type, device_name, ratio, recompute_ratio, per_head_s, mfu):
-    train = [{"size": "gpu", "key": "fused_sdpa", "dtype": "bf16", "compiled": False, "ratio_vs_reference": ratio,
-              "step_s": 1.0, "mfu": None},
-             {"size": "gpu", "key": "per_head", "dtype": "bf16", "compiled": False, "ratio_vs_reference": 0.5,
-              "step_s": per_head_s, "mfu": None},
-             {"size": "base", "key": "fused_sdpa", "dtype": "bf16", "compiled": True, "ratio_vs_reference": ratio,
-              "step_s": 1.0, "mfu": mfu}]
-    decode = [{"size": "gpu", "key": "greedy_cached", "ratio_vs_recompute": recompute_ratio}]
+def _train_row(size, key, compiled, step_s, ratio, mfu=None):
+    """A TrainRow whose derived figures are these: one round of `step_s`, the reference at `ratio` x, `mfu`."""
+    return rows.TrainRow(size=size, key=key, device="-", dtype="bf16", compiled=compiled, sentences=1, batches=1,
+                         src_shape=[1, 1], tgt_shape=[1, 1], target_tokens_per_step=1.0,
+                         flops_per_step=(mfu or 0.0) * 1e12 * step_s, step_s_rounds=[step_s],
+                         reference_step_s=ratio * step_s, peak_tflops=1.0 if mfu else None)
+
+
+def _fake(device_type, device_name, ratio, recompute_ratio, per_head_s, mfu, bf16_share=None):
+    train = [_train_row("gpu", "fused_sdpa", False, 1.0, ratio), _train_row("gpu", "per_head", False, per_head_s, 0.5),
+             _train_row("base", "fused_sdpa", True, 1.0, ratio, mfu)]
+    decode = [rows.DecodeRow(size="gpu", key="greedy_cached", device="-", dtype="bf16", sentences=1, steps=1,
+                             src_shape=[1, 1], seconds_rounds=[1.0], recompute_s=recompute_ratio)]
+    measured = bf16_share is not None  # a CPU without bf16 instructions: rows without rounds
+    arith = [rows.ArithmeticRow(size="cpu", precision="bf16", threads=n, target_tokens_per_step=1.0,
+                                flops_per_step=share or 0.0, step_s_rounds=[1.0] if measured else [], peak_n=1,
+                                peak_s_rounds=[2.0] if measured else [])
+             for n, share in ((2, bf16_share), (1, 0.99))]
     meta = {"device_type": device_type, "device_name": device_name, "sizes": ["gpu", "base"]}
     return {t["target"] + " " + t["size"] + " " + t["device"]: t["status"]
-            for t in bench.evaluate_targets({"meta": meta, "train": train, "decode": decode})}
+            for t in targets.evaluate_targets({"meta": meta, "train": train, "decode": decode,
+                                               "cpu_arithmetic": arith})}
 
 
 def test_targets_met_not_met_not_measured():
@@ -227,6 +279,11 @@ def test_targets_met_not_met_not_measured():
     assert cpu["fused >= 1.0x torch.nn.Transformer gpu cpu bf16"] == "met"  # exactly 1.0x meets ">= 1.0x"
     assert cpu["cached greedy >= 3x recompute gpu cpu"] == "not met"
     assert cpu["per-head step time <= 2x fused gpu cuda, eager"] == "not measured"
+    assert cpu["share of the bf16 matmul peak >= 40% cpu cpu bf16, every core"] == "not measured"
+    # a step of 0.39 or 0.41 peak-matmul FLOPs a second on every core (the one-thread row does not count)
+    for share, status in ((0.39, "not met"), (0.41, "met")):
+        with_bf16 = _fake("cpu", "AMD EPYC", 1.0, 3.0, 1.5, None, bf16_share=share)
+        assert with_bf16["share of the bf16 matmul peak >= 40% cpu cpu bf16, every core"] == status
 
 
 def test_command_line_errors():
@@ -236,13 +293,13 @@ def test_command_line_errors():
         bench.parse_args(["--threads", "0"])
     assert bench.parse_args(["--sizes", "cpu, base"]).sizes == ["cpu", "base"]
     with pytest.raises(ValueError, match="dtype"):
-        bench.Settings(dtype="fp16")
+        timing.Settings(dtype="fp16")
     with pytest.raises(ValueError, match="clock"):
-        bench.Settings(torch.device("cuda"), clock="cpu")  # CUDA work is timed by the wall clock
+        timing.Settings(torch.device("cuda"), clock="cpu")  # CUDA work is timed by the wall clock
 
 
 def test_module_doctests():
-    failures, tried = doctest.testmod(bench)
+    failures, tried = doctest.testmod(flops)
     assert tried > 0 and failures == 0
 
 
@@ -255,9 +312,9 @@ def test_host_syncs_per_training_step_is_a_reported_figure(result):
 
 
 def test_compile_speedup_is_eager_over_compiled_of_the_same_run():
-    rows = [{"size": "cpu", "key": k, "compiled": c, "step_s": t}
-            for k, c, t in (("fused_sdpa", False, 0.30), ("fused_sdpa", True, 0.25), ("reference", False, 0.4))]
-    assert bench.compile_speedups(rows) == [{"size": "cpu", "key": "fused_sdpa", "speedup": 1.2}]
+    measured = [_train_row("cpu", k, c, t, 1.0)
+                for k, c, t in (("fused_sdpa", False, 0.30), ("fused_sdpa", True, 0.25), ("reference", False, 0.4))]
+    assert training.compile_speedups(measured) == [{"size": "cpu", "key": "fused_sdpa", "speedup": 1.2}]
     assert bench.parse_args([]).compile is None  # main() then measures both; on the CPU the fused SDPA row only
 
 
@@ -303,3 +360,16 @@ def test_gpu_report_reads_a_training_run_and_tabulates_it(tmp_path, monkeypatch)
                                  "ddp": gpu_report.ddp_part(tmp_path, "x", 1)})
     assert "| train | gpu preset de->en | test BLEU 39.50 (lowercased 40.25), 4200 steps, 14.0 steps/s | 400.0 |" in table
     assert "needs two" in table
+
+
+def test_profiling_ranks_the_steps_operators_by_self_time():
+    """`python -m benchmarks.profiling`'s ranking: shares of all self CPU time, largest first, matrix products
+    among the top operators of a training step (no time asserted beyond the ranking)."""
+    from benchmarks import profiling
+
+    averages = profiling.profile_step(TINY, steps=1)
+    top = profiling.top_operators(averages, 10)
+    shares = [share for _, share, _ in top]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+    assert {name for name, _, _ in top} & {"aten::mm", "aten::addmm", "aten::bmm"}
+    assert sum(e.self_cpu_time_total for e in averages) > 0
