@@ -5,8 +5,9 @@ it (each with a paired bootstrap interval), measures of where it looks and the l
 stdout, `heads.json`, one heat map per attention kind (`heads_<kind>.png`), one inspection page
 (`heads_inspect.png`) and one example sentence per head (`heads_examples.png`), written beside the checkpoint
 or in `--out`. With `--prune`: greedy pruning (ranked on half the validation sentences, stopped on the other
-half's loss), optionally fine-tuned, saved as `pruned.pt`, with test BLEU and decoding speed of both models.
-The chapters are `annotated/attention/importance.py`, `bootstrap.py`, `profiles.py` and `prune.py`.
+half's loss), optionally fine-tuned, saved as `pruned.pt`, with test BLEU and decoding speed of both models, and
+the whole greedy path drawn in `heads_pruning.png`. The chapters are `annotated/attention/importance.py`,
+`bootstrap.py`, `profiles.py`, `prune.py` and `curve.py`.
 """
 from __future__ import annotations
 
