@@ -111,7 +111,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
       "decoding/casing", "training/add_case_table")),
     ("part-4", "Part IV. Attention and heads",
      ("sites", "attention/dump", "attention/pictures", "attention/viewer", "attention/importance",
-      "attention/profiles", "attention/prune", "attention/bootstrap", "attention/heads")),
+      "attention/profiles", "attention/prune", "attention/bootstrap", "attention/heads", "attention/curve")),
     ("appendix", "Appendix. The plumbing",
      ("plumbing/checks", "plumbing/checkpoint", "plumbing/devices", "plumbing/files", "plumbing/interrupts",
       "plumbing/options", "plumbing/progress",

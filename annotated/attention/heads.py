@@ -5,8 +5,9 @@ it (each with a paired bootstrap interval), measures of where it looks and the l
 stdout, `heads.json`, one heat map per attention kind (`heads_<kind>.png`), one inspection page
 (`heads_inspect.png`) and one example sentence per head (`heads_examples.png`), written beside the checkpoint
 or in `--out`. With `--prune`: greedy pruning (ranked on half the validation sentences, stopped on the other
-half's loss), optionally fine-tuned, saved as `pruned.pt`, with test BLEU and decoding speed of both models.
-The chapters are `annotated/attention/importance.py`, `bootstrap.py`, `profiles.py` and `prune.py`.
+half's loss), optionally fine-tuned, saved as `pruned.pt`, with test BLEU and decoding speed of both models, and
+the whole greedy path drawn in `heads_pruning.png`. The chapters are `annotated/attention/importance.py`,
+`bootstrap.py`, `profiles.py`, `prune.py` and `curve.py`.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one li
     quiet_ctrl_c_while_starting("python -m annotated.attention.heads")
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -32,7 +34,8 @@ from annotated.sites import KINDS, attention_at, sites
 
 NAME = "python -m annotated.attention.heads"
 WINDOW = 4  # offsets -4 ... +4 in the position profiles
-SPEED_ROUNDS = 3  # timings alternate unpruned / pruned this many times; the fastest of each counts
+SPEED_ROUNDS = 3  # timings alternate unpruned / pruned this many times (the ratio: the median round's)
+LENGTH_PENALTY = 0.6  # beam search's, for test BLEU and speed with --prune
 NOISY_BLEU = 1.0  # the command warns when the typical BLEU interval is wider than this
 STOP_RULE = ("Pruning ranks heads by importance on the validation sentences at even positions (0, 2, 4, ...) "
              "and judges each removal on those at odd positions: it removes one head at a time, least important first, and stops "
@@ -49,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt", default=None, help="its target language (default en)")
     p.add_argument("--out", type=writable_dir, default=None,
                    help="output folder (default: the checkpoint's folder; runs/shipped-<src>-<tgt>/ for a shipped model)")
-    p.add_argument("--sentences", type=at_least(2), default=300,
-                   help="validation sentences for ablation, importance and the pruning search (default 300)")
+    p.add_argument("--sentences", type=at_least(2), default=None,
+                   help="the first n validation sentences for ablation, importance and the pruning search "
+                        "(default: all of the split, 1,014 in Multi30k; fewer give wider intervals)")
     p.add_argument("--resamples", type=at_least(1), default=RESAMPLES,
                    help=f"bootstrap resamples for every interval (default {RESAMPLES})")
     p.add_argument("--seed", type=at_least(0), default=SEED, help=f"seed of the bootstrap resamples (default {SEED})")
@@ -72,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def outputs(prune: bool) -> list[str]:
     names = ["heads.json"] + [f"heads_{k}.png" for k in KINDS] + ["heads_inspect.png", "heads_examples.png"]
-    return names + (["pruned.pt"] if prune else [])
+    return names + (["heads_pruning.png", "pruned.pt"] if prune else [])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -301,10 +305,53 @@ def format_table(report: dict) -> str:
                 lines.append(f"{kind:8s} {l:5d} {i:4d} {imp:10.4f}  {format_change(b, '+6.2f'):24s} "
                              f"{format_change(c, '+7.3f'):27s} {k['label'][l][i]}")
     v = report["validation"]
-    lines.append(f"baseline: val BLEU {base['bleu']:.2f}, val loss {base['loss']:.3f} ({v['sentences']} sentences, "
-                 f"greedy); [low, high]: {v['confidence']:.0%} paired bootstrap interval ({v['resamples']} "
-                 f"resamples, seed {v['seed']}); *: the interval excludes 0")
+    lines.append(f"baseline: val BLEU {base['bleu']:.2f} (greedy) and val loss {base['loss']:.3f} ({LOSS_NAME}) on "
+                 f"{v['sentences']} validation sentences; [low, high]: {v['confidence']:.0%} paired bootstrap "
+                 f"interval ({v['resamples']} resamples, seed {v['seed']}); *: the interval excludes 0")
+    lines.extend(loss_lines(report))
     return "\n".join(lines)
+
+
+LOSS_NAME = "cross-entropy per target token, no label smoothing"
+
+
+def loss_lines(report: dict) -> list[str]:
+    """What the loss above is next to the val loss of a training run's log, which is label-smoothed."""
+    base, log = report["baseline"], report.get("run_log")
+    lines = []
+    if base.get("loss_label_smoothed") is not None:
+        lines.append(f"  with the training's label smoothing {base['label_smoothing']:g} the same sentences give "
+                     f"{base['loss_label_smoothed']:.3f}: the quantity a run's log calls val loss, there on all "
+                     f"{report['validation']['of']} validation sentences")
+    if log is not None:
+        which = (f"the model of epoch {log['epoch']}, the last of the {log['averaged']} epochs this checkpoint "
+                 f"averages (the averaged model has no log line of its own)" if log.get("averaged")
+                 else f"this model, epoch {log['epoch']}")
+        lines.append(f"  the run's log: val loss {log['val_loss']:.3f} for {which}")
+    return lines
+
+
+def label_smoothing_of(meta: dict) -> float | None:
+    """The label smoothing the checkpoint was trained with, if it says (`train_config`)."""
+    value = (meta.get("train_config") or {}).get("label_smoothing")
+    return None if value is None else float(value)
+
+
+def run_log_loss(meta: dict) -> dict | None:
+    """The val loss a run's log printed for the checkpoint's epoch, if the checkpoint carries it."""
+    if meta.get("val_loss") is None:
+        return None
+    return {"val_loss": float(meta["val_loss"]), "epoch": meta.get("epoch"),
+            "averaged": len(meta["averaged"]) if meta.get("averaged") else None}
+
+
+def smoothed_loss(model, batches, eps: float, device) -> float:
+    """Label-smoothed loss per target token over `batches`: training's own `evaluate_loss`, the val loss of a
+    run's log
+    (`test_by_default_every_validation_sentence_and_the_label_smoothed_loss_is_the_runs_logged_val_loss`)."""
+    from annotated.training.train import evaluate_loss
+
+    return evaluate_loss(model, batches, eps, device)
 
 
 # ---------------------------------------------------------------- the command
@@ -344,36 +391,68 @@ def analyse(model, tokenizer, val, batches, args) -> tuple[dict, dict]:
 
 
 def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> dict:
-    from annotated.attention.prune import finetune, greedy_prune, removal_table, save_pruned, split_sentences
+    from annotated.attention.curve import curve_figure
+    from annotated.attention.prune import (
+        finetune,
+        greedy_prune,
+        removal_table,
+        save_pruned,
+        speed_ratio,
+        split_sentences,
+    )
     from annotated.plumbing.checkpoint import read_case_table
+    from annotated.plumbing.files import save_figure
     from annotated.sites import head_counts
+    from annotated.training.evaluate import evaluate_bleu
 
     ranking, held_out = split_sentences(len(val))
     rank_batches = _batches(encoded, ranking, model.config.max_len)
     held_batches = _batches(encoded, held_out, model.config.max_len)
+    held_pairs, refs = [val[i] for i in held_out], [t for _, t in test]
 
     def held_out_loss(m) -> float:
         loss, tokens = sentence_losses(m, held_batches)
         return float(loss.sum() / tokens.sum())
 
+    curve = []  # one point per model on the path: the unpruned one, then one per removal
+
+    def point(m, loss: float, kept: bool) -> None:  # greedy BLEU along the path: a decoding per point is its cost
+        curve.append({"heads_removed": len(curve), "held_out_loss": loss,
+                      "held_out_bleu": evaluate_bleu(m, tokenizer, held_pairs, 1, 0.0, args.device)[0]["bleu"],
+                      "test_bleu": evaluate_bleu(m, tokenizer, test, 1, 0.0, args.device)[0]["bleu"], "kept": kept})
+
+    def on_step(step, m) -> None:
+        if not curve:  # the unpruned model starts the curve
+            point(model, held_out_loss(model), True)
+        point(m, step.held_out_loss, step.kept)
+
     result = greedy_prune(model, held_out_loss, lambda m: head_importance(m, rank_batches), args.max_loss_increase,
-                          progress=True)
-    pruned = result.model
+                          progress=True, beyond_stop=True, on_step=on_step)
+    if not curve:  # nothing to remove: one head per attention already
+        point(model, result.baseline_loss, True)
+    pruned, stop = result.model, len(result.removed)
     if args.finetune_steps:
         pruned = finetune(pruned, _training_batches(meta, tokenizer, model.config.max_len), args.finetune_steps,
                           progress=True)
     total = sum(attention_at(model, *s).h for s in sites(model))
-    refs = [t for _, t in test]
-    rows, hyps = score_and_time({"before": model, "after": pruned}, tokenizer, test, args.beam)
-    test_change = paired_bleu_change(hyps["before"], hyps["after"], refs, args.resamples, args.seed)
+    hyps = [beam_bleu(m, tokenizer, test, args.beam, args.device)[1] for m in (model, pruned)]
+    test_change = paired_bleu_change(hyps[0], hyps[1], refs, args.resamples, args.seed)
+    b, a = (dict(describe(m, h, refs), **timing) for m, h, timing in
+            zip((model, pruned), hyps, time_both(model, pruned, tokenizer, test, args.beam)))
     removed = [f"{r.kind}[{r.layer}].{r.head}" for r in result.removed]
     save_pruned(args.out / "pruned.pt", pruned, tokenizer,
                 dict(meta, pruned_from=str(args.checkpoint), heads_removed=removed, head_counts=head_counts(pruned),
                      finetune_steps=args.finetune_steps), read_case_table(args.checkpoint))
-    b, a = rows["before"], rows["after"]
     final_loss = held_out_loss(pruned)
+    tuned = {"finetune_steps": args.finetune_steps, "held_out_loss": final_loss,
+             "test_bleu": evaluate_bleu(pruned, tokenizer, test, 1, 0.0, args.device)[0]["bleu"]} \
+        if args.finetune_steps else None
+    save_figure(curve_figure(curve, result.baseline_loss, args.max_loss_increase, stop, len(test), tuned,
+                             title=str(args.checkpoint)), args.out / "heads_pruning.png")
+    ratio = speed_ratio(a["speeds"], b["speeds"])
     say(f"pruning: removed {len(removed)} of {total} heads ({len(removed) / total:.0%}): {', '.join(removed) or '-'}")
-    say(f"  held-out validation loss ({len(held_out)} sentences, not used for ranking): {result.baseline_loss:.4f} -> "
+    say(f"  held-out validation loss ({len(held_out)} sentences, not used for ranking; cross-entropy per target "
+        f"token, no label smoothing): {result.baseline_loss:.4f} -> "
         f"{result.removed[-1].held_out_loss if result.removed else result.baseline_loss:.4f} "
         f"(stop rule: at most +{args.max_loss_increase:g})"
         + (f", {final_loss:.4f} after {args.finetune_steps} fine-tuning steps" if args.finetune_steps else ""))
@@ -381,45 +460,48 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     say(f"  test_2016_flickr BLEU (beam {args.beam}, {len(test)} sentences): {b['test_bleu']:.2f} -> "
         f"{a['test_bleu']:.2f}, change {format_change(test_change, '+.2f')} (95% paired bootstrap)")
     say(f"  decoding speed: {b['sentences_per_second']:.1f} -> {a['sentences_per_second']:.1f} sentences/s "
-        f"({a['sentences_per_second'] / b['sentences_per_second']:.2f}x), {b['subwords_per_second']:.0f} -> "
-        f"{a['subwords_per_second']:.0f} output subwords/s ({a['subwords_per_second'] / b['subwords_per_second']:.2f}x)"
-        f"; beam {args.beam}, {args.device}, {torch.get_num_threads()} threads, fastest of {SPEED_ROUNDS} "
-        f"alternating rounds")
+        f"(fastest round of each), {ratio:.2f}x (median of the {SPEED_ROUNDS} rounds' ratios); beam {args.beam}, "
+        f"{args.device}, {torch.get_num_threads()} threads; timed alone, alternating rounds")
+    say(f"  the path, past the stop to one head per attention: {args.out / 'heads_pruning.png'}")
     say(f"  pruned checkpoint: {args.out / 'pruned.pt'}")
     return {"stop_rule": STOP_RULE, "max_loss_increase": args.max_loss_increase,
             "ranking_sentences": len(ranking), "held_out_sentences": len(held_out),
             "baseline_held_out_loss": result.baseline_loss, "steps": removal_table(result),
+            "beyond_stop": [dataclasses.asdict(r) for r in result.beyond], "curve": curve,
             "finetune_steps": args.finetune_steps, "held_out_loss_final": final_loss,
             "removed": removed, "heads_total": total, "before": b, "after": a,
-            "test_bleu_change": change_json(test_change), "beam": args.beam,
+            "test_bleu_change": change_json(test_change), "speed_ratio": ratio, "beam": args.beam,
             "speed_rounds": SPEED_ROUNDS, "test_sentences": len(test), "device": str(args.device),
             "threads": torch.get_num_threads(), "checkpoint": str(args.out / "pruned.pt")}
 
 
-def score_and_time(models: dict, tokenizer, test, beam: int) -> tuple[dict, dict]:
-    """({name: test BLEU, speed, parameters, heads}, {name: translations}) of each model, timed in alternating
-    rounds in this process (the fastest round of each counts)."""
-    from annotated.attention.prune import count_parameters, timed_translation
-    from annotated.plumbing.progress import tracked
+def beam_bleu(model, tokenizer, test, beam: int, device) -> tuple[dict, list[str]]:
+    """(scores, translations) of the test pairs with beam search (length penalty LENGTH_PENALTY)."""
+    from annotated.training.evaluate import evaluate_bleu
+
+    return evaluate_bleu(model, tokenizer, test, beam, LENGTH_PENALTY, device)
+
+
+def describe(model, hyps: list[str], refs: list[str]) -> dict:
+    """Test BLEU (cased and lowercased) of `hyps`, and the model's size."""
+    from annotated.attention.prune import count_parameters
     from annotated.training.evaluate import score
 
-    sources, refs = [tokenizer.encode(s) for s, _ in test], [t for _, t in test]
-    rows, hyps = {}, {}
-    for rnd in tracked(range(SPEED_ROUNDS), SPEED_ROUNDS, "test BLEU and speed", "round"):
-        for name, m in models.items():
-            ids, speed = timed_translation(m, sources, beam, 0.6)
-            if rnd == 0:
-                hyps[name] = [tokenizer.decode(x) for x in ids]
-                s = score(hyps[name], refs)
-                rows[name] = {"test_bleu": s["bleu"], "test_bleu_lowercase": s["bleu_lowercase"],
-                              "sentences_per_second": speed, "parameters": count_parameters(m),
-                              "heads": sum(attention_at(m, *site).h for site in sites(m)),
-                              "output_subwords": sum(map(len, ids))}
-            row = rows[name]
-            row["sentences_per_second"] = round(max(row["sentences_per_second"], speed), 2)
-            # outputs of different lengths take different times: subwords per second is the rate per step
-            row["subwords_per_second"] = round(row["sentences_per_second"] * row["output_subwords"] / len(ids), 1)
-    return rows, hyps
+    s = score(hyps, refs)
+    return {"test_bleu": s["bleu"], "test_bleu_lowercase": s["bleu_lowercase"],
+            "parameters": count_parameters(model), "heads": sum(attention_at(model, *x).h for x in sites(model))}
+
+
+def time_both(model, pruned, tokenizer, test, beam: int) -> tuple[dict, dict]:
+    """Decoding speed of both models, timed alone: SPEED_ROUNDS alternating rounds of translating the test
+    sources, nothing else in between (`prune.alternating_speed`)."""
+    from annotated.attention.prune import alternating_speed
+
+    sources = [tokenizer.encode(s) for s, _ in test]
+    speeds = alternating_speed({"before": model, "after": pruned}, sources, beam, LENGTH_PENALTY, SPEED_ROUNDS,
+                               progress=True)
+    return tuple({"sentences_per_second": round(max(speeds[k]), 2), "speeds": [round(x, 3) for x in speeds[k]]}
+                 for k in ("before", "after"))
 
 
 def _training_batches(meta: dict, tokenizer, max_len: int):
@@ -470,11 +552,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = model.to(args.device)
     report: dict[str, Any] = {"checkpoint": str(args.checkpoint),
-              "validation": {"split": "val", "sentences": len(val), "decoding": "greedy",
-                             "loss": "cross-entropy per target token", "resamples": args.resamples,
-                             "seed": args.seed, "confidence": CONFIDENCE}}
+              "validation": {"split": "val", "sentences": len(val), "of": available, "decoding": "greedy",
+                             "loss": LOSS_NAME, "loss_label_smoothed": "the same with the training's label "
+                             "smoothing: the val loss of a run's log", "resamples": args.resamples,
+                             "seed": args.seed, "confidence": CONFIDENCE},
+              "run_log": run_log_loss(meta)}
     numbers, profiles = analyse(model, tokenizer, val, batches, args)
     report.update(numbers)
+    eps = label_smoothing_of(meta)
+    report["baseline"].update(label_smoothing=eps, loss_label_smoothed=None if eps is None else
+                              smoothed_loss(model, batches, eps, args.device))
     print(format_table(report), flush=True)
     widths = [c["high"] - c["low"] for k in KINDS for row in report["kinds"][k]["bleu_change"] for c in row]
     advice = noisy_advice(widths, len(val), available)

@@ -71,6 +71,14 @@ from annotated.transformer import EncoderDecoder, convert_model
 # fitted a little. The honest figure is the test BLEU of the final model,
 # measured once on data the search never saw (the command does, with its
 # bootstrap interval).
+#
+# The path itself does not depend on the threshold: the scores alone choose
+# which head goes next. So the search can go on past the stop
+# (`beyond_stop=True`), removing heads until every attention has one, without
+# changing what it keeps: the removals after the stop are recorded apart
+# (`PruneResult.beyond`), and `on_step` sees every model on the path. That is
+# the curve the command draws, held-out loss and BLEU against heads removed
+# (`test_going_beyond_the_stop_keeps_the_same_model_and_follows_the_same_path`).
 
 # %%
 MAX_LOSS_INCREASE = 0.02
@@ -103,6 +111,7 @@ class PruneResult:
     baseline_loss: float         # held-out loss of the unpruned model
     max_increase: float
     steps: list[Removal] = field(default_factory=list)
+    beyond: list[Removal] = field(default_factory=list)  # the path after the stop (beyond_stop=True), not kept
 
     @property
     def removed(self) -> list[Removal]:
@@ -111,13 +120,16 @@ class PruneResult:
 
 def greedy_prune(model: EncoderDecoder, held_out_loss: Callable[[EncoderDecoder], float],
                  importance: Callable[[EncoderDecoder], dict], max_increase: float = MAX_LOSS_INCREASE,
-                 progress: bool = False, baseline: float | None = None) -> PruneResult:
-    """Remove heads, least important first, until the held-out loss would rise more than `max_increase`."""
+                 progress: bool = False, baseline: float | None = None, beyond_stop: bool = False,
+                 on_step: Callable[[Removal, EncoderDecoder], None] | None = None) -> PruneResult:
+    """Remove heads, least important first, until the held-out loss would rise more than `max_increase`;
+    with `beyond_stop`, go on down the same path to one head per attention (recorded in `result.beyond`).
+    `on_step(removal, model without it)` is called at every step of the path."""
     if not max_increase >= 0:
         raise ValueError(f"max_increase must be >= 0 (nats per token), got {max_increase}")
     baseline = held_out_loss(model) if baseline is None else baseline
     original = {site: list(range(attention_at(model, *site).h)) for site in sites(model)}
-    result, current = PruneResult(model, baseline, max_increase), model
+    result, current, stopped = PruneResult(model, baseline, max_increase), model, False
     bar = progress_bar(sum(len(v) - 1 for v in original.values()), "pruning", "head") if progress else None
     while True:
         scores = importance(current)
@@ -128,15 +140,23 @@ def greedy_prune(model: EncoderDecoder, held_out_loss: Callable[[EncoderDecoder]
         score, site, i = min(candidates)
         trial = remove_heads(current, {site: [i]})
         loss = held_out_loss(trial)
-        step = Removal(site[0], site[1], original[site][i], score, loss, kept=loss - baseline <= max_increase)
-        result.steps.append(step)
+        # every removal is judged against the unpruned model's loss, never the previous step's
+        step = Removal(site[0], site[1], original[site][i], score, loss,
+                       kept=not stopped and loss - baseline <= max_increase)
+        (result.beyond if stopped else result.steps).append(step)
+        if on_step is not None:
+            on_step(step, trial)
         if bar is not None:
             bar.set_postfix_str(f"held-out loss {loss:.3f}")
             bar.update(1)
         if not step.kept:
-            break
+            stopped = True
+            if not beyond_stop:
+                break
+        else:
+            result.model = trial
         original[site].pop(i)
-        current = result.model = trial
+        current = trial
     if bar is not None:
         bar.close()
     return result
@@ -254,6 +274,14 @@ def finetune(model: EncoderDecoder, batches: list, steps: int, lr: float = FINET
 # cost of its own, does not change at all (a fused attention with 3 heads
 # makes as many calls as one with 4).
 
+# Timed alternately, the two models see the same slow spells of the machine,
+# so the ratio of the two times *within a round* is steadier than either
+# speed: `alternating_speed` translates the same sources with each model in
+# turn, `rounds` times, the order swapping every round, and nothing else
+# happens between the timings (the translations it scores come from a run of
+# their own). The ratio it reports is the median over the rounds of the
+# per-round ratios (`test_alternating_speed_times_each_model_in_every_round_in_turn`).
+
 # %%
 def timed_translation(model: EncoderDecoder, sources: list[list[int]], beam_size: int, length_penalty: float,
                       progress: bool = False) -> tuple[list[list[int]], float]:
@@ -263,6 +291,34 @@ def timed_translation(model: EncoderDecoder, sources: list[list[int]], beam_size
     start = time.perf_counter()
     out = translate_ids(model, sources, beam_size, length_penalty, progress=progress)
     return out, len(sources) / (time.perf_counter() - start)
+
+
+def alternating_speed(models: dict[str, EncoderDecoder], sources: list[list[int]], beam_size: int,
+                      length_penalty: float, rounds: int, progress: bool = False) -> dict[str, list[float]]:
+    """{name: [sentences per second in each round]}: every model translates `sources` once per round, in an
+    order that is reversed every other round."""
+    from annotated.plumbing.progress import tracked
+
+    if rounds < 1 or not models:
+        raise ValueError(f"timing needs at least one round and one model, got {rounds} rounds, {len(models)} models")
+    names, speeds = list(models), {name: [] for name in models}
+    for r in tracked(range(rounds), rounds, "timing", "round", progress):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            speeds[name].append(timed_translation(models[name], sources, beam_size, length_penalty)[1])
+    return speeds
+
+
+def speed_ratio(fast: list[float], base: list[float]) -> float:
+    """Median over rounds of `fast[r] / base[r]` (speeds of the same round).
+
+    >>> speed_ratio([2.0, 3.0, 1.0], [1.0, 2.0, 1.0])
+    1.5
+    """
+    import statistics
+
+    if len(fast) != len(base) or not fast:
+        raise ValueError(f"need one speed per round for both models, got {len(fast)} and {len(base)}")
+    return statistics.median(f / b for f, b in zip(fast, base))
 
 
 def removal_table(result: PruneResult) -> list[dict]:

@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 
+import matplotlib
 import numpy as np
 import pytest
 import torch
@@ -370,3 +371,79 @@ def test_command_misuse_exits_2_without_traceback():
     r = subprocess.run([sys.executable, "-m", "annotated.attention.heads", "--checkpoint", "x.pt", "--sentences", "-3"],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- one loss, named
+
+def test_by_default_every_validation_sentence_and_the_label_smoothed_loss_is_the_runs_logged_val_loss(
+        tmp_path, monkeypatch, data_url, cache):
+    import re
+
+    from annotated.attention.heads import _data, label_smoothing_of, parse_args, smoothed_loss
+    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.training import train
+
+    monkeypatch.setenv("MULTI30K_URL", data_url)
+    monkeypatch.setenv("ANNOTATED_CACHE", str(cache))
+    lines = []
+    train.train(train.PRESETS["smoke"], tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False,
+                log=lines.append)
+    best = tmp_path / "run" / "best.pt"
+    model, tokenizer, meta = load_checkpoint(best)
+    [logged] = [float(re.search(r"val loss ([0-9.]+)", line).group(1)) for line in lines
+                if line.startswith(f"epoch {meta['epoch']:3d} ")]
+    args = parse_args(["--checkpoint", str(best), "--out", str(tmp_path / "out")])
+    val, encoded, batches, _, available = _data(meta, tokenizer, args.sentences, model.config.max_len, False, None)
+    assert len(val) == available == 1014  # the whole validation split
+    assert label_smoothing_of(meta) == train.PRESETS["smoke"].label_smoothing == 0.1
+    got = smoothed_loss(model, batches, label_smoothing_of(meta), torch.device("cpu"))
+    # the log prints 3 decimals and the checkpoint keeps 4; the sums differ only in float rounding
+    assert got == pytest.approx(logged, abs=5e-4) and got == pytest.approx(meta["val_loss"], abs=1e-4)
+    loss, tokens = sentence_losses(model, batches)
+    assert abs(loss.sum() / tokens.sum() - meta["val_loss"]) > 0.01  # the plain cross-entropy is another number
+
+
+def test_the_table_names_each_loss_and_what_the_runs_log_scored():
+    from annotated.attention.heads import format_table, run_log_loss
+
+    meta = {"val_loss": 2.6631, "epoch": 20, "averaged": [f"runs/r/epoch{e}.pt" for e in range(16, 21)]}
+    report = _report()
+    for kind in KINDS:
+        report["kinds"][kind]["label"] = [["mixed", "mixed"]]
+    report.update(baseline={"bleu": 30.0, "loss": 1.573, "loss_label_smoothed": 2.612, "label_smoothing": 0.1},
+                  validation={"sentences": 1014, "of": 1014, "confidence": 0.95, "resamples": 1000, "seed": 0},
+                  run_log=run_log_loss(meta))
+    text = " ".join(format_table(report).split())
+    assert "val loss 1.573 (cross-entropy per target token, no label smoothing) on 1014 validation sentences" in text
+    assert "with the training's label smoothing 0.1 the same sentences give 2.612" in text
+    assert "the run's log: val loss 2.663 for the model of epoch 20, the last of the 5 epochs" in text
+    assert run_log_loss({"epoch": 3}) is None and run_log_loss({"val_loss": 1.0, "epoch": 3})["averaged"] is None
+
+
+# ---------------------------------------------------------------- the pruning curve
+
+def test_the_pruning_curve_marks_the_stop_and_draws_every_point_of_the_path():
+    from annotated.attention.curve import curve_figure
+    from annotated.attention.pictures import colour_table
+
+    losses, test, held = [1.70, 1.72, 1.78, 1.85, 2.10], [38.0, 38.1, 37.6, 36.0, 30.0], [35.0, 35.2, 34.0, 33.5, 28.0]
+    curve = [{"heads_removed": i, "held_out_loss": l, "test_bleu": t, "held_out_bleu": h, "kept": i <= 2}
+             for i, (l, t, h) in enumerate(zip(losses, test, held))]
+    fig = curve_figure(curve, 1.70, 0.1, stop=2, test_sentences=1000)
+    top, bottom = fig.axes
+    lines = {ax: [line for line in ax.get_lines() if len(line.get_xdata()) == 5] for ax in (top, bottom)}
+    assert list(lines[top][0].get_ydata()) == losses
+    assert np.allclose(lines[bottom][0].get_ydata(), [t - 38.0 for t in test])  # changes from the unpruned model
+    assert np.allclose(lines[bottom][1].get_ydata(), [h - 35.0 for h in held])
+    ceiling = [line for line in top.get_lines() if np.allclose(line.get_ydata(), 1.8)]
+    assert len(ceiling) == 1
+    for ax in (top, bottom):
+        stops = [line for line in ax.get_lines() if list(line.get_xdata()) == [2, 2]]
+        assert len(stops) == 1  # the dotted line at the stop
+        filled, hollow = ax.collections[:2]
+        assert [x for x, _ in filled.get_offsets()] == [0, 1, 2] and [x for x, _ in hollow.get_offsets()] == [3, 4]
+    colours = {c.lower() for c in colour_table(5)}
+    assert {matplotlib.colors.to_hex(line.get_color()) for ax in (top, bottom) for line in lines[ax]} <= colours
+    assert "heads removed" in bottom.get_xlabel() and "no label smoothing" in top.get_ylabel()
+    with pytest.raises(ValueError, match="unpruned"):
+        curve_figure(curve[1:], 1.70, 0.1, stop=2, test_sentences=1000)

@@ -80,6 +80,51 @@ def test_greedy_prune_follows_the_scores_and_stops_at_the_first_removal_that_bre
     assert len(everything.steps) == 3
 
 
+def test_going_beyond_the_stop_keeps_the_same_model_and_follows_the_same_path():
+    model = tiny_model("fused", N=1, h=2, dtype=torch.float32)
+    scores = {"enc_self": [0.9, 0.1], "dec_self": [0.8, 0.3], "cross": [0.2, 0.95]}
+
+    def importance(m):
+        return {k: [scores[k] if attention_at(m, k, 0).h == 2 else [scores[k][0]]] for k in KINDS}
+
+    def held_out_loss(m):  # the cross head breaks the rule (0.1 > 0.02); the dec_self head after it costs 0.005
+        c = head_counts(m)
+        return 2.0 + 0.1 * (c["cross"] == [1]) + 0.01 * (c["enc_self"] == [1]) + 0.005 * (c["dec_self"] == [1])
+
+    seen = []
+    stopped = greedy_prune(model, held_out_loss, importance, max_increase=0.02)
+    beyond = greedy_prune(model, held_out_loss, importance, max_increase=0.02, beyond_stop=True,
+                          on_step=lambda step, m: seen.append((step.kind, step.kept, head_counts(m))))
+    # what the rule keeps does not change
+    assert beyond.steps == stopped.steps and head_counts(beyond.model) == head_counts(stopped.model)
+    assert head_counts(beyond.model) == {"enc_self": [1], "dec_self": [2], "cross": [2]}
+    # the path goes on from the model without the removal that broke the rule, to one head per attention
+    assert [(s.kind, s.head, s.kept) for s in beyond.beyond] == [("dec_self", 1, False)]
+    assert beyond.beyond[0].held_out_loss == pytest.approx(2.115)  # all three removals together
+    assert seen == [("enc_self", True, {"enc_self": [1], "dec_self": [2], "cross": [2]}),
+                    ("cross", False, {"enc_self": [1], "dec_self": [2], "cross": [1]}),
+                    ("dec_self", False, {"enc_self": [1], "dec_self": [1], "cross": [1]})]
+
+
+def test_alternating_speed_times_each_model_in_every_round_in_turn(monkeypatch):
+    from annotated.attention import prune
+
+    calls, speeds = [], {"a": iter([10.0, 12.0, 11.0]), "b": iter([20.0, 18.0, 33.0])}
+
+    def fake_timing(model, sources, beam_size, length_penalty, progress=False):
+        calls.append(model)
+        return [], next(speeds[model])
+
+    monkeypatch.setattr(prune, "timed_translation", fake_timing)
+    got = prune.alternating_speed({"a": "a", "b": "b"}, [[4, 5]], 4, 0.6, rounds=3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]  # the order swaps every round
+    assert got == {"a": [10.0, 12.0, 11.0], "b": [20.0, 18.0, 33.0]}
+    # the ratio pairs each round's two timings: ratios 2.0, 1.5, 3.0, median 2.0 (not 33 / 12 of the fastest)
+    assert prune.speed_ratio(got["b"], got["a"]) == 2.0
+    with pytest.raises(ValueError, match="one speed per round"):
+        prune.speed_ratio([1.0], [1.0, 2.0])
+
+
 def test_greedy_prune_rejects_a_negative_max_increase():
     with pytest.raises(ValueError, match="max_increase"):
         greedy_prune(tiny_model(), lambda m: 0.0, lambda m: {}, max_increase=-0.1)
@@ -193,7 +238,8 @@ def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(tiny_checkpo
             for c in report["kinds"][kind][key][0]:
                 assert c["low"] <= c["value"] <= c["high"] and c["significant"] == (not c["low"] <= 0 <= c["high"])
     assert (out / "heads_inspect.png").stat().st_size > 0 and (out / "heads_examples.png").stat().st_size > 0
-    assert set(report["baseline"]) == {"bleu", "loss"}
+    assert set(report["baseline"]) == {"bleu", "loss", "label_smoothing", "loss_label_smoothed"}
+    assert report["baseline"]["label_smoothing"] is None  # this checkpoint does not say how it was trained
     assert report["validation"]["resamples"] == 50
     assert "[" in text and "paired bootstrap interval" in text
     assert report["pruning"]["ranking_sentences"] == 3 and report["pruning"]["held_out_sentences"] == 3
@@ -207,6 +253,13 @@ def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(tiny_checkpo
     # the saved model is the fine-tuned one: its held-out loss is not the pruned model's before the step
     assert report["pruning"]["held_out_loss_final"] != report["pruning"]["steps"][-1]["held_out_loss"]
     assert report["pruning"]["after"]["parameters"] == count_parameters(pruned)
+    # the curve: the unpruned model, then every removal of the path (past the stop too), drawn in one picture
+    curve, pruning = report["pruning"]["curve"], report["pruning"]
+    assert [p["heads_removed"] for p in curve] == list(range(1 + len(pruning["steps"]) + len(pruning["beyond_stop"])))
+    assert curve[0]["held_out_loss"] == pruning["baseline_held_out_loss"]
+    assert [p["held_out_loss"] for p in curve[1:]] == [s["held_out_loss"] for s in pruning["steps"]]
+    assert (out / "heads_pruning.png").stat().st_size > 0
+    assert len(pruning["before"]["speeds"]) == len(pruning["after"]["speeds"]) == pruning["speed_rounds"]
     # a second run does not overwrite the first without --force
     before = (out / "heads.json").read_bytes()
     assert main(argv) == 2 and "--force" in capsys.readouterr().err
