@@ -281,7 +281,8 @@ def from_marian(hf, attention: str = "fused", unk: int | None = None) -> tuple[E
 # The tests of logits and of the symmetry were seen to fail when the
 # conversion was broken on purpose: the renumbering skipped, `W_O` left
 # untransposed, SiLU read as GELU, the `-inf` of the duplicated pad left out,
-# `W_2` left out of the renumbering.
+# `W_2` left out of the renumbering; and the beam test when `generate` was
+# given one token less than our search.
 
 # %% [markdown]
 # ## 6. A trained model and its export, on real sentences
