@@ -278,10 +278,11 @@ def from_marian(hf, attention: str = "fused", unk: int | None = None) -> tuple[E
 # tokenizer; a folder in OPUS-MT's layout (`</s>` at 0, `<pad>` last, the
 # vocabulary's ids unlike the sentencepiece model's) imports with a tokenizer
 # that, under the token map, cuts text exactly as `MarianTokenizer` does.
-# Each of these tests was seen to fail when the conversion was broken on
-# purpose (the renumbering skipped, `W_O` left untransposed, SiLU read as
-# GELU, the `-inf` of the duplicated pad left out, `W_2` left out of the
-# renumbering, the export's decoder started with the pad).
+# The tests of logits and of the symmetry were seen to fail when the
+# conversion was broken on purpose: the renumbering skipped, `W_O` left
+# untransposed, SiLU read as GELU, the `-inf` of the duplicated pad left out,
+# `W_2` left out of the renumbering; and the beam test when `generate` was
+# given one token less than our search.
 
 # %% [markdown]
 # ## 6. A trained model and its export, on real sentences
