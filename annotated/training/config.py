@@ -126,6 +126,9 @@ class TrainConfig:
                              f"cooldown={self.cooldown}, max_steps={self.max_steps}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not 0 <= self.length_penalty < float("inf"):
+            raise ValueError(f"length_penalty must be a finite number >= 0 (0: none, 0.6: the usual), "
+                             f"got {self.length_penalty}")
 
     # the model settings a reader of the training code asks for most, by their paper names
     vocab_size = property(lambda self: self.model.src_vocab, doc="the joint sentencepiece vocabulary")

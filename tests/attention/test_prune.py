@@ -382,3 +382,22 @@ def test_every_removal_is_judged_against_the_unpruned_model():
     assert [s.kept for s in result.steps] == [True, False]
     assert [s.held_out_loss for s in result.steps] == [pytest.approx(2.015), pytest.approx(2.03)]
     assert sum(c == [1] for c in head_counts(result.model).values()) == 1
+
+
+def test_max_loss_increase_reaches_the_pruning_rule(monkeypatch):
+    """`--max-loss-increase` is the `max_increase` the search stops at (a value no default has)."""
+    from annotated.attention import heads
+
+    given = {}
+
+    def spy_search(model, held_out_loss, importance, max_increase=None, *args, **kwargs):
+        given["max_increase"] = kwargs.get("max_increase", max_increase)
+        raise StopIteration
+
+    monkeypatch.setattr("annotated.attention.prune.greedy_prune", spy_search)
+    monkeypatch.setattr(heads, "_batches", lambda enc, idx, max_len: list(idx))
+    encoded = [([4 + i, 5], [6, 7 + i]) for i in range(9)]
+    args = SimpleNamespace(max_loss_increase=0.37, finetune_steps=0)
+    with pytest.raises(StopIteration):
+        heads.prune_and_measure(tiny_model(), None, {}, [("s", "t")] * 9, encoded, [], args, print)
+    assert given == {"max_increase": 0.37}

@@ -539,3 +539,14 @@ def test_a_sentence_much_longer_than_the_training_sentences_is_translated_in_cla
     assert all(len(tok.decode(p)) <= LONG_SENTENCE and tok.decode(p)[-1] == "," for p in parts[:-1])
     alone = " ".join(tok.decode(translate_ids(model, [p], 4, 0.6)[0]) for p in parts)
     assert translation == " ".join(alone.splitlines())
+
+
+@pytest.mark.parametrize("n, size", [(1, 256), (5, 256), (7, 3), (6, 3)])
+def test_every_line_that_arrives_with_the_end_of_input_is_answered(n, size):
+    """A pipe's lines written at once and closed: the last window holds lines and the end of input together,
+    and is still answered (lines piped one at a time never show it)."""
+    from annotated.decoding.translate import arrived_windows
+
+    lines = [f"line {i}" for i in range(n)]
+    got = list(arrived_windows(iter(lines), size))
+    assert sum(got, []) == lines and all(1 <= len(w) <= size for w in got)

@@ -247,7 +247,8 @@ def test_no_command_uses_another_ctrl_c_protocol():
 
     public = {n for n in dir(interrupts) if not n.startswith("_") and callable(getattr(interrupts, n))
               and getattr(getattr(interrupts, n), "__module__", None) == interrupts.__name__}
-    assert public == {"quiet_ctrl_c_while_starting", "run_command", "ctrl_c_requested", "importing", "StopFlag"}
+    assert public == {"quiet_ctrl_c_while_starting", "run_command", "ctrl_c_requested", "importing", "can_be_caught_at",
+                      "StopFlag"}
     files = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "tests" not in p.parts]
     assert not [p for p in files if "import interrupts as" in p.read_text(encoding="utf-8")]
 

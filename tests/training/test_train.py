@@ -256,3 +256,10 @@ def test_two_runs_on_one_install_give_bit_identical_figures(tmp_path, data_url, 
     first, second = (figures(run) for run in runs)
     assert first["history"] and first["test"] and first["steps"] == 16
     assert first == second
+
+
+@pytest.mark.parametrize("penalty", [-0.5, float("nan"), float("inf")])
+def test_a_negative_or_non_finite_length_penalty_is_refused_at_the_door(penalty):
+    """Refused when the settings are made, naming the setting and what it takes, before any data or model."""
+    with pytest.raises(ValueError, match="length_penalty must be a finite number >= 0"):
+        dataclasses.replace(train.PRESETS["smoke"], length_penalty=penalty)
