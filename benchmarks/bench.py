@@ -104,9 +104,9 @@ def _meta(sizes: list[Size], st: Settings) -> dict:
             "load_average_start": list(os.getloadavg())}
 
 
-def run_benchmarks(sizes: list[Size], settings: Settings = Settings(), log: Callable[[str], None] = print) -> dict:
+def run_benchmarks(sizes: list[Size], settings: Settings | None = None, log: Callable[[str], None] = print) -> dict:
     """Run everything for these sizes; returns the result (`report.to_json` makes it what the JSON file holds)."""
-    st = settings
+    st = settings or Settings()
     if st.peak_tflops is None and st.device.type == "cuda" and st.dtype == "bf16":
         st = dataclasses.replace(st, peak_tflops=peak_tflops(device_name(st.device)))
     meta = _meta(sizes, st)
@@ -181,7 +181,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                         peak_n=1024 if args.quick else 2048, seed=args.seed, peak_tflops=args.peak_tflops,
                         clock=args.clock, compile_keys=None if device.type == "cuda" else ("fused_sdpa",))
     except ValueError as e:
-        raise SystemExit(f"bench.py: {e}")
+        raise SystemExit(f"bench.py: {e}") from None
 
 
 def main(argv=None) -> dict:

@@ -506,7 +506,7 @@ def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs
     tokens = md.parse(fence_doctests(cell.source), env)
     inserts: dict[int, list[str]] = {}
     open_headings = [i for i, t in enumerate(tokens) if t.type == "heading_open"]
-    for n, i in enumerate(open_headings):
+    for _n, i in enumerate(open_headings):
         level, text = int(tokens[i].tag[1]), _heading_text(tokens[i + 1])
         if level == 1 and first_h1:
             anchor, first_h1 = page.unique_id(chapter), False

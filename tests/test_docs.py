@@ -991,7 +991,7 @@ def test_reading_figure_rows_sum_to_one():
         np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-12)
         if causal:
             assert (np.triu(weights, 1) == 0).all()
-    fig, caption = F.draw_reading(None)
+    _fig, caption = F.draw_reading(None)
     assert "written by hand" in caption and "not taken from a model" in caption
 
 

@@ -414,7 +414,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         loss, tokens = sentence_losses(m, held_batches)
         return float(loss.sum() / tokens.sum())
 
-    curve = []  # one point per model on the path: the unpruned one, then one per removal
+    curve: list[dict] = []  # one point per model on the path: the unpruned one, then one per removal
 
     def point(m, loss: float, kept: bool) -> None:  # greedy BLEU along the path: a decoding per point is its cost
         curve.append({"heads_removed": len(curve), "held_out_loss": loss,
@@ -500,8 +500,9 @@ def time_both(model, pruned, tokenizer, test, beam: int) -> tuple[dict, dict]:
     sources = [tokenizer.encode(s) for s, _ in test]
     speeds = alternating_speed({"before": model, "after": pruned}, sources, beam, LENGTH_PENALTY, SPEED_ROUNDS,
                                progress=True)
-    return tuple({"sentences_per_second": round(max(speeds[k]), 2), "speeds": [round(x, 3) for x in speeds[k]]}
-                 for k in ("before", "after"))
+    before, after = ({"sentences_per_second": round(max(speeds[k]), 2), "speeds": [round(x, 3) for x in speeds[k]]}
+                     for k in ("before", "after"))
+    return before, after
 
 
 def _training_batches(meta: dict, tokenizer, max_len: int):

@@ -301,7 +301,8 @@ def alternating_speed(models: dict[str, EncoderDecoder], sources: list[list[int]
 
     if rounds < 1 or not models:
         raise ValueError(f"timing needs at least one round and one model, got {rounds} rounds, {len(models)} models")
-    names, speeds = list(models), {name: [] for name in models}
+    names = list(models)
+    speeds: dict[str, list[float]] = {name: [] for name in models}
     for r in tracked(range(rounds), rounds, "timing", "round", progress):
         for name in (names if r % 2 == 0 else names[::-1]):
             speeds[name].append(timed_translation(models[name], sources, beam_size, length_penalty)[1])

@@ -19,10 +19,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from annotated.interop.marian import from_marian, to_marian
 from annotated.tokens import BOS, EOS, PAD, UNK
-from annotated.transformer import TransformerConfig
+from annotated.transformer import AttentionForm, TransformerConfig
 
 # %% [markdown]
 # ## Folders and files
@@ -148,7 +149,9 @@ def _renumbered_tokenizer(folder: Path, src_map: list[int], tgt_map: list[int]):
     with the pieces renumbered to our ids, or None where that cannot be done."""
     import json
 
-    from sentencepiece import sentencepiece_model_pb2 as pb
+    from sentencepiece import sentencepiece_model_pb2
+
+    pb: Any = sentencepiece_model_pb2  # generated protobuf classes: no types for mypy to read
 
     from annotated.tokens import Tokenizer, TokenizerError
 
@@ -190,7 +193,7 @@ def _unk_of(folder: Path) -> int | None:
     return json.loads(vocab.read_text(encoding="utf-8")).get("<unk>") if vocab.is_file() else None
 
 
-def import_marian(folder: Path, out: Path, attention: str = "fused", overwrite: bool = False) -> tuple[Path, bool]:
+def import_marian(folder: Path, out: Path, attention: AttentionForm = "fused", overwrite: bool = False) -> tuple[Path, bool]:
     """Write the MarianMTModel folder `folder` as our checkpoint `out`; returns (out, whether it holds a tokenizer)."""
     from transformers import MarianMTModel
 

@@ -67,6 +67,8 @@ from annotated.interop.layout import (
 from annotated.plumbing.checks import check_marian_config, check_marian_exportable
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import (
+    Activation,
+    AttentionForm,
     EncoderDecoder,
     TransformerConfig,
     convert_model,
@@ -75,7 +77,7 @@ from annotated.transformer import (
 
 NAME = "marian"
 TO_MARIAN_ACTIVATION = {"relu": "relu", "gelu": "gelu", "silu": "swish"}
-FROM_MARIAN_ACTIVATION = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
+FROM_MARIAN_ACTIVATION: dict[str, Activation] = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
 
 # %% [markdown]
 # ## 1. Token ids: `bos` and Marian's decoder start
@@ -166,7 +168,7 @@ def to_marian(model: EncoderDecoder, heads: dict | None = None):
     if cfg.share_embeddings:
         hf_state["model.shared.weight"] = hf_state["model.encoder.embed_tokens.weight"]
     dtype = next(model.parameters()).dtype
-    hf = MarianMTModel(marian_config(cfg)).to(dtype).eval()
+    hf = MarianMTModel(marian_config(cfg)).to(dtype).eval()  # type: ignore[arg-type]  # nn.Module.to(dtype); transformers' stub types only .to(model)
     for name, t in hf.state_dict().items():
         if "embed_positions" not in name:  # the sinusoids: Marian computes its own table
             t.copy_(hf_state[name])
@@ -209,7 +211,7 @@ def our_config(config, src_vocab: int, tgt_vocab: int, share: bool, tie: bool) -
 
 
 @torch.no_grad()
-def from_marian(hf, attention: str = "fused", unk: int | None = None) -> tuple[EncoderDecoder, list[int], list[int]]:
+def from_marian(hf, attention: AttentionForm = "fused", unk: int | None = None) -> tuple[EncoderDecoder, list[int], list[int]]:
     """Our model computing the same function as MarianMTModel `hf`, and the source and target token maps
     (our id -> Marian's id). `unk` is the vocabulary's unk id, where known."""
     config = hf.config

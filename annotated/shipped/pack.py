@@ -55,7 +55,8 @@ class PackError(ValueError):
 def compact_state(state: dict) -> dict:
     """The checkpoint `state` for the box: float weights as float16 (tied ones stored once), the tokenizer and
     case table kept, training state and local paths dropped."""
-    model, halves = {}, []
+    model: dict = {}
+    halves: list = []
     for name, tensor in state["model"].items():
         if not tensor.is_floating_point():
             model[name] = tensor

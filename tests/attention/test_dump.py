@@ -688,8 +688,8 @@ def test_the_controls_wrap_on_a_narrow_screen(full_dump, tmp_path):
                            "const r = e.getBoundingClientRect(); return [e.id, r.left, r.right, r.width]; })")
         assert len(boxes) == 5
         for name, left, right, width in boxes:
-            assert 0 <= left and right <= 800 and width >= 60, (name, left, right, width)
-        assert dict((b[0], b[3]) for b in boxes)["sentence"] >= 200
+            assert left >= 0 and right <= 800 and width >= 60, (name, left, right, width)
+        assert {b[0]: b[3] for b in boxes}["sentence"] >= 200
         assert browser.js("document.documentElement.scrollWidth") <= 800
         assert console_errors(browser) == []
     finally:

@@ -393,7 +393,7 @@ def test_by_default_every_validation_sentence_and_the_label_smoothed_loss_is_the
     [logged] = [float(re.search(r"val loss ([0-9.]+)", line).group(1)) for line in lines
                 if line.startswith(f"epoch {meta['epoch']:3d} ")]
     args = parse_args(["--checkpoint", str(best), "--out", str(tmp_path / "out")])
-    val, encoded, batches, _, available = _data(meta, tokenizer, args.sentences, model.config.max_len, False, None)
+    val, _encoded, batches, _, available = _data(meta, tokenizer, args.sentences, model.config.max_len, False, None)
     assert len(val) == available == 1014  # the whole validation split
     assert label_smoothing_of(meta) == train.PRESETS["smoke"].label_smoothing == 0.1
     got = smoothed_loss(model, batches, label_smoothing_of(meta), torch.device("cpu"))

@@ -6,7 +6,9 @@ are nonsense, so the tests compare the command line's output with the same
 search run in this process: the same checkpoint, tokenizer and decoder must
 give the same text.
 """
+import functools
 import io
+import operator
 import os
 import signal
 import subprocess
@@ -535,7 +537,7 @@ def test_a_sentence_much_longer_than_the_training_sentences_is_translated_in_cla
     parts = spy.calls[-1]
     assert len(parts) > 1 and note == (f"{len(text)} characters, longer than the sentences the model learned from "
                                        f"({LONG_SENTENCE}); translated in {len(parts)} parts")
-    assert sum(parts, []) == tok.encode(text)  # nothing lost, nothing added, in order
+    assert functools.reduce(operator.iadd, parts, []) == tok.encode(text)  # nothing lost, nothing added, in order
     assert all(len(tok.decode(p)) <= LONG_SENTENCE and tok.decode(p)[-1] == "," for p in parts[:-1])
     alone = " ".join(tok.decode(translate_ids(model, [p], 4, 0.6)[0]) for p in parts)
     assert translation == " ".join(alone.splitlines())
@@ -549,4 +551,4 @@ def test_every_line_that_arrives_with_the_end_of_input_is_answered(n, size):
 
     lines = [f"line {i}" for i in range(n)]
     got = list(arrived_windows(iter(lines), size))
-    assert sum(got, []) == lines and all(1 <= len(w) <= size for w in got)
+    assert functools.reduce(operator.iadd, got, []) == lines and all(1 <= len(w) <= size for w in got)

@@ -261,7 +261,7 @@ def test_sigint_at_start_up_exits_130_without_a_traceback(tmp_path, data_url, ca
     try:
         wait_past_the_quiet_handler(p)  # any moment after that gives the same outcome
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=GUARD)
+        _out, err = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
@@ -288,7 +288,7 @@ def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command
             assert chunk, f"{command} ended before it started working: {err.decode(errors='replace')}"
             err += chunk
         p.send_signal(signal.SIGINT)
-        out, rest = p.communicate(timeout=GUARD)
+        _out, rest = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
@@ -313,7 +313,7 @@ def test_other_commands_exit_130_on_ctrl_c_while_torch_loads(tmp_path, command, 
     try:
         wait_past_the_quiet_handler(p)  # inside the heavy imports (torch: over 1 s here)
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=GUARD)
+        _out, err = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
@@ -968,7 +968,7 @@ def test_once_escaped_fused_attention_returns_unasked_probabilities(monkeypatch)
 @pytest.mark.parametrize("shape", [(), (4,), (1,)])
 @escape("FusedAttention: a 0-d or 1-d mask (valid: it broadcasts) fails in mask.unsqueeze(-3) with IndexError")
 def test_once_escaped_fused_attention_low_rank_mask(shape):
-    _, fused, reference = attention_modules(8, 2, True, torch.float32)
+    _, fused, _reference = attention_modules(8, 2, True, torch.float32)
     x = torch.randn(2, 3, 8)
     result = outcome(lambda: fused(x, torch.randn(2, 4, 8), torch.ones(shape, dtype=torch.bool)), valid=True)
     assert result.shape == (2, 3, 8)

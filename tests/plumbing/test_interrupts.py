@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from children import IMPORT_TIMES, said, wait_past_the_quiet_handler
 
 from annotated.plumbing.scripts import SCRIPTS
-from children import IMPORT_TIMES, said, wait_past_the_quiet_handler
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = 120  # seconds: a guard against a hung child (a swallowed Ctrl-C), never a timing assertion
@@ -79,7 +79,7 @@ def test_ctrl_c_in_code_that_cannot_pass_an_exception_on_still_exits_130(place, 
             assert p.stderr.readline() == "working\n"
             time.sleep(delay)
             p.send_signal(signal.SIGINT)
-            out, err = p.communicate(timeout=GUARD)
+            _out, err = p.communicate(timeout=GUARD)
         finally:
             if p.poll() is None:
                 p.kill()
@@ -100,7 +100,7 @@ def test_console_scripts_exit_130_on_ctrl_c_while_torch_loads(name, tmp_path):
     try:
         wait_past_the_quiet_handler(p)  # and inside the command module's imports (torch: over 1 s)
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=GUARD)
+        _out, err = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
@@ -119,7 +119,7 @@ def test_a_console_script_stopped_while_it_works_exits_130_without_a_traceback(t
             assert chunk, err.decode(errors="replace")
             err += chunk
         p.send_signal(signal.SIGINT)
-        out, rest = p.communicate(timeout=GUARD)
+        _out, rest = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()

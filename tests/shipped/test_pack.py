@@ -4,13 +4,12 @@ import json
 
 import pytest
 import torch
+from tiny_box import PAIRS, make_run
 
 from annotated.plumbing.checkpoint import load_checkpoint, read_checkpoint
 from annotated.shipped.pack import PackError, compact_state, main, pack, training_command
 from annotated.training.config import PRESETS, config_dict
 from annotated.training.evaluate import evaluate_bleu
-
-from tiny_box import PAIRS, make_run
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +26,7 @@ def test_the_packed_weights_are_the_float16_rounding_of_the_run_model_and_load_a
     original = read_checkpoint(run / "best.pt")
     stored = read_checkpoint(model_file)
     assert {t.dtype for t in stored["model"].values()} == {torch.float16}
-    loaded, tok, meta = load_checkpoint(model_file)
+    loaded, _tok, _meta = load_checkpoint(model_file)
     for name, weight in loaded.state_dict().items():
         assert weight.dtype == torch.float32
         assert torch.equal(weight, original["model"][name].half().float()), name

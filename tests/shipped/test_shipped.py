@@ -7,20 +7,17 @@ import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_box import make_box, make_run
 
 import annotated.shipped as shipped
 from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
 from annotated.shipped import choose_checkpoint, shipped_model
 from annotated.shipped.pack import FIRST, MAX_BYTES
 from annotated.training.evaluate import evaluate_bleu
-
-from tiny_box import make_box, make_run
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL = ROOT / "annotated" / "shipped"
@@ -85,10 +82,10 @@ def test_a_tampered_model_stops_the_translator_with_one_line(box):
 
 
 def test_a_missing_model_or_direction_is_named_with_what_to_do(box):
-    with pytest.raises(CheckpointError, match="no shipped fr->en model.*--src fr --tgt en"):
+    with pytest.raises(CheckpointError, match=r"no shipped fr->en model.*--src fr --tgt en"):
         shipped_model("fr-en")
     (box / "en-de.pt").unlink()
-    with pytest.raises(CheckpointError, match="en-de.pt is missing"):
+    with pytest.raises(CheckpointError, match=r"en-de\.pt is missing"):
         shipped_model("en-de")
 
 
@@ -211,5 +208,5 @@ def test_each_shipped_model_translates_50_test_sentences_as_its_card_says(direct
     src, tgt = direction.split("-")
     pairs = load_multi30k("test_2016_flickr", src, tgt, base_url=data_url)[:FIRST]
     model, tok, _ = shipped.load_shipped(direction, REAL)
-    scores, hyps = evaluate_bleu(model, tok, pairs, card["scores"]["beam"], card["scores"]["length_penalty"])
+    scores, _hyps = evaluate_bleu(model, tok, pairs, card["scores"]["beam"], card["scores"]["length_penalty"])
     assert abs(scores["bleu_lowercase"] - card["scores"][f"first_{FIRST}"]["bleu_lowercase"]) <= 1.0

@@ -3,6 +3,7 @@
 The model is untrained (its translations are nonsense); what the tests check is the packing, the checks on load
 and which model a command takes, none of which depends on the model having learnt anything.
 """
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,7 +15,6 @@ from annotated.shipped.pack import pack
 from annotated.training.config import PRESETS, config_dict
 from annotated.training.data import train_tokenizer
 from annotated.transformer import make_model
-import dataclasses
 
 GERMAN = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park.", "Eine Frau liest ein Buch."]
 ENGLISH = ["A dog runs across the meadow.", "Two men play football in the park.", "A woman reads a book."]

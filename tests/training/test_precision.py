@@ -34,7 +34,7 @@ def test_auto_is_fp32_on_a_torch_without_avx512_kernels(monkeypatch):
 
 def test_fp32_when_asked_and_bf16_refused_where_unsupported(avx512_torch):
     assert devices.resolve_precision("fp32", CPU, flags=frozenset({"avx512_bf16"})) == ("fp32", "fp32 as set (by --precision or the preset)")
-    with pytest.raises(ValueError, match="--precision bf16: this CPU has no bf16 instructions .*use "
+    with pytest.raises(ValueError, match=r"--precision bf16: this CPU has no bf16 instructions .*use "
                                          "--precision fp32 or auto"):
         devices.resolve_precision("bf16", CPU, flags=frozenset({"avx2"}))
     with pytest.raises(ValueError, match="precision must be auto, fp32 or bf16, got 'fp16'"):
