@@ -124,9 +124,10 @@ def is_shipped(path: Path, folder: Path | None = None) -> bool:
 
 def outputs_beside(checkpoint: Path) -> Path:
     """Where a command writes what belongs beside its checkpoint: the checkpoint's folder, but
-    `runs/shipped-<direction>/` for a model of the (read-only) box."""
+    `runs/shipped-<direction>/` for a model of the (read-only) box. Through `runs/latest` it names the run itself,
+    which stays where it is when `latest` moves on."""
     checkpoint = Path(checkpoint)
-    return Path("runs") / f"shipped-{checkpoint.stem}" if is_shipped(checkpoint) else checkpoint.parent
+    return Path("runs") / f"shipped-{checkpoint.stem}" if is_shipped(checkpoint) else checkpoint.resolve().parent
 
 
 def _run_direction(model: Path) -> str | None:

@@ -247,9 +247,7 @@ def test_checkpoint_that_does_not_load_fails_its_row(monkeypatch, tmp_path):
     def load_checkpoint(path, map_location="cpu"):
         raise ValueError(f"checkpoint {path} is corrupt")
 
-    fake = types.ModuleType("annotated.plumbing.checkpoint")
-    fake.load_checkpoint = load_checkpoint
-    monkeypatch.setitem(sys.modules, "annotated.plumbing.checkpoint", fake)
+    monkeypatch.setattr("annotated.plumbing.checkpoint.load_checkpoint", load_checkpoint)
     rows = E.check_checkpoint(str(tmp_path / "bad.pt"))
     assert len(rows) == 1 and not rows[0].passed and "bad.pt is corrupt" in rows[0].notes[0]
     with pytest.raises(SystemExit) as err:
