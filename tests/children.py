@@ -13,8 +13,10 @@ import subprocess
 IMPORT_TIMES = ["-X", "importtime"]
 
 
-def wait_past_the_quiet_handler(p: subprocess.Popen) -> str:
-    """Read the child's stderr (text mode) up to the first import after the protocol's module; return it."""
+def wait_past_the_quiet_handler(p: subprocess.Popen, after: str = "annotated.plumbing.interrupts") -> str:
+    """Read the child's stderr (text mode) up to the first import after module `after` (the protocol's module,
+    whose handler a command installs next; for a console script, the scripts module, whose function installs it);
+    return it."""
     seen, err = False, ""
     while True:
         line = p.stderr.readline()
@@ -22,7 +24,7 @@ def wait_past_the_quiet_handler(p: subprocess.Popen) -> str:
         err += line
         if line.startswith("import time:") and seen:
             return err
-        seen = seen or line.rstrip().endswith(" annotated.plumbing.interrupts")
+        seen = seen or line.rstrip().endswith(f" {after}")
 
 
 def said(err: str) -> str:

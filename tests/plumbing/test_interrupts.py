@@ -98,7 +98,7 @@ def test_console_scripts_exit_130_on_ctrl_c_while_torch_loads(name, tmp_path):
     p = subprocess.Popen(script(name), cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
-        wait_past_the_quiet_handler(p)  # and inside the command module's imports (torch: over 1 s)
+        wait_past_the_quiet_handler(p, "annotated.plumbing.scripts")  # inside the command's imports (torch: > 1 s)
         p.send_signal(signal.SIGINT)
         _out, err = p.communicate(timeout=GUARD)
     finally:
