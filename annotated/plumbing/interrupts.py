@@ -92,8 +92,8 @@ def _own(code) -> bool:
 
 
 def _cannot_pass_an_exception_on(code, callbacks) -> bool:
-    return code in callbacks or code.co_name == "__del__" or (code.co_filename, code.co_name) == ("<string>",
-                                                                                                 "<module>")
+    top_of_python_c = (code.co_filename, code.co_name) == ("<string>", "<module>")
+    return code in callbacks or code.co_name == "__del__" or top_of_python_c
 
 
 def can_be_caught_at(frame) -> bool:

@@ -736,8 +736,8 @@ def check_checkpoint(path: str, sentences: int = 64, seed: int = 0) -> list[Chec
     src = torch.randint(4, cfg.src_vocab, (sentences, S), generator=gen)  # (n, S) ids past pad/bos/eos/unk
     lengths = torch.randint(1, S + 1, (sentences,), generator=gen)
     src = src.masked_fill(torch.arange(S) >= lengths[:, None], PAD)  # (n, S) with padding
-    tgt = torch.cat([torch.full((sentences, 1), BOS), torch.randint(4, cfg.tgt_vocab, (sentences, T - 1),
-                                                                    generator=gen)], dim=1)  # (n, T)
+    words = torch.randint(4, cfg.tgt_vocab, (sentences, T - 1), generator=gen)  # (n, T - 1)
+    tgt = torch.cat([torch.full((sentences, 1), BOS), words], dim=1)  # (n, T)
     res = compare_model_forms(model, src, tgt, max_len=min(30, cfg.max_len))
     return _model_rows(f"checkpoint {path}", res)
 

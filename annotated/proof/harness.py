@@ -347,8 +347,8 @@ def compare_with_torch_mha(case: MhaCase, seed: int = 0) -> dict:
         attn_mask, kpm = torch_mha_masks(ours_mask, B, case.h)
 
     before, after = fused_parameters(fu), fused_parameters(back)
-    res: dict[str, float] = {"roundtrip": before.keys() == after.keys() and all(torch.equal(before[n], after[n])
-                                                                                 for n in before)}
+    same = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    res: dict[str, float] = {"roundtrip": same}
     if train:  # compare gradients too
         out_o, p_o, gin_o = run_with_grads(ours, x_q, x_kv, ours_mask, G, case.cross)
         q = x_q.clone().requires_grad_()
