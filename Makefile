@@ -147,7 +147,7 @@ heads: $(SETUP)
 
 # make docs: annotated/*.py rendered into docs/_build/index.html (math as MathML, figures drawn by the
 # modules' own code; offline). Attention figure from CHECKPOINT=..., else the latest run's model (averaged.pt or
-# best.pt), else the copy task (trained once, ~20 s, cached in docs/_build/.cache). A file in the output
+# best.pt), else the shipped de->en model, else the copy task (trained once, ~20 s, cached in docs/_build/.cache). A file in the output
 # folder that no docs build wrote is never replaced: ARGS=--overwrite allows it (python -m docs.build --help).
 # make notebook: annotated/transformer.py as docs/_build/transformer.ipynb, its prose examples and figures as
 # code cells, executed (docs/notebook.py; python -m docs.notebook --help). make jupyter: JupyterLab, from

@@ -108,13 +108,13 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
     ("part-3", "Part III. Data, training and decoding",
      ("training/data", "decoding/search", "training/train", "training/distributed", "training/runs",
       "training/evaluate", "training/syncs", "training/config", "training/results", "decoding/translate",
-      "decoding/casing", "training/add_case_table")),
+      "decoding/casing", "training/add_case_table", "shipped/pack")),
     ("part-4", "Part IV. Attention and heads",
      ("sites", "attention/dump", "attention/pictures", "attention/viewer", "attention/importance",
       "attention/profiles", "attention/prune", "attention/bootstrap", "attention/heads", "attention/curve")),
     ("appendix", "Appendix. The plumbing",
      ("plumbing/checks", "plumbing/checkpoint", "plumbing/devices", "plumbing/files", "plumbing/interrupts",
-      "plumbing/options", "plumbing/progress",
+      "plumbing/options", "plumbing/progress", "plumbing/provenance", "plumbing/scripts",
       "proof/harness", "recording")))
 FOLDER_PART = {"": "part-1", "proof": "part-2", "interop": "part-2", "training": "part-3", "decoding": "part-3", "attention": "part-4",
                "plumbing": "appendix"}  # where a module no part lists goes, by its folder (else the appendix)
@@ -980,8 +980,8 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
           embeds: Mapping[str, Embed] | None = None) -> BuildResult:
     """Render the modules, then the guides, into out/index.html (+ out/figures/). Returns what was built.
 
-    `checkpoint`: "auto" uses the latest run's model (runs/latest/averaged.pt or best.pt)
-    for the attention figure if one exists (else the copy task); a path uses
+    `checkpoint`: "auto" uses the latest run's model (runs/latest/averaged.pt or best.pt), else the shipped
+    de -> en model, for the attention figure (else the copy task); a path uses
     that checkpoint (an error if it does not load); None always uses the copy task.
     `overwrite`: replace files in `out` that no docs build wrote (else OutputError).
     `embeds`: module -> the `Embed` placed at the end of that module's chapter (default: EMBEDS with the
@@ -1145,7 +1145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=writable_dir, default=DEFAULT_OUT, help="output folder (default docs/_build)")
     p.add_argument("--checkpoint", default="auto",
                    help="checkpoint for the attention figure: auto (the latest run's model, averaged.pt or best.pt, "
-                        "else the copy task), none (copy task), or a path")
+                        "else the shipped de->en model, else the copy task), none (copy task), or a path")
     p.add_argument("--copy-steps", type=at_least(0), default=300, help="training steps of the copy-task model")
     p.add_argument("--overwrite", action="store_true",
                    help="replace files in --out that no docs build wrote (an index.html of yours, say)")

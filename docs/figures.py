@@ -279,12 +279,13 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
 
 # %%
 def find_checkpoint(root: Path) -> Path | None:
-    """The translator's default checkpoint (`latest_checkpoint` of root/runs), or None when there is none."""
+    """The translator's default model (`choose_checkpoint`: the latest run under root/runs, else the de -> en model
+    shipped in the package), or None when there is neither."""
     from annotated.plumbing.checkpoint import CheckpointError
-    from annotated.training.runs import latest_checkpoint
+    from annotated.shipped import choose_checkpoint
 
     try:
-        return latest_checkpoint(root / "runs")
+        return choose_checkpoint(None, root / "runs")
     except CheckpointError:
         return None
 

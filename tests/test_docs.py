@@ -445,7 +445,9 @@ def test_no_external_resources_and_every_local_one_exists(site):
 
 
 def test_find_checkpoint_prefers_latest_then_newest(tmp_path):
-    assert F.find_checkpoint(tmp_path) is None
+    from annotated.shipped import shipped_model
+
+    assert F.find_checkpoint(tmp_path) == shipped_model("de-en")  # no run: the model in the box
     older, newer = tmp_path / "runs" / "a" / "best.pt", tmp_path / "runs" / "b" / "best.pt"
     for i, p in enumerate((older, newer)):
         p.parent.mkdir(parents=True)
