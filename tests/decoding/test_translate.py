@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -128,21 +127,29 @@ def test_ctrl_c_exits_130_without_a_traceback(ckpt, when):
     Python would raise KeyboardInterrupt inside `import torch` (a traceback; on torch 2.11 once an
     abort); the command exits at once while modules load, and says so like every command
     (annotated/plumbing/interrupts.py)."""
-    p = subprocess.Popen([sys.executable, "-m", "annotated.decoding.translate", "--checkpoint", str(ckpt)], cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    from children import IMPORT_TIMES, said, wait_past_the_quiet_handler
+
+    loading = when == "while torch loads"
+    p = subprocess.Popen([sys.executable, *(IMPORT_TIMES if loading else []), "-m", "annotated.decoding.translate",
+                          "--checkpoint", str(ckpt)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killer = threading.Timer(120, p.kill)  # a guard against a hang, not a timing assertion
     killer.start()
     try:
-        if when == "while torch loads":
-            time.sleep(0.3)  # importing torch takes a second or more here; the outcome is the same at any moment
+        if loading:  # past the quiet handler, inside the heavy imports: the outcome is the same at any moment
+            before = wait_past_the_quiet_handler(p)
         else:
-            p.stdin.write(b"Ein Hund.\n")
+            before = ""
+            p.stdin.write("Ein Hund.\n")
             p.stdin.flush()
-            assert p.stdout.readline().endswith(b"\n")  # answered: loaded and waiting for the next line
+            assert p.stdout.readline().endswith("\n")  # answered: loaded and waiting for the next line
         p.send_signal(signal.SIGINT)
-        rc = p.wait()  # stdin stays open: only the Ctrl-C can end it
-        err = p.stderr.read().decode()
+        if loading:  # drain the import lines while it ends (a full pipe would block it)
+            rest = p.communicate()[1]
+        else:  # stdin stays open: only the Ctrl-C can end it
+            rest = p.stderr.read()
+        rc = p.wait()
+        err = said(before + rest)
     finally:
         killer.cancel()
         p.kill()
