@@ -374,6 +374,17 @@ def windows(items: Iterable, size: int) -> Iterator[list]:
 _END = object()
 
 
+def next_item(waiting: queue.Queue):
+    """The next item, waiting as long as it takes, but back in this code every 0.2 s: a Ctrl-C while it waits is
+    raised here (annotated/plumbing/interrupts.py raises only in the project's own code, which a bare
+    `waiting.get()` would never return to)."""
+    while True:
+        try:
+            return waiting.get(timeout=0.2)
+        except queue.Empty:
+            continue
+
+
 def arrived_windows(items: Iterable, size: int) -> Iterator[list]:
     """Windows of at most `size` items: the next item to come, then those already read (by a thread)."""
     waiting: queue.Queue = queue.Queue(maxsize=size)
@@ -385,7 +396,7 @@ def arrived_windows(items: Iterable, size: int) -> Iterator[list]:
 
     threading.Thread(target=read, daemon=True).start()
     while True:
-        window = [waiting.get()]
+        window = [next_item(waiting)]
         while window[-1] is not _END and len(window) < size:
             try:
                 window.append(waiting.get_nowait())

@@ -131,7 +131,6 @@ def _raise_at_the_next_line_that_can_pass_it_on(frame) -> None:
         if event == "line" and can_be_caught_at(f):
             sys.settrace(None)
             f.f_trace = None
-            _disarm_fallback()
             raise KeyboardInterrupt
         return at_next_line
 
@@ -143,36 +142,6 @@ def _raise_at_the_next_line_that_can_pass_it_on(frame) -> None:
             frame.f_trace = at_next_line
         frame = frame.f_back
     sys.settrace(on_call)
-    _arm_fallback()
-
-
-FALLBACK_S = 0.5  # a library call that has not come back to own code by then is waiting (for input, a lock)
-
-
-def _fallback(signum, frame) -> None:
-    """SIGALRM, FALLBACK_S after a deferred Ctrl-C: if it is still pending (the library code never came back to
-    own code, as a read of stdin that waits for the next line never does), raise it here where it can pass on,
-    as Python itself would have; else look again later."""
-    if sys.gettrace() is None:  # raised already
-        return
-    if frame is not None and _passes_on(frame):
-        sys.settrace(None)
-        raise KeyboardInterrupt
-    signal.setitimer(signal.ITIMER_REAL, FALLBACK_S)
-
-
-def _arm_fallback() -> None:
-    if hasattr(signal, "setitimer"):  # (not on Windows: there the deferred raise waits for own code)
-        try:
-            signal.signal(signal.SIGALRM, _fallback)
-            signal.setitimer(signal.ITIMER_REAL, FALLBACK_S)
-        except ValueError:  # not the main thread: no signals here
-            pass
-
-
-def _disarm_fallback() -> None:
-    if hasattr(signal, "setitimer"):
-        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def _raise_where_it_can_be_caught(frame) -> None:
