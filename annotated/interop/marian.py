@@ -215,7 +215,7 @@ def from_marian(hf, attention: AttentionForm = "fused", unk: int | None = None) 
     """Our model computing the same function as MarianMTModel `hf`, and the source and target token maps
     (our id -> Marian's id). `unk` is the vocabulary's unk id, where known."""
     config = hf.config
-    check_marian_config(config)
+    check_marian_config(config, FROM_MARIAN_ACTIVATION)
     state = {k: v.detach() for k, v in hf.state_dict().items()}
     state = permute_residual(marian_to_ours(state, config.encoder_layers), sinusoid_permutation(config.d_model))
     src, tgt, head = state["src_embed.weight"], state["tgt_embed.weight"], state["generator.weight"]

@@ -37,7 +37,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -220,10 +220,9 @@ def check_marian_exportable(config, heads=None) -> None:
         raise ValueError(f"d_model={config.d_model} is odd; the sinusoids of both models need it even")
 
 
-def check_marian_config(config) -> None:
-    """A MarianConfig our one TransformerConfig can express (ValueError naming the field otherwise)."""
-    from annotated.interop.marian import FROM_MARIAN_ACTIVATION
-
+def check_marian_config(config, activations: Collection[str]) -> None:
+    """A MarianConfig our one TransformerConfig can express, its activation one of `activations` (the names the
+    conversion maps); ValueError naming the field otherwise."""
     if getattr(config, "model_type", None) != "marian":
         raise ValueError(f"expected a Marian model (model_type 'marian'), got {getattr(config, 'model_type', None)!r}")
     for enc, dec in (("encoder_layers", "decoder_layers"), ("encoder_ffn_dim", "decoder_ffn_dim"),
@@ -231,9 +230,9 @@ def check_marian_config(config) -> None:
         if getattr(config, enc) != getattr(config, dec):
             raise ValueError(f"{enc}={getattr(config, enc)} differs from {dec}={getattr(config, dec)}; our model has "
                              f"one size for both stacks, so this Marian model cannot be imported")
-    if config.activation_function not in FROM_MARIAN_ACTIVATION:
+    if config.activation_function not in activations:
         raise ValueError(f"activation_function {config.activation_function!r} is not one of "
-                         f"{sorted(FROM_MARIAN_ACTIVATION)}, the ones our feed-forward network has")
+                         f"{sorted(activations)}, the ones our feed-forward network has")
     if config.d_model % config.encoder_attention_heads or config.d_model % 2:
         raise ValueError(f"d_model={config.d_model} must be even and divisible by the "
                          f"{config.encoder_attention_heads} heads")
