@@ -263,3 +263,24 @@ def test_a_negative_or_non_finite_length_penalty_is_refused_at_the_door(penalty)
     """Refused when the settings are made, naming the setting and what it takes, before any data or model."""
     with pytest.raises(ValueError, match="length_penalty must be a finite number >= 0"):
         dataclasses.replace(train.PRESETS["smoke"], length_penalty=penalty)
+
+
+def test_the_case_table_is_built_from_the_training_sources_only(tmp_path):
+    """Fast, on the user's-files path: recasing repairs the *input*, so the table is the sources' casing. The
+    sources write Hund and Wiese, the targets hund, WIESE and Dog; a table of the targets, or of both sides,
+    differs from the one the run keeps."""
+    sources = ["Ein Hund rennt über die Wiese.", "Der Hund schläft auf der Wiese.", "Zwei Hund und eine Katze."] * 4
+    targets = ["a hund runs across the WIESE.", "the hund sleeps on the WIESE.", "two Dog and a cat."] * 4
+    files = {}
+    for side, lines in (("src", sources), ("tgt", targets)):
+        files[side] = tmp_path / f"train.{side}"
+        files[side].write_text("\n".join(lines) + "\n")
+    pair = (str(files["src"]), str(files["tgt"]))
+    cfg = dataclasses.replace(train.PRESETS["smoke"].with_model(vocab_size=300), case_augment=0.0)
+    source = train.DataSource(cache_dir=tmp_path / "cache", train_files=pair, val_files=pair, test_files=pair)
+    run_data = train.load_run_data(cfg, source, train.Placement(0, 1, torch.device("cpu")), lambda s: None)
+    from annotated.decoding.casing import case_table
+
+    assert run_data.case_table == case_table(sources)
+    assert run_data.case_table["hund"] == "Hund" and run_data.case_table["wiese"] == "Wiese"
+    assert case_table(targets) != run_data.case_table != case_table(sources + targets)

@@ -1,6 +1,7 @@
 """The training step never waits for the host: counted sync operators, log rows, skipped non-finite steps."""
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,49 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run_at_the_nex
     from annotated.plumbing.checkpoint import read_checkpoint
     assert read_checkpoint(run / "last.pt")["run_state"]["step"] == 14
     assert [s for s, _ in rows(run)] == [4, 8, 12, 14, 16]
+
+
+def test_a_non_finite_loss_skips_only_its_own_update_and_the_next_read_names_it(monkeypatch):
+    """Fast, on a toy model: the 3rd of 5 steps gets a NaN loss. That step leaves every parameter and every Adam
+    moment exactly as they were (found_inf = 1, computed on the device); the steps before and after it update
+    them; the one read after step 5 raises, naming step 3 and the skipped count. Bit-exact comparisons: a skipped
+    update must not touch a single bit."""
+    batches = toy_epoch()[:5]
+    cfg = dataclasses.replace(SMOKE, log_every=50, max_steps=None, epochs=1)
+    torch.manual_seed(0)
+    model = make_model(src_vocab=60, tgt_vocab=60, N=1, d_model=32, d_ff=64, h=2, dropout=0.1, max_len=64)
+    opt, sched = train.make_optimizer(model, cfg)
+    run = train.Run(cfg, Path("toy-run"), train.Placement(0, 1, torch.device("cpu")),
+                    train.Arithmetic("fp32", "test", 1), train.Learner(model, model, opt, sched),
+                    train.RunData(None, [], [], [], [], {}), {}, print,
+                    writer=type("W", (), {"add_scalar": lambda *a: None})())
+    real, calls = train.batch_loss, []
+
+    def nan_at_the_third(m, src, tgt, eps):
+        loss, n = real(m, src, tgt, eps)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 3 else loss), n
+
+    monkeypatch.setattr(train, "batch_loss", nan_at_the_third)
+
+    def snapshot():
+        moments = [t.clone() for s in opt.state.values() for k, t in sorted(s.items()) if k != "step"]
+        return [p.detach().clone() for p in model.parameters()] + moments
+
+    def same(a, b):
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    meter, state, tokens, found = train.Meter(run.place.dev), train.RunState(), train.step_tokens(batches, 1), []
+    for i, b in enumerate(batches):
+        before = snapshot()
+        loss, n, gnorm, found_inf = train.train_step(model, opt, sched, [b], tokens[i], cfg, run.place.dev)
+        meter.add(loss, n, gnorm, found_inf)
+        state.step += 1
+        found.append(float(found_inf))
+        assert same(before, snapshot()) == (i == 2), f"step {i + 1}: updated or not, the wrong way"
+    assert found == [0, 0, 1, 0, 0]
+    with pytest.raises(train.TrainingError, match=r"^the loss became nan at step 3 \(epoch 1\); 1 step\(s\) with a "
+                                                 r"non-finite loss or gradient were skipped; stopped at step 5, "
+                                                 r"the last good checkpoint toy-run/last\.pt is kept$"):
+        train.log_point(run, state, meter, False, False)
+    assert not Path("toy-run").exists()  # the read raised before writing anything
