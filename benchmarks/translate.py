@@ -157,18 +157,29 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from annotated.plumbing.checkpoint import CheckpointError
     from annotated.plumbing.files import atomic_write
     from annotated.plumbing.options import Parser, at_least
-    from annotated.training.runs import latest_checkpoint
+    from annotated.shipped import choose_checkpoint
 
     p = Parser(prog="python -m benchmarks.translate", name=NAME, description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", type=Path, default=None, help="default: the latest run's model")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model; with no "
+                        "run, the shipped de -> en model)")
     p.add_argument("--sentences", type=at_least(1), default=None, help="the first N test sentences (default all)")
     p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--rounds", type=at_least(1), default=3)
     p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = p.parse_args(argv)
-    result = measure(args.checkpoint or latest_checkpoint(), args.sentences, args.threads, args.rounds)
+    try:
+        checkpoint = choose_checkpoint(args.checkpoint, "runs", say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
+    except CheckpointError as e:
+        p.error(str(e))
+    if not checkpoint.is_file():
+        p.error(f"--checkpoint {checkpoint}: no such file")
+    result = measure(checkpoint, args.sentences, args.threads, args.rounds)
     print(table(result))
     if args.out is not None:
         atomic_write(args.out, json.dumps(result, indent=1) + "\n")

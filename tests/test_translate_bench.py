@@ -57,3 +57,16 @@ def test_every_tool_translates(checkpoint, data_url):
     assert result["rows"]["CTranslate2 float32"]["x CTranslate2 float32"] == 1.0
     assert all(row["sentences_per_s"] > 0 for row in result["rows"].values())
     assert "| translate_ids |" in bench.table(result)
+
+
+@pytest.mark.parametrize("given, message", [
+    ("nothing.pt", "translate-bench: error: --checkpoint nothing.pt: no such file"),
+    ("shipped:xx-yy", "translate-bench: error: there is no shipped xx->yy model"),
+])
+def test_the_checkpoint_is_chosen_by_the_commands_one_rule(given, message, capsys, monkeypatch, tmp_path):
+    """`--checkpoint shipped:de-en` names a shipped model, as in every command (`choose_checkpoint`); a wrong
+    name is one line and exit 2, before any model or data is loaded."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--checkpoint", given])
+    assert stop.value.code == 2 and capsys.readouterr().err.startswith(message)
