@@ -63,7 +63,7 @@ import torch
 
 from annotated.decoding import casing
 from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, read_case_table
+from annotated.plumbing.checkpoint import CheckpointError, case_table_in, loaded_from_state, read_checkpoint
 from annotated.plumbing.checks import check_tokenizer
 from annotated.plumbing.options import Parser, at_least, device, number
 from annotated.shipped import choose_checkpoint, direction_asked
@@ -488,13 +488,14 @@ def _load(args, stderr: TextIO):
     translate text."""
     path = choose_checkpoint(args.checkpoint, args.runs_dir, args.src, args.tgt,
                              say=lambda line: _say(stderr, f"{NAME}: {line}"))
-    model, tokenizer, meta = load_checkpoint(path)
+    state = read_checkpoint(path)  # once: the model, its tokenizer and its case table
+    model, tokenizer, meta = loaded_from_state(state, path)
     check_tokenizer(tokenizer, path, "translate text")
     asked = direction_asked(args.src, args.tgt)
     if asked and meta.get("src_lang") and asked != f"{meta['src_lang']}-{meta.get('tgt_lang')}":
         raise CheckpointError(f"checkpoint {path} translates {meta['src_lang']} -> {meta.get('tgt_lang')}, not "
                               f"{asked.replace('-', ' -> ')}; drop --src/--tgt or pick another --checkpoint")
-    return model.to(args.device), tokenizer, read_case_table(path)
+    return model.to(args.device), tokenizer, case_table_in(state, path)
 
 
 def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:

@@ -87,7 +87,9 @@ def generate_ids(hf, sources: list[list[int]], length_penalty: float, batch_size
         src = _padded([sources[i][:limit] for i in idx])
         ys = hf.generate(input_ids=src, attention_mask=(src != PAD).long(), num_beams=4, do_sample=False,
                          early_stopping=True, length_penalty=length_penalty,
-                         max_new_tokens=min(limit, src.size(1) + max_extra))[:, 1:]  # without the decoder start
+                         # at most min(limit, T + max_extra) new tokens; max_length counts the decoder start too
+                         # (max_new_tokens beside the export's max_length draws a warning per batch)
+                         max_length=1 + min(limit, src.size(1) + max_extra))[:, 1:]  # without the decoder start
         for r, i in enumerate(idx):
             row = ys[r].tolist()
             out[i] = row[:row.index(EOS)] if EOS in row else [t for t in row if t != PAD]

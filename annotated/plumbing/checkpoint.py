@@ -90,7 +90,12 @@ def save_checkpoint(path: os.PathLike | str, model: EncoderDecoder, tokenizer, m
 def read_case_table(path: os.PathLike | str) -> dict | None:
     """The checkpoint's case table ({lower-case word: most frequent form}, `annotated/decoding/casing.py`), or
     None for a checkpoint written without one."""
-    table = read_checkpoint(path).get("casing")
+    return case_table_in(read_checkpoint(path), path)
+
+
+def case_table_in(state: dict, path: os.PathLike | str) -> dict | None:
+    """read_case_table() of a checkpoint already read (`state`, from `path`)."""
+    table = state.get("casing")
     if table is None:
         return None
     if not isinstance(table, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
@@ -240,7 +245,11 @@ def model_from_state(state: dict, path: os.PathLike | str = "<checkpoint>") -> E
 
 def load_checkpoint(path: os.PathLike | str, map_location: str = "cpu"):
     """Returns (model in eval mode, tokenizer or None, meta dict)."""
-    state = read_checkpoint(path, map_location)
+    return loaded_from_state(read_checkpoint(path, map_location), path)
+
+
+def loaded_from_state(state: dict, path: os.PathLike | str):
+    """load_checkpoint() of a checkpoint already read (`state`, from `path`)."""
     model = model_from_state(state, path).eval()
     tokenizer = None
     if state.get("tokenizer") is not None:

@@ -27,7 +27,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from annotated.tokens import Tokenizer, TokenizerError
+from annotated.tokens import BATCH_ENCODE_FROM, Tokenizer, TokenizerError
 from annotated.training import data
 from annotated.training.data import (
     BOS,
@@ -327,6 +327,16 @@ def test_text_that_is_not_unicode_is_named(tokenizer):
         tokenizer.encode_batch(["ok", "ab\udcff"])  # what errors="surrogateescape" makes of byte 0xff
     with pytest.raises(TypeError, match="text 0 is a NoneType, not a str"):
         tokenizer.encode(None)
+
+
+@pytest.mark.parametrize("n", [3, BATCH_ENCODE_FROM + 1])
+def test_both_ways_of_encoding_a_list_give_the_ids_of_one_text_at_a_time(tokenizer, train_texts, n):
+    """Below BATCH_ENCODE_FROM texts encode_batch loops, from it on sentencepiece's threaded list call runs: the
+    same ids either way, and a bad text is named by its position either way."""
+    texts = (train_texts * 2)[:n]
+    assert tokenizer.encode_batch(texts) == [tokenizer._sp.encode(t, out_type=int) for t in texts]
+    with pytest.raises(ValueError, match=rf"text {n - 1} is not valid Unicode"):
+        tokenizer.encode_batch(texts[:-1] + ["ab\udcff"])
 
 
 def test_prose_numbers_of_the_full_training_split(base_url, cache):
