@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.checkpoint.is_file():
         fail(NAME, f"--checkpoint {args.checkpoint}: no such file")
     for flag, value in (("--max-loss-increase", args.max_loss_increase), ("--test-sentences", args.test_sentences),
-                        ("--finetune-steps", args.finetune_steps)):
+                        ("--finetune-steps", args.finetune_steps), ("--length-penalty", args.length_penalty)):
         if value is not None and not args.prune:
             fail(NAME, f"{flag} only applies with --prune (add --prune, or drop {flag})")
     args.max_loss_increase = MAX_LOSS_INCREASE if args.max_loss_increase is None else args.max_loss_increase
