@@ -578,5 +578,5 @@ def test_the_translator_decodes_at_the_models_length_penalty_unless_told(ckpt, t
     for path, flag, want in ((chosen, [], 3.0), (ckpt, [], 0.6), (chosen, ["--length-penalty", "0.25"], 0.25),
                              (ckpt, ["--length-penalty", "1.5"], 1.5), (chosen, ["--length-penalty", "0"], 0.0)):
         alphas.clear()
-        code, out, err = run_main("--checkpoint", path, *flag, "Ein Hund rennt.")
+        code, _, err = run_main("--checkpoint", path, *flag, "Ein Hund rennt.")
         assert code == 0 and alphas == [want], (path.name, flag, alphas, err)

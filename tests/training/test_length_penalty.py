@@ -94,7 +94,7 @@ def test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_
     assert read_checkpoint(run / "last.pt")["meta"].get("length_penalty") is None  # only the tested checkpoints
     test = load_multi30k("test_2016_flickr", "de", "en", cache_dir=cache, base_url=data_url)[:cfg.test_sentences]
     at_forced, hyps = evaluate.evaluate_bleu(best, tok, test, cfg.beam_size, FORCED)
-    at_paper, paper_hyps = evaluate.evaluate_bleu(best, tok, test, cfg.beam_size, PAPER_LENGTH_PENALTY)
+    _, paper_hyps = evaluate.evaluate_bleu(best, tok, test, cfg.beam_size, PAPER_LENGTH_PENALTY)
     assert hyps != paper_hyps  # the two alphas translate differently, so the scores below tell them apart
     beam = on_disk["test"]["best"]["beam"]
     assert beam["length_penalty"] == FORCED and beam["bleu"] == at_forced["bleu"]
