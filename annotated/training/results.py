@@ -158,6 +158,7 @@ def log_test_scores(writer, cfg: TrainConfig, results: dict) -> None:
                 metrics[f"test_{name}/{search}_{metric}"] = scores[search][metric]
     for tag, value in metrics.items():
         writer.add_scalar(tag, value, results["steps"])
-    writer.add_hparams(dict(flat_settings(cfg), precision_used=results["precision"], threads=results["threads"]),
+    writer.add_hparams(dict(flat_settings(cfg), precision_used=results["precision"], threads=results["threads"],
+                            length_penalty_used=results["length_penalty"]["chosen"]),
                        {f"hparams/{tag}": value for tag, value in metrics.items()}, run_name="hparams")
     writer.flush()
