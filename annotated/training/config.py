@@ -52,6 +52,7 @@ import math
 from dataclasses import dataclass, field
 from typing import get_args
 
+from annotated.training.evaluate import LENGTH_PENALTIES
 from annotated.transformer import AttentionForm, Norm, TransformerConfig
 
 LANGUAGES = ("en", "de", "fr", "cs")
@@ -245,8 +246,9 @@ OPTIONS = {  # setting -> its command-line option, in the order --help lists the
     "vocab_size": Option("subwords of the joint sentencepiece vocabulary", whole_from=8),
     "beam_size": Option("beam width of the final test translation", whole_from=1),
     "length_penalty": Option("the beam search's GNMT length penalty alpha for the final test translation: a number "
-                             ">= 0 (0.6: the paper's), or 'validation': the alpha of LENGTH_PENALTIES with the best "
-                             "BLEU on the whole validation split, chosen at the end of the run", low=0,
+                             ">= 0 (0.6: the paper's), or 'validation': the alpha of "
+                             f"{', '.join(f'{a:g}' for a in LENGTH_PENALTIES)} with the best BLEU on the whole "
+                             "validation split, chosen at the end of the run", low=0,
                              none_word="validation"),
     "average_last": Option("average the last N epoch checkpoints at the end", whole_from=0),
     "seed": Option("seed of the initial weights, dropout and the batches' shuffle", integer=True),
