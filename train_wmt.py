@@ -44,8 +44,25 @@ def option_type(option):
     if option.whole_from is not None:
         return at_least(option.whole_from)
     if option.low is not None or option.high is not None:
-        return number(option.low, option.high, above=option.above)
+        read = number(option.low, option.high, above=option.above)
+        return read if option.none_word is None else number_or_word(read, option.none_word)
     return None
+
+
+def number_or_word(read, word: str):
+    """`read`'s number, or `word` itself (the setting's None; `config_from_args` turns it into None).
+
+    >>> number_or_word(float, "validation")("validation"), number_or_word(float, "validation")("0.6")
+    ('validation', 0.6)
+    """
+    def parse(text: str):
+        if text == word:
+            return word
+        try:
+            return read(text)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{str(e).split(', got ')[0]} or {word!r}, got {text!r}") from None
+    return parse
 
 
 def build_parser(chosen: str | None = None) -> Parser:
@@ -54,7 +71,7 @@ def build_parser(chosen: str | None = None) -> Parser:
     from annotated.training.config import OPTIONS, PRESETS, setting
 
     def default(name: str) -> str:  # "(gpu: 128, cpu: 128, smoke: 32)" or, with --preset, that preset's value
-        shown = lambda v: "none" if v is None else v
+        shown = lambda v: (OPTIONS[name].none_word or "none") if v is None else v
         if chosen:
             return f" (default under --preset {chosen}: {shown(setting(PRESETS[chosen], name))})"
         return " (" + ", ".join(f"{p}: {shown(setting(c, name))}" for p, c in PRESETS.items()) + ")"
@@ -120,10 +137,11 @@ def config_from_args(args, cuda: bool):
     """(preset name, TrainConfig): the preset, with every flag the user gave laid over it."""
     import dataclasses
 
-    from annotated.training.config import MODEL_OPTIONS, PRESETS
+    from annotated.training.config import MODEL_OPTIONS, OPTIONS, PRESETS
 
     preset = args.preset or ("gpu" if cuda else "cpu")
-    given = {k: v for k, v in vars(args).items() if v is not None}
+    words = {name: option.none_word for name, option in OPTIONS.items() if option.none_word}
+    given = {k: None if words.get(k) == v else v for k, v in vars(args).items() if v is not None}
     run_fields = {f.name for f in dataclasses.fields(PRESETS[preset])} - {"model"}
     cfg = dataclasses.replace(PRESETS[preset], **{k: v for k, v in given.items() if k in run_fields})
     return preset, cfg.with_model(**{k: v for k, v in given.items() if k in MODEL_OPTIONS})

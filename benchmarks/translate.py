@@ -41,7 +41,6 @@ from pathlib import Path
 import torch
 
 NAME = "translate-bench"
-LENGTH_PENALTY = 0.6  # ours: GNMT alpha, the translator's default
 
 
 def convert_ctranslate2(hf_dir: Path, out: Path, quantization: str | None) -> Path:
@@ -80,9 +79,10 @@ def tools(checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[
     from annotated.decoding.translate import main as translator
     from annotated.interop.agreement import generate_ids
     from annotated.interop.folders import export_marian
-    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.plumbing.checkpoint import load_checkpoint, model_length_penalty
 
-    model, tokenizer, _ = load_checkpoint(checkpoint)
+    model, tokenizer, meta = load_checkpoint(checkpoint)
+    alpha = model_length_penalty(meta)  # ours: GNMT alpha, the translator's default
     hf_dir = export_marian(checkpoint, folder / "hf")
     hf = MarianMTModel.from_pretrained(str(hf_dir), local_files_only=True).float().eval()
     engines = {q or "float32": ctranslate2.Translator(str(convert_ctranslate2(hf_dir, folder / f"ct2-{q}", q)),
@@ -100,7 +100,7 @@ def tools(checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[
 
     def ours() -> list[str]:
         with torch.inference_mode():
-            return [tokenizer.decode(h) for h in translate_ids(model, sources, 4, LENGTH_PENALTY)]
+            return [tokenizer.decode(h) for h in translate_ids(model, sources, 4, alpha)]
 
     def generate() -> list[str]:
         return [tokenizer.decode(h) for h in generate_ids(hf, sources, length_penalty=1.0)]

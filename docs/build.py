@@ -108,7 +108,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
     ("part-3", "Part III. Data, training and decoding",
      ("training/data", "decoding/search", "training/train", "training/distributed", "training/runs",
       "training/evaluate", "training/syncs", "training/config", "training/results", "decoding/translate",
-      "decoding/casing", "training/add_case_table", "shipped/pack")),
+      "decoding/casing", "training/add_case_table", "training/choose_length_penalty", "shipped/pack")),
     ("part-4", "Part IV. Attention and heads",
      ("sites", "attention/dump", "attention/pictures", "attention/viewer", "attention/importance",
       "attention/profiles", "attention/prune", "attention/bootstrap", "attention/heads", "attention/curve")),

@@ -65,7 +65,7 @@ import torch
 from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figure
 from annotated.attention.viewer import importance_fits, read_head_importance, viewer_html
 from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import load_checkpoint
+from annotated.plumbing.checkpoint import PAPER_LENGTH_PENALTY, load_checkpoint, model_length_penalty
 from annotated.plumbing.checks import check_eval_mode, check_id_list, check_tokenizer
 from annotated.plumbing.files import json_safe, new_file_mode, save_figure
 from annotated.plumbing.options import Parser, at_least, device, writable_dir
@@ -202,7 +202,8 @@ def collect_attention(model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Se
 #
 # The translation is the translator's: `translate_ids` of
 # `annotated/decoding/search.py` with `make translate`'s settings (beam search of
-# width 4, length penalty 0.6; `--beam 1` is greedy), at most 50 tokens longer
+# width 4 at the model's length penalty, `model_length_penalty`: the alpha its
+# run chose on validation data, else the paper's 0.6; `--beam 1` is greedy), at most 50 tokens longer
 # than the source and never longer than the model's positional table, so the
 # viewer and the translator show the same sentence
 # (`test_the_dump_translates_as_the_translator_does`). `translate_ids` returns
@@ -232,7 +233,7 @@ def encode_sentence(tokenizer, sentence: str, max_len: int, name: str = "sentenc
 
 @torch.no_grad()
 def translate_sentence(model: EncoderDecoder, src_ids: Sequence[int], beam_size: int = 4,
-                       length_penalty: float = 0.6, max_extra: int = 50) -> list[int]:
+                       length_penalty: float = PAPER_LENGTH_PENALTY, max_extra: int = 50) -> list[int]:
     """What `make translate` prints for `src_ids`, as ids y_1 ... y_n (eos kept when the search stopped there)."""
     ids = translate_ids(model, [list(src_ids)], beam_size, length_penalty, max_extra=max_extra)[0]
     limit = min(model.config.max_len, len(src_ids) + max_extra)
@@ -470,7 +471,7 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
         raise ValueError("no sentences to dump")
     if references is not None and len(references) != len(sentences):
         raise ValueError(f"{len(references)} references for {len(sentences)} sentences")
-    cfg = model.config
+    cfg, alpha = model.config, model_length_penalty(meta or {})
     sources = [encode_sentence(tokenizer, s, cfg.max_len, name=f"sentence {i + 1}") for i, s in enumerate(sentences)]
     index = {"format": FORMAT, "checkpoint": checkpoint, "model_config": dataclasses.asdict(cfg),
              "meta": json_safe(dict(meta or {})), "kinds": list(KINDS), "layers": cfg.N, "heads": cfg.h,
@@ -480,7 +481,7 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
              "head_order": "head i uses W_Q[i], W_K[i], W_V[i] (per-head form) = column block i (fused form); "
                            "a pruned layer numbers its remaining heads 0 ... h'-1 in their original order",
              "rows_cols": {k: list(v) for k, v in ROWS_COLS.items()},
-             "dtype": np.dtype(dtype).name, "decoder": {"beam_size": beam_size, "length_penalty": 0.6},
+             "dtype": np.dtype(dtype).name, "decoder": {"beam_size": beam_size, "length_penalty": alpha},
              "head_importance": importance, "sentences": []}
     if importance is not None and not all(importance_fits(importance.get(k), index["head_counts"][k]) for k in KINDS):
         raise ValueError(f"the head importance does not list one finite score per head of this model "
@@ -492,7 +493,7 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
         items = tqdm(items, desc="attention", leave=False)
     with staged_directory(out_dir) as tmp:
         for i, (sentence, src_ids) in items:
-            tgt_ids = translate_sentence(model, src_ids, beam_size)
+            tgt_ids = translate_sentence(model, src_ids, beam_size, alpha)
             attn = collect_attention(model, src_ids, tgt_ids, dtype=dtype)
             stem = f"sentence_{i:03d}"
             words = tokenizer.decode(tgt_ids[:-1] if tgt_ids[-1:] == [EOS] else tgt_ids)

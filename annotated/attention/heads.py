@@ -35,7 +35,6 @@ from annotated.sites import KINDS, attention_at, sites
 NAME = "python -m annotated.attention.heads"
 WINDOW = 4  # offsets -4 ... +4 in the position profiles
 SPEED_ROUNDS = 3  # timings alternate unpruned / pruned this many times (the ratio: the median round's)
-LENGTH_PENALTY = 0.6  # beam search's, for test BLEU and speed with --prune
 NOISY_BLEU = 1.0  # the command warns when the typical BLEU interval is wider than this
 STOP_RULE = ("Pruning ranks heads by importance on the validation sentences at even positions (0, 2, 4, ...) "
              "and judges each removal on those at odd positions: it removes one head at a time, least important first, and stops "
@@ -66,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --prune: training steps on Multi30k's training split after pruning (default 0)")
     p.add_argument("--beam", type=at_least(1), default=4,
                    help="beam width for test BLEU and speed with --prune (default 4)")
+    p.add_argument("--length-penalty", type=number(0, None), default=None,
+                   help="with --prune: the beam search's GNMT alpha (default: the alpha the model's run chose on "
+                        "validation data, else the paper's 0.6)")
     p.add_argument("--test-sentences", type=at_least(1), default=None,
                    help="with --prune: score and time only the first n test sentences (default: all 1,000)")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
@@ -93,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.checkpoint.is_file():
         fail(NAME, f"--checkpoint {args.checkpoint}: no such file")
     for flag, value in (("--max-loss-increase", args.max_loss_increase), ("--test-sentences", args.test_sentences),
-                        ("--finetune-steps", args.finetune_steps)):
+                        ("--finetune-steps", args.finetune_steps), ("--length-penalty", args.length_penalty)):
         if value is not None and not args.prune:
             fail(NAME, f"{flag} only applies with --prune (add --prune, or drop {flag})")
     args.max_loss_increase = MAX_LOSS_INCREASE if args.max_loss_increase is None else args.max_loss_increase
@@ -400,7 +402,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         speed_ratio,
         split_sentences,
     )
-    from annotated.plumbing.checkpoint import read_case_table
+    from annotated.plumbing.checkpoint import model_length_penalty, read_case_table
     from annotated.plumbing.files import save_figure
     from annotated.sites import head_counts
     from annotated.training.evaluate import evaluate_bleu
@@ -435,10 +437,11 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         pruned = finetune(pruned, _training_batches(meta, tokenizer, model.config.max_len), args.finetune_steps,
                           progress=True)
     total = sum(attention_at(model, *s).h for s in sites(model))
-    hyps = [beam_bleu(m, tokenizer, test, args.beam, args.device)[1] for m in (model, pruned)]
+    alpha = model_length_penalty(meta) if args.length_penalty is None else args.length_penalty
+    hyps = [beam_bleu(m, tokenizer, test, args.beam, alpha, args.device)[1] for m in (model, pruned)]
     test_change = paired_bleu_change(hyps[0], hyps[1], refs, args.resamples, args.seed)
     b, a = (dict(describe(m, h, refs), **timing) for m, h, timing in
-            zip((model, pruned), hyps, time_both(model, pruned, tokenizer, test, args.beam)))
+            zip((model, pruned), hyps, time_both(model, pruned, tokenizer, test, args.beam, alpha)))
     removed = [f"{r.kind}[{r.layer}].{r.head}" for r in result.removed]
     save_pruned(args.out / "pruned.pt", pruned, tokenizer,
                 dict(meta, pruned_from=str(args.checkpoint), heads_removed=removed, head_counts=head_counts(pruned),
@@ -471,15 +474,16 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
             "finetune_steps": args.finetune_steps, "held_out_loss_final": final_loss,
             "removed": removed, "heads_total": total, "before": b, "after": a,
             "test_bleu_change": change_json(test_change), "speed_ratio": ratio, "beam": args.beam,
+            "length_penalty": alpha,
             "speed_rounds": SPEED_ROUNDS, "test_sentences": len(test), "device": str(args.device),
             "threads": torch.get_num_threads(), "checkpoint": str(args.out / "pruned.pt")}
 
 
-def beam_bleu(model, tokenizer, test, beam: int, device) -> tuple[dict, list[str]]:
-    """(scores, translations) of the test pairs with beam search (length penalty LENGTH_PENALTY)."""
+def beam_bleu(model, tokenizer, test, beam: int, alpha: float, device) -> tuple[dict, list[str]]:
+    """(scores, translations) of the test pairs with beam search at length penalty `alpha`."""
     from annotated.training.evaluate import evaluate_bleu
 
-    return evaluate_bleu(model, tokenizer, test, beam, LENGTH_PENALTY, device)
+    return evaluate_bleu(model, tokenizer, test, beam, alpha, device)
 
 
 def describe(model, hyps: list[str], refs: list[str]) -> dict:
@@ -492,13 +496,13 @@ def describe(model, hyps: list[str], refs: list[str]) -> dict:
             "parameters": count_parameters(model), "heads": sum(attention_at(model, *x).h for x in sites(model))}
 
 
-def time_both(model, pruned, tokenizer, test, beam: int) -> tuple[dict, dict]:
+def time_both(model, pruned, tokenizer, test, beam: int, alpha: float) -> tuple[dict, dict]:
     """Decoding speed of both models, timed alone: SPEED_ROUNDS alternating rounds of translating the test
     sources, nothing else in between (`prune.alternating_speed`)."""
     from annotated.attention.prune import alternating_speed
 
     sources = [tokenizer.encode(s) for s, _ in test]
-    speeds = alternating_speed({"before": model, "after": pruned}, sources, beam, LENGTH_PENALTY, SPEED_ROUNDS,
+    speeds = alternating_speed({"before": model, "after": pruned}, sources, beam, alpha, SPEED_ROUNDS,
                                progress=True)
     before, after = ({"sentences_per_second": round(max(speeds[k]), 2), "speeds": [round(x, 3) for x in speeds[k]]}
                      for k in ("before", "after"))

@@ -38,7 +38,15 @@
 # Everything the model needs comes from the checkpoint (see
 # `annotated/plumbing/checkpoint.py`): the config, the parameters, and the
 # sentencepiece model the training data was cut with, so the translator
-# splits words into exactly the subwords the model knows.
+# splits words into exactly the subwords the model knows. The beam search's
+# length penalty too: by default the translator decodes at the alpha the
+# model's run chose on its validation split (GNMT's `((5 + |Y|) / 6)^alpha`,
+# `annotated/decoding/search.py`; for both shipped models 4.0 scores best on
+# validation, as they translate too short at the paper's 0.6,
+# `docs/training.md`), and at the
+# paper's 0.6 for a checkpoint that names none (`model_length_penalty`,
+# `annotated/plumbing/checkpoint.py`). `--length-penalty` overrides it.
+# (`tests/decoding/test_length_penalty_default.py`.)
 
 # %%
 from __future__ import annotations
@@ -63,7 +71,14 @@ import torch
 
 from annotated.decoding import casing
 from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import CheckpointError, case_table_in, loaded_from_state, read_checkpoint
+from annotated.plumbing.checkpoint import (
+    PAPER_LENGTH_PENALTY,
+    CheckpointError,
+    case_table_in,
+    loaded_from_state,
+    model_length_penalty,
+    read_checkpoint,
+)
 from annotated.plumbing.checks import check_tokenizer
 from annotated.plumbing.options import Parser, at_least, device, number
 from annotated.shipped import choose_checkpoint, direction_asked
@@ -305,7 +320,7 @@ def prepare(where: str, text: str | None, note: str | None, tokenizer, max_len: 
 
 # %%
 def translate_prepared(model: EncoderDecoder, tokenizer, lines: list[Line], beam_size: int = 4,
-                       length_penalty: float = 0.6, max_extra: int = 50) -> list[str]:
+                       length_penalty: float = PAPER_LENGTH_PENALTY, max_extra: int = 50) -> list[str]:
     """The translation of each prepared line, one line each, in order."""
     sources = [ids for line in lines for ids in line.sources]
     outputs = iter(translate_ids(model, sources, beam_size, length_penalty, max_extra=max_extra))
@@ -317,7 +332,8 @@ def translate_prepared(model: EncoderDecoder, tokenizer, lines: list[Line], beam
     return answers
 
 
-def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4, length_penalty: float = 0.6,
+def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4,
+              length_penalty: float = PAPER_LENGTH_PENALTY,
               max_extra: int = 50, case: str = "auto", table: dict | None = None) -> tuple[str, str | None]:
     """One sentence -> (translation on one line, what the input rules did, or None)."""
     line = prepare("text", text, None, tokenizer, model.config.max_len, case, table)
@@ -468,8 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt", default=None, help="target language (default en; --src en alone means en -> de)")
     p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where to look without --checkpoint")
     p.add_argument("--beam", type=at_least(1), default=4, help="beam width; 1 = greedy (default 4)")
-    p.add_argument("--length-penalty", type=number(0, None), default=0.6,
-                   help="GNMT alpha: score = log P / ((5 + |Y|) / 6)^alpha (default 0.6)")
+    p.add_argument("--length-penalty", type=number(0, None), default=None,
+                   help="GNMT alpha: score = log P / ((5 + |Y|) / 6)^alpha (default: the alpha the model's run "
+                        "chose on validation data, else the paper's 0.6)")
     p.add_argument("--max-extra", type=at_least(0), default=50,
                    help="output at most source length + this many subwords, capped at max_len (default 50)")
     p.add_argument("--case", choices=("auto", "as-typed"), default="auto",
@@ -484,8 +501,8 @@ def _say(stream: TextIO, message: str) -> None:
 
 
 def _load(args, stderr: TextIO):
-    """(model on the device, tokenizer, case table or None); CheckpointError when the checkpoint cannot
-    translate text."""
+    """(model on the device, tokenizer, case table or None, the model's length penalty); CheckpointError when the
+    checkpoint cannot translate text."""
     path = choose_checkpoint(args.checkpoint, args.runs_dir, args.src, args.tgt,
                              say=lambda line: _say(stderr, f"{NAME}: {line}"))
     state = read_checkpoint(path)  # once: the model, its tokenizer and its case table
@@ -495,7 +512,7 @@ def _load(args, stderr: TextIO):
     if asked and meta.get("src_lang") and asked != f"{meta['src_lang']}-{meta.get('tgt_lang')}":
         raise CheckpointError(f"checkpoint {path} translates {meta['src_lang']} -> {meta.get('tgt_lang')}, not "
                               f"{asked.replace('-', ' -> ')}; drop --src/--tgt or pick another --checkpoint")
-    return model.to(args.device), tokenizer, case_table_in(state, path)
+    return model.to(args.device), tokenizer, case_table_in(state, path), model_length_penalty(meta)
 
 
 def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
@@ -542,10 +559,12 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
     stderr = sys.stderr if stderr is None else stderr
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        model, tokenizer, table = _load(args, stderr)
+        model, tokenizer, table, alpha = _load(args, stderr)
     except CheckpointError as e:
         _say(stderr, f"{NAME}: error: {e}")
         return 2
+    if args.length_penalty is None:  # the model's own, unless the user gave one
+        args.length_penalty = alpha
     bar = None
     if not args.sentences and not stdin.isatty() and stderr.isatty():
         from tqdm.auto import tqdm

@@ -28,7 +28,8 @@
 #    one's corpus BLEU. First with no length penalty on either side (`alpha =
 #    0` and `length_penalty=0`, where the two formulas agree, so any
 #    difference is a difference of search), then with our translator's
-#    GNMT `alpha` against `generate`'s `|Y|^length_penalty`.
+#    GNMT `alpha` (the model's own, `model_length_penalty`, unless `--alpha`
+#    names one) against `generate`'s `|Y|^length_penalty`.
 #
 # `tests/interop/test_agreement.py` runs it on a trained checkpoint where
 # there is one.
@@ -96,16 +97,18 @@ def generate_ids(hf, sources: list[list[int]], length_penalty: float, batch_size
     return out
 
 
-def compare(checkpoint: Path, sentences: int = 1000, alpha: float = 0.6, hf_length_penalty: float = 1.0,
+def compare(checkpoint: Path, sentences: int = 1000, alpha: float | None = None, hf_length_penalty: float = 1.0,
             data_url: str | None = None) -> dict:
-    """The figures of this module for `checkpoint` on the first `sentences` test sentences."""
+    """The figures of this module for `checkpoint` on the first `sentences` test sentences (our alpha: `alpha`,
+    else the model's)."""
     from transformers import MarianMTModel
 
-    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.plumbing.checkpoint import load_checkpoint, model_length_penalty
     from annotated.training.data import load_multi30k
     from annotated.training.evaluate import score
 
     model, tokenizer, meta = load_checkpoint(checkpoint)
+    alpha = model_length_penalty(meta) if alpha is None else alpha
     src_lang, tgt_lang = meta.get("src_lang", "de"), meta.get("tgt_lang", "en")
     pairs = load_multi30k("test_2016_flickr", src_lang, tgt_lang, base_url=data_url)[:sentences]
     limit = model.config.max_len
@@ -137,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                description="A checkpoint against its MarianMTModel export on test_2016_flickr.")
     p.add_argument("checkpoint", type=Path)
     p.add_argument("--sentences", type=at_least(1), default=1000)
-    p.add_argument("--alpha", type=number(0, None), default=0.6, help="our GNMT length penalty")
+    p.add_argument("--alpha", type=number(0, None), default=None,
+                   help="our GNMT length penalty (default: the model's, else the paper's 0.6)")
     p.add_argument("--hf-length-penalty", type=number(None, None), default=1.0, help="generate's length_penalty")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -5,7 +5,9 @@
 # continue a model: the config (so the model can be rebuilt without guessing
 # sizes), the parameters, the tokenizer's sentencepiece model (so translations
 # use exactly the subwords the model was trained on), and free-form metadata
-# (languages, step, scores). Training adds the optimizer, scheduler and
+# (languages, step, scores, and the beam search's length penalty the run chose
+# on validation data: `model_length_penalty`, which every tool decodes with
+# unless told otherwise). Training adds the optimizer, scheduler and
 # random-number states so `--resume` continues exactly where it stopped.
 #
 # **Atomic writes.** A crash or Ctrl-C in the middle of `torch.save` must not
@@ -106,6 +108,31 @@ def case_table_in(state: dict, path: os.PathLike | str) -> dict | None:
 def add_case_table(path: os.PathLike | str, out: os.PathLike | str, table: dict) -> None:
     """Write a copy of checkpoint `path` to `out` with `table` as its case table."""
     atomic_torch_save(dict(read_checkpoint(path), casing=table), out)
+
+
+def with_meta(path: os.PathLike | str, out: os.PathLike | str, **entries) -> None:
+    """Write a copy of checkpoint `path` to `out` (atomically; `out` may be `path`) with `entries` added to its
+    meta."""
+    state = read_checkpoint(path)
+    atomic_torch_save(dict(state, meta=dict(state.get("meta") or {}, **entries)), out)
+
+
+PAPER_LENGTH_PENALTY = 0.6  # the paper's alpha (section 6.1), tuned on WMT for its big models
+
+
+def model_length_penalty(meta: dict) -> float:
+    """The beam search's length penalty (GNMT alpha) a checkpoint was scored with: the one its run chose on
+    validation data (meta `length_penalty`), else the paper's 0.6.
+
+    >>> model_length_penalty({"length_penalty": 4.0}), model_length_penalty({})
+    (4.0, 0.6)
+    """
+    alpha = meta.get("length_penalty")
+    if alpha is None:
+        return PAPER_LENGTH_PENALTY
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < float("inf"):
+        raise CheckpointError(f"the checkpoint's length_penalty must be a finite number >= 0, got {alpha!r}")
+    return float(alpha)
 
 
 def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:

@@ -30,7 +30,13 @@ from pathlib import Path
 
 import torch
 
-from annotated.plumbing.checkpoint import FORMAT, atomic_torch_save, load_checkpoint, read_checkpoint
+from annotated.plumbing.checkpoint import (
+    FORMAT,
+    atomic_torch_save,
+    load_checkpoint,
+    model_length_penalty,
+    read_checkpoint,
+)
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.options import Parser, at_least
 from annotated.plumbing.provenance import code_commit
@@ -40,7 +46,7 @@ from annotated.training.runs import run_model
 
 NAME = "python -m annotated.shipped.pack"
 MAX_BYTES = 4 << 20  # each shipped model at most 4 MiB
-BEAM, LENGTH_PENALTY = 4, 0.6  # as `make translate` decodes
+BEAM = 4  # as `make translate` decodes, at the model's length penalty (model_length_penalty)
 FIRST = 50  # the sentences the tests translate in one batch
 TRAINED_ON = ("Multi30k (Elliott et al., 2016): about 29,000 English descriptions of Flickr photos and their "
               "German translations. The model knows photo captions (people, animals, clothes, streets, sports); "
@@ -70,7 +76,7 @@ def compact_state(state: dict) -> dict:
             same = [half]
         model[name] = same[0]
     meta = {k: v for k, v in state.get("meta", {}).items() if k in ("src_lang", "tgt_lang", "train_config", "epoch",
-                                                                     "step")}
+                                                                     "step", "length_penalty")}
     if "averaged" in state.get("meta", {}):
         meta["averaged"] = [Path(p).name for p in state["meta"]["averaged"]]
     meta["weights"] = "float16 on disk, float32 when loaded"
@@ -91,15 +97,15 @@ def training_command(results: dict) -> str:
                     "command that trained it with --command")
 
 
-def scores_of(model, tokenizer, pairs, progress: bool) -> tuple[dict, dict]:
-    """(beam-4 scores on all `pairs`, on the first FIRST of them) of `model`."""
+def scores_of(model, tokenizer, pairs, alpha: float, progress: bool) -> tuple[dict, dict]:
+    """(beam-4 scores at length penalty `alpha` on all `pairs`, on the first FIRST of them) of `model`."""
     from annotated.training.evaluate import evaluate_bleu
 
     def keep(s: dict) -> dict:
         return {k: s[k] for k in ("bleu", "bleu_lowercase", "chrf", "sentences")}
 
-    full, _ = evaluate_bleu(model, tokenizer, pairs, BEAM, LENGTH_PENALTY, progress=progress)
-    first, _ = evaluate_bleu(model, tokenizer, pairs[:FIRST], BEAM, LENGTH_PENALTY)
+    full, _ = evaluate_bleu(model, tokenizer, pairs, BEAM, alpha, progress=progress)
+    first, _ = evaluate_bleu(model, tokenizer, pairs[:FIRST], BEAM, alpha)
     return dict(keep(full), signatures=full["signature"]), keep(first)
 
 
@@ -126,7 +132,8 @@ def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict
                  "train_minutes": round(results.get("train_s", 0.0) / 60, 1), "device": results.get("device"),
                  "machine": env.get("machine"), "cpu": env.get("cpu"), "python": env.get("python"),
                  "packages": env.get("packages"), "train_config": results["train_config"]},
-        "scores": {"test_set": results.get("test_set"), "beam": BEAM, "length_penalty": LENGTH_PENALTY,
+        "scores": {"test_set": results.get("test_set"), "beam": BEAM,
+                   "length_penalty": model_length_penalty(state["meta"]),
                    "test": {k: v for k, v in test.items() if k != "signatures"}, f"first_{FIRST}": first,
                    "run_model_float32": run, "signatures": test["signatures"],
                    "note": f"test and first_{FIRST}: this packed model as loaded (float16 weights in float32); "
@@ -165,9 +172,11 @@ def pack(run_dir: Path, out: Path = FOLDER, *, force: bool = False, command: str
         atomic_torch_save(state, packed)
         if packed.stat().st_size > MAX_BYTES:
             raise PackError(f"the packed model has {packed.stat().st_size:,} bytes, more than {MAX_BYTES:,}")
-        model, tokenizer, _ = load_checkpoint(packed)
-        say(f"pack: scoring the packed {direction} model on {len(pairs)} test sentences, beam {BEAM}")
-        test, first = scores_of(model, tokenizer, pairs, progress)
+        model, tokenizer, meta = load_checkpoint(packed)
+        alpha = model_length_penalty(meta)
+        say(f"pack: scoring the packed {direction} model on {len(pairs)} test sentences, beam {BEAM}, length "
+            f"penalty {alpha:g}")
+        test, first = scores_of(model, tokenizer, pairs, alpha, progress)
         card = make_card(results, source, packed, state, test, first, command)
         atomic_write(targets[0], packed.read_bytes())
     atomic_write(targets[1], json.dumps(card, indent=2, ensure_ascii=False) + "\n")

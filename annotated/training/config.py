@@ -20,7 +20,9 @@
 #   falls linearly towards zero (`train.learning_rate`). The run's model is the
 #   average of the last 5 epoch checkpoints (`averaged.pt`). Small enough to
 #   train on two CPU cores within half an hour (bf16, both cores;
-#   `docs/training.md` has the measured runs).
+#   `docs/training.md` has the measured runs). The beam search's length
+#   penalty is chosen at the end, on the whole validation split
+#   (`annotated/training/evaluate.py`, `choose_length_penalty`).
 # * `gpu`: the same model and schedule with batches of 8192 tokens (3.3 times
 #   the data per step, about 65 epochs in the same 4,200 steps) and beam 5. A model this small is bound by
 #   kernel launches more than by arithmetic on a GPU, so a bigger batch costs
@@ -29,7 +31,8 @@
 #   graphs.
 # * `smoke`: a few seconds, a few hundred sentences; for the tests. It
 #   computes in fp32 on every machine, so its numbers do not depend on
-#   whether the CPU has bf16 instructions.
+#   whether the CPU has bf16 instructions. Its length penalty is fixed at the
+#   paper's 0.6 (no choice on validation: the tests' runs stay short).
 #
 # Every setting a user may change from `train_wmt.py`'s command line is in
 # `OPTIONS`: its option, what it means and the values it takes. The command
@@ -49,6 +52,7 @@ import math
 from dataclasses import dataclass, field
 from typing import get_args
 
+from annotated.training.evaluate import LENGTH_PENALTIES
 from annotated.transformer import AttentionForm, Norm, TransformerConfig
 
 LANGUAGES = ("en", "de", "fr", "cs")
@@ -86,7 +90,7 @@ class TrainConfig:
     precision: str = "auto"          # auto, fp32 or bf16 (annotated/plumbing/devices.py)
     # evaluation
     beam_size: int = 4
-    length_penalty: float = 0.6
+    length_penalty: float | None = None  # beam search's GNMT alpha; None: chosen on validation at the end
     val_bleu_sentences: int | None = None  # translate only the first n val sentences each epoch
     test_sentences: int | None = None      # score only the first n test sentences (smoke runs)
     average_last: int = 0            # average the last n epoch checkpoints at the end
@@ -126,9 +130,9 @@ class TrainConfig:
                              f"cooldown={self.cooldown}, max_steps={self.max_steps}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if not 0 <= self.length_penalty < float("inf"):
-            raise ValueError(f"length_penalty must be a finite number >= 0 (0: none, 0.6: the usual), "
-                             f"got {self.length_penalty}")
+        if self.length_penalty is not None and not 0 <= self.length_penalty < float("inf"):
+            raise ValueError(f"length_penalty must be a finite number >= 0 (0: none, 0.6: the paper's) or None "
+                             f"(chosen on validation), got {self.length_penalty}")
 
     # the model settings a reader of the training code asks for most, by their paper names
     vocab_size = property(lambda self: self.model.src_vocab, doc="the joint sentencepiece vocabulary")
@@ -193,7 +197,8 @@ PRESETS = {
     "cpu": _CPU,
     "smoke": TrainConfig(model=joint_model(500, N=1, d_model=32, d_ff=64, h=2, dropout=0.0, max_len=64),
                          max_tokens=800, epochs=None, max_steps=28, warmup=20, train_limit=300, beam_size=2,
-                         val_bleu_sentences=20, test_sentences=20, precision="fp32"),  # 28 steps: 2 epochs of 14
+                         val_bleu_sentences=20, test_sentences=20, precision="fp32",  # 28 steps: 2 epochs of 14
+                         length_penalty=0.6),  # fixed: no choice on validation, the tests' runs stay short
 }
 
 
@@ -209,6 +214,7 @@ class Option:
     above: bool = False
     choices: tuple[str, ...] | None = None
     switch: bool = False                   # a flag without a value: on when given
+    none_word: str | None = None           # a word that sets the setting to None (beside a number)
 
 
 MODEL_OPTIONS = ("N", "d_model", "d_ff", "h", "dropout", "attention", "norm", "vocab_size")  # set in cfg.model
@@ -239,6 +245,11 @@ OPTIONS = {  # setting -> its command-line option, in the order --help lists the
     "accum": Option("batches per optimizer step", whole_from=1),
     "vocab_size": Option("subwords of the joint sentencepiece vocabulary", whole_from=8),
     "beam_size": Option("beam width of the final test translation", whole_from=1),
+    "length_penalty": Option("the beam search's GNMT length penalty alpha for the final test translation: a number "
+                             ">= 0 (0.6: the paper's), or 'validation': the alpha of "
+                             f"{', '.join(f'{a:g}' for a in LENGTH_PENALTIES)} with the best BLEU on the whole "
+                             "validation split, chosen at the end of the run", low=0,
+                             none_word="validation"),
     "average_last": Option("average the last N epoch checkpoints at the end", whole_from=0),
     "seed": Option("seed of the initial weights, dropout and the batches' shuffle", integer=True),
     "precision": Option("arithmetic: auto is bf16 autocast on CUDA and on a CPU with bf16 instructions (avx512_bf16 "

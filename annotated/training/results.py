@@ -10,7 +10,26 @@
 # run came from (`annotated/plumbing/provenance.py`: every installed package's
 # version, the interpreter, the CPU, the commit). The test
 # set is named `test_2016_flickr`, or, when the user brought their own, by its
-# two files. Tensorboard gets the test scores and the settings (its HPARAMS
+# two files.
+#
+# **The length penalty.** The beam search's alpha (`TrainConfig.length_penalty`)
+# is, by default, chosen here: `choose_length_penalty`
+# (`annotated/training/evaluate.py`) translates the whole validation split
+# with the run's model (`averaged.pt` when there is one, else the best
+# checkpoint) at each alpha of `LENGTH_PENALTIES` and keeps the one with the
+# highest validation BLEU, never looking at the test set. Every tested
+# checkpoint's beam test BLEU is then computed at that alpha, `results.json`
+# says where it came from (`"length_penalty": {"chosen": ..., "chosen_on":
+# "validation (1014 sentences)", "validation_bleu": {...}}`), and the
+# alpha is written into the tested checkpoints' meta, so the translator and
+# the other tools decode with it by default (`model_length_penalty`,
+# `annotated/plumbing/checkpoint.py`). A number given as the setting
+# (`--length-penalty 0.6`; the `smoke` preset's) is used as it is and
+# recorded as `"chosen_on": "the settings"`.
+# (`tests/training/test_length_penalty.py`:
+# `test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_with_it`.)
+#
+# Tensorboard gets the test scores and the settings (its HPARAMS
 # tab), so runs with different settings can be compared side by side.
 
 # %%
@@ -24,11 +43,11 @@ from typing import Any
 
 import torch
 
-from annotated.plumbing.checkpoint import atomic_torch_save, load_checkpoint, read_checkpoint
+from annotated.plumbing.checkpoint import atomic_torch_save, load_checkpoint, read_checkpoint, with_meta
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.provenance import environment
 from annotated.training.config import TrainConfig, config_dict
-from annotated.training.evaluate import evaluate_bleu
+from annotated.training.evaluate import choose_length_penalty, evaluate_bleu
 from annotated.training.runs import average_checkpoints
 
 
@@ -53,9 +72,10 @@ def checkpoints_to_test(cfg: TrainConfig, run_dir: Path) -> dict[str, Path]:
 
 def score_test_set(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev: torch.device,
                            say: Callable[[str], None], arithmetic: Arithmetic, *, progress: bool = True,
-                           test_files=None, writer=None) -> dict:
-    """Test BLEU of the best (and averaged) checkpoint, greedy and beam; writes results.json and, given a
-    tensorboard writer, the test scores and the settings."""
+                           test_files=None, writer=None, val_pairs=None) -> dict:
+    """Test BLEU of the best (and averaged) checkpoint, greedy and beam (at the length penalty of the settings,
+    or chosen on `val_pairs`); writes results.json and, given a tensorboard writer, the test scores and the
+    settings."""
     test_set = f"{test_files[0]} + {test_files[1]}" if test_files else "test_2016_flickr"  # named by its files
     results: dict[str, Any] = {"run_dir": str(run_dir), "device": str(dev), "torch": torch.__version__,
                "precision": arithmetic.precision, "precision_reason": arithmetic.reason,
@@ -66,14 +86,16 @@ def score_test_set(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev: 
     last = read_checkpoint(run_dir / "last.pt")["run_state"]
     results.update(steps=last["step"], train_s=round(last.get("train_s", 0.0), 1), history=last["history"])
     samples: list = []
-    for name, path in checkpoints_to_test(cfg, run_dir).items():
+    tested = checkpoints_to_test(cfg, run_dir)
+    results["length_penalty"] = length_penalty_of_run(cfg, tested, tokenizer, val_pairs, dev, say, progress)
+    alpha = results["length_penalty"]["chosen"]
+    for name, path in tested.items():
         model, _, meta = load_checkpoint(path)
         model.to(dev)
         greedy, hyps = evaluate_bleu(model, tokenizer, test_pairs, 1, 0.0, dev, progress)
-        beam, beam_hyps = evaluate_bleu(model, tokenizer, test_pairs, cfg.beam_size, cfg.length_penalty, dev,
-                                        progress)
+        beam, beam_hyps = evaluate_bleu(model, tokenizer, test_pairs, cfg.beam_size, alpha, dev, progress)
         results["test"][name] = {"checkpoint": str(path), "epoch": meta.get("epoch"), "greedy": greedy,
-                                 "beam": dict(beam, length_penalty=cfg.length_penalty)}
+                                 "beam": dict(beam, length_penalty=alpha)}
         say(f"{test_set} {cfg.src_lang}->{cfg.tgt_lang} [{name}]: greedy BLEU {greedy['bleu']:.2f} "
             f"(lowercased {greedy['bleu_lowercase']:.2f}), beam {cfg.beam_size} BLEU {beam['bleu']:.2f} "
             f"(lowercased {beam['bleu_lowercase']:.2f}), chrF {beam['chrf']:.2f}")
@@ -88,6 +110,27 @@ def score_test_set(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev: 
         say(f"  src : {s['source']}\n  ref : {s['reference']}\n  beam: {s['beam']}")
     say(f"results: {run_dir / 'results.json'}; checkpoints: {run_dir}; tensorboard --logdir {run_dir / 'tb'}")
     return results
+
+
+def length_penalty_of_run(cfg: TrainConfig, tested: dict[str, Path], tokenizer, val_pairs, dev, say,
+                          progress: bool) -> dict:
+    """{"chosen": alpha, "chosen_on": where it came from, ...}: the settings' number, or the alpha with the best
+    BLEU on `val_pairs` for the run's model (averaged, else best), then written into every tested checkpoint's
+    meta."""
+    if cfg.length_penalty is not None:
+        return {"chosen": cfg.length_penalty, "chosen_on": "the settings"}
+    if not val_pairs:
+        raise ValueError("length_penalty None is chosen on validation pairs, and the run has none")
+    model, _, _ = load_checkpoint(tested.get("averaged", tested["best"]))
+    alpha, bleu = choose_length_penalty(model.to(dev), tokenizer, val_pairs, cfg.beam_size, device=dev,
+                                        progress=progress)
+    for path in tested.values():
+        with_meta(path, path, length_penalty=alpha)
+    table = ", ".join(f"{a:g}: {b:.2f}" for a, b in bleu.items())
+    say(f"length penalty: alpha {alpha:g}, the best beam {cfg.beam_size} BLEU on the {len(val_pairs)} validation "
+        f"sentences ({table})")
+    return {"chosen": alpha, "chosen_on": f"validation ({len(val_pairs)} sentences)",
+            "validation_bleu": {f"{a:g}": b for a, b in bleu.items()}}
 
 
 def flat_settings(cfg: TrainConfig) -> dict:
@@ -115,6 +158,7 @@ def log_test_scores(writer, cfg: TrainConfig, results: dict) -> None:
                 metrics[f"test_{name}/{search}_{metric}"] = scores[search][metric]
     for tag, value in metrics.items():
         writer.add_scalar(tag, value, results["steps"])
-    writer.add_hparams(dict(flat_settings(cfg), precision_used=results["precision"], threads=results["threads"]),
+    writer.add_hparams(dict(flat_settings(cfg), precision_used=results["precision"], threads=results["threads"],
+                            length_penalty_used=results["length_penalty"]["chosen"]),
                        {f"hparams/{tag}": value for tag, value in metrics.items()}, run_name="hparams")
     writer.flush()

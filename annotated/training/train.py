@@ -412,7 +412,8 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: str | None = None, cache
         if not run.main:
             return {}
         return score_test_set(cfg, run_dir, run.data.tokenizer, run.data.test_pairs, dev, run.say,
-                                      arithmetic, progress=progress, test_files=test_files, writer=run.writer)
+                                      arithmetic, progress=progress, test_files=test_files, writer=run.writer,
+                                      val_pairs=run.data.val_pairs)
     finally:
         if run is not None and run.writer is not None:
             run.writer.close()

@@ -836,6 +836,23 @@ def test_viewer_survives_markup_in_the_sentences(tokenizer, tmp_path):
         browser.close()
 
 
+def test_the_dump_decodes_at_the_models_length_penalty(tokenizer, tmp_path):
+    """A model whose run chose an alpha on validation (meta `length_penalty`) is dumped as the translator, by
+    default, translates it: at that alpha."""
+    from annotated.decoding.translate import translate
+
+    model = tiny_model(tokenizer.vocab_size)
+    with torch.no_grad():  # eos about as likely as the rest: the length penalty then changes the translations
+        model.generator.bias[A.EOS] += 3.0
+    at = {a: [translate(model, tokenizer, s, length_penalty=a)[0] for s in SENTENCES] for a in (0.6, 3.0)}
+    assert at[0.6] != at[3.0]
+    out = A.dump_model(model, tokenizer, SENTENCES, tmp_path / "dump", pictures=False, viewer=False,
+                       meta={"src_lang": "de", "tgt_lang": "en", "length_penalty": 3.0})
+    index = A.read_index(out)
+    assert index["decoder"] == {"beam_size": 4, "length_penalty": 3.0}
+    assert [entry["translation"] for entry in index["sentences"]] == at[3.0]
+
+
 def test_the_dump_translates_as_the_translator_does(full_dump, checkpoints):
     """The viewer and `make translate` show the same sentence: same decoder (beam 4), same settings."""
     from annotated.decoding.translate import translate

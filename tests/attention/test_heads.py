@@ -244,6 +244,8 @@ def run_main(argv, capsys):
      "--max-loss-increase: must be a finite number >= 0"),
     (["--checkpoint", "{ckpt}", "--test-sentences", "5"], "--test-sentences only applies with --prune"),
     (["--checkpoint", "{ckpt}", "--finetune-steps", "5"], "--finetune-steps only applies with --prune"),
+    (["--checkpoint", "{ckpt}", "--length-penalty", "2"], "--length-penalty only applies with --prune"),
+    (["--checkpoint", "{ckpt}", "--prune", "--length-penalty", "-1"], "--length-penalty: must be a finite number >= 0"),
     (["--checkpoint", "{ckpt}", "--prune", "--finetune-steps", "-1"], "--finetune-steps: must be a whole number >= 0"),
     (["--checkpoint", "{ckpt}", "--resamples", "0"], "--resamples: must be a whole number >= 1"),
     (["--checkpoint", "{ckpt}", "--beam", "0"], "--beam: must be a whole number >= 1"),

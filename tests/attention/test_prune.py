@@ -243,6 +243,7 @@ def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(tiny_checkpo
     assert report["validation"]["resamples"] == 50
     assert "[" in text and "paired bootstrap interval" in text
     assert report["pruning"]["ranking_sentences"] == 3 and report["pruning"]["held_out_sentences"] == 3
+    assert report["pruning"]["length_penalty"] == 0.6  # the checkpoint names none: the paper's
     c = report["pruning"]["test_bleu_change"]
     assert c["low"] <= c["value"] <= c["high"]
     # --max-loss-increase 100: every attention gives up all but one head

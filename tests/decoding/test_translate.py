@@ -559,3 +559,24 @@ def test_every_line_that_arrives_with_the_end_of_input_is_answered(n, size):
     lines = [f"line {i}" for i in range(n)]
     got = list(arrived_windows(iter(lines), size))
     assert functools.reduce(operator.iadd, got, []) == lines and all(1 <= len(w) <= size for w in got)
+
+
+def test_the_translator_decodes_at_the_models_length_penalty_unless_told(ckpt, tmp_path, monkeypatch):
+    """Default: the alpha in the checkpoint's meta (its run's choice on validation), else the paper's 0.6;
+    `--length-penalty` wins over both."""
+    from annotated.decoding import translate as module
+    from annotated.plumbing.checkpoint import with_meta
+
+    alphas = []
+
+    def recording(model, sources, beam_size, length_penalty, **kwargs):
+        alphas.append(length_penalty)
+        return translate_ids(model, sources, beam_size, length_penalty, **kwargs)
+    monkeypatch.setattr(module, "translate_ids", recording)
+    chosen = tmp_path / "chosen.pt"
+    with_meta(ckpt, chosen, length_penalty=3.0)
+    for path, flag, want in ((chosen, [], 3.0), (ckpt, [], 0.6), (chosen, ["--length-penalty", "0.25"], 0.25),
+                             (ckpt, ["--length-penalty", "1.5"], 1.5), (chosen, ["--length-penalty", "0"], 0.0)):
+        alphas.clear()
+        code, _, err = run_main("--checkpoint", path, *flag, "Ein Hund rennt.")
+        assert code == 0 and alphas == [want], (path.name, flag, alphas, err)

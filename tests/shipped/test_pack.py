@@ -92,6 +92,17 @@ def test_the_training_command_is_the_preset_and_what_the_run_resolved():
         training_command(results)
 
 
+def test_the_box_keeps_the_length_penalty_its_run_chose():
+    """The packed meta keeps `length_penalty`, so the translator decodes a shipped model at its run's alpha."""
+    from annotated.plumbing.checkpoint import model_length_penalty
+
+    state = {"config": {}, "model": {"w": torch.tensor([1.0])}, "meta": {"src_lang": "de", "length_penalty": 4.0,
+                                                                        "optimizer_path": "/home/x/run"}}
+    meta = compact_state(state)["meta"]
+    assert meta == {"src_lang": "de", "length_penalty": 4.0, "weights": "float16 on disk, float32 when loaded"}
+    assert model_length_penalty(meta) == 4.0
+
+
 def test_a_weight_beyond_float16_is_refused():
     state = {"config": {}, "model": {"w": torch.tensor([1.0, 1e6])}, "meta": {}}
     with pytest.raises(PackError, match="float16"):

@@ -1,0 +1,82 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # A length penalty for an older checkpoint
+#
+# A run chooses its beam search's length penalty on the validation split at
+# its end (`annotated/training/results.py`) and writes it into its
+# checkpoints' meta, where the translator and the other tools find it
+# (`model_length_penalty`, `annotated/plumbing/checkpoint.py`). A checkpoint
+# trained before that, or with a fixed alpha, has none and decodes at the
+# paper's 0.6. This command makes the same choice for it: it translates
+# Multi30k's **validation** split (never the test set) in the checkpoint's
+# languages at each alpha of `LENGTH_PENALTIES`
+# (`choose_length_penalty`, `annotated/training/evaluate.py`) and writes a
+# copy of the checkpoint with the winner in its meta. It never overwrites a
+# file without `--force` (`tests/training/test_length_penalty.py`).
+#
+# ```sh
+# python -m annotated.training.choose_length_penalty --checkpoint runs/<run>/averaged.pt --out runs/<run>/averaged-lp.pt
+# ```
+
+# %%
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, with_meta
+from annotated.plumbing.options import Parser, at_least
+from annotated.training.data import DataError, load_multi30k
+from annotated.training.evaluate import LENGTH_PENALTIES, choose_length_penalty
+
+NAME = "python -m annotated.training.choose_length_penalty"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog=NAME, description="Write a copy of a checkpoint with the beam search's length penalty (GNMT "
+                                      "alpha) that gives the best BLEU on Multi30k's validation split, of "
+                                      f"{', '.join(f'{a:g}' for a in LENGTH_PENALTIES)}.")
+    p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint to read (left unchanged)")
+    p.add_argument("--out", type=Path, required=True, help="the new checkpoint file")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists (it may be --checkpoint)")
+    p.add_argument("--beam", type=at_least(1), default=4, help="beam width of the choice (default 4, the "
+                                                               "translator's)")
+    p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.out.exists() and not args.force:
+        p.error(f"--out {args.out} exists; name a new file, or add --force to replace it")
+    try:
+        model, tokenizer, meta = load_checkpoint(args.checkpoint)
+    except CheckpointError as e:
+        p.error(str(e))
+    if "src_lang" not in meta or "tgt_lang" not in meta:
+        p.error(f"{args.checkpoint} names no src_lang/tgt_lang; its validation data is unknown")
+    try:
+        val = load_multi30k("val", meta["src_lang"], meta["tgt_lang"], base_url=args.data_url)
+    except DataError as e:
+        p.error(str(e))
+    alpha, bleu = choose_length_penalty(model, tokenizer, val, args.beam, progress=sys.stderr.isatty())
+    with_meta(args.checkpoint, args.out, length_penalty=alpha)
+    table = ", ".join(f"{a:g}: {b:.2f}" for a, b in bleu.items())
+    print(f"{args.out}: {args.checkpoint} with length penalty {alpha:g}, the best beam {args.beam} BLEU on the "
+          f"{len(val)} Multi30k validation sentences ({table})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
