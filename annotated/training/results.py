@@ -13,7 +13,8 @@
 # two files.
 #
 # **The length penalty.** The beam search's alpha (`TrainConfig.length_penalty`)
-# is, by default, chosen here: `choose_length_penalty`
+# is the paper's 0.6 unless the run asks for `--length-penalty validation`;
+# then it is chosen here: `choose_length_penalty`
 # (`annotated/training/evaluate.py`) translates the whole validation split
 # with the run's model (`averaged.pt` when there is one, else the best
 # checkpoint) at each alpha of `LENGTH_PENALTIES` and keeps the one with the
@@ -23,9 +24,9 @@
 # "validation (1014 sentences)", "validation_bleu": {...}}`), and the
 # alpha is written into the tested checkpoints' meta, so the translator and
 # the other tools decode with it by default (`model_length_penalty`,
-# `annotated/plumbing/checkpoint.py`). A number given as the setting
-# (`--length-penalty 0.6`; the `smoke` preset's) is used as it is and
-# recorded as `"chosen_on": "the settings"`.
+# `annotated/plumbing/checkpoint.py`). A number given as the setting (the
+# default 0.6, or `--length-penalty 2`) is used as it is and recorded as
+# `"chosen_on": "the settings"`.
 # (`tests/training/test_length_penalty.py`:
 # `test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_with_it`.)
 #
