@@ -12,7 +12,7 @@
 # # A trained model and its export, on real sentences
 #
 # ```sh
-# python -m annotated.interop.agreement runs/<run>/averaged.pt [--sentences 1000] [--hf-length-penalty 1.0]
+# python -m annotated.interop.agreement runs/<run>/averaged.pt [--sentences 1000] [--hf-length-penalty 0.6 1.0]
 # ```
 #
 # exports the checkpoint into a temporary folder, loads it back with
@@ -97,10 +97,11 @@ def generate_ids(hf, sources: list[list[int]], length_penalty: float, batch_size
     return out
 
 
-def compare(checkpoint: Path, sentences: int = 1000, alpha: float | None = None, hf_length_penalty: float = 1.0,
-            data_url: str | None = None) -> dict:
-    """The figures of this module for `checkpoint` on the first `sentences` test sentences (our alpha: `alpha`,
-    else the model's)."""
+def compare(checkpoint: Path, sentences: int = 1000, alpha: float | None = None,
+            hf_length_penalties: tuple[float, ...] = (1.0,), data_url: str | None = None) -> dict:
+    """The figures of this module for `checkpoint` on the first `sentences` test sentences: with no length
+    penalty, then our alpha (`alpha`, else the model's) against each of `generate`'s `hf_length_penalties`
+    (none: the search without penalties only)."""
     from transformers import MarianMTModel
 
     from annotated.plumbing.checkpoint import load_checkpoint, model_length_penalty
@@ -121,9 +122,13 @@ def compare(checkpoint: Path, sentences: int = 1000, alpha: float | None = None,
         name: logit_difference(model, hf, sources, targets, dtype)
         for name, dtype in (("float64", torch.float64), ("float32", torch.float32))}}
     references = [t for _, t in pairs]
-    for name, ours_alpha, theirs_lp in (("no length penalty", 0.0, 0.0), ("length penalties", alpha, hf_length_penalty)):
-        ours = translate_ids(model, sources, beam_size=4, length_penalty=ours_alpha)
-        theirs = generate_ids(hf, sources, theirs_lp)
+    settings = [("no length penalty", 0.0, 0.0)] + [(f"alpha {alpha:g} against length_penalty {lp:g}", alpha, lp)
+                                                    for lp in hf_length_penalties]
+    ours_at: dict[float, list[list[int]]] = {}
+    for name, ours_alpha, theirs_lp in settings:
+        if ours_alpha not in ours_at:
+            ours_at[ours_alpha] = translate_ids(model, sources, beam_size=4, length_penalty=ours_alpha)
+        ours, theirs = ours_at[ours_alpha], generate_ids(hf, sources, theirs_lp)
         bleu = [score([tokenizer.decode(h) for h in hyps], references)["bleu"] for hyps in (ours, theirs)]
         result[name] = {"our alpha": ours_alpha, "generate length_penalty": theirs_lp,
                         "identical": sum(a == b for a, b in zip(ours, theirs)) / len(pairs),
@@ -133,19 +138,29 @@ def compare(checkpoint: Path, sentences: int = 1000, alpha: float | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     import json
+    import sys
 
+    from annotated.plumbing.checkpoint import CheckpointError
     from annotated.plumbing.options import Parser, at_least, number
+    from annotated.shipped import choose_checkpoint
 
     p = Parser(prog="python -m annotated.interop.agreement", name=NAME,
                description="A checkpoint against its MarianMTModel export on test_2016_flickr.")
-    p.add_argument("checkpoint", type=Path)
+    p.add_argument("checkpoint", help="checkpoint file, or shipped:de-en / shipped:en-de")
     p.add_argument("--sentences", type=at_least(1), default=1000)
     p.add_argument("--alpha", type=number(0, None), default=None,
                    help="our GNMT length penalty (default: the model's, else the paper's 0.6)")
-    p.add_argument("--hf-length-penalty", type=number(None, None), default=1.0, help="generate's length_penalty")
+    p.add_argument("--hf-length-penalty", type=number(None, None), nargs="*", default=[1.0],
+                   help="generate's length_penalty, one comparison each (default 1.0)")
     args = p.parse_args(argv)
+    try:
+        checkpoint = choose_checkpoint(args.checkpoint, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
+    except CheckpointError as e:
+        p.error(str(e))
+    if not checkpoint.is_file():
+        p.error(f"checkpoint {checkpoint}: no such file")
     torch.set_num_threads(1)
-    print(json.dumps(compare(args.checkpoint, args.sentences, args.alpha, args.hf_length_penalty), indent=1))
+    print(json.dumps(compare(checkpoint, args.sentences, args.alpha, tuple(args.hf_length_penalty)), indent=1))
     return 0
 
 
