@@ -30,6 +30,7 @@ from annotated.attention.bootstrap import RESAMPLES, SEED, Change, paired_bleu_c
 from annotated.attention.importance import ablate, head_importance, normalise_per_attention, sentence_losses
 from annotated.attention.prune import MAX_LOSS_INCREASE
 from annotated.plumbing.options import Parser, at_least, device, fail, number, writable_dir
+from annotated.shipped import shown_path
 from annotated.sites import KINDS, attention_at, sites
 
 NAME = "python -m annotated.attention.heads"
@@ -451,7 +452,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
              "test_bleu": evaluate_bleu(pruned, tokenizer, test, 1, 0.0, args.device)[0]["bleu"]} \
         if args.finetune_steps else None
     save_figure(curve_figure(curve, result.baseline_loss, args.max_loss_increase, stop, len(test), tuned,
-                             title=str(args.checkpoint)), args.out / "heads_pruning.png")
+                             title=str(shown_path(args.checkpoint))), args.out / "heads_pruning.png")
     ratio = speed_ratio(a["speeds"], b["speeds"])
     say(f"pruning: removed {len(removed)} of {total} heads ({len(removed) / total:.0%}): {', '.join(removed) or '-'}")
     say(f"  held-out validation loss ({len(held_out)} sentences, not used for ranking; cross-entropy per target "
@@ -471,7 +472,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
             "ranking_sentences": len(ranking), "held_out_sentences": len(held_out),
             "baseline_held_out_loss": result.baseline_loss, "steps": removal_table(result),
             "beyond_stop": [dataclasses.asdict(r) for r in result.beyond], "curve": curve,
-            "finetune_steps": args.finetune_steps, "held_out_loss_final": final_loss,
+            "finetune_steps": args.finetune_steps, "held_out_loss_final": final_loss, "finetuned": tuned,
             "removed": removed, "heads_total": total, "before": b, "after": a,
             "test_bleu_change": change_json(test_change), "speed_ratio": ratio, "beam": args.beam,
             "length_penalty": alpha,
@@ -525,7 +526,7 @@ def write_pictures(model, tokenizer, report: dict, profiles_for_page, val, encod
     ranges = measure_ranges(report)
     for kind in KINDS:
         save_figure(heat_map(kind, report, ranges), args.out / f"heads_{kind}.png")
-    save_figure(inspect_figure(model, profiles_for_page, WINDOW, title=str(args.checkpoint)),
+    save_figure(inspect_figure(model, profiles_for_page, WINDOW, title=str(shown_path(args.checkpoint))),
              args.out / "heads_inspect.png")
     i = example_sentence(val, encoded, model.config.max_len)
     labels = {k: report["kinds"][k]["label"] for k in KINDS}

@@ -176,13 +176,13 @@ def choose_checkpoint(checkpoint: Path | str | None, runs_dir: Path | str = "run
         raise CheckpointError(f"no checkpoint found: no {wanted.replace('-', '->')} run under {runs_dir}/ and "
                               f"{e}") from None
     score = read_card(wanted).get("scores", {}).get("test", {}).get("bleu_lowercase")
-    say(f"no trained {wanted.replace('-', '->')} run under {runs_dir}/: using the shipped model {_shown(path)} "
+    say(f"no trained {wanted.replace('-', '->')} run under {runs_dir}/: using the shipped model {shown_path(path)} "
         f"(Multi30k image captions{f', test BLEU {score:.1f} lowercased' if score is not None else ''}; "
         f"make train trains your own)")
     return path
 
 
-def _shown(path: Path) -> Path:
+def shown_path(path: Path) -> Path:
     """`path` relative to the working folder when it lies below it (annotated/shipped/de-en.pt in a clone)."""
     try:
         return path.resolve().relative_to(Path.cwd().resolve())

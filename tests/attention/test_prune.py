@@ -253,6 +253,8 @@ def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(tiny_checkpo
     assert meta["finetune_steps"] == report["pruning"]["finetune_steps"] == 1
     # the saved model is the fine-tuned one: its held-out loss is not the pruned model's before the step
     assert report["pruning"]["held_out_loss_final"] != report["pruning"]["steps"][-1]["held_out_loss"]
+    assert report["pruning"]["finetuned"]["held_out_loss"] == report["pruning"]["held_out_loss_final"]
+    assert report["pruning"]["finetuned"]["finetune_steps"] == 1 and "test_bleu" in report["pruning"]["finetuned"]
     assert report["pruning"]["after"]["parameters"] == count_parameters(pruned)
     # the curve: the unpruned model, then every removal of the path (past the stop too), drawn in one picture
     curve, pruning = report["pruning"]["curve"], report["pruning"]
