@@ -299,6 +299,17 @@ def from_marian(hf, attention: AttentionForm = "fused", unk: int | None = None) 
 # finished translations of lengths `m < n` the same way except when the
 # ratio of their log-probabilities falls between the two penalties' ratios;
 # `agreement.py` counts the translations where the two searches then differ.
+#
+# Measured on the shipped de -> en model, all 1,000 sentences of
+# test_2016_flickr (`python -m annotated.interop.agreement shipped:de-en
+# --hf-length-penalty 0.6 1.0`): largest logit difference 5.4e-14 in float64
+# and 3.9e-5 in float32; with no length penalty on either side the two
+# searches give the same translation for 100% of the sentences (BLEU 38.25
+# both); with ours at `alpha = 0.6` against `length_penalty=0.6`, 95.7%
+# (BLEU 38.77 against 38.81), against `length_penalty=1.0`, 84.8% (38.77
+# against 39.32). No `length_penalty` reproduces GNMT's ranking, so the
+# closest setting (0.6) agrees on 95.7% of the sentences, not all; the
+# corpus BLEU differs by 0.04.
 
 # %% [markdown]
 # ## 7. Looking at an OPUS-MT model's heads
