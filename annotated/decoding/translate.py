@@ -39,14 +39,16 @@
 # `annotated/plumbing/checkpoint.py`): the config, the parameters, and the
 # sentencepiece model the training data was cut with, so the translator
 # splits words into exactly the subwords the model knows. The beam search's
-# length penalty too: by default the translator decodes at the alpha the
-# model's run chose on its validation split (GNMT's `((5 + |Y|) / 6)^alpha`,
-# `annotated/decoding/search.py`; for both shipped models 4.0 scores best on
-# validation, as they translate too short at the paper's 0.6,
-# `docs/training.md`), and at the
-# paper's 0.6 for a checkpoint that names none (`model_length_penalty`,
-# `annotated/plumbing/checkpoint.py`). `--length-penalty` overrides it.
-# (`tests/decoding/test_length_penalty_default.py`.)
+# length penalty too: the translator decodes at the alpha the checkpoint
+# names (GNMT's `((5 + |Y|) / 6)^alpha`, `annotated/decoding/search.py`),
+# which a run trained with `--length-penalty validation`, or
+# `annotated/training/choose_length_penalty.py`, chooses on the validation
+# split and writes in; at the paper's 0.6 for a checkpoint that names none,
+# as the shipped models (`model_length_penalty`,
+# `annotated/plumbing/checkpoint.py`; why 0.6 stays the default:
+# `docs/training.md`). `--length-penalty` overrides it.
+# (`tests/decoding/test_translate.py`:
+# `test_the_translator_decodes_at_the_models_length_penalty_unless_told`.)
 
 # %%
 from __future__ import annotations
