@@ -73,15 +73,16 @@ def checkpoints_to_test(cfg: TrainConfig, run_dir: Path) -> dict[str, Path]:
 
 def score_test_set(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev: torch.device,
                            say: Callable[[str], None], arithmetic: Arithmetic, *, progress: bool = True,
-                           test_files=None, writer=None, val_pairs=None) -> dict:
+                           test_files=None, writer=None, val_pairs=None, started_in: dict | None = None) -> dict:
     """Test BLEU of the best (and averaged) checkpoint, greedy and beam (at the length penalty of the settings,
     or chosen on `val_pairs`); writes results.json and, given a tensorboard writer, the test scores and the
-    settings."""
+    settings. `started_in`: the environment the training started in (`environment()` then: the code that
+    trained, not the checkout as it is when training ends); else taken now."""
     test_set = f"{test_files[0]} + {test_files[1]}" if test_files else "test_2016_flickr"  # named by its files
     results: dict[str, Any] = {"run_dir": str(run_dir), "device": str(dev), "torch": torch.__version__,
                "precision": arithmetic.precision, "precision_reason": arithmetic.reason,
                "threads": arithmetic.threads, "train_config": config_dict(cfg), "test_set": test_set, "test": {},
-               "environment": environment()}
+               "environment": started_in or environment()}
     if test_files:
         results["test_files"] = [str(f) for f in test_files]
     last = read_checkpoint(run_dir / "last.pt")["run_state"]

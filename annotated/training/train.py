@@ -33,6 +33,7 @@ from annotated.plumbing.checkpoint import CheckpointError, read_checkpoint, save
 from annotated.plumbing.devices import autocast, default_device, resolve_precision
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.interrupts import StopFlag
+from annotated.plumbing.provenance import environment
 from annotated.tokens import PAD, Tokenizer
 from annotated.training import data, distributed
 from annotated.training.config import PRESETS, TrainConfig, config_dict  # noqa: F401 - train.PRESETS for the callers
@@ -396,6 +397,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: str | None = None, cache
     precision, reason = resolve_precision(cfg.precision, default_device(device))  # before any work
     rank, world, dev, owns_group = distributed.join(default_device(device))
     arithmetic = Arithmetic(precision, reason, torch.get_num_threads())
+    started_in = environment()  # the commit and packages that train, whatever the checkout is when it ends
     run_dir, run = Path(run_dir), None
     try:
         try:
@@ -413,7 +415,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: str | None = None, cache
             return {}
         return score_test_set(cfg, run_dir, run.data.tokenizer, run.data.test_pairs, dev, run.say,
                                       arithmetic, progress=progress, test_files=test_files, writer=run.writer,
-                                      val_pairs=run.data.val_pairs)
+                                      val_pairs=run.data.val_pairs, started_in=started_in)
     finally:
         if run is not None and run.writer is not None:
             run.writer.close()

@@ -179,3 +179,15 @@ def test_a_non_finite_loss_skips_only_its_own_update_and_the_next_read_names_it(
                                                  r"the last good checkpoint toy-run/last\.pt is kept$"):
         train.log_point(run, state, meter, False, False)
     assert not Path("toy-run").exists()  # the read raised before writing anything
+
+
+def test_results_name_the_commit_the_run_started_from(tmp_path, data_url, cache, monkeypatch):
+    """The checkout may move on while a run trains (a pull, a commit): results.json records the code that
+    trained, taken when the run starts, not the checkout when it ends."""
+    from annotated.plumbing import provenance
+
+    commits = iter(["the commit at the start", "a commit made while it trained"])
+    monkeypatch.setattr(provenance, "code_commit", lambda root=provenance.ROOT: next(commits))
+    results = train.train(SMOKE, tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False,
+                          log=lambda s: None)
+    assert results["environment"]["commit"] == "the commit at the start"
