@@ -11,12 +11,12 @@
 # %% [markdown]
 # # A length penalty for an older checkpoint
 #
-# A run chooses its beam search's length penalty on the validation split at
-# its end (`annotated/training/results.py`) and writes it into its
-# checkpoints' meta, where the translator and the other tools find it
-# (`model_length_penalty`, `annotated/plumbing/checkpoint.py`). A checkpoint
-# trained before that, or with a fixed alpha, has none and decodes at the
-# paper's 0.6. This command makes the same choice for it: it translates
+# A run trained with `--length-penalty validation` chooses its beam search's
+# length penalty on the validation split at its end
+# (`annotated/training/results.py`) and writes it into its checkpoints' meta,
+# where the translator and the other tools find it (`model_length_penalty`,
+# `annotated/plumbing/checkpoint.py`). A checkpoint trained with a fixed
+# alpha (the default 0.6) names none and decodes at the paper's 0.6. This command makes the same choice for it: it translates
 # Multi30k's **validation** split (never the test set) in the checkpoint's
 # languages at each alpha of `LENGTH_PENALTIES`
 # (`choose_length_penalty`, `annotated/training/evaluate.py`) and writes a
@@ -30,6 +30,10 @@
 # %%
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("choose_length_penalty")
+
 import argparse
 import sys
 from pathlib import Path
@@ -39,11 +43,11 @@ from annotated.plumbing.options import Parser, at_least
 from annotated.training.data import DataError, load_multi30k
 from annotated.training.evaluate import LENGTH_PENALTIES, choose_length_penalty
 
-NAME = "python -m annotated.training.choose_length_penalty"
+NAME = "choose_length_penalty"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog=NAME, description="Write a copy of a checkpoint with the beam search's length penalty (GNMT "
+    p = Parser(prog="python -m annotated.training.choose_length_penalty", name=NAME, description="Write a copy of a checkpoint with the beam search's length penalty (GNMT "
                                       "alpha) that gives the best BLEU on Multi30k's validation split, of "
                                       f"{', '.join(f'{a:g}' for a in LENGTH_PENALTIES)}.")
     p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint to read (left unchanged)")
@@ -79,4 +83,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, NAME)

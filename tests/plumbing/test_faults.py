@@ -206,7 +206,7 @@ def test_a_second_sigint_stops_at_once_without_a_traceback(tmp_path, data_url, c
 COMMANDS = ["train_wmt.py", "benchmarks/bench.py", "benchmarks/gpu_report.py", "docs/build.py",
             "annotated/decoding/translate.py", "annotated/attention/dump.py", "annotated/attention/heads.py",
             "annotated/proof/equivalence.py", "annotated/interop/marian.py", "annotated/interop/agreement.py",
-            "annotated/shipped/pack.py", "benchmarks/translate.py"]
+            "annotated/shipped/pack.py", "benchmarks/translate.py", "annotated/training/choose_length_penalty.py"]
 
 
 def _main_guard_calls(node) -> list:
