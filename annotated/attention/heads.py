@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"with --prune: the most the held-out validation loss may rise, in nats per token "
                         f"(default {MAX_LOSS_INCREASE})")
     p.add_argument("--finetune-steps", type=at_least(0), default=None,
-                   help="with --prune: training steps on Multi30k's training split after pruning (default 0)")
+                   help="with --prune: at most this many training steps on Multi30k's training split after "
+                        "pruning, keeping the model with the lowest held-out loss (checked every 100 steps; "
+                        "stops after 3 checks without a new lowest) (default 0)")
     p.add_argument("--beam", type=at_least(1), default=4,
                    help="beam width for test BLEU and speed with --prune (default 4)")
     p.add_argument("--length-penalty", type=number(0, None), default=None,
@@ -396,7 +398,8 @@ def analyse(model, tokenizer, val, batches, args) -> tuple[dict, dict]:
 def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> dict:
     from annotated.attention.curve import curve_figure
     from annotated.attention.prune import (
-        finetune,
+        FINETUNE_CHECK_EVERY,
+        finetune_on_held_out,
         greedy_prune,
         removal_table,
         save_pruned,
@@ -434,9 +437,9 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     if not curve:  # nothing to remove: one head per attention already
         point(model, result.baseline_loss, True)
     pruned, stop = result.model, len(result.removed)
-    if args.finetune_steps:
-        pruned = finetune(pruned, _training_batches(meta, tokenizer, model.config.max_len), args.finetune_steps,
-                          progress=True)
+    tuning = finetune_on_held_out(pruned, _training_batches(meta, tokenizer, model.config.max_len),
+                                  args.finetune_steps, held_out_loss, progress=True) if args.finetune_steps else None
+    pruned, steps = (tuning.model, tuning.steps) if tuning else (pruned, 0)
     total = sum(attention_at(model, *s).h for s in sites(model))
     alpha = model_length_penalty(meta) if args.length_penalty is None else args.length_penalty
     hyps = [beam_bleu(m, tokenizer, test, args.beam, alpha, args.device)[1] for m in (model, pruned)]
@@ -446,9 +449,9 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     removed = [f"{r.kind}[{r.layer}].{r.head}" for r in result.removed]
     save_pruned(args.out / "pruned.pt", pruned, tokenizer,
                 dict(meta, pruned_from=str(args.checkpoint), heads_removed=removed, head_counts=head_counts(pruned),
-                     finetune_steps=args.finetune_steps), read_case_table(args.checkpoint))
+                     finetune_steps=steps), read_case_table(args.checkpoint))
     final_loss = held_out_loss(pruned)
-    tuned = {"finetune_steps": args.finetune_steps, "held_out_loss": final_loss,
+    tuned = {"finetune_steps": steps, "held_out_loss": final_loss,
              "test_bleu": evaluate_bleu(pruned, tokenizer, test, 1, 0.0, args.device)[0]["bleu"]} \
         if args.finetune_steps else None
     save_figure(curve_figure(curve, result.baseline_loss, args.max_loss_increase, stop, len(test), tuned,
@@ -459,7 +462,8 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         f"token, no label smoothing): {result.baseline_loss:.4f} -> "
         f"{result.removed[-1].held_out_loss if result.removed else result.baseline_loss:.4f} "
         f"(stop rule: at most +{args.max_loss_increase:g})"
-        + (f", {final_loss:.4f} after {args.finetune_steps} fine-tuning steps" if args.finetune_steps else ""))
+        + (f", {final_loss:.4f} after {steps} fine-tuning steps (the lowest of the checks every "
+           f"{FINETUNE_CHECK_EVERY} steps; at most {args.finetune_steps})" if tuning else ""))
     say(f"  parameters: {b['parameters']:,} -> {a['parameters']:,}")
     say(f"  test_2016_flickr BLEU (beam {args.beam}, {len(test)} sentences): {b['test_bleu']:.2f} -> "
         f"{a['test_bleu']:.2f}, change {format_change(test_change, '+.2f')} (95% paired bootstrap)")
@@ -472,7 +476,9 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
             "ranking_sentences": len(ranking), "held_out_sentences": len(held_out),
             "baseline_held_out_loss": result.baseline_loss, "steps": removal_table(result),
             "beyond_stop": [dataclasses.asdict(r) for r in result.beyond], "curve": curve,
-            "finetune_steps": args.finetune_steps, "held_out_loss_final": final_loss, "finetuned": tuned,
+            "finetune_steps": steps, "finetune_max_steps": args.finetune_steps,
+            "finetune_checks": [list(c) for c in tuning.checks] if tuning else [],
+            "held_out_loss_final": final_loss, "finetuned": tuned,
             "removed": removed, "heads_total": total, "before": b, "after": a,
             "test_bleu_change": change_json(test_change), "speed_ratio": ratio, "beam": args.beam,
             "length_penalty": alpha,

@@ -205,14 +205,26 @@ def save_pruned(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta:
 # constant learning rate `FINETUNE_LR` (the warm-up schedule of a run from
 # scratch would start near zero), over the given batches in turn. Zero steps
 # return the model untouched (`test_finetune_zero_steps_changes_nothing`).
+#
+# **How long**, chosen on held-out data like the stop rule: the held-out
+# loss is measured before fine-tuning and every `FINETUNE_CHECK_EVERY`
+# steps, and the model kept is the one with the lowest; fine-tuning ends at
+# the step budget or after `FINETUNE_PATIENCE` checks in a row without a new
+# lowest (`finetune_on_held_out`). A budget that is too long then costs time,
+# not quality, and no test sentence is involved
+# (`test_finetune_on_held_out_keeps_the_lowest_held_out_loss_and_stops_after_its_patience`).
 
 # %%
 FINETUNE_LR = 1e-4
+FINETUNE_CHECK_EVERY = 100  # steps between two held-out losses
+FINETUNE_PATIENCE = 3       # checks in a row without a new lowest held-out loss end fine-tuning
 
 
 def finetune(model: EncoderDecoder, batches: list, steps: int, lr: float = FINETUNE_LR,
-             progress: bool = False) -> EncoderDecoder:
-    """A copy of `model` after `steps` training steps on `batches` (cycled); `model` itself is not changed."""
+             progress: bool = False, on_check: Callable[[int, EncoderDecoder], bool] | None = None,
+             check_every: int = FINETUNE_CHECK_EVERY) -> EncoderDecoder:
+    """A copy of `model` after `steps` training steps on `batches` (cycled); `model` itself is not changed.
+    `on_check(steps done, model)` runs every `check_every` steps and after the last; True ends training there."""
     import copy
 
     from annotated.training.config import TrainConfig
@@ -236,9 +248,46 @@ def finetune(model: EncoderDecoder, batches: list, steps: int, lr: float = FINET
         train_step(tuned, opt, sched, [b], b.ntokens, settings, device)
         if bar is not None:
             bar.update(1)
+        done = step + 1
+        if on_check is not None and (done % check_every == 0 or done == steps):
+            stop = on_check(done, tuned)
+            tuned.train()  # the check may have evaluated it
+            if stop:
+                break
     if bar is not None:
         bar.close()
     return tuned.eval()
+
+
+@dataclass
+class Finetuned:
+    model: EncoderDecoder        # the model with the lowest held-out loss (step 0: the input itself)
+    steps: int                   # its training steps
+    checks: list[tuple[int, float]]  # (steps, held-out loss) at every check, step 0 first
+
+
+def finetune_on_held_out(model: EncoderDecoder, batches: list, max_steps: int,
+                         held_out_loss: Callable[[EncoderDecoder], float], lr: float = FINETUNE_LR,
+                         check_every: int = FINETUNE_CHECK_EVERY, patience: int = FINETUNE_PATIENCE,
+                         progress: bool = False) -> Finetuned:
+    """Fine-tune for at most `max_steps`, keeping the model whose held-out loss is lowest (checked every
+    `check_every` steps); stop after `patience` checks in a row without a new lowest."""
+    import copy
+
+    if check_every < 1 or patience < 1:
+        raise ValueError(f"check_every and patience must be >= 1, got {check_every} and {patience}")
+    checks = [(0, held_out_loss(model))]
+    best = Finetuned(model, 0, checks)
+
+    def on_check(done: int, tuned: EncoderDecoder) -> bool:
+        loss = held_out_loss(tuned)
+        checks.append((done, loss))
+        if loss < min(l for _, l in checks[:-1]):
+            best.model, best.steps = copy.deepcopy(tuned).eval(), done
+        return len(checks) - 1 - next(i for i, (s, _) in enumerate(checks) if s == best.steps) >= patience
+
+    finetune(model, batches, max_steps, lr, progress, on_check, check_every)
+    return best
 
 
 # %% [markdown]

@@ -7,7 +7,14 @@ import pytest
 import torch
 from test_sites import batch, logits, tiny_model
 
-from annotated.attention.prune import count_parameters, finetune, greedy_prune, save_pruned, split_sentences
+from annotated.attention.prune import (
+    count_parameters,
+    finetune,
+    finetune_on_held_out,
+    greedy_prune,
+    save_pruned,
+    split_sentences,
+)
 from annotated.decoding.search import translate_ids
 from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from annotated.sites import KINDS, attention_at, head_counts, remove_heads, sites
@@ -195,6 +202,35 @@ def test_finetune_lowers_the_training_loss_of_a_pruned_model():
     assert loss(tuned) < loss(pruned) - 0.5, (loss(pruned), loss(tuned))
 
 
+
+def test_finetune_on_held_out_keeps_the_lowest_held_out_loss_and_stops_after_its_patience():
+    batches = _copy_task_batches()
+    model = tiny_model("fused", dtype=torch.float32, vocab=12)
+    losses = iter([5.0, 4.0, 3.0, 3.5, 3.0, 3.2, 9.9, 9.9])  # step 0, 2, 4, ...: lowest at step 4, no new low after
+    seen = []
+
+    def held_out(m):
+        seen.append({k: v.clone() for k, v in m.state_dict().items()})
+        return next(losses)
+
+    got = finetune_on_held_out(model, batches, 100, held_out, lr=3e-3, check_every=2, patience=3)
+    assert got.checks == [(0, 5.0), (2, 4.0), (4, 3.0), (6, 3.5), (8, 3.0), (10, 3.2)]  # a tie is no new low
+    assert got.steps == 4
+    kept = got.model.state_dict()
+    assert all(torch.equal(seen[2][k], v) for k, v in kept.items())  # the very model measured at step 4
+    assert not all(torch.equal(seen[5][k], kept[k]) for k in kept)  # not the last one trained
+    again = finetune(model, batches, 4, lr=3e-3)  # dropout 0, the same batches: the same 4 steps
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in kept.items())
+
+
+def test_finetune_on_held_out_keeps_the_input_when_nothing_beats_it_and_checks_the_last_step():
+    model = tiny_model("fused", dtype=torch.float32, vocab=12)
+    losses = iter([1.0, 2.0, 2.0])
+    got = finetune_on_held_out(model, _copy_task_batches(), 5, lambda m: next(losses), check_every=3, patience=9)
+    assert got.checks == [(0, 1.0), (3, 2.0), (5, 2.0)]  # every 3 steps and at the budget's end
+    assert got.model is model and got.steps == 0
+
+
 # ---------------------------------------------------------------- the command, end to end
 
 @pytest.fixture(scope="module")
@@ -250,11 +286,16 @@ def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(tiny_checkpo
     assert report["pruning"]["after"]["heads"] == 3 and report["pruning"]["before"]["heads"] == 6
     pruned, _, meta = load_checkpoint(out / "pruned.pt")
     assert head_counts(pruned) == {k: [1] for k in KINDS} and len(meta["heads_removed"]) == 3
-    assert meta["finetune_steps"] == report["pruning"]["finetune_steps"] == 1
-    # the saved model is the fine-tuned one: its held-out loss is not the pruned model's before the step
-    assert report["pruning"]["held_out_loss_final"] != report["pruning"]["steps"][-1]["held_out_loss"]
+    # fine-tuning checks the held-out loss before and after its one step, and the saved model is the lower
+    (_, before), (_, after) = checks = report["pruning"]["finetune_checks"]
+    assert [s for s, _ in checks] == [0, 1] and report["pruning"]["finetune_max_steps"] == 1
+    assert before == report["pruning"]["steps"][-1]["held_out_loss"]  # step 0: the pruned model at the stop
+    assert after != before  # the step changed the model
+    assert meta["finetune_steps"] == report["pruning"]["finetune_steps"] == (1 if after < before else 0)
+    assert report["pruning"]["held_out_loss_final"] == pytest.approx(min(before, after), abs=1e-12)
     assert report["pruning"]["finetuned"]["held_out_loss"] == report["pruning"]["held_out_loss_final"]
-    assert report["pruning"]["finetuned"]["finetune_steps"] == 1 and "test_bleu" in report["pruning"]["finetuned"]
+    assert report["pruning"]["finetuned"]["finetune_steps"] == meta["finetune_steps"]
+    assert "test_bleu" in report["pruning"]["finetuned"]
     assert report["pruning"]["after"]["parameters"] == count_parameters(pruned)
     # the curve: the unpruned model, then every removal of the path (past the stop too), drawn in one picture
     curve, pruning = report["pruning"]["curve"], report["pruning"]
