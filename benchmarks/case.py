@@ -13,6 +13,10 @@ case table (`annotated/decoding/casing.py`), or by the tokenizer alone for a che
 """
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("case")
+
 import argparse
 import json
 import sys
@@ -97,4 +101,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, "case")

@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/profiling.py` works too
     sys.path.insert(0, str(ROOT))
 
+if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("profiling")
+
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -69,4 +73,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, "profiling")

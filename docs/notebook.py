@@ -70,6 +70,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python docs/notebook.py` as well as `python -m docs.notebook`
     sys.path.insert(0, str(ROOT))
 
+if __name__ == "__main__":  # as a command: a Ctrl-C while Python and its libraries load is one line, exit 130
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("notebook")
+
 import jupytext  # noqa: E402
 import nbformat  # noqa: E402
 
@@ -435,4 +439,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, "notebook")

@@ -10,9 +10,10 @@ if __name__ == "__main__":  # last thing
     run_command(main, NAME)
 ```
 
-Every command follows it: `train_wmt.py`, `benchmarks/bench.py`, `benchmarks/gpu_report.py`,
-`docs/build.py` and the `python -m` modules (the translator, the attention dump, the heads command, the
-equivalence report); `test_every_command_follows_the_one_ctrl_c_protocol` reads them.
+Every command follows it: `train_wmt.py`, `benchmarks/bench.py`, `docs/build.py` and the `python -m` modules
+(the translator, the attention dump, the heads command, the equivalence report, ...);
+`test_every_command_follows_the_one_ctrl_c_protocol` reads every file with a main guard that the tree holds,
+but the chapter's demo and the bench's memory probe (`NOT_COMMANDS`).
 
 A Ctrl-C prints one line on stderr, `<name>: interrupted` (after a line break where the command was
 working: a progress bar may be open), and exits with code 130 (the shell's code for

@@ -20,6 +20,10 @@
 # %%
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("add_case_table")
+
 import argparse
 from pathlib import Path
 
@@ -50,4 +54,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, "add_case_table")
