@@ -121,15 +121,15 @@ gpu-report: $(SETUP)
 	$(PY) benchmarks/gpu_report.py $(ARGS)
 
 # make export CHECKPOINT=runs/<run>/averaged.pt OUT=exported [ARGS=--overwrite]; make import HF=folder OUT=model.pt
-# [ARGS='--attention per_head']: annotated/interop/marian.py, to and from transformers' MarianMTModel.
+# [ARGS='--attention per_head']: annotated/interop/folders.py (over marian.py), to and from transformers' MarianMTModel.
 .PHONY: export import
 HF ?=
 OUT ?=
 export: $(SETUP)
-	$(PY) -m annotated.interop.marian export $(call quoted,CHECKPOINT) $(call quoted,OUT) $(ARGS)
+	$(PY) -m annotated.interop.folders export $(call quoted,CHECKPOINT) $(call quoted,OUT) $(ARGS)
 
 import: $(SETUP)
-	$(PY) -m annotated.interop.marian import $(call quoted,HF) $(call quoted,OUT) $(ARGS)
+	$(PY) -m annotated.interop.folders import $(call quoted,HF) $(call quoted,OUT) $(ARGS)
 
 # make attention [CHECKPOINT=runs/<run>/best.pt] [ARGS='--n 5' or ARGS='"Ein Hund rennt."']: dump, draw and
 # browse every attention weight (annotated/attention/dump.py); default: best.pt of the latest run, first 3 test

@@ -13,10 +13,19 @@
 #
 # `annotated/interop/marian.py` converts models in memory (`to_marian`,
 # `from_marian`); this file writes and reads what `save_pretrained` and
-# `from_pretrained` use, with the tokenizer, for its command.
+# `from_pretrained` use, with the tokenizer, and holds the command:
+#
+# ```sh
+# python -m annotated.interop.folders export runs/<run>/averaged.pt exported/   # make export
+# python -m annotated.interop.folders import exported/ imported.pt              # make import
+# ```
 
 # %%
 from __future__ import annotations
+
+if __name__ == "__main__":  # as a command: a Ctrl-C while torch and transformers load is one line, exit 130
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("marian")
 
 from pathlib import Path
 from typing import Any
@@ -24,6 +33,8 @@ from typing import Any
 from annotated.interop.marian import from_marian, to_marian
 from annotated.tokens import BOS, EOS, PAD, UNK
 from annotated.transformer import AttentionForm, TransformerConfig
+
+NAME = "marian"
 
 # %% [markdown]
 # ## Folders and files
@@ -208,3 +219,52 @@ def import_marian(folder: Path, out: Path, attention: AttentionForm = "fused", o
     meta = {"imported_from": str(folder), "marian_source_ids": src_map, "marian_target_ids": tgt_map}
     save_checkpoint(out, model, tokenizer, meta)
     return out, tokenizer is not None
+
+
+# %% [markdown]
+# ## The command
+#
+# `export CHECKPOINT DIR` and `import HF_DIR OUT.pt` (`--attention per_head`
+# stores the imported model head by head; `--overwrite` replaces an earlier
+# output). A refusal is one line on stderr that names the fix, exit code 2.
+
+# %%
+def build_parser():
+    from annotated.plumbing.options import Parser
+
+    p = Parser(prog="python -m annotated.interop.folders", name=NAME,
+               description="Export a checkpoint as a transformers MarianMTModel folder, or import one.")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="checkpoint -> MarianMTModel folder")
+    e.add_argument("checkpoint", type=Path)
+    e.add_argument("out", type=Path, help="the folder to write")
+    i = sub.add_parser("import", help="MarianMTModel folder -> checkpoint")
+    i.add_argument("hf_dir", type=Path, help="a folder written by save_pretrained")
+    i.add_argument("out", type=Path, help="the checkpoint to write (.pt)")
+    i.add_argument("--attention", choices=("fused", "per_head"), default="fused")
+    for s in (e, i):
+        s.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.plumbing.options import fail
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "export":
+            out = export_marian(args.checkpoint, args.out, args.overwrite)
+            print(f"wrote {out}: MarianMTModel.from_pretrained({str(out)!r}) loads it")
+        else:
+            out, has_tokenizer = import_marian(args.hf_dir, args.out, args.attention, args.overwrite)
+            print(f"wrote {out}" + ("" if has_tokenizer else ": without a tokenizer (its sentencepiece model does "
+                                    "not use this project's ids), so it translates token ids, not text"))
+    except (CheckpointError, ValueError, FileExistsError, FileNotFoundError, OSError) as e:
+        fail(NAME, str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    from annotated.plumbing.interrupts import run_command
+    run_command(main, NAME)

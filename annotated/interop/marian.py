@@ -12,8 +12,8 @@
 # # Into the ecosystem: our model as a Hugging Face `MarianMTModel`, and back
 #
 # ```sh
-# python -m annotated.interop.marian export runs/<run>/averaged.pt exported/   # a transformers model folder
-# python -m annotated.interop.marian import exported/ imported.pt              # any MarianMTModel folder
+# python -m annotated.interop.folders export runs/<run>/averaged.pt exported/   # a transformers model folder
+# python -m annotated.interop.folders import exported/ imported.pt              # any MarianMTModel folder
 # make export CHECKPOINT=runs/<run>/averaged.pt OUT=exported/
 # make import HF=opus-mt-de-en/ OUT=opus-mt-de-en.pt
 # ```
@@ -25,6 +25,8 @@
 # and `MarianTokenizer.from_pretrained` load with no network; `import` reads
 # any such folder (saved with `save_pretrained`) into one of our checkpoints,
 # fused or per-head, which then works with every command of the project.
+# This file converts models in memory; `folders.py` writes and reads the
+# folders and checkpoints, and holds the command.
 #
 # Each conversion copies, transposes and renumbers numbers and never
 # computes new ones (one exception below: a Marian model without embedding
@@ -47,12 +49,7 @@
 # %%
 from __future__ import annotations
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch and transformers load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-    quiet_ctrl_c_while_starting("marian")
-
 import math
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -75,7 +72,6 @@ from annotated.transformer import (
     make_model,
 )
 
-NAME = "marian"
 TO_MARIAN_ACTIVATION = {"relu": "relu", "gelu": "gelu", "silu": "swish"}
 FROM_MARIAN_ACTIVATION: dict[str, Activation] = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
 
@@ -341,53 +337,3 @@ def from_marian(hf, attention: AttentionForm = "fused", unk: int | None = None) 
 # (OPUS-MT has one per language, over one vocabulary), giving the pieces
 # only the target model knows a score so low that a source is never cut
 # into them, so that decoding spells them as the target model would.
-
-
-# %% [markdown]
-# ## 8. The command
-#
-# `export CHECKPOINT DIR` and `import HF_DIR OUT.pt` (`--attention per_head`
-# stores the imported model head by head; `--overwrite` replaces an earlier
-# output). A refusal is one line on stderr that names the fix, exit code 2.
-
-# %%
-def build_parser():
-    from annotated.plumbing.options import Parser
-
-    p = Parser(prog="python -m annotated.interop.marian", name=NAME,
-               description="Export a checkpoint as a transformers MarianMTModel folder, or import one.")
-    sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="checkpoint -> MarianMTModel folder")
-    e.add_argument("checkpoint", type=Path)
-    e.add_argument("out", type=Path, help="the folder to write")
-    i = sub.add_parser("import", help="MarianMTModel folder -> checkpoint")
-    i.add_argument("hf_dir", type=Path, help="a folder written by save_pretrained")
-    i.add_argument("out", type=Path, help="the checkpoint to write (.pt)")
-    i.add_argument("--attention", choices=("fused", "per_head"), default="fused")
-    for s in (e, i):
-        s.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    from annotated.interop.folders import export_marian, import_marian
-    from annotated.plumbing.checkpoint import CheckpointError
-    from annotated.plumbing.options import fail
-
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "export":
-            out = export_marian(args.checkpoint, args.out, args.overwrite)
-            print(f"wrote {out}: MarianMTModel.from_pretrained({str(out)!r}) loads it")
-        else:
-            out, has_tokenizer = import_marian(args.hf_dir, args.out, args.attention, args.overwrite)
-            print(f"wrote {out}" + ("" if has_tokenizer else ": without a tokenizer (its sentencepiece model does "
-                                    "not use this project's ids), so it translates token ids, not text"))
-    except (CheckpointError, ValueError, FileExistsError, FileNotFoundError, OSError) as e:
-        fail(NAME, str(e))
-    return 0
-
-
-if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
-    run_command(main, NAME)

@@ -1,4 +1,4 @@
-"""The export and import commands of annotated/interop/marian.py, through folders and files, offline."""
+"""The export and import commands of annotated/interop/folders.py, through folders and files, offline."""
 import shutil
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import MarianMTModel, MarianTokenizer
 
-from annotated.interop.marian import main
+from annotated.interop.folders import main
 from annotated.plumbing.checkpoint import load_checkpoint, save_checkpoint
 from annotated.tokens import BOS, PAD
 from annotated.training.data import train_tokenizer
@@ -104,7 +104,7 @@ def test_make_targets_pass_paths_as_typed(tmp_path):
         r = subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), target, f"PYTHON={echo}", f"{var}={hostile}",
                             "OUT=o ut"], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
         assert r.returncode == 0, r.stderr
-        assert r.stdout.strip() == f'["-m", "annotated.interop.marian", "{command}", "{hostile}", "o ut"]'
+        assert r.stdout.strip() == f'["-m", "annotated.interop.folders", "{command}", "{hostile}", "o ut"]'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["python"]
 
 
