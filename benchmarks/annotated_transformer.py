@@ -1,6 +1,7 @@
 """Our training step against the Annotated Transformer's own model code, in one process, alternating rounds.
 
-    curl -LO https://raw.githubusercontent.com/harvardnlp/annotated-transformer/debc9fd/the_annotated_transformer.py
+    curl -LO https://raw.githubusercontent.com/harvardnlp/annotated-transformer/\
+debc9fd747bb2123160a98046ad1c2d4da44a567/the_annotated_transformer.py
     python -m benchmarks.annotated_transformer --source the_annotated_transformer.py --sizes cpu base --threads 1
 
 The Annotated Transformer (harvardnlp/annotated-transformer, commit `debc9fd`) is the code this project
@@ -46,7 +47,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 NAME = "annotated-transformer-bench"
-URL = "https://raw.githubusercontent.com/harvardnlp/annotated-transformer/debc9fd/the_annotated_transformer.py"
+URL = ("https://raw.githubusercontent.com/harvardnlp/annotated-transformer/"
+       "debc9fd747bb2123160a98046ad1c2d4da44a567/the_annotated_transformer.py")
 DEFINITIONS = ("EncoderDecoder", "Generator", "clones", "Encoder", "LayerNorm", "SublayerConnection",
                "EncoderLayer", "Decoder", "DecoderLayer", "subsequent_mask", "attention", "MultiHeadedAttention",
                "PositionwiseFeedForward", "Embeddings", "PositionalEncoding", "make_model")
