@@ -16,8 +16,8 @@
 #   page (`docs/figures.py`), drawn by cells that call what the code above
 #   them defines: the score variance with and without `sqrt(d_k)`, the
 #   masks, the positional encoding, the learning-rate schedule, and the
-#   attention of a copy-task model trained by `train_copy_task` (300 steps,
-#   about 20 s on a CPU), recorded by `record_attention`
+#   attention of a copy-task model trained by `train_copy_task` (400 steps,
+#   about half a minute on a CPU), recorded by `record_attention`
 #   (`annotated/recording.py`) and drawn in the colour map and with the
 #   colour bar of every attention picture (`CMAP` of
 #   `annotated/attention/pictures.py`).
@@ -171,12 +171,12 @@ for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
 ax.set(xlabel="step", ylabel="learning rate", title="rate(step, d_model, warmup)"); ax.legend()
 plt.show()'''),
     ("## 8. A first experiment: learning to copy", '''\
-# Figure: what a small copy model attends to. Trained here for 300 steps (about 20 s on a CPU).
+# Figure: what a small copy model attends to. Trained here for 400 steps (about half a minute on a CPU).
 # A row is a query and sums to 1, labelled by the token the decoder predicts there; a column is a source token.
 import matplotlib.pyplot as plt
 from annotated.recording import record_attention
 from annotated.attention.pictures import CMAP, COLOUR_BAR
-copy_model = train_copy_task("fused", steps=300)
+copy_model = train_copy_task("fused", steps=400)
 src, tgt = copy_batch(1, 10, copy_model.config.src_vocab, torch.Generator().manual_seed(3))
 src_mask = padding_mask(src, PAD)
 ys = torch.cat([torch.full((1, 1), BOS), greedy_decode(copy_model, src, src_mask, 11, BOS, EOS, PAD)], dim=1)
@@ -228,7 +228,7 @@ sum(p.numel() for p in model.parameters()), tuple(logits.shape)'''),
 # of the source [3, 4, 5, 6] (section 8 trains one that copies).
 greedy_decode(model.eval(), src, padding_mask(src, PAD), max_len=6, bos=BOS, eos=EOS, pad=PAD)'''),
     ("## 8. A first experiment: learning to copy", '''\
-# Try it: the exact-match accuracy of the copy model above (300 steps) on 200 fresh sequences.
+# Try it: the exact-match accuracy of the copy model above (400 steps) on 200 fresh sequences.
 copy_accuracy(copy_model, n=200)'''),
 ]
 
@@ -356,7 +356,7 @@ def notebook_cells(module_path: Path) -> list:
 # cell, as Jupyter's "Run All" does. The kernel's working folder is the
 # repository's root, so the setup cell finds the checkout wherever `--out`
 # is; matplotlib draws with the inline backend, which turns each shown
-# figure into a PNG output. The copy model's 300 steps are the longest
+# figure into a PNG output. The copy model's 400 steps are the longest
 # cell; `TIMEOUT` bounds every cell.
 
 # %%
@@ -420,7 +420,7 @@ def main(argv=None) -> int:
     p = Parser(prog="python -m docs.notebook", name="notebook",
                description="Write annotated/transformer.py as an executed Jupyter notebook, its prose examples "
                            "and figures inline: docs/_build/transformer.ipynb (minutes: a Jupyter kernel trains the "
-                           "copy model, 300 steps; longer on a busy machine).")
+                           "copy model, 400 steps; longer on a busy machine).")
     p.add_argument("--out", type=writable_dir, default=ROOT / "docs" / "_build",
                    help="output folder (default docs/_build)")
     p.add_argument("--overwrite", action="store_true",

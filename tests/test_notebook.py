@@ -168,7 +168,7 @@ def test_the_copy_figure_says_when_the_copy_is_wrong():
     from annotated import transformer
 
     [code] = [c for _, c in NB.FIGURES if "copy_model" in c]
-    code = code.replace('train_copy_task("fused", steps=300)', 'train_copy_task("fused", steps=0)')
+    code = code.replace('train_copy_task("fused", steps=400)', 'train_copy_task("fused", steps=0)')
     namespace = {name: getattr(transformer, name) for name in dir(transformer) if not name.startswith("__")}
     namespace["torch"] = torch
     out = _io.StringIO()
