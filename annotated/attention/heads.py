@@ -28,7 +28,7 @@ import torch
 
 from annotated.attention.bootstrap import RESAMPLES, SEED, Change, paired_bleu_change, paired_loss_change
 from annotated.attention.importance import ablate, head_importance, normalise_per_attention, sentence_losses
-from annotated.attention.prune import MAX_LOSS_INCREASE
+from annotated.attention.prune import FINETUNE_CHECK_EVERY, FINETUNE_PATIENCE, MAX_LOSS_INCREASE
 from annotated.plumbing.options import Parser, at_least, device, fail, number, writable_dir
 from annotated.shipped import shown_path
 from annotated.sites import KINDS, attention_at, sites
@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {MAX_LOSS_INCREASE})")
     p.add_argument("--finetune-steps", type=at_least(0), default=None,
                    help="with --prune: at most this many training steps on Multi30k's training split after "
-                        "pruning, keeping the model with the lowest held-out loss (checked every 100 steps; "
-                        "stops after 3 checks without a new lowest) (default 0)")
+                        f"pruning, keeping the model with the lowest held-out loss (checked every "
+                        f"{FINETUNE_CHECK_EVERY} steps; stops after {FINETUNE_PATIENCE} checks without a new "
+                        f"lowest) (default 0)")
     p.add_argument("--beam", type=at_least(1), default=4,
                    help="beam width for test BLEU and speed with --prune (default 4)")
     p.add_argument("--length-penalty", type=number(0, None), default=None,
@@ -398,7 +399,6 @@ def analyse(model, tokenizer, val, batches, args) -> tuple[dict, dict]:
 def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> dict:
     from annotated.attention.curve import curve_figure
     from annotated.attention.prune import (
-        FINETUNE_CHECK_EVERY,
         finetune_on_held_out,
         greedy_prune,
         removal_table,
@@ -450,7 +450,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     save_pruned(args.out / "pruned.pt", pruned, tokenizer,
                 dict(meta, pruned_from=str(args.checkpoint), heads_removed=removed, head_counts=head_counts(pruned),
                      finetune_steps=steps), read_case_table(args.checkpoint))
-    final_loss = held_out_loss(pruned)
+    final_loss = min(loss for _, loss in tuning.checks) if tuning else held_out_loss(pruned)  # measured already
     tuned = {"finetune_steps": steps, "held_out_loss": final_loss,
              "test_bleu": evaluate_bleu(pruned, tokenizer, test, 1, 0.0, args.device)[0]["bleu"]} \
         if args.finetune_steps else None

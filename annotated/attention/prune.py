@@ -284,7 +284,7 @@ def finetune_on_held_out(model: EncoderDecoder, batches: list, max_steps: int,
         checks.append((done, loss))
         if loss < min(l for _, l in checks[:-1]):
             best.model, best.steps = copy.deepcopy(tuned).eval(), done
-        return len(checks) - 1 - next(i for i, (s, _) in enumerate(checks) if s == best.steps) >= patience
+        return done - best.steps >= patience * check_every  # the last `patience` checks found no new lowest
 
     finetune(model, batches, max_steps, lr, progress, on_check, check_every)
     return best
