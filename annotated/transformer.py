@@ -980,11 +980,24 @@ def greedy_decode(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, m
 #
 # $$lrate = d_{model}^{-0.5} \cdot \min(step^{-0.5},\ step \cdot warmup^{-1.5})$$
 #
+# One departure from the paper: over the last quarter of the steps the rate
+# falls on a straight line to zero (`cooled_rate`, the translator's
+# `--cooldown`). At the schedule's rate, Adam keeps making the loss jump now
+# and then after the model has learnt to copy (from about 0.003 to as much as
+# 1.1 in runs of 800 steps), and a run that stops just after a jump keeps a
+# model that copies badly: without the cooldown, the same seed stopped at
+# step 400 copied 97% of fresh sequences on one 2-core machine and 12% on
+# another, where the arithmetic's rounding had sent training down another
+# path. Cooling down ends every run on a quiet model: stopped at step 300 or
+# 400, four seeds copied 99.5-100% with it, 96-99% with gradients clipped at
+# norm 1 instead, 88-100% at half the peak rate.
+#
 # `python -m annotated.transformer` runs it for both attention forms and
 # prints exact-match accuracy on fresh sequences.
 #
 # The defaults are small (N = 2, d_model = 64, h = 4, 800 steps of 128
-# sequences, peak learning rate 0.3 x the formula's), small enough for a CPU;
+# sequences, peak learning rate 0.3 x the formula's, the last 200 steps
+# cooling down), small enough for a CPU;
 # the command prints how long each form took. `test_copy_task_learns_to_copy`
 # requires both forms to copy at least 99% of 1000 fresh sequences exactly.
 #
@@ -1002,6 +1015,21 @@ def rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
     return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 
+def cooled_rate(step: int, max_steps: int, cooldown_steps: int, d_model: int, warmup: int,
+                factor: float = 1.0) -> float:
+    """`rate()`, except over the last `cooldown_steps` of `max_steps`, where it falls on a straight line
+    from the rate it had reached towards zero.
+
+    >>> [round(cooled_rate(n, 8, 3, 64, 4) / rate(5, 64, 4), 2) for n in (5, 6, 7, 8)]
+    [1.0, 0.75, 0.5, 0.25]
+    """
+    start = max_steps - cooldown_steps  # the last step at the paper's rate
+    if step <= start:
+        return rate(step, d_model, warmup, factor)
+    # lrate = rate(start) * (max_steps + 1 - step) / (cooldown_steps + 1)
+    return rate(start, d_model, warmup, factor) * (max_steps + 1 - step) / (cooldown_steps + 1)
+
+
 def copy_batch(batch_size: int, max_symbols: int, vocab: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Random copy examples: src (B, L) symbols then pad, tgt (B, L+2) = bos, symbols, eos, pad."""
     lengths = torch.randint(1, max_symbols + 1, (batch_size,), generator=generator)  # (B,)
@@ -1017,15 +1045,18 @@ def copy_batch(batch_size: int, max_symbols: int, vocab: int, generator: torch.G
 
 def train_copy_task(attention: AttentionForm = "fused", steps: int = 800, seed: int = 0, vocab: int = 13,
                     max_symbols: int = 10, batch_size: int = 128, factor: float = 0.3,
-                    warmup: int = 100, norm: Norm = "post") -> EncoderDecoder:
-    """Train a small model to copy; returns it in eval mode."""
+                    warmup: int = 100, norm: Norm = "post", cooldown: float = 0.25) -> EncoderDecoder:
+    """Train a small model to copy, the rate cooling down over the last `cooldown` share of the steps;
+    returns it in eval mode."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     model = make_model(src_vocab=vocab, tgt_vocab=vocab, N=2, d_model=64, d_ff=128, h=4, dropout=0.0,
                        max_len=max_symbols + 2, attention=attention, norm=norm, share_embeddings=True,
                        tie_generator=True)
     opt = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: rate(s + 1, 64, warmup=warmup, factor=factor))
+    cooldown_steps = round(cooldown * steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # step s + 1 (counted from 1) at cooled_rate(s + 1)
+        opt, lambda s: cooled_rate(s + 1, steps, cooldown_steps, 64, warmup=warmup, factor=factor))
     model.train()
     for _ in range(steps):
         src, tgt = copy_batch(batch_size, max_symbols, vocab, gen)

@@ -513,6 +513,21 @@ def test_copy_task_learns_to_copy(attention):
     assert acc >= 0.99
 
 
+def test_the_copy_task_cools_down_over_the_last_quarter(monkeypatch):
+    """The learning rates Adam applies in an 8-step copy run: the paper's rate(1..6), then 2/3 and 1/3 of
+    rate(6) (the last round(0.25 x 8) = 2 steps), as cooled_rate gives them."""
+    applied, adam_step = [], torch.optim.Adam.step
+
+    def recording_step(self, *args, **kwargs):
+        applied.append(self.param_groups[0]["lr"])
+        return adam_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
+    transformer.train_copy_task(steps=8, batch_size=4, warmup=4)
+    paper = [transformer.rate(n, 64, 4, 0.3) for n in range(1, 7)]
+    assert applied == pytest.approx(paper + [paper[-1] * 2 / 3, paper[-1] / 3], rel=1e-12)
+
+
 @pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])
 def test_key_bias_does_not_change_attention(cls):
     torch.manual_seed(0)

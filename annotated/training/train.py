@@ -50,7 +50,7 @@ from annotated.training.runs import (
     set_rng_state,
     truncate_log,
 )
-from annotated.transformer import EncoderDecoder, make_model, padding_mask, rate, target_mask
+from annotated.transformer import EncoderDecoder, cooled_rate, make_model, padding_mask, rate, target_mask
 
 # %% [markdown]
 # ## Settings
@@ -136,11 +136,7 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     """
     if not cfg.cooldown or cfg.max_steps is None:  # (a cooldown needs max_steps: TrainConfig checks)
         return rate(step, cfg.d_model, cfg.warmup, cfg.lr_factor)
-    start = cfg.max_steps - cfg.cooldown_steps  # the last step at the paper's rate
-    if step <= start:
-        return rate(step, cfg.d_model, cfg.warmup, cfg.lr_factor)
-    # lrate = rate(start) * (max_steps + 1 - step) / (cooldown_steps + 1)
-    return rate(start, cfg.d_model, cfg.warmup, cfg.lr_factor) * (cfg.max_steps + 1 - step) / (cfg.cooldown_steps + 1)
+    return cooled_rate(step, cfg.max_steps, cfg.cooldown_steps, cfg.d_model, cfg.warmup, cfg.lr_factor)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
