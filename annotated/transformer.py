@@ -988,9 +988,9 @@ def greedy_decode(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, m
 # model that copies badly: without the cooldown, the same seed stopped at
 # step 400 copied 97% of fresh sequences on one 2-core machine and 12% on
 # another, where the arithmetic's rounding had sent training down another
-# path. Cooling down ends every run on a quiet model: stopped at step 300 or
-# 400, four seeds copied 99.5-100% with it, 96-99% with gradients clipped at
-# norm 1 instead, 88-100% at half the peak rate.
+# path. Cooling down ends a run on small steps, after the jumps: stopped
+# at step 300 or 400, four seeds copied 99.5-100% with it, 96-99% with
+# gradients clipped at norm 1 instead, 88-100% at half the peak rate.
 #
 # `python -m annotated.transformer` runs it for both attention forms and
 # prints exact-match accuracy on fresh sequences.
