@@ -13,7 +13,9 @@ differs:
 
 - the batches (`benchmarks/sizes.py`: Multi30k-like lengths, the size's sentences per batch);
 - the loss: training's label-smoothed loss (`label_smoothed_loss`) on the logits, which for theirs are its
-  generator's projection (its `Generator` would add a `log_softmax` that the loss does itself);
+  generator's projection (its `Generator` would add a `log_softmax` that the loss does itself) of every
+  target position, as their `SimpleLossCompute` does, and for ours training's `batch_loss`, which projects
+  only the real (non-pad) positions;
 - the optimiser and schedule (`make_optimizer`: fused Adam, the paper's betas);
 - fp32, the same thread count, and `benchmarks/timing.py`'s interleaved rounds, after a warm-up.
 
@@ -82,7 +84,9 @@ def their_loss(defs: dict) -> Callable:
     from annotated.tokens import PAD
     from annotated.training.train import label_smoothed_loss
 
-    def loss(model, src, tgt, eps):
+    def loss(model, src, tgt, eps, real=None):
+        # their training (`SimpleLossCompute`) projects every position, padding included; so does this (`real`
+        # unused), while ours projects only the real ones
         tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T-1), (B, T-1)
         src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
         tgt_mask = (tgt_in != PAD).unsqueeze(-2) & defs["subsequent_mask"](tgt_in.size(-1))  # (B, T-1, T-1)
@@ -92,16 +96,18 @@ def their_loss(defs: dict) -> Callable:
 
 
 def stepper(model: nn.Module, loss_fn: Callable, size, batches) -> Callable[[], None]:
-    """One training step per call (the bench's `make_step`, on the CPU in fp32)."""
+    """One training step per call (the bench's `make_step`, on the CPU in fp32); `loss_fn` gets each batch's
+    real target positions (`real_positions`, made here, outside the timed step) as its last argument."""
+    from annotated.training.data import real_positions
     from annotated.training.train import make_optimizer
 
     opt, sched = make_optimizer(model, size.train)
-    batch_iter = itertools.cycle(batches)
+    batch_iter = itertools.cycle([(src, tgt, real_positions(tgt)) for src, tgt in batches])
 
     def step():
-        src, tgt = next(batch_iter)
+        src, tgt, real = next(batch_iter)
         opt.zero_grad(set_to_none=True)
-        loss, n = loss_fn(model, src, tgt, size.train.label_smoothing)
+        loss, n = loss_fn(model, src, tgt, size.train.label_smoothing, real)
         (loss / n).backward()
         opt.step()
         sched.step()

@@ -6,8 +6,10 @@
 # `FAST_PATH`, switched around their steps); per-head attention is that model
 # converted with `convert_model`; the reference is `torch.nn.Transformer`
 # (`benchmarks/reference.py`). Each model is built from the same seed. A step
-# is training's: forward, the label-smoothed loss, backward, and the Adam step
-# with its schedule (`annotated.training.train.make_optimizer`).
+# is training's: forward, the label-smoothed loss over the real target
+# positions only (`Batch.real`, made with the batch, outside the timed step),
+# backward, and the Adam step with its schedule
+# (`annotated.training.train.make_optimizer`).
 
 # %%
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from annotated.training.data import real_positions
 from annotated.training.train import batch_loss, make_optimizer
 from annotated.transformer import convert_model, fast_path, make_model
 from benchmarks.reference import TorchTransformerReference, reference_batch_loss
@@ -63,13 +66,13 @@ def build_trainees(size: Size, device: torch.device, seed: int, keys=tuple(VARIA
 
 def make_step(t: Trainee, model: nn.Module, batches, eps: float, amp) -> Callable[[], None]:
     """One training step per call, cycling through `batches`; `model` may be a compiled `t.model`."""
-    batch_iter = itertools.cycle(batches)
+    batch_iter = itertools.cycle([(src, tgt, real_positions(tgt)) for src, tgt in batches])  # as a Batch has them
 
     def step():
-        src, tgt = next(batch_iter)
+        src, tgt, real = next(batch_iter)
         t.opt.zero_grad(set_to_none=True)
         with amp(), fast_path(t.fast):
-            loss, n_tokens = t.loss_fn(model, src, tgt, eps)
+            loss, n_tokens = t.loss_fn(model, src, tgt, eps, real)
         (loss / n_tokens).backward()
         t.opt.step()
         t.sched.step()

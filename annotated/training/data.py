@@ -543,7 +543,8 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: PathLike |
 # costs a few columns and buys two things: a compiled model
 # (`torch.compile`, CUDA graphs) sees a handful of shapes instead of one per
 # sentence length, and matrix shapes that are multiples of 8 suit the GPU's
-# tensor cores. `collate` alone pads to the longest row (`pad_to=1`).
+# tensor cores. `collate` alone pads to the longest row (`pad_to=1`), and so
+# does training on the CPU (`train.columns_multiple`), which gains neither.
 #
 # **The budget.** A batch obeys `B * max(S, T) <= max_tokens` before that
 # padding (the longest row's columns): neither rectangle holds more than
@@ -569,11 +570,26 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: PathLike |
 # budgets and process counts `test_batching_properties`.)
 
 # %%
+def real_positions(tgt: Tensor) -> Tensor:
+    """The flat indices (n,) of tgt[:, 1:]'s non-pad entries, the positions a step predicts. tgt (B, T).
+
+    >>> real_positions(torch.tensor([[BOS, 7, EOS], [BOS, EOS, PAD]])).tolist()  # tgt[:, 1:] = [7 eos], [eos pad]
+    [0, 1, 2]
+    """
+    return (tgt[:, 1:] != PAD).flatten().nonzero().squeeze(1)  # (n,)
+
+
 @dataclass
 class Batch:
     src: Tensor    # (B, S) source ids, padded with PAD
     tgt: Tensor    # (B, T) BOS + target ids + EOS, padded with PAD
     index: Tensor  # (B,) position of each row in the list given to make_batches
+    real: Tensor = None  # type: ignore[assignment]  # (n,) flat indices of tgt[:, 1:]'s non-pad entries
+
+    def __post_init__(self):
+        # built here, on the host with the batch, so that a step on a GPU never asks for them (nonzero syncs)
+        if self.real is None:
+            self.real = real_positions(self.tgt)  # (n,)
 
     @property
     def ntokens(self) -> int:
@@ -585,12 +601,12 @@ class Batch:
 
     def to(self, device, non_blocking: bool = False) -> Batch:
         return Batch(self.src.to(device, non_blocking=non_blocking), self.tgt.to(device, non_blocking=non_blocking),
-                     self.index)
+                     self.index, self.real.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Batch:
         """The same batch in page-locked host memory (needs CUDA), so that `to(cuda, non_blocking=True)` is
         queued on the GPU like a kernel instead of waiting for the GPU's queue to drain first."""
-        return Batch(self.src.pin_memory(), self.tgt.pin_memory(), self.index)
+        return Batch(self.src.pin_memory(), self.tgt.pin_memory(), self.index, self.real.pin_memory())
 
 
 def encode_pairs(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer) -> list[tuple[list[int], list[int]]]:

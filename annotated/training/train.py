@@ -110,7 +110,9 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, eps: float, pad: int = P
 # A batch holds `src` (B, S) and `tgt` (B, T) = `bos y_1 ... y_n eos pad...`.
 # Teacher forcing feeds `tgt[:, :-1]` and predicts `tgt[:, 1:]`. The loss is
 # summed over predicted tokens and divided by their number, so long and short
-# batches weigh each token equally. The learning rate follows `rate()` from
+# batches weigh each token equally. Only those tokens' positions are projected
+# onto the vocabulary (`Batch.real`, their flat indices, made on the host with
+# the batch), not the padding. The learning rate follows `rate()` from
 # the first chapter, warm-up then the inverse square root of the step; a
 # run may end with a cooldown (the last `cooldown` share of its steps, 30%
 # in the `cpu` and `gpu` presets), a straight line from that rate towards
@@ -118,11 +120,18 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, eps: float, pad: int = P
 # rate that makes the validation score jump by two points between epochs.
 
 # %%
-def batch_loss(model: torch.nn.Module, src: Tensor, tgt: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(summed loss, number of predicted tokens), both 0-d tensors on the batch's device (nothing is read)."""
+def batch_loss(model: torch.nn.Module, src: Tensor, tgt: Tensor, eps: float,
+               real: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(summed loss, number of predicted tokens), both 0-d tensors on the batch's device (nothing is read).
+    With `real` (`Batch.real`: the flat indices of tgt[:, 1:]'s non-pad entries) the model projects only
+    those positions onto the vocabulary; the loss is the same."""
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T-1), (B, T-1)
-    logits = model(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD))  # (B, T-1, V)
-    return label_smoothed_loss(logits, tgt_out, eps), (tgt_out != PAD).sum()
+    masks = padding_mask(src, PAD), target_mask(tgt_in, PAD)
+    if real is None:
+        logits = model(src, tgt_in, *masks)  # (B, T-1, V)
+        return label_smoothed_loss(logits, tgt_out, eps), (tgt_out != PAD).sum()
+    logits = model(src, tgt_in, *masks, positions=real)  # (n, V)
+    return label_smoothed_loss(logits, tgt_out.flatten().index_select(0, real), eps), (tgt_out != PAD).sum()
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -189,7 +198,7 @@ def train_step(model: torch.nn.Module, opt, sched, batches, n_tokens: int, cfg: 
         sync = ddp is None or j == len(batches) - 1
         with (contextlib.nullcontext() if sync else ddp.no_sync()), autocast(dev, precision):
             loss, n = batch_loss(model, b.src.to(dev, non_blocking=True), b.tgt.to(dev, non_blocking=True),
-                                 cfg.label_smoothing)
+                                 cfg.label_smoothing, b.real.to(dev, non_blocking=True))
         # (W / N) sum_b L_b on this rank; DDP's mean over the W ranks makes it sum_b L_b / N ("Several processes")
         (loss * (world / max(n_tokens, 1))).backward()
         loss_sum, tokens = loss_sum + loss.detach().float(), tokens + n
@@ -268,7 +277,7 @@ def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.devi
     total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
     for b in batches:
         with autocast(device, precision):
-            loss, _ = batch_loss(model, b.src.to(device), b.tgt.to(device), eps)
+            loss, _ = batch_loss(model, b.src.to(device), b.tgt.to(device), eps, b.real.to(device))
         total, tokens = total + loss.double(), tokens + b.ntokens  # (ntokens: counted on the host)
     return total.item() / max(tokens, 1)
 
@@ -443,12 +452,19 @@ def loop(run: Run, state: RunState, progress: bool) -> bool:
     return False
 
 
+def columns_multiple(dev: torch.device) -> int:
+    """`make_batches`' `pad_to` on this device: 8 on a GPU (tensor cores; few shapes for CUDA graphs), 1 on
+    the CPU, where every padded column is work for nothing (`docs/training.md`, "Padding")."""
+    return 8 if dev.type == "cuda" else 1
+
+
 def run_epoch(run: Run, state: RunState, stop: StopFlag) -> str | None:
     """Train the rest of the current epoch. None when it is done, else why it stopped: "stop" (Ctrl-C),
     "steps" (max_steps reached) or "time" (max_minutes)."""
     cfg, place, learner = run.cfg, run.place, run.learner
     batches = data.make_batches(run.data.train_enc, cfg.max_tokens, shuffle=True, seed=cfg.seed + state.epoch,
-                                rank=place.rank, world_size=place.world, max_len=cfg.max_len)
+                                rank=place.rank, world_size=place.world, pad_to=columns_multiple(place.dev),
+                                max_len=cfg.max_len)
     if place.dev.type == "cuda":  # page-locked, so each batch's copy to the GPU is queued, not waited for
         batches = [b.pin_memory() for b in batches]
     tokens = step_tokens(batches, cfg.accum, place.world, place.dev)  # N of each step: its batches on all ranks
@@ -554,7 +570,7 @@ def load_run_data(cfg: TrainConfig, source: DataSource, place: Placement, say: C
             f"subwords and are left out of training (rule: long pairs are skipped, never truncated)")
     val_enc = data.encode_pairs(val_pairs, tokenizer)
     val_batches = data.make_batches([val_enc[i] for i in data.split_long(val_enc, cfg.max_len)[0]],
-                                    cfg.max_tokens, max_len=cfg.max_len)
+                                    cfg.max_tokens, pad_to=columns_multiple(place.dev), max_len=cfg.max_len)
     return RunData(tokenizer, [train_enc[i] for i in kept], val_batches, val_pairs, test_pairs,
                    casing.case_table(s for s, _ in train_pairs))
 

@@ -308,10 +308,10 @@ sys.path.insert(0, {repo!r})
 from annotated.training import train
 import train_wmt
 
-real, seen = train.batch_loss, []
+batch_loss, seen = train.batch_loss, []
 
-def poisoned(model, src, tgt, eps):
-    loss, n = real(model, src, tgt, eps)
+def poisoned(model, src, tgt, eps, real=None):
+    loss, n = batch_loss(model, src, tgt, eps, real)
     if model.training and os.environ["RANK"] == "1" and os.path.exists({last!r}):
         seen.append(1)
         if len(seen) == 3:
