@@ -597,6 +597,11 @@ def convert_model(model: M, attention: Literal["fused", "per_head"]) -> M:
 # the feed-forward network's nonlinearity: the paper's ReLU by default; GELU
 # and SiLU (also called swish) are there because real translators use them
 # (the OPUS-MT models of `annotated/interop/marian.py` use SiLU).
+# `dropout` is the paper's (on each sublayer's output and on the embeddings
+# plus positions); the attention weights get `attention_dropout`, by default
+# the same. The paper does not say it drops attention weights; the Annotated
+# Transformer does, and in training this forces `scaled_dot_product_attention`
+# off its fused kernel onto the unfused one (`test_attention_dropout_is_its_own_setting`).
 
 # %%
 Norm = Literal["post", "pre"]
@@ -623,6 +628,12 @@ class TransformerConfig:
     share_embeddings: bool = False
     tie_generator: bool = False
     activation: Activation = "relu"  # of the feed-forward network: "relu" (paper), "gelu" or "silu"
+    attention_dropout: float | None = None  # on the attention weights; None: `dropout`
+
+    @property
+    def attention_p(self) -> float:
+        """The dropout probability on the attention weights."""
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -634,6 +645,9 @@ class TransformerConfig:
         if self.share_embeddings and self.src_vocab != self.tgt_vocab:
             raise ValueError(f"share_embeddings needs src_vocab == tgt_vocab, got "
                              f"{self.src_vocab} and {self.tgt_vocab}")
+        if not 0 <= self.dropout < 1 or not 0 <= self.attention_p < 1:
+            raise ValueError(f"dropout and attention_dropout must be in [0, 1), got {self.dropout}, "
+                             f"{self.attention_dropout}")
         if min(self.src_vocab, self.tgt_vocab, self.N, self.d_ff, self.max_len) < 1:
             raise ValueError(f"sizes must be positive: {self}")
         _head_sizes(self.d_model, self.h, self.d_k, self.d_v)
@@ -784,7 +798,7 @@ Cache = list[dict[str, tuple[Tensor, Tensor]]]  # per decoder layer: "self"/"cro
 
 def _make_attention(cfg: TransformerConfig) -> _Attention:
     cls = PerHeadAttention if cfg.attention == "per_head" else FusedAttention
-    return cls(cfg.d_model, cfg.h, cfg.d_k, cfg.d_v, cfg.bias, cfg.dropout)
+    return cls(cfg.d_model, cfg.h, cfg.d_k, cfg.d_v, cfg.bias, cfg.attention_p)
 
 
 def _cat_time(past: tuple[Tensor, Tensor], new: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:

@@ -144,6 +144,7 @@ def compare(defs: dict, size_name: str, rounds: int, window: float, seed: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from annotated.plumbing.allocator import keep_freed_memory
     from annotated.plumbing.options import Parser, at_least, number
     from benchmarks.sizes import SIZES
 
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as training on the CPU does
     results = []
     for size in args.sizes:
         r = compare(defs, size, args.rounds, args.window)

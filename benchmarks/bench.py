@@ -78,6 +78,7 @@ from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
+from annotated.plumbing.allocator import keep_freed_memory  # noqa: E402
 from annotated.plumbing.devices import default_device  # noqa: E402
 from benchmarks.arithmetic import bench_cpu_arithmetic, distinct_models  # noqa: E402
 from benchmarks.decoders import bench_decoding, bench_translator_cli  # noqa: E402
@@ -171,6 +172,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     device = default_device(args.device)
     if device.type not in ("cpu", "cuda"):
         raise SystemExit(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if device.type == "cpu":  # as training does (every row runs under it; the memory rows in their own process)
+        keep_freed_memory()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
     try:

@@ -93,6 +93,7 @@ def compare(cfg, encoded: Sequence, n_batches: int, rounds: int, window: float, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from annotated.plumbing.allocator import keep_freed_memory
     from annotated.plumbing.devices import resolve_precision
     from annotated.plumbing.options import Parser, at_least, number
     from annotated.training import data
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as training on the CPU does
     try:
         precision, why = resolve_precision(args.precision, torch.device("cpu"))
     except ValueError as e:

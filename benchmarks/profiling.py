@@ -25,6 +25,7 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from annotated.plumbing.allocator import keep_freed_memory  # noqa: E402
 from annotated.plumbing.devices import autocast, cpu_has_bf16  # noqa: E402
 from benchmarks.sizes import SIZES, Size, make_batches  # noqa: E402
 from benchmarks.trainees import build_trainees, make_step  # noqa: E402
@@ -65,6 +66,7 @@ def main(argv=None) -> None:
         print("profiling: note: this CPU has no bf16 instructions; PyTorch emulates bf16 here", file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as training on the CPU does
     averages = profile_step(SIZES[args.size], args.steps, args.precision)
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     top = top_operators(averages, 5)

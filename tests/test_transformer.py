@@ -255,6 +255,29 @@ def test_model_with_dropout_is_deterministic_in_eval_mode(attention):
     assert torch.equal(m(*args), m(*args)) and (m(*args) - ref(*args)).abs().max() <= 1e-12
 
 
+def test_attention_dropout_is_its_own_setting(fast_path):
+    """`attention_dropout` reaches every attention (None: `dropout`'s value), the sublayers keep `dropout`, and
+    at 0, in training, `scaled_dot_product_attention` runs its fused CPU kernel, while any dropout on the weights
+    sends it to the unfused one (the prose's claim, from torch's own dispatch)."""
+    from torch.profiler import profile
+
+    fast_path(True)
+    ps = lambda m: {a.dropout for a in m.modules() if isinstance(a, (FusedAttention, PerHeadAttention))}
+    assert ps(make_model(small_config(dropout=0.3))) == {0.3}
+    m = make_model(small_config(dropout=0.3, attention_dropout=0.0))
+    assert ps(m) == {0.0} and {d.p for d in m.modules() if isinstance(d, torch.nn.Dropout)} == {0.3}
+    with pytest.raises(ValueError, match="attention_dropout must be in"):
+        small_config(attention_dropout=1.0)
+    for p, kernel in ((0.0, "aten::_scaled_dot_product_flash_attention_for_cpu"),
+                      (0.1, "aten::_scaled_dot_product_attention_math")):
+        m = make_model(small_config(dropout=0.1, attention_dropout=p)).train()
+        src, tgt = model_inputs(m.config)
+        with profile() as prof:
+            m(src, tgt, padding_mask(src, PAD), target_mask(tgt, PAD)).sum().backward()
+        ran = {e.key for e in prof.key_averages()}
+        assert kernel in ran, (p, sorted(k for k in ran if "attention" in k))
+
+
 def test_per_head_parameters_are_rectangular():
     ph = PerHeadAttention(d_model=10, h=2, d_k=3, d_v=4)
     assert len(ph.W_Q) == len(ph.W_K) == len(ph.W_V) == len(ph.W_O) == 2

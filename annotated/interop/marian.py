@@ -135,7 +135,7 @@ def marian_config(cfg: TransformerConfig):
         encoder_layers=cfg.N, decoder_layers=cfg.N, encoder_ffn_dim=cfg.d_ff, decoder_ffn_dim=cfg.d_ff,
         encoder_attention_heads=cfg.h, decoder_attention_heads=cfg.h, d_model=cfg.d_model,
         activation_function=TO_MARIAN_ACTIVATION[cfg.activation], dropout=cfg.dropout,
-        attention_dropout=cfg.dropout, activation_dropout=cfg.dropout, scale_embedding=True,
+        attention_dropout=cfg.attention_p, activation_dropout=cfg.dropout, scale_embedding=True,
         pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS, forced_eos_token_id=None,
         share_encoder_decoder_embeddings=cfg.share_embeddings, tie_word_embeddings=cfg.tie_generator)
 
@@ -203,7 +203,8 @@ def our_config(config, src_vocab: int, tgt_vocab: int, share: bool, tie: bool) -
         src_vocab=src_vocab, tgt_vocab=tgt_vocab, N=config.encoder_layers, d_model=config.d_model,
         d_ff=config.encoder_ffn_dim, h=config.encoder_attention_heads, dropout=float(config.dropout),
         max_len=config.max_position_embeddings, norm="post", bias=True, share_embeddings=share,
-        tie_generator=tie and config.scale_embedding, activation=FROM_MARIAN_ACTIVATION[config.activation_function])
+        tie_generator=tie and config.scale_embedding, activation=FROM_MARIAN_ACTIVATION[config.activation_function],
+        attention_dropout=None if config.attention_dropout == config.dropout else float(config.attention_dropout))
 
 
 @torch.no_grad()

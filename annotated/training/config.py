@@ -217,7 +217,7 @@ class Option:
     none_word: str | None = None           # a word that sets the setting to None (beside a number)
 
 
-MODEL_OPTIONS = ("N", "d_model", "d_ff", "h", "dropout", "attention", "norm", "vocab_size")  # set in cfg.model
+MODEL_OPTIONS = ("N", "d_model", "d_ff", "h", "dropout", "attention_dropout", "attention", "norm", "vocab_size")  # set in cfg.model
 OPTIONS = {  # setting -> its command-line option, in the order --help lists them
     "src_lang": Option(f"source language: {', '.join(LANGUAGES)}", flag="--src"),
     "tgt_lang": Option("target language", flag="--tgt"),
@@ -228,6 +228,9 @@ OPTIONS = {  # setting -> its command-line option, in the order --help lists the
     "d_ff": Option("feed-forward width d_ff", whole_from=1),
     "h": Option("attention heads h (d_k = d_model / h)", flag="--heads", whole_from=1),
     "dropout": Option("dropout probability, in [0, 1)", low=0, high=1),
+    "attention_dropout": Option("dropout on the attention weights, in [0, 1), or 'same': --dropout's (0 lets "
+                                "scaled_dot_product_attention use its fused kernel in training)", low=0, high=1,
+                                none_word="same"),
     "label_smoothing": Option("label smoothing epsilon, in [0, 1)", low=0, high=1),
     "case_augment": Option("share of the training pairs added again with both sides in capitals or lower case, in "
                            "[0, 1]", low=0, high=1),

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from annotated.decoding import casing
+from annotated.plumbing.allocator import keep_freed_memory
 from annotated.plumbing.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 - train.CheckpointError for the callers
 from annotated.plumbing.devices import autocast, default_device, resolve_precision
 from annotated.plumbing.files import atomic_write
@@ -401,6 +402,8 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: str | None = None, cache
     source = DataSource(data_url, cache_dir, train_files, val_files, test_files, empty_lines)
     precision, reason = resolve_precision(cfg.precision, default_device(device))  # before any work
     rank, world, dev, owns_group = distributed.join(default_device(device))
+    if dev.type == "cpu":  # a CPU step's large tensors reuse freed memory instead of faulting pages in
+        keep_freed_memory()
     arithmetic = Arithmetic(precision, reason, torch.get_num_threads())
     started_in = environment()  # the commit and packages that train, whatever the checkout is when it ends
     run_dir, run = Path(run_dir), None

@@ -1,0 +1,43 @@
+"""annotated/plumbing/allocator.py: after keep_freed_memory(), a large tensor allocated and freed again and again
+reuses the same memory instead of faulting fresh pages in each time. Each case runs in its own process (the
+setting is for the whole process)."""
+import subprocess
+import sys
+
+import pytest
+
+from annotated.plumbing.allocator import keep_freed_memory
+
+CHURN = """
+import resource, sys, torch
+from annotated.plumbing.allocator import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+
+def churn(rounds):
+    for _ in range(rounds):
+        x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, written, then freed
+        del x
+
+churn(10)  # the heap settles (its first blocks land at new addresses while it grows)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+churn(20)
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def faults(mode: str) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", CHURN, mode], capture_output=True, text=True, check=True).stdout
+    kept, n = out.split()
+    return kept, int(n)
+
+
+def test_freed_memory_is_reused_not_faulted_in_again():
+    """A 64 MiB block is above the largest size glibc ever serves from its heap by default (32 MiB), so with
+    the defaults each of 20 rounds maps it anew and faults in all of its 16,384 4-KiB pages (at least 15
+    rounds' worth, allowing for huge pages); kept, the rounds reuse one block: under one round's worth."""
+    if not keep_freed_memory():
+        pytest.skip("not glibc's malloc: keep_freed_memory() does nothing here")
+    _, default = faults("default")
+    kept, with_setting = faults("keep")
+    pages = (64 << 20) // 4096
+    assert kept == "True" and default >= 15 * pages and with_setting < pages, (default, with_setting)
