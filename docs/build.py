@@ -384,6 +384,7 @@ def fence_language(code: str, lang: str) -> str:
 def highlight_code(code: str, lang: str = "python") -> str:
     """Pygments HTML (class-based; the stylesheet is inline in the page) in a <pre>, one <span class="l"> a line,
     so a long line wraps under itself with a hanging indent instead of scrolling."""
+    code = code.strip("\n")  # as the lexer strips it (`stripnl`), so its lines and `code`'s stay paired
     try:
         lexer = get_lexer_by_name(fence_language(code, lang))
     except ClassNotFound:

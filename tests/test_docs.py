@@ -664,6 +664,17 @@ def test_attention_figure_labels_decoder_rows_by_the_predicted_token(tmp_path):
     assert tgt_in[0, 0] == transformer.BOS and torch.equal(tgt_in[0, 1:], out[0, :-1])  # fed: <s> and all but the last
 
 
+def test_each_highlighted_line_hangs_under_its_own_indent():
+    """A piece that starts with blank lines (the lexer drops them) still gives every line its own indent: the
+    `--i` of a line is that line's, not its neighbour's."""
+    html_ = B.highlight_code("\n\ndef f():\n    \"\"\"Doc.\n\n    >>> f()\n    \"\"\"\n    return 1\n")
+    lines = re.findall(r'<span class="l"( style="--i:(\d+)")?>(.*?)\n</span>', html_, re.S)
+    text = [re.sub(r"<[^>]+>", "", body) for _, _, body in lines]
+    indents = [int(i) if i else 0 for _, i, _ in lines]
+    assert text[0].startswith("def f") and len(text) == 6
+    assert indents == [len(t) - len(t.lstrip(" ")) if t.strip() else 0 for t in text] == [0, 4, 0, 4, 4, 4]
+
+
 def test_logs_and_shell_are_not_highlighted_as_python(site):
     _, page = site
     guides = _guides(page)
