@@ -35,9 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/padding.py` works too
     sys.path.insert(0, str(ROOT))
 
+if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+    quiet_ctrl_c_while_starting("padding-bench")
+
 import torch  # noqa: E402
 
-NAME = "benchmarks.padding"
+NAME = "padding-bench"
 WAYS = {"pad 8, every position": (8, False), "pad 8, real positions": (8, True),
         "pad 1, every position": (1, False), "pad 1, real positions": (1, True)}
 
