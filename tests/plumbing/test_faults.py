@@ -596,10 +596,10 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(bad, tmp_pa
                                                                       capsys):
     """The loss turns NaN (or inf) at the 3rd step after the first epoch: exit 2, last.pt untouched."""
     run = tmp_path / "run"
-    real, seen, last_at_fault = train.batch_loss, [], {}
+    batch_loss, seen, last_at_fault = train.batch_loss, [], {}
 
-    def faulty(model, src, tgt, eps):
-        loss, n = real(model, src, tgt, eps)
+    def faulty(model, src, tgt, eps, real=None):
+        loss, n = batch_loss(model, src, tgt, eps, real)
         if model.training and (run / "last.pt").exists():  # training batches once epoch 1 was saved
             seen.append(1)
             if len(seen) == 3:
@@ -646,10 +646,10 @@ def test_non_finite_gradient_at_an_epoch_end_does_not_reach_the_checkpoint(tmp_p
     train.train(dataclasses.replace(SMOKE, epochs=1), run, **quiet(data_url, cache))
     E = read_checkpoint(run / "last.pt")["run_state"]["step"]  # steps of epoch 1
     kept = {name: sha(run / name) for name in ("last.pt", "best.pt")}
-    real, seen = train.batch_loss, []
+    batch_loss, seen = train.batch_loss, []
 
-    def poisoned(model, src, tgt, eps):
-        loss, n = real(model, src, tgt, eps)
+    def poisoned(model, src, tgt, eps, real=None):
+        loss, n = batch_loss(model, src, tgt, eps, real)
         if model.training:
             seen.append(1)
             if len(seen) == E:  # the last batch of epoch 2
