@@ -457,7 +457,7 @@ def loop(run: Run, state: RunState, progress: bool) -> bool:
 
 def columns_multiple(dev: torch.device) -> int:
     """`make_batches`' `pad_to` on this device: 8 on a GPU (tensor cores; few shapes for CUDA graphs), 1 on
-    the CPU, where every padded column is work for nothing (`docs/training.md`, "Padding")."""
+    the CPU, where every padded column is work for nothing (`docs/training.md`, "The step on real batches")."""
     return 8 if dev.type == "cuda" else 1
 
 
