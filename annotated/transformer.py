@@ -856,8 +856,8 @@ class DecoderLayer(nn.Module):
 # target prefix to one vector per target position; the generator turns each
 # into logits over the target vocabulary (the loss applies log-softmax).
 # Training asks for the logits of the real target positions only (`positions`,
-# flat indices into the batch), so the projection onto the vocabulary, a third
-# of a small model's step, skips the padding; the loss is the same
+# flat indices into the batch), so the projection onto the vocabulary and the
+# loss over it skip the padding; the loss is the same
 # (`test_scoring_real_positions_only_gives_the_same_loss_and_gradients`).
 #
 # <!-- figure: architecture -->

@@ -12,7 +12,8 @@ and times training's own step (`train.train_step`: forward, the label-smoothed l
 fused Adam, the schedule) on them four ways:
 
 - `pad 8, every position`: columns padded to multiples of 8, every decoder position projected onto the
-  vocabulary (the padded ones masked out of the loss afterwards);
+  vocabulary (the padded ones masked out of the loss afterwards), given to the step as its positions, so
+  it also pays one copy of the decoder's output (n x d_model) that the old step did not;
 - `pad 8, real positions`: the same batches, only the real target positions projected (`Batch.real`);
 - `pad 1, every position` and `pad 1, real positions`: the batches padded to their longest row only.
 

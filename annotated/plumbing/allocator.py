@@ -4,8 +4,8 @@ By default glibc's `malloc` serves every block above a threshold (128 KiB, risin
 blocks are freed) with a fresh `mmap` and returns it with `munmap` when it is freed, and it trims the top of
 its heap whenever more than 128 KiB there is free. A CPU training step allocates and frees tensors of many
 sizes (activations, gradients, the logits over the vocabulary), batch after batch of a new shape, so the
-kernel maps, zeroes and unmaps fresh pages for the same tensors at every step (`docs/training.md`, "The
-allocator", measures what that costs).
+kernel maps, zeroes and unmaps fresh pages for the same tensors at every step (`docs/training.md`, "The step
+on real batches", measures what that costs).
 
 `keep_freed_memory()` asks malloc (`mallopt`, through `ctypes`) to serve blocks below 1 GiB from its heap, to
 keep up to 1 GiB of free heap instead of trimming it, and to grow the heap 256 MiB at a time, so a step reuses
