@@ -138,7 +138,7 @@ class Chromium:
                 return message
 
     def js(self, expression: str):
-        result = self.page("Runtime.evaluate", expression=expression, returnByValue=True)
+        result = self.page("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
         if "exceptionDetails" in result:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")

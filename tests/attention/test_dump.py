@@ -663,7 +663,7 @@ def test_arrow_keys_move_between_heads_and_layers(full_dump, tmp_path):
         press("ArrowLeft", "1/mean")
         press("ArrowUp", "0/mean")
         browser.js("document.getElementById('kind').focus()")
-        for kind in ("keyDown", "keyUp"):  # a focused menu keeps its keys: the head stays
+        for kind in ("keyDown", "keyUp"):  # a focused menu keeps its keys (the kind menu moves on): the head stays
             browser.page("Input.dispatchKeyEvent", type=kind, key="ArrowRight", code="ArrowRight",
                          windowsVirtualKeyCode=codes["ArrowRight"])
         browser.js("new Promise(r => setTimeout(r, 300))")
@@ -672,6 +672,8 @@ def test_arrow_keys_move_between_heads_and_layers(full_dump, tmp_path):
         assert browser.js("location.hash").endswith("&layer=0&head=mean&view=head")
         browser.js("document.getElementById('kind').blur()")
         browser.js("location.hash = 's=0&kind=dec_self&layer=0&head=mean&view=head'")
+        # the menu may have changed the kind with the key: wait for the hash's view before pressing again
+        browser.wait_js("document.body.dataset.rendered === '0/dec_self/0/mean'")
         press("ArrowRight", "0/0")  # the menu left: the keys move heads again
         assert console_errors(browser) == []
     finally:
