@@ -654,6 +654,37 @@ class TransformerConfig:
 
 
 # %% [markdown]
+# ### Dropout, and its fast path on the CPU
+#
+# In training, dropout zeroes each entry with probability `p` and scales the
+# survivors by `1 / (1 - p)`, so on average it changes nothing; in evaluation
+# it is the identity. PyTorch's CPU dropout draws a random number per entry,
+# a fifth of the bfloat16 training step on two cores (docs/training.md).
+# `Dropout` draws 16 random bits per entry instead (one 64-bit draw for four
+# entries) and keeps an entry when its bits, read as a number `u` in
+# `[0, 65536)`, are at least `c = round(p * 65536)`: each entry is dropped
+# with probability `c / 65536`, which is `p` rounded to a multiple of
+# 1/65,536, and the survivors are scaled by `65536 / (65536 - c)`, so the
+# expectation is still exactly the identity
+# (`test_fast_dropout_keeps_each_entry_with_its_probability`). The same
+# `FAST_PATH` switch chooses it; off it, or off the CPU, it is `nn.Dropout`
+# (`test_fast_dropout_off_the_fast_path_is_torch_dropout`). The attention
+# weights' dropout happens inside `scaled_dot_product_attention`.
+
+# %%
+class Dropout(nn.Dropout):
+    def forward(self, x: Tensor) -> Tensor:
+        if not (FAST_PATH and self.training and self.p > 0 and x.device.type == "cpu"):
+            return super().forward(x)
+        c = min(round(self.p * 65536), 65535)  # P(drop) = c / 65536
+        n = x.numel()
+        words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-2**63, None)  # (ceil(n/4),) 64 random bits
+        bits = words.view(torch.int16)[:n].view(x.shape)  # 16 bits per entry, as signed numbers: u - 32768
+        # keep when u >= c, scaled by 65536 / (65536 - c)
+        return torch.where(bits >= c - 32768, x * (65536 / (65536 - c)), 0)  # shape of x
+
+
+# %% [markdown]
 # ### Position-wise feed-forward
 #
 # $$\mathrm{FFN}(x) = \max(0,\ x W_1 + b_1)\, W_2 + b_2$$
@@ -671,7 +702,7 @@ class FeedForward(nn.Module):
         self.b_1 = nn.Parameter(torch.zeros(d_ff))
         self.W_2 = nn.Parameter(_xavier(d_ff, d_model, d_ff, d_model))
         self.b_2 = nn.Parameter(torch.zeros(d_model))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         # FFN(x) = max(0, x W_1 + b_1) W_2 + b_2
@@ -732,7 +763,7 @@ class PositionalEncoding(nn.Module):
     def __init__(self, d_model: int, max_len: int, dropout: float = 0.0):
         super().__init__()
         self.register_buffer("pe", sinusoidal_encoding(max_len, d_model), persistent=False)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
         """Add PE for positions start, start+1, ... to x (B, T, d_model)."""
@@ -765,7 +796,7 @@ class PositionalEncoding(nn.Module):
 class Residual(nn.Module):
     def __init__(self, d_model: int, dropout: float, norm: Norm):
         super().__init__()
-        self.ln, self.dropout, self.pre = nn.LayerNorm(d_model), nn.Dropout(dropout), norm == "pre"
+        self.ln, self.dropout, self.pre = nn.LayerNorm(d_model), Dropout(dropout), norm == "pre"
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         if self.pre:

@@ -1,4 +1,4 @@
-"""benchmarks/padding.py: the four ways time training's step on the same sentences, and the padding shares it
+"""benchmarks/padding.py: the five ways time training's step on the same sentences, and the padding shares it
 prints are the batches' own. No speed is asserted: the command prints ratios measured in one run."""
 import dataclasses
 import random
@@ -49,3 +49,18 @@ def test_every_position_way_projects_every_position(monkeypatch):
         b = batches[0]
         want = b.tgt[:, 1:].numel() if not real else int((b.tgt[:, 1:] != PAD).sum())
         assert seen == [want] and (b.tgt[:, 1:] == PAD).any()
+
+
+def test_torch_dropout_way_runs_torch_dropout_only(monkeypatch):
+    """With `torch_dropout` the step never reaches the chapter's `Dropout`; without it, it does."""
+    from annotated import transformer
+    from annotated.training import data
+    cfg = dataclasses.replace(PRESETS["smoke"].with_model(vocab_size=50), max_tokens=120)
+    batches = data.make_batches(pairs(), cfg.max_tokens, pad_to=1)[:1]
+    calls = []
+    chapters = transformer.Dropout.forward
+    monkeypatch.setattr(transformer.Dropout, "forward", lambda self, x: calls.append(1) or chapters(self, x))
+    for torch_dropout, want_calls in ((True, False), (False, True)):
+        calls.clear()
+        padding.stepper(cfg, batches, True, "fp32", 0, torch_dropout)()
+        assert bool(calls) == want_calls
