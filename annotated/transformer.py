@@ -659,7 +659,8 @@ class TransformerConfig:
 # In training, dropout zeroes each entry with probability `p` and scales the
 # survivors by `1 / (1 - p)`, so on average it changes nothing; in evaluation
 # it is the identity. PyTorch's CPU dropout draws a random number per entry,
-# a fifth of the bfloat16 training step on two cores (docs/training.md).
+# which took a fifth of the bfloat16 training step on two cores
+# (docs/training.md, "The step on real batches").
 # `Dropout` draws 16 random bits per entry instead (one 64-bit draw for four
 # entries) and keeps an entry when its bits, read as a number `u` in
 # `[0, 65536)`, are at least `c = round(p * 65536)`: each entry is dropped
