@@ -20,7 +20,7 @@
 #    per second, and the peak memory of the step, for four implementations:
 #    our model with fused attention on the SDPA path
 #    (`annotated.transformer.FAST_PATH = True`), the same with the explicit
-#    softmax (`FAST_PATH = False`), our per-head attention, and a
+#    softmax and `nn.Dropout` (`FAST_PATH = False`), our per-head attention, and a
 #    **reference built from `torch.nn.Transformer`** that does the same work;
 # 2. **decoding** in sentences per second: greedy with the key/value cache,
 #    greedy recomputing the whole prefix at every step (the original
