@@ -1,12 +1,15 @@
 """Every GPU figure in one command: `make gpu-report` (or `python benchmarks/gpu_report.py`).
 
-Three parts, each a subprocess with its own time limit, so that each fits in under 9 minutes of wall time
-and the whole in under 22 minutes of GPU time:
+Three parts, each a subprocess with its own time limit, so that each fits in under 10 minutes of wall time
+and the whole in under 25 minutes of GPU time:
 
   (a) bench   `benchmarks/bench.py` on CUDA in bf16, eager and compiled, sizes gpu and base: tokens/s,
-              MFU on the base size, fused against torch.nn.Transformer, host syncs per step (<= 5 min);
-  (b) train   the gpu preset de->en, then en->de (`train_wmt.py --preset gpu --compile`), each capped at
-              `--train-minutes` of training: test BLEU (cased and lowercased) and optimizer steps/s (<= 8 min each);
+              MFU on the base size, fused against torch.nn.Transformer, host syncs per step (<= 9 min; eager
+              only, `--bench-compile off`, <= 4 min: compiling took 25 to 90 s per row on an H100);
+  (b) train   the gpu preset de->en, then en->de (`train_wmt.py --preset gpu`, as `make train` runs it: eager),
+              each capped at `--train-minutes` of training: test BLEU (cased and lowercased) and optimizer
+              steps/s (<= 9 min each). `--train-compile` adds `--compile`; on an H100 with torch 2.11 that was
+              slower, not faster (docs/training.md, "GPU figures in one command");
   (c) ddp     a 2-process NCCL smoke run under torchrun when two GPUs exist; otherwise the report says so.
 
 It writes benchmarks/results/<device>-<date>.json (everything, the bench result included) and prints a
@@ -40,7 +43,13 @@ def parse_args(argv=None):
     p = Parser(prog="gpu_report.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="bench,train,ddp", help="comma-separated subset of bench, train, ddp")
     p.add_argument("--train-minutes", type=number(0, None, above=True), default=6.5,
-                   help="cap on each training run's minutes (the preset's steps end it sooner on a fast GPU)")
+                   help="cap on each training run's minutes (the preset's steps end it sooner on a fast GPU); "
+                        "the run's whole limit is this plus 2.5 minutes (data, compiling, the test set)")
+    p.add_argument("--train-compile", action="store_true",
+                   help="train under torch.compile (CUDA graphs); on an H100 with torch 2.11 it was slower than eager")
+    p.add_argument("--directions", default="de-en,en-de", help="comma-separated training directions: de-en, en-de")
+    p.add_argument("--bench-compile", choices=("off", "on", "both"), default="both",
+                   help="the bench's torch.compile rows: eager only (off), compiled only (on), or both")
     p.add_argument("--data-url", help="Multi30k files (default $MULTI30K_URL)")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<device>-<date>.json)")
     args = p.parse_args(argv)
@@ -48,6 +57,10 @@ def parse_args(argv=None):
     if not parts or set(parts) - {"bench", "train", "ddp"}:
         p.error(f"--parts {args.parts!r}: choose from bench, train, ddp")
     args.parts = parts
+    directions = [tuple(x.strip().split("-")) for x in args.directions.split(",") if x.strip()]
+    if not directions or set(directions) - {("de", "en"), ("en", "de")}:
+        p.error(f"--directions {args.directions!r}: choose from de-en, en-de")
+    args.directions = directions
     return args
 
 
@@ -64,26 +77,30 @@ def run(cmd: list[str], limit_s: int, log: Path) -> dict:
             "wall_s": round(time.perf_counter() - t0, 1), "log": str(log)}
 
 
-def bench_part(out_dir: Path, stamp: str) -> dict:
+def bench_part(out_dir: Path, stamp: str, compile_rows: str = "both") -> dict:
     path = out_dir / f"{stamp}-bench.json"
-    r = run([sys.executable, "benchmarks/bench.py", "--device", "cuda", "--dtype", "bf16", "--compile", "both",
-             "--sizes", "gpu,base", "--reps", "3", "--window", "0.5", "--out", str(path)], 300,
+    r = run([sys.executable, "benchmarks/bench.py", "--device", "cuda", "--dtype", "bf16", "--compile", compile_rows,
+             "--sizes", "gpu,base", "--reps", "3", "--window", "0.5", "--out", str(path)],
+            540 if compile_rows != "off" else 240,
             out_dir / f"{stamp}-bench.log")
     if path.is_file():
         r["result"] = json.loads(path.read_text())
     return r
 
 
-def train_part(out_dir: Path, stamp: str, src: str, tgt: str, minutes: float, data_url) -> dict:
+def train_part(out_dir: Path, stamp: str, src: str, tgt: str, minutes: float, data_url,
+               compiled: bool = False) -> dict:
+    """One direction of the gpu preset, capped at `minutes` of training; limited to that plus 2.5 minutes."""
     run_dir = ROOT / "runs" / f"gpu-report-{stamp}-{src}-{tgt}"
-    cmd = [sys.executable, "train_wmt.py", "--preset", "gpu", "--compile", "--src", src, "--tgt", tgt,
-           "--max-minutes", str(minutes), "--run-dir", str(run_dir), "--no-progress"]
-    r = run(cmd + (["--data-url", data_url] if data_url else []), 480, out_dir / f"{stamp}-train-{src}-{tgt}.log")
+    cmd = [sys.executable, "train_wmt.py", "--preset", "gpu", "--src", src, "--tgt", tgt,
+           "--max-minutes", str(minutes), "--run-dir", str(run_dir), "--no-progress"] + (["--compile"] * compiled)
+    r = run(cmd + (["--data-url", data_url] if data_url else []), round(60 * minutes) + 150,
+            out_dir / f"{stamp}-train-{src}-{tgt}.log")
     results = run_dir / "results.json"
     if results.is_file():
         res = json.loads(results.read_text())
         best = res["test"].get("averaged") or res["test"]["best"]
-        r.update(steps=res["steps"], train_s=res["train_s"],
+        r.update(compiled=compiled, steps=res["steps"], train_s=res["train_s"],
                  steps_per_s=round(res["steps"] / res["train_s"], 2) if res["train_s"] else None,
                  bleu=best["beam"]["bleu"], bleu_lowercase=best["beam"]["bleu_lowercase"],
                  checkpoint=best["checkpoint"], test_set=res["test_set"])
@@ -116,7 +133,7 @@ def markdown(report: dict) -> str:
     for key in ("train_de_en", "train_en_de"):
         t = report.get(key)
         if t:
-            what = f"gpu preset {key[6:].replace('_', '->')}"
+            what = f"gpu preset {key[6:].replace('_', '->')}{', compiled' if t.get('compiled') else ''}"
             if t.get("bleu") is not None:
                 lines.append(f"| train | {what} | test BLEU {t['bleu']:.2f} (lowercased {t['bleu_lowercase']:.2f}), "
                              f"{t['steps']} steps, {t['steps_per_s']} steps/s | {t['wall_s']} |")
@@ -147,10 +164,11 @@ def main(argv=None) -> int:
     report = {"device": name, "torch": torch.__version__, "date": date, "gpus": torch.cuda.device_count()}
     data_url = args.data_url or os.environ.get("MULTI30K_URL")
     if "bench" in args.parts:
-        report["bench"] = bench_part(out_dir, stamp)
+        report["bench"] = bench_part(out_dir, stamp, args.bench_compile)
     if "train" in args.parts:
-        for src, tgt in (("de", "en"), ("en", "de")):
-            report[f"train_{src}_{tgt}"] = train_part(out_dir, stamp, src, tgt, args.train_minutes, data_url)
+        for src, tgt in args.directions:
+            report[f"train_{src}_{tgt}"] = train_part(out_dir, stamp, src, tgt, args.train_minutes, data_url,
+                                                      args.train_compile)
     if "ddp" in args.parts:
         report["ddp"] = ddp_part(out_dir, stamp, report["gpus"])
     report["markdown"] = markdown(report)

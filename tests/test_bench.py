@@ -345,8 +345,12 @@ def test_gpu_report_reads_a_training_run_and_tabulates_it(tmp_path, monkeypatch)
     from benchmarks import gpu_report
 
     monkeypatch.setattr(gpu_report, "ROOT", tmp_path)
-    monkeypatch.setattr(gpu_report, "run", lambda cmd, limit, log: {"command": " ".join(cmd), "code": 0,
-                                                                    "timed_out": False, "wall_s": 400.0})
+    calls = []
+
+    def fake_run(cmd, limit, log):
+        calls.append((cmd, limit))
+        return {"command": " ".join(cmd), "code": 0, "timed_out": False, "wall_s": 400.0}
+    monkeypatch.setattr(gpu_report, "run", fake_run)
     run_dir = tmp_path / "runs" / "gpu-report-x-de-en"
     run_dir.mkdir(parents=True)
     beam = {"bleu": 39.5, "bleu_lowercase": 40.25}
@@ -356,6 +360,12 @@ def test_gpu_report_reads_a_training_run_and_tabulates_it(tmp_path, monkeypatch)
                  "averaged": {"checkpoint": "a.pt", "beam": beam}}}))
     part = gpu_report.train_part(tmp_path, "x", "de", "en", 6.5, None)
     assert (part["steps"], part["steps_per_s"], part["bleu"], part["checkpoint"]) == (4200, 14.0, 39.5, "a.pt")
+    (cmd, limit), = calls  # eager, as `make train` runs it; the cap plus 2.5 minutes for data, compiling and test
+    assert "--compile" not in cmd and cmd[cmd.index("--max-minutes") + 1] == "6.5" and limit == 540
+    compiled = gpu_report.train_part(tmp_path, "x", "de", "en", 2, None, compiled=True)
+    assert "--compile" in calls[-1][0] and calls[-1][1] == 270
+    assert "gpu preset de->en, compiled |" in gpu_report.markdown({"device": "GPU", "torch": "t", "date": "d",
+                                                                   "train_de_en": compiled})
     table = gpu_report.markdown({"device": "GPU", "torch": "t", "date": "d", "train_de_en": part,
                                  "ddp": gpu_report.ddp_part(tmp_path, "x", 1)})
     assert "| train | gpu preset de->en | test BLEU 39.50 (lowercased 40.25), 4200 steps, 14.0 steps/s | 400.0 |" in table

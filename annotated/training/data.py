@@ -541,8 +541,9 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: PathLike |
 # past what a model of `max_len` positions reads, when `max_len` is given).
 # Padding is masked out of attention and loss, so it changes no result; it
 # costs a few columns and buys two things: a compiled model
-# (`torch.compile`, CUDA graphs) sees a handful of shapes instead of one per
-# sentence length, and matrix shapes that are multiples of 8 suit the GPU's
+# (`torch.compile`, CUDA graphs) sees a few widths instead of one per
+# sentence length (the `gpu` preset: 5 target widths, yet 34 batch shapes,
+# the row counts differing; `docs/training.md`), and matrix shapes that are multiples of 8 suit the GPU's
 # tensor cores. `collate` alone pads to the longest row (`pad_to=1`), and so
 # does training on the CPU (`train.columns_multiple`), which gains neither.
 #
