@@ -41,7 +41,7 @@ help:
 	@echo "                  Jupyter kernel; longer on a busy machine; says how to open it)"
 	@echo "make jupyter      install JupyterLab into .venv (requirements-notebook.txt) and open the notebook"
 	@echo "make bench        speed, memory and share of the CPU's peak, against torch.nn.Transformer [ARGS='--quick']"
-	@echo "make gpu-report   every GPU figure in one command: bench, gpu preset de<->en, DDP (CUDA only, < 22 min)"
+	@echo "make gpu-report   every GPU figure in one command: bench, gpu preset de<->en, DDP (CUDA only, < 27 min)"
 	@echo "make help         this list"
 	@echo "PYTHON=python3    use an existing interpreter instead of .venv"
 

@@ -1,11 +1,11 @@
 """Every GPU figure in one command: `make gpu-report` (or `python benchmarks/gpu_report.py`).
 
-Three parts, each a subprocess with its own time limit, so that each fits in under 10 minutes of wall time
-and the whole in under 25 minutes of GPU time:
+Three parts, each a subprocess with its own time limit, so that each ends within 9 minutes of wall time
+and the whole within 27 minutes of GPU time:
 
   (a) bench   `benchmarks/bench.py` on CUDA in bf16, eager and compiled, sizes gpu and base: tokens/s,
               MFU on the base size, fused against torch.nn.Transformer, host syncs per step (<= 9 min; eager
-              only, `--bench-compile off`, <= 4 min: compiling took 25 to 90 s per row on an H100);
+              only, `--bench-compile off`, <= 4 min: compiling took 26 to 91 s per row on an H100);
   (b) train   the gpu preset de->en, then en->de (`train_wmt.py --preset gpu`, as `make train` runs it: eager),
               each capped at `--train-minutes` of training: test BLEU (cased and lowercased) and optimizer
               steps/s (<= 9 min each). `--train-compile` adds `--compile`; on an H100 with torch 2.11 that was
