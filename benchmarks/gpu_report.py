@@ -93,7 +93,7 @@ def train_part(out_dir: Path, stamp: str, src: str, tgt: str, minutes: float, da
     """One direction of the gpu preset, capped at `minutes` of training; limited to that plus 2.5 minutes."""
     run_dir = ROOT / "runs" / f"gpu-report-{stamp}-{src}-{tgt}"
     cmd = [sys.executable, "train_wmt.py", "--preset", "gpu", "--src", src, "--tgt", tgt,
-           "--max-minutes", str(minutes), "--run-dir", str(run_dir), "--no-progress"] + (["--compile"] * compiled)
+           "--max-minutes", str(minutes), "--run-dir", str(run_dir), "--no-progress"] + (["--compile"] if compiled else [])
     r = run(cmd + (["--data-url", data_url] if data_url else []), round(60 * minutes) + 150,
             out_dir / f"{stamp}-train-{src}-{tgt}.log")
     results = run_dir / "results.json"
