@@ -82,7 +82,7 @@ def load_definitions(path: Path) -> dict:
 def their_loss(defs: dict) -> Callable:
     """`train.batch_loss` for their model: the same masks' meaning (True = may attend), the same loss."""
     from annotated.tokens import PAD
-    from annotated.training.train import label_smoothed_loss
+    from annotated.training.loss import label_smoothed_loss
 
     def loss(model, src, tgt, eps, real=None):
         # their training (`SimpleLossCompute`) projects every position, padding included; so does this (`real`

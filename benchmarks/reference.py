@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from annotated import transformer
 from annotated.tokens import PAD
-from annotated.training.train import label_smoothed_loss
+from annotated.training.loss import label_smoothed_loss
 from annotated.transformer import TransformerConfig
 
 

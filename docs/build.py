@@ -106,7 +106,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
     ("part-2", "Part II. The proof", ("proof/torch_mha", "proof/equivalence", "interop/layout", "interop/marian",
                                       "interop/folders", "interop/agreement")),
     ("part-3", "Part III. Data, training and decoding",
-     ("training/data", "decoding/search", "training/train", "training/distributed", "training/runs",
+     ("training/data", "decoding/search", "training/loss", "training/train", "training/distributed", "training/runs",
       "training/evaluate", "training/syncs", "training/config", "training/results", "decoding/translate",
       "decoding/casing", "training/add_case_table", "training/choose_length_penalty", "shipped/pack")),
     ("part-4", "Part IV. Attention and heads",

@@ -198,7 +198,7 @@ def draw_rate(ctx: FigureContext) -> tuple[MplFigure, str]:
 # ## Label smoothing
 #
 # Drawn with the training module's `smoothed_targets` and
-# `label_smoothed_loss` when `annotated/training/train.py` provides them; otherwise with
+# `label_smoothed_loss` when `annotated/training/loss.py` provides them; otherwise with
 # the same definition written here, `q(k) = (1 - eps) [k = y] + eps / V`
 # (PyTorch's `label_smoothing`), and the caption says so.
 
@@ -206,9 +206,9 @@ def draw_rate(ctx: FigureContext) -> tuple[MplFigure, str]:
 def _smoothing_functions(ctx: FigureContext):
     """(targets(y, V, eps) -> (n, V), loss(logits (B, T, V), y (B, T), eps) -> sum, source note)."""
     try:
-        from annotated.training.train import label_smoothed_loss, smoothed_targets
+        from annotated.training.loss import label_smoothed_loss, smoothed_targets
     except ImportError as e:
-        ctx.notes.append(f"label smoothing figure: annotated.training.train not importable ({e}); "
+        ctx.notes.append(f"label smoothing figure: annotated.training.loss not importable ({e}); "
                          f"drawn with the formula in docs/figures.py")
 
         def smoothed_targets(target, vocab, eps):
@@ -606,6 +606,6 @@ FIGURES: tuple[Figure, ...] = (
     Figure("block_matrices", INTRODUCTION, M.draw_block_matrices),
     Figure("one_head", "transformer", M.draw_one_head),
     Figure("architecture", "transformer", M.draw_architecture),
-    Figure("label_smoothing", "training/train", draw_label_smoothing),
+    Figure("label_smoothing", "training/loss", draw_label_smoothing),
     Figure("reading", "attention/pictures", draw_reading),
 )

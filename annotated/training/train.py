@@ -39,6 +39,7 @@ from annotated.tokens import PAD, Tokenizer
 from annotated.training import data, distributed
 from annotated.training.config import PRESETS, TrainConfig, config_dict  # noqa: F401 - train.PRESETS for the callers
 from annotated.training.evaluate import evaluate_bleu
+from annotated.training.loss import label_smoothed_loss
 from annotated.training.results import Arithmetic, score_test_set
 from annotated.training.runs import (
     RunState,
@@ -73,37 +74,9 @@ from annotated.transformer import EncoderDecoder, cooled_rate, make_model, paddi
 # %% [markdown]
 # ## Label smoothing
 #
-# Instead of the one-hot target, the model is trained towards a slightly
-# flattened distribution: with smoothing `eps` and a vocabulary of `V` tokens,
-#
-# $$q(k) = (1 - \epsilon)\,[k = y] + \frac{\epsilon}{V}$$
-#
-# so the loss for one position is the cross-entropy
-# $-\sum_k q(k) \log p(k) = -(1-\epsilon) \log p(y) - \frac{\epsilon}{V} \sum_k \log p(k)$.
-# It hurts perplexity (the model learns to be unsure) but improves BLEU
-# (section 5.4). Padding positions contribute nothing. This is the same
-# definition as `F.cross_entropy(..., label_smoothing=eps)`
-# (`test_label_smoothing_matches_formula`).
-#
-# <!-- figure: label_smoothing -->
-
-# %%
-def smoothed_targets(target: Tensor, vocab: int, eps: float) -> Tensor:
-    """The distribution q above, one row per target id: (n,) -> (n, V)."""
-    q = torch.full((target.numel(), vocab), eps / vocab)  # (n, V)
-    q[torch.arange(target.numel()), target.reshape(-1)] += 1 - eps
-    return q
-
-
-def label_smoothed_loss(logits: Tensor, target: Tensor, eps: float, pad: int = PAD) -> Tensor:
-    """Sum over non-pad positions of -sum_k q(k) log p(k). logits (B, T, V), target (B, T)."""
-    logp = logits.float().log_softmax(dim=-1)  # (B, T, V)
-    # -(1 - eps) log p(y) - eps/V sum_k log p(k)
-    nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    smooth = -logp.mean(dim=-1)  # (B, T)
-    loss = (1 - eps) * nll + eps * smooth  # (B, T)
-    return loss.masked_fill(target == pad, 0.0).sum()
-
+# The loss is the paper's label-smoothed cross-entropy (section 5.4),
+# `label_smoothed_loss` of `annotated/training/loss.py`, which also writes its
+# gradient out for the fast path.
 
 # %% [markdown]
 # ## One optimisation step
