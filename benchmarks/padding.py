@@ -1,6 +1,5 @@
 """Training's step on real Multi30k batches: padded to multiples of 8 or not, every position scored or only the
-real ones, the chapter's dropout or torch's, the loss's written gradient or autograd's, in one process,
-alternating rounds.
+real ones, the chapter's dropout or torch's, in one process, alternating rounds.
 
     python -m benchmarks.padding                                # the cpu preset, de -> en, precision auto
     python -m benchmarks.padding --precision fp32 --threads 1
@@ -10,7 +9,7 @@ batches (`data.make_batches`, length buckets of `max_tokens` tokens) are padded,
 row, to columns that are multiples of `pad_to`, and the loss ignores the padded target positions that the
 model has computed anyway. This benchmark takes the first `--batches` batches of a seeded training epoch
 and times training's own step (`train.train_step`: forward, the label-smoothed loss, backward, clipping,
-fused Adam, the schedule) on them six ways:
+fused Adam, the schedule) on them five ways:
 
 - `pad 8, every position`: columns padded to multiples of 8, every decoder position projected onto the
   vocabulary (the padded ones masked out of the loss afterwards), given to the step as its positions, so
@@ -18,9 +17,7 @@ fused Adam, the schedule) on them six ways:
 - `pad 8, real positions`: the same batches, only the real target positions projected (`Batch.real`);
 - `pad 1, every position` and `pad 1, real positions`: the batches padded to their longest row only;
 - `pad 1, real, torch dropout`: the last, with each of the chapter's `Dropout` modules replaced by
-  `nn.Dropout` (the chapter's draws 16 random bits per entry on the CPU; torch's a random number);
-- `pad 1, real, autograd's loss`: the fourth, with the loss's gradient taken by autograd through its formula
-  (`loss.label_smoothed_loss_explicit`) instead of the one `loss.LabelSmoothedLoss` writes out.
+  `nn.Dropout` (the chapter's draws 16 random bits per entry on the CPU; torch's a random number).
 
 Each way has its own model and optimiser, built from the same seed; the batches hold the same sentences in
 every way, so the target tokens per step are the same. It prints the share of padded positions, each way's
@@ -48,10 +45,9 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load
 import torch  # noqa: E402
 
 NAME = "padding-bench"
-WAYS = {  # way: (pad to, real positions only, torch's dropout, autograd's loss)
-    "pad 8, every position": (8, False, False, False), "pad 8, real positions": (8, True, False, False),
-    "pad 1, every position": (1, False, False, False), "pad 1, real positions": (1, True, False, False),
-    "pad 1, real, torch dropout": (1, True, True, False), "pad 1, real, autograd's loss": (1, True, False, True)}
+WAYS = {"pad 8, every position": (8, False, False), "pad 8, real positions": (8, True, False),
+        "pad 1, every position": (1, False, False), "pad 1, real positions": (1, True, False),
+        "pad 1, real, torch dropout": (1, True, True)}
 
 
 def padding_share(batches) -> dict:
@@ -62,14 +58,10 @@ def padding_share(batches) -> dict:
     return {"source": src, "target": tgt}
 
 
-def stepper(cfg, batches, real: bool, precision: str, seed: int, torch_dropout: bool = False,
-            autograd_loss: bool = False) -> Callable[[], None]:
+def stepper(cfg, batches, real: bool, precision: str, seed: int, torch_dropout: bool = False) -> Callable[[], None]:
     """One `train.train_step` per call on the next of `batches`; without `real`, every position is scored; with
-    `torch_dropout`, the model's `Dropout` modules are `nn.Dropout`; with `autograd_loss`, the step's loss is
-    `label_smoothed_loss_explicit` (autograd's gradient)."""
-    from unittest import mock
-
-    from annotated.training import loss, train
+    `torch_dropout`, the model's `Dropout` modules are `nn.Dropout`."""
+    from annotated.training import train
     from annotated.training.data import Batch
     from annotated.transformer import Dropout, make_model
 
@@ -84,12 +76,9 @@ def stepper(cfg, batches, real: bool, precision: str, seed: int, torch_dropout: 
         batches = [Batch(b.src, b.tgt, b.index, torch.arange(b.tgt[:, 1:].numel())) for b in batches]
     cpu, cycle = torch.device("cpu"), itertools.cycle(batches)
 
-    the_loss = loss.label_smoothed_loss_explicit if autograd_loss else loss.label_smoothed_loss
-
     def step():
         b = next(cycle)
-        with mock.patch.object(train, "label_smoothed_loss", the_loss):
-            train.train_step(model, opt, sched, [b], b.ntokens, cfg, cpu, precision=precision)
+        train.train_step(model, opt, sched, [b], b.ntokens, cfg, cpu, precision=precision)
     return step
 
 
@@ -102,8 +91,8 @@ def compare(cfg, encoded: Sequence, n_batches: int, rounds: int, window: float, 
     padded = {k: data.make_batches(encoded, cfg.max_tokens, shuffle=True, seed=seed, pad_to=k,
                                    max_len=cfg.model.max_len)[:n_batches] for k in (8, 1)}
     assert [b.index.tolist() for b in padded[8]] == [b.index.tolist() for b in padded[1]]  # the same sentences
-    fns = {way: stepper(cfg, padded[k], real, precision, seed, torch_dropout, autograd_loss)
-           for way, (k, real, torch_dropout, autograd_loss) in WAYS.items()}
+    fns = {way: stepper(cfg, padded[k], real, precision, seed, torch_dropout)
+           for way, (k, real, torch_dropout) in WAYS.items()}
     times, _, errors = interleaved_times(fns, rounds, window, lambda: None)
     if errors:
         raise RuntimeError(str(errors))
@@ -152,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"the cpu preset, {args.src} -> {args.tgt}, {precision} ({why}), {r['threads']} threads, "
           f"{r['tokens_per_step']:.0f} target tokens a step, median of {args.rounds} rounds:")
     for way, tps in r["tokens_per_second"].items():
-        print(f"  {way:<29} {tps:8,.0f} target tokens/s  {r['speed_over_first'][way]:.2f}x")
+        print(f"  {way:<26} {tps:8,.0f} target tokens/s  {r['speed_over_first'][way]:.2f}x")
     return 0
 
 
