@@ -3,6 +3,7 @@
     curl -LO https://raw.githubusercontent.com/harvardnlp/annotated-transformer/\
 debc9fd747bb2123160a98046ad1c2d4da44a567/the_annotated_transformer.py
     python -m benchmarks.annotated_transformer --source the_annotated_transformer.py --sizes cpu base --threads 1
+    python -m benchmarks.annotated_transformer --source the_annotated_transformer.py --threads 1 --profile 5
 
 The Annotated Transformer (harvardnlp/annotated-transformer, commit `debc9fd`) is the code this project
 replaces. No line of it is in this repository: the command reads the file you downloaded, keeps only its
@@ -22,6 +23,11 @@ differs:
 Their model keeps separate source, target and generator tables (ours ties all three in these presets), so it
 has more parameters for Adam to update; the matrix products per token are the same. Each size prints both
 steps' target tokens per second and **ours / theirs**, the median over the rounds of the per-round ratios.
+
+With `--profile N` it times nothing: each step runs twice untimed, then N times under `torch.profiler`, and
+each size prints both steps' top operators by self CPU time (`benchmarks.profiling.top_operators`), the
+matrix products' share (`mm`, `addmm`, `bmm`) and the rest, in seconds, and theirs / ours in total self CPU
+time, so what separates the two steps is named.
 """
 from __future__ import annotations
 
@@ -114,13 +120,11 @@ def stepper(model: nn.Module, loss_fn: Callable, size, batches) -> Callable[[], 
     return step
 
 
-def compare(defs: dict, size_name: str, rounds: int, window: float, seed: int = 0) -> dict:
-    """Tokens per second of both steps at one size, and ours / theirs (median of the rounds' ratios)."""
-    from annotated.tokens import PAD
+def _steps(defs: dict, size_name: str, seed: int):
+    """(size, {"ours": step, "theirs": step}, {"ours": model, "theirs": model}, batches) at one size."""
     from annotated.training.train import batch_loss
     from annotated.transformer import make_model
     from benchmarks.sizes import SIZES, make_batches
-    from benchmarks.timing import interleaved_times
 
     size = SIZES[size_name]
     cfg = size.model_config()
@@ -131,6 +135,16 @@ def compare(defs: dict, size_name: str, rounds: int, window: float, seed: int = 
     theirs = defs["make_model"](cfg.src_vocab, cfg.tgt_vocab, N=cfg.N, d_model=cfg.d_model, d_ff=cfg.d_ff, h=cfg.h,
                                 dropout=cfg.dropout).train()
     fns = {"ours": stepper(ours, batch_loss, size, batches), "theirs": stepper(theirs, their_loss(defs), size, batches)}
+    return size, fns, {"ours": ours, "theirs": theirs}, batches
+
+
+def compare(defs: dict, size_name: str, rounds: int, window: float, seed: int = 0) -> dict:
+    """Tokens per second of both steps at one size, and ours / theirs (median of the rounds' ratios)."""
+    from annotated.tokens import PAD
+    from benchmarks.timing import interleaved_times
+
+    _, fns, models, batches = _steps(defs, size_name, seed)
+    ours, theirs = models["ours"], models["theirs"]
     times, _, errors = interleaved_times(fns, rounds, window, lambda: None)
     if errors:
         raise RuntimeError(f"{size_name}: {errors}")
@@ -141,6 +155,47 @@ def compare(defs: dict, size_name: str, rounds: int, window: float, seed: int = 
             "parameters": {"ours": sum(p.numel() for p in ours.parameters()),
                            "theirs": sum(p.numel() for p in theirs.parameters())},
             "ours_over_theirs": statistics.median(ratios), "ratios": ratios}
+
+
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def profile_both(defs: dict, size_name: str, steps: int, seed: int = 0) -> dict:
+    """Each step's profiler key averages over `steps` steps (after two untimed ones), at one size:
+    {"ours": ..., "theirs": ...}, with each one's self CPU seconds, of them in matrix products."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, fns, _, _ = _steps(defs, size_name, seed)
+    out: dict = {}
+    for name, fn in fns.items():
+        for _ in range(2):
+            fn()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                fn()
+        averages = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in averages) / 1e6
+        products = sum(e.self_cpu_time_total for e in averages if e.key in PRODUCTS) / 1e6
+        out[name] = {"averages": averages, "seconds": total, "products": products}
+    return out
+
+
+def print_profiles(defs: dict, sizes: list[str], steps: int, rows: int) -> int:
+    """`--profile`: both steps' top operators at each size, their products and the rest, theirs / ours."""
+    from benchmarks.profiling import top_operators
+
+    for size in sizes:
+        r = profile_both(defs, size, steps)
+        for name in ("ours", "theirs"):
+            one = r[name]
+            print(f"{size}, {name}: {one['seconds']:.3f} s of self CPU time over {steps} steps, matrix products "
+                  f"{one['products']:.3f} s ({one['products'] / one['seconds']:.1%}), the rest "
+                  f"{one['seconds'] - one['products']:.3f} s; top operators:")
+            for op, share, calls in top_operators(one["averages"], rows):
+                print(f"  {op:<40} {share:6.1%} {calls:6d} calls")
+        print(f"{size}: theirs / ours in self CPU time {r['theirs']['seconds'] / r['ours']['seconds']:.2f}x "
+              f"({torch.get_num_threads()} threads, fp32, under the profiler)", flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=number(0, None, above=True), default=3.0,
                    help="seconds of steps per timing (default 3)")
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    p.add_argument("--profile", type=at_least(1), default=None, metavar="N",
+                   help="time nothing: profile N steps of each and print their top operators")
+    p.add_argument("--rows", type=at_least(1), default=12, help="operators listed with --profile (default 12)")
     args = p.parse_args(argv)
     if args.out is not None and args.out.exists():
         p.error(f"--out {args.out} exists; name a new file (nothing is overwritten)")
@@ -167,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # as training on the CPU does
+    if args.profile is not None:
+        return print_profiles(defs, args.sizes, args.profile, args.rows)
     results = []
     for size in args.sizes:
         r = compare(defs, size, args.rounds, args.window)

@@ -80,3 +80,19 @@ def test_their_masks_say_true_where_a_position_may_attend():
     assert seen["src"].tolist() == [[[True, True, False]]]
     assert seen["tgt"].tolist() == [[[True, False, False], [True, True, False], [True, True, True]]]
     assert int(n) == 2  # 5 and eos are predicted; the pad is not
+
+
+def test_profile_names_each_steps_products_and_the_rest(tmp_path, capsys):
+    """`--profile`: both steps profiled at a size, the matrix products a part of each one's self CPU time, and
+    the printed ratio is theirs / ours of those totals."""
+    source = tmp_path / "the_annotated_transformer.py"
+    source.write_text(STAND_IN, encoding="utf-8")
+    defs = bench.load_definitions(source)
+    r = bench.profile_both(defs, "cpu", steps=1)
+    for name in ("ours", "theirs"):
+        assert 0 < r[name]["products"] < r[name]["seconds"]
+        assert {e.key for e in r[name]["averages"]} >= {"aten::addmm"}  # the generator's projection, at least
+    assert bench.main(["--source", str(source), "--sizes", "cpu", "--profile", "1", "--rows", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("top operators:") == 2 and "cpu: theirs / ours in self CPU time" in out
+    assert len([line for line in out.splitlines() if line.startswith("  aten::")]) <= 6

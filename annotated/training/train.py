@@ -75,8 +75,7 @@ from annotated.transformer import EncoderDecoder, cooled_rate, make_model, paddi
 # ## Label smoothing
 #
 # The loss is the paper's label-smoothed cross-entropy (section 5.4),
-# `label_smoothed_loss` of `annotated/training/loss.py`, which also writes its
-# gradient out for the fast path.
+# `label_smoothed_loss`, in a chapter of its own: `annotated/training/loss.py`.
 
 # %% [markdown]
 # ## One optimisation step
