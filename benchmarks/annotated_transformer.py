@@ -121,7 +121,7 @@ def stepper(model: nn.Module, loss_fn: Callable, size, batches) -> Callable[[], 
 
 
 def _steps(defs: dict, size_name: str, seed: int):
-    """(size, {"ours": step, "theirs": step}, {"ours": model, "theirs": model}, batches) at one size."""
+    """({"ours": step, "theirs": step}, {"ours": model, "theirs": model}, batches) at one size."""
     from annotated.training.train import batch_loss
     from annotated.transformer import make_model
     from benchmarks.sizes import SIZES, make_batches
@@ -135,7 +135,7 @@ def _steps(defs: dict, size_name: str, seed: int):
     theirs = defs["make_model"](cfg.src_vocab, cfg.tgt_vocab, N=cfg.N, d_model=cfg.d_model, d_ff=cfg.d_ff, h=cfg.h,
                                 dropout=cfg.dropout).train()
     fns = {"ours": stepper(ours, batch_loss, size, batches), "theirs": stepper(theirs, their_loss(defs), size, batches)}
-    return size, fns, {"ours": ours, "theirs": theirs}, batches
+    return fns, {"ours": ours, "theirs": theirs}, batches
 
 
 def compare(defs: dict, size_name: str, rounds: int, window: float, seed: int = 0) -> dict:
@@ -143,7 +143,7 @@ def compare(defs: dict, size_name: str, rounds: int, window: float, seed: int = 
     from annotated.tokens import PAD
     from benchmarks.timing import interleaved_times
 
-    _, fns, models, batches = _steps(defs, size_name, seed)
+    fns, models, batches = _steps(defs, size_name, seed)
     ours, theirs = models["ours"], models["theirs"]
     times, _, errors = interleaved_times(fns, rounds, window, lambda: None)
     if errors:
@@ -165,7 +165,7 @@ def profile_both(defs: dict, size_name: str, steps: int, seed: int = 0) -> dict:
     {"ours": ..., "theirs": ...}, with each one's self CPU seconds, of them in matrix products."""
     from torch.profiler import ProfilerActivity, profile
 
-    _, fns, _, _ = _steps(defs, size_name, seed)
+    fns, _, _ = _steps(defs, size_name, seed)
     out: dict = {}
     for name, fn in fns.items():
         for _ in range(2):
