@@ -163,17 +163,12 @@ PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm")
 def profile_both(defs: dict, size_name: str, steps: int, seed: int = 0) -> dict:
     """Each step's profiler key averages over `steps` steps (after two untimed ones), at one size:
     {"ours": ..., "theirs": ...}, with each one's self CPU seconds, of them in matrix products."""
-    from torch.profiler import ProfilerActivity, profile
+    from benchmarks.profiling import profiled
 
     fns, _, _ = _steps(defs, size_name, seed)
     out: dict = {}
     for name, fn in fns.items():
-        for _ in range(2):
-            fn()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                fn()
-        averages = prof.key_averages()
+        averages = profiled(fn, steps)
         total = sum(e.self_cpu_time_total for e in averages) / 1e6
         products = sum(e.self_cpu_time_total for e in averages if e.key in PRODUCTS) / 1e6
         out[name] = {"averages": averages, "seconds": total, "products": products}

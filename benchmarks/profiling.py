@@ -37,6 +37,11 @@ def profile_step(size: Size, steps: int = 3, precision: str = "fp32", seed: int 
     batches = make_batches(2, size.train_sentences["cpu"], size.train.vocab_size, seed)
     [t] = build_trainees(size, cpu, seed, keys=("fused_sdpa",))
     step = make_step(t, t.model, batches, size.train.label_smoothing, lambda: autocast(cpu, precision))
+    return profiled(step, steps)
+
+
+def profiled(step, steps: int):
+    """The profiler's key averages over `steps` calls of `step`, after two untimed ones."""
     for _ in range(2):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
