@@ -135,16 +135,12 @@ preset. --print-config shows the settings a command would train with."""
 
 def config_from_args(args, cuda: bool):
     """(preset name, TrainConfig): the preset, with every flag the user gave laid over it."""
-    import dataclasses
-
-    from annotated.training.config import MODEL_OPTIONS, OPTIONS, PRESETS
+    from annotated.training.config import OPTIONS, PRESETS, with_settings
 
     preset = args.preset or ("gpu" if cuda else "cpu")
     words = {name: option.none_word for name, option in OPTIONS.items() if option.none_word}
-    given = {k: None if words.get(k) == v else v for k, v in vars(args).items() if v is not None}
-    run_fields = {f.name for f in dataclasses.fields(PRESETS[preset])} - {"model"}
-    cfg = dataclasses.replace(PRESETS[preset], **{k: v for k, v in given.items() if k in run_fields})
-    return preset, cfg.with_model(**{k: v for k, v in given.items() if k in MODEL_OPTIONS})
+    given = {k: None if words.get(k) == v else v for k, v in vars(args).items() if v is not None and k in OPTIONS}
+    return preset, with_settings(PRESETS[preset], given)
 
 
 def resolved_settings(preset: str, cfg, where, threads: int, run_dir: Path) -> dict:

@@ -257,7 +257,7 @@ it, type `make copy` in a terminal, or `!python -m annotated.transformer` in a c
 SHIPPED_INTRO = """\
 ## After the chapter: a trained translator from the box
 
-The package ships two translators that `make train` trained (the `cpu` preset: this chapter's model with N = 2,
+The package ships two translators trained by `train_wmt.py` (the `cpu` preset's model: this chapter's with N = 2,
 d_model = 128, h = 4, about 1.6 million parameters), de -> en and en -> de, in `annotated/shipped/`, each with a
 card (`de-en.json`) that says how it was made and what it scores. They learnt from Multi30k, about 29,000 image
 captions: they translate descriptions of photos, not everyday language. The cells below load the de -> en

@@ -41,7 +41,7 @@ from annotated.plumbing.files import atomic_write
 from annotated.plumbing.options import Parser, at_least
 from annotated.plumbing.provenance import code_commit
 from annotated.shipped import CARD_FORMAT, FOLDER, sha256_of
-from annotated.training.config import PRESETS, config_from_dict
+from annotated.training.config import PRESETS, config_from_dict, options_between
 from annotated.training.runs import run_model
 
 NAME = "python -m annotated.shipped.pack"
@@ -85,16 +85,25 @@ def compact_state(state: dict) -> dict:
 
 
 def training_command(results: dict) -> str:
-    """The command that trains the run again: its preset and the options it differs by, its precision and
-    threads as resolved (so a CPU with bf16 computes in fp32 as this run did)."""
+    """The command that trains the run again: the preset it differs least from (on a tie, the one `train_wmt.py`
+    picks on the run's device) and the options it differs by (`options_between`), its precision and threads as
+    resolved (so a CPU with bf16 computes in fp32 as this run did)."""
     cfg = config_from_dict(results["train_config"])
+    default = "gpu" if str(results.get("device", "cpu")).startswith("cuda") else "cpu"
+    commands = []
     for preset, base in PRESETS.items():
-        if dataclasses.replace(base, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang, seed=cfg.seed,
-                               precision=cfg.precision) == cfg:
-            return (f"python train_wmt.py --preset {preset} --src {cfg.src_lang} --tgt {cfg.tgt_lang} --seed "
-                    f"{cfg.seed} --precision {results['precision']} --threads {results['threads']}")
-    raise PackError("the run's settings are no preset's (with its languages, seed and precision); give the "
-                    "command that trained it with --command")
+        try:
+            words = options_between(dataclasses.replace(base, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang,
+                                                        seed=cfg.seed, precision=cfg.precision), cfg)
+        except ValueError:
+            continue
+        command = ["python train_wmt.py --preset", preset, "--src", cfg.src_lang, "--tgt", cfg.tgt_lang, *words,
+                   "--seed", str(cfg.seed), "--precision", results["precision"], "--threads", str(results["threads"])]
+        commands.append((len(words), preset != default, " ".join(command)))
+    if not commands:
+        raise PackError("the run's settings differ from every preset's in something no option of train_wmt.py "
+                        "sets; give the command that trained it with --command")
+    return min(commands)[2]
 
 
 def scores_of(model, tokenizer, pairs, alpha: float, progress: bool) -> tuple[dict, dict]:

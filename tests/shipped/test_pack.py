@@ -87,9 +87,33 @@ def test_the_training_command_is_the_preset_and_what_the_run_resolved():
                                                                         "tgt_lang": "de"})),
                "precision": "fp32", "threads": 1}
     assert training_command(results) == "python train_wmt.py --preset cpu --src en --tgt de --seed 0 --precision fp32 --threads 1"
-    results["train_config"]["max_steps"] = 8400  # no preset's budget: the packer cannot guess the options
+    results["train_config"]["max_steps"] = 8400  # no preset's budget: the preset, and the option that changes it
+    assert training_command(results) == ("python train_wmt.py --preset cpu --src en --tgt de --max-steps 8400 --seed 0 "
+                                         "--precision fp32 --threads 1")
+    results["train_config"]["test_sentences"] = 20  # no option sets it: the packer cannot write the command
     with pytest.raises(PackError, match="--command"):
         training_command(results)
+
+
+@pytest.mark.parametrize("changes", [
+    {"max_steps": 4200, "lr_factor": 2.0, "length_penalty": 0.6},  # the shipped models' recipe
+    {"length_penalty": None, "attention_dropout": None, "dropout": 0.3, "d_model": 256, "vocab_size": 8000},
+    {"compile": True, "label_smoothing": 0.05, "warmup": 900, "cooldown": 0.0, "average_last": 0},
+])
+@pytest.mark.parametrize("preset", ["cpu", "gpu"])
+def test_the_training_command_trains_the_same_settings_again(preset, changes):
+    """`train_wmt.py`, given the packed command's options, builds exactly the run's settings."""
+    import shlex
+
+    import train_wmt
+    from annotated.training.config import with_settings
+
+    cfg = with_settings(PRESETS[preset], {**changes, "src_lang": "en", "tgt_lang": "de", "seed": 3})
+    command = training_command({"train_config": config_dict(cfg), "precision": "bf16", "threads": 2})
+    argv = shlex.split(command)[2:]
+    assert argv[argv.index("--precision") + 1] == "bf16"
+    argv[argv.index("--precision") + 1] = "auto"  # the run asked for auto; the command names what it resolved to
+    assert train_wmt.config_from_args(train_wmt.parse_args(argv), cuda=False)[1] == cfg, command
 
 
 def test_the_box_keeps_the_length_penalty_its_run_chose():

@@ -112,14 +112,15 @@ def test_a_fixed_length_penalty_is_used_as_it_is_and_no_checkpoint_is_rewritten(
     assert cfg.length_penalty == 0.6
     assert results.length_penalty_of_run(cfg, {}, None, None, None, print, False) == {
         "chosen": 0.6, "chosen_on": "the settings"}
-    assert train.PRESETS["cpu"].length_penalty == train.PRESETS["gpu"].length_penalty == 0.6  # the default
+    assert train.PRESETS["gpu"].length_penalty == 0.6  # the default; the cpu preset chooses it on validation
+    assert train.PRESETS["cpu"].length_penalty is None
 
 
 @pytest.mark.parametrize("given, want", [("validation", None), ("0.6", 0.6), ("4", 4.0), ("0", 0.0)])
 def test_the_length_penalty_option_takes_a_number_or_validation(given, want):
     args = train_wmt.parse_args(["--preset", "smoke", "--length-penalty", given])
     assert train_wmt.config_from_args(args, cuda=False)[1].length_penalty == want
-    assert train_wmt.config_from_args(train_wmt.parse_args(["--preset", "cpu"]), cuda=False)[1].length_penalty == 0.6
+    assert train_wmt.config_from_args(train_wmt.parse_args(["--preset", "gpu"]), cuda=False)[1].length_penalty == 0.6
 
 
 @pytest.mark.parametrize("given", ["bad", "-1", "inf", "nan", "Validation"])

@@ -69,26 +69,28 @@ def losses(run_dir: Path) -> list[tuple[int, str]]:
 
 
 def test_presets_are_defined_by_steps_as_the_prose_says(data_url, cache):
-    """The presets' budgets are optimizer steps, never minutes. cpu: 4,200 steps, about 20 epochs, the last 30%
-    cooling down (1,260 steps); gpu: the cpu recipe with 8192-token batches (4,200 steps, about 65 epochs) and
-    beam 5; both average the last 5 epochs."""
+    """The presets' budgets are optimizer steps, never minutes. cpu: 6,500 steps, about 31 epochs, at the peak
+    of the paper's formula, the last 30% cooling down (1,950 steps), the length penalty chosen on validation;
+    gpu: the same model with 8192-token batches, 4,200 steps (about 65 epochs), twice the paper's peak, the
+    paper's length penalty and beam 5; both average the last 5 epochs."""
     from annotated.training import data
 
     gpu, cpu = train.PRESETS["gpu"], train.PRESETS["cpu"]
     differ = {f.name for f in dataclasses.fields(train.TrainConfig) if getattr(gpu, f.name) != getattr(cpu, f.name)}
     assert gpu.model == cpu.model
-    assert differ == {"max_tokens", "beam_size", "val_bleu_sentences"}
+    assert differ == {"max_tokens", "max_steps", "lr_factor", "length_penalty", "beam_size", "val_bleu_sentences"}
     assert (gpu.max_tokens, cpu.max_tokens, gpu.max_steps, cpu.max_steps, gpu.beam_size, cpu.average_last) == \
-        (8192, 2500, 4200, 4200, 5, 5)
-    assert cpu.cooldown_steps == 1260 and train.learning_rate(4200, cpu) == pytest.approx(
-        train.learning_rate(2940, cpu) / 1261)  # the rate of the last step: 1/1261 of the one cooldown starts at
+        (8192, 2500, 4200, 6500, 5, 5)
+    assert (cpu.lr_factor, gpu.lr_factor, cpu.length_penalty, gpu.length_penalty) == (1.0, 2.0, None, 0.6)
+    assert cpu.cooldown_steps == 1950 and train.learning_rate(6500, cpu) == pytest.approx(
+        train.learning_rate(4550, cpu) / 1951)  # the rate of the last step: 1/1951 of the one cooldown starts at
     assert gpu.val_bleu_sentences is None  # every validation sentence, for choosing best.pt
     for cfg in train.PRESETS.values():
         assert cfg.max_minutes is None and cfg.epochs is None and cfg.max_steps
     tokenizer, train_pairs, _, _ = train.prepare_data(gpu, train.DataSource(data_url, cache))
     encoded = data.encode_pairs(train_pairs, tokenizer)
     encoded = [encoded[i] for i in data.split_long(encoded, gpu.max_len)[0]]
-    for cfg, epochs in ((cpu, 20.1), (gpu, 65)):
+    for cfg, epochs in ((cpu, 31.1), (gpu, 65)):
         per_epoch = len(data.make_batches(encoded, cfg.max_tokens, shuffle=True, seed=cfg.seed))
         assert abs(cfg.max_steps / per_epoch - epochs) < 0.5, (cfg.max_tokens, per_epoch)
 
