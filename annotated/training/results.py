@@ -13,8 +13,8 @@
 # two files.
 #
 # **The length penalty.** The beam search's alpha (`TrainConfig.length_penalty`)
-# is the paper's 0.6 unless the run asks for `--length-penalty validation`;
-# then it is chosen here: `choose_length_penalty`
+# is a fixed number (the `gpu` preset: the paper's 0.6) or None, as in the
+# `cpu` preset and with `--length-penalty validation`; then it is chosen here: `choose_length_penalty`
 # (`annotated/training/evaluate.py`) translates the whole validation split
 # with the run's model (`averaged.pt` when there is one, else the best
 # checkpoint) at each alpha of `LENGTH_PENALTIES` and keeps the one with the
