@@ -2,7 +2,8 @@
 
 A fresh clone (or `pip install`) can translate, draw attention and study heads before anything is trained:
 this folder holds one model per direction, trained with the `cpu` preset's model and its earlier recipe of 4,200
-steps (each card names the command), each the run's model (`averaged.pt`), packed by `python -m annotated.shipped.pack RUN_DIR` (`pack.py`):
+steps (each card names the command), each the run's model (`averaged.pt`), packed by
+`python -m annotated.shipped.pack RUN_DIR` (`pack.py`):
 
     de-en.pt    the checkpoint, in the format of `annotated/plumbing/checkpoint.py` (config, tokenizer, case table,
                 metadata) with its weights stored as float16; loaded as float32

@@ -11,14 +11,15 @@
 # %% [markdown]
 # # A length penalty for an older checkpoint
 #
-# A run trained with `--length-penalty validation` (the `cpu` preset's default) chooses its beam search's
-# length penalty on the validation split at its end
-# (`annotated/training/results.py`) and writes it into its checkpoints' meta,
-# where the translator and the other tools find it (`model_length_penalty`,
-# `annotated/plumbing/checkpoint.py`). A checkpoint trained with a fixed
-# alpha (such as the `gpu` preset's 0.6) names none and decodes at the paper's 0.6. This command makes the same choice for it: it translates
-# Multi30k's **validation** split (never the test set) in the checkpoint's
-# languages at each alpha of `LENGTH_PENALTIES`
+# A run trained with `--length-penalty validation` (the `cpu` preset's
+# default) chooses its beam search's length penalty on the validation split at
+# its end (`annotated/training/results.py`) and writes it into its
+# checkpoints' meta, where the translator and the other tools find it
+# (`model_length_penalty`, `annotated/plumbing/checkpoint.py`). A checkpoint
+# trained with a fixed alpha (such as the `gpu` preset's 0.6) names none and
+# decodes at the paper's 0.6. This command makes the same choice for it: it
+# translates Multi30k's **validation** split (never the test set) in the
+# checkpoint's languages at each alpha of `LENGTH_PENALTIES`
 # (`choose_length_penalty`, `annotated/training/evaluate.py`) and writes a
 # copy of the checkpoint with the winner in its meta. It never overwrites a
 # file without `--force` (`tests/training/test_length_penalty.py`).

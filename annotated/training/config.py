@@ -21,15 +21,16 @@
 #   The run's model is the average of the last 5 epoch checkpoints
 #   (`averaged.pt`); the beam search's length penalty is chosen at the end, on
 #   the whole validation split (`choose_length_penalty`), never on test. It
-#   trains on two CPU cores within half an hour (bf16, both cores); the shipped
+#   trains on two CPU cores within half an hour (27 min on a Zen 4 in bf16,
+#   both cores, choosing the length penalty and testing included); the shipped
 #   models come from this preset as it was before, with 4,200 steps, twice the
 #   paper's peak and the paper's length penalty 0.6 (`docs/training.md` has the
 #   measured runs of both).
 # * `gpu`: the same model with batches of 8192 tokens (3.3 times the data per
 #   step, about 65 epochs in 4,200 steps), twice the paper's peak, the
-#   paper's length penalty and beam 5: the recipe measured on a GPU. A model this small is bound by
-#   kernel launches more than by arithmetic on a GPU, so a bigger batch costs
-#   little per step (an H100 took 27 ms a step, 2,096 steps and 39.09 BLEU in
+#   paper's length penalty and beam 5: the recipe measured on a GPU. A model
+#   this small is bound by kernel launches more than by arithmetic on a GPU,
+#   so a bigger batch costs little per step (an H100 took 27 ms a step, 2,096 steps and 39.09 BLEU in
 #   2.3 minutes: `docs/training.md`); the step never waits for the host
 #   (`train.py`). `--compile` (CUDA graphs, one per batch shape) was slower
 #   there with the preset's 34 batch shapes, so it stays off.
