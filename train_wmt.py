@@ -69,6 +69,7 @@ def build_parser(chosen: str | None = None) -> Parser:
     """The command line: one option per entry of `OPTIONS` (annotated/training/config.py), each help naming the
     setting's value in every preset, or only in `chosen`; then the options of the run itself."""
     from annotated.training.config import OPTIONS, PRESETS, setting
+    from annotated.training.config import flag as option_flag
 
     def default(name: str) -> str:  # "(gpu: 128, cpu: 128, smoke: 32)" or, with --preset, that preset's value
         shown = lambda v: (OPTIONS[name].none_word or "none") if v is None else v
@@ -85,7 +86,7 @@ def build_parser(chosen: str | None = None) -> Parser:
                    help="print the resolved settings (preset and options, device, precision, threads) and exit "
                         "without training")
     for name, option in OPTIONS.items():
-        flag, help_ = option.flag or "--" + name.replace("_", "-"), option.help + default(name)
+        flag, help_ = option_flag(name), option.help + default(name)
         if option.switch:
             p.add_argument(flag, dest=name, action="store_true", default=None, help=help_)
         else:

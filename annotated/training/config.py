@@ -264,6 +264,15 @@ OPTIONS = {  # setting -> its command-line option, in the order --help lists the
 }
 
 
+def flag(name: str) -> str:
+    """The command-line option of setting `name`.
+
+    >>> flag("N"), flag("max_steps")
+    ('--layers', '--max-steps')
+    """
+    return OPTIONS[name].flag or "--" + name.replace("_", "-")
+
+
 def with_settings(cfg: TrainConfig, given: dict) -> TrainConfig:
     """`cfg` with the settings in `given` (`OPTIONS`' names, the model's among them) replaced.
 
@@ -288,13 +297,12 @@ def options_between(base: TrainConfig, cfg: TrainConfig) -> list[str]:
         value = setting(cfg, name)
         if value == setting(base, name):
             continue
-        flag = option.flag or "--" + name.replace("_", "-")
         if option.switch and value is True:
-            words.append(flag)
+            words.append(flag(name))
         elif value is None and option.none_word:
-            words += [flag, option.none_word]
+            words += [flag(name), option.none_word]
         elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            words += [flag, f"{value:g}" if isinstance(value, float) and float(f"{value:g}") == value else str(value)]
+            words += [flag(name), f"{value:g}" if isinstance(value, float) and float(f"{value:g}") == value else str(value)]
         else:
             raise ValueError(f"{name}={value!r} has no command-line form")
         changed[name] = value

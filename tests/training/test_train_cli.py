@@ -11,6 +11,7 @@ import torch
 
 import train_wmt
 from annotated.training import train
+from annotated.training.config import flag as option_flag
 from annotated.training.config import setting
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,7 +228,7 @@ def test_every_option_sets_a_setting_and_every_choice_is_the_configs():
     assert choices["attention"] == get_args(transformer.AttentionForm) and choices["norm"] == get_args(transformer.Norm)
     cpu = PRESETS["cpu"]
     for name, option in OPTIONS.items():
-        flag, value = option.flag or "--" + name.replace("_", "-"), setting(cpu, name)
+        flag, value = option_flag(name), setting(cpu, name)
         if value is None or option.switch:
             continue
         args = train_wmt.parse_args(["--preset", "cpu", flag, str(value)])
