@@ -86,6 +86,12 @@ def test_cpu_arithmetic_rows_compare_against_fp32_on_every_core_and_the_matmul_p
     assert torch.get_num_threads() == result["meta"]["threads"]  # the thread count is given back
 
 
+def test_a_cuda_table_says_its_sdpa_rows_train_the_explicit_way():
+    for device_type, said in (("cuda", True), ("cpu", False)):
+        notes = "".join(report._notes({"meta": {"device_type": device_type}, "train": [], "decode": []}))
+        assert ("sdpa_is_safe" in notes) is said, device_type
+
+
 def test_the_peak_matmul_does_2_n_cubed_flops_at_its_precision():
     """The peak's FLOP count (2 n^3) checked by PyTorch's FlopCounterMode; the call computes a @ b."""
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):

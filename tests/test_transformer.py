@@ -121,6 +121,31 @@ def test_fast_path_switches_and_restores(monkeypatch):
     assert transformer.FAST_PATH is before
 
 
+def test_sdpa_is_safe_everywhere_but_a_backward_pass_on_cuda_with_a_mask():
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    q = torch.randn(1, 3, 4, requires_grad=True)
+    assert transformer.sdpa_is_safe(q, mask) and transformer.sdpa_is_safe(q, None)  # the CPU keeps SDPA
+    if torch.cuda.is_available():
+        q_gpu, mask_gpu = q.detach().cuda().requires_grad_(), mask.cuda()
+        assert not transformer.sdpa_is_safe(q_gpu, mask_gpu)
+        assert transformer.sdpa_is_safe(q_gpu, None) and transformer.sdpa_is_safe(q_gpu.detach(), mask_gpu)
+        with torch.no_grad():
+            assert transformer.sdpa_is_safe(q_gpu, mask_gpu)
+
+
+def test_attention_takes_the_explicit_way_where_sdpa_is_unsafe(monkeypatch):
+    real, calls = transformer.attention_explicit, []
+    monkeypatch.setattr(transformer, "attention_explicit", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q = k = v = torch.randn(1, 3, 4)
+    mask = torch.tensor([True, True, False])
+    with transformer.fast_path(True):
+        fast = transformer.attention(q, k, v, mask)  # SDPA
+        assert calls == []
+        monkeypatch.setattr(transformer, "sdpa_is_safe", lambda q, mask: False)
+        explicit = transformer.attention(q, k, v, mask)
+    assert calls == [1] and (fast - explicit).abs().max() <= 1e-6
+
+
 def test_an_attention_form_must_provide_the_interface():
     class NoAttend(transformer._Attention):  # queries and keys_values, but not _attend
         def queries(self, x_q):
