@@ -612,8 +612,9 @@ def convert_model(model: M, attention: Literal["fused", "per_head"]) -> M:
 # `dropout` is the paper's (on each sublayer's output and on the embeddings
 # plus positions); the attention weights get `attention_dropout`, by default
 # the same. The paper does not say it drops attention weights; the Annotated
-# Transformer does, and in training this forces `scaled_dot_product_attention`
-# off its fused kernel onto the unfused one (`test_attention_dropout_is_its_own_setting`).
+# Transformer does, and in training on the CPU this forces
+# `scaled_dot_product_attention` off its fused kernel onto the unfused one
+# (`test_attention_dropout_is_its_own_setting`).
 
 # %%
 Norm = Literal["post", "pre"]

@@ -232,7 +232,7 @@ OPTIONS = {  # setting -> its command-line option, in the order --help lists the
     "h": Option("attention heads h (d_k = d_model / h)", flag="--heads", whole_from=1),
     "dropout": Option("dropout probability, in [0, 1)", low=0, high=1),
     "attention_dropout": Option("dropout on the attention weights, in [0, 1), or 'same': --dropout's (0 lets "
-                                "scaled_dot_product_attention use its fused kernel in training)", low=0, high=1,
+                                "scaled_dot_product_attention use its fused CPU kernel in training)", low=0, high=1,
                                 none_word="same"),
     "label_smoothing": Option("label smoothing epsilon, in [0, 1)", low=0, high=1),
     "case_augment": Option("share of the training pairs added again with both sides in capitals or lower case, in "
