@@ -131,11 +131,11 @@ def attention_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = No
 # output only. SDPA's treatment of a fully blocked query differs between
 # kernels, so we zero those rows afterwards to keep our rule.
 # (`test_sdpa_path_matches_explicit_path`.) One exception: in training on a
-# GPU with a mask, SDPA picks its memory-efficient kernel, whose backward
-# pass returns NaN gradients now and then (PyTorch issue 178251: six of six
-# runs of the `gpu` preset on an H200 met one between steps 1,900 and 3,100;
-# docs/training.md, "Measured on one H200"), so there `sdpa_is_safe` sends
-# attention the explicit way
+# GPU with a mask, SDPA's backward pass returned NaN gradients now and then
+# (six of six runs of the `gpu` preset on an H200 met one between steps 1,900
+# and 3,100, none with the explicit form; docs/training.md, "Measured on one
+# H200"; likely PyTorch issue 178251, its memory-efficient kernel), so there
+# `sdpa_is_safe` sends attention the explicit way
 # (`test_attention_takes_the_explicit_way_where_sdpa_is_unsafe`). To look at
 # the probabilities, `annotated/recording.py` recomputes them with
 # `attention_explicit`.
@@ -159,7 +159,7 @@ def fast_path(enabled: bool) -> Iterator[None]:
 
 
 def sdpa_is_safe(q: Tensor, mask: Tensor | None) -> bool:
-    """False where SDPA's kernel would be CUDA's memory-efficient one in a backward pass (NaN gradients)."""
+    """False in a backward pass on CUDA with a mask, where SDPA's gradients were seen to turn NaN."""
     return not (mask is not None and q.is_cuda and q.requires_grad and torch.is_grad_enabled())
 
 

@@ -86,8 +86,8 @@ def _notes(result: dict) -> list[str]:
     m, lines = result["meta"], []
     if m.get("device_type") == "cuda":
         lines.append(f"\n{VARIANTS['fused_sdpa']}: on CUDA its training step runs the explicit softmax wherever a mask "
-                     f"is given (transformer.sdpa_is_safe: SDPA's memory-efficient kernel returns NaN gradients now "
-                     f"and then), as training does; decoding keeps SDPA")
+                     f"is given (transformer.sdpa_is_safe: SDPA's gradients turned NaN now and then in "
+                     f"training on CUDA), as training does; decoding keeps SDPA")
     if result.get("host_syncs"):
         h = result["host_syncs"]
         lines.append(f"\nhost syncs per training step: {h['per_step']:g} (train.train_step, {h['size']} size, "
