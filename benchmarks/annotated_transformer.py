@@ -168,10 +168,11 @@ def profile_both(defs: dict, size_name: str, steps: int, seed: int = 0) -> dict:
     fns, _, _ = _steps(defs, size_name, seed)
     out: dict = {}
     for name, fn in fns.items():
-        averages = profiled(fn, steps)
+        result = profiled(fn, steps)
+        averages = result.averages
         total = sum(e.self_cpu_time_total for e in averages) / 1e6
         products = sum(e.self_cpu_time_total for e in averages if e.key in PRODUCTS) / 1e6
-        out[name] = {"averages": averages, "seconds": total, "products": products}
+        out[name] = {"averages": averages, "seconds": total, "products": products, "profiled": result}
     return out
 
 
@@ -188,6 +189,7 @@ def print_profiles(defs: dict, sizes: list[str], steps: int, rows: int) -> int:
                   f"{one['seconds'] - one['products']:.3f} s; top operators:")
             for op, share, calls in top_operators(one["averages"], rows):
                 print(f"  {op:<40} {share:6.1%} {calls:6d} calls")
+            print(f"  the profiler's cost: {one['profiled'].summary()}")
         print(f"{size}: theirs / ours in self CPU time {r['theirs']['seconds'] / r['ours']['seconds']:.2f}x "
               f"({torch.get_num_threads()} threads, fp32, under the profiler)", flush=True)
     return 0

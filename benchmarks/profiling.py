@@ -4,14 +4,25 @@
     python -m benchmarks.profiling --size base --threads 1 --precision bf16 --steps 5 --rows 25
 
 The fused SDPA training step of `make bench` (`benchmarks/trainees.py`: forward, label-smoothed loss,
-backward, fused Adam and its schedule) runs twice untimed, then `--steps` times under `torch.profiler`; the
-table lists the operators by their own (self) CPU time, and the last line the share of the top ones.
-benchmarks/README.md says what dominates at the cpu size.
+backward, fused Adam and its schedule) runs twice untimed, then `--steps` times unprofiled and `--steps`
+times under `torch.profiler`; the table lists the operators by their own (self) CPU time, and the last lines
+the share of the top ones and what the profiler itself changed.
+
+What it changes: the profiler's own small allocations land in the holes that the step's large tensors
+leave in the heap, so a profiled step keeps asking the kernel for fresh pages, which a step outside it,
+under `keep_freed_memory`, does not; the kernel zeroes each fresh page, and that time counts against the
+operator that first writes it (`fill_`, `add`, `copy_`). The command therefore prints the minor page faults
+and the milliseconds per step with and without the profiler (`Profiled`); where the two disagree, the
+table overstates the operators that write fresh memory, and `make bench`'s unprofiled times are what to
+read. benchmarks/README.md says what dominates at the cpu size.
 """
 from __future__ import annotations
 
 import argparse
+import mmap
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,8 +42,8 @@ from benchmarks.sizes import SIZES, Size, make_batches  # noqa: E402
 from benchmarks.trainees import build_trainees, make_step  # noqa: E402
 
 
-def profile_step(size: Size, steps: int = 3, precision: str = "fp32", seed: int = 0):
-    """The profiler's key averages over `steps` fused SDPA training steps on the CPU, after two untimed ones."""
+def profile_step(size: Size, steps: int = 3, precision: str = "fp32", seed: int = 0) -> Profiled:
+    """`steps` fused SDPA training steps on the CPU under the profiler, after the unprofiled ones (`profiled`)."""
     cpu = torch.device("cpu")
     batches = make_batches(2, size.train_sentences["cpu"], size.train.vocab_size, seed)
     [t] = build_trainees(size, cpu, seed, keys=("fused_sdpa",))
@@ -40,14 +51,58 @@ def profile_step(size: Size, steps: int = 3, precision: str = "fp32", seed: int 
     return profiled(step, steps)
 
 
-def profiled(step, steps: int):
-    """The profiler's key averages over `steps` calls of `step`, after two untimed ones."""
+def minor_page_faults() -> int | None:
+    """This process's minor page faults so far (pages the kernel mapped, and zeroed, on first touch);
+    None where the platform does not count them (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """The profiler's key averages, and the same number of steps timed and counted with and without it."""
+    averages: object  # torch.profiler's key averages over the profiled steps
+    ms_per_step: float  # wall time of a step outside the profiler
+    ms_per_step_profiled: float
+    faults_per_step: float | None  # minor page faults per step outside the profiler (None: not counted here)
+    faults_per_step_profiled: float | None
+
+    def summary(self) -> str:
+        """One line: what the profiler changed in the step's time and its page faults."""
+        line = (f"a step takes {self.ms_per_step:,.0f} ms outside the profiler, {self.ms_per_step_profiled:,.0f} ms "
+                f"under it")
+        if self.faults_per_step is None or self.faults_per_step_profiled is None:
+            return line + "; page faults not counted on this platform"
+        line += (f"; minor page faults per step: {self.faults_per_step:,.0f} outside it, "
+                 f"{self.faults_per_step_profiled:,.0f} under it")
+        extra = self.faults_per_step_profiled - self.faults_per_step
+        if extra <= 0:
+            return line
+        fresh = extra * mmap.PAGESIZE / 2**20
+        return line + (f" (about {fresh:,.0f} MiB more of fresh pages a step, whose zeroing the table charges to "
+                       f"the operators that first write them)")
+
+
+def _timed(step, steps: int) -> tuple[float, float | None]:
+    """(milliseconds, minor page faults) per call over `steps` calls of `step`."""
+    faults, start = minor_page_faults(), time.perf_counter()
+    for _ in range(steps):
+        step()
+    seconds, after = time.perf_counter() - start, minor_page_faults()
+    return seconds * 1e3 / steps, None if faults is None or after is None else (after - faults) / steps
+
+
+def profiled(step, steps: int) -> Profiled:
+    """`steps` calls of `step` under the profiler, after two untimed ones and `steps` timed unprofiled ones."""
     for _ in range(2):
         step()
+    ms, faults = _timed(step, steps)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-    return prof.key_averages()
+        ms_profiled, faults_profiled = _timed(step, steps)
+    return Profiled(prof.key_averages(), ms, ms_profiled, faults, faults_profiled)
 
 
 def top_operators(averages, n: int) -> list[tuple[str, float, int]]:
@@ -72,11 +127,12 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # as training on the CPU does
-    averages = profile_step(SIZES[args.size], args.steps, args.precision)
-    print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
-    top = top_operators(averages, 5)
+    result = profile_step(SIZES[args.size], args.steps, args.precision)
+    print(result.averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    top = top_operators(result.averages, 5)
     print(f"{args.size} size, {args.precision}, {torch.get_num_threads()} threads, {args.steps} steps; top 5 by self "
           f"CPU time: " + ", ".join(f"{name} {share:.0%} ({calls} calls)" for name, share, calls in top))
+    print(f"the profiler's cost: {result.summary()}")
 
 
 if __name__ == "__main__":
