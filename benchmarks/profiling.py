@@ -8,10 +8,11 @@ backward, fused Adam and its schedule) runs twice untimed, then `--steps` times 
 times under `torch.profiler`; the table lists the operators by their own (self) CPU time, and the last lines
 the share of the top ones and what the profiler itself changed.
 
-What it changes: the profiler's own small allocations land in the holes that the step's large tensors
-leave in the heap, so a profiled step keeps asking the kernel for fresh pages, which a step outside it,
-under `keep_freed_memory`, does not; the kernel zeroes each fresh page, and that time counts against the
-operator that first writes it (`fill_`, `add`, `copy_`). The command therefore prints the minor page faults
+What it changes: a profiled step can ask the kernel for many more fresh pages than the same step outside
+the profiler under `keep_freed_memory` (most likely the profiler's own small allocations take the holes
+that the step's large tensors leave in the heap; not traced further); the kernel zeroes each fresh page,
+and that time counts against the operator that first writes it (`fill_` and `add` at the base size, in
+benchmarks/README.md's measurement). The command therefore prints the minor page faults
 and the milliseconds per step with and without the profiler (`Profiled`); where the two disagree, the
 table overstates the operators that write fresh memory, and `make bench`'s unprofiled times are what to
 read. benchmarks/README.md says what dominates at the cpu size.
