@@ -95,4 +95,5 @@ def test_profile_names_each_steps_products_and_the_rest(tmp_path, capsys):
     assert bench.main(["--source", str(source), "--sizes", "cpu", "--profile", "1", "--rows", "3"]) == 0
     out = capsys.readouterr().out
     assert out.count("top operators:") == 2 and "cpu: theirs / ours in self CPU time" in out
+    assert out.count("the profiler's cost: a step takes") == 2 and "in wall time outside it" in out
     assert len([line for line in out.splitlines() if line.startswith("  aten::")]) <= 6
