@@ -161,8 +161,9 @@ PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
 def profile_both(defs: dict, size_name: str, steps: int, seed: int = 0) -> dict:
-    """Each step's profiler key averages over `steps` steps (after two untimed ones), at one size:
-    {"ours": ..., "theirs": ...}, with each one's self CPU seconds, of them in matrix products."""
+    """Each step's profiler key averages over `steps` steps (after two untimed and `steps` unprofiled ones:
+    `profiling.profiled`), at one size: {"ours": ..., "theirs": ...}, with each one's self CPU seconds, of them
+    in matrix products, and the `Profiled` result (the step's time and page faults outside and under it)."""
     from benchmarks.profiling import profiled
 
     fns, _, _ = _steps(defs, size_name, seed)
