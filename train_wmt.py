@@ -11,6 +11,7 @@ recipe. Examples:
     python train_wmt.py --resume --run-dir runs/cpu-de-en-20261122-1200
     torchrun --nproc_per_node=2 train_wmt.py --preset gpu
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,7 @@ from pathlib import Path
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while the extensions load is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("train_wmt.py")
 
 from annotated.plumbing.options import Parser, at_least, device, number, writable_dir
@@ -55,6 +57,7 @@ def number_or_word(read, word: str):
     >>> number_or_word(float, "validation")("validation"), number_or_word(float, "validation")("0.6")
     ('validation', 0.6)
     """
+
     def parse(text: str):
         if text == word:
             return word
@@ -62,6 +65,7 @@ def number_or_word(read, word: str):
             return read(text)
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentTypeError(f"{str(e).split(', got ')[0]} or {word!r}, got {text!r}") from None
+
     return parse
 
 
@@ -77,43 +81,74 @@ def build_parser(chosen: str | None = None) -> Parser:
             return f" (default under --preset {chosen}: {shown(setting(PRESETS[chosen], name))})"
         return " (" + ", ".join(f"{p}: {shown(setting(c, name))}" for p, c in PRESETS.items()) + ")"
 
-    p = Parser(prog="train_wmt.py", description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    p.add_argument("--preset", choices=tuple(PRESETS),
-                   help="settings bundle (default: gpu when CUDA is available, else cpu); every option below "
-                        "changes one of its settings and shows each preset's value")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved settings (preset and options, device, precision, threads) and exit "
-                        "without training")
+    p = Parser(
+        prog="train_wmt.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+    )
+    p.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        help="settings bundle (default: gpu when CUDA is available, else cpu); every option below "
+        "changes one of its settings and shows each preset's value",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings (preset and options, device, precision, threads) and exit without training",
+    )
     for name, option in OPTIONS.items():
         flag, help_ = option_flag(name), option.help + default(name)
         if option.switch:
             p.add_argument(flag, dest=name, action="store_true", default=None, help=help_)
         else:
             p.add_argument(flag, dest=name, type=option_type(option), choices=option.choices, help=help_)
-    p.add_argument("--run-dir", type=Path, help="a new folder for checkpoints, logs and results "
-                                                "(default runs/<preset>-<src>-<tgt>-<time>; runs/latest points "
-                                                "to the newest run in runs/)")
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        help="a new folder for checkpoints, logs and results "
+        "(default runs/<preset>-<src>-<tgt>-<time>; runs/latest points "
+        "to the newest run in runs/)",
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from last.pt")
     p.add_argument("--device", type=device, help="cuda, cuda:1, cpu (default: cuda when available)")
-    p.add_argument("--threads", type=at_least(1), help="CPU threads for torch (default: $OMP_NUM_THREADS where "
-                                                       "set, else every core this process may use)")
-    p.add_argument("--data-url", help="base URL of the Multi30k raw files (default $MULTI30K_URL, "
-                                      "else the dataset's GitHub home); file:// URLs work")
-    p.add_argument("--cache-dir", type=writable_dir, help="download and tokenizer cache (default "
-                                                          "$ANNOTATED_CACHE or ~/.cache/annotated)")
+    p.add_argument(
+        "--threads",
+        type=at_least(1),
+        help="CPU threads for torch (default: $OMP_NUM_THREADS where set, else every core this process may use)",
+    )
+    p.add_argument(
+        "--data-url",
+        help="base URL of the Multi30k raw files (default $MULTI30K_URL, "
+        "else the dataset's GitHub home); file:// URLs work",
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=writable_dir,
+        help="download and tokenizer cache (default $ANNOTATED_CACHE or ~/.cache/annotated)",
+    )
     p.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="your own parallel text instead")
-    p.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"), help="your own validation pairs (with "
-                                                                       "--train-files)")
-    p.add_argument("--test-files", nargs=2, metavar=("SRC", "TGT"), help="your own test pairs (with "
-                                                                        "--train-files)")
-    p.add_argument("--empty-lines", choices=("error", "skip", "keep"), default="error",
-                   help="pairs of your own files with an empty side: stop with an error naming the line (default), "
-                        "skip them with a warning, or keep them")
+    p.add_argument(
+        "--val-files", nargs=2, metavar=("SRC", "TGT"), help="your own validation pairs (with --train-files)"
+    )
+    p.add_argument("--test-files", nargs=2, metavar=("SRC", "TGT"), help="your own test pairs (with --train-files)")
+    p.add_argument(
+        "--empty-lines",
+        choices=("error", "skip", "keep"),
+        default="error",
+        help="pairs of your own files with an empty side: stop with an error naming the line (default), "
+        "skip them with a warning, or keep them",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--dump-attention", type=at_least(0), metavar="N", default=0,
-                   help="after training, dump the attention of the first N test sentences into RUN_DIR/attention "
-                        "(see annotated/attention/dump.py)")
+    p.add_argument(
+        "--dump-attention",
+        type=at_least(0),
+        metavar="N",
+        default=0,
+        help="after training, dump the attention of the first N test sentences into RUN_DIR/attention "
+        "(see annotated/attention/dump.py)",
+    )
     return p
 
 
@@ -150,8 +185,15 @@ def resolved_settings(preset: str, cfg, where, threads: int, run_dir: Path) -> d
     from annotated.training.config import config_dict
 
     precision, reason = resolve_precision(cfg.precision, where)
-    return {"preset": preset, "run_dir": str(run_dir), "device": str(where), "precision": precision,
-            "precision_reason": reason, "threads": threads, "train_config": config_dict(cfg)}
+    return {
+        "preset": preset,
+        "run_dir": str(run_dir),
+        "device": str(where),
+        "precision": precision,
+        "precision_reason": reason,
+        "threads": threads,
+        "train_config": config_dict(cfg),
+    }
 
 
 def main(argv=None) -> int:
@@ -176,15 +218,29 @@ def main(argv=None) -> int:
         if args.print_config:
             print(json.dumps(resolved_settings(preset, cfg, where, torch.get_num_threads(), run_dir), indent=2))
             return 0
-        result = train(cfg, run_dir, data_url=args.data_url, cache_dir=args.cache_dir, device=str(where),
-                       resume=args.resume, progress=(not args.no_progress and sys.stderr.isatty()) or
-                       os.environ.get("FORCE_PROGRESS") == "1",
-                       train_files=args.train_files, val_files=args.val_files, test_files=args.test_files,
-                       empty_lines=args.empty_lines, alignment_image=log_alignment_image)
+        result = train(
+            cfg,
+            run_dir,
+            data_url=args.data_url,
+            cache_dir=args.cache_dir,
+            device=str(where),
+            resume=args.resume,
+            progress=(not args.no_progress and sys.stderr.isatty()) or os.environ.get("FORCE_PROGRESS") == "1",
+            train_files=args.train_files,
+            val_files=args.val_files,
+            test_files=args.test_files,
+            empty_lines=args.empty_lines,
+            alignment_image=log_alignment_image,
+        )
         if args.dump_attention and not result.get("interrupted") and result.get("run_dir"):
             from annotated.attention.dump import dump
-            out = dump(Path(result["test"]["best"]["checkpoint"]), n=args.dump_attention, data_url=args.data_url,
-                       cache_dir=args.cache_dir)
+
+            out = dump(
+                Path(result["test"]["best"]["checkpoint"]),
+                n=args.dump_attention,
+                data_url=args.data_url,
+                cache_dir=args.cache_dir,
+            )
             print(f"attention dump: {out}", flush=True)
     except (ValueError, CheckpointError, TrainingError, RankError) as e:  # DataError is a ValueError
         print(f"train_wmt.py: error: {e}", file=sys.stderr)
@@ -192,11 +248,15 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (data, final test), or a second one inside it
         last = Path(run_dir) / "last.pt" if run_dir is not None else None
         if last is not None and last.is_file():
-            print(f"train_wmt.py: interrupted; {last} holds the last completed save (checkpoint writes are "
-                  f"atomic); continue with --resume --run-dir {run_dir}", file=sys.stderr)
+            print(
+                f"train_wmt.py: interrupted; {last} holds the last completed save (checkpoint writes are "
+                f"atomic); continue with --resume --run-dir {run_dir}",
+                file=sys.stderr,
+            )
         else:
-            print("train_wmt.py: interrupted before the first checkpoint was written; nothing to resume",
-                  file=sys.stderr)
+            print(
+                "train_wmt.py: interrupted before the first checkpoint was written; nothing to resume", file=sys.stderr
+            )
         return 130
     finally:  # main() called from Python leaves the caller's thread count as it found it
         torch.set_num_threads(threads_before)
@@ -205,4 +265,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, "train_wmt.py")  # Ctrl-C: one line and exit code 130 (main() may say more itself)

@@ -52,8 +52,9 @@ from annotated.sites import Site, attention_at, sites
 from annotated.transformer import EncoderDecoder, attention_explicit, head_mask
 
 
-def _probabilities(att, x_q: Tensor, x_kv: Tensor | None = None, mask: Tensor | None = None, *,
-                   kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+def _probabilities(
+    att, x_q: Tensor, x_kv: Tensor | None = None, mask: Tensor | None = None, *, kv: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
     """The probabilities (B, h, T_q, T_k) that `att(x_q, x_kv, mask, kv=kv)` attends with (before dropout)."""
     if (x_kv is None) == (kv is None):
         raise ValueError("give exactly one of x_kv and precomputed kv")
@@ -63,8 +64,9 @@ def _probabilities(att, x_q: Tensor, x_kv: Tensor | None = None, mask: Tensor | 
     return attention_explicit(att.queries(x_q), K, V, mask)[1]  # (B, h, T_q, T_k)
 
 
-def attend_with_probabilities(att, x_q: Tensor, x_kv: Tensor | None = None, mask: Tensor | None = None, *,
-                              kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+def attend_with_probabilities(
+    att, x_q: Tensor, x_kv: Tensor | None = None, mask: Tensor | None = None, *, kv: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
     """(the module's own output (B, T_q, d_model), its probabilities (B, h, T_q, T_k)) for one call.
 
     >>> from annotated.transformer import FusedAttention
@@ -82,6 +84,7 @@ def _recorder(store: list[Tensor]):
         call = inspect.signature(att.forward).bind(*args, **kwargs).arguments
         with torch.no_grad():
             store.append(_probabilities(att, call["x_q"], call.get("x_kv"), call.get("mask"), kv=call.get("kv")))
+
     return hook
 
 

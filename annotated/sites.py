@@ -48,6 +48,7 @@ from annotated.transformer import BLOCKS, EncoderDecoder, FusedAttention, PerHea
 # `sum_i xi_i head_i W_O[i]`, and remove a head by setting `xi_i = 0`; the sum
 # with term `i` left out is exactly that.
 
+
 # %%
 def _check_keep(att, keep: Sequence[int]) -> list[int]:
     keep = sorted({int(i) for i in keep})
@@ -98,6 +99,7 @@ def keep_heads_per_head(att: PerHeadAttention, keep: Sequence[int]) -> PerHeadAt
 # because every product in the attention is narrower. Removing head `i` in
 # the per-head form gives the same function as the fused model built without
 # block `i` (`test_removing_a_head_per_head_equals_fused_without_its_blocks`).
+
 
 # %%
 def _block_index(keep: list[int], d: int, device) -> Tensor:

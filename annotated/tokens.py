@@ -7,6 +7,7 @@ A checkpoint stores its tokenizer's bytes; `Tokenizer.from_bytes` loads them.
 >>> (PAD, BOS, EOS, UNK)
 (0, 1, 2, 3)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,10 @@ class Tokenizer:
             raise TokenizerError(f"these {len(self._model)} bytes are not a sentencepiece model ({e})") from None
         ids = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
         if ids != (PAD, BOS, EOS, UNK):
-            raise TokenizerError(f"the sentencepiece model has pad, bos, eos, unk ids {ids}; this project needs "
-                            f"{(PAD, BOS, EOS, UNK)}: train it with train_tokenizer()")
+            raise TokenizerError(
+                f"the sentencepiece model has pad, bos, eos, unk ids {ids}; this project needs "
+                f"{(PAD, BOS, EOS, UNK)}: train it with train_tokenizer()"
+            )
 
     @classmethod
     def from_bytes(cls, model: bytes) -> Tokenizer:
@@ -74,8 +77,10 @@ class Tokenizer:
                 try:
                     text.encode("utf-8")
                 except UnicodeEncodeError as e:
-                    raise ValueError(f"text {n} is not valid Unicode: {text[e.start]!r} at position {e.start} "
-                                     f"(a lone surrogate, e.g. from undecodable input bytes)") from None
+                    raise ValueError(
+                        f"text {n} is not valid Unicode: {text[e.start]!r} at position {e.start} "
+                        f"(a lone surrogate, e.g. from undecodable input bytes)"
+                    ) from None
             raise
 
     def _check_ids(self, ids) -> list[int]:
@@ -89,7 +94,7 @@ class Tokenizer:
         """Text of `ids`: stops at the first eos, skips pad and bos."""
         ids = self._check_ids(ids)
         if EOS in ids:
-            ids = ids[:ids.index(EOS)]
+            ids = ids[: ids.index(EOS)]
         return self._sp.decode([i for i in ids if i not in (PAD, BOS)])
 
     def pieces(self, ids: Sequence[int] | Tensor) -> list[str]:

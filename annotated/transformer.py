@@ -97,9 +97,11 @@ from annotated.tokens import BOS, EOS, PAD
 # *nothing*: its weights are all zero and its output is the zero vector, never
 # NaN. (`test_fully_masked_query_gives_zeros`.)
 
+
 # %%
-def attention_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                       dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+def attention_explicit(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
+) -> tuple[Tensor, Tensor]:
     """softmax(q k^T / sqrt(d_k)) v, written out. Returns (output, probabilities).
 
     >>> q = k = torch.eye(2)[None]             # two keys, each query matches one
@@ -213,6 +215,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, dr
 #
 # <!-- figure: subsequent_mask -->
 
+
 # %%
 def padding_mask(tokens: Tensor, pad: int) -> Tensor:
     """(B, T) token ids -> (B, 1, T) mask, True at real tokens.
@@ -297,6 +300,7 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 #
 # <!-- figure: one_head -->
 
+
 # %%
 def _head_sizes(d_model: int, h: int, d_k: int | None, d_v: int | None) -> tuple[int, int]:
     if h < 1 or d_model < 1:
@@ -343,8 +347,15 @@ def affine(x: Tensor, W: Tensor, b: Tensor | None = None) -> Tensor:
 class _Attention(nn.Module, ABC):
     """The interface of both forms: sizes, `forward` written once, and the three methods a form provides."""
 
-    def __init__(self, d_model: int, h: int, d_k: int | None = None, d_v: int | None = None,
-                 bias: bool = True, dropout: float = 0.0):
+    def __init__(
+        self,
+        d_model: int,
+        h: int,
+        d_k: int | None = None,
+        d_v: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.d_k, self.d_v = _head_sizes(d_model, h, d_k, d_v)
         self.d_model, self.h, self.bias, self.dropout = d_model, h, bias, dropout
@@ -353,8 +364,14 @@ class _Attention(nn.Module, ABC):
         """The sizes that define this attention: two attentions convert iff these agree."""
         return dict(d_model=self.d_model, h=self.h, d_k=self.d_k, d_v=self.d_v, bias=self.bias)
 
-    def forward(self, x_q: Tensor, x_kv: Tensor | None = None, mask: Tensor | None = None, *,
-                kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(
+        self,
+        x_q: Tensor,
+        x_kv: Tensor | None = None,
+        mask: Tensor | None = None,
+        *,
+        kv: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
         """Attend from `x_q` (B, T_q, d_model) to `x_kv` (B, T_k, d_model); returns (B, T_q, d_model).
 
         `mask` broadcasts to (B, T_q, T_k), True = may attend, the same for
@@ -395,8 +412,15 @@ def head_mask(mask: Tensor | None, B: int, T_q: int, T_k: int) -> Tensor | None:
 class PerHeadAttention(_Attention):
     """Multi-head attention with h explicit rectangular matrices per projection."""
 
-    def __init__(self, d_model: int, h: int, d_k: int | None = None, d_v: int | None = None,
-                 bias: bool = True, dropout: float = 0.0):
+    def __init__(
+        self,
+        d_model: int,
+        h: int,
+        d_k: int | None = None,
+        d_v: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+    ):
         super().__init__(d_model, h, d_k, d_v, bias, dropout)
         d_k, d_v = self.d_k, self.d_v
         self.W_Q = nn.ParameterList(nn.Parameter(_xavier(d_model, d_k, d_model, h * d_k)) for _ in range(h))
@@ -413,7 +437,9 @@ class PerHeadAttention(_Attention):
 
     def queries(self, x_q: Tensor) -> Tensor:
         """Head i's queries x_q W_Q[i] + b_Q[i], one head at a time, stacked on dim 1."""
-        return torch.stack([self._project(x_q, self.W_Q, self.b_Q, i) for i in range(self.h)], dim=1)  # (B, h, T_q, d_k)
+        return torch.stack(
+            [self._project(x_q, self.W_Q, self.b_Q, i) for i in range(self.h)], dim=1
+        )  # (B, h, T_q, d_k)
 
     def keys_values(self, x_kv: Tensor) -> tuple[Tensor, Tensor]:
         """Head i's keys x_kv W_K[i] + b_K[i] and values, one head at a time, stacked on dim 1."""
@@ -470,12 +496,20 @@ class PerHeadAttention(_Attention):
 # numerically (`annotated/proof/equivalence.py`); in the tests, see
 # `test_per_head_and_fused_agree`.
 
+
 # %%
 class FusedAttention(_Attention):
     """Multi-head attention with the per-head matrices laid side by side."""
 
-    def __init__(self, d_model: int, h: int, d_k: int | None = None, d_v: int | None = None,
-                 bias: bool = True, dropout: float = 0.0):
+    def __init__(
+        self,
+        d_model: int,
+        h: int,
+        d_k: int | None = None,
+        d_v: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+    ):
         super().__init__(d_model, h, d_k, d_v, bias, dropout)
         d_k, d_v = self.d_k, self.d_v
         self.W_Q = nn.Parameter(_xavier(d_model, h * d_k, d_model, h * d_k))  # [W_Q[0] | ... | W_Q[h-1]]
@@ -509,8 +543,9 @@ class FusedAttention(_Attention):
     def _attend(self, x_q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None) -> Tensor:
         B, T_q, _ = x_q.shape
         mask = head_mask(mask, B, T_q, K.size(-2))  # (B, 1, T_q, T_k) the same mask for every head
-        heads = attention(self.queries(x_q), K, V, mask,
-                          dropout_p=self.dropout if self.training else 0.0)  # (B, h, T_q, d_v)
+        heads = attention(
+            self.queries(x_q), K, V, mask, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, h, T_q, d_v)
         # MultiHead = Concat(head_0, ..., head_{h-1}) W_O
         return affine(self._concat(heads), self.W_O, self.b_O)  # (B, T_q, d_model)
 
@@ -528,8 +563,15 @@ class FusedAttention(_Attention):
 
 # %%
 # name: (dimension the h blocks lie along, block width: "d_k" or "d_v")
-BLOCKS = {"W_Q": (1, "d_k"), "W_K": (1, "d_k"), "W_V": (1, "d_v"), "W_O": (0, "d_v"),
-          "b_Q": (0, "d_k"), "b_K": (0, "d_k"), "b_V": (0, "d_v")}
+BLOCKS = {
+    "W_Q": (1, "d_k"),
+    "W_K": (1, "d_k"),
+    "W_V": (1, "d_v"),
+    "W_O": (0, "d_v"),
+    "b_Q": (0, "d_k"),
+    "b_K": (0, "d_k"),
+    "b_V": (0, "d_v"),
+}
 
 
 A = TypeVar("A", bound=_Attention)
@@ -627,17 +669,17 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": torch.relu, "gelu"
 class TransformerConfig:
     src_vocab: int
     tgt_vocab: int
-    N: int = 6                    # layers in each stack
+    N: int = 6  # layers in each stack
     d_model: int = 512
     d_ff: int = 2048
     h: int = 8
-    d_k: int | None = None        # default d_model / h
-    d_v: int | None = None        # default d_model / h
+    d_k: int | None = None  # default d_model / h
+    d_v: int | None = None  # default d_model / h
     dropout: float = 0.1
-    max_len: int = 512            # longest sequence the positional table covers
-    norm: Norm = "post"           # "post" (paper) or "pre"
+    max_len: int = 512  # longest sequence the positional table covers
+    norm: Norm = "post"  # "post" (paper) or "pre"
     attention: AttentionForm = "fused"
-    bias: bool = True             # biases in the attention projections
+    bias: bool = True  # biases in the attention projections
     share_embeddings: bool = False
     tie_generator: bool = False
     activation: Activation = "relu"  # of the feed-forward network: "relu" (paper), "gelu" or "silu"
@@ -656,11 +698,13 @@ class TransformerConfig:
         if self.attention not in ("fused", "per_head"):
             raise ValueError(f"attention must be 'fused' or 'per_head', got {self.attention!r}")
         if self.share_embeddings and self.src_vocab != self.tgt_vocab:
-            raise ValueError(f"share_embeddings needs src_vocab == tgt_vocab, got "
-                             f"{self.src_vocab} and {self.tgt_vocab}")
+            raise ValueError(
+                f"share_embeddings needs src_vocab == tgt_vocab, got {self.src_vocab} and {self.tgt_vocab}"
+            )
         if not 0 <= self.dropout < 1 or not 0 <= self.attention_p < 1:
-            raise ValueError(f"dropout and attention_dropout must be in [0, 1), got {self.dropout}, "
-                             f"{self.attention_dropout}")
+            raise ValueError(
+                f"dropout and attention_dropout must be in [0, 1), got {self.dropout}, {self.attention_dropout}"
+            )
         if min(self.src_vocab, self.tgt_vocab, self.N, self.d_ff, self.max_len) < 1:
             raise ValueError(f"sizes must be positive: {self}")
         _head_sizes(self.d_model, self.h, self.d_k, self.d_v)
@@ -685,6 +729,7 @@ class TransformerConfig:
 # (`test_fast_dropout_off_the_fast_path_is_torch_dropout`). The attention
 # weights' dropout happens inside `scaled_dot_product_attention`.
 
+
 # %%
 class Dropout(nn.Dropout):
     def forward(self, x: Tensor) -> Tensor:
@@ -692,7 +737,7 @@ class Dropout(nn.Dropout):
             return super().forward(x)
         c = min(round(self.p * 65536), 65535)  # P(drop) = c / 65536
         n = x.numel()
-        words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-2**63, None)  # (ceil(n/4),) 64 random bits
+        words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # (ceil(n/4),) 64 random bits
         bits = words.view(torch.int16)[:n].view(x.shape)  # 16 bits per entry, as signed numbers: u - 32768
         # keep when u >= c, scaled by 65536 / (65536 - c)
         return torch.where(bits >= c - 32768, x * (65536 / (65536 - c)), 0)  # shape of x
@@ -706,6 +751,7 @@ class Dropout(nn.Dropout):
 # applied to every position separately (`d_model -> d_ff -> d_model`). With
 # `activation="gelu"` or `"silu"` the `max(0, .)` becomes `x Phi(x)` (Phi the
 # standard normal distribution function) or `x sigmoid(x)`.
+
 
 # %%
 class FeedForward(nn.Module):
@@ -743,6 +789,7 @@ class FeedForward(nn.Module):
 # that depends on `k` only, which makes relative offsets easy to express.
 #
 # <!-- figure: positional_encoding -->
+
 
 # %%
 class Embeddings(nn.Module):
@@ -783,9 +830,11 @@ class PositionalEncoding(nn.Module):
         """Add PE for positions start, start+1, ... to x (B, T, d_model)."""
         T, max_len = x.size(1), self.pe.size(0)
         if start < 0 or start + T > max_len:
-            raise ValueError(f"positions {start} to {start + T - 1} must lie in [0, max_len={max_len}): "
-                             f"a sequence of length {start + T} exceeds the model's max_len, or start < 0")
-        return self.dropout(x + self.pe[start:start + T].to(x.dtype))  # (B, T, d_model)
+            raise ValueError(
+                f"positions {start} to {start + T - 1} must lie in [0, max_len={max_len}): "
+                f"a sequence of length {start + T} exceeds the model's max_len, or start < 0"
+            )
+        return self.dropout(x + self.pe[start : start + T].to(x.dtype))  # (B, T, d_model)
 
 
 # %% [markdown]
@@ -805,6 +854,7 @@ class PositionalEncoding(nn.Module):
 #
 # `Residual` implements exactly these two lines, and the stacks add the final
 # norm only for pre-norm (`test_norm_placement_matches_prose`).
+
 
 # %%
 class Residual(nn.Module):
@@ -868,8 +918,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn, self.cross_attn = _make_attention(cfg), _make_attention(cfg)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation)
-        self.res_self, self.res_cross, self.res_ffn = (Residual(cfg.d_model, cfg.dropout, cfg.norm)
-                                                       for _ in range(3))
+        self.res_self, self.res_cross, self.res_ffn = (Residual(cfg.d_model, cfg.dropout, cfg.norm) for _ in range(3))
 
     def _self_attention(self, z: Tensor, tgt_mask: Tensor | None, cache: dict | None) -> Tensor:
         if cache is None:
@@ -887,8 +936,9 @@ class DecoderLayer(nn.Module):
             cache["cross"] = self.cross_attn.keys_values(memory)  # (B, h, S, d), once
         return self.cross_attn(z, mask=src_mask, kv=cache["cross"])
 
-    def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor | None, tgt_mask: Tensor | None,
-                cache: dict | None = None) -> Tensor:
+    def forward(
+        self, y: Tensor, memory: Tensor, src_mask: Tensor | None, tgt_mask: Tensor | None, cache: dict | None = None
+    ) -> Tensor:
         y = self.res_self(y, lambda z: self._self_attention(z, tgt_mask, cache))  # (B, T, d_model)
         y = self.res_cross(y, lambda z: self._cross_attention(z, memory, src_mask, cache))  # (B, T, d_model)
         return self.res_ffn(y, self.ffn)  # (B, T, d_model)
@@ -906,6 +956,7 @@ class DecoderLayer(nn.Module):
 # (`test_scoring_real_positions_only_gives_the_same_loss_and_gradients`).
 #
 # <!-- figure: architecture -->
+
 
 # %%
 class Encoder(nn.Module):
@@ -926,8 +977,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.N))
         self.final_ln = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
 
-    def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor | None, tgt_mask: Tensor | None,
-                cache: Cache | None = None) -> Tensor:
+    def forward(
+        self, y: Tensor, memory: Tensor, src_mask: Tensor | None, tgt_mask: Tensor | None, cache: Cache | None = None
+    ) -> Tensor:
         for i, layer in enumerate(self.layers):
             y = layer(y, memory, src_mask, tgt_mask, None if cache is None else cache[i])  # (B, T, d_model)
         return self.final_ln(y)  # (B, T, d_model)
@@ -954,15 +1006,22 @@ class EncoderDecoder(nn.Module):
         self.tgt_embed = self.src_embed if cfg.share_embeddings else Embeddings(cfg.tgt_vocab, cfg.d_model)
         self.pos = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.dropout)
         self.encoder, self.decoder = Encoder(cfg), Decoder(cfg)
-        self.generator = Generator(cfg.d_model, cfg.tgt_vocab,
-                                   self.tgt_embed.weight if cfg.tie_generator else None)
+        self.generator = Generator(cfg.d_model, cfg.tgt_vocab, self.tgt_embed.weight if cfg.tie_generator else None)
 
     def encode(self, src: Tensor, src_mask: Tensor | None) -> Tensor:
         """src (B, S) ids -> memory (B, S, d_model)."""
         return self.encoder(self.pos(self.src_embed(src)), src_mask)  # (B, S, d_model)
 
-    def decode(self, memory: Tensor, src_mask: Tensor | None, tgt: Tensor, tgt_mask: Tensor | None,
-               *, cache: Cache | None = None, start: int = 0) -> Tensor:
+    def decode(
+        self,
+        memory: Tensor,
+        src_mask: Tensor | None,
+        tgt: Tensor,
+        tgt_mask: Tensor | None,
+        *,
+        cache: Cache | None = None,
+        start: int = 0,
+    ) -> Tensor:
         """tgt (B, T) ids -> (B, T, d_model).
 
         With a `cache` (from `new_cache`), `tgt` holds only the new positions,
@@ -974,8 +1033,14 @@ class EncoderDecoder(nn.Module):
     def new_cache(self) -> Cache:
         return [{} for _ in range(self.config.N)]
 
-    def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None, tgt_mask: Tensor | None,
-                positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        src_mask: Tensor | None,
+        tgt_mask: Tensor | None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
         """Teacher forcing: logits (B, T, tgt_vocab) for every target position, or (n, tgt_vocab) for the
         `positions` (n,) given, flat indices into B * T (training scores only the real, non-pad ones)."""
         y = self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)  # (B, T, d_model)
@@ -1012,10 +1077,19 @@ def make_model(config: TransformerConfig | None = None, **fields) -> EncoderDeco
 # closer together than that
 # (`test_cached_greedy_gives_the_tokens_of_recomputed_greedy`).
 
+
 # %%
 @torch.no_grad()
-def greedy_decode(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int,
-                  bos: int, eos: int, pad: int, use_cache: bool = True) -> Tensor:
+def greedy_decode(
+    model: EncoderDecoder,
+    src: Tensor,
+    src_mask: Tensor | None,
+    max_len: int,
+    bos: int,
+    eos: int,
+    pad: int,
+    use_cache: bool = True,
+) -> Tensor:
     """Returns (B, <= max_len) generated ids (bos excluded, eos kept, pad after it)."""
     B = src.size(0)
     memory = model.encode(src, src_mask)  # (B, S, d_model)
@@ -1071,6 +1145,7 @@ def greedy_decode(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, m
 #
 # <!-- figure: rate -->
 
+
 # %%
 def rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
     """The paper's learning rate at optimizer step `step` (counted from 1).
@@ -1080,11 +1155,12 @@ def rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
     """
     step = max(step, 1)
     # lrate = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
-    return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
-def cooled_rate(step: int, max_steps: int, cooldown_steps: int, d_model: int, warmup: int,
-                factor: float = 1.0) -> float:
+def cooled_rate(
+    step: int, max_steps: int, cooldown_steps: int, d_model: int, warmup: int, factor: float = 1.0
+) -> float:
     """`rate()`, except over the last `cooldown_steps` of `max_steps`, where it falls on a straight line
     from the rate it had reached towards zero.
 
@@ -1111,20 +1187,41 @@ def copy_batch(batch_size: int, max_symbols: int, vocab: int, generator: torch.G
     return src, tgt
 
 
-def train_copy_task(attention: AttentionForm = "fused", steps: int = 800, seed: int = 0, vocab: int = 13,
-                    max_symbols: int = 10, batch_size: int = 128, factor: float = 0.3,
-                    warmup: int = 100, norm: Norm = "post", cooldown: float = 0.25) -> EncoderDecoder:
+def train_copy_task(
+    attention: AttentionForm = "fused",
+    steps: int = 800,
+    seed: int = 0,
+    vocab: int = 13,
+    max_symbols: int = 10,
+    batch_size: int = 128,
+    factor: float = 0.3,
+    warmup: int = 100,
+    norm: Norm = "post",
+    cooldown: float = 0.25,
+) -> EncoderDecoder:
     """Train a small model to copy, the rate cooling down over the last `cooldown` share of the steps;
     returns it in eval mode."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    model = make_model(src_vocab=vocab, tgt_vocab=vocab, N=2, d_model=64, d_ff=128, h=4, dropout=0.0,
-                       max_len=max_symbols + 2, attention=attention, norm=norm, share_embeddings=True,
-                       tie_generator=True)
+    model = make_model(
+        src_vocab=vocab,
+        tgt_vocab=vocab,
+        N=2,
+        d_model=64,
+        d_ff=128,
+        h=4,
+        dropout=0.0,
+        max_len=max_symbols + 2,
+        attention=attention,
+        norm=norm,
+        share_embeddings=True,
+        tie_generator=True,
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
     cooldown_steps = round(cooldown * steps)
     sched = torch.optim.lr_scheduler.LambdaLR(  # step s + 1 (counted from 1) at cooled_rate(s + 1)
-        opt, lambda s: cooled_rate(s + 1, steps, cooldown_steps, 64, warmup=warmup, factor=factor))
+        opt, lambda s: cooled_rate(s + 1, steps, cooldown_steps, 64, warmup=warmup, factor=factor)
+    )
     model.train()
     for _ in range(steps):
         src, tgt = copy_batch(batch_size, max_symbols, vocab, gen)
@@ -1157,5 +1254,7 @@ if __name__ == "__main__":
         t0 = time.perf_counter()
         m = train_copy_task(form)
         acc = copy_accuracy(m)
-        print(f"copy task, {form:8s} attention: exact match {acc:.1%} on 1000 fresh sequences "
-              f"({time.perf_counter() - t0:.1f} s on one CPU thread)")
+        print(
+            f"copy task, {form:8s} attention: exact match {acc:.1%} on 1000 fresh sequences "
+            f"({time.perf_counter() - t0:.1f} s on one CPU thread)"
+        )

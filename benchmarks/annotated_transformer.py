@@ -29,6 +29,7 @@ each size prints both steps' top operators by self CPU time (`benchmarks.profili
 matrix products' share (`mm`, `addmm`, `bmm`) and the rest, in seconds, and theirs / ours in total self CPU
 time, so what separates the two steps is named.
 """
+
 from __future__ import annotations
 
 import sys
@@ -40,6 +41,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/annotated_transformer.py` wo
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("annotated-transformer-bench")
 
 import argparse  # noqa: E402
@@ -55,11 +57,28 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 NAME = "annotated-transformer-bench"
-URL = ("https://raw.githubusercontent.com/harvardnlp/annotated-transformer/"
-       "debc9fd747bb2123160a98046ad1c2d4da44a567/the_annotated_transformer.py")
-DEFINITIONS = ("EncoderDecoder", "Generator", "clones", "Encoder", "LayerNorm", "SublayerConnection",
-               "EncoderLayer", "Decoder", "DecoderLayer", "subsequent_mask", "attention", "MultiHeadedAttention",
-               "PositionwiseFeedForward", "Embeddings", "PositionalEncoding", "make_model")
+URL = (
+    "https://raw.githubusercontent.com/harvardnlp/annotated-transformer/"
+    "debc9fd747bb2123160a98046ad1c2d4da44a567/the_annotated_transformer.py"
+)
+DEFINITIONS = (
+    "EncoderDecoder",
+    "Generator",
+    "clones",
+    "Encoder",
+    "LayerNorm",
+    "SublayerConnection",
+    "EncoderLayer",
+    "Decoder",
+    "DecoderLayer",
+    "subsequent_mask",
+    "attention",
+    "MultiHeadedAttention",
+    "PositionwiseFeedForward",
+    "Embeddings",
+    "PositionalEncoding",
+    "make_model",
+)
 
 
 class SourceError(ValueError):
@@ -74,13 +93,19 @@ def load_definitions(path: Path) -> dict:
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     except (SyntaxError, UnicodeDecodeError) as e:
         raise SourceError(f"--source {path}: not Python source ({e})") from None
-    wanted: list[ast.stmt] = [n for n in tree.body
-                              if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in DEFINITIONS]
+    wanted: list[ast.stmt] = [
+        n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in DEFINITIONS
+    ]
     missing = sorted(set(DEFINITIONS) - {getattr(n, "name", "") for n in wanted})
     if missing:
         raise SourceError(f"--source {path}: lacks {', '.join(missing)}; is it {URL}?")
-    namespace = {"torch": torch, "nn": nn, "math": math, "copy": copy,
-                 "log_softmax": torch.nn.functional.log_softmax}  # the file's imports that the definitions use
+    namespace = {
+        "torch": torch,
+        "nn": nn,
+        "math": math,
+        "copy": copy,
+        "log_softmax": torch.nn.functional.log_softmax,
+    }  # the file's imports that the definitions use
     exec(compile(ast.Module(body=wanted, type_ignores=[]), str(path), "exec"), namespace)
     return namespace
 
@@ -98,6 +123,7 @@ def their_loss(defs: dict) -> Callable:
         tgt_mask = (tgt_in != PAD).unsqueeze(-2) & defs["subsequent_mask"](tgt_in.size(-1))  # (B, T-1, T-1)
         hidden = model(src, tgt_in, src_mask, tgt_mask)  # (B, T-1, d_model)
         return label_smoothed_loss(model.generator.proj(hidden), tgt_out, eps), (tgt_out != PAD).sum()
+
     return loss
 
 
@@ -117,6 +143,7 @@ def stepper(model: nn.Module, loss_fn: Callable, size, batches) -> Callable[[], 
         (loss / n).backward()
         opt.step()
         sched.step()
+
     return step
 
 
@@ -132,8 +159,9 @@ def _steps(defs: dict, size_name: str, seed: int):
     torch.manual_seed(seed)
     ours = make_model(cfg).train()
     torch.manual_seed(seed)
-    theirs = defs["make_model"](cfg.src_vocab, cfg.tgt_vocab, N=cfg.N, d_model=cfg.d_model, d_ff=cfg.d_ff, h=cfg.h,
-                                dropout=cfg.dropout).train()
+    theirs = defs["make_model"](
+        cfg.src_vocab, cfg.tgt_vocab, N=cfg.N, d_model=cfg.d_model, d_ff=cfg.d_ff, h=cfg.h, dropout=cfg.dropout
+    ).train()
     fns = {"ours": stepper(ours, batch_loss, size, batches), "theirs": stepper(theirs, their_loss(defs), size, batches)}
     return fns, {"ours": ours, "theirs": theirs}, batches
 
@@ -150,11 +178,19 @@ def compare(defs: dict, size_name: str, rounds: int, window: float, seed: int = 
         raise RuntimeError(f"{size_name}: {errors}")
     tokens = sum(int((t[:, 1:] != PAD).sum()) for _, t in batches) / len(batches)
     ratios = [b / a for a, b in zip(times["ours"], times["theirs"])]
-    return {"size": size_name, "tokens_per_step": tokens, "threads": torch.get_num_threads(), "rounds": rounds,
-            "tokens_per_second": {k: tokens / statistics.median(v) for k, v in times.items()},
-            "parameters": {"ours": sum(p.numel() for p in ours.parameters()),
-                           "theirs": sum(p.numel() for p in theirs.parameters())},
-            "ours_over_theirs": statistics.median(ratios), "ratios": ratios}
+    return {
+        "size": size_name,
+        "tokens_per_step": tokens,
+        "threads": torch.get_num_threads(),
+        "rounds": rounds,
+        "tokens_per_second": {k: tokens / statistics.median(v) for k, v in times.items()},
+        "parameters": {
+            "ours": sum(p.numel() for p in ours.parameters()),
+            "theirs": sum(p.numel() for p in theirs.parameters()),
+        },
+        "ours_over_theirs": statistics.median(ratios),
+        "ratios": ratios,
+    }
 
 
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm")
@@ -185,17 +221,21 @@ def print_profiles(defs: dict, sizes: list[str], steps: int, rows: int) -> int:
         r = profile_both(defs, size, steps)
         for name in ("ours", "theirs"):
             one = r[name]
-            print(f"{size}, {name}: {one['seconds']:.3f} s of self CPU time over {steps} steps, matrix products "
-                  f"{one['products']:.3f} s ({one['products'] / one['seconds']:.1%}), the rest "
-                  f"{one['seconds'] - one['products']:.3f} s; top operators:")
+            print(
+                f"{size}, {name}: {one['seconds']:.3f} s of self CPU time over {steps} steps, matrix products "
+                f"{one['products']:.3f} s ({one['products'] / one['seconds']:.1%}), the rest "
+                f"{one['seconds'] - one['products']:.3f} s; top operators:"
+            )
             for op, share, calls in top_operators(one["averages"], rows):
                 print(f"  {op:<40} {share:6.1%} {calls:6d} calls")
             print(f"  the profiler's cost: {one['profiled'].summary()}")
         outside = r["theirs"]["profiled"].ms_per_step / r["ours"]["profiled"].ms_per_step
-        print(f"{size}: theirs / ours in self CPU time {r['theirs']['seconds'] / r['ours']['seconds']:.2f}x "
-              f"({torch.get_num_threads()} threads, fp32, under the profiler); in wall time outside it "
-              f"{outside:.2f}x ({steps} steps each, one after the other: the timed rounds are the ratio to read)",
-              flush=True)
+        print(
+            f"{size}: theirs / ours in self CPU time {r['theirs']['seconds'] / r['ours']['seconds']:.2f}x "
+            f"({torch.get_num_threads()} threads, fp32, under the profiler); in wall time outside it "
+            f"{outside:.2f}x ({steps} steps each, one after the other: the timed rounds are the ratio to read)",
+            flush=True,
+        )
     return 0
 
 
@@ -204,17 +244,27 @@ def main(argv: list[str] | None = None) -> int:
     from annotated.plumbing.options import Parser, at_least, number
     from benchmarks.sizes import SIZES
 
-    p = Parser(prog="python -m benchmarks.annotated_transformer", name=NAME, description=__doc__.splitlines()[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(
+        prog="python -m benchmarks.annotated_transformer",
+        name=NAME,
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--source", type=Path, required=True, help=f"the Annotated Transformer's file ({URL})")
     p.add_argument("--sizes", nargs="+", choices=[s for s in SIZES if s != "gpu"], default=["cpu", "base"])
     p.add_argument("--threads", type=at_least(1), default=None, help="CPU threads (default: torch's)")
     p.add_argument("--rounds", type=at_least(1), default=7, help="alternating rounds (default 7)")
-    p.add_argument("--window", type=number(0, None, above=True), default=3.0,
-                   help="seconds of steps per timing (default 3)")
+    p.add_argument(
+        "--window", type=number(0, None, above=True), default=3.0, help="seconds of steps per timing (default 3)"
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
-    p.add_argument("--profile", type=at_least(1), default=None, metavar="N",
-                   help="time nothing: profile N steps of each and print their top operators")
+    p.add_argument(
+        "--profile",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="time nothing: profile N steps of each and print their top operators",
+    )
     p.add_argument("--rows", type=at_least(1), default=12, help="operators listed with --profile (default 12)")
     args = p.parse_args(argv)
     if args.out is not None and args.out.exists():
@@ -233,16 +283,22 @@ def main(argv: list[str] | None = None) -> int:
         r = compare(defs, size, args.rounds, args.window)
         results.append(r)
         tps = r["tokens_per_second"]
-        print(f"{size}: ours {tps['ours']:,.0f} target tokens/s, the Annotated Transformer's {tps['theirs']:,.0f}: "
-              f"ours / theirs {r['ours_over_theirs']:.2f}x (median of {args.rounds} rounds, {r['threads']} threads, "
-              f"fp32; parameters {r['parameters']['ours']:,} / {r['parameters']['theirs']:,})", flush=True)
+        print(
+            f"{size}: ours {tps['ours']:,.0f} target tokens/s, the Annotated Transformer's {tps['theirs']:,.0f}: "
+            f"ours / theirs {r['ours_over_theirs']:.2f}x (median of {args.rounds} rounds, {r['threads']} threads, "
+            f"fp32; parameters {r['parameters']['ours']:,} / {r['parameters']['theirs']:,})",
+            flush=True,
+        )
     if args.out is not None:
         from annotated.plumbing.files import atomic_write
-        atomic_write(args.out, json.dumps({"source": str(args.source), "torch": torch.__version__,
-                                           "results": results}, indent=1))
+
+        atomic_write(
+            args.out, json.dumps({"source": str(args.source), "torch": torch.__version__, "results": results}, indent=1)
+        )
     return 0
 
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, NAME)

@@ -48,6 +48,7 @@ def with_threads(fn: Callable[[], None], threads: int) -> Callable[[], None]:
     def run():
         torch.set_num_threads(threads)
         fn()
+
     return run
 
 
@@ -80,13 +81,15 @@ def bench_cpu_arithmetic(size: Size, st: Settings, log: Callable[[str], None]) -
     fns = {}
     for precision, threads in runnable:
         amp = lambda precision=precision: autocast(cpu, precision)
-        fns[("step", precision, threads)] = with_threads(make_step(t, t.model, batches, size.train.label_smoothing,
-                                                                   amp), threads)
+        fns[("step", precision, threads)] = with_threads(
+            make_step(t, t.model, batches, size.train.label_smoothing, amp), threads
+        )
         fns[("peak", precision, threads)] = with_threads(matmul(st.peak_n, precision, st.seed), threads)
     log(f"[{size.name}] CPU arithmetic: {len(runnable)} settings, {cores} cores, matmul n = {st.peak_n}")
     try:
-        times, _, errors = interleaved_times(fns, st.reps, st.window, st.sync,
-                                             lambda s: log(f"[{size.name}] CPU arithmetic {s}"), st.timer())
+        times, _, errors = interleaved_times(
+            fns, st.reps, st.window, st.sync, lambda s: log(f"[{size.name}] CPU arithmetic {s}"), st.timer()
+        )
     finally:
         torch.set_num_threads(threads_before)
     base = median(times.get(("step", "fp32", cores), []))
@@ -94,10 +97,19 @@ def bench_cpu_arithmetic(size: Size, st: Settings, log: Callable[[str], None]) -
     for precision, threads in wanted:
         step, peak = ("step", precision, threads), ("peak", precision, threads)
         error = "; ".join(f"{k[0]}: {errors[k]}" for k in (step, peak) if k in errors) or None
-        rows.append(ArithmeticRow(size=size.name, precision=precision, threads=threads,
-                                  target_tokens_per_step=tokens / len(batches),
-                                  flops_per_step=training_flops(size.model_config(), src_l, tgt_l) / len(batches),
-                                  step_s_rounds=times.get(step, []), baseline_step_s=base, peak_n=st.peak_n,
-                                  peak_s_rounds=times.get(peak, []), error=error,
-                                  note=None if (precision, threads) in runnable else NO_BF16))
+        rows.append(
+            ArithmeticRow(
+                size=size.name,
+                precision=precision,
+                threads=threads,
+                target_tokens_per_step=tokens / len(batches),
+                flops_per_step=training_flops(size.model_config(), src_l, tgt_l) / len(batches),
+                step_s_rounds=times.get(step, []),
+                baseline_step_s=base,
+                peak_n=st.peak_n,
+                peak_s_rounds=times.get(peak, []),
+                error=error,
+                note=None if (precision, threads) in runnable else NO_BF16,
+            )
+        )
     return rows

@@ -65,6 +65,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/bench.py` runs from the repo
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("benchmarks/bench.py")
 
 import argparse  # noqa: E402
@@ -93,16 +94,32 @@ __all__ = ["Settings", "bench_translator_cli", "main", "markdown", "parse_args",
 
 
 def _meta(sizes: list[Size], st: Settings) -> dict:
-    return {"device_type": st.device.type, "device_name": device_name(st.device), "torch": torch.__version__,
-            "python": platform.python_version(),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "threads": torch.get_num_threads(), "clock": st.clock, "dtype": st.dtype,
-            "compiled": list(st.compile_modes), "sizes": [s.name for s in sizes], "reps": st.reps,
-            "window_s": st.window, "seed": st.seed, "peak_tflops": st.peak_tflops, "peak_n": st.peak_n,
-            "size_details": {s.name: dict(dataclasses.asdict(s.model_config()),
-                                          train_sentences=s.train_sentences[st.device.type],
-                                          decode_sentences=s.decode_sentences[st.device.type]) for s in sizes},
-            "load_average_start": list(os.getloadavg())}
+    return {
+        "device_type": st.device.type,
+        "device_name": device_name(st.device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "threads": torch.get_num_threads(),
+        "clock": st.clock,
+        "dtype": st.dtype,
+        "compiled": list(st.compile_modes),
+        "sizes": [s.name for s in sizes],
+        "reps": st.reps,
+        "window_s": st.window,
+        "seed": st.seed,
+        "peak_tflops": st.peak_tflops,
+        "peak_n": st.peak_n,
+        "size_details": {
+            s.name: dict(
+                dataclasses.asdict(s.model_config()),
+                train_sentences=s.train_sentences[st.device.type],
+                decode_sentences=s.decode_sentences[st.device.type],
+            )
+            for s in sizes
+        },
+        "load_average_start": list(os.getloadavg()),
+    }
 
 
 def run_benchmarks(sizes: list[Size], settings: Settings | None = None, log: Callable[[str], None] = print) -> dict:
@@ -119,8 +136,7 @@ def run_benchmarks(sizes: list[Size], settings: Settings | None = None, log: Cal
         if st.decode:
             decode_rows += bench_decoding(size, st, log)
             gc.collect()
-    result = {"meta": meta, "train": train_rows, "decode": decode_rows,
-              "compile_speedup": compile_speedups(train_rows)}
+    result = {"meta": meta, "train": train_rows, "decode": decode_rows, "compile_speedup": compile_speedups(train_rows)}
     if st.arithmetic and st.device.type == "cpu":
         result["cpu_arithmetic"] = [r for size in distinct_models(sizes) for r in bench_cpu_arithmetic(size, st, log)]
     if st.sync_steps:
@@ -136,23 +152,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Benchmark training steps and decoding against torch.nn.Transformer.")
     p.add_argument("--sizes", default="cpu,gpu,base", help="comma-separated subset of: " + ", ".join(SIZES))
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--quick", action="store_true",
-                   help="2 rounds, short windows, a 1024 matmul peak: a smoke run, not a measurement")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 rounds, short windows, a 1024 matmul peak: a smoke run, not a measurement",
+    )
     p.add_argument("--reps", type=int, default=None, help="timing rounds (default 5; 2 with --quick)")
-    p.add_argument("--window", type=float, default=None,
-                   help="seconds per timed window (default 1.0; 0.2 with --quick)")
+    p.add_argument(
+        "--window", type=float, default=None, help="seconds per timed window (default 1.0; 0.2 with --quick)"
+    )
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
-    p.add_argument("--compile", choices=("off", "on", "both"), default=None,
-                   help="torch.compile rows (default: both; on the CPU only for the fused SDPA row)")
+    p.add_argument(
+        "--compile",
+        choices=("off", "on", "both"),
+        default=None,
+        help="torch.compile rows (default: both; on the CPU only for the fused SDPA row)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     p.add_argument("--no-decode", action="store_true", help="skip the decoding benchmark")
-    p.add_argument("--no-arithmetic", action="store_true",
-                   help="skip the CPU rows of fp32 vs bf16, one thread vs all, and the share of the matmul peak")
+    p.add_argument(
+        "--no-arithmetic",
+        action="store_true",
+        help="skip the CPU rows of fp32 vs bf16, one thread vs all, and the share of the matmul peak",
+    )
     p.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s (in TFLOP/s) for MFU")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default: torch's choice); 1 is steadier on a loaded machine")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="wall clock, or this process's CPU time (CPU only; for a shared machine, with --threads 1)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's choice); 1 is steadier on a loaded machine",
+    )
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall clock, or this process's CPU time (CPU only; for a shared machine, with --threads 1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/<device>-<date>.json)")
     args = p.parse_args(argv)
@@ -177,12 +212,21 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
     try:
-        return Settings(device=device, dtype=args.dtype or ("bf16" if device.type == "cuda" else "fp32"),
-                        compile_modes={"off": (False,), "on": (True,), "both": (False, True)}[args.compile or "both"],
-                        reps=args.reps or (2 if args.quick else 5), window=args.window or (0.2 if args.quick else 1.0),
-                        memory=not args.no_memory, decode=not args.no_decode, arithmetic=not args.no_arithmetic,
-                        peak_n=1024 if args.quick else 2048, seed=args.seed, peak_tflops=args.peak_tflops,
-                        clock=args.clock, compile_keys=None if device.type == "cuda" else ("fused_sdpa",))
+        return Settings(
+            device=device,
+            dtype=args.dtype or ("bf16" if device.type == "cuda" else "fp32"),
+            compile_modes={"off": (False,), "on": (True,), "both": (False, True)}[args.compile or "both"],
+            reps=args.reps or (2 if args.quick else 5),
+            window=args.window or (0.2 if args.quick else 1.0),
+            memory=not args.no_memory,
+            decode=not args.no_decode,
+            arithmetic=not args.no_arithmetic,
+            peak_n=1024 if args.quick else 2048,
+            seed=args.seed,
+            peak_tflops=args.peak_tflops,
+            clock=args.clock,
+            compile_keys=None if device.type == "cuda" else ("fused_sdpa",),
+        )
     except ValueError as e:
         raise SystemExit(f"bench.py: {e}") from None
 
@@ -192,6 +236,7 @@ def main(argv=None) -> dict:
     settings = settings_from(args)
 
     from tqdm.auto import tqdm
+
     bar = tqdm(desc="bench", unit=" phase", leave=False)
 
     def log(msg: str) -> None:
@@ -211,4 +256,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, "benchmarks/bench.py")  # Ctrl-C: one line and exit code 130, not a traceback

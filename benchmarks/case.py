@@ -11,10 +11,12 @@ lowercased score is the one that compares the variants (an answer in capitals is
 It also counts the sources that recasing turns back into exactly the written sentence, with the checkpoint's
 case table (`annotated/decoding/casing.py`), or by the tokenizer alone for a checkpoint without one.
 """
+
 from __future__ import annotations
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("case")
 
 import argparse
@@ -33,12 +35,12 @@ from annotated.training.data import load_multi30k
 from annotated.training.evaluate import score
 from annotated.training.runs import latest_checkpoint
 
-VARIANTS = {"as written": lambda s: s, "capitals": str.upper, "lower case": str.lower,
-            "caps lock": casing.swap_case}
+VARIANTS = {"as written": lambda s: s, "capitals": str.upper, "lower case": str.lower, "caps lock": casing.swap_case}
 
 
-def measure(model, tokenizer, pairs: list[tuple[str, str]], beam: int, progress: bool = True,
-            table: dict | None = None) -> dict:
+def measure(
+    model, tokenizer, pairs: list[tuple[str, str]], beam: int, progress: bool = True, table: dict | None = None
+) -> dict:
     """{variant: {case mode: scores}} and the exact-recasing counts, with the checkpoint's case `table`."""
     from tqdm.auto import tqdm
 
@@ -46,35 +48,56 @@ def measure(model, tokenizer, pairs: list[tuple[str, str]], beam: int, progress:
     results = {}
     jobs = [(v, mode) for v in VARIANTS for mode in ("as-typed", "auto")]
     for variant, mode in tqdm(jobs, desc="case", unit="run", disable=not progress):
-        lines = [prepare(str(i), VARIANTS[variant](s), None, tokenizer, model.config.max_len, mode, table)
-                 for i, (s, _) in enumerate(pairs)]
+        lines = [
+            prepare(str(i), VARIANTS[variant](s), None, tokenizer, model.config.max_len, mode, table)
+            for i, (s, _) in enumerate(pairs)
+        ]
         with torch.inference_mode():
             hyps = translate_prepared(model, tokenizer, lines, beam)
         scores = score(hyps, references)
         scores.pop("signature")
         results.setdefault(variant, {})[mode] = scores
-    exact = {name: sum(casing.normalise(f(s), tokenizer, table)[0] == s for s, _ in pairs)
-             for name, f in VARIANTS.items() if name != "as written"}
-    return {"scores": results, "recased_exactly": exact, "case_table": table is not None, "sentences": len(pairs),
-            "beam": beam}
+    exact = {
+        name: sum(casing.normalise(f(s), tokenizer, table)[0] == s for s, _ in pairs)
+        for name, f in VARIANTS.items()
+        if name != "as written"
+    }
+    return {
+        "scores": results,
+        "recased_exactly": exact,
+        "case_table": table is not None,
+        "sentences": len(pairs),
+        "beam": beam,
+    }
 
 
 def table(result: dict) -> str:
     """Markdown: one row per variant, BLEU cased / lowercased with and without recasing."""
     base = result["scores"]["as written"]["as-typed"]["bleu_lowercase"]
-    rows = ["| source | as typed: BLEU cased / lowercased | `--case auto`: BLEU cased / lowercased "
-            "| lowercased, auto minus as written |", "| --- | --- | --- | --- |"]
+    rows = [
+        "| source | as typed: BLEU cased / lowercased | `--case auto`: BLEU cased / lowercased "
+        "| lowercased, auto minus as written |",
+        "| --- | --- | --- | --- |",
+    ]
     for variant, modes in result["scores"].items():
         typed, auto = modes["as-typed"], modes["auto"]
-        rows.append(f"| {variant} | {typed['bleu']:.2f} / {typed['bleu_lowercase']:.2f} | {auto['bleu']:.2f} / "
-                    f"{auto['bleu_lowercase']:.2f} | {auto['bleu_lowercase'] - base:+.2f} |")
+        rows.append(
+            f"| {variant} | {typed['bleu']:.2f} / {typed['bleu_lowercase']:.2f} | {auto['bleu']:.2f} / "
+            f"{auto['bleu_lowercase']:.2f} | {auto['bleu_lowercase'] - base:+.2f} |"
+        )
     return "\n".join(rows)
 
 
 def main(argv=None) -> int:
-    p = Parser(prog="python -m benchmarks.case", name="case", description=__doc__.splitlines()[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, help="default: the latest run's model (runs/latest/averaged.pt or best.pt)")
+    p = Parser(
+        prog="python -m benchmarks.case",
+        name="case",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--checkpoint", type=Path, help="default: the latest run's model (runs/latest/averaged.pt or best.pt)"
+    )
     p.add_argument("--sentences", type=at_least(1), help="only the first n test sentences (default: all)")
     p.add_argument("--beam", type=at_least(1), default=4, help="beam width (default 4)")
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
@@ -85,16 +108,20 @@ def main(argv=None) -> int:
     model, tokenizer, meta = load_checkpoint(path)
     model.eval()
     src, tgt = meta.get("src_lang", "de"), meta.get("tgt_lang", "en")
-    pairs = load_multi30k("test_2016_flickr", src, tgt)[:args.sentences]
-    result = dict(measure(model, tokenizer, pairs, args.beam, progress=sys.stderr.isatty(),
-                          table=read_case_table(path)),
-                  checkpoint=str(path), direction=f"{src}->{tgt}")
+    pairs = load_multi30k("test_2016_flickr", src, tgt)[: args.sentences]
+    result = dict(
+        measure(model, tokenizer, pairs, args.beam, progress=sys.stderr.isatty(), table=read_case_table(path)),
+        checkpoint=str(path),
+        direction=f"{src}->{tgt}",
+    )
     print(f"{path}, test_2016_flickr {src}->{tgt}, {result['sentences']} sentences, beam {args.beam}")
     print(table(result))
     for variant, n in result["recased_exactly"].items():
         print(f"sources in {variant} recased into exactly the written sentence: {n} of {result['sentences']}")
-    print("case table: " + ("the checkpoint's" if result["case_table"] else "none in the checkpoint (the tokenizer "
-                                                                           "alone recases)"))
+    print(
+        "case table: "
+        + ("the checkpoint's" if result["case_table"] else "none in the checkpoint (the tokenizer alone recases)")
+    )
     if args.out:
         atomic_write(args.out, json.dumps(result, indent=1))
     return 0
@@ -102,4 +129,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, "case")

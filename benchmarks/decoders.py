@@ -43,6 +43,7 @@ def suppress_eos(model: nn.Module) -> nn.Module:
 
 def decode_fns(model, batches, steps: int, amp) -> dict:
     """key -> function decoding every batch for exactly `steps` steps."""
+
     def run(decode):
         def go():
             for src, _ in batches:
@@ -50,7 +51,9 @@ def decode_fns(model, batches, steps: int, amp) -> dict:
                     out = decode(src, padding_mask(src, PAD))
                 if out.size(1) != steps:
                     raise RuntimeError(f"decoder stopped after {out.size(1)} of {steps} steps; eos must be unreachable")
+
         return go
+
     return {
         "greedy_cached": run(lambda s, m: decoding.greedy(model, s, m, steps, use_cache=True)),
         "greedy_recompute": run(lambda s, m: decoding.greedy(model, s, m, steps, use_cache=False)),
@@ -61,21 +64,35 @@ def decode_fns(model, batches, steps: int, amp) -> dict:
 def bench_decoding(size: Size, st: Settings, log: Callable[[str], None]) -> list[DecodeRow]:
     device = st.device
     sentences = size.decode_sentences[device.type]
-    batches = [(s.to(device), t.to(device))
-               for s, t in make_batches(st.decode_batches, sentences, size.train.vocab_size, st.seed + 1)]
+    batches = [
+        (s.to(device), t.to(device))
+        for s, t in make_batches(st.decode_batches, sentences, size.train.vocab_size, st.seed + 1)
+    ]
     steps = batches[0][1].size(1) - 1  # the longest target plus eos
     torch.manual_seed(st.seed)
     model = suppress_eos(make_model(size.model_config()).to(device).eval())
     fns = decode_fns(model, batches, steps, st.amp())
     log(f"[{size.name}] decoding: {len(batches)} x {sentences} sentences, {steps} steps each")
-    times, iters, errors = interleaved_times(fns, st.reps, st.window, st.sync,
-                                             lambda s: log(f"[{size.name}] decoding {s}"), st.timer())
+    times, iters, errors = interleaved_times(
+        fns, st.reps, st.window, st.sync, lambda s: log(f"[{size.name}] decoding {s}"), st.timer()
+    )
     recompute_s = median(times.get("greedy_recompute", []))
-    return [DecodeRow(size=size.name, key=key, device=device.type, dtype=st.dtype,
-                      sentences=len(batches) * sentences, steps=steps, src_shape=list(batches[0][0].shape),
-                      seconds_rounds=times.get(key, []), calls_per_round=iters.get(key), recompute_s=recompute_s,
-                      error=errors.get(key))
-            for key in DECODERS]
+    return [
+        DecodeRow(
+            size=size.name,
+            key=key,
+            device=device.type,
+            dtype=st.dtype,
+            sentences=len(batches) * sentences,
+            steps=steps,
+            src_shape=list(batches[0][0].shape),
+            seconds_rounds=times.get(key, []),
+            calls_per_round=iters.get(key),
+            recompute_s=recompute_s,
+            error=errors.get(key),
+        )
+        for key in DECODERS
+    ]
 
 
 def bench_translator_cli(st: Settings, log: Callable[[str], None], sentences: int = 48, beam: int = 2) -> dict:
@@ -86,21 +103,48 @@ def bench_translator_cli(st: Settings, log: Callable[[str], None], sentences: in
     from annotated.plumbing.checkpoint import save_checkpoint
     from annotated.training.data import train_tokenizer
 
-    words = ["ein", "hund", "eine", "frau", "zwei", "männer", "rennt", "liest", "spielt", "über", "die", "wiese", "im", "park", "buch", "ball"]
+    words = [
+        "ein",
+        "hund",
+        "eine",
+        "frau",
+        "zwei",
+        "männer",
+        "rennt",
+        "liest",
+        "spielt",
+        "über",
+        "die",
+        "wiese",
+        "im",
+        "park",
+        "buch",
+        "ball",
+    ]
     pick = random.Random(st.seed)
     texts = [" ".join(pick.choice(words) for _ in range(pick.randint(3, 10))) + "." for _ in range(sentences)]
     with tempfile.TemporaryDirectory() as folder:
         tok = train_tokenizer(texts, 320, cache_dir=folder)
         torch.manual_seed(st.seed)
-        model = transformer.make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=2, d_model=32, d_ff=64, h=4,
-                              dropout=0.0, max_len=64).eval()
+        model = transformer.make_model(
+            src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=2, d_model=32, d_ff=64, h=4, dropout=0.0, max_len=64
+        ).eval()
         save_checkpoint(Path(folder) / "tiny.pt", model, tok)
         lines, ids = "".join(t + "\n" for t in texts).encode(), [tok.encode(t) for t in texts]
         argv = ["--checkpoint", str(Path(folder) / "tiny.pt"), "--beam", str(beam), "--device", "cpu"]
-        fns = {"cli": lambda: cli.main(argv, stdin=io.BytesIO(lines), stdout=io.BytesIO(), stderr=io.StringIO()),
-               "translate_ids": lambda: decoding.translate_ids(model, ids, beam)}
-        times, _, errors = interleaved_times(fns, st.reps, st.window, lambda: None, lambda s: log(f"translator {s}"),
-                                             st.timer())
+        fns = {
+            "cli": lambda: cli.main(argv, stdin=io.BytesIO(lines), stdout=io.BytesIO(), stderr=io.StringIO()),
+            "translate_ids": lambda: decoding.translate_ids(model, ids, beam),
+        }
+        times, _, errors = interleaved_times(
+            fns, st.reps, st.window, lambda: None, lambda s: log(f"translator {s}"), st.timer()
+        )
     cli_s, batched_s = median(times.get("cli", [])), median(times.get("translate_ids", []))
-    return {"sentences": sentences, "beam": beam, "cli_s": cli_s, "translate_ids_s": batched_s,
-            "ratio": cli_s / batched_s if cli_s and batched_s else None, **({"error": errors} if errors else {})}
+    return {
+        "sentences": sentences,
+        "beam": beam,
+        "cli_s": cli_s,
+        "translate_ids_s": batched_s,
+        "ratio": cli_s / batched_s if cli_s and batched_s else None,
+        **({"error": errors} if errors else {}),
+    }

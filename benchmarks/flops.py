@@ -61,15 +61,15 @@ def training_flops(cfg: TransformerConfig, src_lengths: list[int], tgt_lengths: 
 
 
 PEAK_BF16_TFLOPS = [  # (regular expression for torch.cuda.get_device_name(), dense bf16 TFLOP/s); first match wins
-    (r"H100 NVL", 835.0),        # data sheet: 1,671 with sparsity
-    (r"H100 PCIe", 756.0),       # 1,513 with sparsity
-    (r"H100|H800", 989.0),       # SXM5, e.g. "NVIDIA H100 80GB HBM3": 1,979 with sparsity (989.4 dense)
-    (r"H200 NVL", 835.0),        # 1,671 with sparsity
-    (r"H200", 989.0),            # H200 SXM and GH200: 1,979 with sparsity
-    (r"A100|A800", 312.0),       # SXM and PCIe: 624 with sparsity
-    (r"L40S", 362.0),            # 733 with sparsity
-    (r"\bL4\b", 121.0),          # 242 with sparsity
-    (r"\bA10\b", 125.0),         # A10 (not A10G, not A100): 250 with sparsity
+    (r"H100 NVL", 835.0),  # data sheet: 1,671 with sparsity
+    (r"H100 PCIe", 756.0),  # 1,513 with sparsity
+    (r"H100|H800", 989.0),  # SXM5, e.g. "NVIDIA H100 80GB HBM3": 1,979 with sparsity (989.4 dense)
+    (r"H200 NVL", 835.0),  # 1,671 with sparsity
+    (r"H200", 989.0),  # H200 SXM and GH200: 1,979 with sparsity
+    (r"A100|A800", 312.0),  # SXM and PCIe: 624 with sparsity
+    (r"L40S", 362.0),  # 733 with sparsity
+    (r"\bL4\b", 121.0),  # 242 with sparsity
+    (r"\bA10\b", 125.0),  # A10 (not A10G, not A100): 250 with sparsity
 ]
 
 

@@ -18,6 +18,7 @@ and code 2. It needs only what training needs (torch, sentencepiece, sacrebleu, 
 with `make gpu-report PYTHON=python3` where torch is preinstalled; the Multi30k files come from
 $MULTI30K_URL or --data-url as in training.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("benchmarks/gpu_report.py")
 
 from annotated.plumbing.options import Parser, number  # noqa: E402
@@ -42,14 +44,25 @@ from annotated.plumbing.options import Parser, number  # noqa: E402
 def parse_args(argv=None):
     p = Parser(prog="gpu_report.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="bench,train,ddp", help="comma-separated subset of bench, train, ddp")
-    p.add_argument("--train-minutes", type=number(0, None, above=True), default=6.5,
-                   help="cap on each training run's minutes (the preset's steps end it sooner on a fast GPU); "
-                        "the run's whole limit is this plus 2.5 minutes (data, compiling, the test set)")
-    p.add_argument("--train-compile", action="store_true",
-                   help="train under torch.compile (CUDA graphs); on an H100 with torch 2.11 it was slower than eager")
+    p.add_argument(
+        "--train-minutes",
+        type=number(0, None, above=True),
+        default=6.5,
+        help="cap on each training run's minutes (the preset's steps end it sooner on a fast GPU); "
+        "the run's whole limit is this plus 2.5 minutes (data, compiling, the test set)",
+    )
+    p.add_argument(
+        "--train-compile",
+        action="store_true",
+        help="train under torch.compile (CUDA graphs); on an H100 with torch 2.11 it was slower than eager",
+    )
     p.add_argument("--directions", default="de-en,en-de", help="comma-separated training directions: de-en, en-de")
-    p.add_argument("--bench-compile", choices=("off", "on", "both"), default="both",
-                   help="the bench's torch.compile rows: eager only (off), compiled only (on), or both")
+    p.add_argument(
+        "--bench-compile",
+        choices=("off", "on", "both"),
+        default="both",
+        help="the bench's torch.compile rows: eager only (off), compiled only (on), or both",
+    )
     p.add_argument("--data-url", help="Multi30k files (default $MULTI30K_URL)")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<device>-<date>.json)")
     args = p.parse_args(argv)
@@ -73,77 +86,149 @@ def run(cmd: list[str], limit_s: int, log: Path) -> dict:
             timed_out = False
         except subprocess.TimeoutExpired:
             code, timed_out = None, True
-    return {"command": " ".join(map(str, cmd)), "code": code, "timed_out": timed_out,
-            "wall_s": round(time.perf_counter() - t0, 1), "log": str(log)}
+    return {
+        "command": " ".join(map(str, cmd)),
+        "code": code,
+        "timed_out": timed_out,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "log": str(log),
+    }
 
 
 def bench_part(out_dir: Path, stamp: str, compile_rows: str = "both") -> dict:
     path = out_dir / f"{stamp}-bench.json"
-    r = run([sys.executable, "benchmarks/bench.py", "--device", "cuda", "--dtype", "bf16", "--compile", compile_rows,
-             "--sizes", "gpu,base", "--reps", "3", "--window", "0.5", "--out", str(path)],
-            540 if compile_rows != "off" else 240,
-            out_dir / f"{stamp}-bench.log")
+    r = run(
+        [
+            sys.executable,
+            "benchmarks/bench.py",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--compile",
+            compile_rows,
+            "--sizes",
+            "gpu,base",
+            "--reps",
+            "3",
+            "--window",
+            "0.5",
+            "--out",
+            str(path),
+        ],
+        540 if compile_rows != "off" else 240,
+        out_dir / f"{stamp}-bench.log",
+    )
     if path.is_file():
         r["result"] = json.loads(path.read_text())
     return r
 
 
-def train_part(out_dir: Path, stamp: str, src: str, tgt: str, minutes: float, data_url,
-               compiled: bool = False) -> dict:
+def train_part(out_dir: Path, stamp: str, src: str, tgt: str, minutes: float, data_url, compiled: bool = False) -> dict:
     """One direction of the gpu preset, capped at `minutes` of training; limited to that plus 2.5 minutes."""
     run_dir = ROOT / "runs" / f"gpu-report-{stamp}-{src}-{tgt}"
-    cmd = [sys.executable, "train_wmt.py", "--preset", "gpu", "--src", src, "--tgt", tgt,
-           "--max-minutes", str(minutes), "--run-dir", str(run_dir), "--no-progress"] + (["--compile"] if compiled else [])
-    r = run(cmd + (["--data-url", data_url] if data_url else []), round(60 * minutes) + 150,
-            out_dir / f"{stamp}-train-{src}-{tgt}.log")
+    cmd = [
+        sys.executable,
+        "train_wmt.py",
+        "--preset",
+        "gpu",
+        "--src",
+        src,
+        "--tgt",
+        tgt,
+        "--max-minutes",
+        str(minutes),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+    ] + (["--compile"] if compiled else [])
+    r = run(
+        cmd + (["--data-url", data_url] if data_url else []),
+        round(60 * minutes) + 150,
+        out_dir / f"{stamp}-train-{src}-{tgt}.log",
+    )
     results = run_dir / "results.json"
     if results.is_file():
         res = json.loads(results.read_text())
         best = res["test"].get("averaged") or res["test"]["best"]
-        r.update(compiled=compiled, steps=res["steps"], train_s=res["train_s"],
-                 steps_per_s=round(res["steps"] / res["train_s"], 2) if res["train_s"] else None,
-                 bleu=best["beam"]["bleu"], bleu_lowercase=best["beam"]["bleu_lowercase"],
-                 checkpoint=best["checkpoint"], test_set=res["test_set"])
+        r.update(
+            compiled=compiled,
+            steps=res["steps"],
+            train_s=res["train_s"],
+            steps_per_s=round(res["steps"] / res["train_s"], 2) if res["train_s"] else None,
+            bleu=best["beam"]["bleu"],
+            bleu_lowercase=best["beam"]["bleu_lowercase"],
+            checkpoint=best["checkpoint"],
+            test_set=res["test_set"],
+        )
     return r
 
 
 def ddp_part(out_dir: Path, stamp: str, gpus: int) -> dict:
     if gpus < 2:
         return {"skipped": f"this machine has {gpus} GPU; the 2-process NCCL run needs two"}
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_wmt.py",
-                "--preset", "smoke", "--device", "cuda", "--run-dir", str(ROOT / "runs" / f"gpu-report-{stamp}-ddp"),
-                "--no-progress"], 180, out_dir / f"{stamp}-ddp.log")
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "train_wmt.py",
+            "--preset",
+            "smoke",
+            "--device",
+            "cuda",
+            "--run-dir",
+            str(ROOT / "runs" / f"gpu-report-{stamp}-ddp"),
+            "--no-progress",
+        ],
+        180,
+        out_dir / f"{stamp}-ddp.log",
+    )
 
 
 def markdown(report: dict) -> str:
-    lines = [f"GPU report: {report['device']}, torch {report['torch']}, {report['date']}", "",
-             "| part | what | result | wall s |", "| --- | --- | --- | ---: |"]
+    lines = [
+        f"GPU report: {report['device']}, torch {report['torch']}, {report['date']}",
+        "",
+        "| part | what | result | wall s |",
+        "| --- | --- | --- | ---: |",
+    ]
     b = report.get("bench")
     if b:
         res = b.get("result") or {}
         for row in res.get("train", []):
-            lines.append(f"| bench | train {row['size']} {row['label']}{' compiled' if row['compiled'] else ''} | "
-                         f"{(row.get('tokens_per_s') or 0):,.0f} tok/s, MFU "
-                         f"{'-' if row.get('mfu') is None else format(row['mfu'], '.1%')} | {b['wall_s']} |")
+            lines.append(
+                f"| bench | train {row['size']} {row['label']}{' compiled' if row['compiled'] else ''} | "
+                f"{(row.get('tokens_per_s') or 0):,.0f} tok/s, MFU "
+                f"{'-' if row.get('mfu') is None else format(row['mfu'], '.1%')} | {b['wall_s']} |"
+            )
         if res.get("host_syncs"):
             lines.append(f"| bench | host syncs per training step | {res['host_syncs']['per_step']:g} | |")
         if not res:
-            lines.append(f"| bench | failed (code {b['code']}, timed out {b['timed_out']}) | see {b['log']} | "
-                         f"{b['wall_s']} |")
+            lines.append(
+                f"| bench | failed (code {b['code']}, timed out {b['timed_out']}) | see {b['log']} | {b['wall_s']} |"
+            )
     for key in ("train_de_en", "train_en_de"):
         t = report.get(key)
         if t:
             what = f"gpu preset {key[6:].replace('_', '->')}{', compiled' if t.get('compiled') else ''}"
             if t.get("bleu") is not None:
-                lines.append(f"| train | {what} | test BLEU {t['bleu']:.2f} (lowercased {t['bleu_lowercase']:.2f}), "
-                             f"{t['steps']} steps, {t['steps_per_s']} steps/s | {t['wall_s']} |")
+                lines.append(
+                    f"| train | {what} | test BLEU {t['bleu']:.2f} (lowercased {t['bleu_lowercase']:.2f}), "
+                    f"{t['steps']} steps, {t['steps_per_s']} steps/s | {t['wall_s']} |"
+                )
             else:
-                lines.append(f"| train | {what} | failed (code {t['code']}, timed out {t['timed_out']}) | "
-                             f"{t['wall_s']} |")
+                lines.append(
+                    f"| train | {what} | failed (code {t['code']}, timed out {t['timed_out']}) | {t['wall_s']} |"
+                )
     d = report.get("ddp")
     if d:
-        lines.append(f"| ddp | 2-process NCCL smoke | {d.get('skipped') or ('ok' if d.get('code') == 0 else 'failed')}"
-                     f" | {d.get('wall_s', '')} |")
+        lines.append(
+            f"| ddp | 2-process NCCL smoke | {d.get('skipped') or ('ok' if d.get('code') == 0 else 'failed')}"
+            f" | {d.get('wall_s', '')} |"
+        )
     return "\n".join(lines)
 
 
@@ -152,8 +237,11 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_report.py: error: no CUDA device (torch.cuda.is_available() is False); run it on a machine "
-              "with an NVIDIA GPU, or use `make bench` for CPU figures", file=sys.stderr)
+        print(
+            "gpu_report.py: error: no CUDA device (torch.cuda.is_available() is False); run it on a machine "
+            "with an NVIDIA GPU, or use `make bench` for CPU figures",
+            file=sys.stderr,
+        )
         return 2
     name = torch.cuda.get_device_name(0)
     device = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
@@ -167,12 +255,14 @@ def main(argv=None) -> int:
         report["bench"] = bench_part(out_dir, stamp, args.bench_compile)
     if "train" in args.parts:
         for src, tgt in args.directions:
-            report[f"train_{src}_{tgt}"] = train_part(out_dir, stamp, src, tgt, args.train_minutes, data_url,
-                                                      args.train_compile)
+            report[f"train_{src}_{tgt}"] = train_part(
+                out_dir, stamp, src, tgt, args.train_minutes, data_url, args.train_compile
+            )
     if "ddp" in args.parts:
         report["ddp"] = ddp_part(out_dir, stamp, report["gpus"])
     report["markdown"] = markdown(report)
     from annotated.plumbing.files import atomic_write
+
     out = args.out or out_dir / f"{stamp}.json"
     atomic_write(out, json.dumps(report, indent=1) + "\n")
     print(report["markdown"])
@@ -182,4 +272,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, "benchmarks/gpu_report.py")

@@ -45,8 +45,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def resident_bytes(t: Trainee) -> int:
     """Parameters plus optimiser state, in bytes (a tied table counted once)."""
     params = {id(p): p.numel() * p.element_size() for p in t.model.parameters()}
-    state = sum(v.numel() * v.element_size() for s in t.opt.state.values() for v in s.values()
-                if isinstance(v, Tensor) and v.dim() > 0)
+    state = sum(
+        v.numel() * v.element_size()
+        for s in t.opt.state.values()
+        for v in s.values()
+        if isinstance(v, Tensor) and v.dim() > 0
+    )
     return sum(params.values()) + state
 
 
@@ -97,11 +101,22 @@ def run_memory_probe(size: Size, n_batches: int, sentences: int, seed: int, keys
     """Start the probe in a fresh interpreter (see above) and return its result."""
     if not os.path.exists("/proc/self/clear_refs"):
         raise RuntimeError("the CPU memory probe needs Linux's /proc/self/clear_refs")
-    spec = {"size": size.to_json(), "n_batches": n_batches, "sentences": sentences, "seed": seed,
-            "keys": list(keys), "threads": torch.get_num_threads()}
+    spec = {
+        "size": size.to_json(),
+        "n_batches": n_batches,
+        "sentences": sentences,
+        "seed": seed,
+        "keys": list(keys),
+        "threads": torch.get_num_threads(),
+    }
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory", json.dumps(spec)],
-                          capture_output=True, text=True, env=env, cwd=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"memory probe failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -24,6 +24,7 @@ every way, so the target tokens per step are the same. It prints the share of pa
 target tokens per second (the median over the rounds) and its speed over the first way's (the median of
 the per-round ratios).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,19 +41,25 @@ if str(ROOT) not in sys.path:  # `python benchmarks/padding.py` works too
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("padding-bench")
 
 import torch  # noqa: E402
 
 NAME = "padding-bench"
-WAYS = {"pad 8, every position": (8, False, False), "pad 8, real positions": (8, True, False),
-        "pad 1, every position": (1, False, False), "pad 1, real positions": (1, True, False),
-        "pad 1, real, torch dropout": (1, True, True)}
+WAYS = {
+    "pad 8, every position": (8, False, False),
+    "pad 8, real positions": (8, True, False),
+    "pad 1, every position": (1, False, False),
+    "pad 1, real positions": (1, True, False),
+    "pad 1, real, torch dropout": (1, True, True),
+}
 
 
 def padding_share(batches) -> dict:
     """The share of source and of predicted target positions that are padding."""
     from annotated.tokens import PAD
+
     src = sum(int((b.src == PAD).sum()) for b in batches) / sum(b.src.numel() for b in batches)
     tgt = sum(int((b.tgt[:, 1:] == PAD).sum()) for b in batches) / sum(b.tgt[:, 1:].numel() for b in batches)
     return {"source": src, "target": tgt}
@@ -79,31 +86,41 @@ def stepper(cfg, batches, real: bool, precision: str, seed: int, torch_dropout: 
     def step():
         b = next(cycle)
         train.train_step(model, opt, sched, [b], b.ntokens, cfg, cpu, precision=precision)
+
     return step
 
 
-def compare(cfg, encoded: Sequence, n_batches: int, rounds: int, window: float, precision: str,
-            seed: int = 0) -> dict:
+def compare(cfg, encoded: Sequence, n_batches: int, rounds: int, window: float, precision: str, seed: int = 0) -> dict:
     """Tokens per second of each way in `WAYS` on the first `n_batches` batches of epoch `seed`'s shuffle."""
     from annotated.training import data
     from benchmarks.timing import interleaved_times
 
-    padded = {k: data.make_batches(encoded, cfg.max_tokens, shuffle=True, seed=seed, pad_to=k,
-                                   max_len=cfg.model.max_len)[:n_batches] for k in (8, 1)}
+    padded = {
+        k: data.make_batches(encoded, cfg.max_tokens, shuffle=True, seed=seed, pad_to=k, max_len=cfg.model.max_len)[
+            :n_batches
+        ]
+        for k in (8, 1)
+    }
     assert [b.index.tolist() for b in padded[8]] == [b.index.tolist() for b in padded[1]]  # the same sentences
-    fns = {way: stepper(cfg, padded[k], real, precision, seed, torch_dropout)
-           for way, (k, real, torch_dropout) in WAYS.items()}
+    fns = {
+        way: stepper(cfg, padded[k], real, precision, seed, torch_dropout)
+        for way, (k, real, torch_dropout) in WAYS.items()
+    }
     times, _, errors = interleaved_times(fns, rounds, window, lambda: None)
     if errors:
         raise RuntimeError(str(errors))
     tokens = sum(b.ntokens for b in padded[1]) / n_batches
     first = next(iter(WAYS))
-    return {"batches": n_batches, "tokens_per_step": tokens, "threads": torch.get_num_threads(),
-            "precision": precision, "rounds": rounds,
-            "padding": {k: padding_share(padded[k]) for k in (8, 1)},
-            "tokens_per_second": {w: tokens / statistics.median(t) for w, t in times.items()},
-            "speed_over_first": {w: statistics.median(a / b for a, b in zip(times[first], t))
-                                 for w, t in times.items()}}
+    return {
+        "batches": n_batches,
+        "tokens_per_step": tokens,
+        "threads": torch.get_num_threads(),
+        "precision": precision,
+        "rounds": rounds,
+        "padding": {k: padding_share(padded[k]) for k in (8, 1)},
+        "tokens_per_second": {w: tokens / statistics.median(t) for w, t in times.items()},
+        "speed_over_first": {w: statistics.median(a / b for a, b in zip(times[first], t)) for w, t in times.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,15 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     from annotated.training import data
     from annotated.training.config import PRESETS
 
-    p = Parser(prog="python -m benchmarks.padding", name=NAME, description=__doc__.splitlines()[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(
+        prog="python -m benchmarks.padding",
+        name=NAME,
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--src", default="de"), p.add_argument("--tgt", default="en")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     p.add_argument("--threads", type=at_least(1), default=None, help="CPU threads (default: torch's)")
     p.add_argument("--batches", type=at_least(1), default=24, help="batches of the epoch to cycle (default 24)")
     p.add_argument("--rounds", type=at_least(1), default=5, help="alternating rounds (default 5)")
-    p.add_argument("--window", type=number(0, None, above=True), default=3.0,
-                   help="seconds of steps per timing (default 3)")
+    p.add_argument(
+        "--window", type=number(0, None, above=True), default=3.0, help="seconds of steps per timing (default 3)"
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -136,10 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     encoded = data.encode_pairs(pairs, tokenizer)
     r = compare(cfg, encoded, args.batches, args.rounds, args.window, precision)
     for k, share in r["padding"].items():
-        print(f"pad to multiples of {k}: {share['source']:.1%} of source and {share['target']:.1%} of target "
-              f"positions are padding")
-    print(f"the cpu preset, {args.src} -> {args.tgt}, {precision} ({why}), {r['threads']} threads, "
-          f"{r['tokens_per_step']:.0f} target tokens a step, median of {args.rounds} rounds:")
+        print(
+            f"pad to multiples of {k}: {share['source']:.1%} of source and {share['target']:.1%} of target "
+            f"positions are padding"
+        )
+    print(
+        f"the cpu preset, {args.src} -> {args.tgt}, {precision} ({why}), {r['threads']} threads, "
+        f"{r['tokens_per_step']:.0f} target tokens a step, median of {args.rounds} rounds:"
+    )
     for way, tps in r["tokens_per_second"].items():
         print(f"  {way:<26} {tps:8,.0f} target tokens/s  {r['speed_over_first'][way]:.2f}x")
     return 0
@@ -147,4 +173,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, NAME)

@@ -17,6 +17,7 @@ and the milliseconds per step with and without the profiler (`Profiled`); where 
 table overstates the operators that write fresh memory, and `make bench`'s unprofiled times are what to
 read. benchmarks/README.md says what dominates at the cpu size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/profiling.py` works too
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("profiling")
 
 import torch  # noqa: E402
@@ -65,6 +67,7 @@ def minor_page_faults() -> int | None:
 @dataclass(frozen=True)
 class Profiled:
     """The profiler's key averages, and the same number of steps timed and counted with and without it."""
+
     averages: object  # torch.profiler's key averages over the profiled steps
     ms_per_step: float  # wall time of a step outside the profiler
     ms_per_step_profiled: float
@@ -73,18 +76,24 @@ class Profiled:
 
     def summary(self) -> str:
         """One line: what the profiler changed in the step's time and its page faults."""
-        line = (f"a step takes {self.ms_per_step:,.0f} ms outside the profiler, {self.ms_per_step_profiled:,.0f} ms "
-                f"under it")
+        line = (
+            f"a step takes {self.ms_per_step:,.0f} ms outside the profiler, {self.ms_per_step_profiled:,.0f} ms "
+            f"under it"
+        )
         if self.faults_per_step is None or self.faults_per_step_profiled is None:
             return line + "; page faults not counted on this platform"
-        line += (f"; minor page faults per step: {self.faults_per_step:,.0f} outside it, "
-                 f"{self.faults_per_step_profiled:,.0f} under it")
+        line += (
+            f"; minor page faults per step: {self.faults_per_step:,.0f} outside it, "
+            f"{self.faults_per_step_profiled:,.0f} under it"
+        )
         extra = self.faults_per_step_profiled - self.faults_per_step
         if extra <= 0:
             return line
         fresh = extra * mmap.PAGESIZE / 2**20
-        return line + (f" (about {fresh:,.0f} MiB more of fresh pages a step, whose zeroing the table charges to "
-                       f"the operators that first write them)")
+        return line + (
+            f" (about {fresh:,.0f} MiB more of fresh pages a step, whose zeroing the table charges to "
+            f"the operators that first write them)"
+        )
 
 
 def _timed(step, steps: int) -> tuple[float, float | None]:
@@ -131,11 +140,14 @@ def main(argv=None) -> None:
     result = profile_step(SIZES[args.size], args.steps, args.precision)
     print(result.averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     top = top_operators(result.averages, 5)
-    print(f"{args.size} size, {args.precision}, {torch.get_num_threads()} threads, {args.steps} steps; top 5 by self "
-          f"CPU time: " + ", ".join(f"{name} {share:.0%} ({calls} calls)" for name, share, calls in top))
+    print(
+        f"{args.size} size, {args.precision}, {torch.get_num_threads()} threads, {args.steps} steps; top 5 by self "
+        f"CPU time: " + ", ".join(f"{name} {share:.0%} ({calls} calls)" for name, share, calls in top)
+    )
     print(f"the profiler's cost: {result.summary()}")
 
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, "profiling")

@@ -51,8 +51,9 @@ class TorchTransformerReference(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         with warnings.catch_warnings():  # a note about nested tensors, which only inference uses
             warnings.simplefilter("ignore")
-            self.transformer = nn.Transformer(d, cfg.h, cfg.N, cfg.N, cfg.d_ff, cfg.dropout, batch_first=True,
-                                              norm_first=cfg.norm == "pre")
+            self.transformer = nn.Transformer(
+                d, cfg.h, cfg.N, cfg.N, cfg.d_ff, cfg.dropout, batch_first=True, norm_first=cfg.norm == "pre"
+            )
         if cfg.norm == "post":  # no final LayerNorm after a post-norm stack
             self.transformer.encoder.norm = None
             self.transformer.decoder.norm = None
@@ -62,23 +63,30 @@ class TorchTransformerReference(nn.Module):
 
     def _embed(self, table: nn.Embedding, tokens: Tensor) -> Tensor:
         x = table(tokens) * math.sqrt(self.config.d_model)  # (B, T, d_model)
-        return self.dropout(x + self.pe[:tokens.size(1)])  # (B, T, d_model)
+        return self.dropout(x + self.pe[: tokens.size(1)])  # (B, T, d_model)
 
     def forward(self, src: Tensor, tgt: Tensor, positions: Tensor | None = None) -> Tensor:
         """src (B, S), tgt (B, T) ids -> logits (B, T, V), or (n, V) for the flat `positions` (n,) given."""
         src_pad, tgt_pad = src == PAD, tgt == PAD  # (B, S), (B, T) True = ignore this key
         T = tgt.size(1)
         causal = torch.ones(T, T, dtype=torch.bool, device=tgt.device).triu(1)  # (T, T) True = future, blocked
-        y = self.transformer(self._embed(self.src_embed, src), self._embed(self.tgt_embed, tgt), tgt_mask=causal,
-                             src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
-                             memory_key_padding_mask=src_pad, tgt_is_causal=True)  # (B, T, d_model)
+        y = self.transformer(
+            self._embed(self.src_embed, src),
+            self._embed(self.tgt_embed, tgt),
+            tgt_mask=causal,
+            src_key_padding_mask=src_pad,
+            tgt_key_padding_mask=tgt_pad,
+            memory_key_padding_mask=src_pad,
+            tgt_is_causal=True,
+        )  # (B, T, d_model)
         if positions is not None:
             y = y.flatten(0, 1).index_select(0, positions)  # (n, d_model)
         return self.generator(y)  # (B, T, V) or (n, V)
 
 
-def reference_batch_loss(model: TorchTransformerReference, src: Tensor, tgt: Tensor, eps: float,
-                         real: Tensor | None = None) -> tuple[Tensor, int]:
+def reference_batch_loss(
+    model: TorchTransformerReference, src: Tensor, tgt: Tensor, eps: float, real: Tensor | None = None
+) -> tuple[Tensor, int]:
     """The reference's version of `train.batch_loss`: (summed loss, predicted tokens); with `real` (the flat
     indices of tgt[:, 1:]'s non-pad entries) only those positions are projected onto the vocabulary."""
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T-1), (B, T-1)

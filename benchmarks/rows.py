@@ -42,6 +42,7 @@ def _json(row, **derived) -> dict:
 @dataclass
 class TrainRow:
     """One implementation's training step at one size, with its rounds and memory."""
+
     size: str
     key: str  # a key of VARIANTS
     device: str
@@ -87,13 +88,21 @@ class TrainRow:
         return _ratio(self.achieved_tflops, self.peak_tflops)
 
     def to_json(self) -> dict:
-        return _json(self, label=self.label, step_s=self.step_s, tokens_per_s=self.tokens_per_s,
-                     ratio_vs_reference=self.ratio_vs_reference, achieved_tflops=self.achieved_tflops, mfu=self.mfu)
+        return _json(
+            self,
+            label=self.label,
+            step_s=self.step_s,
+            tokens_per_s=self.tokens_per_s,
+            ratio_vs_reference=self.ratio_vs_reference,
+            achieved_tflops=self.achieved_tflops,
+            mfu=self.mfu,
+        )
 
 
 @dataclass
 class DecodeRow:
     """One decoder at one size: every sentence of the batch decoded for exactly `steps` steps."""
+
     size: str
     key: str  # a key of DECODERS
     device: str
@@ -123,14 +132,20 @@ class DecodeRow:
         return _ratio(self.recompute_s, self.seconds)
 
     def to_json(self) -> dict:
-        return _json(self, label=self.label, seconds=self.seconds, sentences_per_s=self.sentences_per_s,
-                     ratio_vs_recompute=self.ratio_vs_recompute)
+        return _json(
+            self,
+            label=self.label,
+            seconds=self.seconds,
+            sentences_per_s=self.sentences_per_s,
+            ratio_vs_recompute=self.ratio_vs_recompute,
+        )
 
 
 @dataclass
 class ArithmeticRow:
     """The fused SDPA training step on the CPU at one precision and thread count, beside the same CPU's
     matmul peak at that precision and thread count, both timed in the same interleaved rounds."""
+
     size: str
     precision: str  # "fp32" or "bf16" (autocast)
     threads: int
@@ -162,13 +177,20 @@ class ArithmeticRow:
     @property
     def peak_flops(self) -> float | None:
         """The CPU's measured matmul FLOP/s at this precision and thread count (the roofline's flat part)."""
-        return _ratio(2 * self.peak_n ** 3, median(self.peak_s_rounds))
+        return _ratio(2 * self.peak_n**3, median(self.peak_s_rounds))
 
     @property
     def share_of_peak(self) -> float | None:
         return _ratio(self.achieved_flops, self.peak_flops)
 
     def to_json(self) -> dict:
-        return _json(self, key="fused_sdpa", step_s=self.step_s, tokens_per_s=self.tokens_per_s,
-                     speedup_vs_fp32_all_threads=self.speedup_vs_fp32_all_threads,
-                     achieved_flops=self.achieved_flops, peak_flops=self.peak_flops, share_of_peak=self.share_of_peak)
+        return _json(
+            self,
+            key="fused_sdpa",
+            step_s=self.step_s,
+            tokens_per_s=self.tokens_per_s,
+            speedup_vs_fp32_all_threads=self.speedup_vs_fp32_all_threads,
+            achieved_flops=self.achieved_flops,
+            peak_flops=self.peak_flops,
+            share_of_peak=self.share_of_peak,
+        )

@@ -50,16 +50,23 @@ class Size:
         return self.train.model
 
     def to_json(self) -> dict:
-        return {"name": self.name, "train": config_dict(self.train),
-                "train_sentences": self.train_sentences, "decode_sentences": self.decode_sentences}
+        return {
+            "name": self.name,
+            "train": config_dict(self.train),
+            "train_sentences": self.train_sentences,
+            "decode_sentences": self.decode_sentences,
+        }
 
     @staticmethod
     def from_json(d: dict) -> Size:
         return Size(d["name"], config_from_dict(d["train"]), d["train_sentences"], d["decode_sentences"])
 
 
-BASE = TrainConfig(model=joint_model(37000, N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, max_len=256), warmup=4000,
-                   max_tokens=PRESETS["gpu"].max_tokens)
+BASE = TrainConfig(
+    model=joint_model(37000, N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, max_len=256),
+    warmup=4000,
+    max_tokens=PRESETS["gpu"].max_tokens,
+)
 
 
 def _sentences_for(cfg: TrainConfig) -> int:
@@ -68,8 +75,12 @@ def _sentences_for(cfg: TrainConfig) -> int:
 
 
 SIZES = {
-    "cpu": Size("cpu", PRESETS["cpu"], {"cpu": _sentences_for(PRESETS["cpu"]), "cuda": _sentences_for(PRESETS["cpu"])},
-                {"cpu": 64, "cuda": 64}),
+    "cpu": Size(
+        "cpu",
+        PRESETS["cpu"],
+        {"cpu": _sentences_for(PRESETS["cpu"]), "cuda": _sentences_for(PRESETS["cpu"])},
+        {"cpu": 64, "cuda": 64},
+    ),
     "gpu": Size("gpu", PRESETS["gpu"], {"cpu": 24, "cuda": _sentences_for(PRESETS["gpu"])}, {"cpu": 32, "cuda": 64}),
     "base": Size("base", BASE, {"cpu": 16, "cuda": _sentences_for(BASE)}, {"cpu": 32, "cuda": 64}),
 }
@@ -94,7 +105,7 @@ def make_batches(n_batches: int, sentences: int, vocab: int, seed: int) -> list[
     src_len, tgt_len = sample_lengths(pool, gen)  # (pool,)
     order = torch.argsort(src_len * 100 + tgt_len, stable=True)  # by length, as the batcher sorts
     start = (pool - n_batches * sentences) // 2  # the buckets around the median
-    chosen = order[start:start + n_batches * sentences].view(n_batches, sentences)  # (n_batches, B)
+    chosen = order[start : start + n_batches * sentences].view(n_batches, sentences)  # (n_batches, B)
     S, T = int(src_len[chosen].max()), int(tgt_len[chosen].max()) + 2  # + bos, eos
     batches = []
     for rows in chosen:

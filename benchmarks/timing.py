@@ -30,9 +30,14 @@ import torch
 from annotated.plumbing.devices import autocast
 
 
-def interleaved_times(fns: dict, reps: int, window: float, sync: Callable[[], None],
-                      progress: Callable[[str], None] | None = None,
-                      clock: Callable[[], float] = time.perf_counter) -> tuple[dict, dict, dict]:
+def interleaved_times(
+    fns: dict,
+    reps: int,
+    window: float,
+    sync: Callable[[], None],
+    progress: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[dict, dict, dict]:
     """-> (seconds per call: name -> list over rounds, calls per window, errors: name -> message)."""
     fns, iters, errors = dict(fns), {}, {}
 
@@ -84,21 +89,21 @@ def error_text(e: BaseException) -> str:
 @dataclass(frozen=True)
 class Settings:
     device: torch.device = torch.device("cpu")
-    dtype: str = "fp32"              # "fp32", or "bf16" autocast
+    dtype: str = "fp32"  # "fp32", or "bf16" autocast
     compile_modes: tuple = (False,)  # False: eager; True: torch.compile
-    reps: int = 5                    # timing rounds
-    window: float = 1.0              # seconds per timing window
-    train_batches: int = 2           # batches cycled through by the training steps
-    decode_batches: int = 1          # batches each decoding call translates
+    reps: int = 5  # timing rounds
+    window: float = 1.0  # seconds per timing window
+    train_batches: int = 2  # batches cycled through by the training steps
+    decode_batches: int = 1  # batches each decoding call translates
     memory: bool = True
     decode: bool = True
-    arithmetic: bool = True          # on the CPU: fp32 vs bf16, one thread vs all, share of the matmul peak
-    peak_n: int = 2048               # the CPU peak's square matmul: (peak_n x peak_n) @ (peak_n x peak_n)
+    arithmetic: bool = True  # on the CPU: fp32 vs bf16, one thread vs all, share of the matmul peak
+    peak_n: int = 2048  # the CPU peak's square matmul: (peak_n x peak_n) @ (peak_n x peak_n)
     seed: int = 0
     peak_tflops: float | None = None  # for MFU; default from PEAK_BF16_TFLOPS on CUDA with bf16
-    clock: str = "wall"              # "wall" or "cpu" (process CPU time, CPU device only)
+    clock: str = "wall"  # "wall" or "cpu" (process CPU time, CPU device only)
     compile_keys: tuple | None = None  # the rows that get a compiled twin (None: all)
-    sync_steps: int = 8              # training steps under the host-sync counter (0: skip)
+    sync_steps: int = 8  # training steps under the host-sync counter (0: skip)
 
     def __post_init__(self):
         if self.dtype not in ("fp32", "bf16"):
@@ -106,9 +111,11 @@ class Settings:
         if self.clock not in ("wall", "cpu") or (self.clock == "cpu" and self.device.type != "cpu"):
             raise ValueError(f"clock must be 'wall', or 'cpu' on the CPU device; got {self.clock!r} on {self.device}")
         if self.reps < 1 or self.window <= 0 or self.train_batches < 1 or self.decode_batches < 1 or self.peak_n < 1:
-            raise ValueError(f"need reps >= 1, window > 0, train_batches >= 1, decode_batches >= 1, peak_n >= 1; "
-                             f"got {self.reps}, {self.window}, {self.train_batches}, {self.decode_batches}, "
-                             f"{self.peak_n}")
+            raise ValueError(
+                f"need reps >= 1, window > 0, train_batches >= 1, decode_batches >= 1, peak_n >= 1; "
+                f"got {self.reps}, {self.window}, {self.train_batches}, {self.decode_batches}, "
+                f"{self.peak_n}"
+            )
 
     def amp(self):
         """A factory of autocast contexts: bf16 autocast (as training's --precision bf16), or none."""

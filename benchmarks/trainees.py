@@ -32,6 +32,7 @@ from benchmarks.sizes import Size
 @dataclass
 class Trainee:
     """One row: a model, its loss function, its optimiser, and the FAST_PATH setting it runs with."""
+
     key: str
     model: nn.Module
     loss_fn: Callable
@@ -76,4 +77,5 @@ def make_step(t: Trainee, model: nn.Module, batches, eps: float, amp) -> Callabl
         (loss / n_tokens).backward()
         t.opt.step()
         t.sched.step()
+
     return step

@@ -69,15 +69,20 @@ def _add_memory(row: TrainRow, t, step, st: Settings, cpu_memory: dict) -> None:
 def bench_training(size: Size, st: Settings, log: Callable[[str], None]) -> list[TrainRow]:
     device = st.device
     sentences = size.train_sentences[device.type]
-    batches = [(s.to(device), t.to(device))
-               for s, t in make_batches(st.train_batches, sentences, size.train.vocab_size, st.seed)]
+    batches = [
+        (s.to(device), t.to(device))
+        for s, t in make_batches(st.train_batches, sentences, size.train.vocab_size, st.seed)
+    ]
     src_l, tgt_l, tokens = real_lengths(batches)
     trainees = build_trainees(size, device, st.seed)
     fns = _step_fns(trainees, batches, size, st)
-    log(f"[{size.name}] training: {len(fns)} rows, {sentences} sentences/batch, shape src {tuple(batches[0][0].shape)} "
-        f"tgt {tuple(batches[0][1].shape)}")
-    times, iters, errors = interleaved_times(fns, st.reps, st.window, st.sync,
-                                             lambda s: log(f"[{size.name}] training {s}"), st.timer())
+    log(
+        f"[{size.name}] training: {len(fns)} rows, {sentences} sentences/batch, shape src {tuple(batches[0][0].shape)} "
+        f"tgt {tuple(batches[0][1].shape)}"
+    )
+    times, iters, errors = interleaved_times(
+        fns, st.reps, st.window, st.sync, lambda s: log(f"[{size.name}] training {s}"), st.timer()
+    )
     cpu_memory = _cpu_memory(size, st, sentences, trainees, log)
     rows = []
     for compiled in st.compile_modes:
@@ -85,13 +90,24 @@ def bench_training(size: Size, st: Settings, log: Callable[[str], None]) -> list
             name = (t.key, compiled)
             if name not in fns:
                 continue
-            row = TrainRow(size=size.name, key=t.key, device=device.type, dtype=st.dtype, compiled=compiled,
-                           sentences=sentences, batches=len(batches), src_shape=list(batches[0][0].shape),
-                           tgt_shape=list(batches[0][1].shape), target_tokens_per_step=tokens / len(batches),
-                           flops_per_step=training_flops(size.model_config(), src_l, tgt_l) / len(batches),
-                           step_s_rounds=times.get(name, []), calls_per_round=iters.get(name),
-                           reference_step_s=median(times.get(("reference", compiled), [])),
-                           peak_tflops=st.peak_tflops, error=errors.get(name))
+            row = TrainRow(
+                size=size.name,
+                key=t.key,
+                device=device.type,
+                dtype=st.dtype,
+                compiled=compiled,
+                sentences=sentences,
+                batches=len(batches),
+                src_shape=list(batches[0][0].shape),
+                tgt_shape=list(batches[0][1].shape),
+                target_tokens_per_step=tokens / len(batches),
+                flops_per_step=training_flops(size.model_config(), src_l, tgt_l) / len(batches),
+                step_s_rounds=times.get(name, []),
+                calls_per_round=iters.get(name),
+                reference_step_s=median(times.get(("reference", compiled), [])),
+                peak_tflops=st.peak_tflops,
+                error=errors.get(name),
+            )
             _add_memory(row, t, fns[name], st, cpu_memory)
             rows.append(row)
     return rows
@@ -100,8 +116,11 @@ def bench_training(size: Size, st: Settings, log: Callable[[str], None]) -> list
 def compile_speedups(rows: list[TrainRow]) -> list[dict]:
     """Eager step time / compiled step time of each row measured both ways in this run."""
     eager = {(r.size, r.key): r.step_s for r in rows if not r.compiled and r.step_s}
-    return [{"size": r.size, "key": r.key, "speedup": round(eager[(r.size, r.key)] / r.step_s, 3)}
-            for r in rows if r.compiled and r.step_s and (r.size, r.key) in eager]
+    return [
+        {"size": r.size, "key": r.key, "speedup": round(eager[(r.size, r.key)] / r.step_s, 3)}
+        for r in rows
+        if r.compiled and r.step_s and (r.size, r.key) in eager
+    ]
 
 
 def host_syncs_per_step(size: Size, st: Settings) -> dict:
@@ -114,13 +133,19 @@ def host_syncs_per_step(size: Size, st: Settings) -> dict:
     torch.manual_seed(st.seed)
     model = make_model(size.model_config()).to(st.device).train()
     opt, sched = make_optimizer(model, size.train)
-    batches = [Batch(s, t, torch.arange(s.size(0)))
-               for s, t in make_batches(2, size.train_sentences[st.device.type], size.train.vocab_size, st.seed)]
+    batches = [
+        Batch(s, t, torch.arange(s.size(0)))
+        for s, t in make_batches(2, size.train_sentences[st.device.type], size.train.vocab_size, st.seed)
+    ]
     n = [int((b.tgt[:, 1:] != 0).sum()) for b in batches]
     meter = Meter(st.device)
     meter.add(*train_step(model, opt, sched, [batches[0]], n[0], size.train, st.device))
     with SyncCounter() as counter:
         for i in range(st.sync_steps):
             meter.add(*train_step(model, opt, sched, [batches[i % 2]], n[i % 2], size.train, st.device))
-    return {"size": size.name, "steps": st.sync_steps, "per_step": counter.total / st.sync_steps,
-            "ops": dict(counter.counts)}
+    return {
+        "size": size.name,
+        "steps": st.sync_steps,
+        "per_step": counter.total / st.sync_steps,
+        "ops": dict(counter.counts),
+    }

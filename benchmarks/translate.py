@@ -24,10 +24,12 @@ everything else is CTranslate2's own conversion. Each row prints sentences per s
 rounds in a rotating order, after one warm-up round per tool. Speed is never asserted by a test;
 `tests/test_translate_bench.py` checks that every tool runs and translates.
 """
+
 from __future__ import annotations
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("translate-bench")
 
 import io
@@ -85,17 +87,27 @@ def tools(checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[
     alpha = model_length_penalty(meta)  # ours: GNMT alpha, the translator's default
     hf_dir = export_marian(checkpoint, folder / "hf")
     hf = MarianMTModel.from_pretrained(str(hf_dir), local_files_only=True).float().eval()
-    engines = {q or "float32": ctranslate2.Translator(str(convert_ctranslate2(hf_dir, folder / f"ct2-{q}", q)),
-                                                      device="cpu", intra_threads=threads, inter_threads=1)
-               for q in (None, "int8")}
+    engines = {
+        q or "float32": ctranslate2.Translator(
+            str(convert_ctranslate2(hf_dir, folder / f"ct2-{q}", q)),
+            device="cpu",
+            intra_threads=threads,
+            inter_threads=1,
+        )
+        for q in (None, "int8")
+    }
     pieces = [tokenizer.pieces(s) for s in sources]
     piece_id = {p: i for i, p in enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
     stdin = ("\n".join(texts) + "\n").encode("utf-8")
 
     def from_stdin() -> list[str]:
         out = io.BytesIO()
-        translator(["--checkpoint", str(checkpoint), "--case", "as-typed", "--beam", "4"], stdin=io.BytesIO(stdin),
-                   stdout=out, stderr=io.StringIO())
+        translator(
+            ["--checkpoint", str(checkpoint), "--case", "as-typed", "--beam", "4"],
+            stdin=io.BytesIO(stdin),
+            stdout=out,
+            stderr=io.StringIO(),
+        )
         return out.getvalue().decode("utf-8").splitlines()
 
     def ours() -> list[str]:
@@ -107,25 +119,32 @@ def tools(checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[
 
     def ctranslate(engine) -> Callable[[], list[str]]:
         def run() -> list[str]:
-            results = engine.translate_batch(pieces, beam_size=4, max_batch_size=64, batch_type="examples",
-                                             max_decoding_length=256)
+            results = engine.translate_batch(
+                pieces, beam_size=4, max_batch_size=64, batch_type="examples", max_decoding_length=256
+            )
             return [tokenizer.decode([piece_id[p] for p in r.hypotheses[0]]) for r in results]
+
         return run
 
-    return {"translator (stdin)": from_stdin, "translate_ids": ours, "generate": generate,
-            "CTranslate2 float32": ctranslate(engines["float32"]), "CTranslate2 int8": ctranslate(engines["int8"])}
+    return {
+        "translator (stdin)": from_stdin,
+        "translate_ids": ours,
+        "generate": generate,
+        "CTranslate2 float32": ctranslate(engines["float32"]),
+        "CTranslate2 int8": ctranslate(engines["int8"]),
+    }
 
 
-def measure(checkpoint: Path, sentences: int | None, threads: int, rounds: int,
-            data_url: str | None = None) -> dict:
+def measure(checkpoint: Path, sentences: int | None, threads: int, rounds: int, data_url: str | None = None) -> dict:
     from annotated.plumbing.checkpoint import load_checkpoint
     from annotated.training.data import load_multi30k
     from annotated.training.evaluate import score
 
     torch.set_num_threads(threads)
     _, tokenizer, meta = load_checkpoint(checkpoint)
-    pairs = load_multi30k("test_2016_flickr", meta.get("src_lang", "de"), meta.get("tgt_lang", "en"),
-                          base_url=data_url)[:sentences]
+    pairs = load_multi30k(
+        "test_2016_flickr", meta.get("src_lang", "de"), meta.get("tgt_lang", "en"), base_url=data_url
+    )[:sentences]
     texts, references = [s for s, _ in pairs], [t for _, t in pairs]
     sources = [tokenizer.encode(s) for s in texts]
     with tempfile.TemporaryDirectory() as folder:
@@ -134,25 +153,28 @@ def measure(checkpoint: Path, sentences: int | None, threads: int, rounds: int,
         seconds: dict[str, list[float]] = {n: [] for n in names}
         outputs = {n: runs[n]() for n in names}  # warm-up, and the translations scored
         for r in range(rounds):
-            for n in names[r % len(names):] + names[:r % len(names)]:  # a rotating order
+            for n in names[r % len(names) :] + names[: r % len(names)]:  # a rotating order
                 start = time.perf_counter()
                 runs[n]()
                 seconds[n].append(time.perf_counter() - start)
     rows = {}
     for n in names:
-        rows[n] = {"sentences_per_s": round(len(pairs) / statistics.median(seconds[n]), 1),
-                   "bleu": score(outputs[n], references)["bleu"]}
+        rows[n] = {
+            "sentences_per_s": round(len(pairs) / statistics.median(seconds[n]), 1),
+            "bleu": score(outputs[n], references)["bleu"],
+        }
     base = rows["CTranslate2 float32"]["sentences_per_s"]
     for row in rows.values():
         row["x CTranslate2 float32"] = round(row["sentences_per_s"] / base, 2)
-    return {"checkpoint": str(checkpoint), "sentences": len(pairs), "threads": threads, "rounds": rounds,
-            "rows": rows}
+    return {"checkpoint": str(checkpoint), "sentences": len(pairs), "threads": threads, "rounds": rounds, "rows": rows}
 
 
 def table(result: dict) -> str:
     lines = ["| tool | sentences/s | BLEU | x CTranslate2 float32 |", "| --- | ---: | ---: | ---: |"]
-    lines += [f"| {n} | {r['sentences_per_s']} | {r['bleu']} | {r['x CTranslate2 float32']} |"
-              for n, r in result["rows"].items()]
+    lines += [
+        f"| {n} | {r['sentences_per_s']} | {r['bleu']} | {r['x CTranslate2 float32']} |"
+        for n, r in result["rows"].items()
+    ]
     return "\n".join(lines)
 
 
@@ -165,16 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     from annotated.shipped import choose_checkpoint
 
     p = Parser(prog="python -m benchmarks.translate", name=NAME, description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", default=None,
-                   help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model; with no "
-                        "run, the shipped de -> en model)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model; with no "
+        "run, the shipped de -> en model)",
+    )
     p.add_argument("--sentences", type=at_least(1), default=None, help="the first N test sentences (default all)")
     p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--rounds", type=at_least(1), default=3)
     p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = p.parse_args(argv)
     try:
-        checkpoint = choose_checkpoint(args.checkpoint, "runs", say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
+        checkpoint = choose_checkpoint(
+            args.checkpoint, "runs", say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
+        )
     except CheckpointError as e:
         p.error(str(e))
     if not checkpoint.is_file():
@@ -188,4 +215,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, NAME)

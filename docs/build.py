@@ -85,6 +85,7 @@ if str(ROOT) not in sys.path:  # `python docs/build.py` as well as `python -m do
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("docs/build.py")
 
 import jupytext  # noqa: E402
@@ -103,24 +104,90 @@ from docs import figures as figs  # noqa: E402
 
 PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: paths under annotated/ without .py)
     ("part-1", "Part I. The chapter", ("transformer", "tokens")),
-    ("part-2", "Part II. The proof", ("proof/torch_mha", "proof/equivalence", "interop/layout", "interop/marian",
-                                      "interop/folders", "interop/agreement")),
-    ("part-3", "Part III. Data, training and decoding",
-     ("training/data", "decoding/search", "training/loss", "training/train", "training/distributed", "training/runs",
-      "training/evaluate", "training/syncs", "training/config", "training/results", "decoding/translate",
-      "decoding/casing", "training/add_case_table", "training/choose_length_penalty", "shipped/pack")),
-    ("part-4", "Part IV. Attention and heads",
-     ("sites", "attention/dump", "attention/pictures", "attention/viewer", "attention/importance",
-      "attention/profiles", "attention/prune", "attention/bootstrap", "attention/heads", "attention/curve")),
-    ("appendix", "Appendix. The plumbing",
-     ("plumbing/checks", "plumbing/checkpoint", "plumbing/devices", "plumbing/files", "plumbing/interrupts",
-      "plumbing/options", "plumbing/progress", "plumbing/provenance", "plumbing/scripts",
-      "proof/harness", "recording")))
-FOLDER_PART = {"": "part-1", "proof": "part-2", "interop": "part-2", "training": "part-3", "decoding": "part-3", "attention": "part-4",
-               "plumbing": "appendix"}  # where a module no part lists goes, by its folder (else the appendix)
+    (
+        "part-2",
+        "Part II. The proof",
+        (
+            "proof/torch_mha",
+            "proof/equivalence",
+            "interop/layout",
+            "interop/marian",
+            "interop/folders",
+            "interop/agreement",
+        ),
+    ),
+    (
+        "part-3",
+        "Part III. Data, training and decoding",
+        (
+            "training/data",
+            "decoding/search",
+            "training/loss",
+            "training/train",
+            "training/distributed",
+            "training/runs",
+            "training/evaluate",
+            "training/syncs",
+            "training/config",
+            "training/results",
+            "decoding/translate",
+            "decoding/casing",
+            "training/add_case_table",
+            "training/choose_length_penalty",
+            "shipped/pack",
+        ),
+    ),
+    (
+        "part-4",
+        "Part IV. Attention and heads",
+        (
+            "sites",
+            "attention/dump",
+            "attention/pictures",
+            "attention/viewer",
+            "attention/importance",
+            "attention/profiles",
+            "attention/prune",
+            "attention/bootstrap",
+            "attention/heads",
+            "attention/curve",
+        ),
+    ),
+    (
+        "appendix",
+        "Appendix. The plumbing",
+        (
+            "plumbing/checks",
+            "plumbing/checkpoint",
+            "plumbing/devices",
+            "plumbing/files",
+            "plumbing/interrupts",
+            "plumbing/options",
+            "plumbing/progress",
+            "plumbing/provenance",
+            "plumbing/scripts",
+            "proof/harness",
+            "recording",
+        ),
+    ),
+)
+FOLDER_PART = {
+    "": "part-1",
+    "proof": "part-2",
+    "interop": "part-2",
+    "training": "part-3",
+    "decoding": "part-3",
+    "attention": "part-4",
+    "plumbing": "appendix",
+}  # where a module no part lists goes, by its folder (else the appendix)
 READING_ORDER: tuple[str, ...] = tuple(m for _, _, modules in PARTS for m in modules)
 GUIDES: tuple[str, ...] = (  # Markdown files, relative to the repository root, in page order
-    "docs/training.md", "docs/distributed.md", "docs/faults.md", "docs/heads.md", "benchmarks/README.md")
+    "docs/training.md",
+    "docs/distributed.md",
+    "docs/faults.md",
+    "docs/heads.md",
+    "benchmarks/README.md",
+)
 DEFAULT_OUT = ROOT / "docs" / "_build"
 TITLE = "The Transformer, annotated"
 
@@ -132,13 +199,14 @@ class DocsError(ValueError):
 # %% [markdown]
 # ## 1. Cells, with their place in the file
 
+
 # %%
 @dataclass(frozen=True)
 class Cell:
-    kind: str    # "markdown" or "code"
+    kind: str  # "markdown" or "code"
     source: str  # the cell's text (prose without its "# " prefixes)
-    line: int    # first line of the cell's text in the file (1-based)
-    end: int     # last line
+    line: int  # first line of the cell's text in the file (1-based)
+    end: int  # last line
 
 
 def _commented(prose: str) -> str:
@@ -161,8 +229,10 @@ def read_cells(path: Path) -> list[Cell]:
         needle = cell.source if cell.cell_type == "code" else _commented(cell.source)
         at = text.find(needle, pos)
         if at < 0 and cell.cell_type == "code":
-            raise DocsError(f"{path}: a code cell is not the file's text verbatim (jupytext changed it?): "
-                            f"{cell.source.splitlines()[0]!r}")
+            raise DocsError(
+                f"{path}: a code cell is not the file's text verbatim (jupytext changed it?): "
+                f"{cell.source.splitlines()[0]!r}"
+            )
         if at >= 0:
             pos = at + len(needle)
         line = text.count("\n", 0, max(at, 0)) + 1 if at >= 0 else (cells[-1].end + 1 if cells else 1)
@@ -208,8 +278,10 @@ def latex_to_mathml(tex: str, display: bool, where: str = "<formula>") -> str:
             raise DocsError(f"{where}: the formula ${tex}$ uses {unknown.group()}, which latex2mathml does not know")
         tag = element.tag.removeprefix(_MATHML)
         if tag in _ARITY and len(element) != _ARITY[tag]:
-            raise DocsError(f"{where}: the formula ${tex}$ gives <{tag}> {len(element)} arguments instead of "
-                            f"{_ARITY[tag]} (a missing brace group?)")
+            raise DocsError(
+                f"{where}: the formula ${tex}$ gives <{tag}> {len(element)} arguments instead of "
+                f"{_ARITY[tag]} (a missing brace group?)"
+            )
     _polish(root)
     root.set("alttext", tex)  # what screen readers and copy-paste get
     return ET.tostring(root, encoding="unicode")
@@ -228,7 +300,7 @@ def latex_to_mathml(tex: str, display: bool, where: str = "<formula>") -> str:
 
 # %%
 FORMULA_CHARS = 44  # visible characters that fit the prose column beside the code at 1400 px
-LIST_CHARS = 30     # a list of equations (`a = b,\\quad c = d`) longer than this: one equation a line
+LIST_CHARS = 30  # a list of equations (`a = b,\\quad c = d`) longer than this: one equation a line
 
 
 def visible_length(tex: str) -> int:
@@ -299,8 +371,9 @@ def display_mathml(tex: str, where: str = "<formula>") -> str:
     rows = []
     for line in lines:
         inner = ET.fromstring(latex_to_mathml(line, False, where))  # checked like any formula
-        cell = ET.Element(f"{_MATHML}mtd", {"class": "cont" if line.startswith("=") else "first",
-                                            "displaystyle": "true"})
+        cell = ET.Element(
+            f"{_MATHML}mtd", {"class": "cont" if line.startswith("=") else "first", "displaystyle": "true"}
+        )
         cell.extend(list(inner))
         row = ET.Element(f"{_MATHML}mtr")
         row.append(cell)
@@ -313,11 +386,18 @@ def display_mathml(tex: str, where: str = "<formula>") -> str:
 
 
 # MathML Core (what browsers implement) dropped the named space widths latex2mathml still writes.
-_NAMED_SPACES = {"negativeveryverythinmathspace": "-0.0556em", "negativeverythinmathspace": "-0.1111em",
-                 "negativethinmathspace": "-0.1667em", "negativemediummathspace": "-0.2222em",
-                 "negativethickmathspace": "-0.2778em", "veryverythinmathspace": "0.0556em",
-                 "verythinmathspace": "0.1111em", "thinmathspace": "0.1667em", "mediummathspace": "0.2222em",
-                 "thickmathspace": "0.2778em"}
+_NAMED_SPACES = {
+    "negativeveryverythinmathspace": "-0.0556em",
+    "negativeverythinmathspace": "-0.1111em",
+    "negativethinmathspace": "-0.1667em",
+    "negativemediummathspace": "-0.2222em",
+    "negativethickmathspace": "-0.2778em",
+    "veryverythinmathspace": "0.0556em",
+    "verythinmathspace": "0.1111em",
+    "thinmathspace": "0.1667em",
+    "mediummathspace": "0.2222em",
+    "thickmathspace": "0.2778em",
+}
 
 
 def _polish(root: ET.Element) -> None:
@@ -329,10 +409,8 @@ def _polish(root: ET.Element) -> None:
         children = list(parent)
         for i in reversed(range(len(children) - 1)):
             name, following = children[i], children[i + 1]
-            if (name.tag == f"{_MATHML}mi" and len((name.text or "").strip()) > 1
-                    and following.tag != f"{_MATHML}mo"):
+            if name.tag == f"{_MATHML}mi" and len((name.text or "").strip()) > 1 and following.tag != f"{_MATHML}mo":
                 parent.insert(i + 1, ET.Element(f"{_MATHML}mspace", {"width": "0.1667em"}))
-
 
 
 # %% [markdown]
@@ -390,8 +468,10 @@ def highlight_code(code: str, lang: str = "python") -> str:
     except ClassNotFound:
         lexer = get_lexer_by_name("text")
     body = _pygments_highlight(code, lexer, HtmlFormatter(nowrap=True))
-    lines = "".join(f'<span class="l"{_indent(text)}>{line}\n</span>'
-                    for line, text in zip(body.rstrip("\n").split("\n"), code.split("\n") + [""] * len(body)))
+    lines = "".join(
+        f'<span class="l"{_indent(text)}>{line}\n</span>'
+        for line, text in zip(body.rstrip("\n").split("\n"), code.split("\n") + [""] * len(body))
+    )
     return f'<pre class="highlight"><code>{lines}</code></pre>\n'
 
 
@@ -413,8 +493,9 @@ def slugify(text: str) -> str:
 
 
 def _heading_text(inline) -> str:
-    return "".join(child.content for child in (inline.children or [])
-                   if child.type in ("text", "code_inline", "math_inline")).strip()
+    return "".join(
+        child.content for child in (inline.children or []) if child.type in ("text", "code_inline", "math_inline")
+    ).strip()
 
 
 def _where(env: dict, snippet: str) -> str:
@@ -440,7 +521,6 @@ def make_markdown(math: bool = True) -> MarkdownIt:
         formula = display_mathml(tokens[idx].content.strip(), _where(env, tokens[idx].content.strip()))
         return f'<div class="math">{formula}</div>\n'
 
-
     def heading_close(self, tokens, idx, options, env):
         anchor = tokens[idx].meta.get("id")
         link = f' <a class="anchor" href="#{anchor}" aria-label="link to this section">¶</a>' if anchor else ""
@@ -462,6 +542,7 @@ def make_markdown(math: bool = True) -> MarkdownIt:
 # A prose cell followed by another prose cell is a row of its own, without
 # code beside it.
 
+
 # %%
 @dataclass
 class Heading:
@@ -475,11 +556,11 @@ class Page:
     """What the chapters accumulate: ids in use, headings, figures placed."""
 
     md: MarkdownIt
-    figure_html: dict[str, str]                     # figure name -> <figure> element (number filled in later)
+    figure_html: dict[str, str]  # figure name -> <figure> element (number filled in later)
     ids: set[str] = field(default_factory=set)
     headings: list[Heading] = field(default_factory=list)
     placed: list[str] = field(default_factory=list)  # figure names, in page order
-    notes: list[str] = field(default_factory=list)   # for the console
+    notes: list[str] = field(default_factory=list)  # for the console
 
     def free_id(self, base: str) -> str:
         candidate, n = base, 2
@@ -497,8 +578,16 @@ def _figure_slot(name: str) -> str:
     return f"<!--figure:{name}-->"
 
 
-def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs.Figure],
-                 first_h1: bool, md: MarkdownIt | None = None, mark: bool = False) -> tuple[str, bool]:
+def render_prose(
+    page: Page,
+    chapter: str,
+    cell: Cell,
+    rel: str,
+    want: list[figs.Figure],
+    first_h1: bool,
+    md: MarkdownIt | None = None,
+    mark: bool = False,
+) -> tuple[str, bool]:
     """HTML of one prose cell (figures marked by slots); returns (html, whether the chapter id was used).
     `md`: another renderer than the page's (the guides' has no math). `mark`: each top-level block starts
     with a comment naming the identifiers it mentions in backticks (`pair_prose` reads them)."""
@@ -523,8 +612,10 @@ def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs
             continue
         name = cited.group(1)
         if name not in {f.name for f in figs.FIGURES}:
-            page.notes.append(f"{_where(env, cited.group(0))}: the prose cites <!-- figure: {name} -->, but "
-                              f"FIGURES in docs/figures.py has no figure of that name: nothing shown there")
+            page.notes.append(
+                f"{_where(env, cited.group(0))}: the prose cites <!-- figure: {name} -->, but "
+                f"FIGURES in docs/figures.py has no figure of that name: nothing shown there"
+            )
         t.children, t.content = [], ""  # the citation itself shows nothing
         tokens[i - 1].hidden = tokens[i + 1].hidden = True
         fig = next((f for f in want if f.name == name), None)
@@ -534,11 +625,24 @@ def render_prose(page: Page, chapter: str, cell: Cell, rel: str, want: list[figs
     if mark:
         for i, t in enumerate(tokens):
             if t.level == 0 and not t.type.endswith("_close"):
-                end = i + 1 if not t.type.endswith("_open") else next(
-                    j + 1 for j in range(i, len(tokens)) if tokens[j].level == 0 and tokens[j].type.endswith("_close"))
+                end = (
+                    i + 1
+                    if not t.type.endswith("_open")
+                    else next(
+                        j + 1
+                        for j in range(i, len(tokens))
+                        if tokens[j].level == 0 and tokens[j].type.endswith("_close")
+                    )
+                )
                 block = tokens[i:end]
-                names = sorted({c.content.split("(")[0] for b in block for c in (b.children or [])
-                                if c.type == "code_inline" and re.fullmatch(r"\w+(\(.*\))?", c.content)})
+                names = sorted(
+                    {
+                        c.content.split("(")[0]
+                        for b in block
+                        for c in (b.children or [])
+                        if c.type == "code_inline" and re.fullmatch(r"\w+(\(.*\))?", c.content)
+                    }
+                )
                 inserts.setdefault(i, []).append(_mention(names))
     parts, start = [], 0
     for at in sorted(inserts):
@@ -571,8 +675,11 @@ def code_pieces(cell: Cell) -> list[Cell]:
     return [Cell("code", "\n".join(lines[a:b]), cell.line + a, cell.line + b - 1) for a, b in pieces]
 
 
-_DEFINITION = re.compile(r'^(?:@.*\n)*(?:async )?(def|class) (\w+)[^\n]*\n'  # a definition, then its docstring's
-                         r'\s*(?:r?"""|\'\'\')\s*([^\n]*?)\s*(?:"""|\'\'\'|$)', re.M)  # first line
+_DEFINITION = re.compile(
+    r"^(?:@.*\n)*(?:async )?(def|class) (\w+)[^\n]*\n"  # a definition, then its docstring's
+    r'\s*(?:r?"""|\'\'\')\s*([^\n]*?)\s*(?:"""|\'\'\'|$)',
+    re.M,
+)  # first line
 
 
 def piece_note(piece: Cell) -> str:
@@ -582,15 +689,20 @@ def piece_note(piece: Cell) -> str:
     '<ul class="defs"><li><code>f</code>: Costs $5 and <code>x</code> &lt;b&gt;.</li></ul>\\n'
     """
     words = lambda text: re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))  # no math here
-    items = [f"<li><code>{html.escape(name)}</code>: {words(summary)}</li>"
-             for _, name, summary in _DEFINITION.findall(piece.source) if summary]
+    items = [
+        f"<li><code>{html.escape(name)}</code>: {words(summary)}</li>"
+        for _, name, summary in _DEFINITION.findall(piece.source)
+        if summary
+    ]
     return f'<ul class="defs">{"".join(items)}</ul>\n' if items else ""
 
 
 def code_block(page: Page, name: str, rel: str, piece: Cell) -> str:
     anchor = page.unique_id(f"{name}-L{piece.line}")
-    return (f'<div class="code" id="{anchor}"><div class="where"><a href="#{anchor}">{rel}, '
-            f'lines {piece.line}–{piece.end}</a></div>\n{highlight_code(piece.source)}</div>\n')
+    return (
+        f'<div class="code" id="{anchor}"><div class="where"><a href="#{anchor}">{rel}, '
+        f"lines {piece.line}–{piece.end}</a></div>\n{highlight_code(piece.source)}</div>\n"
+    )
 
 
 def row(prose: str, code: str) -> str:
@@ -690,10 +802,12 @@ def link_module_mentions(body: str, chapters: Sequence[str]) -> str:
     >>> link_module_mentions('<code>annotated/training/data.py</code> <a href="#x"><code>annotated/training/data.py</code></a>', ["training/data"])
     '<a href="#training/data"><code>annotated/training/data.py</code></a> <a href="#x"><code>annotated/training/data.py</code></a>'
     """
+
     def link(m: re.Match) -> str:
         if m.group(1) or m.group(3) not in chapters:
             return m.group(0)
         return f'<a href="#{m.group(3)}">{m.group(0)}</a>'
+
     return re.sub(r"(<a [^>]*>.*?</a>)|<code>(annotated/([\w/]+)\.py)</code>", link, body, flags=re.S)
 
 
@@ -708,6 +822,7 @@ def link_module_mentions(body: str, chapters: Sequence[str]) -> str:
 # or a heading of either becomes a link within the page; any other link
 # (another file of the repository, the web) becomes its text, and an image
 # its alt text, since the page reaches nothing outside itself.
+
 
 # %%
 def guide_id(rel: str) -> str:
@@ -745,6 +860,7 @@ def resolve_links(body: str, rel: str, targets: dict[str, str], ids: set[str]) -
     ...               {"guide-faults-data-annotateddatapy", "contents"})
     '<a href="#guide-faults-data-annotateddatapy">D</a>, R, W, P, <a href="#contents">C</a>'
     """
+
     def link(m: re.Match) -> str:
         if m.group(3) is not None:  # an image: its alt text
             return m.group(3)
@@ -756,6 +872,7 @@ def resolve_links(body: str, rel: str, targets: dict[str, str], ids: set[str]) -
         if fragment and heading not in ids and not path and fragment in ids:
             return m.group(0)  # an id of the page itself, as `#contents`
         return f'<a href="#{heading if fragment and heading in ids else target}">{m.group(2)}</a>'
+
     return _LINK.sub(link, body)
 
 
@@ -769,7 +886,7 @@ def resolve_links(body: str, rel: str, targets: dict[str, str], ids: set[str]) -
 # the page, which stays one file with nothing to fetch.
 
 # %%
-CSS_FILE = Path(__file__).resolve().parent / "static" / "book.css"          # the page's stylesheet
+CSS_FILE = Path(__file__).resolve().parent / "static" / "book.css"  # the page's stylesheet
 TEMPLATE_FILE = Path(__file__).resolve().parent / "templates" / "page.html"  # the page around the chapters
 
 # The browser may load nothing but this page's own images: no scripts, fonts, frames or connections;
@@ -782,8 +899,9 @@ FIT_FRAMES = """addEventListener('message', e => {
   for (const f of document.querySelectorAll('iframe'))
     if (f.contentWindow === e.source && Number.isFinite(h) && h > 0) f.style.height = `${Math.min(h, 5000) + 2}px`;
 });"""
-FRAMES = (f"; frame-src 'self'; script-src "
-          f"'sha256-{base64.b64encode(hashlib.sha256(FIT_FRAMES.encode()).digest()).decode()}'")
+FRAMES = (
+    f"; frame-src 'self'; script-src 'sha256-{base64.b64encode(hashlib.sha256(FIT_FRAMES.encode()).digest()).decode()}'"
+)
 
 
 def _toc(headings: list[Heading]) -> str:
@@ -835,12 +953,19 @@ def render_page(chapters_html: list[str], page: Page, intro_html: str = "", fram
     body = "".join(chapters_html)
     for number, name in enumerate(page.placed, start=1):
         slot = _figure_slot(name)
-        intro_html, body = (text.replace(slot, page.figure_html[name].replace("{number}", str(number)))
-                            for text in (intro_html, body))
+        intro_html, body = (
+            text.replace(slot, page.figure_html[name].replace("{number}", str(number))) for text in (intro_html, body)
+        )
     return string.Template(TEMPLATE_FILE.read_text(encoding="utf-8")).substitute(
-        csp=CSP + FRAMES if frames else CSP, title=TITLE, script=f"<script>{FIT_FRAMES}</script>" if frames else "",
+        csp=CSP + FRAMES if frames else CSP,
+        title=TITLE,
+        script=f"<script>{FIT_FRAMES}</script>" if frames else "",
         css=HtmlFormatter(style="default").get_style_defs(".highlight") + "\n" + CSS_FILE.read_text(encoding="utf-8"),
-        intro=intro_html, toc=_toc(page.headings), body=body, generated=GENERATED)
+        intro=intro_html,
+        toc=_toc(page.headings),
+        body=body,
+        generated=GENERATED,
+    )
 
 
 # %% [markdown]
@@ -878,8 +1003,10 @@ def read_manifest(out: Path) -> dict[str, list[str]]:
     try:
         record = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
         if record.get("format") == MANIFEST_FORMAT:
-            return {kind: [p for p in record.get(kind, []) if isinstance(p, str) and pattern.fullmatch(p)]
-                    for kind, pattern in _OURS.items()}
+            return {
+                kind: [p for p in record.get(kind, []) if isinstance(p, str) and pattern.fullmatch(p)]
+                for kind, pattern in _OURS.items()
+            }
     except (OSError, ValueError, AttributeError, TypeError):
         pass
     return {"page": [], "notebooks": []}
@@ -907,34 +1034,38 @@ def check_output(out: Path, files: Sequence[str], record: dict[str, list[str]], 
         pass
     for name in files:
         if (out / name).exists() and name not in ours and not overwrite:
-            raise OutputError(f"{out / name} exists and was not written by a docs build; it was left untouched: "
-                              f"pass --overwrite to replace it, or choose another --out")
+            raise OutputError(
+                f"{out / name} exists and was not written by a docs build; it was left untouched: "
+                f"pass --overwrite to replace it, or choose another --out"
+            )
 
 
 # %% [markdown]
 # ## 7. Building: figures, chapters, page
 
+
 # %%
 @dataclass
 class BuildResult:
     index: Path
-    chapters: list[str]          # modules rendered, in page order
-    skipped: list[str]           # modules of READING_ORDER that do not exist
-    figures: list[Path]          # PNG files written
-    placed: dict[str, str]       # figure name -> chapter it was placed in ("appendix" if none)
-    notes: list[str]             # for the console, never on the page
+    chapters: list[str]  # modules rendered, in page order
+    skipped: list[str]  # modules of READING_ORDER that do not exist
+    figures: list[Path]  # PNG files written
+    placed: dict[str, str]  # figure name -> chapter it was placed in ("appendix" if none)
+    notes: list[str]  # for the console, never on the page
     removed: list[Path] = field(default_factory=list)  # files of the previous build this one no longer writes
-    guides: list[str] = field(default_factory=list)    # GUIDES rendered, in page order
+    guides: list[str] = field(default_factory=list)  # GUIDES rendered, in page order
 
 
 def chapter_list(root: Path, modules: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
     """(present modules in reading order, then unlisted ones alphabetically; missing; unlisted)."""
     present = [m for m in modules if (root / "annotated" / f"{m}.py").is_file()]
     missing = [m for m in modules if m not in present]
-    unlisted = sorted(p.relative_to(root / "annotated").with_suffix("").as_posix()
-                      for p in (root / "annotated").rglob("*.py")
-                      if not p.stem.startswith("_") and p.relative_to(root / "annotated").with_suffix("").as_posix()
-                      not in modules)
+    unlisted = sorted(
+        p.relative_to(root / "annotated").with_suffix("").as_posix()
+        for p in (root / "annotated").rglob("*.py")
+        if not p.stem.startswith("_") and p.relative_to(root / "annotated").with_suffix("").as_posix() not in modules
+    )
     return present + unlisted, missing, unlisted
 
 
@@ -954,8 +1085,9 @@ def in_parts(chapters: Sequence[str]) -> list[tuple[str, str, list[str]]]:
     return [g for g in grouped if g[2]]
 
 
-def draw_figures(out: Path, ctx: figs.FigureContext, selected: Sequence[figs.Figure], md: MarkdownIt,
-                 progress: bool = True) -> tuple[dict[str, str], list[Path]]:
+def draw_figures(
+    out: Path, ctx: figs.FigureContext, selected: Sequence[figs.Figure], md: MarkdownIt, progress: bool = True
+) -> tuple[dict[str, str], list[Path]]:
     """Draw each figure to out/figures/<name>.png; returns (name -> <figure> html, files)."""
     from tqdm.auto import tqdm
 
@@ -969,16 +1101,28 @@ def draw_figures(out: Path, ctx: figs.FigureContext, selected: Sequence[figs.Fig
         width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")  # PNG IHDR
         env = {"where": f"docs/figures.py ({fig.name})"}
         alt = html.escape(re.sub(r"[`$\\]", "", caption.split(". ")[0]), quote=True)
-        html_of[fig.name] = (f'<figure id="fig-{fig.name}"><img src="figures/{fig.name}.png" width="{width}" '
-                             f'height="{height}" alt="{alt}">\n<figcaption><strong>Figure {{number}}.</strong> '
-                             f'{md.renderInline(caption, env)}</figcaption></figure>\n')
+        html_of[fig.name] = (
+            f'<figure id="fig-{fig.name}"><img src="figures/{fig.name}.png" width="{width}" '
+            f'height="{height}" alt="{alt}">\n<figcaption><strong>Figure {{number}}.</strong> '
+            f"{md.renderInline(caption, env)}</figcaption></figure>\n"
+        )
     return html_of, files
 
 
-def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] = READING_ORDER,
-          guides: Sequence[str] = GUIDES, checkpoint: Path | str | None = "auto", copy_steps: int = 300,
-          with_figures: bool = True, progress: bool = True, say=print, overwrite: bool = False,
-          embeds: Mapping[str, Embed] | None = None) -> BuildResult:
+def build(
+    out: Path = DEFAULT_OUT,
+    *,
+    root: Path = ROOT,
+    modules: Sequence[str] = READING_ORDER,
+    guides: Sequence[str] = GUIDES,
+    checkpoint: Path | str | None = "auto",
+    copy_steps: int = 300,
+    with_figures: bool = True,
+    progress: bool = True,
+    say=print,
+    overwrite: bool = False,
+    embeds: Mapping[str, Embed] | None = None,
+) -> BuildResult:
     """Render the modules, then the guides, into out/index.html (+ out/figures/). Returns what was built.
 
     `checkpoint`: "auto" uses the latest run's model (runs/latest/averaged.pt or best.pt), else the shipped
@@ -996,13 +1140,15 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
         raise DocsError(f"no module of {list(modules)} exists under {root / 'annotated'}")
     notes = [f"annotated/{m}.py does not exist: its chapter is missing." for m in missing]
     titles = {pid: title for pid, title, _ in PARTS}
-    notes += [f"annotated/{m}.py is in no part of PARTS (docs/build.py): shown in {titles[part_of(m)]}, by its "
-              f"folder." for m in unlisted]
+    notes += [
+        f"annotated/{m}.py is in no part of PARTS (docs/build.py): shown in {titles[part_of(m)]}, by its folder."
+        for m in unlisted
+    ]
     selected = list(figs.FIGURES) if with_figures else []
-    embeds = {m: e for m, e in (EMBEDS if embeds is None and with_figures else embeds or {}).items()
-              if m in chapters}
-    writes = ["index.html"] + [f"figures/{f.name}.png" for f in selected] + [f for e in embeds.values()
-                                                                            for f in e.files]
+    embeds = {m: e for m, e in (EMBEDS if embeds is None and with_figures else embeds or {}).items() if m in chapters}
+    writes = (
+        ["index.html"] + [f"figures/{f.name}.png" for f in selected] + [f for e in embeds.values() for f in e.files]
+    )
     record = read_manifest(out)
     check_output(out, writes, record, overwrite)  # before any work
     write_manifest(out, {"page": sorted(set(record["page"]) | set(writes)), "notebooks": record["notebooks"]})
@@ -1010,14 +1156,23 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
 
     auto = checkpoint == "auto"
     ckpt = figs.find_checkpoint(root) if auto else (Path(checkpoint) if checkpoint is not None else None)
-    ctx = figs.FigureContext(root=root, checkpoint=ckpt, copy_steps=copy_steps, cache_dir=out / ".cache",
-                             say=say, checkpoint_required=not auto)
+    ctx = figs.FigureContext(
+        root=root,
+        checkpoint=ckpt,
+        copy_steps=copy_steps,
+        cache_dir=out / ".cache",
+        say=say,
+        checkpoint_required=not auto,
+    )
     figure_html, files = draw_figures(out, ctx, selected, md, progress)
     notes += ctx.notes
 
     page = Page(md, figure_html)
-    page.ids.update({"top", "introduction", "contents", "appendix-figures", "guides"}
-                    | {f"fig-{f.name}" for f in selected} | {pid for pid, _, _ in PARTS})
+    page.ids.update(
+        {"top", "introduction", "contents", "appendix-figures", "guides"}
+        | {f"fig-{f.name}" for f in selected}
+        | {pid for pid, _, _ in PARTS}
+    )
     intro = md.render(INTRODUCTION, {"where": "docs/build.py (INTRODUCTION)"})
     for f in selected:
         if f.module == figs.INTRODUCTION:
@@ -1028,8 +1183,9 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
         page.headings.append(Heading(0, html.escape(title), pid))
         chapters_html.append(f'<h1 class="part" id="{pid}">{html.escape(title)}</h1>\n')
         for name in members:
-            chapter = render_chapter(page, name, root / "annotated" / f"{name}.py", root,
-                                     [f for f in selected if f.module == name])
+            chapter = render_chapter(
+                page, name, root / "annotated" / f"{name}.py", root, [f for f in selected if f.module == name]
+            )
             if name in embeds:
                 end = embeds[name].make(out, ctx)
                 chapter = chapter.replace("</article>", f'<div class="embed">{end}</div>\n</article>')
@@ -1039,9 +1195,11 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
     leftover = [f for f in selected if f.name not in page.placed and f.module != figs.INTRODUCTION]
     appendix = ""
     if leftover:
-        appendix = ('<article class="chapter"><h1 id="appendix-figures">Figures without a place</h1>\n'
-                    "<p>These figures illustrate chapters that are not on this page, or no prose cites them "
-                    "(see <code>FIGURES</code> in <code>docs/figures.py</code>).</p>\n")
+        appendix = (
+            '<article class="chapter"><h1 id="appendix-figures">Figures without a place</h1>\n'
+            "<p>These figures illustrate chapters that are not on this page, or no prose cites them "
+            "(see <code>FIGURES</code> in <code>docs/figures.py</code>).</p>\n"
+        )
         page.headings.append(Heading(1, "Figures without a place", "appendix-figures"))
         for f in leftover:
             why = "not built" if f.module not in chapters else f"its prose cites no <!-- figure: {f.name} -->"
@@ -1084,6 +1242,7 @@ def build(out: Path = DEFAULT_OUT, *, root: Path = ROOT, modules: Sequence[str] 
 # of its own folder (`frame-src 'self'`) besides its images
 # (`test_the_viewer_is_embedded_at_the_end_of_the_chapter`).
 
+
 # %%
 @dataclass(frozen=True)
 class Embed:
@@ -1091,23 +1250,28 @@ class Embed:
     make: Callable[[Path, figs.FigureContext], str]  # (out, context) -> HTML that ends the chapter
 
 
-VIEWER_CAPTION = ("**The attention viewer** for {name}, translating with beam search (beam 4) as `make "
-                  "translate` does, opened on the mean over the heads of the last decoder "
-                  "layer's cross-attention, as a heatmap: rows are queries, columns keys, and each row sums "
-                  "to 1. " + figs.ROW_CONVENTION + " The menus above the heatmap choose another kind of "
-                  "attention (the encoder's or the decoder's self-attention), layer or head, or the lines "
-                  "and model views; the arrow keys move between heads and layers (after a click on the "
-                  "picture: while a menu has the focus, they are the menu's). The frame grows with the view "
-                  "it shows.")
+VIEWER_CAPTION = (
+    "**The attention viewer** for {name}, translating with beam search (beam 4) as `make "
+    "translate` does, opened on the mean over the heads of the last decoder "
+    "layer's cross-attention, as a heatmap: rows are queries, columns keys, and each row sums "
+    "to 1. " + figs.ROW_CONVENTION + " The menus above the heatmap choose another kind of "
+    "attention (the encoder's or the decoder's self-attention), layer or head, or the lines "
+    "and model views; the arrow keys move between heads and layers (after a click on the "
+    "picture: while a menu has the focus, they are the menu's). The frame grows with the view "
+    "it shows."
+)
 
 
 def embed_viewer(out: Path, ctx: figs.FigureContext) -> str:
     """Write out/viewer/index.html (the embedded attention viewer) and return its <iframe> and caption."""
     atomic_write(out / figs.VIEWER, figs.viewer_page(ctx))
-    caption = make_markdown().renderInline(VIEWER_CAPTION.format(name=ctx.shown_sentence().name),
-                                           {"where": "docs/build.py (VIEWER_CAPTION)"})
-    return (f'<figure id="viewer"><iframe src="{figs.VIEWER}" title="attention viewer"></iframe>\n'
-            f'<figcaption>{caption}</figcaption></figure>')
+    caption = make_markdown().renderInline(
+        VIEWER_CAPTION.format(name=ctx.shown_sentence().name), {"where": "docs/build.py (VIEWER_CAPTION)"}
+    )
+    return (
+        f'<figure id="viewer"><iframe src="{figs.VIEWER}" title="attention viewer"></iframe>\n'
+        f"<figcaption>{caption}</figcaption></figure>"
+    )
 
 
 EMBEDS: dict[str, Embed] = {"transformer": Embed((figs.VIEWER,), embed_viewer)}  # module -> its chapter's end
@@ -1123,9 +1287,11 @@ EMBEDS: dict[str, Embed] = {"transformer": Embed((figs.VIEWER,), embed_viewer)} 
 # so the notebook runs from any directory; the other chapters import
 # `annotated` and need the repository root on `sys.path`.
 
+
 # %%
-def build_notebook(module: str = "transformer", out: Path = DEFAULT_OUT, root: Path = ROOT,
-                   overwrite: bool = False) -> Path:
+def build_notebook(
+    module: str = "transformer", out: Path = DEFAULT_OUT, root: Path = ROOT, overwrite: bool = False
+) -> Path:
     """annotated/<module>.py -> out/<module>.ipynb (written atomically; recorded like the page's files)."""
     src, out = Path(root) / "annotated" / f"{module}.py", Path(out)
     if not src.is_file():
@@ -1140,20 +1306,33 @@ def build_notebook(module: str = "transformer", out: Path = DEFAULT_OUT, root: P
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = Parser(prog="python -m docs.build", name="docs",
-               description="Render annotated/*.py and the guides (docs/*.md, benchmarks/README.md) into "
-                           "docs/_build/index.html, or convert a chapter to a notebook.")
+    p = Parser(
+        prog="python -m docs.build",
+        name="docs",
+        description="Render annotated/*.py and the guides (docs/*.md, benchmarks/README.md) into "
+        "docs/_build/index.html, or convert a chapter to a notebook.",
+    )
     p.add_argument("--out", type=writable_dir, default=DEFAULT_OUT, help="output folder (default docs/_build)")
-    p.add_argument("--checkpoint", default="auto",
-                   help="checkpoint for the attention figure: auto (the latest run's model, averaged.pt or best.pt, "
-                        "else the shipped de->en model, else the copy task), none (copy task), or a path")
+    p.add_argument(
+        "--checkpoint",
+        default="auto",
+        help="checkpoint for the attention figure: auto (the latest run's model, averaged.pt or best.pt, "
+        "else the shipped de->en model, else the copy task), none (copy task), or a path",
+    )
     p.add_argument("--copy-steps", type=at_least(0), default=300, help="training steps of the copy-task model")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace files in --out that no docs build wrote (an index.html of yours, say)")
-    p.add_argument("--no-figures", action="store_true",
-                   help="skip drawing figures and the attention viewer (faster)")
-    p.add_argument("--notebook", nargs="*", metavar="MODULE", default=None,
-                   help="write notebooks instead of the page (default: transformer)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files in --out that no docs build wrote (an index.html of yours, say)",
+    )
+    p.add_argument("--no-figures", action="store_true", help="skip drawing figures and the attention viewer (faster)")
+    p.add_argument(
+        "--notebook",
+        nargs="*",
+        metavar="MODULE",
+        default=None,
+        help="write notebooks instead of the page (default: transformer)",
+    )
     args = p.parse_args(argv)
     if args.checkpoint not in ("auto", "none") and not Path(args.checkpoint).is_file():
         what = "is a directory" if Path(args.checkpoint).is_dir() else "does not exist"
@@ -1167,18 +1346,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"wrote {build_notebook(module, args.out, overwrite=args.overwrite)}")
             return 0
         checkpoint = None if args.checkpoint == "none" else args.checkpoint
-        result = build(args.out, checkpoint=checkpoint, copy_steps=args.copy_steps,
-                       with_figures=not args.no_figures, overwrite=args.overwrite)
+        result = build(
+            args.out,
+            checkpoint=checkpoint,
+            copy_steps=args.copy_steps,
+            with_figures=not args.no_figures,
+            overwrite=args.overwrite,
+        )
     except (DocsError, ValueError) as e:  # a refused --out or checkpoint: 2, like other bad input; else 1
         print(f"docs: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (OutputError, CheckpointError)) else 1
     for note in result.notes:
         print(f"note: {note}")
-    print(f"wrote {result.index} ({len(result.chapters)} chapters: {', '.join(result.chapters)}; "
-          f"{len(result.guides)} guides; {len(result.figures)} figures)\nopen {result.index.resolve().as_uri()}")
+    print(
+        f"wrote {result.index} ({len(result.chapters)} chapters: {', '.join(result.chapters)}; "
+        f"{len(result.guides)} guides; {len(result.figures)} figures)\nopen {result.index.resolve().as_uri()}"
+    )
     return 0
 
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, "docs/build.py")  # Ctrl-C: one line and exit code 130, not a traceback

@@ -51,8 +51,8 @@ class FigureContext:
 
     root: Path = ROOT
     checkpoint: Path | None = None  # a trained translator; None: use the copy-task model
-    copy_steps: int = 300              # training steps of the copy-task model (0: untrained)
-    cache_dir: Path | None = None   # where the trained copy-task model is kept between builds
+    copy_steps: int = 300  # training steps of the copy-task model (0: untrained)
+    cache_dir: Path | None = None  # where the trained copy-task model is kept between builds
     say: Callable[[str], None] = print
     checkpoint_required: bool = False  # True: a checkpoint that does not load is an error, not a fallback
     notes: list[str] = field(default_factory=list)  # what the build should tell the reader
@@ -69,10 +69,10 @@ class FigureContext:
 
 @dataclass(frozen=True)
 class Figure:
-    name: str                 # the file is figures/<name>.png; the prose cites it as <!-- figure: name -->
-    module: str               # the chapter it illustrates (annotated/<module>.py)
+    name: str  # the file is figures/<name>.png; the prose cites it as <!-- figure: name -->
+    module: str  # the chapter it illustrates (annotated/<module>.py)
     draw: Callable[[FigureContext], tuple[MplFigure, str]]
-    at_end: bool = False      # True: after the chapter's last code, where no prose can cite it
+    at_end: bool = False  # True: after the chapter's last code, where no prose can cite it
 
 
 def as_text(value) -> str:
@@ -105,10 +105,11 @@ def png_bytes(fig: MplFigure) -> bytes:
 # softmax over 16 keys. The unscaled scores are computed with the module's own
 # `attention_explicit` by feeding it `q * sqrt(d_k)` (its division then cancels).
 
+
 # %%
 def draw_scaling(ctx: FigureContext) -> tuple[MplFigure, str]:
     gen = torch.Generator().manual_seed(0)
-    dims = [2 ** i for i in range(0, 10)]  # d_k = 1 ... 512
+    dims = [2**i for i in range(0, 10)]  # d_k = 1 ... 512
     var_raw, var_scaled, max_raw, max_scaled = [], [], [], []
     for d_k in dims:
         q = torch.randn(4000, 1, d_k, generator=gen)  # (n, 1, d_k) one query per problem
@@ -131,18 +132,20 @@ def draw_scaling(ctx: FigureContext) -> tuple[MplFigure, str]:
     ax2.semilogx(dims, max_raw, "o-", label="unscaled")
     ax2.semilogx(dims, max_scaled, "s-", label="scaled")
     ax2.axhline(1 / 16, color="k", ls=":", lw=1, label="uniform (1/16)")
-    ax2.set(xlabel=r"$d_k$", ylabel="mean largest weight", ylim=(0, 1.05),
-            title="softmax over 16 keys: largest weight")
+    ax2.set(xlabel=r"$d_k$", ylabel="mean largest weight", ylim=(0, 1.05), title="softmax over 16 keys: largest weight")
     ax2.legend()
-    caption = ("Random queries and keys with unit-variance components. Unscaled scores have variance "
-               "$d_k$ and drive the softmax towards one-hot (largest weight near 1), where its gradients "
-               "vanish; divided by $\\sqrt{d_k}$ the variance stays 1 and the weights stay spread, "
-               "whatever $d_k$. Drawn with `attention_explicit`.")
+    caption = (
+        "Random queries and keys with unit-variance components. Unscaled scores have variance "
+        "$d_k$ and drive the softmax towards one-hot (largest weight near 1), where its gradients "
+        "vanish; divided by $\\sqrt{d_k}$ the variance stays 1 and the weights stay spread, "
+        "whatever $d_k$. Drawn with `attention_explicit`."
+    )
     return fig, caption
 
 
 # %% [markdown]
 # ## The subsequent mask and the positional encoding
+
 
 # %%
 def draw_subsequent_mask(ctx: FigureContext) -> tuple[MplFigure, str]:
@@ -152,8 +155,10 @@ def draw_subsequent_mask(ctx: FigureContext) -> tuple[MplFigure, str]:
     ax = fig.subplots()
     ax.imshow(mask.int().numpy(), cmap="Greys", vmin=0, vmax=1)
     ax.set(xlabel="key position j", ylabel="query position i", title=f"subsequent_mask({T_len})")
-    caption = ("`subsequent_mask(12)[0]`: black where query position $i$ may attend to key position "
-               "$j$, that is $j \\le i$; white entries are blocked.")
+    caption = (
+        "`subsequent_mask(12)[0]`: black where query position $i$ may attend to key position "
+        "$j$, that is $j \\le i$; white entries are blocked."
+    )
     return fig, caption
 
 
@@ -161,23 +166,25 @@ def draw_positional_encoding(ctx: FigureContext) -> tuple[MplFigure, str]:
     pe = transformer.sinusoidal_encoding(100, 64)  # (100, 64)
     fig = MplFigure(figsize=(10, 3.2))
     ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.1, 1]})
-    im = ax1.imshow(pe.T.numpy(), aspect="auto", cmap="RdBu", vmin=-1, vmax=1, origin="lower",
-                    interpolation="nearest")
+    im = ax1.imshow(pe.T.numpy(), aspect="auto", cmap="RdBu", vmin=-1, vmax=1, origin="lower", interpolation="nearest")
     ax1.set(xlabel="position", ylabel="dimension", title="sinusoidal_encoding(100, 64)")
     fig.colorbar(im, ax=ax1)
     for dim in (4, 5, 12, 20):
         ax2.plot(pe[:, dim].numpy(), label=f"dim {dim}")
     ax2.set(xlabel="position", ylim=(-1.3, 1.1), title="four dimensions")
     ax2.legend(loc="lower left", ncol=4, fontsize="small")
-    caption = ("The positional encoding for $d_{model} = 64$: even dimensions are sines, odd ones cosines, "
-               "with wavelengths growing geometrically from $2\\pi$ to $10000 \\cdot 2\\pi$ along the "
-               "dimensions. Right: dimensions 4 and 5, the sine and cosine of one frequency, and the slower "
-               "sines of dimensions 12 and 20.")
+    caption = (
+        "The positional encoding for $d_{model} = 64$: even dimensions are sines, odd ones cosines, "
+        "with wavelengths growing geometrically from $2\\pi$ to $10000 \\cdot 2\\pi$ along the "
+        "dimensions. Right: dimensions 4 and 5, the sine and cosine of one frequency, and the slower "
+        "sines of dimensions 12 and 20."
+    )
     return fig, caption
 
 
 # %% [markdown]
 # ## The learning-rate schedule
+
 
 # %%
 def draw_rate(ctx: FigureContext) -> tuple[MplFigure, str]:
@@ -185,12 +192,17 @@ def draw_rate(ctx: FigureContext) -> tuple[MplFigure, str]:
     fig = MplFigure(figsize=(6, 3.2))
     ax = fig.subplots()
     for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
-        ax.plot(list(steps), [transformer.rate(s, d_model, warmup) for s in steps],
-                label=f"d_model={d_model}, warmup={warmup}")
+        ax.plot(
+            list(steps),
+            [transformer.rate(s, d_model, warmup) for s in steps],
+            label=f"d_model={d_model}, warmup={warmup}",
+        )
     ax.set(xlabel="step", ylabel="learning rate", title="rate(step, d_model, warmup)")
     ax.legend()
-    caption = ("`rate(step, d_model, warmup)`: linear warm-up, peak $d_{model}^{-0.5} \\cdot "
-               "warmup^{-0.5}$ at step = warmup, then decay as $step^{-0.5}$.")
+    caption = (
+        "`rate(step, d_model, warmup)`: linear warm-up, peak $d_{model}^{-0.5} \\cdot "
+        "warmup^{-0.5}$ at step = warmup, then decay as $step^{-0.5}$."
+    )
     return fig, caption
 
 
@@ -202,14 +214,17 @@ def draw_rate(ctx: FigureContext) -> tuple[MplFigure, str]:
 # the same definition written here, `q(k) = (1 - eps) [k = y] + eps / V`
 # (PyTorch's `label_smoothing`), and the caption says so.
 
+
 # %%
 def _smoothing_functions(ctx: FigureContext):
     """(targets(y, V, eps) -> (n, V), loss(logits (B, T, V), y (B, T), eps) -> sum, source note)."""
     try:
         from annotated.training.loss import label_smoothed_loss, smoothed_targets
     except ImportError as e:
-        ctx.notes.append(f"label smoothing figure: annotated.training.loss not importable ({e}); "
-                         f"drawn with the formula in docs/figures.py")
+        ctx.notes.append(
+            f"label smoothing figure: annotated.training.loss not importable ({e}); "
+            f"drawn with the formula in docs/figures.py"
+        )
 
         def smoothed_targets(target, vocab, eps):
             q = torch.full((target.numel(), vocab), eps / vocab)  # (n, V)
@@ -217,8 +232,9 @@ def _smoothing_functions(ctx: FigureContext):
             return q
 
         def label_smoothed_loss(logits, target, eps, pad=transformer.PAD):
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(),
-                                                     label_smoothing=eps, reduction="none")
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), target.flatten(), label_smoothing=eps, reduction="none"
+            )
             return loss.masked_fill(target.flatten() == pad, 0.0).sum()
 
         return smoothed_targets, label_smoothed_loss, "the formula above (written in docs/figures.py)"
@@ -249,10 +265,12 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
     ax2.axvline(q[y].item(), color="k", ls=":", lw=1, label=f"p(y) = q(y) = {q[y].item():.2f}")
     ax2.set(xlabel="p(y), the rest spread evenly", ylabel="loss", ylim=(0, 4), title="loss for one position")
     ax2.legend()
-    caption = (f"Label smoothing with $\\epsilon = {eps}$ over $V = {V}$ tokens. Left: the training target. "
-               "Right: without smoothing the loss keeps falling as the model grows surer of $y$; with "
-               "smoothing it is smallest at $p(y) = 1 - \\epsilon + \\epsilon / V$ and penalises "
-               f"overconfidence. Drawn with {source}.")
+    caption = (
+        f"Label smoothing with $\\epsilon = {eps}$ over $V = {V}$ tokens. Left: the training target. "
+        "Right: without smoothing the loss keeps falling as the model grows surer of $y$; with "
+        "smoothing it is smallest at $p(y) = 1 - \\epsilon + \\epsilon / V$ and penalises "
+        f"overconfidence. Drawn with {source}."
+    )
     return fig, caption
 
 
@@ -276,6 +294,7 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
 # the project (`ROW_CONVENTION`): a decoder row (query) is labelled by the
 # token the decoder predicts at that position; a key column by the token fed
 # in at that position (`test_attention_figure_labels_decoder_rows_by_the_predicted_token`).
+
 
 # %%
 def find_checkpoint(root: Path) -> Path | None:
@@ -301,8 +320,10 @@ def copy_task_model(ctx: FigureContext) -> transformer.EncoderDecoder:
             return load_checkpoint(cached)[0]
         except CheckpointError as e:
             ctx.say(f"ignoring the cached copy-task model: {e}")
-    ctx.say(f"training the copy-task model for the attention figure ({ctx.copy_steps} steps, "
-            f"about {ctx.copy_steps // 15 + 1} s on one CPU core)")
+    ctx.say(
+        f"training the copy-task model for the attention figure ({ctx.copy_steps} steps, "
+        f"about {ctx.copy_steps // 15 + 1} s on one CPU core)"
+    )
     model = transformer.train_copy_task(steps=ctx.copy_steps)
     if cached is not None:
         save_checkpoint(cached, model, None, {"copy_steps": ctx.copy_steps})
@@ -321,13 +342,16 @@ def _checkpoint_sentence(path: Path, src_lang: str) -> str:
                 return samples[0]["source"]
         except (OSError, ValueError):
             pass
-    return {"de": "Zwei junge Männer spielen Fußball auf einer Wiese.",
-            "fr": "Deux jeunes hommes jouent au football dans un champ.",
-            "cs": "Dva mladí muži hrají fotbal na louce."}.get(src_lang, "Two young men play soccer in a field.")
+    return {
+        "de": "Zwei junge Männer spielen Fußball auf einer Wiese.",
+        "fr": "Deux jeunes hommes jouent au football dans un champ.",
+        "cs": "Dva mladí muži hrají fotbal na louce.",
+    }.get(src_lang, "Two young men play soccer in a field.")
 
 
-def _attention_grid(panels: list[tuple[str, torch.Tensor, list[str], list[str]]], ncols: int,
-                    width: float) -> MplFigure:
+def _attention_grid(
+    panels: list[tuple[str, torch.Tensor, list[str], list[str]]], ncols: int, width: float
+) -> MplFigure:
     """Panels (title, probs (T_q, T_k), query labels, key labels), `ncols` to a row."""
     nrows = -(-len(panels) // ncols)
     fig = MplFigure(figsize=(width, 0.4 + 1.05 * width / ncols * nrows))
@@ -340,14 +364,17 @@ def _attention_grid(panels: list[tuple[str, torch.Tensor, list[str], list[str]]]
         ax.imshow(probs.numpy(), cmap=CMAP, vmin=0, vmax=1)
         ax.set_title(title, fontsize="small")
         ax.set_xticks(range(len(k_labels)), [label_text(t) for t in k_labels], rotation=90, fontsize="x-small")
-        ax.set_yticks(range(len(q_labels)), [label_text(t) for t in q_labels] if j % ncols == 0 else [],
-                      fontsize="x-small")
+        ax.set_yticks(
+            range(len(q_labels)), [label_text(t) for t in q_labels] if j % ncols == 0 else [], fontsize="x-small"
+        )
     return fig
 
 
 _NAMES = {transformer.BOS: "<s>", transformer.EOS: "</s>", transformer.PAD: "<pad>"}
-ROW_CONVENTION = ("A decoder row (query) is labelled by the token the decoder predicts at that position; a key "
-                  "column by the token fed in at that position.")
+ROW_CONVENTION = (
+    "A decoder row (query) is labelled by the token the decoder predicts at that position; a key "
+    "column by the token fed in at that position."
+)
 
 
 @dataclass
@@ -355,11 +382,11 @@ class Shown:
     """The model the page's model pictures show, and one sentence for it."""
 
     model: transformer.EncoderDecoder
-    src: torch.Tensor             # (1, S) source ids
-    labels: list[str]             # one per source position
-    name: str                     # a few words naming the model, for captions
+    src: torch.Tensor  # (1, S) source ids
+    labels: list[str]  # one per source position
+    name: str  # a few words naming the model, for captions
     label: Callable[[list[int]], list[str]]  # ids -> one label per id
-    tokenizer: object = None      # the checkpoint's, or None for the copy task
+    tokenizer: object = None  # the checkpoint's, or None for the copy task
     meta: dict = field(default_factory=dict)
     sentence: str = ""
     short: str = "copy-task model"  # the name without markup, for a picture's title
@@ -370,8 +397,13 @@ def _copy_shown(ctx: FigureContext) -> Shown:
     gen = torch.Generator().manual_seed(7)
     src = torch.randint(3, model.config.src_vocab, (1, 8), generator=gen)  # (1, S)
     label = lambda ids: [_NAMES.get(t, str(t)) for t in ids]
-    return Shown(model, src, label(src[0].tolist()),
-                 f"the copy-task model (trained {ctx.copy_steps} steps, no checkpoint in `runs/`)", label)
+    return Shown(
+        model,
+        src,
+        label(src[0].tolist()),
+        f"the copy-task model (trained {ctx.copy_steps} steps, no checkpoint in `runs/`)",
+        label,
+    )
 
 
 def _checkpoint_shown(ctx: FigureContext) -> Shown:
@@ -385,8 +417,17 @@ def _checkpoint_shown(ctx: FigureContext) -> Shown:
     label = lambda ids: [_NAMES.get(t) or "".join(tokenizer.pieces([t])) for t in ids]
     languages = as_text(f"{meta.get('src_lang', '?')}→{meta.get('tgt_lang', '?')}")
     name = f"the trained translator {as_text(f'{ctx.checkpoint.parent.name}/{ctx.checkpoint.name}')} ({languages})"
-    return Shown(model.eval(), torch.tensor([ids]), label(ids), name, label, tokenizer, meta, sentence,
-                 f"translator {ctx.checkpoint.parent.name}")
+    return Shown(
+        model.eval(),
+        torch.tensor([ids]),
+        label(ids),
+        name,
+        label,
+        tokenizer,
+        meta,
+        sentence,
+        f"translator {ctx.checkpoint.parent.name}",
+    )
 
 
 def _shown_sentence(ctx: FigureContext) -> Shown:
@@ -425,8 +466,10 @@ def copy_verdict(out: list[int], src: list[int]) -> str:
     if got == src:
         return "Its output copies the source exactly."
     first = next((i for i, (a, b) in enumerate(zip(got, src)) if a != b), min(len(got), len(src)))
-    return (f"Its output is a wrong copy: {' '.join(map(str, got))} instead of {' '.join(map(str, src))}, "
-            f"wrong from position {first} on (positions count from 0); the model has not learnt the task yet.")
+    return (
+        f"Its output is a wrong copy: {' '.join(map(str, got))} instead of {' '.join(map(str, src))}, "
+        f"wrong from position {first} on (positions count from 0); the model has not learnt the task yet."
+    )
 
 
 def last_layer_attention(model: transformer.EncoderDecoder, src: torch.Tensor, tgt_in: torch.Tensor) -> dict:
@@ -446,22 +489,26 @@ def draw_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
     predicted = shown.label(out[0].tolist())
     h = probs["cross"].size(0)
     if shown.tokenizer is None:  # the copy task: the encoder's self-attention too
-        panels = ([(f"encoder, head {i}", probs["enc_self"][i], shown.labels, shown.labels) for i in range(h)]
-                  + [(f"cross, head {i}", probs["cross"][i], predicted, shown.labels) for i in range(h)])
+        panels = [(f"encoder, head {i}", probs["enc_self"][i], shown.labels, shown.labels) for i in range(h)] + [
+            (f"cross, head {i}", probs["cross"][i], predicted, shown.labels) for i in range(h)
+        ]
         fig = _attention_grid(panels, ncols=h, width=2.4 * h)
-        caption = (f"Attention of {shown.name}: top, the last encoder layer's self-attention over the source "
-                   f"{' '.join(shown.labels)}; bottom, the last decoder layer's cross-attention, one row per "
-                   f"target position, while the model decodes with beam search (beam {BEAM}, as `make translate` "
-                   f"does). {copy_verdict(out[0].tolist(), src[0].tolist())} "
-                   "Rows are queries, columns keys; each row sums to 1. " + ROW_CONVENTION)
+        caption = (
+            f"Attention of {shown.name}: top, the last encoder layer's self-attention over the source "
+            f"{' '.join(shown.labels)}; bottom, the last decoder layer's cross-attention, one row per "
+            f"target position, while the model decodes with beam search (beam {BEAM}, as `make translate` "
+            f"does). {copy_verdict(out[0].tolist(), src[0].tolist())} "
+            "Rows are queries, columns keys; each row sums to 1. " + ROW_CONVENTION
+        )
         return fig, caption
     panels = [(f"head {i}", probs["cross"][i], predicted, shown.labels) for i in range(h)]
     fig = _attention_grid(panels, ncols=min(4, h), width=12)
-    caption = (f"Cross-attention of the last decoder layer of {shown.name}, every head, translating "
-               f"“{as_text(shown.sentence)}” with beam {BEAM}, as `make translate` does, into "
-               f"“{as_text(shown.tokenizer.decode(out[0].tolist()))}”. "
-               "Rows are target subwords (queries), columns source subwords (keys); each row sums to 1. "
-               + ROW_CONVENTION)
+    caption = (
+        f"Cross-attention of the last decoder layer of {shown.name}, every head, translating "
+        f"“{as_text(shown.sentence)}” with beam {BEAM}, as `make translate` does, into "
+        f"“{as_text(shown.tokenizer.decode(out[0].tolist()))}”. "
+        "Rows are target subwords (queries), columns source subwords (keys); each row sums to 1. " + ROW_CONVENTION
+    )
     return fig, caption
 
 
@@ -475,6 +522,7 @@ def draw_attention(ctx: FigureContext) -> tuple[MplFigure, str]:
 # matrices written here by hand, every row summing to 1: they are
 # illustrations of the patterns, not a model's weights, and the caption says
 # so (`test_reading_figure_rows_sum_to_one`).
+
 
 # %%
 def _rows(n_cols: int, peaks: list[list[tuple[int, float]]], floor: float = 0.02) -> np.ndarray:
@@ -502,10 +550,20 @@ def reading_panels() -> list[tuple[str, np.ndarray, list[str], list[str], bool]]
     cross = [[(0, 1.0)], [(1, 1.0)], [(2, 1.0)], [(3, 1.0)], [(4, 1.0)], [(5, 1.0)], [(6, 1.0)], [(6, 0.6), (5, 0.3)]]
     return [
         ("encoder: diagonal\n(each token keeps itself)", _rows(S, [[(i, 1.0)] for i in range(S)]), src, src, False),
-        ("encoder: shifted diagonal\n(the previous token)", _rows(S, [[(max(i - 1, 0), 1.0)] for i in range(S)]),
-         src, src, False),
-        ("encoder: a vertical stripe\n(everyone reads the period)", _rows(S, [[(S - 1, 1.0)]] * S, 0.05), src, src,
-         False),
+        (
+            "encoder: shifted diagonal\n(the previous token)",
+            _rows(S, [[(max(i - 1, 0), 1.0)] for i in range(S)]),
+            src,
+            src,
+            False,
+        ),
+        (
+            "encoder: a vertical stripe\n(everyone reads the period)",
+            _rows(S, [[(S - 1, 1.0)]] * S, 0.05),
+            src,
+            src,
+            False,
+        ),
         ("decoder self: triangular\n(grey: blocked, exactly 0)", prev, out, fed, True),
         ("cross: a diagonal band\n(word by word)", _rows(S, cross), out, src, False),
     ]
@@ -519,17 +577,29 @@ def draw_reading(ctx: FigureContext) -> tuple[MplFigure, str]:
     axes = fig.subplots(1, len(panels))
     im = None
     for ax, (title, weights, rows, cols, causal) in zip(axes, panels):
-        im = _panel(ax, weights, rows, cols, causal=causal, row_labels=True, col_labels=True, font=7,
-                    title=title, aspect="equal")
+        im = _panel(
+            ax,
+            weights,
+            rows,
+            cols,
+            causal=causal,
+            row_labels=True,
+            col_labels=True,
+            font=7,
+            title=title,
+            aspect="equal",
+        )
     add_colour_bar(fig, im, list(axes))
-    caption = ("The patterns of “How to read the pictures”, drawn as every attention picture is drawn "
-               "(one colour map from 0 to 1; rows are queries and each sums to 1; grey cells are blocked by "
-               "the causal mask). These matrices are written by hand to show each pattern, not taken from a "
-               "model: from left to right, an encoder head that keeps each token, one that reads the previous "
-               "token, one that every token uses to read the final period, the decoder's triangular "
-               "self-attention reading the previous word, and a cross-attention head whose diagonal band "
-               "lines *Ein Hund rennt über die Wiese.* up with *A dog runs across the meadow.*, its `</s>` "
-               "row on the final period. " + ROW_CONVENTION)
+    caption = (
+        "The patterns of “How to read the pictures”, drawn as every attention picture is drawn "
+        "(one colour map from 0 to 1; rows are queries and each sums to 1; grey cells are blocked by "
+        "the causal mask). These matrices are written by hand to show each pattern, not taken from a "
+        "model: from left to right, an encoder head that keeps each token, one that reads the previous "
+        "token, one that every token uses to read the final period, the decoder's triangular "
+        "self-attention reading the previous word, and a cross-attention head whose diagonal band "
+        "lines *Ein Hund rennt über die Wiese.* up with *A dog runs across the meadow.*, its `</s>` "
+        "row on the final period. " + ROW_CONVENTION
+    )
     return fig, caption
 
 
@@ -583,8 +653,17 @@ def viewer_page(ctx: FigureContext) -> str:
     if ctx.cache_dir is not None:
         ctx.cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=ctx.cache_dir, prefix="viewer-") as tmp:
-        folder = dump_model(shown.model, tokenizer, [sentence], Path(tmp) / "dump", checkpoint=shown.short,
-                            meta=shown.meta, pictures=False, viewer=False, beam_size=BEAM)
+        folder = dump_model(
+            shown.model,
+            tokenizer,
+            [sentence],
+            Path(tmp) / "dump",
+            checkpoint=shown.short,
+            meta=shown.meta,
+            pictures=False,
+            viewer=False,
+            beam_size=BEAM,
+        )
         index, arrays = read_index(folder), [load_sentence(folder, 0)[0]]
     return viewer_html(index, arrays, embedded=True, start=viewer_start(shown.model))
 

@@ -33,13 +33,26 @@ CELL = 0.2  # inches per matrix entry: every matrix at the same scale, so shapes
 # A `Canvas` places matrices by their top-left corner in inches; each entry
 # is a `CELL`-inch square. Block boundaries are drawn as white lines.
 
+
 # %%
 class Canvas:
     def __init__(self, width: float, height: float):
         self.fig, self.w, self.h = MplFigure(figsize=(width, height)), width, height
 
-    def matrix(self, x: float, y: float, M: torch.Tensor, title: str = "", *, lim: float = 1.0,
-               col_blocks: int = 0, row_blocks: int = 0, row_labels=None, col_labels=None, font: float = 11):
+    def matrix(
+        self,
+        x: float,
+        y: float,
+        M: torch.Tensor,
+        title: str = "",
+        *,
+        lim: float = 1.0,
+        col_blocks: int = 0,
+        row_blocks: int = 0,
+        row_labels=None,
+        col_labels=None,
+        font: float = 11,
+    ):
         """Draw M (rows, cols) with its top-left corner at (x, y) inches from the top-left of the canvas."""
         rows, cols = M.shape
         ax = self.fig.add_axes((x / self.w, 1 - (y + rows * CELL) / self.h, cols * CELL / self.w, rows * CELL / self.h))
@@ -67,19 +80,20 @@ class Canvas:
 # test `test_block_matrix_numbers_are_the_modules` checks that the fused
 # heads are the per-head ones and that both ends are the modules' outputs.
 
+
 # %%
 @dataclass
 class BlockNumbers:
-    X: torch.Tensor            # (T, d_model) the input rows
-    W_Q_blocks: list           # h x (d_model, d_k): PerHeadAttention.W_Q[i]
-    W_Q: torch.Tensor          # (d_model, h*d_k): FusedAttention.W_Q
-    XW_Q: torch.Tensor         # (T, h*d_k)
-    heads_q: torch.Tensor      # (h, T, d_k): XW_Q.view(1, T, h, d_k).transpose(1, 2)[0]
-    heads: torch.Tensor        # (h, T, d_v): head_i
-    concat: torch.Tensor       # (T, h*d_v)
-    W_O: torch.Tensor          # (h*d_v, d_model)
-    terms: torch.Tensor        # (h, T, d_model): head_i W_O[i]
-    out: torch.Tensor          # (T, d_model): Concat(heads) W_O
+    X: torch.Tensor  # (T, d_model) the input rows
+    W_Q_blocks: list  # h x (d_model, d_k): PerHeadAttention.W_Q[i]
+    W_Q: torch.Tensor  # (d_model, h*d_k): FusedAttention.W_Q
+    XW_Q: torch.Tensor  # (T, h*d_k)
+    heads_q: torch.Tensor  # (h, T, d_k): XW_Q.view(1, T, h, d_k).transpose(1, 2)[0]
+    heads: torch.Tensor  # (h, T, d_v): head_i
+    concat: torch.Tensor  # (T, h*d_v)
+    W_O: torch.Tensor  # (h*d_v, d_model)
+    terms: torch.Tensor  # (h, T, d_model): head_i W_O[i]
+    out: torch.Tensor  # (T, d_model): Concat(heads) W_O
     per_head: transformer.PerHeadAttention
     fused: transformer.FusedAttention
 
@@ -97,8 +111,20 @@ def block_numbers(d_model: int = 6, h: int = 3, T_len: int = 4, seed: int = 0) -
     heads = transformer.attention_explicit(per_head.queries(X), K, V)[0][0]  # (h, T, d_v)
     concat = heads.transpose(0, 1).reshape(T_len, h * fused.d_v)  # (T, h*d_v)
     terms = torch.stack([heads[i] @ per_head.W_O[i] for i in range(h)])  # (h, T, d_model)
-    return BlockNumbers(X[0], [w.detach() for w in per_head.W_Q], fused.W_Q.detach(), XW_Q[0], heads_q, heads,
-                        concat, fused.W_O.detach(), terms, concat @ fused.W_O, per_head, fused)
+    return BlockNumbers(
+        X[0],
+        [w.detach() for w in per_head.W_Q],
+        fused.W_Q.detach(),
+        XW_Q[0],
+        heads_q,
+        heads,
+        concat,
+        fused.W_O.detach(),
+        terms,
+        concat @ fused.W_O,
+        per_head,
+        fused,
+    )
 
 
 def draw_block_matrices(ctx) -> tuple[MplFigure, str]:
@@ -112,10 +138,17 @@ def draw_block_matrices(ctx) -> tuple[MplFigure, str]:
         c.matrix(x, 0.5, W, f"$W_Q[{i}]$", lim=lim)
         x += d_k * CELL + 0.45
     c.text(x + 0.05, 0.5 + d_model * CELL / 2, "→")
-    c.matrix(x + 0.45, 0.5, n.W_Q, "$W_Q = [" + " | ".join(f"W_Q[{i}]" for i in range(h)) + "]$", lim=lim, col_blocks=d_k)
-    c.fig.text((x + 0.45 + h * d_k * CELL + 0.3) / c.w, 1 - (0.5 + d_model * CELL / 2) / c.h,
-               f"each $W_Q[i]$: $d_{{model}} \\times d_k$ = {d_model} × {d_k}\n"
-               f"$W_Q$: $d_{{model}} \\times h\\,d_k$ = {d_model} × {h * d_k}", fontsize=12, va="center")
+    c.matrix(
+        x + 0.45, 0.5, n.W_Q, "$W_Q = [" + " | ".join(f"W_Q[{i}]" for i in range(h)) + "]$", lim=lim, col_blocks=d_k
+    )
+    c.fig.text(
+        (x + 0.45 + h * d_k * CELL + 0.3) / c.w,
+        1 - (0.5 + d_model * CELL / 2) / c.h,
+        f"each $W_Q[i]$: $d_{{model}} \\times d_k$ = {d_model} × {d_k}\n"
+        f"$W_Q$: $d_{{model}} \\times h\\,d_k$ = {d_model} × {h * d_k}",
+        fontsize=12,
+        va="center",
+    )
     # row 2: one product, then the view that picks out each head
     y = 2.6
     c.matrix(0.3, y, n.X, "$X$  (T × $d_{model}$)", lim=lim)
@@ -125,8 +158,13 @@ def draw_block_matrices(ctx) -> tuple[MplFigure, str]:
     c.text(x, y + T_len * CELL / 2, "=")
     c.matrix(x + 0.3, y, n.XW_Q, "$X W_Q$  (T × $h\\,d_k$)", lim=lim, col_blocks=d_k)
     x += 0.3 + h * d_k * CELL + 0.2
-    c.fig.text(x / c.w, 1 - (y + T_len * CELL / 2) / c.h, "view(B, T, h, $d_k$)\n.transpose(1, 2)  →",
-               fontsize=10.5, va="center")
+    c.fig.text(
+        x / c.w,
+        1 - (y + T_len * CELL / 2) / c.h,
+        "view(B, T, h, $d_k$)\n.transpose(1, 2)  →",
+        fontsize=10.5,
+        va="center",
+    )
     x += 1.75
     for i in range(h):
         c.matrix(x, y, n.heads_q[i], f"head {i}:\n$X W_Q[{i}]$", lim=lim)
@@ -149,15 +187,17 @@ def draw_block_matrices(ctx) -> tuple[MplFigure, str]:
         if i < h - 1:
             c.text(x + 0.2, y + T_len * CELL / 2, "+")
             x += 0.4
-    caption = (f"The block matrices of a real `PerHeadAttention` ($d_{{model}} = {d_model}$, $h = {h}$, "
-               f"$d_k = d_v = {d_k}$) and the `FusedAttention` that `fuse` makes of it, one square per number, "
-               "one colour scale "
-               f"(`CMAP`). Top: each $W_Q[i]$ has $d_{{model}}$ rows and $d_k$ columns; "
-               "$W_Q$ lays them side by side. Middle: the rows of $X$ are $T = "
-               f"{T_len}$ positions; one product $X W_Q$ computes every head's queries, and "
-               "`view(B, T, h, d_k).transpose(1, 2)` hands column block $i$ to head $i$. Bottom: "
-               "$W_O$ stacks the row blocks $W_O[i]$ ($d_v$ rows each), so Concat(heads) $W_O$ is the sum "
-               "of the heads' terms $head_i W_O[i]$: the white lines mark the blocks.")
+    caption = (
+        f"The block matrices of a real `PerHeadAttention` ($d_{{model}} = {d_model}$, $h = {h}$, "
+        f"$d_k = d_v = {d_k}$) and the `FusedAttention` that `fuse` makes of it, one square per number, "
+        "one colour scale "
+        f"(`CMAP`). Top: each $W_Q[i]$ has $d_{{model}}$ rows and $d_k$ columns; "
+        "$W_Q$ lays them side by side. Middle: the rows of $X$ are $T = "
+        f"{T_len}$ positions; one product $X W_Q$ computes every head's queries, and "
+        "`view(B, T, h, d_k).transpose(1, 2)` hands column block $i$ to head $i$. Bottom: "
+        "$W_O$ stacks the row blocks $W_O[i]$ ($d_v$ rows each), so Concat(heads) $W_O$ is the sum "
+        "of the heads' terms $head_i W_O[i]$: the white lines mark the blocks."
+    )
     return c.fig, caption
 
 
@@ -172,20 +212,21 @@ def draw_block_matrices(ctx) -> tuple[MplFigure, str]:
 # `split` into the per-head form. `test_one_head_figure_is_the_modules_head`
 # checks the weighted sum against the module's head output.
 
+
 # %%
 @dataclass
 class OneHead:
-    tokens: list                # key labels, one per position
-    query: int                  # the query position
-    head: int                   # 0-based
-    q: torch.Tensor             # (d_k,)   x_query W_Q[i] + b_Q[i]
-    K: torch.Tensor             # (T, d_k) x W_K[i] + b_K[i]
-    scores: torch.Tensor        # (T,)     q . k / sqrt(d_k) (masked keys -inf)
-    p: torch.Tensor             # (T,)     softmax of the scores
-    V: torch.Tensor             # (T, d_v) x W_V[i] + b_V[i]
-    out: torch.Tensor           # (d_v,)   sum_j p_j V_j
-    x: torch.Tensor             # (T, d_model) the attention's input
-    mask: torch.Tensor | None   # the call's mask
+    tokens: list  # key labels, one per position
+    query: int  # the query position
+    head: int  # 0-based
+    q: torch.Tensor  # (d_k,)   x_query W_Q[i] + b_Q[i]
+    K: torch.Tensor  # (T, d_k) x W_K[i] + b_K[i]
+    scores: torch.Tensor  # (T,)     q . k / sqrt(d_k) (masked keys -inf)
+    p: torch.Tensor  # (T,)     softmax of the scores
+    V: torch.Tensor  # (T, d_v) x W_V[i] + b_V[i]
+    out: torch.Tensor  # (d_v,)   sum_j p_j V_j
+    x: torch.Tensor  # (T, d_model) the attention's input
+    mask: torch.Tensor | None  # the call's mask
 
 
 def attention_input(model: transformer.EncoderDecoder, src: torch.Tensor, kind: str = "enc_self", layer: int = -1):
@@ -239,8 +280,9 @@ def draw_one_head(ctx) -> tuple[MplFigure, str]:
     k_x, v_x = 1.6 + d_k * cell + 1.4, 1.6 + 2 * d_k * cell + 1.4 + 4.2
 
     def strip(x0, y0, M, title, ticks=None):
-        ax = c.fig.add_axes((x0 / c.w, 1 - (y0 + M.shape[0] * CELL) / c.h, M.shape[1] * cell / c.w,
-                             M.shape[0] * CELL / c.h))
+        ax = c.fig.add_axes(
+            (x0 / c.w, 1 - (y0 + M.shape[0] * CELL) / c.h, M.shape[1] * cell / c.w, M.shape[0] * CELL / c.h)
+        )
         ax.imshow(M.numpy(), cmap=CMAP, vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
         ax.set_xticks([])
         ax.set_yticks(range(len(ticks)) if ticks else [], ticks or [], fontsize=8)
@@ -248,19 +290,22 @@ def draw_one_head(ctx) -> tuple[MplFigure, str]:
         ax.set_title(title, fontsize=9, pad=3)
         return ax
 
-    strip(1.6, top + query * CELL, n.q[None], f"query {_safe(labels[query])}:\nq = x W_Q[{n.head}]",
-          [_safe(labels[query])])
+    strip(
+        1.6,
+        top + query * CELL,
+        n.q[None],
+        f"query {_safe(labels[query])}:\nq = x W_Q[{n.head}]",
+        [_safe(labels[query])],
+    )
     strip(k_x, top, n.K, f"k = x W_K[{n.head}], one row per key", [_safe(t) for t in labels])
-    ax = c.fig.add_axes(((k_x + d_k * cell + 0.3) / c.w, 1 - (top + T_len * CELL) / c.h, 1.6 / c.w,
-                         T_len * CELL / c.h))
+    ax = c.fig.add_axes(((k_x + d_k * cell + 0.3) / c.w, 1 - (top + T_len * CELL) / c.h, 1.6 / c.w, T_len * CELL / c.h))
     finite = torch.where(torch.isfinite(n.scores), n.scores, torch.zeros_like(n.scores))
     ax.barh(range(T_len), finite.numpy(), color="#8c959f")
     ax.set(ylim=(T_len - 0.5, -0.5), yticks=[], xticks=[])
     ax.set_title(r"q·k / $\sqrt{d_k}$", fontsize=9, pad=3)
     for j, s in enumerate(n.scores.tolist()):
         ax.text(0, j, f" {s:.2f}" if math.isfinite(s) else " masked", fontsize=7, va="center")
-    ax = c.fig.add_axes(((k_x + d_k * cell + 2.2) / c.w, 1 - (top + T_len * CELL) / c.h, 1.6 / c.w,
-                         T_len * CELL / c.h))
+    ax = c.fig.add_axes(((k_x + d_k * cell + 2.2) / c.w, 1 - (top + T_len * CELL) / c.h, 1.6 / c.w, T_len * CELL / c.h))
     colours = [_colour(p) for p in n.p.tolist()]
     ax.barh(range(T_len), n.p.numpy(), color=colours)
     ax.set(ylim=(T_len - 0.5, -0.5), xlim=(0, 1), yticks=[], xticks=[])
@@ -269,15 +314,17 @@ def draw_one_head(ctx) -> tuple[MplFigure, str]:
         ax.text(min(p, 0.6), j, f" {p:.2f}", fontsize=7, va="center")
     strip(v_x, top, n.V, f"v = x W_V[{n.head}]")
     strip(v_x, top + T_len * CELL + 0.6, n.out[None], "Σ p·v: the head's output")
-    caption = (f"One head at work: head {n.head} of the last encoder layer's self-attention "
-               f"({where}), for the query at position {query}, “{as_text(labels[query])}”. Rows are the key "
-               f"positions, labelled by the token fed in there; the columns of q and k are the $d_k = {d_k}$ "
-               f"coordinates of the head's space, those of v and of the output its $d_v = {d_v}$. Each key's "
-               "score is its row of k dotted with q, divided by $\\sqrt{d_k}$; the softmax turns the "
-               "scores into weights that sum to 1; the output is the weighted sum of the rows of v, which "
-               "is exactly the module's head output (`test_one_head_figure_is_the_modules_head`). All "
-               f"numbers computed with the model's own `W_Q[{n.head}]`, `W_K[{n.head}]`, "
-               f"`W_V[{n.head}]` after `split`.")
+    caption = (
+        f"One head at work: head {n.head} of the last encoder layer's self-attention "
+        f"({where}), for the query at position {query}, “{as_text(labels[query])}”. Rows are the key "
+        f"positions, labelled by the token fed in there; the columns of q and k are the $d_k = {d_k}$ "
+        f"coordinates of the head's space, those of v and of the output its $d_v = {d_v}$. Each key's "
+        "score is its row of k dotted with q, divided by $\\sqrt{d_k}$; the softmax turns the "
+        "scores into weights that sum to 1; the output is the weighted sum of the rows of v, which "
+        "is exactly the module's head output (`test_one_head_figure_is_the_modules_head`). All "
+        f"numbers computed with the model's own `W_Q[{n.head}]`, `W_K[{n.head}]`, "
+        f"`W_V[{n.head}]` after `split`."
+    )
     return c.fig, caption
 
 
@@ -294,6 +341,7 @@ def _safe(token: str) -> str:
 # %% [markdown]
 # ## The architecture, from a model's configuration
 
+
 # %%
 def draw_architecture(ctx) -> tuple[MplFigure, str]:
     shown = ctx.shown_sentence()
@@ -302,21 +350,22 @@ def draw_architecture(ctx) -> tuple[MplFigure, str]:
     kinds = {kind: attention_at(model, kind, 0) for kind in ("enc_self", "dec_self", "cross")}
     import matplotlib
 
-    colour = {k: matplotlib.colormaps[CMAP](v) for k, v in (("enc_self", 0.25), ("dec_self", 0.6),
-                                                                   ("cross", 0.9))}
+    colour = {k: matplotlib.colormaps[CMAP](v) for k, v in (("enc_self", 0.25), ("dec_self", 0.6), ("cross", 0.9))}
     fig = MplFigure(figsize=(8.5, 7.4))
     ax = fig.add_axes((0, 0, 1, 1))
     ax.set(xlim=(0, 10), ylim=(0, 10))
     ax.set_axis_off()
 
     def box(x, y, text, face="#f6f8fa", w=3.2, hgt=0.62, colour_text="#1f2328"):
-        ax.add_patch(FancyBboxPatch((x - w / 2, y - hgt / 2), w, hgt, boxstyle="round,pad=0.04",
-                                    fc=face, ec="#57606a", lw=1))
+        ax.add_patch(
+            FancyBboxPatch((x - w / 2, y - hgt / 2), w, hgt, boxstyle="round,pad=0.04", fc=face, ec="#57606a", lw=1)
+        )
         ax.text(x, y, text, ha="center", va="center", fontsize=8.5, color=colour_text)
 
     def arrow(x0, y0, x1, y1, **kw):
-        ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=10, color="#57606a",
-                                     lw=1, **kw))
+        ax.add_patch(
+            FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=10, color="#57606a", lw=1, **kw)
+        )
 
     def att_text(kind, what):
         a = kinds[kind]
@@ -346,13 +395,20 @@ def draw_architecture(ctx) -> tuple[MplFigure, str]:
             arrow(x, y0 + 0.33, x, y1 - 0.33)
     arrow(ex, enc[-1] + 0.33, dx - 1.6, dec[2], connectionstyle="arc3,rad=-0.3")
     ax.text(ex, enc[-1] + 0.75, f"memory (S × $d_{{model}}$ = {cfg.d_model})", ha="center", fontsize=9)
-    ax.text(5, 9.5, f"{shown.short}: $d_{{model}}$ = {cfg.d_model}, N = {cfg.N}, h = {cfg.h}, {cfg.norm}-norm",
-            ha="center", fontsize=10)
-    caption = (f"The encoder-decoder of {where}, drawn from its `TransformerConfig` and its attention "
-               f"modules: $N = {cfg.N}$ layers in each stack, $d_{{model}} = {cfg.d_model}$, and per "
-               "attention its number of heads $h$ and head size $d_k$. The three attention kinds, in the "
-               "colours of the attention pictures: the encoder's self-attention (`enc_self`), the decoder's "
-               "masked self-attention (`dec_self`), and the cross-attention (`cross`), whose queries come "
-               "from the decoder and whose keys and values from the encoder's output, the memory. Arrows "
-               "run from input to output.")
+    ax.text(
+        5,
+        9.5,
+        f"{shown.short}: $d_{{model}}$ = {cfg.d_model}, N = {cfg.N}, h = {cfg.h}, {cfg.norm}-norm",
+        ha="center",
+        fontsize=10,
+    )
+    caption = (
+        f"The encoder-decoder of {where}, drawn from its `TransformerConfig` and its attention "
+        f"modules: $N = {cfg.N}$ layers in each stack, $d_{{model}} = {cfg.d_model}$, and per "
+        "attention its number of heads $h$ and head size $d_k$. The three attention kinds, in the "
+        "colours of the attention pictures: the encoder's self-attention (`enc_self`), the decoder's "
+        "masked self-attention (`dec_self`), and the cross-attention (`cross`), whose queries come "
+        "from the decoder and whose keys and values from the encoder's output, the memory. Arrows "
+        "run from input to output."
+    )
     return fig, caption

@@ -72,6 +72,7 @@ if str(ROOT) not in sys.path:  # `python docs/notebook.py` as well as `python -m
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while Python and its libraries load is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("notebook")
 
 import jupytext  # noqa: E402
@@ -122,7 +123,9 @@ def _is_expression(source: str) -> bool:
 
 # %%
 FIGURES: list[tuple[str, str]] = [
-    ("## 1. Attention: a soft dictionary lookup", '''\
+    (
+        "## 1. Attention: a soft dictionary lookup",
+        """\
 # Figure: why divide by sqrt(d_k). Scores of random unit-variance queries and keys.
 import matplotlib.pyplot as plt
 gen = torch.Generator().manual_seed(0)
@@ -140,8 +143,11 @@ ax1.loglog(dims, var_raw, "o-", label="q.k"); ax1.loglog(dims, var_scaled, "s-",
 ax1.set(xlabel="d_k", ylabel="variance of the score"); ax1.legend()
 ax2.semilogx(dims, top_raw, "o-", label="unscaled"); ax2.semilogx(dims, top_scaled, "s-", label="scaled")
 ax2.set(xlabel="d_k", ylabel="mean largest of 16 weights", ylim=(0, 1.05)); ax2.legend()
-plt.show()'''),
-    ("## 2. Masks for padding and for the future", '''\
+plt.show()""",
+    ),
+    (
+        "## 2. Masks for padding and for the future",
+        """\
 # Figure: the decoder's mask for a padded target (True = may attend, drawn dark).
 import matplotlib.pyplot as plt
 tgt = torch.tensor([[1, 7, 8, 9, 2, 0, 0]])  # bos, three words, eos, two pads
@@ -149,8 +155,11 @@ fig, axes = plt.subplots(1, 3, figsize=(9, 3))
 for ax, (title, m) in zip(axes, [("padding_mask", padding_mask(tgt, 0).expand(1, 7, 7)),
                                  ("subsequent_mask", subsequent_mask(7)), ("target_mask", target_mask(tgt, 0))]):
     ax.imshow(m[0].numpy(), cmap="Greys", vmin=0, vmax=1); ax.set(title=title, xlabel="key position", ylabel="query position")
-plt.show()'''),
-    ("### Embeddings and positional encoding", '''\
+plt.show()""",
+    ),
+    (
+        "### Embeddings and positional encoding",
+        """\
 # Figure: the sinusoidal positional encoding (rows: positions, columns: dimensions).
 import matplotlib.pyplot as plt
 pe = sinusoidal_encoding(100, 64)
@@ -160,8 +169,11 @@ ax1.set(xlabel="position", ylabel="dimension"); fig.colorbar(im, ax=ax1, label="
 for i in (0, 2, 8, 32):
     ax2.plot(pe[:, i].numpy(), label=f"dim {i}")
 ax2.set(xlabel="position", ylabel="PE"); ax2.legend()
-plt.show()'''),
-    ("## 8. A first experiment: learning to copy", '''\
+plt.show()""",
+    ),
+    (
+        "## 8. A first experiment: learning to copy",
+        """\
 # Figure: the learning-rate schedule: a linear warm-up to d_model^-0.5 * warmup^-0.5, then step^-0.5.
 import matplotlib.pyplot as plt
 steps = range(1, 20001, 20)
@@ -169,8 +181,11 @@ fig, ax = plt.subplots(figsize=(6, 3.2))
 for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
     ax.plot(list(steps), [rate(s, d_model, warmup) for s in steps], label=f"d_model={d_model}, warmup={warmup}")
 ax.set(xlabel="step", ylabel="learning rate", title="rate(step, d_model, warmup)"); ax.legend()
-plt.show()'''),
-    ("## 8. A first experiment: learning to copy", '''\
+plt.show()""",
+    ),
+    (
+        "## 8. A first experiment: learning to copy",
+        """\
 # Figure: what a small copy model attends to. Trained here for 400 steps (about half a minute on a CPU).
 # A row is a query and sums to 1, labelled by the token the decoder predicts there; a column is a source token.
 import matplotlib.pyplot as plt
@@ -200,39 +215,55 @@ verdict = "a correct copy" if copied else "a WRONG copy: this model has not lear
 fig.suptitle(f"heads and positions count from 0; the output is {verdict}")
 print("source:", src[0, :S].tolist(), " output:", ys[0, 1:].tolist())
 print(f"the output is {verdict}")
-plt.show()'''),
+plt.show()""",
+    ),
 ]
 
 TRIES: list[tuple[str, str]] = [
-    ("## 3. Multi-head attention, one head at a time", '''\
+    (
+        "## 3. Multi-head attention, one head at a time",
+        """\
 # Try it: one PerHeadAttention on a batch of 2 sequences of 5 vectors: (B, T, d_model) in and out.
 torch.manual_seed(0)
 mha = PerHeadAttention(d_model=16, h=4)
 x = torch.randn(2, 5, 16)  # (B, T, d_model)
-tuple(mha(x, x).shape), mha.d_k'''),
-    ("## 5. Converting between the two forms", '''\
+tuple(mha(x, x).shape), mha.d_k""",
+    ),
+    (
+        "## 5. Converting between the two forms",
+        """\
 # Try it: the fused conversion of a per-head attention computes the same function (in float64).
 torch.manual_seed(0)
 per_head = PerHeadAttention(d_model=16, h=4).double()
 x = torch.randn(2, 5, 16, dtype=torch.float64)  # (B, T, d_model)
-print(f"largest difference: {(fuse(per_head)(x, x) - per_head(x, x)).abs().max().item():.1e}")'''),
-    ("### Stacks, generator and the encoder-decoder", '''\
+print(f"largest difference: {(fuse(per_head)(x, x) - per_head(x, x)).abs().max().item():.1e}")""",
+    ),
+    (
+        "### Stacks, generator and the encoder-decoder",
+        """\
 # Try it: a small model, its number of parameters and the shape of its logits for one sentence pair.
 torch.manual_seed(0)
 model = make_model(src_vocab=11, tgt_vocab=11, N=2, d_model=32, d_ff=64, h=4)
 src, tgt_in = torch.tensor([[3, 4, 5, 6]]), torch.tensor([[BOS, 3, 4]])  # (1, S), (1, T)
 logits = model(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD))  # (1, T, V)
-sum(p.numel() for p in model.parameters()), tuple(logits.shape)'''),
-    ("## 7. Greedy decoding", '''\
+sum(p.numel() for p in model.parameters()), tuple(logits.shape)""",
+    ),
+    (
+        "## 7. Greedy decoding",
+        """\
 # Try it: greedy decoding with the untrained model above. It has learnt nothing yet: its tokens are no copy
 # of the source [3, 4, 5, 6] (section 8 trains one that copies).
-greedy_decode(model.eval(), src, padding_mask(src, PAD), max_len=6, bos=BOS, eos=EOS, pad=PAD)'''),
-    ("## 8. A first experiment: learning to copy", '''\
+greedy_decode(model.eval(), src, padding_mask(src, PAD), max_len=6, bos=BOS, eos=EOS, pad=PAD)""",
+    ),
+    (
+        "## 8. A first experiment: learning to copy",
+        """\
 # Try it: the exact-match accuracy of the copy model above (400 steps) on 200 fresh sequences.
-copy_accuracy(copy_model, n=200)'''),
+copy_accuracy(copy_model, n=200)""",
+    ),
 ]
 
-SETUP = '''\
+SETUP = """\
 # The chapter imports `annotated.tokens`. Unless the package is installed, put the checkout this notebook
 # sits in on sys.path: the first folder, from here up, that holds annotated/transformer.py.
 import importlib.util
@@ -245,7 +276,7 @@ if importlib.util.find_spec("annotated") is None:
         raise ModuleNotFoundError("the chapter needs the package `annotated`: open this notebook from inside "
                                   "the repository's checkout (docs/_build/ is inside it), or run "
                                   "`pip install -e .` in the checkout")
-    sys.path.insert(0, str(_root))'''
+    sys.path.insert(0, str(_root))"""
 
 COMMAND_NOTE = """\
 *The chapter ends with the command, under `if __name__ == "__main__":`, `python -m annotated.transformer`
@@ -264,7 +295,8 @@ captions: they translate descriptions of photos, not everyday language. The cell
 model (its sha256 checked against its card), translate two sentences with beam search as `make translate`
 does, and draw what one of its cross-attention heads looks at."""
 
-SHIPPED: list[str] = ['''\
+SHIPPED: list[str] = [
+    """\
 # Try it: the de -> en model of the box, loaded as float32; its card says how it was made and what it scores.
 from annotated.shipped import load_shipped, read_card
 from annotated.decoding.translate import translate
@@ -274,7 +306,8 @@ test = card["scores"]["test"]
 print(f"{card['parameters']:,} parameters; test_2016_flickr BLEU {test['bleu']:.2f} "
       f"({test['bleu_lowercase']:.2f} lowercased), beam 4; made by: {card['made']['command']}")
 for sentence in sentences:
-    print(f"{sentence}  ->  {translate(translator, tokenizer, sentence)[0]}")''', '''\
+    print(f"{sentence}  ->  {translate(translator, tokenizer, sentence)[0]}")""",
+    """\
 # Figure: one cross-attention head of the shipped model on the first sentence: the last layer's most peaked
 # head (its rows nearest to one-hot). A row is a query and sums to 1, labelled by the token the decoder
 # predicts there; a column is a source subword (\u2581 starts a word). Layers and heads count from 0.
@@ -294,15 +327,17 @@ ax.set(title=f"cross-attention, layer {layer}, head {head}", xlabel="key: source
 ax.set_xticklabels(token_labels(tokenizer, src_ids), rotation=90)
 ax.set_yticklabels(token_labels(tokenizer, tgt_ids))
 fig.colorbar(im, ax=ax, label=COLOUR_BAR)
-plt.show()''']
+plt.show()""",
+]
 
 
 def shipped_cells() -> list:
     """The cells of the shipped translator, at the notebook's end; none in a copy without the de -> en model."""
     if not (ROOT / "annotated" / "shipped" / "de-en.pt").is_file():
         return []
-    return [nbformat.v4.new_markdown_cell(SHIPPED_INTRO, metadata={"tags": ["shipped"]})] + \
-        [nbformat.v4.new_code_cell(code, metadata={"tags": ["shipped"]}) for code in SHIPPED]
+    return [nbformat.v4.new_markdown_cell(SHIPPED_INTRO, metadata={"tags": ["shipped"]})] + [
+        nbformat.v4.new_code_cell(code, metadata={"tags": ["shipped"]}) for code in SHIPPED
+    ]
 
 
 def without_command(source: str) -> tuple[str, bool]:
@@ -314,9 +349,13 @@ def without_command(source: str) -> tuple[str, bool]:
     lines = source.splitlines()
     for node in ast.parse(source).body:
         test = node.test if isinstance(node, ast.If) else None
-        if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__" and \
-                [getattr(c, "value", None) for c in test.comparators] == ["__main__"]:
-            del lines[node.lineno - 1:node.end_lineno]
+        if (
+            isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__"
+            and [getattr(c, "value", None) for c in test.comparators] == ["__main__"]
+        ):
+            del lines[node.lineno - 1 : node.end_lineno]
             return "\n".join(lines).rstrip(), True
     return source, False
 
@@ -336,11 +375,11 @@ def notebook_cells(module_path: Path) -> list:
         if command:
             cells.append(nbformat.v4.new_markdown_cell(COMMAND_NOTE, metadata={"tags": ["note"]}))
         if cell.cell_type == "markdown":
-            cells += [nbformat.v4.new_code_cell(src, metadata={"tags": ["example"]})
-                      for src in example_cells(cell.source)]
+            cells += [
+                nbformat.v4.new_code_cell(src, metadata={"tags": ["example"]}) for src in example_cells(cell.source)
+            ]
             for heading, code, tag in [(h, c, "figure") for h, c in FIGURES] + [(h, c, "try") for h, c in TRIES]:
-                if cell.source.lstrip("# ").startswith(heading.lstrip("# ")) or \
-                        f"\n{heading}" in f"\n{cell.source}":
+                if cell.source.lstrip("# ").startswith(heading.lstrip("# ")) or f"\n{heading}" in f"\n{cell.source}":
                     pending.append((code, tag))
         else:
             cells += [nbformat.v4.new_code_cell(code, metadata={"tags": [tag]}) for code, tag in pending]
@@ -373,19 +412,22 @@ def execute(cells: list, name: str = "transformer_notebook", cwd: Path = ROOT) -
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-    nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "language": "python",
-                                                                        "display_name": "Python 3"}})
+    nb = nbformat.v4.new_notebook(
+        cells=cells, metadata={"kernelspec": {"name": "python3", "language": "python", "display_name": "Python 3"}}
+    )
     sockets = tempfile.TemporaryDirectory(prefix="notebook-kernel-")  # local sockets: no TCP port is opened
     kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(sockets.name) / "kernel"))
-    client = NotebookClient(nb, km=kernel, timeout=TIMEOUT, kernel_name="python3",
-                            resources={"metadata": {"path": str(cwd)}})
+    client = NotebookClient(
+        nb, km=kernel, timeout=TIMEOUT, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    )
     try:
         client.execute()
     except CellExecutionError as e:
         code = [c for c in nb.cells if c.cell_type == "code"]
         failed = next(i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.outputs))
-        raise CellError(f"{name}: notebook cell {failed + 1} failed: {e.ename}: {e.evalue}\n"
-                        f"{code[failed].source}") from None
+        raise CellError(
+            f"{name}: notebook cell {failed + 1} failed: {e.ename}: {e.evalue}\n{code[failed].source}"
+        ) from None
     except (CellTimeoutError, DeadKernelError) as e:  # a cell past TIMEOUT, a kernel killed or crashed
         done = sum(1 for c in nb.cells if c.cell_type == "code" and c.get("execution_count"))
         raise CellError(f"{name}: notebook cell {done} did not finish ({type(e).__name__}: {e})") from None
@@ -413,18 +455,24 @@ def render_notebook(src: Path, run: bool = True) -> str:
 # `python -m docs.notebook` (`make notebook`) builds the notebook with
 # `build_notebook` of `docs/build.py` and says how to open it.
 
+
 # %%
 def main(argv=None) -> int:
     from annotated.plumbing.options import Parser, writable_dir
 
-    p = Parser(prog="python -m docs.notebook", name="notebook",
-               description="Write annotated/transformer.py as an executed Jupyter notebook, its prose examples "
-                           "and figures inline: docs/_build/transformer.ipynb (minutes: a Jupyter kernel trains the "
-                           "copy model, 400 steps; longer on a busy machine).")
-    p.add_argument("--out", type=writable_dir, default=ROOT / "docs" / "_build",
-                   help="output folder (default docs/_build)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a transformer.ipynb in --out that no docs build wrote")
+    p = Parser(
+        prog="python -m docs.notebook",
+        name="notebook",
+        description="Write annotated/transformer.py as an executed Jupyter notebook, its prose examples "
+        "and figures inline: docs/_build/transformer.ipynb (minutes: a Jupyter kernel trains the "
+        "copy model, 400 steps; longer on a busy machine).",
+    )
+    p.add_argument(
+        "--out", type=writable_dir, default=ROOT / "docs" / "_build", help="output folder (default docs/_build)"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a transformer.ipynb in --out that no docs build wrote"
+    )
     args = p.parse_args(argv)
     from docs.build import DocsError, build_notebook
 
@@ -433,11 +481,14 @@ def main(argv=None) -> int:
     except (DocsError, CellError) as e:
         print(f"notebook: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, DocsError) else 1
-    print(f"wrote {path}\nopen it with `make jupyter` (installs JupyterLab into .venv from "
-          f"requirements-notebook.txt, once) or, with Jupyter installed, `jupyter lab {path}`")
+    print(
+        f"wrote {path}\nopen it with `make jupyter` (installs JupyterLab into .venv from "
+        f"requirements-notebook.txt, once) or, with Jupyter installed, `jupyter lab {path}`"
+    )
     return 0
 
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, "notebook")

@@ -5,6 +5,7 @@ The flags keep it off the network: no background connections, and every host nam
 resolves to nothing (`--host-resolver-rules`), so a page that tries to fetch
 anything shows a failed request in the log instead of reaching out.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,10 +27,21 @@ class Chromium:
     write replies and events to fd 4, each message ending in a NUL byte.
     """
 
-    FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--no-default-browser-check", "--disable-background-networking", "--disable-component-update",
-             "--disable-sync", "--disable-extensions", "--disable-dev-shm-usage",
-             "--host-resolver-rules=MAP * ~NOTFOUND", "--remote-debugging-pipe"]
+    FLAGS = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--no-default-browser-check",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-extensions",
+        "--disable-dev-shm-usage",
+        "--host-resolver-rules=MAP * ~NOTFOUND",
+        "--remote-debugging-pipe",
+    ]
 
     STARTS = 3  # tries: a browser that dies while starting on a loaded machine is started again
 
@@ -55,9 +67,14 @@ class Chromium:
             os.dup2(b, 4)
 
         with open(self.log, "ab") as err:
-            self.proc = subprocess.Popen([binary, *self.FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                                         preexec_fn=wire_fds, close_fds=False, stdin=subprocess.DEVNULL,
-                                         stdout=err, stderr=err)
+            self.proc = subprocess.Popen(
+                [binary, *self.FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                preexec_fn=wire_fds,
+                close_fds=False,
+                stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=err,
+            )
         os.close(to_child_r)
         os.close(from_child_w)
         self._buf, self._id, self.events = b"", 0, []
@@ -115,13 +132,13 @@ class Chromium:
     def page(self, method: str, **params) -> dict:
         return self.send(method, session=True, **params)
 
-    def open(self, url: str, width: int = 1200, height: int = 900,
-             domains: tuple[str, ...] = ("Network", "Page")) -> None:
+    def open(
+        self, url: str, width: int = 1200, height: int = 900, domains: tuple[str, ...] = ("Network", "Page")
+    ) -> None:
         """Watch `domains` (Network: every request is recorded), size the window, load `url` and wait for it."""
         for domain in domains:
             self.page(f"{domain}.enable")
-        self.page("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
-                  mobile=False)
+        self.page("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
         self.page("Page.navigate", url=url)
         self.wait_event("Page.loadEventFired")
 

@@ -6,6 +6,7 @@ child with `-X importtime` (one stderr line per finished import) and wait for th
 `annotated.plumbing.interrupts`: by then the command's quiet handler is in place, and the heavy imports are
 under way. `said(err)` is stderr without those lines.
 """
+
 from __future__ import annotations
 
 import subprocess

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 def data_url():
     """Where the Multi30k raw files come from: $MULTI30K_URL, else ../shared/data/multi30k beside the clone."""
     url = os.environ.get("MULTI30K_URL") or (REPO.parent / "shared" / "data" / "multi30k").as_uri() + "/"
-    if url.startswith("file://") and not Path(url[len("file://"):]).is_dir():
+    if url.startswith("file://") and not Path(url[len("file://") :]).is_dir():
         pytest.skip(f"no Multi30k files at {url}; set MULTI30K_URL")
     return url
 

@@ -3,6 +3,7 @@ error, and both steps train. The real file is not in the repository; a stand-in 
 
 No speed is asserted: the command prints ratios measured in one run.
 """
+
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from benchmarks import annotated_transformer as bench
 
 # A stand-in with the Annotated Transformer's interface (make_model, subsequent_mask, model(src, tgt, masks),
 # model.generator.proj), and top-level statements that must never run.
-STAND_IN = '''
+STAND_IN = """
 import torchtext  # the real file's pipeline, which no longer installs: never imported here
 raise SystemExit("the whole file ran")
 
@@ -34,8 +35,11 @@ class EncoderDecoder(nn.Module):
 
 def make_model(src_vocab, tgt_vocab, N=6, d_model=512, d_ff=2048, h=8, dropout=0.1):
     return EncoderDecoder(src_vocab, d_model)
-''' + "".join(f"\ndef {name}():\n    pass\n" for name in bench.DEFINITIONS
-               if name not in ("subsequent_mask", "Generator", "EncoderDecoder", "make_model"))
+""" + "".join(
+    f"\ndef {name}():\n    pass\n"
+    for name in bench.DEFINITIONS
+    if name not in ("subsequent_mask", "Generator", "EncoderDecoder", "make_model")
+)
 
 
 def test_only_the_model_definitions_run_and_both_steps_train(tmp_path):

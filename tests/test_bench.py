@@ -4,6 +4,7 @@ share of it, fixed-length decoding, the targets.
 No test here asserts a speed: timings depend on the machine. They check that
 the harness measures what it says it measures.
 """
+
 import doctest
 import json
 
@@ -21,9 +22,12 @@ from benchmarks import arithmetic, bench, decoders, flops, reference, report, ro
 
 # A tiny size: big enough vocabulary that the tied embedding table (2000 x 32
 # floats, 250 KiB) is one block the CPU memory probe can see.
-TINY = sizes.Size("tiny", TrainConfig(model=joint_model(2000, N=1, d_model=32, d_ff=64, h=2, dropout=0.1, max_len=256),
-                                      warmup=10),
-                  {"cpu": 6, "cuda": 6}, {"cpu": 3, "cuda": 3})
+TINY = sizes.Size(
+    "tiny",
+    TrainConfig(model=joint_model(2000, N=1, d_model=32, d_ff=64, h=2, dropout=0.1, max_len=256), warmup=10),
+    {"cpu": 6, "cuda": 6},
+    {"cpu": 3, "cuda": 3},
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +80,7 @@ def test_cpu_arithmetic_rows_compare_against_fp32_on_every_core_and_the_matmul_p
         assert r.error is None and len(r.step_s_rounds) == 2 and len(r.peak_s_rounds) == 2, r
         assert r.speedup_vs_fp32_all_threads == pytest.approx(base.step_s / r.step_s)
         assert r.achieved_flops == pytest.approx(r.flops_per_step / r.step_s)
-        peak = 2 * 64 ** 3 / (sum(r.peak_s_rounds) / 2)  # the median of two rounds is their mean
+        peak = 2 * 64**3 / (sum(r.peak_s_rounds) / 2)  # the median of two rounds is their mean
         assert r.peak_flops == pytest.approx(peak)
         assert r.share_of_peak == pytest.approx(r.flops_per_step / r.step_s / peak)
     table = bench.markdown(result)
@@ -98,7 +102,7 @@ def test_the_peak_matmul_does_2_n_cubed_flops_at_its_precision():
         fn = arithmetic.matmul(24, precision, seed=3)
         with FlopCounterMode(display=False) as counter:
             out = fn()
-        assert counter.get_total_flops() == 2 * 24 ** 3 and out.shape == (24, 24) and out.dtype == dtype, precision
+        assert counter.get_total_flops() == 2 * 24**3 and out.shape == (24, 24) and out.dtype == dtype, precision
     gen = torch.Generator().manual_seed(3)
     a, b = torch.randn(24, 24, generator=gen), torch.randn(24, 24, generator=gen)
     assert torch.allclose(arithmetic.matmul(24, "fp32", seed=3)(), a @ b)
@@ -107,7 +111,9 @@ def test_the_peak_matmul_does_2_n_cubed_flops_at_its_precision():
 def test_arithmetic_runs_once_per_model():
     """The gpu size trains the cpu preset's model on larger batches: one set of arithmetic rows for both."""
     assert [s.name for s in arithmetic.distinct_models([sizes.SIZES[n] for n in ("cpu", "gpu", "base")])] == [
-        "cpu", "base"]
+        "cpu",
+        "base",
+    ]
 
 
 def test_memory_columns(result):
@@ -142,8 +148,12 @@ def test_result_is_json_and_written_atomically(result, tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["out.json"]  # no temporary file left behind
     # each row: its fields and its derived figures (what gpu_report.py and a reader of the file use)
     row, first = written["train"][0], result["train"][0]
-    assert (row["label"], row["step_s"], row["tokens_per_s"], row["compiled"]) == (
-        first.label, first.step_s, first.tokens_per_s, first.compiled) and row["mfu"] is None and "error" not in row
+    assert (
+        (row["label"], row["step_s"], row["tokens_per_s"], row["compiled"])
+        == (first.label, first.step_s, first.tokens_per_s, first.compiled)
+        and row["mfu"] is None
+        and "error" not in row
+    )
     assert written["cpu_arithmetic"][0]["share_of_peak"] == result["cpu_arithmetic"][0].share_of_peak
     assert written["decode"][0]["sentences_per_s"] == result["decode"][0].sentences_per_s
     meta = result["meta"]
@@ -156,15 +166,28 @@ def test_result_is_json_and_written_atomically(result, tmp_path):
     # on a CPU run the GPU targets are not measured, the CPU ones of the size that ran are
     tiny = [t for t in result["targets"] if t["size"] == "tiny"]
     assert {t["target"] for t in tiny if t["status"] != "not measured"} == {
-        "fused >= 1.0x torch.nn.Transformer", "cached greedy >= 3x recompute"}
+        "fused >= 1.0x torch.nn.Transformer",
+        "cached greedy >= 3x recompute",
+    }
     gpu_targets = [t for t in result["targets"] if "cuda" in t["device"] or "H100" in t["device"]]
     assert gpu_targets and all(t["status"] == "not measured" for t in gpu_targets)
 
 
 def test_flop_formula_matches_flop_counter():
     # no padding, so real lengths are the computed lengths; the explicit path runs plain matmuls
-    cfg = transformer.TransformerConfig(src_vocab=50, tgt_vocab=50, N=2, d_model=32, d_ff=48, h=4, d_k=6, d_v=10,
-                               dropout=0.0, share_embeddings=True, tie_generator=True)
+    cfg = transformer.TransformerConfig(
+        src_vocab=50,
+        tgt_vocab=50,
+        N=2,
+        d_model=32,
+        d_ff=48,
+        h=4,
+        d_k=6,
+        d_v=10,
+        dropout=0.0,
+        share_embeddings=True,
+        tie_generator=True,
+    )
     src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 6))
     for attention in ("fused", "per_head"):
         model = transformer.make_model(cfg, attention=attention)
@@ -187,7 +210,9 @@ def test_reference_has_the_same_parameters_and_runs():
     loss, n = reference.reference_batch_loss(ref, src, tgt, 0.1)
     assert torch.isfinite(loss) and n == int((tgt[:, 1:] != PAD).sum())
     with pytest.raises(ValueError, match="d_k = d_v"):
-        reference.TorchTransformerReference(transformer.TransformerConfig(src_vocab=10, tgt_vocab=10, d_model=32, h=2, d_k=8))
+        reference.TorchTransformerReference(
+            transformer.TransformerConfig(src_vocab=10, tgt_vocab=10, d_model=32, h=2, d_k=8)
+        )
 
 
 def test_make_batches_look_like_training_batches():
@@ -216,8 +241,11 @@ def test_suppressed_eos_forces_full_length_decoding():
     mask = transformer.padding_mask(src, PAD)
     assert decoding.greedy(model, src, mask, 9).size(1) == 1  # stops at once
     decoders.suppress_eos(model)
-    for out in (decoding.greedy(model, src, mask, 9), decoding.greedy(model, src, mask, 9, use_cache=False),
-                decoding.beam_search(model, src, mask, 9, beam_size=4)):
+    for out in (
+        decoding.greedy(model, src, mask, 9),
+        decoding.greedy(model, src, mask, 9, use_cache=False),
+        decoding.beam_search(model, src, mask, 9, beam_size=4),
+    ):
         assert out.shape == (2, 9) and not (out == EOS).any()
 
 
@@ -248,26 +276,62 @@ def test_times_are_per_call_medians_of_the_clock():
 
 def _train_row(size, key, compiled, step_s, ratio, mfu=None):
     """A TrainRow whose derived figures are these: one round of `step_s`, the reference at `ratio` x, `mfu`."""
-    return rows.TrainRow(size=size, key=key, device="-", dtype="bf16", compiled=compiled, sentences=1, batches=1,
-                         src_shape=[1, 1], tgt_shape=[1, 1], target_tokens_per_step=1.0,
-                         flops_per_step=(mfu or 0.0) * 1e12 * step_s, step_s_rounds=[step_s],
-                         reference_step_s=ratio * step_s, peak_tflops=1.0 if mfu else None)
+    return rows.TrainRow(
+        size=size,
+        key=key,
+        device="-",
+        dtype="bf16",
+        compiled=compiled,
+        sentences=1,
+        batches=1,
+        src_shape=[1, 1],
+        tgt_shape=[1, 1],
+        target_tokens_per_step=1.0,
+        flops_per_step=(mfu or 0.0) * 1e12 * step_s,
+        step_s_rounds=[step_s],
+        reference_step_s=ratio * step_s,
+        peak_tflops=1.0 if mfu else None,
+    )
 
 
 def _fake(device_type, device_name, ratio, recompute_ratio, per_head_s, mfu, bf16_share=None):
-    train = [_train_row("gpu", "fused_sdpa", False, 1.0, ratio), _train_row("gpu", "per_head", False, per_head_s, 0.5),
-             _train_row("base", "fused_sdpa", True, 1.0, ratio, mfu)]
-    decode = [rows.DecodeRow(size="gpu", key="greedy_cached", device="-", dtype="bf16", sentences=1, steps=1,
-                             src_shape=[1, 1], seconds_rounds=[1.0], recompute_s=recompute_ratio)]
+    train = [
+        _train_row("gpu", "fused_sdpa", False, 1.0, ratio),
+        _train_row("gpu", "per_head", False, per_head_s, 0.5),
+        _train_row("base", "fused_sdpa", True, 1.0, ratio, mfu),
+    ]
+    decode = [
+        rows.DecodeRow(
+            size="gpu",
+            key="greedy_cached",
+            device="-",
+            dtype="bf16",
+            sentences=1,
+            steps=1,
+            src_shape=[1, 1],
+            seconds_rounds=[1.0],
+            recompute_s=recompute_ratio,
+        )
+    ]
     measured = bf16_share is not None  # a CPU without bf16 instructions: rows without rounds
-    arith = [rows.ArithmeticRow(size="cpu", precision="bf16", threads=n, target_tokens_per_step=1.0,
-                                flops_per_step=share or 0.0, step_s_rounds=[1.0] if measured else [], peak_n=1,
-                                peak_s_rounds=[2.0] if measured else [])
-             for n, share in ((2, bf16_share), (1, 0.99))]
+    arith = [
+        rows.ArithmeticRow(
+            size="cpu",
+            precision="bf16",
+            threads=n,
+            target_tokens_per_step=1.0,
+            flops_per_step=share or 0.0,
+            step_s_rounds=[1.0] if measured else [],
+            peak_n=1,
+            peak_s_rounds=[2.0] if measured else [],
+        )
+        for n, share in ((2, bf16_share), (1, 0.99))
+    ]
     meta = {"device_type": device_type, "device_name": device_name, "sizes": ["gpu", "base"]}
-    return {t["target"] + " " + t["size"] + " " + t["device"]: t["status"]
-            for t in targets.evaluate_targets({"meta": meta, "train": train, "decode": decode,
-                                               "cpu_arithmetic": arith})}
+    return {
+        t["target"] + " " + t["size"] + " " + t["device"]: t["status"]
+        for t in targets.evaluate_targets({"meta": meta, "train": train, "decode": decode, "cpu_arithmetic": arith})
+    }
 
 
 def test_targets_met_not_met_not_measured():
@@ -313,13 +377,16 @@ def test_host_syncs_per_training_step_is_a_reported_figure(result):
     """`make bench` counts the synchronising operators of the real training step: none on this size."""
     h = result["host_syncs"]
     assert h["size"] == "tiny" and h["steps"] == 8 and h["per_step"] == 0, h
-    assert "host syncs per training step: 0 (train.train_step, tiny size, 8 steps counted on cpu)" in \
-        bench.markdown(result)
+    assert "host syncs per training step: 0 (train.train_step, tiny size, 8 steps counted on cpu)" in bench.markdown(
+        result
+    )
 
 
 def test_compile_speedup_is_eager_over_compiled_of_the_same_run():
-    measured = [_train_row("cpu", k, c, t, 1.0)
-                for k, c, t in (("fused_sdpa", False, 0.30), ("fused_sdpa", True, 0.25), ("reference", False, 0.4))]
+    measured = [
+        _train_row("cpu", k, c, t, 1.0)
+        for k, c, t in (("fused_sdpa", False, 0.30), ("fused_sdpa", True, 0.25), ("reference", False, 0.4))
+    ]
     assert training.compile_speedups(measured) == [{"size": "cpu", "key": "fused_sdpa", "speedup": 1.2}]
     assert bench.parse_args([]).compile is None  # main() then measures both; on the CPU the fused SDPA row only
 
@@ -334,14 +401,24 @@ def test_gpu_report_without_cuda_says_so_in_one_line_and_exits_2(tmp_path):
         pytest.skip("this machine has CUDA: the report would run")
     root = Path(__file__).resolve().parents[1]
     before = sorted((root / "benchmarks" / "results").glob("*")) if (root / "benchmarks" / "results").is_dir() else []
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_report.py")], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_report.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("gpu_report.py: error: no CUDA device")
     after = sorted((root / "benchmarks" / "results").glob("*")) if (root / "benchmarks" / "results").is_dir() else []
     assert after == before
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_report.py"), "--parts", "nope"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_report.py"), "--parts", "nope"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--parts 'nope'" in r.stderr, r.stderr
 
 
@@ -356,25 +433,39 @@ def test_gpu_report_reads_a_training_run_and_tabulates_it(tmp_path, monkeypatch)
     def fake_run(cmd, limit, log):
         calls.append((cmd, limit))
         return {"command": " ".join(cmd), "code": 0, "timed_out": False, "wall_s": 400.0}
+
     monkeypatch.setattr(gpu_report, "run", fake_run)
     run_dir = tmp_path / "runs" / "gpu-report-x-de-en"
     run_dir.mkdir(parents=True)
     beam = {"bleu": 39.5, "bleu_lowercase": 40.25}
-    (run_dir / "results.json").write_text(json.dumps({
-        "steps": 4200, "train_s": 300.0, "test_set": "test_2016_flickr",
-        "test": {"best": {"checkpoint": "b.pt", "beam": {"bleu": 1, "bleu_lowercase": 1}},
-                 "averaged": {"checkpoint": "a.pt", "beam": beam}}}))
+    (run_dir / "results.json").write_text(
+        json.dumps(
+            {
+                "steps": 4200,
+                "train_s": 300.0,
+                "test_set": "test_2016_flickr",
+                "test": {
+                    "best": {"checkpoint": "b.pt", "beam": {"bleu": 1, "bleu_lowercase": 1}},
+                    "averaged": {"checkpoint": "a.pt", "beam": beam},
+                },
+            }
+        )
+    )
     part = gpu_report.train_part(tmp_path, "x", "de", "en", 6.5, None)
     assert (part["steps"], part["steps_per_s"], part["bleu"], part["checkpoint"]) == (4200, 14.0, 39.5, "a.pt")
-    (cmd, limit), = calls  # eager, as `make train` runs it; the cap plus 2.5 minutes for data, compiling and test
+    ((cmd, limit),) = calls  # eager, as `make train` runs it; the cap plus 2.5 minutes for data, compiling and test
     assert "--compile" not in cmd and cmd[cmd.index("--max-minutes") + 1] == "6.5" and limit == 540
     compiled = gpu_report.train_part(tmp_path, "x", "de", "en", 2, None, compiled=True)
     assert "--compile" in calls[-1][0] and calls[-1][1] == 270
-    assert "gpu preset de->en, compiled |" in gpu_report.markdown({"device": "GPU", "torch": "t", "date": "d",
-                                                                   "train_de_en": compiled})
-    table = gpu_report.markdown({"device": "GPU", "torch": "t", "date": "d", "train_de_en": part,
-                                 "ddp": gpu_report.ddp_part(tmp_path, "x", 1)})
-    assert "| train | gpu preset de->en | test BLEU 39.50 (lowercased 40.25), 4200 steps, 14.0 steps/s | 400.0 |" in table
+    assert "gpu preset de->en, compiled |" in gpu_report.markdown(
+        {"device": "GPU", "torch": "t", "date": "d", "train_de_en": compiled}
+    )
+    table = gpu_report.markdown(
+        {"device": "GPU", "torch": "t", "date": "d", "train_de_en": part, "ddp": gpu_report.ddp_part(tmp_path, "x", 1)}
+    )
+    assert (
+        "| train | gpu preset de->en | test BLEU 39.50 (lowercased 40.25), 4200 steps, 14.0 steps/s | 400.0 |" in table
+    )
     assert "needs two" in table
 
 

@@ -1,5 +1,6 @@
 """benchmarks/case.py: every source variant goes through the translator's own rules and is scored as the
 training's evaluation scores; the table's last column is the lowercased difference from the written source."""
+
 import pytest
 import torch
 
@@ -10,17 +11,29 @@ from annotated.training.evaluate import score
 from annotated.transformer import make_model
 from benchmarks import case
 
-PAIRS = [("Ein Hund rennt über die Wiese.", "A dog runs across the meadow."),
-         ("Zwei Männer spielen Fußball.", "Two men play football."),
-         ("Eine Frau liest ein Buch.", "A woman reads a book.")]
+PAIRS = [
+    ("Ein Hund rennt über die Wiese.", "A dog runs across the meadow."),
+    ("Zwei Männer spielen Fußball.", "Two men play football."),
+    ("Eine Frau liest ein Buch.", "A woman reads a book."),
+]
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     tok = train_tokenizer([t for p in PAIRS for t in p] * 6, 300, cache_dir=tmp_path_factory.mktemp("spm"))
     torch.manual_seed(0)
-    model = make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2,
-                       dropout=0.0, max_len=64, share_embeddings=True, tie_generator=True).eval()
+    model = make_model(
+        src_vocab=tok.vocab_size,
+        tgt_vocab=tok.vocab_size,
+        N=1,
+        d_model=16,
+        d_ff=32,
+        h=2,
+        dropout=0.0,
+        max_len=64,
+        share_embeddings=True,
+        tie_generator=True,
+    ).eval()
     return case.measure(model, tok, PAIRS, beam=2, progress=False), model, tok
 
 
@@ -41,8 +54,10 @@ def test_each_variant_is_scored_through_the_translators_rules(result):
 
 
 def test_the_table_shows_the_lowercased_change_from_the_written_source():
-    scores = {v: {"as-typed": {"bleu": 10.0, "bleu_lowercase": 20.0}, "auto": {"bleu": 1.0, "bleu_lowercase": 18.5}}
-              for v in case.VARIANTS}
+    scores = {
+        v: {"as-typed": {"bleu": 10.0, "bleu_lowercase": 20.0}, "auto": {"bleu": 1.0, "bleu_lowercase": 18.5}}
+        for v in case.VARIANTS
+    }
     rows = case.table({"scores": scores}).splitlines()
     assert rows[2] == "| as written | 10.00 / 20.00 | 1.00 / 18.50 | -1.50 |"
     assert len(rows) == 2 + len(case.VARIANTS)

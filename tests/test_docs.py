@@ -6,6 +6,7 @@ be good to test the page). The browser test drives headless Chromium through
 its DevTools protocol over a pipe (`--remote-debugging-pipe`, standard library
 only), so it can watch every network request the page makes.
 """
+
 import base64
 import doctest
 import html
@@ -47,12 +48,12 @@ def _chapter(page: str, name: str) -> str:
     """The HTML of one chapter or guide: from its <h1 id=name> to the next article or part."""
     start = page.index(f'<h1 id="{name}"')
     end = re.compile(r'<article |<h1 class="part"').search(page, start)
-    return page[start:end.start() if end else len(page)]
+    return page[start : end.start() if end else len(page)]
 
 
 def _guides(page: str) -> str:
     """The HTML of the part "Guides"."""
-    return page[page.index('<h1 class="part" id="guides">'):page.index("</main>")]
+    return page[page.index('<h1 class="part" id="guides">') : page.index("</main>")]
 
 
 def _inline(text: str, kind: str) -> list:
@@ -64,17 +65,21 @@ def _inline(text: str, kind: str) -> list:
 def _headings(text: str) -> list[tuple[str, str]]:
     """(tag, text) of the h1 and h2 headings of a Markdown text."""
     tokens = B.make_markdown(math=False).parse(text)
-    return [(t.tag, B._heading_text(tokens[i + 1])) for i, t in enumerate(tokens)
-            if t.type == "heading_open" and t.tag in ("h1", "h2")]
+    return [
+        (t.tag, B._heading_text(tokens[i + 1]))
+        for i, t in enumerate(tokens)
+        if t.type == "heading_open" and t.tag in ("h1", "h2")
+    ]
 
 
 def _toc(page: str) -> list[tuple[str, str]]:
     """(id, text) of every entry of the table of contents, in order."""
-    nav = page[page.index('<nav id="contents">'):page.index("</nav>")]
+    nav = page[page.index('<nav id="contents">') : page.index("</nav>")]
     return [(i, _text(t)) for i, t in re.findall(r'<a href="#([^"]+)">(.*?)</a>', nav)]
 
 
 # ---------------------------------------------------------------- the page's content
+
 
 def test_build_doctests():
     result = doctest.testmod(B, optionflags=doctest.NORMALIZE_WHITESPACE)
@@ -98,8 +103,8 @@ def test_chapters_follow_the_parts_and_skip_missing_modules(site):
     assert B.part_of("sites") == B.part_of("attention/dump") == "part-4"
     assert B.part_of("plumbing/files") == B.part_of("proof/harness") == B.part_of("recording") == "appendix"
     assert "Build notes" not in page and 'class="notes"' not in page  # the reader sees chapters, not the build
-    footer = page[page.index("<footer>"):]
-    assert B.GENERATED in footer and B.GENERATED not in page[:page.index("<footer>")]
+    footer = page[page.index("<footer>") :]
+    assert B.GENERATED in footer and B.GENERATED not in page[: page.index("<footer>")]
 
 
 def test_an_unlisted_module_lands_in_the_part_of_its_folder(tmp_path):
@@ -108,11 +113,17 @@ def test_an_unlisted_module_lands_in_the_part_of_its_folder(tmp_path):
     (tmp_path / "annotated" / "training" / "extra.py").write_text("# %% [markdown]\n# # Extra\n\n# %%\nx = 1\n")
     result = B.build(tmp_path / "out", root=tmp_path, modules=("transformer",), with_figures=False, progress=False)
     assert result.chapters == ["transformer", "training/extra"]
-    assert ("annotated/training/extra.py is in no part of PARTS (docs/build.py): shown in Part III. Data, "
-            "training and decoding, by its folder.") in result.notes
+    assert (
+        "annotated/training/extra.py is in no part of PARTS (docs/build.py): shown in Part III. Data, "
+        "training and decoding, by its folder."
+    ) in result.notes
     page = result.index.read_text(encoding="utf-8")
-    assert page.index('id="part-1"') < page.index('id="transformer"') < page.index('id="part-3"') < page.index(
-        'id="training/extra"')
+    assert (
+        page.index('id="part-1"')
+        < page.index('id="transformer"')
+        < page.index('id="part-3"')
+        < page.index('id="training/extra"')
+    )
 
 
 def test_reading_order_names_every_module():
@@ -130,6 +141,7 @@ def test_missing_module_is_skipped_with_a_note_for_the_console_only(tmp_path):
 
 # ---------------------------------------------------------------- the guides
 
+
 def test_guides_follow_the_chapters_with_their_headings_in_the_contents(site):
     result, page = site
     assert result.guides == [g for g in B.GUIDES if (ROOT / g).is_file()] and len(result.guides) >= 4
@@ -143,7 +155,7 @@ def test_guides_follow_the_chapters_with_their_headings_in_the_contents(site):
         headings, gid = _headings(text), B.guide_id(rel)
         assert headings[0][0] == "h1" and len(headings) >= 2, rel
         start = toc.index((gid, headings[0][1]))  # titled by the file's first heading
-        shown = toc[start:start + len(headings)]
+        shown = toc[start : start + len(headings)]
         assert [t for _, t in shown] == [t for _, t in headings], rel  # every h1/h2, in the file's order
         assert all((i == gid or i.startswith(f"{gid}-")) and i in ids for i, _ in shown), shown
         article = _chapter(page, gid)
@@ -175,8 +187,12 @@ def test_dollars_in_guides_stay_text(site):
     guides = _guides(page)
     assert "<math" not in guides
     shown = {html.unescape(c) for c in re.findall(r"<code>(.*?)</code>", guides, re.S)}
-    spans = [c.content for rel in result.guides
-             for c in _inline((ROOT / rel).read_text(encoding="utf-8"), "code_inline") if "$" in c.content]
+    spans = [
+        c.content
+        for rel in result.guides
+        for c in _inline((ROOT / rel).read_text(encoding="utf-8"), "code_inline")
+        if "$" in c.content
+    ]
     assert len(spans) >= 3 and "$MULTI30K_URL" in spans
     assert [s for s in spans if s not in shown] == []  # each shown as written
 
@@ -193,7 +209,7 @@ Costs `TEXT='Er zahlt $5'` and $x$ or $$y$$; see [b](b.md), [its part](b.md#part
 echo "$HOME"
 ```
 """
-GUIDE_B = "## Part two\n\nBack to [a](a.md \"title\").\n"
+GUIDE_B = '## Part two\n\nBack to [a](a.md "title").\n'
 GUIDE_NOTES = "# Notes\n\nSee [a's part](../docs/a.md#part-two).\n"
 
 
@@ -206,8 +222,14 @@ def guide_site(tmp_path_factory):
     for rel, text in (("docs/a.md", GUIDE_A), ("docs/b.md", GUIDE_B), ("notes/README.md", GUIDE_NOTES)):
         (root / rel).parent.mkdir(exist_ok=True)
         (root / rel).write_text(text, encoding="utf-8")
-    result = B.build(root / "out", root=root, modules=("transformer",), with_figures=False, progress=False,
-                     guides=("docs/a.md", "docs/missing.md", "docs/b.md", "notes/README.md"))
+    result = B.build(
+        root / "out",
+        root=root,
+        modules=("transformer",),
+        with_figures=False,
+        progress=False,
+        guides=("docs/a.md", "docs/missing.md", "docs/b.md", "notes/README.md"),
+    )
     return result, result.index.read_text(encoding="utf-8")
 
 
@@ -216,13 +238,22 @@ def test_guide_links_resolve_within_the_page_or_become_text(guide_site):
     assert result.guides == ["docs/a.md", "docs/b.md", "notes/README.md"]
     assert "docs/missing.md does not exist: its guide is missing." in result.notes and "missing" not in page
     toc = _toc(page)
-    assert toc[toc.index(("guides", "Guides")):] == [
-        ("guides", "Guides"), ("guide-a", "Alpha guide"), ("guide-a-part-two", "Part two"),
-        ("guide-b", "docs/b.md"), ("guide-b-part-two", "Part two"),  # no title: the file's name
-        ("guide-notes", "Notes")]
+    assert toc[toc.index(("guides", "Guides")) :] == [
+        ("guides", "Guides"),
+        ("guide-a", "Alpha guide"),
+        ("guide-a-part-two", "Part two"),
+        ("guide-b", "docs/b.md"),
+        ("guide-b-part-two", "Part two"),  # no title: the file's name
+        ("guide-notes", "Notes"),
+    ]
     a, b, notes = (_chapter(page, i) for i in ("guide-a", "guide-b", "guide-notes"))
-    for href, text in (("guide-b", "b"), ("guide-b-part-two", "its part"), ("guide-notes", "notes"),
-                       ("transformer", "the model"), ("contents", "top")):
+    for href, text in (
+        ("guide-b", "b"),
+        ("guide-b-part-two", "its part"),
+        ("guide-notes", "notes"),
+        ("transformer", "the model"),
+        ("contents", "top"),
+    ):
         assert f'<a href="#{href}">{text}</a>' in a
     assert '<a href="#guide-a">a</a>' in b and '<a href="#guide-a-part-two">a\'s part</a>' in notes
     prose = _text(a)
@@ -259,8 +290,9 @@ def test_a_build_replaces_and_removes_only_its_own_files(tmp_path, monkeypatch, 
     mine = {"figures/holiday.png": b"\x89PNG my picture", "notes.txt": b"my notes"}
     for name, data in mine.items():
         (out / name).write_bytes(data)
-    kw = dict(modules=("transformer",), checkpoint=None, copy_steps=0, progress=False, say=lambda s: None,
-              embeds={})  # the viewer's file: test_the_viewer_file_is_the_builds_own
+    kw = dict(
+        modules=("transformer",), checkpoint=None, copy_steps=0, progress=False, say=lambda s: None, embeds={}
+    )  # the viewer's file: test_the_viewer_file_is_the_builds_own
     monkeypatch.setattr(F, "FIGURES", tuple(cheap.values()))
     first = B.build(out, **kw)
     assert sorted(p.name for p in first.figures) == ["positional_encoding.png", "subsequent_mask.png"]
@@ -269,8 +301,13 @@ def test_a_build_replaces_and_removes_only_its_own_files(tmp_path, monkeypatch, 
     assert second.removed == [out / "figures" / "positional_encoding.png"]
     after = files_under(out)
     assert {k: after[k] for k in mine} == mine  # the user's files, byte for byte
-    assert sorted(after) == [".docs-build.json", "figures/holiday.png", "figures/subsequent_mask.png",
-                             "index.html", "notes.txt"]
+    assert sorted(after) == [
+        ".docs-build.json",
+        "figures/holiday.png",
+        "figures/subsequent_mask.png",
+        "index.html",
+        "notes.txt",
+    ]
 
     theirs = tmp_path / "theirs"  # a folder with someone else's page
     theirs.mkdir()
@@ -301,12 +338,19 @@ def test_a_build_replaces_and_removes_only_its_own_files(tmp_path, monkeypatch, 
     assert victim.read_text() == "keep" and (theirs / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("option, message", [
-    (["--copy-steps", "-1"], "argument --copy-steps: must be a whole number >= 0, got '-1'"),
-    (["--out", "/dev/null/site"], "argument --out: '/dev/null/site': /dev/null is not a folder"),
-    (["--checkpoint", "{tmp}"], "argument --checkpoint: {tmp} is a directory; give a checkpoint file, auto or none"),
-    (["--checkpoint", "{tmp}/none.pt"], "argument --checkpoint: {tmp}/none.pt does not exist"),
-], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--copy-steps", "-1"], "argument --copy-steps: must be a whole number >= 0, got '-1'"),
+        (["--out", "/dev/null/site"], "argument --out: '/dev/null/site': /dev/null is not a folder"),
+        (
+            ["--checkpoint", "{tmp}"],
+            "argument --checkpoint: {tmp} is a directory; give a checkpoint file, auto or none",
+        ),
+        (["--checkpoint", "{tmp}/none.pt"], "argument --checkpoint: {tmp}/none.pt does not exist"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
 def test_bad_options_are_one_line_and_exit_2_before_any_work(option, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         B.main([o.format(tmp=tmp_path) for o in option])
@@ -320,11 +364,12 @@ def test_code_is_the_files_code_verbatim_in_source_order(site):
     """Every code cell is on the page, cut at blank lines into pieces that together are its lines, in order."""
     _, page = site
     chapter = _chapter(page, "transformer")
-    blocks = re.findall(r'<div class="code" id="transformer-L(\d+)">.*?, lines (\d+)–(\d+)</a>(.*?)</pre>',
-                        chapter, flags=re.S)
+    blocks = re.findall(
+        r'<div class="code" id="transformer-L(\d+)">.*?, lines (\d+)–(\d+)</a>(.*?)</pre>', chapter, flags=re.S
+    )
     lines = (ROOT / "annotated" / "transformer.py").read_text(encoding="utf-8").split("\n")
     for anchor, first, last, block in blocks:
-        assert anchor == first and _text(block).strip("\n") == "\n".join(lines[int(first) - 1:int(last)]).strip("\n")
+        assert anchor == first and _text(block).strip("\n") == "\n".join(lines[int(first) - 1 : int(last)]).strip("\n")
     shown = [(int(a), int(b)) for _, a, b, _ in blocks]
     cells = [c for c in B.read_cells(ROOT / "annotated" / "transformer.py") if c.kind == "code"]
     covered = [[(a, b) for a, b in shown if cell.line <= a and b <= cell.end] for cell in cells]
@@ -353,8 +398,7 @@ def test_latex_errors_name_the_file_and_line(tmp_path):
     (tmp_path / "annotated").mkdir()
     module = tmp_path / "annotated" / "transformer.py"
     for formula, complaint in ((r"\nosuch{x}", r"\nosuch"), (r"\frac{a}", "<mfrac> 1 arguments")):
-        module.write_text(f"# %% [markdown]\n# # Title\n#\n# Broken: ${formula}$\n\n# %%\nx = 1\n",
-                          encoding="utf-8")
+        module.write_text(f"# %% [markdown]\n# # Title\n#\n# Broken: ${formula}$\n\n# %%\nx = 1\n", encoding="utf-8")
         with pytest.raises(B.DocsError, match=re.escape(f"annotated/transformer.py:4: the formula ${formula}$")) as e:
             B.build(tmp_path / "out", root=tmp_path, with_figures=False, progress=False)
         assert complaint in str(e.value)
@@ -379,7 +423,7 @@ def test_figures_sit_after_the_prose_they_illustrate(site):
     assert len(result.figures) == len(F.FIGURES)
     for fig in F.FIGURES:
         if fig.module == F.INTRODUCTION:  # in the book's introduction, before the contents and the parts
-            intro = page[page.index('<section id="introduction">'):page.index("</section>")]
+            intro = page[page.index('<section id="introduction">') : page.index("</section>")]
             assert result.placed[fig.name] == "introduction" and f'<figure id="fig-{fig.name}">' in intro
             continue
         if fig.module not in result.chapters:
@@ -397,8 +441,11 @@ def test_figures_sit_after_the_prose_they_illustrate(site):
         heading = re.findall(r"(?m)^# #+ (.*)$", source[:cited])[-1]
         headings = [(m.start(), _text(m.group(1))) for m in re.finditer(r"<h[1-3] [^>]*>(.*?)</h[1-3]>", chapter)]
         before = [text for pos, text in headings if pos < at]
-        assert before and before[-1].rstrip(" ¶") == _text(B.make_markdown().renderInline(heading)), \
-            (fig.name, before[-1:], heading)
+        assert before and before[-1].rstrip(" ¶") == _text(B.make_markdown().renderInline(heading)), (
+            fig.name,
+            before[-1:],
+            heading,
+        )
         assert "<!-- figure" not in chapter and "&lt;!-- figure" not in chapter  # the citation shows nothing
 
 
@@ -505,8 +552,9 @@ def browse(index: Path, tmp: Path, width: int = 1000, height: int = 1300, scroll
     browser = Chromium(CHROMIUM, tmp / "profile", tmp / "chromium.log")
     try:
         browser.open(index.resolve().as_uri(), width, height, domains=("Network", "Page", "Runtime", "Log"))
-        report = browser.page("Runtime.evaluate", expression=PAGE_REPORT, awaitPromise=True,
-                              returnByValue=True)["result"]["value"]
+        report = browser.page("Runtime.evaluate", expression=PAGE_REPORT, awaitPromise=True, returnByValue=True)[
+            "result"
+        ]["value"]
         if scroll_to:
             browser.js(f"document.getElementById({scroll_to!r}).scrollIntoView()")
             time.sleep(0.3)
@@ -527,8 +575,9 @@ def test_page_in_headless_chromium(site, tmp_path):
     # the page, its figures and the viewer's frame, nothing else, all from disk
     assert requests[0] == result.index.resolve().as_uri()
     assert all(url.startswith("file://") for url in requests), requests
-    assert sorted(requests[1:]) == sorted(p.resolve().as_uri() for p in
-                                          result.figures + [result.index.parent / F.VIEWER])
+    assert sorted(requests[1:]) == sorted(
+        p.resolve().as_uri() for p in result.figures + [result.index.parent / F.VIEWER]
+    )
     assert not failed and not [entry for entry in log if entry["level"] == "error"], (failed, log)
     # every figure loaded
     assert len(report["images"]) == len(result.figures) and all(i["loaded"] for i in report["images"])
@@ -553,16 +602,61 @@ def _panels(fig):
 
 def tiny_run(tmp_path, sentence: str) -> Path:
     """runs/r1/best.pt (a 1-layer model with a tokenizer) and a results.json whose first sample is `sentence`."""
-    data = pytest.importorskip("annotated.training.data", reason="annotated/training/data.py (the tokenizer) not written yet")
+    data = pytest.importorskip(
+        "annotated.training.data", reason="annotated/training/data.py (the tokenizer) not written yet"
+    )
     from annotated.plumbing.checkpoint import save_checkpoint
 
-    words = ["zwei", "junge", "männer", "spielen", "fußball", "auf", "einer", "wiese", "ein", "hund", "läuft", "durch", "das", "hohe", "gras", "eine", "frau", "liest", "ein", "buch", "im", "park", "kinder", "bauen", "eine", "sandburg", "am", "strand", "der", "mann", "fährt", "fahrrad"]
+    words = [
+        "zwei",
+        "junge",
+        "männer",
+        "spielen",
+        "fußball",
+        "auf",
+        "einer",
+        "wiese",
+        "ein",
+        "hund",
+        "läuft",
+        "durch",
+        "das",
+        "hohe",
+        "gras",
+        "eine",
+        "frau",
+        "liest",
+        "ein",
+        "buch",
+        "im",
+        "park",
+        "kinder",
+        "bauen",
+        "eine",
+        "sandburg",
+        "am",
+        "strand",
+        "der",
+        "mann",
+        "fährt",
+        "fahrrad",
+    ]
     gen = torch.Generator().manual_seed(0)
-    texts = [" ".join(words[i] for i in torch.randint(len(words), (6,), generator=gen)).capitalize() + "."
-             for _ in range(300)]
+    texts = [
+        " ".join(words[i] for i in torch.randint(len(words), (6,), generator=gen)).capitalize() + "."
+        for _ in range(300)
+    ]
     tokenizer = data.train_tokenizer(texts, 350, cache_dir=tmp_path / "cache")
-    model = transformer.make_model(src_vocab=tokenizer.vocab_size, tgt_vocab=tokenizer.vocab_size, N=1, d_model=16, d_ff=32,
-                         h=4, max_len=80, dropout=0.0)
+    model = transformer.make_model(
+        src_vocab=tokenizer.vocab_size,
+        tgt_vocab=tokenizer.vocab_size,
+        N=1,
+        d_model=16,
+        d_ff=32,
+        h=4,
+        max_len=80,
+        dropout=0.0,
+    )
     run = tmp_path / "runs" / "r1"
     save_checkpoint(run / "best.pt", model, tokenizer, {"src_lang": "de", "tgt_lang": "en"})
     (run / "results.json").write_text(json.dumps({"samples": [{"source": sentence}]}), encoding="utf-8")
@@ -609,6 +703,7 @@ def test_attention_figure_from_a_checkpoint(tmp_path):
 
 # ---------------------------------------------------------------- the model's own figures
 
+
 def test_block_matrix_numbers_are_the_modules():
     """Figure 1's panels: the fused heads are the per-head products, and both ends are the modules' outputs."""
     from docs import model_figures as M
@@ -631,8 +726,9 @@ def test_one_head_figure_is_the_modules_head():
     from docs import model_figures as M
 
     torch.manual_seed(0)
-    model = transformer.make_model(src_vocab=11, tgt_vocab=11, N=2, d_model=16, d_ff=32, h=4, dropout=0.0,
-                         attention="per_head").eval()
+    model = transformer.make_model(
+        src_vocab=11, tgt_vocab=11, N=2, d_model=16, d_ff=32, h=4, dropout=0.0, attention="per_head"
+    ).eval()
     src = torch.tensor([[5, 6, 7, 8, 9, transformer.PAD]])  # the padding key must get no weight
     x, mask = M.attention_input(model, src)
     att = attention_at(model, "enc_self", 1)
@@ -667,7 +763,7 @@ def test_attention_figure_labels_decoder_rows_by_the_predicted_token(tmp_path):
 def test_each_highlighted_line_hangs_under_its_own_indent():
     """A piece that starts with blank lines (the lexer drops them) still gives every line its own indent: the
     `--i` of a line is that line's, not its neighbour's."""
-    html_ = B.highlight_code("\n\ndef f():\n    \"\"\"Doc.\n\n    >>> f()\n    \"\"\"\n    return 1\n")
+    html_ = B.highlight_code('\n\ndef f():\n    """Doc.\n\n    >>> f()\n    """\n    return 1\n')
     lines = re.findall(r'<span class="l"( style="--i:(\d+)")?>(.*?)\n</span>', html_, re.S)
     text = [re.sub(r"<[^>]+>", "", body) for _, _, body in lines]
     indents = [int(i) if i else 0 for _, i, _ in lines]
@@ -788,8 +884,9 @@ def test_the_viewer_file_is_the_builds_own(tmp_path, monkeypatch):
 
 def viewer_data(page: str) -> dict:
     """The data a viewer page carries (its JSON script element)."""
-    return json.loads(re.search(r'<script type="application/json" id="attention-data">(.*?)</script>', page,
-                                re.S).group(1))
+    return json.loads(
+        re.search(r'<script type="application/json" id="attention-data">(.*?)</script>', page, re.S).group(1)
+    )
 
 
 def test_the_viewer_shows_the_figures_model_and_sentence(tmp_path):
@@ -821,8 +918,9 @@ def embedded_viewer(browser: Chromium, rendered: str, timeout: float = 20) -> li
     world = browser.page("Page.createIsolatedWorld", frameId=frames[0]["frame"]["id"])["executionContextId"]
     deadline, report = time.time() + timeout, None
     while time.time() < deadline:
-        report = browser.page("Runtime.evaluate", expression=VIEWER_REPORT, contextId=world,
-                              returnByValue=True)["result"]["value"]
+        report = browser.page("Runtime.evaluate", expression=VIEWER_REPORT, contextId=world, returnByValue=True)[
+            "result"
+        ]["value"]
         if report[0] == rendered:
             return report
         time.sleep(0.05)
@@ -835,12 +933,13 @@ def test_the_viewer_is_embedded_at_the_end_of_the_chapter(site, tmp_path):
     decoder layer's cross-attention with every token labelled, and nothing logs an error."""
     result, page = site
     chapter = _chapter(page, "transformer")
-    end = chapter[chapter.rindex('<div class="embed">'):]
+    end = chapter[chapter.rindex('<div class="embed">') :]
     assert f'<iframe src="{F.VIEWER}"' in end and end.rstrip().endswith("</figure></div>\n</article>")
     caption = html.unescape(_text(end))
     assert F.ROW_CONVENTION in caption and "each row sums to 1" in caption and "copy-task model" in caption
-    ctx = F.FigureContext(root=ROOT, checkpoint=None, copy_steps=COPY_STEPS,
-                          cache_dir=result.index.parent / ".cache", say=lambda s: None)
+    ctx = F.FigureContext(
+        root=ROOT, checkpoint=None, copy_steps=COPY_STEPS, cache_dir=result.index.parent / ".cache", say=lambda s: None
+    )
     expected = viewer_data((result.index.parent / F.VIEWER).read_text(encoding="utf-8"))["sentences"][0]
     assert expected["src_tokens"] == ctx.shown_sentence().labels  # the figure's model and sentence
     browser = Chromium(CHROMIUM, tmp_path / "profile", tmp_path / "chromium.log")
@@ -850,20 +949,29 @@ def test_the_viewer_is_embedded_at_the_end_of_the_chapter(site, tmp_path):
         last = ctx.shown_sentence().model.config.N - 1
         _rendered, body, rows, cols, heat = embedded_viewer(browser, f"0/cross/{last}/mean")
         assert body == "embedded" and rows == expected["tgt_out_tokens"] and cols == expected["src_tokens"]
-        frame = browser.js("(() => { const r = document.querySelector('#viewer iframe').getBoundingClientRect();"
-                           " return [r.width, r.height]; })()")
+        frame = browser.js(
+            "(() => { const r = document.querySelector('#viewer iframe').getBoundingClientRect();"
+            " return [r.width, r.height]; })()"
+        )
         assert frame[0] >= 0.6 * 1400 and frame[1] >= 150 and heat >= 0.5 * frame[0], (frame, heat)
         # the frame is as tall as the view it shows: nothing cut off, no scrolling inside; it grows with the view
         for view, rendered in (("head", f"0/cross/{last}/mean"), ("model", "0/model")):
             frames = browser.page("Page.getFrameTree")["frameTree"]["childFrames"]
             world = browser.page("Page.createIsolatedWorld", frameId=frames[0]["frame"]["id"])["executionContextId"]
-            browser.page("Runtime.evaluate", contextId=world, expression=f"location.hash = 's=0&kind=cross&"
-                         f"layer={last}&head=mean&view={view}'")
+            browser.page(
+                "Runtime.evaluate",
+                contextId=world,
+                expression=f"location.hash = 's=0&kind=cross&layer={last}&head=mean&view={view}'",
+            )
             embedded_viewer(browser, rendered)
             deadline, inner, outer = time.time() + 20, None, None
             while time.time() < deadline:
-                inner = browser.page("Runtime.evaluate", contextId=world, returnByValue=True, expression=
-                                     "document.documentElement.scrollHeight")["result"]["value"]
+                inner = browser.page(
+                    "Runtime.evaluate",
+                    contextId=world,
+                    returnByValue=True,
+                    expression="document.documentElement.scrollHeight",
+                )["result"]["value"]
                 outer = browser.js("document.querySelector('#viewer iframe').clientHeight")
                 if abs(outer - inner) <= 4:
                     break
@@ -872,10 +980,13 @@ def test_the_viewer_is_embedded_at_the_end_of_the_chapter(site, tmp_path):
             sizes = getattr(browser, "sizes", {}) | {view: outer}
             browser.sizes = sizes
         assert browser.sizes["model"] > browser.sizes["head"] + 100, browser.sizes
-        errors = [e["params"] for e in browser.events
-                  if e["method"] in ("Runtime.exceptionThrown", "Network.loadingFailed")
-                  or (e["method"] == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "warning"))
-                  or (e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] in ("error", "warning"))]
+        errors = [
+            e["params"]
+            for e in browser.events
+            if e["method"] in ("Runtime.exceptionThrown", "Network.loadingFailed")
+            or (e["method"] == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "warning"))
+            or (e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] in ("error", "warning"))
+        ]
         assert errors == []
     finally:
         browser.close()
@@ -906,17 +1017,25 @@ def test_no_display_formula_is_wider_than_its_column(site, tmp_path, width):
 
 
 def test_long_formulas_are_set_one_equation_and_one_equals_sign_a_line():
-    multihead = (r"\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\, W_O"
-                 r" = \sum_i \mathrm{head}_i\, W_O^{(i)}")
-    assert B.formula_lines(multihead) == [multihead[:multihead.rindex(" = ")], multihead[multihead.rindex(" = ") + 1:]]
+    multihead = (
+        r"\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\, W_O"
+        r" = \sum_i \mathrm{head}_i\, W_O^{(i)}"
+    )
+    assert B.formula_lines(multihead) == [
+        multihead[: multihead.rindex(" = ")],
+        multihead[multihead.rindex(" = ") + 1 :],
+    ]
     pe = r"PE_{(pos, 2i)} = \sin(pos / 10000^{2i/d_{model}}),\quad PE_{(pos, 2i+1)} = \cos(pos / 10000^{2i/d_{model}})"
-    assert B.formula_lines(pe) == [pe[:pe.index(r"\quad")], pe[pe.index(r"\quad") + len(r"\quad") + 1:]]
-    assert B.formula_lines(r"\mathrm{head}_i = \mathrm{Attention}(Q W_Q^{(i)},\ K W_K^{(i)},\ V W_V^{(i)})") == \
-        [r"\mathrm{head}_i = \mathrm{Attention}(Q W_Q^{(i)},\ K W_K^{(i)},\ V W_V^{(i)})"]  # short: one line
-    nested = (r"f(\{a = b, c = d\}) = \frac{x = 1}{y} = z + \sum_{i=1}^{h} \mathrm{head}_i\, W_O^{(i)} w"
-              r" + \mathrm{Concat}(u, v, w, x, y)")  # an `=` inside braces or \{ \} is no line's start
+    assert B.formula_lines(pe) == [pe[: pe.index(r"\quad")], pe[pe.index(r"\quad") + len(r"\quad") + 1 :]]
+    assert B.formula_lines(r"\mathrm{head}_i = \mathrm{Attention}(Q W_Q^{(i)},\ K W_K^{(i)},\ V W_V^{(i)})") == [
+        r"\mathrm{head}_i = \mathrm{Attention}(Q W_Q^{(i)},\ K W_K^{(i)},\ V W_V^{(i)})"
+    ]  # short: one line
+    nested = (
+        r"f(\{a = b, c = d\}) = \frac{x = 1}{y} = z + \sum_{i=1}^{h} \mathrm{head}_i\, W_O^{(i)} w"
+        r" + \mathrm{Concat}(u, v, w, x, y)"
+    )  # an `=` inside braces or \{ \} is no line's start
     assert B.visible_length(nested) > B.FORMULA_CHARS
-    assert B.formula_lines(nested) == [nested[:nested.index(" = z")], nested[nested.index(" = z") + 1:]]
+    assert B.formula_lines(nested) == [nested[: nested.index(" = z")], nested[nested.index(" = z") + 1 :]]
     html_ = B.display_mathml(multihead)  # one <math> element, a table of two lines, the whole TeX as its alttext
     assert html_.count("<math ") == 1 and html_.count("<mtr>") == 2 and 'class="cont"' in html_
 
@@ -968,8 +1087,12 @@ def test_prose_sits_beside_the_code_it_names(site):
     the section's opening (its heading and formulas) stays at the top, beside the first piece."""
     _, page = site
     chapter = _chapter(page, "transformer")
-    rows = re.findall(r'<div class="row[^"]*"><div class="prose">\n(.*?)</div><div class="code" id="[^"]+">'
-                      r'.*?<pre class="highlight"><code>(.*?)</code></pre>', chapter, re.S)
+    rows = re.findall(
+        r'<div class="row[^"]*"><div class="prose">\n(.*?)</div><div class="code" id="[^"]+">'
+        r'.*?<pre class="highlight"><code>(.*?)</code></pre>',
+        chapter,
+        re.S,
+    )
     [(prose, _)] = [(p, c) for p, c in rows if "class PerHeadAttention" in _text(c)]
     assert _text(prose).strip().startswith("PerHeadAttention stores exactly these 4h matrices")
     [(opening, code)] = [(p, c) for p, c in rows if "3. Multi-head attention, one head at a time" in _text(p)]
@@ -984,8 +1107,10 @@ def test_no_table_scrolls_sideways_at_800_px(site, tmp_path):
     browser = Chromium(CHROMIUM, tmp_path / "profile", tmp_path / "chromium.log")
     try:
         browser.open(result.index.resolve().as_uri(), 800, 1000, domains=("Page", "Runtime"))
-        tables = browser.js("[...document.querySelectorAll('table')].map(t => [t.textContent.slice(0, 60), "
-                            "t.scrollWidth, t.clientWidth, t.getBoundingClientRect().right])")
+        tables = browser.js(
+            "[...document.querySelectorAll('table')].map(t => [t.textContent.slice(0, 60), "
+            "t.scrollWidth, t.clientWidth, t.getBoundingClientRect().right])"
+        )
         page_width = browser.js("document.documentElement.clientWidth")
     finally:
         browser.close()
@@ -1023,7 +1148,8 @@ def test_figures_count_heads_and_positions_from_zero(tmp_path):
     h = ctx.shown_sentence().model.config.h
     assert f"cross, head {h}" not in titles
     drawing = M.draw_block_matrices(ctx)[0]
-    texts = [t.get_text() for t in drawing.texts] + [t.get_text() for ax in drawing.axes
-                                                      for t in [ax.title, *ax.texts, ax.xaxis.label, ax.yaxis.label]]
+    texts = [t.get_text() for t in drawing.texts] + [
+        t.get_text() for ax in drawing.axes for t in [ax.title, *ax.texts, ax.xaxis.label, ax.yaxis.label]
+    ]
     assert any("W_Q[0]" in t for t in texts) and not any("W_Q[3]" in t for t in texts)  # h = 3 there
     assert "counted from 0" in B.INTRODUCTION

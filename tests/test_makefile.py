@@ -3,6 +3,7 @@
 Each target is run by `make` itself, with PYTHON set to a stand-in interpreter that prints the arguments it
 was given, so the test sees the command line the shell built, without loading any model.
 """
+
 import json
 import shutil
 import subprocess
@@ -21,16 +22,28 @@ def make(tmp_path: Path, target: str, *variables: str) -> list[str]:
     echo = tmp_path / "python"
     echo.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
     echo.chmod(0o755)
-    r = subprocess.run([MAKE, "-s", "-f", str(ROOT / "Makefile"), target, f"PYTHON={echo}", *variables],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [MAKE, "-s", "-f", str(ROOT / "Makefile"), target, f"PYTHON={echo}", *variables],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
 
 @pytest.mark.skipif(MAKE is None, reason="no `make` on PATH")
-@pytest.mark.parametrize("target, module", [("translate", "annotated.decoding.translate"),
-                                            ("attention", "annotated.attention.dump"), ("docs", "docs.build"),
-                                            ("heads", "annotated.attention.heads"), ("equivalence", "annotated.proof.equivalence")])
+@pytest.mark.parametrize(
+    "target, module",
+    [
+        ("translate", "annotated.decoding.translate"),
+        ("attention", "annotated.attention.dump"),
+        ("docs", "docs.build"),
+        ("heads", "annotated.attention.heads"),
+        ("equivalence", "annotated.proof.equivalence"),
+    ],
+)
 def test_variables_reach_the_command_as_typed(target, module, tmp_path):
     argv = make(tmp_path, target, f"CHECKPOINT={HOSTILE_CHECKPOINT}", f"TEXT={HOSTILE_TEXT}")
     assert argv[:4] == ["-m", module, "--checkpoint", HOSTILE_CHECKPOINT]

@@ -6,6 +6,7 @@ test that looks at real queries alone). `attention()` promises zeros for a
 query that may attend to no key, on the fast path too, whatever the fused
 kernel returns there: checked with a kernel that writes NaN into such rows.
 """
+
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ def test_target_mask_blocks_padding_keys_and_future_keys_for_every_query(seed):
     tgt = torch.randint(1, 9, (B, L), generator=gen)
     lengths = torch.randint(1, L + 1, (B,), generator=gen)
     for b in range(B):
-        tgt[b, lengths[b]:] = PAD  # trailing padding, as batches have it
+        tgt[b, lengths[b] :] = PAD  # trailing padding, as batches have it
     tgt[0, 2] = PAD  # and a pad in the middle: the rule is about the token, not its place
     mask = target_mask(tgt, PAD)  # (B, L, L)
     assert mask.dtype == torch.bool and mask.shape == (B, L, L)
@@ -40,18 +41,22 @@ def output(result):
 
 def nan_in_blocked_rows(real):
     """scaled_dot_product_attention that writes NaN where a query may attend to no key."""
+
     def kernel(q, k, v, attn_mask=None, **kw):
         out = real(q, k, v, attn_mask=attn_mask, **kw)  # (..., T_q, d_v)
         if attn_mask is None:
             return out
         blocked = ~attn_mask.any(dim=-1, keepdim=True)  # (..., T_q, 1)
         return out.masked_fill(blocked, float("nan"))
+
     return kernel
 
 
 def test_fast_path_gives_zeros_for_fully_blocked_queries_whatever_the_kernel(monkeypatch, fast_path):
     fast_path(True)
-    monkeypatch.setattr(transformer.F, "scaled_dot_product_attention", nan_in_blocked_rows(transformer.F.scaled_dot_product_attention))
+    monkeypatch.setattr(
+        transformer.F, "scaled_dot_product_attention", nan_in_blocked_rows(transformer.F.scaled_dot_product_attention)
+    )
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 4, 5, generator=gen) for _ in range(3))  # (B, h, T, d)
     mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)

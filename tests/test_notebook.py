@@ -1,4 +1,5 @@
 """`make notebook` (docs/notebook.py): the chapter as a notebook that runs top to bottom and shows its work."""
+
 from __future__ import annotations
 
 import base64
@@ -36,7 +37,7 @@ def test_the_chapter_cells_are_all_there_verbatim_and_in_order_but_the_command(b
         mine = next(ours)
         assert mine.cell_type == cell.cell_type
         if cell is commands[0]:  # everything before the command, verbatim
-            head = cell.source[:cell.source.index('if __name__ == "__main__":')].rstrip()
+            head = cell.source[: cell.source.index('if __name__ == "__main__":')].rstrip()
             assert mine.source == head
         else:
             assert mine.source == cell.source
@@ -57,10 +58,13 @@ def test_every_prose_example_runs_and_shows_the_result_its_doctest_checks(built)
     for i, cell in enumerate(built.cells):
         if cell.cell_type != "markdown":
             continue
-        wants = [ex.want.strip() for ex in doctest.DocTestParser().get_examples(cell.source)
-                 if ex.want.strip() and "..." not in ex.want]
+        wants = [
+            ex.want.strip()
+            for ex in doctest.DocTestParser().get_examples(cell.source)
+            if ex.want.strip() and "..." not in ex.want
+        ]
         examples = []
-        for nxt in built.cells[i + 1:]:
+        for nxt in built.cells[i + 1 :]:
             if "example" not in nxt.metadata.get("tags", []):
                 break
             examples.append(nxt)
@@ -103,7 +107,12 @@ def colour_bar_columns(pixels: np.ndarray, table: np.ndarray) -> list[int]:
             elif not inside and start is not None:
                 run = idx[start:y]
                 steps = np.diff(run)
-                if y - start >= 40 and run[0] >= 0.95 and run[-1] <= 0.05 and ((steps >= -0.03) & (steps <= 0.005)).all():
+                if (
+                    y - start >= 40
+                    and run[0] >= 0.95
+                    and run[-1] <= 0.05
+                    and ((steps >= -0.03) & (steps <= 0.005)).all()
+                ):
                     found.append(x)
                 start = None
     return found
@@ -162,6 +171,7 @@ def test_the_copy_figure_says_when_the_copy_is_wrong():
     import io as _io
 
     import matplotlib
+
     matplotlib.use("Agg")
     import torch
 
@@ -179,8 +189,7 @@ def test_the_copy_figure_says_when_the_copy_is_wrong():
 
 def test_a_failing_cell_stops_the_build_naming_it():
     """Executed by nbclient in a real kernel: the cells before the failure ran, the error names the cell."""
-    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("x + 1"),
-             nbformat.v4.new_code_cell("1 / 0")]
+    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("x + 1"), nbformat.v4.new_code_cell("1 / 0")]
     with pytest.raises(NB.CellError, match=r"notebook cell 3 failed: ZeroDivisionError"):
         NB.execute(cells, "failing_notebook")
     assert cells[0].outputs == [] and cells[1].outputs[0]["data"]["text/plain"] == "2"
@@ -196,19 +205,21 @@ def test_the_setup_cell_finds_the_checkout_it_sits_in(built, tmp_path):
     assert "setup" in first_code.metadata.get("tags", [])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     chapter_import = "from annotated.tokens import BOS, EOS, PAD; print('imported')"
-    for code, cwd, works in ((NB.SETUP + "\n" + chapter_import, ROOT / "docs", True),
-                             (chapter_import, ROOT / "docs", False),
-                             (NB.SETUP + "\n" + chapter_import, tmp_path, False)):
-        r = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                           timeout=60)
+    for code, cwd, works in (
+        (NB.SETUP + "\n" + chapter_import, ROOT / "docs", True),
+        (chapter_import, ROOT / "docs", False),
+        (NB.SETUP + "\n" + chapter_import, tmp_path, False),
+    ):
+        r = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
         assert (r.returncode == 0 and "imported" in r.stdout) == works, r.stderr
         if cwd == tmp_path:
             assert "pip install -e ." in r.stderr and "inside the repository's checkout" in r.stderr
 
 
 def test_the_command_prints_its_help():
-    r = subprocess.run([sys.executable, "-m", "docs.notebook", "--help"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "docs.notebook", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and r.stdout.startswith("usage: python -m docs.notebook")
     assert "--out" in r.stdout and "transformer.ipynb" in r.stdout
 

@@ -5,6 +5,7 @@ comment cells would otherwise never run. This test strips the comment marks
 from every `# %% [markdown]` cell of every annotated module and runs the
 examples found there in the module's namespace.
 """
+
 import doctest
 import importlib
 from pathlib import Path
@@ -12,8 +13,11 @@ from pathlib import Path
 import pytest
 
 ANNOTATED = Path(__file__).resolve().parents[1] / "annotated"
-MODULES = sorted(p.relative_to(ANNOTATED).with_suffix("").as_posix().replace("/", ".")
-                 for p in ANNOTATED.rglob("*.py") if p.stem != "__init__")
+MODULES = sorted(
+    p.relative_to(ANNOTATED).with_suffix("").as_posix().replace("/", ".")
+    for p in ANNOTATED.rglob("*.py")
+    if p.stem != "__init__"
+)
 
 
 def markdown_text(source: str) -> str:
@@ -41,7 +45,9 @@ def test_prose_examples_run(name):
         pytest.skip(f"{path.relative_to(ANNOTATED.parent)} has no examples in its prose")
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     runner.run(test)
-    assert runner.failures == 0, f"{runner.failures} prose example(s) of {path.relative_to(ANNOTATED.parent)} failed (output above)"
+    assert runner.failures == 0, (
+        f"{runner.failures} prose example(s) of {path.relative_to(ANNOTATED.parent)} failed (output above)"
+    )
 
 
 def test_markdown_text_finds_examples():

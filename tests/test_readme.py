@@ -7,6 +7,7 @@
   cites exists in tests/;
 - no figure is a placeholder ("not yet measured"): an unmeasured figure is simply absent.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,8 +35,11 @@ def test_the_first_commands_are_the_ones_ci_runs():
     first = _code_blocks(README.read_text(encoding="utf-8"))[0]
     commands = [line.split("#")[0].strip() for line in first.splitlines() if line.strip()]
     assert commands[:2] == ["make test", "make train"], commands
-    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
-          if line.strip() and not line.lstrip().startswith("#")]
+    ci = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     assert ci[-1] == "make test", "CI must run exactly the README's test command, last"
 
 

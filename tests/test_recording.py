@@ -6,6 +6,7 @@ lie in [0, 1] and the scores of these small models in a few units, so the two di
 (~1e-16 relative, ~1e-15 absolute after exp). 1e-12 leaves three orders of magnitude of room, while a
 wrong mask, scale, head or input is off by more than 1e-3.
 """
+
 import math
 
 import pytest
@@ -30,8 +31,18 @@ PRUNE = {("enc_self", 0): [1], ("dec_self", 1): [0, 2], ("cross", 0): [3]}
 
 def model(form="fused", norm="post", pruned=False, dropout=0.0, dtype=torch.float64):
     torch.manual_seed(0)
-    m = make_model(src_vocab=17, tgt_vocab=19, N=2, d_model=16, d_ff=32, h=4, dropout=dropout, max_len=20,
-                   attention=form, norm=norm)
+    m = make_model(
+        src_vocab=17,
+        tgt_vocab=19,
+        N=2,
+        d_model=16,
+        d_ff=32,
+        h=4,
+        dropout=dropout,
+        max_len=20,
+        attention=form,
+        norm=norm,
+    )
     with torch.no_grad():
         for name, p in m.named_parameters():
             if ".b_" in name:
@@ -180,13 +191,13 @@ def test_cached_decoding_records_the_rows_of_full_recomputation(form):
         cache = m.new_cache()
         with record_attention(m) as steps:
             for t in range(T_len):
-                m.decode(memory, src_mask, tgt[:, t:t + 1], None, cache=cache, start=t)
+                m.decode(memory, src_mask, tgt[:, t : t + 1], None, cache=cache, start=t)
     for kind, l in sites(m):
         if kind == "enc_self":
             continue
         assert len(steps[kind, l]) == T_len
         for t, p in enumerate(steps[kind, l]):  # step t: one query, keys 0..t (self) or the source (cross)
-            want = full[kind, l][0][:, :, t:t + 1, :t + 1 if kind == "dec_self" else None]
+            want = full[kind, l][0][:, :, t : t + 1, : t + 1 if kind == "dec_self" else None]
             assert p.shape == want.shape and (p - want).abs().max() <= TOL, (kind, l, t)
 
 
@@ -195,8 +206,10 @@ def test_attend_with_probabilities_gives_the_module_output(cls):
     torch.manual_seed(0)
     att = cls(12, 3, d_k=5, d_v=2).double().eval()
     gen = torch.Generator().manual_seed(2)
-    x, x_kv = torch.randn(2, 4, 12, generator=gen, dtype=torch.float64), torch.randn(2, 6, 12, generator=gen,
-                                                                                      dtype=torch.float64)
+    x, x_kv = (
+        torch.randn(2, 4, 12, generator=gen, dtype=torch.float64),
+        torch.randn(2, 6, 12, generator=gen, dtype=torch.float64),
+    )
     mask = torch.rand(2, 1, 6, generator=gen) > 0.4
     out, p = attend_with_probabilities(att, x, x_kv, mask)
     assert torch.equal(out, att(x, x_kv, mask)) and (p - reference(att, x, x_kv, mask)).abs().max() <= TOL
@@ -206,4 +219,3 @@ def test_attend_with_probabilities_gives_the_module_output(cls):
         attend_with_probabilities(att, x, x_kv, kv=att.keys_values(x_kv))
     with pytest.raises(TypeError, match="record_attention expects an EncoderDecoder"), record_attention(att):
         pass
-

@@ -1,6 +1,7 @@
 """Which attention sits where, head counts, and removing heads (annotated/sites.py).
 
 `tiny_model`, `batch` and `logits` are shared with the tests of annotated/attention/."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -24,8 +25,17 @@ from annotated.transformer import attention_explicit, convert_model, make_model,
 def tiny_model(attention="per_head", dtype=torch.float64, seed=0, N=2, h=3, d_model=12, vocab=17):
     """A small model with every parameter random (biases too, so no block of zeros hides a mistake)."""
     torch.manual_seed(seed)
-    m = make_model(src_vocab=vocab, tgt_vocab=vocab, N=N, d_model=d_model, d_ff=16, h=h, dropout=0.0,
-                   max_len=20, attention=attention).to(dtype)
+    m = make_model(
+        src_vocab=vocab,
+        tgt_vocab=vocab,
+        N=N,
+        d_model=d_model,
+        d_ff=16,
+        h=h,
+        dropout=0.0,
+        max_len=20,
+        attention=attention,
+    ).to(dtype)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn_like(p) * 0.5)
@@ -71,8 +81,9 @@ def test_per_head_removal_leaves_out_exactly_term_i():
         want = att.b_O.clone()
         for j in range(att.h):
             if j != i:
-                head_j, _ = attention_explicit(x @ att.W_Q[j] + att.b_Q[j], x @ att.W_K[j] + att.b_K[j],
-                                               x @ att.W_V[j] + att.b_V[j], mask)
+                head_j, _ = attention_explicit(
+                    x @ att.W_Q[j] + att.b_Q[j], x @ att.W_K[j] + att.b_K[j], x @ att.W_V[j] + att.b_V[j], mask
+                )
                 want = want + head_j @ att.W_O[j]
         got = keep_heads_per_head(att, [j for j in range(att.h) if j != i])(x, x, mask)
         # float64, sums of a dozen products of O(1) numbers: rounding is ~1e-15; a wrong head is O(1) off
@@ -89,15 +100,18 @@ def test_removing_a_head_per_head_equals_fused_without_its_blocks():
             f = convert_model(fused, "fused")  # the fused model built without block i
             attn = attention_at(fused, kind, layer)
             stack = f.encoder if kind == "enc_self" else f.decoder
-            setattr(stack.layers[layer], "cross_attn" if kind == "cross" else "self_attn",
-                    keep_heads_fused(attn, keep))
+            setattr(stack.layers[layer], "cross_attn" if kind == "cross" else "self_attn", keep_heads_fused(attn, keep))
             # float64: the two forms add the same products in a different order, so they differ by rounding
             # (~1e-15 relative on logits of size ~10); removing the wrong head changes logits by O(1)
             torch.testing.assert_close(logits(a, b), logits(f, b), rtol=0, atol=1e-10)
             # and the blocks are the same numbers: fusing the pruned per-head attention gives f's, bit for bit
             fused_a = convert_model(a, "fused")
-            assert all(torch.equal(p, q) for p, q in zip(attention_at(fused_a, kind, layer).parameters(),
-                                                         attention_at(f, kind, layer).parameters()))
+            assert all(
+                torch.equal(p, q)
+                for p, q in zip(
+                    attention_at(fused_a, kind, layer).parameters(), attention_at(f, kind, layer).parameters()
+                )
+            )
             assert not torch.allclose(logits(a, b), logits(per_head, b), atol=1e-3)  # the head did matter
 
 

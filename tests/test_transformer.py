@@ -6,6 +6,7 @@ and a sum), which moves the result by a few ulps of values of order 1, far
 below 1e-12. float32 ulps are about 1e-7; 1e-5 leaves room for the same
 reordering over sums of up to a few hundred terms.
 """
+
 import math
 
 import pytest
@@ -55,6 +56,7 @@ def random_mask(B, T_q, T_k, gen):
 
 
 # --- attention --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("bias", [True, False])
@@ -161,7 +163,6 @@ def test_an_attention_form_must_provide_the_interface():
     assert transformer._Attention.__abstractmethods__ == {"queries", "keys_values", "_attend"}
 
 
-
 @pytest.mark.parametrize("fast", [True, False])
 def test_fully_masked_query_gives_zeros(fast, fast_path):
     fast_path(fast)
@@ -204,7 +205,7 @@ def test_scaling_keeps_score_variance_at_one(fast, fast_path):
         q = torch.randn(n, 1, d_k, generator=gen, dtype=torch.float64)  # (n, 1, d_k)
         k = torch.randn(n, 2, d_k, generator=gen, dtype=torch.float64)  # (n, 2, d_k)
         out = transformer.attention(q, k, v)  # (n, 1, 2): the two probabilities
-        diff = (out[:, 0, 0].log() - out[:, 0, 1].log())  # s_1 - s_2
+        diff = out[:, 0, 0].log() - out[:, 0, 1].log()  # s_1 - s_2
         assert abs(diff.var().item() / 2 - 1) < 0.05, d_k
 
 
@@ -239,8 +240,10 @@ def test_attention_ignores_the_order_of_keys_and_values(cls):
     att = cls(12, 3).double().eval()
     random_biases(att, torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(4)
-    x, m = torch.randn(2, 3, 12, generator=gen, dtype=torch.float64), torch.randn(2, 5, 12, generator=gen,
-                                                                                   dtype=torch.float64)
+    x, m = (
+        torch.randn(2, 3, 12, generator=gen, dtype=torch.float64),
+        torch.randn(2, 5, 12, generator=gen, dtype=torch.float64),
+    )
     perm = torch.tensor([3, 0, 4, 1, 2])
     out, p = attend_with_probabilities(att, x, m)
     out_perm, p_perm = attend_with_probabilities(att, x, m[:, perm])  # keys and values permuted together
@@ -293,8 +296,10 @@ def test_attention_dropout_is_its_own_setting(fast_path):
     assert ps(m) == {0.0} and {d.p for d in m.modules() if isinstance(d, torch.nn.Dropout)} == {0.3}
     with pytest.raises(ValueError, match="attention_dropout must be in"):
         small_config(attention_dropout=1.0)
-    for p, kernel in ((0.0, "aten::_scaled_dot_product_flash_attention_for_cpu"),
-                      (0.1, "aten::_scaled_dot_product_attention_math")):
+    for p, kernel in (
+        (0.0, "aten::_scaled_dot_product_flash_attention_for_cpu"),
+        (0.1, "aten::_scaled_dot_product_attention_math"),
+    ):
         m = make_model(small_config(dropout=0.1, attention_dropout=p)).train()
         src, tgt = model_inputs(m.config)
         with profile() as prof:
@@ -358,7 +363,7 @@ def test_fused_view_picks_out_column_block_i():
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     Q = fu._heads(x, fu.W_Q, fu.b_Q, fu.d_k)  # (B, h, T, d_k)
     for i in range(4):
-        assert torch.equal(Q[:, i], transformer.affine(x, fu.W_Q, fu.b_Q)[..., 3 * i:3 * (i + 1)])  # exactly block i
+        assert torch.equal(Q[:, i], transformer.affine(x, fu.W_Q, fu.b_Q)[..., 3 * i : 3 * (i + 1)])  # exactly block i
         assert torch.allclose(Q[:, i], x @ ph.W_Q[i] + ph.b_Q[i], atol=1e-12, rtol=0)
 
 
@@ -378,6 +383,7 @@ def test_cost_of_h_heads_is_similar_to_one_full_width_head(cls, fast_path):
     """With d_k = d_v = d_model / h the matrix products cost exactly as many FLOPs for h = 8 as for h = 1;
     the softmax handles h times as many scores (the prose's "similar")."""
     from torch.utils.flop_counter import FlopCounterMode
+
     fast_path(False)  # count the explicit form's products
     flops, scores = {}, {}
     for h in (1, 8):
@@ -397,6 +403,7 @@ def test_default_head_size_needs_divisible_d_model():
 
 
 # --- the model --------------------------------------------------------------
+
 
 def small_config(**kw):
     base = dict(src_vocab=17, tgt_vocab=19, N=2, d_model=16, d_ff=32, h=4, dropout=0.0, max_len=40)
@@ -442,12 +449,13 @@ def test_decoder_does_not_see_the_future(attention):
     gen = torch.Generator().manual_seed(5)
     for t in range(tgt.size(1) - 1):
         changed = tgt.clone()
-        changed[:, t + 1:] = torch.randint(3, cfg.tgt_vocab, changed[:, t + 1:].shape, generator=gen)
+        changed[:, t + 1 :] = torch.randint(3, cfg.tgt_vocab, changed[:, t + 1 :].shape, generator=gen)
         assert not torch.equal(changed, tgt)
         out = m.decode(memory, src_mask, changed, target_mask(changed, PAD))
-        assert torch.equal(out[:, :t + 1], base[:, :t + 1]) or \
-            (out[:, :t + 1] - base[:, :t + 1]).abs().max() <= 1e-12
-        assert (out[:, t + 1:] - base[:, t + 1:]).abs().max() > 1e-6  # the later ones did change
+        assert (
+            torch.equal(out[:, : t + 1], base[:, : t + 1]) or (out[:, : t + 1] - base[:, : t + 1]).abs().max() <= 1e-12
+        )
+        assert (out[:, t + 1 :] - base[:, t + 1 :]).abs().max() > 1e-6  # the later ones did change
 
 
 @pytest.mark.parametrize("attention", ["per_head", "fused"])
@@ -460,7 +468,7 @@ def test_appending_padding_changes_no_real_output(attention):
     src_p = torch.cat([src, torch.full((2, 4), PAD)], dim=1)
     tgt_p = torch.cat([tgt, torch.full((2, 3), PAD)], dim=1)
     logits_p = m(src_p, tgt_p, padding_mask(src_p, PAD), target_mask(tgt_p, PAD))
-    assert (logits_p[:, :tgt.size(1)] - logits).abs().max() <= 1e-12
+    assert (logits_p[:, : tgt.size(1)] - logits).abs().max() <= 1e-12
 
 
 def test_norm_placement_matches_prose():
@@ -469,8 +477,8 @@ def test_norm_placement_matches_prose():
     sub = lambda z: 2 * z + 1  # any sublayer
     post = transformer.Residual(8, 0.0, "post")
     pre = transformer.Residual(8, 0.0, "pre")
-    assert torch.allclose(post(x, sub), post.ln(x + sub(x)))        # LayerNorm(x + Sublayer(x))
-    assert torch.allclose(pre(x, sub), x + sub(pre.ln(x)))          # x + Sublayer(LayerNorm(x))
+    assert torch.allclose(post(x, sub), post.ln(x + sub(x)))  # LayerNorm(x + Sublayer(x))
+    assert torch.allclose(pre(x, sub), x + sub(pre.ln(x)))  # x + Sublayer(LayerNorm(x))
     assert isinstance(make_model(small_config(norm="post")).encoder.final_ln, torch.nn.Identity)
     assert isinstance(make_model(small_config(norm="pre")).decoder.final_ln, torch.nn.LayerNorm)
 
@@ -508,7 +516,7 @@ def test_cached_decoding_equals_full_recomputation(attention):
     memory = m.encode(src, mask)
     whole = m.decode(memory, mask, tgt, subsequent_mask(tgt.size(1)))
     cache = m.new_cache()
-    steps = [m.decode(memory, mask, tgt[:, t:t + 1], None, cache=cache, start=t) for t in range(tgt.size(1))]
+    steps = [m.decode(memory, mask, tgt[:, t : t + 1], None, cache=cache, start=t) for t in range(tgt.size(1))]
     assert (torch.cat(steps, dim=1) - whole).abs().max() <= 1e-12
 
 
@@ -548,16 +556,19 @@ def test_cached_greedy_gives_the_tokens_of_recomputed_greedy(attention):
     prose's bound; the kernels' reduction order sets the exact figure, 1.6e-6 to 1.7e-6 on the CPUs tried)."""
     for seed in range(3):
         torch.manual_seed(seed)
-        m = make_model(src_vocab=50, tgt_vocab=50, N=2, d_model=64, d_ff=128, h=4, dropout=0.0,
-                       attention=attention).eval()
+        m = make_model(
+            src_vocab=50, tgt_vocab=50, N=2, d_model=64, d_ff=128, h=4, dropout=0.0, attention=attention
+        ).eval()
         src, tgt = torch.randint(3, 50, (8, 12)), torch.randint(3, 50, (8, 10))
         mask = padding_mask(src, PAD)
         with torch.no_grad():
             memory = m.encode(src, mask)
             whole = m.generator(m.decode(memory, mask, tgt, subsequent_mask(10)))  # (8, 10, 50)
             cache = m.new_cache()
-            steps = torch.cat([m.generator(m.decode(memory, mask, tgt[:, t:t + 1], None, cache=cache, start=t))
-                               for t in range(10)], dim=1)  # (8, 10, 50)
+            steps = torch.cat(
+                [m.generator(m.decode(memory, mask, tgt[:, t : t + 1], None, cache=cache, start=t)) for t in range(10)],
+                dim=1,
+            )  # (8, 10, 50)
         largest = whole.abs().max()
         assert largest <= 4.5 and (whole - steps).abs().max() <= 8 * torch.finfo(torch.float32).eps * largest
         a = greedy_decode(m, src, mask, 10, BOS, EOS, PAD, use_cache=True)
@@ -580,10 +591,12 @@ def test_bad_token_ids_are_rejected_at_the_door():
     m = make_model(small_config(max_len=8)).eval()
     src = torch.tensor([[3, 4, 99]])
     check_token_ids(torch.tensor([[0, 16]]), 17)  # the whole range passes
-    for bad, why in ((src, r"token ids must lie in \[0, 17\).*max 99"),
-                     (torch.tensor([[-1, 3]]), r"must lie in \[0, 17\).*min -1"),
-                     (torch.tensor([[3.0, 4.0]]), "int64 or int32 tensor of shape"),
-                     (torch.tensor([3, 4]), r"shape \(B, T\), got torch.int64 \(2,\)")):
+    for bad, why in (
+        (src, r"token ids must lie in \[0, 17\).*max 99"),
+        (torch.tensor([[-1, 3]]), r"must lie in \[0, 17\).*min -1"),
+        (torch.tensor([[3.0, 4.0]]), "int64 or int32 tensor of shape"),
+        (torch.tensor([3, 4]), r"shape \(B, T\), got torch.int64 \(2,\)"),
+    ):
         with pytest.raises(ValueError, match=why):
             check_token_ids(bad, 17)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 17\)"):  # the decoders' entry check
@@ -593,6 +606,7 @@ def test_bad_token_ids_are_rejected_at_the_door():
 
 
 # --- the copy task ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("attention", ["fused", "per_head"])
 def test_copy_task_learns_to_copy(attention):
@@ -636,4 +650,4 @@ def test_key_bias_does_not_change_attention(cls):
         if "b_K" in name:
             assert b.grad.abs().max() <= 1e-12  # zero up to rounding
         elif "W_Q" in name:
-            assert b.grad.abs().max() > 1e-3   # a parameter that does matter
+            assert b.grad.abs().max() > 1e-3  # a parameter that does matter

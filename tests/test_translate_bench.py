@@ -2,6 +2,7 @@
 
 No speed is asserted: the benchmark prints ratios measured in one run.
 """
+
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,14 @@ from annotated.training.data import train_tokenizer
 from annotated.transformer import make_model, padding_mask, subsequent_mask
 from benchmarks import translate as bench
 
-SENTENCES = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park.", "Eine Frau liest ein Buch.",
-             "A dog runs across the meadow.", "Two men play football in the park.", "A woman reads a book."]
+SENTENCES = [
+    "Ein Hund rennt über die Wiese.",
+    "Zwei Männer spielen Fußball im Park.",
+    "Eine Frau liest ein Buch.",
+    "A dog runs across the meadow.",
+    "Two men play football in the park.",
+    "A woman reads a book.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +32,18 @@ def checkpoint(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("bench")
     tokenizer = train_tokenizer(SENTENCES * 20, 300, cache_dir=folder)
     torch.manual_seed(0)
-    model = make_model(src_vocab=tokenizer.vocab_size, tgt_vocab=tokenizer.vocab_size, N=2, d_model=16, d_ff=32,
-                       h=4, dropout=0.0, max_len=256, share_embeddings=True, tie_generator=True)
+    model = make_model(
+        src_vocab=tokenizer.vocab_size,
+        tgt_vocab=tokenizer.vocab_size,
+        N=2,
+        d_model=16,
+        d_ff=32,
+        h=4,
+        dropout=0.0,
+        max_len=256,
+        share_embeddings=True,
+        tie_generator=True,
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -52,17 +69,25 @@ def test_ctranslate2_scores_tokens_as_our_model_does(checkpoint, tmp_path):
 
 def test_every_tool_translates(checkpoint, data_url):
     result = bench.measure(checkpoint, sentences=5, threads=1, rounds=1, data_url=data_url)
-    assert list(result["rows"]) == ["translator (stdin)", "translate_ids", "generate", "CTranslate2 float32",
-                                    "CTranslate2 int8"]
+    assert list(result["rows"]) == [
+        "translator (stdin)",
+        "translate_ids",
+        "generate",
+        "CTranslate2 float32",
+        "CTranslate2 int8",
+    ]
     assert result["rows"]["CTranslate2 float32"]["x CTranslate2 float32"] == 1.0
     assert all(row["sentences_per_s"] > 0 for row in result["rows"].values())
     assert "| translate_ids |" in bench.table(result)
 
 
-@pytest.mark.parametrize("given, message", [
-    ("nothing.pt", "translate-bench: error: --checkpoint nothing.pt: no such file"),
-    ("shipped:xx-yy", "translate-bench: error: there is no shipped xx->yy model"),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ("nothing.pt", "translate-bench: error: --checkpoint nothing.pt: no such file"),
+        ("shipped:xx-yy", "translate-bench: error: there is no shipped xx->yy model"),
+    ],
+)
 def test_the_checkpoint_is_chosen_by_the_commands_one_rule(given, message, capsys, monkeypatch, tmp_path):
     """`--checkpoint shipped:de-en` names a shipped model, as in every command (`choose_checkpoint`); a wrong
     name is one line and exit 2, before any model or data is loaded."""

@@ -51,6 +51,7 @@ SEED = 0
 @dataclass(frozen=True)
 class Change:
     """`value` = (system b) - (system a) on all sentences; [low, high] its bootstrap interval."""
+
     value: float
     low: float
     high: float
@@ -73,8 +74,7 @@ def resample_counts(n: int, resamples: int = RESAMPLES, seed: int = SEED) -> np.
     ((3, 5), [5, 5, 5])
     """
     if n < 1 or resamples < 1:
-        raise ValueError(f"a bootstrap needs at least one sentence and one resample, got n={n}, "
-                         f"resamples={resamples}")
+        raise ValueError(f"a bootstrap needs at least one sentence and one resample, got n={n}, resamples={resamples}")
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, n, size=(resamples, n))  # (R, n) sentence indices
     return np.stack([np.bincount(row, minlength=n) for row in draws])  # (R, n)
@@ -89,14 +89,16 @@ def _interval(value: float, samples: np.ndarray) -> Change:
 # %% [markdown]
 # ## BLEU
 
+
 # %%
 def bleu_statistics(hypotheses: list[str], references: list[str]) -> np.ndarray:
     """(n, 10) sacreBLEU statistics per sentence: hyp length, ref length, 4 match counts, 4 totals."""
     from sacrebleu.metrics import BLEU
 
     if len(hypotheses) != len(references) or not hypotheses:
-        raise ValueError(f"need as many hypotheses as references, at least one: got {len(hypotheses)} "
-                         f"and {len(references)}")
+        raise ValueError(
+            f"need as many hypotheses as references, at least one: got {len(hypotheses)} and {len(references)}"
+        )
     # the statistics sacreBLEU sums in corpus_score (and its own paired bootstrap resamples)
     return np.array(BLEU()._extract_corpus_statistics(hypotheses, [references]), dtype=np.int64)  # (n, 10)
 
@@ -106,8 +108,7 @@ def bleu_from_statistics(sums: np.ndarray) -> float:
     from sacrebleu.metrics import BLEU
 
     s = [int(x) for x in sums]
-    return BLEU.compute_bleu(correct=s[2:6], total=s[6:10], sys_len=s[0], ref_len=s[1],
-                             smooth_method="exp").score
+    return BLEU.compute_bleu(correct=s[2:6], total=s[6:10], sys_len=s[0], ref_len=s[1], smooth_method="exp").score
 
 
 def resampled_bleu(stats: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -115,8 +116,9 @@ def resampled_bleu(stats: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.array([bleu_from_statistics(row) for row in counts @ stats])  # (R, 10) sums -> (R,)
 
 
-def paired_bleu_change(hyps_a: list[str], hyps_b: list[str], references: list[str],
-                       resamples: int = RESAMPLES, seed: int = SEED) -> Change:
+def paired_bleu_change(
+    hyps_a: list[str], hyps_b: list[str], references: list[str], resamples: int = RESAMPLES, seed: int = SEED
+) -> Change:
     """BLEU(b) - BLEU(a) on all sentences, and its paired bootstrap interval.
 
     >>> refs = ["a dog runs.", "two men talk."]
@@ -132,9 +134,16 @@ def paired_bleu_change(hyps_a: list[str], hyps_b: list[str], references: list[st
 # %% [markdown]
 # ## Loss
 
+
 # %%
-def paired_loss_change(loss_a: np.ndarray, tokens_a: np.ndarray, loss_b: np.ndarray, tokens_b: np.ndarray,
-                       resamples: int = RESAMPLES, seed: int = SEED) -> Change:
+def paired_loss_change(
+    loss_a: np.ndarray,
+    tokens_a: np.ndarray,
+    loss_b: np.ndarray,
+    tokens_b: np.ndarray,
+    resamples: int = RESAMPLES,
+    seed: int = SEED,
+) -> Change:
     """Loss per token of b minus that of a: per sentence summed losses (n,) and token counts (n,).
 
     >>> one = np.ones(4)
@@ -143,8 +152,9 @@ def paired_loss_change(loss_a: np.ndarray, tokens_a: np.ndarray, loss_b: np.ndar
     """
     arrays = [np.asarray(x, dtype=np.float64) for x in (loss_a, tokens_a, loss_b, tokens_b)]
     if len({len(x) for x in arrays}) != 1:
-        raise ValueError(f"paired losses need one value per sentence for both systems, got lengths "
-                         f"{[len(x) for x in arrays]}")
+        raise ValueError(
+            f"paired losses need one value per sentence for both systems, got lengths {[len(x) for x in arrays]}"
+        )
     la, ta, lb, tb = arrays
     counts = resample_counts(len(la), resamples, seed)  # (R, n)
     value = lb.sum() / tb.sum() - la.sum() / ta.sum()

@@ -15,6 +15,7 @@ not take; a dotted vertical line: the stop. Colours come from the project's one 
 (`annotated/attention/pictures.py`, `CMAP`), and every axis names its quantity and unit.
 `test_the_pruning_curve_marks_the_stop_and_draws_every_point_of_the_path`.
 """
+
 from __future__ import annotations
 
 from annotated.attention.pictures import LAYOUT, colour_table
@@ -22,8 +23,15 @@ from annotated.attention.pictures import LAYOUT, colour_table
 LOSS, TEST, HELD_OUT = colour_table(5)[0], colour_table(5)[2], colour_table(5)[3]  # dark, mid, light-mid
 
 
-def curve_figure(curve: list[dict], baseline_loss: float, max_increase: float, stop: int, test_sentences: int,
-                 tuned: dict | None = None, title: str = ""):
+def curve_figure(
+    curve: list[dict],
+    baseline_loss: float,
+    max_increase: float,
+    stop: int,
+    test_sentences: int,
+    tuned: dict | None = None,
+    title: str = "",
+):
     """`curve`: one dict per model on the path (`heads_removed`, `held_out_loss`, `held_out_bleu`, `test_bleu`,
     `kept`), the unpruned model first; `stop`: heads the saved model lost; `tuned`: the fine-tuned model's
     `held_out_loss` and `test_bleu` (and `finetune_steps`), drawn at the stop, or None."""
@@ -42,29 +50,50 @@ def curve_figure(curve: list[dict], baseline_loss: float, max_increase: float, s
         ys = [p[key] - shift for p in curve]
         ax.plot(x, ys, color=colour, lw=1.2, label=label)
         ax.scatter([a for a, k in zip(x, kept) if k], [y for y, k in zip(ys, kept) if k], color=colour, zorder=3)
-        ax.scatter([a for a, k in zip(x, kept) if not k], [y for y, k in zip(ys, kept) if not k],
-                   facecolors="white", edgecolors=colour, zorder=3)
+        ax.scatter(
+            [a for a, k in zip(x, kept) if not k],
+            [y for y, k in zip(ys, kept) if not k],
+            facecolors="white",
+            edgecolors=colour,
+            zorder=3,
+        )
 
     series(top, "held_out_loss", 0.0, LOSS, "held-out validation loss")
-    top.axhline(baseline_loss + max_increase, color=LOSS, ls="--", lw=0.8,
-                label=f"stop rule: unpruned + {max_increase:g}")
-    series(bottom, "test_bleu", curve[0]["test_bleu"], TEST,
-           f"test_2016_flickr ({test_sentences} sentences)")
+    top.axhline(
+        baseline_loss + max_increase, color=LOSS, ls="--", lw=0.8, label=f"stop rule: unpruned + {max_increase:g}"
+    )
+    series(bottom, "test_bleu", curve[0]["test_bleu"], TEST, f"test_2016_flickr ({test_sentences} sentences)")
     series(bottom, "held_out_bleu", curve[0]["held_out_bleu"], HELD_OUT, "held-out validation sentences")
     bottom.axhline(0.0, color="0.5", lw=0.8)
     if tuned is not None:
-        top.scatter([stop], [tuned["held_out_loss"]], marker="*", s=120, color=LOSS, zorder=4,
-                    label=f"after {tuned['finetune_steps']} fine-tuning steps")
-        bottom.scatter([stop], [tuned["test_bleu"] - curve[0]["test_bleu"]], marker="*", s=120, color=TEST,
-                       zorder=4, label=f"test, after {tuned['finetune_steps']} fine-tuning steps")
+        top.scatter(
+            [stop],
+            [tuned["held_out_loss"]],
+            marker="*",
+            s=120,
+            color=LOSS,
+            zorder=4,
+            label=f"after {tuned['finetune_steps']} fine-tuning steps",
+        )
+        bottom.scatter(
+            [stop],
+            [tuned["test_bleu"] - curve[0]["test_bleu"]],
+            marker="*",
+            s=120,
+            color=TEST,
+            zorder=4,
+            label=f"test, after {tuned['finetune_steps']} fine-tuning steps",
+        )
     for ax in (top, bottom):
         ax.axvline(stop, color="0.3", ls=":", lw=1.0)
         ax.legend(fontsize=7, loc="best")
         ax.grid(alpha=0.3)
     top.set_ylabel("held-out validation loss\n(nats per target token, no label smoothing)", fontsize=8)
     bottom.set_ylabel("greedy BLEU change from the unpruned model", fontsize=8)
-    bottom.set_xlabel(f"heads removed, least important first (dotted: the stop rule keeps {stop}; "
-                      f"open markers: past the stop)", fontsize=8)
+    bottom.set_xlabel(
+        f"heads removed, least important first (dotted: the stop rule keeps {stop}; open markers: past the stop)",
+        fontsize=8,
+    )
     bottom.set_xticks(x)
     fig.suptitle(title or "pruning: the greedy path", fontsize=9)
     return fig

@@ -57,6 +57,7 @@ from pathlib import Path
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("python -m annotated.attention.dump")
 
 import numpy as np
@@ -118,9 +119,11 @@ OLD_FORMATS = ("annotated-attention-v1",)  # kinds named encoder / decoder_self:
 # every array's shape matches its two token lists.)
 
 # %%
-ROWS_COLS = {"enc_self": ("src_tokens", "src_tokens"),
-             "dec_self": ("tgt_out_tokens", "tgt_in_tokens"),
-             "cross": ("tgt_out_tokens", "src_tokens")}
+ROWS_COLS = {
+    "enc_self": ("src_tokens", "src_tokens"),
+    "dec_self": ("tgt_out_tokens", "tgt_in_tokens"),
+    "cross": ("tgt_out_tokens", "src_tokens"),
+}
 
 
 def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
@@ -155,10 +158,12 @@ def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
 # reference translation followed by `EOS`): the pass feeds `BOS + tgt_ids[:-1]`
 # and its `T = len(tgt_ids)` rows are the positions that predict `tgt_ids`.
 
+
 # %%
 @torch.no_grad()
-def collect_attention(model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Sequence[int], *,
-                      dtype=np.float32) -> dict:
+def collect_attention(
+    model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Sequence[int], *, dtype=np.float32
+) -> dict:
     """Every attention weight of one sentence pair, from one teacher-forced pass.
 
     Returns {"enc_self": [...], "dec_self": [...], "cross": [...]}, each a
@@ -187,8 +192,10 @@ def collect_attention(model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Se
     tgt_mask = subsequent_mask(tgt_in.size(1)).to(device)  # (1, T, T)
     with record_attention(model) as probs:
         model.decode(model.encode(src, src_mask), src_mask, tgt_in, tgt_mask)
-    enc, dec_self, cross = ([probs[kind, l][0] for l in range(cfg.N)]  # (1, h, S, S), (1, h, T, T), (1, h, T, S)
-                            for kind in ("enc_self", "dec_self", "cross"))
+    enc, dec_self, cross = (
+        [probs[kind, l][0] for l in range(cfg.N)]  # (1, h, S, S), (1, h, T, T), (1, h, T, S)
+        for kind in ("enc_self", "dec_self", "cross")
+    )
     wide = torch.float64 if np.dtype(dtype) == np.float64 else torch.float32
 
     def to_numpy(probs):
@@ -217,6 +224,7 @@ def collect_attention(model: EncoderDecoder, src_ids: Sequence[int], tgt_ids: Se
 # (the model has no position for the rest; truncating would show attention on
 # a sentence nobody typed).
 
+
 # %%
 def encode_sentence(tokenizer, sentence: str, max_len: int, name: str = "sentence") -> list[int]:
     """Source subword ids of `sentence`, or a ValueError naming what is wrong with it."""
@@ -232,8 +240,13 @@ def encode_sentence(tokenizer, sentence: str, max_len: int, name: str = "sentenc
 
 
 @torch.no_grad()
-def translate_sentence(model: EncoderDecoder, src_ids: Sequence[int], beam_size: int = 4,
-                       length_penalty: float = PAPER_LENGTH_PENALTY, max_extra: int = 50) -> list[int]:
+def translate_sentence(
+    model: EncoderDecoder,
+    src_ids: Sequence[int],
+    beam_size: int = 4,
+    length_penalty: float = PAPER_LENGTH_PENALTY,
+    max_extra: int = 50,
+) -> list[int]:
     """What `make translate` prints for `src_ids`, as ids y_1 ... y_n (eos kept when the search stopped there)."""
     ids = translate_ids(model, [list(src_ids)], beam_size, length_penalty, max_extra=max_extra)[0]
     limit = min(model.config.max_len, len(src_ids) + max_extra)
@@ -249,7 +262,7 @@ def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: i
     src = torch.tensor([list(src_ids)], dtype=torch.long, device=device)  # (1, S)
     max_len = min(model.config.max_len, len(src_ids) + max_extra)
     row = decoding.greedy(model, src, padding_mask(src, PAD), max_len)[0].tolist()  # (<= max_len,)
-    return row[:row.index(EOS) + 1] if EOS in row else row  # no eos: no pad either (greedy pads after eos)
+    return row[: row.index(EOS) + 1] if EOS in row else row  # no eos: no pad either (greedy pads after eos)
 
 
 # %% [markdown]
@@ -300,6 +313,7 @@ def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: i
 # every layer: for a pruned model whose layers differ, `bertviz_args` says so
 # instead of handing bertviz arrays it cannot stack.
 
+
 # %%
 def array_name(kind: str, layer: int) -> str:
     """`enc_self_layer0`, `cross_layer5`, ...: the name of one layer's array in a sentence file."""
@@ -326,9 +340,11 @@ def read_index(out_dir: os.PathLike | str) -> dict:
         raise ValueError(f"{path}: no such file (not an attention dump?)")
     index = json.loads(path.read_text(encoding="utf-8"))
     if index.get("format") in OLD_FORMATS:
-        raise ValueError(f"{path} is an attention dump of format {index['format']!r} (kinds named encoder, "
-                         f"decoder_self, cross); this version reads {FORMAT!r}: re-run make attention "
-                         f"(python -m annotated.attention.dump) to write it again")
+        raise ValueError(
+            f"{path} is an attention dump of format {index['format']!r} (kinds named encoder, "
+            f"decoder_self, cross); this version reads {FORMAT!r}: re-run make attention "
+            f"(python -m annotated.attention.dump) to write it again"
+        )
     if index.get("format") != FORMAT:
         raise ValueError(f"{path} is not an attention index (expected format {FORMAT!r})")
     return index
@@ -344,11 +360,15 @@ def bertviz_args(attn: dict, entry: dict | None = None) -> dict:
     for kind in KINDS:
         counts = [np.shape(a)[1] for a in attn[kind]]
         if len(set(counts)) > 1:
-            raise ValueError(f"bertviz needs the same number of heads in every layer, but the {kind} layers have "
-                             f"{counts} heads (a pruned model); show it with viewer.html instead")
-    out: dict[str, object] = {"encoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["enc_self"]),
-           "decoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["dec_self"]),
-           "cross_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["cross"])}
+            raise ValueError(
+                f"bertviz needs the same number of heads in every layer, but the {kind} layers have "
+                f"{counts} heads (a pruned model); show it with viewer.html instead"
+            )
+    out: dict[str, object] = {
+        "encoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["enc_self"]),
+        "decoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["dec_self"]),
+        "cross_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["cross"]),
+    }
     if entry is not None:
         out.update(encoder_tokens=list(entry["src_tokens"]), decoder_tokens=list(entry["tgt_in_tokens"]))
     return out
@@ -374,8 +394,10 @@ def bertviz_args(attn: dict, entry: dict | None = None) -> dict:
 # (`test_failed_dump_leaves_nothing`, `test_out_dir_that_is_not_our_dump_is_refused_untouched`.)
 
 # %%
-DUMP_FILE = re.compile(r"index\.json|viewer\.html|sentence_\d{3,}(\.npz|_(enc_self|dec_self|cross|alignment|"
-                       r"alignment_heads|encoder|decoder_self)\.png)")  # every name a dump writes (or wrote, v1)
+DUMP_FILE = re.compile(
+    r"index\.json|viewer\.html|sentence_\d{3,}(\.npz|_(enc_self|dec_self|cross|alignment|"
+    r"alignment_heads|encoder|decoder_self)\.png)"
+)  # every name a dump writes (or wrote, v1)
 
 
 def not_a_dump(out_dir: os.PathLike | str) -> str | None:
@@ -394,8 +416,11 @@ def not_a_dump(out_dir: os.PathLike | str) -> str | None:
         return "it has no readable index.json of an attention dump"
     if index.get("format") not in (FORMAT, *OLD_FORMATS):
         return f"its index.json does not carry the format {FORMAT!r}"
-    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in ours or not DUMP_FILE.fullmatch(p.name)
-                     or p.is_symlink() or not p.is_file())
+    foreign = sorted(
+        p.name
+        for p in out_dir.iterdir()
+        if p.name not in ours or not DUMP_FILE.fullmatch(p.name) or p.is_symlink() or not p.is_file()
+    )
     return f"it holds {foreign[0]!r}, which is no file of a dump" if foreign else None
 
 
@@ -403,8 +428,10 @@ def check_output_dir(out_dir: os.PathLike | str) -> None:
     """ValueError naming the fix when `out_dir` is neither missing, empty, nor one of our dumps."""
     why = not_a_dump(out_dir)
     if why:
-        raise ValueError(f"{out_dir} exists and is not an attention dump ({why}); it was left untouched: "
-                         f"choose another --out, or move it away yourself")
+        raise ValueError(
+            f"{out_dir} exists and is not an attention dump ({why}); it was left untouched: "
+            f"choose another --out, or move it away yourself"
+        )
 
 
 @contextlib.contextmanager
@@ -457,11 +484,22 @@ def _pictures(tmp: Path, stem: str, attn: dict, entry: dict) -> dict:
     return files
 
 
-def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_dir: os.PathLike | str, *,
-               checkpoint: str | None = None, meta: dict | None = None,
-               references: Sequence[str | None] | None = None, pictures: bool = True,
-               viewer: bool = True, dtype=np.float32, progress: bool = False, beam_size: int = 4,
-               importance: dict | None = None) -> Path:
+def dump_model(
+    model: EncoderDecoder,
+    tokenizer,
+    sentences: Sequence[str],
+    out_dir: os.PathLike | str,
+    *,
+    checkpoint: str | None = None,
+    meta: dict | None = None,
+    references: Sequence[str | None] | None = None,
+    pictures: bool = True,
+    viewer: bool = True,
+    dtype=np.float32,
+    progress: bool = False,
+    beam_size: int = 4,
+    importance: dict | None = None,
+) -> Path:
     """Translate `sentences` as the translator does and write their attention dump into `out_dir` (atomically).
 
     `importance`: each head's score per kind, {kind: [per layer [per head]]} (see `read_head_importance`);
@@ -473,23 +511,36 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
         raise ValueError(f"{len(references)} references for {len(sentences)} sentences")
     cfg, alpha = model.config, model_length_penalty(meta or {})
     sources = [encode_sentence(tokenizer, s, cfg.max_len, name=f"sentence {i + 1}") for i, s in enumerate(sentences)]
-    index = {"format": FORMAT, "checkpoint": checkpoint, "model_config": dataclasses.asdict(cfg),
-             "meta": json_safe(dict(meta or {})), "kinds": list(KINDS), "layers": cfg.N, "heads": cfg.h,
-             "head_counts": head_counts(model),
-             "axes": ["batch", "head", "query", "key"], "array_names": "{kind}_layer{layer}",
-             "layer_order": "layer 0 is nearest the embeddings, layer N-1 feeds the output",
-             "head_order": "head i uses W_Q[i], W_K[i], W_V[i] (per-head form) = column block i (fused form); "
-                           "a pruned layer numbers its remaining heads 0 ... h'-1 in their original order",
-             "rows_cols": {k: list(v) for k, v in ROWS_COLS.items()},
-             "dtype": np.dtype(dtype).name, "decoder": {"beam_size": beam_size, "length_penalty": alpha},
-             "head_importance": importance, "sentences": []}
+    index = {
+        "format": FORMAT,
+        "checkpoint": checkpoint,
+        "model_config": dataclasses.asdict(cfg),
+        "meta": json_safe(dict(meta or {})),
+        "kinds": list(KINDS),
+        "layers": cfg.N,
+        "heads": cfg.h,
+        "head_counts": head_counts(model),
+        "axes": ["batch", "head", "query", "key"],
+        "array_names": "{kind}_layer{layer}",
+        "layer_order": "layer 0 is nearest the embeddings, layer N-1 feeds the output",
+        "head_order": "head i uses W_Q[i], W_K[i], W_V[i] (per-head form) = column block i (fused form); "
+        "a pruned layer numbers its remaining heads 0 ... h'-1 in their original order",
+        "rows_cols": {k: list(v) for k, v in ROWS_COLS.items()},
+        "dtype": np.dtype(dtype).name,
+        "decoder": {"beam_size": beam_size, "length_penalty": alpha},
+        "head_importance": importance,
+        "sentences": [],
+    }
     if importance is not None and not all(importance_fits(importance.get(k), index["head_counts"][k]) for k in KINDS):
-        raise ValueError(f"the head importance does not list one finite score per head of this model "
-                         f"(heads per layer: {index['head_counts']})")
+        raise ValueError(
+            f"the head importance does not list one finite score per head of this model "
+            f"(heads per layer: {index['head_counts']})"
+        )
     all_arrays = []
     items = list(enumerate(zip(sentences, sources)))
     if progress:
         from tqdm.auto import tqdm
+
         items = tqdm(items, desc="attention", leave=False)
     with staged_directory(out_dir) as tmp:
         for i, (sentence, src_ids) in items:
@@ -497,13 +548,19 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
             attn = collect_attention(model, src_ids, tgt_ids, dtype=dtype)
             stem = f"sentence_{i:03d}"
             words = tokenizer.decode(tgt_ids[:-1] if tgt_ids[-1:] == [EOS] else tgt_ids)
-            entry = {"index": i, "file": f"{stem}.npz", "source": sentence,
-                     "reference": references[i] if references is not None else None,
-                     "translation": " ".join(words.splitlines()), "src_ids": src_ids, "tgt_out_ids": tgt_ids,
-                     "src_tokens": token_labels(tokenizer, src_ids),
-                     "tgt_in_tokens": token_labels(tokenizer, [BOS] + tgt_ids[:-1]),
-                     "tgt_out_tokens": token_labels(tokenizer, tgt_ids),
-                     "shapes": {k: [list(a.shape) for a in attn[k]] for k in KINDS}}  # per layer
+            entry = {
+                "index": i,
+                "file": f"{stem}.npz",
+                "source": sentence,
+                "reference": references[i] if references is not None else None,
+                "translation": " ".join(words.splitlines()),
+                "src_ids": src_ids,
+                "tgt_out_ids": tgt_ids,
+                "src_tokens": token_labels(tokenizer, src_ids),
+                "tgt_in_tokens": token_labels(tokenizer, [BOS] + tgt_ids[:-1]),
+                "tgt_out_tokens": token_labels(tokenizer, tgt_ids),
+                "shapes": {k: [list(a.shape) for a in attn[k]] for k in KINDS},
+            }  # per layer
             np.savez(tmp / entry["file"], **{array_name(k, layer): a for k in KINDS for layer, a in enumerate(attn[k])})
             if pictures:
                 entry["pictures"] = _pictures(tmp, stem, attn, entry)
@@ -516,11 +573,23 @@ def dump_model(model: EncoderDecoder, tokenizer, sentences: Sequence[str], out_d
     return Path(out_dir)
 
 
-def dump(checkpoint_path: os.PathLike | str, sentences: Sequence[str] | None = None,
-         out_dir: os.PathLike | str | None = None, *, n: int = 3, data_url: str | None = None,
-         cache_dir: os.PathLike | str | None = None, references: Sequence[str | None] | None = None,
-         pictures: bool = True, viewer: bool = True, dtype=np.float32, device: str | None = None,
-         progress: bool = False, beam_size: int = 4, say=None) -> Path:
+def dump(
+    checkpoint_path: os.PathLike | str,
+    sentences: Sequence[str] | None = None,
+    out_dir: os.PathLike | str | None = None,
+    *,
+    n: int = 3,
+    data_url: str | None = None,
+    cache_dir: os.PathLike | str | None = None,
+    references: Sequence[str | None] | None = None,
+    pictures: bool = True,
+    viewer: bool = True,
+    dtype=np.float32,
+    device: str | None = None,
+    progress: bool = False,
+    beam_size: int = 4,
+    say=None,
+) -> Path:
     """Load a checkpoint and write the attention dump of `sentences` into `out_dir`; returns `out_dir`.
 
     No `sentences`: the first `n` of Multi30k's test_2016_flickr in the checkpoint's
@@ -542,13 +611,26 @@ def dump(checkpoint_path: os.PathLike | str, sentences: Sequence[str] | None = N
     importance, note = read_head_importance(checkpoint, model.config, head_counts(model))
     if note and say:
         say(note)
-    return dump_model(model, tokenizer, sentences, out_dir, checkpoint=str(checkpoint), meta=meta,
-                      references=references, pictures=pictures, viewer=viewer, dtype=dtype, progress=progress,
-                      beam_size=beam_size, importance=importance)
+    return dump_model(
+        model,
+        tokenizer,
+        sentences,
+        out_dir,
+        checkpoint=str(checkpoint),
+        meta=meta,
+        references=references,
+        pictures=pictures,
+        viewer=viewer,
+        dtype=dtype,
+        progress=progress,
+        beam_size=beam_size,
+        importance=importance,
+    )
 
 
-def flickr_test_sentences(meta: dict, n: int, data_url: str | None = None,
-                   cache_dir: os.PathLike | str | None = None) -> tuple[list[str], list[str]]:
+def flickr_test_sentences(
+    meta: dict, n: int, data_url: str | None = None, cache_dir: os.PathLike | str | None = None
+) -> tuple[list[str], list[str]]:
     """(sources, references): the first `n` pairs of test_2016_flickr in the checkpoint's languages."""
     from annotated.training.data import load_multi30k
 
@@ -571,9 +653,11 @@ def flickr_test_sentences(meta: dict, n: int, data_url: str | None = None,
 # the model to eval mode for the picture and back afterwards, and draws no
 # random numbers.
 
+
 # %%
-def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: str, step: int,
-                        tag: str = "attention/alignment") -> np.ndarray:
+def log_alignment_image(
+    writer, model: EncoderDecoder, tokenizer, src_sentence: str, step: int, tag: str = "attention/alignment"
+) -> np.ndarray:
     """Log the alignment figure of `src_sentence` to a tensorboard SummaryWriter; returns the image."""
     was_training = model.training
     model.eval()
@@ -582,8 +666,12 @@ def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: 
         tgt_ids = translate_greedy(model, src_ids)
         attn = collect_attention(model, src_ids, tgt_ids)
         last = model.config.N - 1
-        fig = alignment_figure(attn["cross"][last], token_labels(tokenizer, src_ids), token_labels(tokenizer, tgt_ids),
-                               title=f"step {step}: cross-attention of layer {last}, mean over heads")
+        fig = alignment_figure(
+            attn["cross"][last],
+            token_labels(tokenizer, src_ids),
+            token_labels(tokenizer, tgt_ids),
+            title=f"step {step}: cross-attention of layer {last}, mean over heads",
+        )
         image = figure_rgb(fig)  # (H, W, 3)
         writer.add_image(tag, image, step, dataformats="HWC")
         return image
@@ -611,23 +699,39 @@ def log_alignment_image(writer, model: EncoderDecoder, tokenizer, src_sentence: 
 # stderr and exits with status 2, writing nothing. From Python the same defaults are `dump(checkpoint)`; after a
 # training run, `dump(run_dir / "best.pt")` writes `run_dir/attention/`.
 
+
 # %%
 def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog="python -m annotated.attention.dump", name="attention",
-               description="Dump, draw and browse every attention weight of a trained translator.")
+    p = Parser(
+        prog="python -m annotated.attention.dump",
+        name="attention",
+        description="Dump, draw and browse every attention weight of a trained translator.",
+    )
     p.add_argument("sentences", nargs="*", help="source sentences (default: the first --n of test_2016_flickr)")
-    p.add_argument("--checkpoint", type=Path, help="checkpoint file, or shipped:de-en / shipped:en-de (default: the "
-                   "latest run's model, runs/latest/averaged.pt or best.pt; with no run, the shipped model)")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="checkpoint file, or shipped:de-en / shipped:en-de (default: the "
+        "latest run's model, runs/latest/averaged.pt or best.pt; with no run, the shipped model)",
+    )
     p.add_argument("--src", help="source language of the model to use without --checkpoint (default de)")
     p.add_argument("--tgt", help="its target language (default en)")
-    p.add_argument("--out", type=Path, help="output directory (default: attention/ next to the checkpoint; "
-                   "runs/shipped-<src>-<tgt>/attention/ for a shipped model)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output directory (default: attention/ next to the checkpoint; "
+        "runs/shipped-<src>-<tgt>/attention/ for a shipped model)",
+    )
     p.add_argument("--n", type=at_least(1), default=3, help="how many test sentences when none are given (default 3)")
     p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")
     p.add_argument("--cache-dir", type=writable_dir, help="download cache (default as in training)")
     p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 (default cpu)")
-    p.add_argument("--beam", type=at_least(1), default=4,
-                   help="beam width of the translation, as for make translate (default 4; 1 = greedy)")
+    p.add_argument(
+        "--beam",
+        type=at_least(1),
+        default=4,
+        help="beam width of the translation, as for make translate (default 4; 1 = greedy)",
+    )
     p.add_argument("--no-pictures", action="store_true", help="skip the PNG files")
     p.add_argument("--no-viewer", action="store_true", help="skip viewer.html")
     return p.parse_args(argv)
@@ -636,21 +740,35 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        ckpt = choose_checkpoint(args.checkpoint, "runs", args.src, args.tgt,
-                                 say=lambda line: print(f"attention: {line}", file=sys.stderr))
-        out = dump(ckpt, args.sentences or None, args.out or outputs_beside(ckpt) / "attention", n=args.n, data_url=args.data_url,
-                   cache_dir=args.cache_dir, pictures=not args.no_pictures, viewer=not args.no_viewer,
-                   device=args.device, progress=sys.stderr.isatty(), beam_size=args.beam,
-                   say=lambda line: print(f"attention: note: {line}", file=sys.stderr))
+        ckpt = choose_checkpoint(
+            args.checkpoint, "runs", args.src, args.tgt, say=lambda line: print(f"attention: {line}", file=sys.stderr)
+        )
+        out = dump(
+            ckpt,
+            args.sentences or None,
+            args.out or outputs_beside(ckpt) / "attention",
+            n=args.n,
+            data_url=args.data_url,
+            cache_dir=args.cache_dir,
+            pictures=not args.no_pictures,
+            viewer=not args.no_viewer,
+            device=args.device,
+            progress=sys.stderr.isatty(),
+            beam_size=args.beam,
+            say=lambda line: print(f"attention: note: {line}", file=sys.stderr),
+        )
     except (ValueError, OSError) as e:  # CheckpointError and the data errors are ValueErrors
         print(f"attention: error: {e}", file=sys.stderr)
         return 2
     count = len(read_index(out)["sentences"])
-    print(f"wrote the attention of {count} sentence(s) to {out}/: index.json, sentence_*.npz"
-          f"{', *.png' if not args.no_pictures else ''}{', viewer.html' if not args.no_viewer else ''}")
+    print(
+        f"wrote the attention of {count} sentence(s) to {out}/: index.json, sentence_*.npz"
+        f"{', *.png' if not args.no_pictures else ''}{', viewer.html' if not args.no_viewer else ''}"
+    )
     return 0
 
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, "python -m annotated.attention.dump")  # Ctrl-C: one line and exit code 130, not a traceback

@@ -9,10 +9,12 @@ half's loss), optionally fine-tuned, saved as `pruned.pt`, with test BLEU and de
 the whole greedy path drawn in `heads_pruning.png`. The chapters are `annotated/attention/importance.py`,
 `bootstrap.py`, `profiles.py`, `prune.py` and `curve.py`.
 """
+
 from __future__ import annotations
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("python -m annotated.attention.heads")
 
 import argparse
@@ -37,43 +39,78 @@ NAME = "python -m annotated.attention.heads"
 WINDOW = 4  # offsets -4 ... +4 in the position profiles
 SPEED_ROUNDS = 3  # timings alternate unpruned / pruned this many times (the ratio: the median round's)
 NOISY_BLEU = 1.0  # the command warns when the typical BLEU interval is wider than this
-STOP_RULE = ("Pruning ranks heads by importance on the validation sentences at even positions (0, 2, 4, ...) "
-             "and judges each removal on those at odd positions: it removes one head at a time, least important first, and stops "
-             "at the first removal that raises the held-out validation loss (cross-entropy per target token) "
-             "more than --max-loss-increase above the unpruned model's, keeping the model from before it.")
+STOP_RULE = (
+    "Pruning ranks heads by importance on the validation sentences at even positions (0, 2, 4, ...) "
+    "and judges each removal on those at odd positions: it removes one head at a time, least important first, and stops "
+    "at the first removal that raises the held-out validation loss (cross-entropy per target token) "
+    "more than --max-loss-increase above the unpruned model's, keeping the model from before it."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=NAME, description=__doc__.split("\n\n")[1].replace("\n", " "), epilog=STOP_RULE)
-    p.add_argument("--checkpoint", type=Path, default=None,
-                   help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model, "
-                        "runs/latest/averaged.pt or best.pt; with no run, the shipped model for --src/--tgt)")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model, "
+        "runs/latest/averaged.pt or best.pt; with no run, the shipped model for --src/--tgt)",
+    )
     p.add_argument("--src", default=None, help="source language of the model to use without --checkpoint (default de)")
     p.add_argument("--tgt", default=None, help="its target language (default en)")
-    p.add_argument("--out", type=writable_dir, default=None,
-                   help="output folder (default: the checkpoint's folder; runs/shipped-<src>-<tgt>/ for a shipped model)")
-    p.add_argument("--sentences", type=at_least(2), default=None,
-                   help="the first n validation sentences for ablation, importance and the pruning search "
-                        "(default: all of the split, 1,014 in Multi30k; fewer give wider intervals)")
-    p.add_argument("--resamples", type=at_least(1), default=RESAMPLES,
-                   help=f"bootstrap resamples for every interval (default {RESAMPLES})")
+    p.add_argument(
+        "--out",
+        type=writable_dir,
+        default=None,
+        help="output folder (default: the checkpoint's folder; runs/shipped-<src>-<tgt>/ for a shipped model)",
+    )
+    p.add_argument(
+        "--sentences",
+        type=at_least(2),
+        default=None,
+        help="the first n validation sentences for ablation, importance and the pruning search "
+        "(default: all of the split, 1,014 in Multi30k; fewer give wider intervals)",
+    )
+    p.add_argument(
+        "--resamples",
+        type=at_least(1),
+        default=RESAMPLES,
+        help=f"bootstrap resamples for every interval (default {RESAMPLES})",
+    )
     p.add_argument("--seed", type=at_least(0), default=SEED, help=f"seed of the bootstrap resamples (default {SEED})")
     p.add_argument("--prune", action="store_true", help="prune heads greedily and save pruned.pt")
-    p.add_argument("--max-loss-increase", type=number(0, None), default=None,
-                   help=f"with --prune: the most the held-out validation loss may rise, in nats per token "
-                        f"(default {MAX_LOSS_INCREASE})")
-    p.add_argument("--finetune-steps", type=at_least(0), default=None,
-                   help="with --prune: at most this many training steps on Multi30k's training split after "
-                        f"pruning, keeping the model with the lowest held-out loss (checked every "
-                        f"{FINETUNE_CHECK_EVERY} steps; stops after {FINETUNE_PATIENCE} checks without a new "
-                        f"lowest) (default 0)")
-    p.add_argument("--beam", type=at_least(1), default=4,
-                   help="beam width for test BLEU and speed with --prune (default 4)")
-    p.add_argument("--length-penalty", type=number(0, None), default=None,
-                   help="with --prune: the beam search's GNMT alpha (default: the alpha the model's run chose on "
-                        "validation data, else the paper's 0.6)")
-    p.add_argument("--test-sentences", type=at_least(1), default=None,
-                   help="with --prune: score and time only the first n test sentences (default: all 1,000)")
+    p.add_argument(
+        "--max-loss-increase",
+        type=number(0, None),
+        default=None,
+        help=f"with --prune: the most the held-out validation loss may rise, in nats per token "
+        f"(default {MAX_LOSS_INCREASE})",
+    )
+    p.add_argument(
+        "--finetune-steps",
+        type=at_least(0),
+        default=None,
+        help="with --prune: at most this many training steps on Multi30k's training split after "
+        f"pruning, keeping the model with the lowest held-out loss (checked every "
+        f"{FINETUNE_CHECK_EVERY} steps; stops after {FINETUNE_PATIENCE} checks without a new "
+        f"lowest) (default 0)",
+    )
+    p.add_argument(
+        "--beam", type=at_least(1), default=4, help="beam width for test BLEU and speed with --prune (default 4)"
+    )
+    p.add_argument(
+        "--length-penalty",
+        type=number(0, None),
+        default=None,
+        help="with --prune: the beam search's GNMT alpha (default: the alpha the model's run chose on "
+        "validation data, else the paper's 0.6)",
+    )
+    p.add_argument(
+        "--test-sentences",
+        type=at_least(1),
+        default=None,
+        help="with --prune: score and time only the first n test sentences (default: all 1,000)",
+    )
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--force", action="store_true", help="overwrite outputs of an earlier run in the output folder")
@@ -92,14 +129,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from annotated.shipped import choose_checkpoint, outputs_beside
 
     try:
-        args.checkpoint = choose_checkpoint(args.checkpoint, "runs", args.src, args.tgt,
-                                            say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
+        args.checkpoint = choose_checkpoint(
+            args.checkpoint, "runs", args.src, args.tgt, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
+        )
     except CheckpointError as e:
         fail(NAME, str(e))
     if not args.checkpoint.is_file():
         fail(NAME, f"--checkpoint {args.checkpoint}: no such file")
-    for flag, value in (("--max-loss-increase", args.max_loss_increase), ("--test-sentences", args.test_sentences),
-                        ("--finetune-steps", args.finetune_steps), ("--length-penalty", args.length_penalty)):
+    for flag, value in (
+        ("--max-loss-increase", args.max_loss_increase),
+        ("--test-sentences", args.test_sentences),
+        ("--finetune-steps", args.finetune_steps),
+        ("--length-penalty", args.length_penalty),
+    ):
         if value is not None and not args.prune:
             fail(NAME, f"{flag} only applies with --prune (add --prune, or drop {flag})")
     args.max_loss_increase = MAX_LOSS_INCREASE if args.max_loss_increase is None else args.max_loss_increase
@@ -113,6 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- data and evaluation
+
 
 def _batches(encoded, indices, max_len: int):
     from annotated.training.data import make_batches, split_long
@@ -139,15 +182,28 @@ def evaluation(model, tokenizer, pairs, batches, device) -> dict:
 
     scores, hyps = evaluate_bleu(model, tokenizer, pairs, 1, 0.0, device)
     loss, tokens = sentence_losses(model, batches)
-    return {"bleu": scores["bleu"], "loss": float(loss.sum() / tokens.sum()), "hyps": hyps,
-            "sentence_loss": loss, "sentence_tokens": tokens}
+    return {
+        "bleu": scores["bleu"],
+        "loss": float(loss.sum() / tokens.sum()),
+        "hyps": hyps,
+        "sentence_loss": loss,
+        "sentence_tokens": tokens,
+    }
 
 
 def changes(base: dict, other: dict, refs: list[str], resamples: int, seed: int) -> dict[str, Change]:
     """BLEU and loss of `other` minus those of `base`, with paired bootstrap intervals."""
-    return {"bleu": paired_bleu_change(base["hyps"], other["hyps"], refs, resamples, seed),
-            "loss": paired_loss_change(base["sentence_loss"], base["sentence_tokens"], other["sentence_loss"],
-                                       other["sentence_tokens"], resamples, seed)}
+    return {
+        "bleu": paired_bleu_change(base["hyps"], other["hyps"], refs, resamples, seed),
+        "loss": paired_loss_change(
+            base["sentence_loss"],
+            base["sentence_tokens"],
+            other["sentence_loss"],
+            other["sentence_tokens"],
+            resamples,
+            seed,
+        ),
+    }
 
 
 def change_json(c: Change) -> dict:
@@ -175,12 +231,15 @@ def noisy_advice(widths: list[float], n: int, available: int) -> str | None:
         return None
     want = math.ceil(n * (median / NOISY_BLEU) ** 2 / 100) * 100
     if want > available:
-        return (f"noisy: the median BLEU interval is {median:.2f} wide on {n} sentences, and even all {available} "
-                f"validation sentences would leave it wider than {NOISY_BLEU:g}; read the intervals, not the values")
+        return (
+            f"noisy: the median BLEU interval is {median:.2f} wide on {n} sentences, and even all {available} "
+            f"validation sentences would leave it wider than {NOISY_BLEU:g}; read the intervals, not the values"
+        )
     return f"noisy: the median BLEU interval is {median:.2f} wide on {n} sentences; use --sentences {want} (or more)"
 
 
 # ---------------------------------------------------------------- table, JSON, pictures
+
 
 def _grid(rows: list[list[float]]) -> np.ndarray:
     """Ragged [layer][head] -> (N, max h) array, nan where a layer has fewer heads."""
@@ -190,19 +249,25 @@ def _grid(rows: list[list[float]]) -> np.ndarray:
 
 def measure_ranges(report: dict) -> dict[str, tuple[float, float]]:
     """One colour range per measure over all three kinds: importance from 0, changes symmetric about 0."""
+
     def values(key, field=None):
         return [v if field is None else v[field] for k in KINDS for row in report["kinds"][k][key] for v in row]
 
     top_importance = max(values("importance")) or 1.0
     top_bleu = max(abs(v) for v in values("bleu_change", "value")) or 1.0
     top_loss = max(abs(v) for v in values("loss_change", "value")) or 1.0
-    return {"importance": (0.0, top_importance), "bleu_change": (-top_bleu, top_bleu),
-            "loss_change": (-top_loss, top_loss)}
+    return {
+        "importance": (0.0, top_importance),
+        "bleu_change": (-top_bleu, top_bleu),
+        "loss_change": (-top_loss, top_loss),
+    }
 
 
-PANELS = (("importance", "importance E|dL/dxi|", ".3g", "importance"),
-          ("bleu_change", "val BLEU change without the head", "+.2f", "BLEU change"),
-          ("loss_change", "val loss change without the head", "+.3f", "loss change (nats per token)"))
+PANELS = (
+    ("importance", "importance E|dL/dxi|", ".3g", "importance"),
+    ("bleu_change", "val BLEU change without the head", "+.2f", "BLEU change"),
+    ("loss_change", "val loss change without the head", "+.3f", "loss change (nats per token)"),
+)
 
 
 def heat_map(kind: str, report: dict, ranges: dict[str, tuple[float, float]]):
@@ -235,8 +300,7 @@ def heat_map(kind: str, report: dict, ranges: dict[str, tuple[float, float]]):
         ax.set_yticks(range(data.shape[0]))
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
-        ax.set_title(f"{kind}: {title}" + ("\n(hatched, grey: 95% interval contains 0)" if change else ""),
-                     fontsize=9)
+        ax.set_title(f"{kind}: {title}" + ("\n(hatched, grey: 95% interval contains 0)" if change else ""), fontsize=9)
         fig.colorbar(im, ax=ax, label=bar)
     fig.suptitle("colour scales shared by heads_enc_self.png, heads_dec_self.png and heads_cross.png", fontsize=8)
     fig.tight_layout()
@@ -287,9 +351,17 @@ def examples_figure(model, tokenizer, src_ids: list[int], tgt_ids: list[int], la
             if i >= len(p):  # pruned away
                 axes[r, i].axis("off")
                 continue
-            im = _panel(axes[r, i], p[i], queries, keys, causal=site[0] == "dec_self", row_labels=i == 0,
-                        col_labels=True, font=font,
-                        title=f"{site[0]}[{site[1]}] head {i}: {labels[site[0]][site[1]][i]}")
+            im = _panel(
+                axes[r, i],
+                p[i],
+                queries,
+                keys,
+                causal=site[0] == "dec_self",
+                row_labels=i == 0,
+                col_labels=True,
+                font=font,
+                title=f"{site[0]}[{site[1]}] head {i}: {labels[site[0]][site[1]][i]}",
+            )
         axes[r, 0].set_ylabel("query", fontsize=7)
     for ax in axes[-1]:
         ax.set_xlabel("key", fontsize=7)
@@ -300,20 +372,28 @@ def examples_figure(model, tokenizer, src_ids: list[int], tgt_ids: list[int], la
 
 def format_table(report: dict) -> str:
     base = report["baseline"]
-    lines = [f"{'kind':8s} {'layer':>5s} {'head':>4s} {'importance':>10s}  {'val BLEU change [95%]':24s} "
-             f"{'val loss change [95%]':27s} label"]
+    lines = [
+        f"{'kind':8s} {'layer':>5s} {'head':>4s} {'importance':>10s}  {'val BLEU change [95%]':24s} "
+        f"{'val loss change [95%]':27s} label"
+    ]
     for kind in KINDS:
         k = report["kinds"][kind]
         for l, row in enumerate(k["importance"]):
             for i, imp in enumerate(row):
-                b, c = (Change(**{f: k[key][l][i][f] for f in ("value", "low", "high")})
-                        for key in ("bleu_change", "loss_change"))
-                lines.append(f"{kind:8s} {l:5d} {i:4d} {imp:10.4f}  {format_change(b, '+6.2f'):24s} "
-                             f"{format_change(c, '+7.3f'):27s} {k['label'][l][i]}")
+                b, c = (
+                    Change(**{f: k[key][l][i][f] for f in ("value", "low", "high")})
+                    for key in ("bleu_change", "loss_change")
+                )
+                lines.append(
+                    f"{kind:8s} {l:5d} {i:4d} {imp:10.4f}  {format_change(b, '+6.2f'):24s} "
+                    f"{format_change(c, '+7.3f'):27s} {k['label'][l][i]}"
+                )
     v = report["validation"]
-    lines.append(f"baseline: val BLEU {base['bleu']:.2f} (greedy) and val loss {base['loss']:.3f} ({LOSS_NAME}) on "
-                 f"{v['sentences']} validation sentences; [low, high]: {v['confidence']:.0%} paired bootstrap "
-                 f"interval ({v['resamples']} resamples, seed {v['seed']}); *: the interval excludes 0")
+    lines.append(
+        f"baseline: val BLEU {base['bleu']:.2f} (greedy) and val loss {base['loss']:.3f} ({LOSS_NAME}) on "
+        f"{v['sentences']} validation sentences; [low, high]: {v['confidence']:.0%} paired bootstrap "
+        f"interval ({v['resamples']} resamples, seed {v['seed']}); *: the interval excludes 0"
+    )
     lines.extend(loss_lines(report))
     return "\n".join(lines)
 
@@ -326,13 +406,18 @@ def loss_lines(report: dict) -> list[str]:
     base, log = report["baseline"], report.get("run_log")
     lines = []
     if base.get("loss_label_smoothed") is not None:
-        lines.append(f"  with the training's label smoothing {base['label_smoothing']:g} the same sentences give "
-                     f"{base['loss_label_smoothed']:.3f}: the quantity a run's log calls val loss, there on all "
-                     f"{report['validation']['of']} validation sentences")
+        lines.append(
+            f"  with the training's label smoothing {base['label_smoothing']:g} the same sentences give "
+            f"{base['loss_label_smoothed']:.3f}: the quantity a run's log calls val loss, there on all "
+            f"{report['validation']['of']} validation sentences"
+        )
     if log is not None:
-        which = (f"the model of epoch {log['epoch']}, the last of the {log['averaged']} epochs this checkpoint "
-                 f"averages (the averaged model has no log line of its own)" if log.get("averaged")
-                 else f"this model, epoch {log['epoch']}")
+        which = (
+            f"the model of epoch {log['epoch']}, the last of the {log['averaged']} epochs this checkpoint "
+            f"averages (the averaged model has no log line of its own)"
+            if log.get("averaged")
+            else f"this model, epoch {log['epoch']}"
+        )
         lines.append(f"  the run's log: val loss {log['val_loss']:.3f} for {which}")
     return lines
 
@@ -347,8 +432,11 @@ def run_log_loss(meta: dict) -> dict | None:
     """The val loss a run's log printed for the checkpoint's epoch, if the checkpoint carries it."""
     if meta.get("val_loss") is None:
         return None
-    return {"val_loss": float(meta["val_loss"]), "epoch": meta.get("epoch"),
-            "averaged": len(meta["averaged"]) if meta.get("averaged") else None}
+    return {
+        "val_loss": float(meta["val_loss"]),
+        "epoch": meta.get("epoch"),
+        "averaged": len(meta["averaged"]) if meta.get("averaged") else None,
+    }
 
 
 def smoothed_loss(model, batches, eps: float, device) -> float:
@@ -362,6 +450,7 @@ def smoothed_loss(model, batches, eps: float, device) -> float:
 
 # ---------------------------------------------------------------- the command
 
+
 def analyse(model, tokenizer, val, batches, args) -> tuple[dict, dict]:
     """(the report's numbers, the attention measures of `position_profiles`)."""
     from annotated.attention.profiles import bilinear_spectra, head_labels, position_profiles, profile_rows
@@ -370,30 +459,40 @@ def analyse(model, tokenizer, val, batches, args) -> tuple[dict, dict]:
     baseline = evaluation(model, tokenizer, val, batches, args.device)
     importance = head_importance(model, batches, progress=True)
     normalised = normalise_per_attention(importance)
-    ablation = ablate(model, lambda m: changes(baseline, evaluation(m, tokenizer, val, batches, args.device), refs,
-                                               args.resamples, args.seed), progress=True)
+    ablation = ablate(
+        model,
+        lambda m: changes(
+            baseline, evaluation(m, tokenizer, val, batches, args.device), refs, args.resamples, args.seed
+        ),
+        progress=True,
+    )
     profiles = position_profiles(model, batches, WINDOW, progress=True)
     labels = head_labels(profiles)
     kinds = {}
     for kind in KINDS:
         spectra = [bilinear_spectra(attention_at(model, kind, l)) for l in range(model.config.N)]
         kinds[kind] = {
-            "importance": importance[kind], "importance_normalised": normalised[kind],
+            "importance": importance[kind],
+            "importance_normalised": normalised[kind],
             "bleu_change": [[change_json(r["bleu"]) for r in row] for row in ablation[kind]],
             "loss_change": [[change_json(r["loss"]) for r in row] for row in ablation[kind]],
             "label": labels[kind],
             "entropy": [m["entropy"] for m in profiles[kind]],
             "position_profile": [profile_rows(m) for m in profiles[kind]],
-            "uniform_position_profile": [list(m["uniform_offsets"]) + [m.get("uniform_last", math.nan)]
-                                         for m in profiles[kind]],
+            "uniform_position_profile": [
+                list(m["uniform_offsets"]) + [m.get("uniform_last", math.nan)] for m in profiles[kind]
+            ],
             "first_key": [m["first"] for m in profiles[kind]],
             "qk_singular_values": [s["qk"].tolist() for s in spectra],
             "vo_singular_values": [s["vo"].tolist() for s in spectra],
         }
         if kind == "cross":
             kinds[kind]["diagonal_share"] = [m["diagonal"] for m in profiles[kind]]
-    return {"baseline": {"bleu": baseline["bleu"], "loss": baseline["loss"]}, "kinds": kinds,
-            "position_profile_offsets": list(range(-WINDOW, WINDOW + 1)) + ["last source token"]}, profiles
+    return {
+        "baseline": {"bleu": baseline["bleu"], "loss": baseline["loss"]},
+        "kinds": kinds,
+        "position_profile_offsets": list(range(-WINDOW, WINDOW + 1)) + ["last source token"],
+    }, profiles
 
 
 def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> dict:
@@ -423,67 +522,143 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     curve: list[dict] = []  # one point per model on the path: the unpruned one, then one per removal
 
     def point(m, loss: float, kept: bool) -> None:  # greedy BLEU along the path: a decoding per point is its cost
-        curve.append({"heads_removed": len(curve), "held_out_loss": loss,
-                      "held_out_bleu": evaluate_bleu(m, tokenizer, held_pairs, 1, 0.0, args.device)[0]["bleu"],
-                      "test_bleu": evaluate_bleu(m, tokenizer, test, 1, 0.0, args.device)[0]["bleu"], "kept": kept})
+        curve.append(
+            {
+                "heads_removed": len(curve),
+                "held_out_loss": loss,
+                "held_out_bleu": evaluate_bleu(m, tokenizer, held_pairs, 1, 0.0, args.device)[0]["bleu"],
+                "test_bleu": evaluate_bleu(m, tokenizer, test, 1, 0.0, args.device)[0]["bleu"],
+                "kept": kept,
+            }
+        )
 
     def on_step(step, m) -> None:
         if not curve:  # the unpruned model starts the curve
             point(model, held_out_loss(model), True)
         point(m, step.held_out_loss, step.kept)
 
-    result = greedy_prune(model, held_out_loss, lambda m: head_importance(m, rank_batches), args.max_loss_increase,
-                          progress=True, beyond_stop=True, on_step=on_step)
+    result = greedy_prune(
+        model,
+        held_out_loss,
+        lambda m: head_importance(m, rank_batches),
+        args.max_loss_increase,
+        progress=True,
+        beyond_stop=True,
+        on_step=on_step,
+    )
     if not curve:  # nothing to remove: one head per attention already
         point(model, result.baseline_loss, True)
     pruned, stop = result.model, len(result.removed)
-    tuning = finetune_on_held_out(pruned, _training_batches(meta, tokenizer, model.config.max_len),
-                                  args.finetune_steps, held_out_loss, progress=True) if args.finetune_steps else None
+    tuning = (
+        finetune_on_held_out(
+            pruned,
+            _training_batches(meta, tokenizer, model.config.max_len),
+            args.finetune_steps,
+            held_out_loss,
+            progress=True,
+        )
+        if args.finetune_steps
+        else None
+    )
     pruned, steps = (tuning.model, tuning.steps) if tuning else (pruned, 0)
     total = sum(attention_at(model, *s).h for s in sites(model))
     alpha = model_length_penalty(meta) if args.length_penalty is None else args.length_penalty
     hyps = [beam_bleu(m, tokenizer, test, args.beam, alpha, args.device)[1] for m in (model, pruned)]
     test_change = paired_bleu_change(hyps[0], hyps[1], refs, args.resamples, args.seed)
-    b, a = (dict(describe(m, h, refs), **timing) for m, h, timing in
-            zip((model, pruned), hyps, time_both(model, pruned, tokenizer, test, args.beam, alpha)))
+    b, a = (
+        dict(describe(m, h, refs), **timing)
+        for m, h, timing in zip((model, pruned), hyps, time_both(model, pruned, tokenizer, test, args.beam, alpha))
+    )
     removed = [f"{r.kind}[{r.layer}].{r.head}" for r in result.removed]
-    save_pruned(args.out / "pruned.pt", pruned, tokenizer,
-                dict(meta, pruned_from=str(args.checkpoint), heads_removed=removed, head_counts=head_counts(pruned),
-                     finetune_steps=steps), read_case_table(args.checkpoint))
+    save_pruned(
+        args.out / "pruned.pt",
+        pruned,
+        tokenizer,
+        dict(
+            meta,
+            pruned_from=str(args.checkpoint),
+            heads_removed=removed,
+            head_counts=head_counts(pruned),
+            finetune_steps=steps,
+        ),
+        read_case_table(args.checkpoint),
+    )
     final_loss = min(loss for _, loss in tuning.checks) if tuning else held_out_loss(pruned)  # measured already
-    tuned = {"finetune_steps": steps, "held_out_loss": final_loss,
-             "test_bleu": evaluate_bleu(pruned, tokenizer, test, 1, 0.0, args.device)[0]["bleu"]} \
-        if args.finetune_steps else None
-    save_figure(curve_figure(curve, result.baseline_loss, args.max_loss_increase, stop, len(test), tuned,
-                             title=str(shown_path(args.checkpoint))), args.out / "heads_pruning.png")
+    tuned = (
+        {
+            "finetune_steps": steps,
+            "held_out_loss": final_loss,
+            "test_bleu": evaluate_bleu(pruned, tokenizer, test, 1, 0.0, args.device)[0]["bleu"],
+        }
+        if args.finetune_steps
+        else None
+    )
+    save_figure(
+        curve_figure(
+            curve,
+            result.baseline_loss,
+            args.max_loss_increase,
+            stop,
+            len(test),
+            tuned,
+            title=str(shown_path(args.checkpoint)),
+        ),
+        args.out / "heads_pruning.png",
+    )
     ratio = speed_ratio(a["speeds"], b["speeds"])
     say(f"pruning: removed {len(removed)} of {total} heads ({len(removed) / total:.0%}): {', '.join(removed) or '-'}")
-    say(f"  held-out validation loss ({len(held_out)} sentences, not used for ranking; cross-entropy per target "
+    say(
+        f"  held-out validation loss ({len(held_out)} sentences, not used for ranking; cross-entropy per target "
         f"token, no label smoothing): {result.baseline_loss:.4f} -> "
         f"{result.removed[-1].held_out_loss if result.removed else result.baseline_loss:.4f} "
         f"(stop rule: at most +{args.max_loss_increase:g})"
-        + (f", {final_loss:.4f} after {steps} fine-tuning steps (the lowest of the checks every "
-           f"{FINETUNE_CHECK_EVERY} steps; at most {args.finetune_steps})" if tuning else ""))
+        + (
+            f", {final_loss:.4f} after {steps} fine-tuning steps (the lowest of the checks every "
+            f"{FINETUNE_CHECK_EVERY} steps; at most {args.finetune_steps})"
+            if tuning
+            else ""
+        )
+    )
     say(f"  parameters: {b['parameters']:,} -> {a['parameters']:,}")
-    say(f"  test_2016_flickr BLEU (beam {args.beam}, {len(test)} sentences): {b['test_bleu']:.2f} -> "
-        f"{a['test_bleu']:.2f}, change {format_change(test_change, '+.2f')} (95% paired bootstrap)")
-    say(f"  decoding speed: {b['sentences_per_second']:.1f} -> {a['sentences_per_second']:.1f} sentences/s "
+    say(
+        f"  test_2016_flickr BLEU (beam {args.beam}, {len(test)} sentences): {b['test_bleu']:.2f} -> "
+        f"{a['test_bleu']:.2f}, change {format_change(test_change, '+.2f')} (95% paired bootstrap)"
+    )
+    say(
+        f"  decoding speed: {b['sentences_per_second']:.1f} -> {a['sentences_per_second']:.1f} sentences/s "
         f"(fastest round of each), {ratio:.2f}x (median of the {SPEED_ROUNDS} rounds' ratios); beam {args.beam}, "
-        f"{args.device}, {torch.get_num_threads()} threads; timed alone, alternating rounds")
+        f"{args.device}, {torch.get_num_threads()} threads; timed alone, alternating rounds"
+    )
     say(f"  the path, past the stop to one head per attention: {args.out / 'heads_pruning.png'}")
     say(f"  pruned checkpoint: {args.out / 'pruned.pt'}")
-    return {"stop_rule": STOP_RULE, "max_loss_increase": args.max_loss_increase,
-            "ranking_sentences": len(ranking), "held_out_sentences": len(held_out),
-            "baseline_held_out_loss": result.baseline_loss, "steps": removal_table(result),
-            "beyond_stop": [dataclasses.asdict(r) for r in result.beyond], "curve": curve,
-            "finetune_steps": steps, "finetune_max_steps": args.finetune_steps,
-            "finetune_checks": [list(c) for c in tuning.checks] if tuning else [],
-            "held_out_loss_final": final_loss, "finetuned": tuned,
-            "removed": removed, "heads_total": total, "before": b, "after": a,
-            "test_bleu_change": change_json(test_change), "speed_ratio": ratio, "beam": args.beam,
-            "length_penalty": alpha,
-            "speed_rounds": SPEED_ROUNDS, "test_sentences": len(test), "device": str(args.device),
-            "threads": torch.get_num_threads(), "checkpoint": str(args.out / "pruned.pt")}
+    return {
+        "stop_rule": STOP_RULE,
+        "max_loss_increase": args.max_loss_increase,
+        "ranking_sentences": len(ranking),
+        "held_out_sentences": len(held_out),
+        "baseline_held_out_loss": result.baseline_loss,
+        "steps": removal_table(result),
+        "beyond_stop": [dataclasses.asdict(r) for r in result.beyond],
+        "curve": curve,
+        "finetune_steps": steps,
+        "finetune_max_steps": args.finetune_steps,
+        "finetune_checks": [list(c) for c in tuning.checks] if tuning else [],
+        "held_out_loss_final": final_loss,
+        "finetuned": tuned,
+        "removed": removed,
+        "heads_total": total,
+        "before": b,
+        "after": a,
+        "test_bleu_change": change_json(test_change),
+        "speed_ratio": ratio,
+        "beam": args.beam,
+        "length_penalty": alpha,
+        "speed_rounds": SPEED_ROUNDS,
+        "test_sentences": len(test),
+        "device": str(args.device),
+        "threads": torch.get_num_threads(),
+        "checkpoint": str(args.out / "pruned.pt"),
+    }
 
 
 def beam_bleu(model, tokenizer, test, beam: int, alpha: float, device) -> tuple[dict, list[str]]:
@@ -499,8 +674,12 @@ def describe(model, hyps: list[str], refs: list[str]) -> dict:
     from annotated.training.evaluate import score
 
     s = score(hyps, refs)
-    return {"test_bleu": s["bleu"], "test_bleu_lowercase": s["bleu_lowercase"],
-            "parameters": count_parameters(model), "heads": sum(attention_at(model, *x).h for x in sites(model))}
+    return {
+        "test_bleu": s["bleu"],
+        "test_bleu_lowercase": s["bleu_lowercase"],
+        "parameters": count_parameters(model),
+        "heads": sum(attention_at(model, *x).h for x in sites(model)),
+    }
 
 
 def time_both(model, pruned, tokenizer, test, beam: int, alpha: float) -> tuple[dict, dict]:
@@ -509,10 +688,11 @@ def time_both(model, pruned, tokenizer, test, beam: int, alpha: float) -> tuple[
     from annotated.attention.prune import alternating_speed
 
     sources = [tokenizer.encode(s) for s, _ in test]
-    speeds = alternating_speed({"before": model, "after": pruned}, sources, beam, alpha, SPEED_ROUNDS,
-                               progress=True)
-    before, after = ({"sentences_per_second": round(max(speeds[k]), 2), "speeds": [round(x, 3) for x in speeds[k]]}
-                     for k in ("before", "after"))
+    speeds = alternating_speed({"before": model, "after": pruned}, sources, beam, alpha, SPEED_ROUNDS, progress=True)
+    before, after = (
+        {"sentences_per_second": round(max(speeds[k]), 2), "speeds": [round(x, 3) for x in speeds[k]]}
+        for k in ("before", "after")
+    )
     return before, after
 
 
@@ -532,13 +712,23 @@ def write_pictures(model, tokenizer, report: dict, profiles_for_page, val, encod
     ranges = measure_ranges(report)
     for kind in KINDS:
         save_figure(heat_map(kind, report, ranges), args.out / f"heads_{kind}.png")
-    save_figure(inspect_figure(model, profiles_for_page, WINDOW, title=str(shown_path(args.checkpoint))),
-             args.out / "heads_inspect.png")
+    save_figure(
+        inspect_figure(model, profiles_for_page, WINDOW, title=str(shown_path(args.checkpoint))),
+        args.out / "heads_inspect.png",
+    )
     i = example_sentence(val, encoded, model.config.max_len)
     labels = {k: report["kinds"][k]["label"] for k in KINDS}
-    save_figure(examples_figure(model, tokenizer, encoded[i][0], encoded[i][1], labels,
-                             title=f"validation sentence {i}: {val[i][0]}  ->  {val[i][1]}"),
-             args.out / "heads_examples.png")
+    save_figure(
+        examples_figure(
+            model,
+            tokenizer,
+            encoded[i][0],
+            encoded[i][1],
+            labels,
+            title=f"validation sentence {i}: {val[i][0]}  ->  {val[i][1]}",
+        ),
+        args.out / "heads_examples.png",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -557,23 +747,35 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer, meta = load_checkpoint(args.checkpoint)
         if tokenizer is None:
             raise CheckpointError(f"checkpoint {args.checkpoint} holds no tokenizer, so it cannot be evaluated")
-        val, encoded, batches, test, available = _data(meta, tokenizer, args.sentences, model.config.max_len, args.prune,
-                                            args.test_sentences)
+        val, encoded, batches, test, available = _data(
+            meta, tokenizer, args.sentences, model.config.max_len, args.prune, args.test_sentences
+        )
     except (CheckpointError, DataError) as e:
         print(f"{NAME}: error: {e}", file=sys.stderr)
         return 2
     model = model.to(args.device)
-    report: dict[str, Any] = {"checkpoint": str(args.checkpoint),
-              "validation": {"split": "val", "sentences": len(val), "of": available, "decoding": "greedy",
-                             "loss": LOSS_NAME, "loss_label_smoothed": "the same with the training's label "
-                             "smoothing: the val loss of a run's log", "resamples": args.resamples,
-                             "seed": args.seed, "confidence": CONFIDENCE},
-              "run_log": run_log_loss(meta)}
+    report: dict[str, Any] = {
+        "checkpoint": str(args.checkpoint),
+        "validation": {
+            "split": "val",
+            "sentences": len(val),
+            "of": available,
+            "decoding": "greedy",
+            "loss": LOSS_NAME,
+            "loss_label_smoothed": "the same with the training's label smoothing: the val loss of a run's log",
+            "resamples": args.resamples,
+            "seed": args.seed,
+            "confidence": CONFIDENCE,
+        },
+        "run_log": run_log_loss(meta),
+    }
     numbers, profiles = analyse(model, tokenizer, val, batches, args)
     report.update(numbers)
     eps = label_smoothing_of(meta)
-    report["baseline"].update(label_smoothing=eps, loss_label_smoothed=None if eps is None else
-                              smoothed_loss(model, batches, eps, args.device))
+    report["baseline"].update(
+        label_smoothing=eps,
+        loss_label_smoothed=None if eps is None else smoothed_loss(model, batches, eps, args.device),
+    )
     print(format_table(report), flush=True)
     widths = [c["high"] - c["low"] for k in KINDS for row in report["kinds"][k]["bleu_change"] for c in row]
     advice = noisy_advice(widths, len(val), available)
@@ -582,11 +784,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out / "heads.json", json.dumps(json_safe(report, digits=6), indent=1))
     write_pictures(model, tokenizer, report, profiles, val, encoded, args)
-    print(f"wrote {args.out / 'heads.json'}, heads_<kind>.png, heads_inspect.png and heads_examples.png in "
-          f"{args.out}", flush=True)
+    print(
+        f"wrote {args.out / 'heads.json'}, heads_<kind>.png, heads_inspect.png and heads_examples.png in {args.out}",
+        flush=True,
+    )
     if args.prune:
-        report["pruning"] = prune_and_measure(model, tokenizer, meta, val, encoded, test, args,
-                                              lambda s: print(s, flush=True))
+        report["pruning"] = prune_and_measure(
+            model, tokenizer, meta, val, encoded, test, args, lambda s: print(s, flush=True)
+        )
         atomic_write(args.out / "heads.json", json.dumps(json_safe(report, digits=6), indent=1))
     return 0
 

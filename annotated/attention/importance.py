@@ -80,6 +80,7 @@ from annotated.transformer import EncoderDecoder, convert_model, padding_mask, t
 # changes no number). `test_importance_matches_finite_differences` checks the
 # result against `(L(1 + e) - L(1 - e)) / 2e` with an explicit gate.
 
+
 # %%
 def mean_token_loss(model: EncoderDecoder, src: Tensor, tgt: Tensor) -> Tensor:
     """Mean cross-entropy per predicted target token of one batch (teacher forcing)."""
@@ -101,9 +102,9 @@ def head_importance(model: EncoderDecoder, batches: Iterable, progress: bool = F
     flat = [W for _, Ws in W_O for W in Ws]
     total, n = torch.zeros(len(flat), dtype=torch.float64), 0
     batches = list(batches)
-    rows = ((b.src[r:r + 1], b.tgt[r:r + 1]) for b in batches for r in range(b.src.size(0)))
+    rows = ((b.src[r : r + 1], b.tgt[r : r + 1]) for b in batches for r in range(b.src.size(0)))
     for src, tgt in tracked(rows, sum(b.src.size(0) for b in batches), "importance", "sentence", progress):
-        src, tgt = src[:, :int((src != PAD).sum())], tgt[:, :int((tgt != PAD).sum())]  # (1, S), (1, T) no pad
+        src, tgt = src[:, : int((src != PAD).sum())], tgt[:, : int((tgt != PAD).sum())]  # (1, S), (1, T) no pad
         loss = mean_token_loss(per_head, src.to(device), tgt.to(device))
         grads = torch.autograd.grad(loss, flat)
         # dL/dxi_i = <dL/dW_O[i], W_O[i]>, then |.|, summed over sentences
@@ -114,7 +115,7 @@ def head_importance(model: EncoderDecoder, batches: Iterable, progress: bool = F
     scores: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
     k = 0
     for (kind, _), Ws in W_O:
-        scores[kind].append((total[k:k + len(Ws)] / n).tolist())
+        scores[kind].append((total[k : k + len(Ws)] / n).tolist())
         k += len(Ws)
     return scores
 
@@ -147,9 +148,11 @@ def normalise_per_attention(scores: dict[str, list[list[float]]]) -> dict[str, l
 # with the number of tokens beside it, so that a resample of sentences can
 # recompute the loss per token (`sentence_losses`).
 
+
 # %%
-def ablate(model: EncoderDecoder, evaluate: Callable[[EncoderDecoder], dict],
-           progress: bool = False) -> dict[str, list[list[dict]]]:
+def ablate(
+    model: EncoderDecoder, evaluate: Callable[[EncoderDecoder], dict], progress: bool = False
+) -> dict[str, list[list[dict]]]:
     """{kind: [[evaluate(model without head i of that layer) for each head i] per layer]}."""
     jobs = [(site, i) for site in sites(model) for i in range(attention_at(model, *site).h)]
     out: dict[str, list[list[dict]]] = {kind: [[] for _ in range(model.config.N)] for kind in KINDS}
@@ -179,8 +182,9 @@ def sentence_losses(model: EncoderDecoder, batches: Iterable) -> tuple[np.ndarra
         tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T-1), (B, T-1)
         logits = model(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD))  # (B, T-1, V)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (B, T-1, V) at least float32
-        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tgt_out, ignore_index=PAD,
-                                               reduction="none")  # (B, T-1)
+        ce = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), tgt_out, ignore_index=PAD, reduction="none"
+        )  # (B, T-1)
         losses.append(ce.sum(-1).double().cpu())
         tokens.append((tgt_out != PAD).sum(-1).double().cpu())
     return torch.cat(losses).numpy(), torch.cat(tokens).numpy()

@@ -56,16 +56,21 @@ RANGE = (0.0, 1.0)  # attention weights are probabilities
 MASKED = "#d0d0d0"  # grey: a weight the causal mask forces to zero
 LAYOUT: Final = "constrained"
 
-KIND_LABELS = {"enc_self": "encoder self-attention", "dec_self": "decoder self-attention (masked)",
-               "cross": "cross-attention (decoder -> source)"}
+KIND_LABELS = {
+    "enc_self": "encoder self-attention",
+    "dec_self": "decoder self-attention (masked)",
+    "cross": "cross-attention (decoder -> source)",
+}
 AXIS_LABELS = {  # kind -> (the token labelling a row, the token labelling a column)
     "enc_self": ("the source token", "the source token"),
     "dec_self": ("the token the decoder predicts there", "the token fed in there"),
     "cross": ("the token the decoder predicts there", "the source token"),
 }
 WORD_MARK = "\u2581 marks the start of a word (sentencepiece)"
-READING = ("a row is a query and sums to 1; a decoder row (query) is labelled by the token the decoder "
-           "predicts at that position; a key column by the token fed in at that position; " + WORD_MARK)
+READING = (
+    "a row is a query and sums to 1; a decoder row (query) is labelled by the token the decoder "
+    "predicts at that position; a key column by the token fed in at that position; " + WORD_MARK
+)
 COLOUR_BAR = "attention weight (0 to 1)"
 
 
@@ -110,6 +115,7 @@ def head_colours(n: int) -> list[str]:
 # as sentences grow and column labels are rotated so long sentences stay
 # legible.
 
+
 # %%
 def _tex_safe(label: str) -> str:
     """matplotlib reads `$...$` as mathematics; a literal `$` token must not start a formula."""
@@ -125,9 +131,20 @@ def label_font_size(n_tokens: int, inches: float) -> float:
     return round(float(np.clip(0.8 * 72 * inches / max(n_tokens, 1), 4.0, 10.0)), 2)
 
 
-def _panel(ax, weights: np.ndarray, rows: list[str], cols: list[str], *, causal: bool,
-           row_labels: bool, col_labels: bool, font: float, title: str, cols_on_top: bool = False,
-           aspect: str = "auto"):
+def _panel(
+    ax,
+    weights: np.ndarray,
+    rows: list[str],
+    cols: list[str],
+    *,
+    causal: bool,
+    row_labels: bool,
+    col_labels: bool,
+    font: float,
+    title: str,
+    cols_on_top: bool = False,
+    aspect: str = "auto",
+):
     q, k = weights.shape
     data = np.ma.masked_where(np.triu(np.ones((q, k), dtype=bool), 1), weights) if causal else weights
     colours = matplotlib.colormaps[CMAP].with_extremes(bad=MASKED)
@@ -135,8 +152,9 @@ def _panel(ax, weights: np.ndarray, rows: list[str], cols: list[str], *, causal:
     ax.set_title(title, fontsize=max(font, 7))
     # tick labels are costly artists: only the panels on the grid's left and bottom edges get them
     ax.set_yticks(range(q) if row_labels else [], [_tex_safe(t) for t in rows] if row_labels else [], fontsize=font)
-    ax.set_xticks(range(k) if col_labels else [], [_tex_safe(t) for t in cols] if col_labels else [],
-                  fontsize=font, rotation=90)
+    ax.set_xticks(
+        range(k) if col_labels else [], [_tex_safe(t) for t in cols] if col_labels else [], fontsize=font, rotation=90
+    )
     if cols_on_top:
         ax.xaxis.tick_top()
         ax.xaxis.set_label_position("top")
@@ -158,8 +176,7 @@ def caption(kind: str) -> str:
     """
     rows, cols = AXIS_LABELS[kind]
     note = "; grey: future positions, blocked by the causal mask" if kind == "dec_self" else ""
-    return (f"{KIND_LABELS[kind]}: row = query, it sums to 1, labelled by {rows}; "
-            f"column = key, labelled by {cols}{note}")
+    return f"{KIND_LABELS[kind]}: row = query, it sums to 1, labelled by {rows}; column = key, labelled by {cols}{note}"
 
 
 def grid_figure(arrays: list[np.ndarray], rows: list[str], cols: list[str], kind: str, title: str = "") -> Figure:
@@ -180,16 +197,25 @@ def grid_figure(arrays: list[np.ndarray], rows: list[str], cols: list[str], kind
             if head >= arrays[layer].shape[1]:  # pruned away: an empty cell
                 axes[layer][head].axis("off")
                 continue
-            im = _panel(axes[layer][head], arrays[layer][0, head], rows, cols, causal=kind == "dec_self",
-                        row_labels=head == 0, col_labels=layer == N - 1, font=font,
-                        title=f"layer {layer}, head {head}")
+            im = _panel(
+                axes[layer][head],
+                arrays[layer][0, head],
+                rows,
+                cols,
+                causal=kind == "dec_self",
+                row_labels=head == 0,
+                col_labels=layer == N - 1,
+                font=font,
+                title=f"layer {layer}, head {head}",
+            )
     add_colour_bar(fig, im, axes)
     fig.suptitle(f"{title}{caption(kind)}\n\u2581 marks the start of a word (sentencepiece)", fontsize=8)
     return fig
 
 
-def alignment_figure(cross_last: np.ndarray, src_tokens: list[str], tgt_out_tokens: list[str],
-                     title: str = "", per_head: bool = False) -> Figure:
+def alignment_figure(
+    cross_last: np.ndarray, src_tokens: list[str], tgt_out_tokens: list[str], title: str = "", per_head: bool = False
+) -> Figure:
     """Bahdanau-style alignment (source across, predicted target down) of one layer's cross-attention.
 
     `cross_last` is (1, h, T, S). With `per_head`, panels show the mean and every head.
@@ -208,15 +234,28 @@ def alignment_figure(cross_last: np.ndarray, src_tokens: list[str], tgt_out_toke
     im = None
     rows, cols = AXIS_LABELS["cross"]
     for ax, (name, weights) in zip(axes, panels):
-        im = _panel(ax, weights, tgt_out_tokens, src_tokens, causal=False, row_labels=True,
-                    col_labels=True, font=font, title=name, cols_on_top=True, aspect="equal")
+        im = _panel(
+            ax,
+            weights,
+            tgt_out_tokens,
+            src_tokens,
+            causal=False,
+            row_labels=True,
+            col_labels=True,
+            font=font,
+            title=name,
+            cols_on_top=True,
+            aspect="equal",
+        )
         ax.set_xlabel(f"key: {cols}", fontsize=7)
         ax.set_ylabel(f"query: {rows}", fontsize=7)
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.set_visible(False)
-    add_colour_bar(fig, im, list(axes[:len(panels)]))
-    fig.suptitle(f"{title or KIND_LABELS['cross']}\nrow = query, it sums to 1; "
-                 f"\u2581 marks the start of a word (sentencepiece)", fontsize=8)
+    add_colour_bar(fig, im, list(axes[: len(panels)]))
+    fig.suptitle(
+        f"{title or KIND_LABELS['cross']}\nrow = query, it sums to 1; \u2581 marks the start of a word (sentencepiece)",
+        fontsize=8,
+    )
     return fig
 
 

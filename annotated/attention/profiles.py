@@ -63,15 +63,20 @@ from annotated.transformer import EncoderDecoder, FusedAttention, padding_mask, 
 # >>> bool(s[att.d_k:].abs().max() < 1e-12 * s[0]), tuple(bilinear_spectra(att)["qk"].shape)
 # (True, (4, 4))
 
+
 # %%
 @torch.no_grad()
 def bilinear_spectra(att) -> dict[str, Tensor]:
     """{"qk": (h, d_k) singular values of W_Q[i] W_K[i]^T, "vo": (h, d_v) of W_V[i] W_O[i]}."""
     per_head = split(att) if isinstance(att, FusedAttention) else att
-    qk = [torch.linalg.svdvals(W_Q.double() @ W_K.double().T)[:att.d_k]  # (d_k,)
-          for W_Q, W_K in zip(per_head.W_Q, per_head.W_K)]
-    vo = [torch.linalg.svdvals(W_V.double() @ W_O.double())[:att.d_v]  # (d_v,)
-          for W_V, W_O in zip(per_head.W_V, per_head.W_O)]
+    qk = [
+        torch.linalg.svdvals(W_Q.double() @ W_K.double().T)[: att.d_k]  # (d_k,)
+        for W_Q, W_K in zip(per_head.W_Q, per_head.W_K)
+    ]
+    vo = [
+        torch.linalg.svdvals(W_V.double() @ W_O.double())[: att.d_v]  # (d_v,)
+        for W_V, W_O in zip(per_head.W_V, per_head.W_O)
+    ]
     return {"qk": torch.stack(qk).cpu(), "vo": torch.stack(vo).cpu()}  # (h, d_k), (h, d_v)
 
 
@@ -136,8 +141,15 @@ def attention_sums(p: Tensor, kind: str, src_len: Tensor, tgt_len: Tensor, windo
     first = torch.einsum("bhq,bq->h", p[..., 0], w)  # (h,)
     ones = torch.einsum("bq,bq->", 1 / n.clamp(min=1), w)  # (): uniform's weight on any one visible key
 
-    sums = {"queries": w.sum(), "offsets": offsets, "uniform_offsets": uniform_offsets, "entropy": entropy,
-            "entropy_queries": several.sum(), "first": first, "uniform_first": ones}
+    sums = {
+        "queries": w.sum(),
+        "offsets": offsets,
+        "uniform_offsets": uniform_offsets,
+        "entropy": entropy,
+        "entropy_queries": several.sum(),
+        "first": first,
+        "uniform_first": ones,
+    }
     if kind != "dec_self":
         last_idx = (src_len - 1).clamp(min=0).view(B, 1, 1, 1).expand(B, h, T_q, 1)  # (B, h, T_q, 1)
         last = torch.einsum("bhq,bq->h", p.gather(-1, last_idx).squeeze(-1), w)  # (h,)
@@ -171,8 +183,9 @@ def teacher_forced_attention(model: EncoderDecoder, src: Tensor, tgt_in: Tensor)
 
 
 @torch.no_grad()
-def position_profiles(model: EncoderDecoder, batches: Iterable, window: int = 4,
-                      progress: bool = False) -> dict[str, list[dict[str, np.ndarray]]]:
+def position_profiles(
+    model: EncoderDecoder, batches: Iterable, window: int = 4, progress: bool = False
+) -> dict[str, list[dict[str, np.ndarray]]]:
     """{kind: [summarise(...) per layer]}: the measures above over all `batches` (objects with .src, .tgt)."""
     model = model.eval()
     device = next(model.parameters()).device
@@ -252,8 +265,10 @@ def head_label(measures: dict[str, np.ndarray], head: int, kind: str) -> str:
 
 def head_labels(profiles: dict[str, list[dict[str, np.ndarray]]]) -> dict[str, list[list[str]]]:
     """{kind: [[label per head] per layer]} of `position_profiles`' result."""
-    return {kind: [[head_label(m, i, kind) for i in range(len(m["entropy"]))] for m in layers]
-            for kind, layers in profiles.items()}
+    return {
+        kind: [[head_label(m, i, kind) for i in range(len(m["entropy"]))] for m in layers]
+        for kind, layers in profiles.items()
+    }
 
 
 # %% [markdown]
@@ -267,6 +282,7 @@ def head_labels(profiles: dict[str, list[dict[str, np.ndarray]]]) -> dict[str, l
 # to uniform attention's (dashed; one line per head, the point at the right
 # edge is the last source token).
 
+
 # %%
 def _spectrum_panel(ax, spectra: Tensor, what: str, kind: str, layer: int) -> None:
     for i, s in enumerate(spectra):
@@ -278,8 +294,7 @@ def _spectrum_panel(ax, spectra: Tensor, what: str, kind: str, layer: int) -> No
     ax.legend(fontsize=6)
 
 
-def _profile_panel(ax, measures: dict[str, np.ndarray], labels: list[str], window: int, kind: str,
-                   layer: int) -> None:
+def _profile_panel(ax, measures: dict[str, np.ndarray], labels: list[str], window: int, kind: str, layer: int) -> None:
     offsets = list(range(-window, window + 1)) + [window + 1.5]
     uniform = list(measures["uniform_offsets"]) + [float(measures.get("uniform_last", math.nan))]
     ax.plot(offsets, uniform, "k--", label="uniform attention")
@@ -293,8 +308,9 @@ def _profile_panel(ax, measures: dict[str, np.ndarray], labels: list[str], windo
     ax.legend(fontsize=6)
 
 
-def inspect_figure(model: EncoderDecoder, profiles: dict[str, list[dict[str, np.ndarray]]], window: int,
-                   title: str = "") -> Figure:
+def inspect_figure(
+    model: EncoderDecoder, profiles: dict[str, list[dict[str, np.ndarray]]], window: int, title: str = ""
+) -> Figure:
     rows = sites(model)
     labels = head_labels(profiles)
     fig = Figure(figsize=(14, 2.6 * len(rows) + 0.6))

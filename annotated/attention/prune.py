@@ -99,16 +99,16 @@ def split_sentences(n: int) -> tuple[list[int], list[int]]:
 class Removal:
     kind: str
     layer: int
-    head: int                    # the head's index in the unpruned model
-    score: float                 # its importance (on the ranking sentences) when it was tried
-    held_out_loss: float         # held-out loss of the model without it (and all earlier removals)
-    kept: bool = True            # False: the removal that broke the stop rule (undone; the search ended)
+    head: int  # the head's index in the unpruned model
+    score: float  # its importance (on the ranking sentences) when it was tried
+    held_out_loss: float  # held-out loss of the model without it (and all earlier removals)
+    kept: bool = True  # False: the removal that broke the stop rule (undone; the search ended)
 
 
 @dataclass
 class PruneResult:
     model: EncoderDecoder
-    baseline_loss: float         # held-out loss of the unpruned model
+    baseline_loss: float  # held-out loss of the unpruned model
     max_increase: float
     steps: list[Removal] = field(default_factory=list)
     beyond: list[Removal] = field(default_factory=list)  # the path after the stop (beyond_stop=True), not kept
@@ -118,10 +118,16 @@ class PruneResult:
         return [s for s in self.steps if s.kept]
 
 
-def greedy_prune(model: EncoderDecoder, held_out_loss: Callable[[EncoderDecoder], float],
-                 importance: Callable[[EncoderDecoder], dict], max_increase: float = MAX_LOSS_INCREASE,
-                 progress: bool = False, baseline: float | None = None, beyond_stop: bool = False,
-                 on_step: Callable[[Removal, EncoderDecoder], None] | None = None) -> PruneResult:
+def greedy_prune(
+    model: EncoderDecoder,
+    held_out_loss: Callable[[EncoderDecoder], float],
+    importance: Callable[[EncoderDecoder], dict],
+    max_increase: float = MAX_LOSS_INCREASE,
+    progress: bool = False,
+    baseline: float | None = None,
+    beyond_stop: bool = False,
+    on_step: Callable[[Removal, EncoderDecoder], None] | None = None,
+) -> PruneResult:
     """Remove heads, least important first, until the held-out loss would rise more than `max_increase`;
     with `beyond_stop`, go on down the same path to one head per attention (recorded in `result.beyond`).
     `on_step(removal, model without it)` is called at every step of the path."""
@@ -133,16 +139,21 @@ def greedy_prune(model: EncoderDecoder, held_out_loss: Callable[[EncoderDecoder]
     bar = progress_bar(sum(len(v) - 1 for v in original.values()), "pruning", "head") if progress else None
     while True:
         scores = importance(current)
-        candidates = [(scores[k][l][i], (k, l), i) for k, l in sites(current)
-                      for i in range(attention_at(current, k, l).h) if attention_at(current, k, l).h > 1]
+        candidates = [
+            (scores[k][l][i], (k, l), i)
+            for k, l in sites(current)
+            for i in range(attention_at(current, k, l).h)
+            if attention_at(current, k, l).h > 1
+        ]
         if not candidates:
             break
         score, site, i = min(candidates)
         trial = remove_heads(current, {site: [i]})
         loss = held_out_loss(trial)
         # every removal is judged against the unpruned model's loss, never the previous step's
-        step = Removal(site[0], site[1], original[site][i], score, loss,
-                       kept=not stopped and loss - baseline <= max_increase)
+        step = Removal(
+            site[0], site[1], original[site][i], score, loss, kept=not stopped and loss - baseline <= max_increase
+        )
         (result.beyond if stopped else result.steps).append(step)
         if on_step is not None:
             on_step(step, trial)
@@ -177,14 +188,16 @@ def greedy_prune(model: EncoderDecoder, held_out_loss: Callable[[EncoderDecoder]
 # themselves never needed a global `h`: `fuse`, `split`, decoding and the
 # key/value cache all read each module's own `h`.
 
+
 # %%
 def count_parameters(model: torch.nn.Module) -> int:
     """Distinct parameters (a tied embedding table counts once)."""
     return sum(p.numel() for p in model.parameters())
 
 
-def save_pruned(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: dict | None = None,
-                case_table: dict | None = None) -> None:
+def save_pruned(
+    path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: dict | None = None, case_table: dict | None = None
+) -> None:
     """Save `model` as a fused checkpoint; non-uniform head counts go to the checkpoint's "heads" entry; the
     unpruned checkpoint's case table (decoding/casing.py) goes along."""
     fused = convert_model(model, "fused")
@@ -217,12 +230,18 @@ def save_pruned(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta:
 # %%
 FINETUNE_LR = 1e-4
 FINETUNE_CHECK_EVERY = 100  # steps between two held-out losses
-FINETUNE_PATIENCE = 3       # checks in a row without a new lowest held-out loss end fine-tuning
+FINETUNE_PATIENCE = 3  # checks in a row without a new lowest held-out loss end fine-tuning
 
 
-def finetune(model: EncoderDecoder, batches: list, steps: int, lr: float = FINETUNE_LR,
-             progress: bool = False, on_check: Callable[[int, EncoderDecoder], bool] | None = None,
-             check_every: int = FINETUNE_CHECK_EVERY) -> EncoderDecoder:
+def finetune(
+    model: EncoderDecoder,
+    batches: list,
+    steps: int,
+    lr: float = FINETUNE_LR,
+    progress: bool = False,
+    on_check: Callable[[int, EncoderDecoder], bool] | None = None,
+    check_every: int = FINETUNE_CHECK_EVERY,
+) -> EncoderDecoder:
     """A copy of `model` after `steps` training steps on `batches` (cycled); `model` itself is not changed.
     `on_check(steps done, model)` runs every `check_every` steps and after the last; True ends training there."""
     import copy
@@ -239,8 +258,13 @@ def finetune(model: EncoderDecoder, batches: list, steps: int, lr: float = FINET
     tuned = copy.deepcopy(model).train()
     device = next(tuned.parameters()).device
     settings = TrainConfig()  # training's label smoothing and clipping
-    opt = torch.optim.Adam(tuned.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9,
-                           fused=next(tuned.parameters()).dtype in (torch.float16, torch.bfloat16, torch.float32))
+    opt = torch.optim.Adam(
+        tuned.parameters(),
+        lr=lr,
+        betas=(0.9, 0.98),
+        eps=1e-9,
+        fused=next(tuned.parameters()).dtype in (torch.float16, torch.bfloat16, torch.float32),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # constant
     bar = progress_bar(steps, "fine-tuning", "step") if progress else None
     for step in range(steps):
@@ -261,15 +285,21 @@ def finetune(model: EncoderDecoder, batches: list, steps: int, lr: float = FINET
 
 @dataclass
 class Finetuned:
-    model: EncoderDecoder        # the model with the lowest held-out loss (step 0: the input itself)
-    steps: int                   # its training steps
+    model: EncoderDecoder  # the model with the lowest held-out loss (step 0: the input itself)
+    steps: int  # its training steps
     checks: list[tuple[int, float]]  # (steps, held-out loss) at every check, step 0 first
 
 
-def finetune_on_held_out(model: EncoderDecoder, batches: list, max_steps: int,
-                         held_out_loss: Callable[[EncoderDecoder], float], lr: float = FINETUNE_LR,
-                         check_every: int = FINETUNE_CHECK_EVERY, patience: int = FINETUNE_PATIENCE,
-                         progress: bool = False) -> Finetuned:
+def finetune_on_held_out(
+    model: EncoderDecoder,
+    batches: list,
+    max_steps: int,
+    held_out_loss: Callable[[EncoderDecoder], float],
+    lr: float = FINETUNE_LR,
+    check_every: int = FINETUNE_CHECK_EVERY,
+    patience: int = FINETUNE_PATIENCE,
+    progress: bool = False,
+) -> Finetuned:
     """Fine-tune for at most `max_steps`, keeping the model whose held-out loss is lowest (checked every
     `check_every` steps); stop after `patience` checks in a row without a new lowest."""
     import copy
@@ -331,9 +361,11 @@ def finetune_on_held_out(model: EncoderDecoder, batches: list, max_steps: int,
 # their own). The ratio it reports is the median over the rounds of the
 # per-round ratios (`test_alternating_speed_times_each_model_in_every_round_in_turn`).
 
+
 # %%
-def timed_translation(model: EncoderDecoder, sources: list[list[int]], beam_size: int, length_penalty: float,
-                      progress: bool = False) -> tuple[list[list[int]], float]:
+def timed_translation(
+    model: EncoderDecoder, sources: list[list[int]], beam_size: int, length_penalty: float, progress: bool = False
+) -> tuple[list[list[int]], float]:
     """(output ids, sentences per second) of translating `sources` with `translate_ids`."""
     from annotated.decoding.search import translate_ids
 
@@ -342,8 +374,14 @@ def timed_translation(model: EncoderDecoder, sources: list[list[int]], beam_size
     return out, len(sources) / (time.perf_counter() - start)
 
 
-def alternating_speed(models: dict[str, EncoderDecoder], sources: list[list[int]], beam_size: int,
-                      length_penalty: float, rounds: int, progress: bool = False) -> dict[str, list[float]]:
+def alternating_speed(
+    models: dict[str, EncoderDecoder],
+    sources: list[list[int]],
+    beam_size: int,
+    length_penalty: float,
+    rounds: int,
+    progress: bool = False,
+) -> dict[str, list[float]]:
     """{name: [sentences per second in each round]}: every model translates `sources` once per round, in an
     order that is reversed every other round."""
     from annotated.plumbing.progress import tracked
@@ -353,7 +391,7 @@ def alternating_speed(models: dict[str, EncoderDecoder], sources: list[list[int]
     names = list(models)
     speeds: dict[str, list[float]] = {name: [] for name in models}
     for r in tracked(range(rounds), rounds, "timing", "round", progress):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             speeds[name].append(timed_translation(models[name], sources, beam_size, length_penalty)[1])
     return speeds
 

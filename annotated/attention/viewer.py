@@ -130,8 +130,9 @@ def viewer_file(name: str) -> str:
     return importlib.resources.files("annotated.attention").joinpath("web").joinpath(name).read_text(encoding="utf-8")
 
 
-def viewer_html(index: dict, arrays: list[dict], decimals: int = 4, *, embedded: bool = False,
-                start: str | None = None) -> str:
+def viewer_html(
+    index: dict, arrays: list[dict], decimals: int = 4, *, embedded: bool = False, start: str | None = None
+) -> str:
     """The self-contained viewer page for a dump (`index` as in index.json, `arrays` per sentence as
     `load_sentence` gives them).
 
@@ -147,28 +148,59 @@ def viewer_html(index: dict, arrays: list[dict], decimals: int = 4, *, embedded:
         s = {k: entry.get(k) for k in keep}
         s["attn"] = {k: [np.round(a[0].astype(np.float64), decimals).tolist() for a in attn[k]] for k in kinds}
         sentences.append(s)
-    data = {"kinds": kinds, "layers": index["layers"], "heads": index["heads"], "head_counts": counts,
-            "rows_cols": index["rows_cols"], "kind_names": KIND_LABELS,
-            "captions": {k: caption(k) for k in kinds}, "reading": READING, "word_mark": WORD_MARK,
-            "colours": colour_table(64), "masked": MASKED, "head_colours": head_colours(index["heads"]),
-            "line_min": LINE_MIN, "start": start if start is not None else opening_view(arrays, counts),
-            "importance": index.get("head_importance"), "sentences": sentences}
+    data = {
+        "kinds": kinds,
+        "layers": index["layers"],
+        "heads": index["heads"],
+        "head_counts": counts,
+        "rows_cols": index["rows_cols"],
+        "kind_names": KIND_LABELS,
+        "captions": {k: caption(k) for k in kinds},
+        "reading": READING,
+        "word_mark": WORD_MARK,
+        "colours": colour_table(64),
+        "masked": MASKED,
+        "head_colours": head_colours(index["heads"]),
+        "line_min": LINE_MIN,
+        "start": start if start is not None else opening_view(arrays, counts),
+        "importance": index.get("head_importance"),
+        "sentences": sentences,
+    }
     decoder = index.get("decoder") or {}
     search = f"beam {decoder['beam_size']}" if decoder.get("beam_size", 1) > 1 else "greedy"
     uniform = all(h == index["heads"] for k in kinds for h in counts[k])
-    shape = f"{index['layers']} layers x {index['heads']} heads" if uniform else (
-        f"{index['layers']} layers, pruned to " + ", ".join(f"{k} {counts[k]}" for k in kinds) + " heads per layer")
-    opened = "" if start is not None or not data["start"] else (
-        "; opens on the cross-attention head that aligns best, {}".format(
-            data["start"].split("&", 2)[2].replace("&view=head", "").replace("&", ", ").replace("=", " ")))
-    footer = html.escape(f"checkpoint: {index.get('checkpoint')}; {shape}; "
-                         f"translated as make translate does ({search}); weights rounded to {decimals} decimals"
-                         f"{opened}; heads and layers count from 0")
+    shape = (
+        f"{index['layers']} layers x {index['heads']} heads"
+        if uniform
+        else (
+            f"{index['layers']} layers, pruned to " + ", ".join(f"{k} {counts[k]}" for k in kinds) + " heads per layer"
+        )
+    )
+    opened = (
+        ""
+        if start is not None or not data["start"]
+        else (
+            "; opens on the cross-attention head that aligns best, {}".format(
+                data["start"].split("&", 2)[2].replace("&view=head", "").replace("&", ", ").replace("=", " ")
+            )
+        )
+    )
+    footer = html.escape(
+        f"checkpoint: {index.get('checkpoint')}; {shape}; "
+        f"translated as make translate does ({search}); weights rounded to {decimals} decimals"
+        f"{opened}; heads and layers count from 0"
+    )
     js = viewer_file("viewer.js")
     page = string.Template(viewer_file("viewer.html"))
-    return page.substitute(title=html.escape(str(index.get("checkpoint"))), css=viewer_file("viewer.css"),
-                           csp=content_security_policy(js), body_class="embedded" if embedded else "",
-                           footer=footer, data=script_json(data), js=js)
+    return page.substitute(
+        title=html.escape(str(index.get("checkpoint"))),
+        css=viewer_file("viewer.css"),
+        csp=content_security_policy(js),
+        body_class="embedded" if embedded else "",
+        footer=footer,
+        data=script_json(data),
+        js=js,
+    )
 
 
 # %% [markdown]
@@ -184,6 +216,7 @@ def viewer_html(index: dict, arrays: list[dict], decimals: int = 4, *, embedded:
 # word scores near 1. The scores are averaged over the dump's sentences;
 # ties go to the later layer, then the lower head
 # (`test_the_viewer_opens_on_the_head_that_aligns`).
+
 
 # %%
 def alignment(weights: np.ndarray) -> float:
@@ -201,8 +234,13 @@ def opening_view(arrays: list[dict], counts: dict) -> str:
     """The address of the cross-attention head with the best `alignment` (mean over sentences), head view."""
     if not arrays:
         return ""
-    best = max(((np.mean([alignment(a["cross"][layer][0, head]) for a in arrays]), layer, -head)
-                for layer, n in enumerate(counts["cross"]) for head in range(n)))
+    best = max(
+        (
+            (np.mean([alignment(a["cross"][layer][0, head]) for a in arrays]), layer, -head)
+            for layer, n in enumerate(counts["cross"])
+            for head in range(n)
+        )
+    )
     return f"s=0&kind=cross&layer={best[1]}&head={-best[2]}&view=head"
 
 
@@ -228,17 +266,25 @@ def content_security_policy(script: str) -> str:
 # checkpoint. A file that does not fit (say the scores of the model before
 # pruning) is left out, and the command says why in one line.
 
+
 # %%
 def importance_fits(table, counts: list[int]) -> bool:
     """Whether `table` holds one finite score per head of every layer, `counts[layer]` heads in each."""
-    return isinstance(table, list) and len(table) == len(counts) and all(
-        isinstance(row, list) and len(row) == h and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in row)
-        for row, h in zip(table, counts))
+    return (
+        isinstance(table, list)
+        and len(table) == len(counts)
+        and all(
+            isinstance(row, list)
+            and len(row) == h
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in row)
+            for row, h in zip(table, counts)
+        )
+    )
 
 
-def read_head_importance(checkpoint: os.PathLike | str, cfg,
-                         heads: dict | None = None) -> tuple[dict | None, str | None]:
+def read_head_importance(
+    checkpoint: os.PathLike | str, cfg, heads: dict | None = None
+) -> tuple[dict | None, str | None]:
     """({kind: [per layer [per head score]]}, None) from `heads.json` beside `checkpoint`
     (written by `python -m annotated.attention.heads`); (None, None) without one; (None, why) when it does not fit.
 
@@ -258,8 +304,12 @@ def read_head_importance(checkpoint: os.PathLike | str, cfg,
     uniform = all(h == cfg.h for kind in scores for h in counts[kind])
     for kind, table in scores.items():
         if not importance_fits(table, counts[kind]):
-            want = f"{cfg.N} layers x {cfg.h} finite head scores per kind" if uniform else \
-                "one finite score per head of this pruned model (heads per layer: " + \
-                ", ".join(f"{k} {counts[k]}" for k in scores) + ")"
+            want = (
+                f"{cfg.N} layers x {cfg.h} finite head scores per kind"
+                if uniform
+                else "one finite score per head of this pruned model (heads per layer: "
+                + ", ".join(f"{k} {counts[k]}" for k in scores)
+                + ")"
+            )
             return None, f"{path} does not hold {want} (another model's?); the viewer shows no head scores"
     return {k: [[float(x) for x in row] for row in v] for k, v in scores.items()}, None

@@ -79,7 +79,7 @@ def case_table(sentences: Iterable[str]) -> dict[str, str]:
 
 
 def style(text: str) -> str | None:
-    """"upper", "lower", "inverted", or None for a line cased as people write.
+    """ "upper", "lower", "inverted", or None for a line cased as people write.
 
     >>> [style(s) for s in ("EIN MANN FÄHRT.", "ein mann fährt.", "eIN mANN FÄHRT.", "Ein Mann fährt.", "Der ICE.")]
     ['upper', 'lower', 'inverted', None, None]
@@ -106,6 +106,7 @@ def recase(text: str, tokenizer, keep_capitals: bool = False, table: dict | None
     """Each word in its most frequent casing (`table`), else in the one the tokenizer spells in the fewest
     subwords (see above); the first letter a capital. With `keep_capitals`, a word's all-capitals form is a
     candidate too."""
+
     def best(match: re.Match) -> str:
         word = match.group()
         lower = word.lower()
@@ -117,15 +118,16 @@ def recase(text: str, tokenizer, keep_capitals: bool = False, table: dict | None
         costs = []
         for n, form in enumerate(forms):
             ids = tokenizer.encode(form)
-            costs.append((tokenizer.spells_unseen(ids), len(ids), "ß" in form and "ß" not in lower,
-                          -tokenizer.score(ids), n))
+            costs.append(
+                (tokenizer.spells_unseen(ids), len(ids), "ß" in form and "ß" not in lower, -tokenizer.score(ids), n)
+            )
         return forms[min(costs)[-1]]
 
     recased = WORD.sub(best, text)
     first = next((i for i, c in enumerate(recased) if c.isalpha()), None)
     if first is None:
         return recased
-    return recased[:first] + recased[first].upper() + recased[first + 1:]
+    return recased[:first] + recased[first].upper() + recased[first + 1 :]
 
 
 def swap_case(text: str) -> str:
@@ -160,4 +162,3 @@ def restore(translation: str, kind: str | None) -> str:
     if kind == "lower":
         return translation.lower()
     return translation
-

@@ -66,6 +66,7 @@ from annotated.transformer import Cache, EncoderDecoder, greedy_decode, padding_
 #   entry point of this file goes through before any model work
 #   (`test_bad_arguments_are_named`).
 
+
 # %%
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:
     """Log-probabilities in at least float32: summed in bf16 they would drift."""
@@ -82,9 +83,18 @@ def _score_dtype(dtype: torch.dtype) -> torch.dtype:
 # continuations are all poor: one good-looking word can rule out the best
 # sentence. (`test_beam_finds_what_greedy_misses` builds such a case.)
 
+
 # %%
-def greedy(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int,
-           bos: int = BOS, eos: int = EOS, pad: int = PAD, use_cache: bool = True) -> Tensor:
+def greedy(
+    model: EncoderDecoder,
+    src: Tensor,
+    src_mask: Tensor | None,
+    max_len: int,
+    bos: int = BOS,
+    eos: int = EOS,
+    pad: int = PAD,
+    use_cache: bool = True,
+) -> Tensor:
     """(B, S) source ids -> (B, <= max_len) ids (bos excluded, eos kept, pad after it)."""
     check_decoding(model, src, src_mask, max_len)
     return greedy_decode(model, src, src_mask, max_len, bos, eos, pad, use_cache)
@@ -101,10 +111,12 @@ def greedy(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len:
 # mask as during decoding and no padding mask on the target, exactly as the
 # decoders see their own output.
 
+
 # %%
 @torch.no_grad()
-def sequence_logprob(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, ys: Tensor,
-                     bos: int = BOS, eos: int = EOS) -> tuple[Tensor, Tensor]:
+def sequence_logprob(
+    model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, ys: Tensor, bos: int = BOS, eos: int = EOS
+) -> tuple[Tensor, Tensor]:
     """log P(Y | X) of decoder outputs `ys` (B, L), as returned by `greedy` or `beam_search`.
 
     Returns (log-probabilities (B,), lengths (B,)) where a length counts the
@@ -142,6 +154,7 @@ def sequence_logprob(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None
 # The `5` makes the penalty grow slowly for the first few tokens; `lp(1) = 1`
 # (doctest of `length_penalty`).
 
+
 # %%
 def length_penalty(length: int, alpha: float) -> float:
     """GNMT length penalty ((5 + length) / 6) ** alpha.
@@ -174,6 +187,7 @@ def length_penalty(length: int, alpha: float) -> float:
 # cache; the old one is left unchanged (doctest of `reorder_cache`;
 # `test_reorder_cache_moves_and_drops_rows_of_a_real_cache`).
 
+
 # %%
 def reorder_cache(cache: Cache, index: Tensor) -> Cache:
     """A copy of `cache` whose keys and values K, V become K[index], V[index] (along the batch, dim 0).
@@ -182,8 +196,13 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
     >>> reorder_cache([{"self": (K, V)}], torch.tensor([2, 2, 0]))  # row r continues old row index[r]
     [{'self': (tensor([[3.], [3.], [1.]]), tensor([[30], [30], [10]]))}]
     """
-    return [{name: (K.index_select(0, index), V.index_select(0, index))  # (len(index), h, T, d)
-             for name, (K, V) in layer.items()} for layer in cache]
+    return [
+        {
+            name: (K.index_select(0, index), V.index_select(0, index))  # (len(index), h, T, d)
+            for name, (K, V) in layer.items()
+        }
+        for layer in cache
+    ]
 
 
 # %% [markdown]
@@ -253,11 +272,22 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 # all equal, so only the dropping of done sentences changes them, but one
 # call for every entry keeps the loop simple.
 
+
 # %%
 @torch.no_grad()
-def beam_search(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int,
-                beam_size: int = 4, length_penalty: float = 0.6, bos: int = BOS, eos: int = EOS,
-                pad: int = PAD, use_cache: bool = True, return_scores: bool = False):
+def beam_search(
+    model: EncoderDecoder,
+    src: Tensor,
+    src_mask: Tensor | None,
+    max_len: int,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    bos: int = BOS,
+    eos: int = EOS,
+    pad: int = PAD,
+    use_cache: bool = True,
+    return_scores: bool = False,
+):
     """(B, S) source ids -> (B, <= max_len) best ids (bos excluded, eos kept, pad after it).
 
     `length_penalty` is GNMT's alpha (0 = raw log-probability). With
@@ -271,13 +301,15 @@ def beam_search(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max
         _search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished)
     empty = [b for b, f in enumerate(finished) if not f]
     if empty:
-        raise ValueError(f"beam search found no translation with a finite log-probability for sentences "
-                         f"{empty}: the model's logits are not finite (NaN or inf)")
+        raise ValueError(
+            f"beam search found no translation with a finite log-probability for sentences "
+            f"{empty}: the model's logits are not finite (NaN or inf)"
+        )
     best = [max(f, key=lambda hyp: hyp[0]) for f in finished]  # the first of equal scores wins
     width = max((len(ids) for _, ids in best), default=0)
     out = torch.full((B, width), pad, dtype=torch.long, device=device)  # (B, L)
     for b, (_, ids) in enumerate(best):
-        out[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        out[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
     if not return_scores:
         return out
     return out, torch.tensor([score for score, _ in best], dtype=torch.float64, device=device)  # (B,)
@@ -356,11 +388,19 @@ def _finish_at_max_len(finished, alive, ys, scores, short, alpha, k) -> None:
 # `translate_ids` is what the rest of the project calls: lists of subword ids
 # in, lists of subword ids out, with greedy (`beam_size=1`) or beam search.
 
+
 # %%
 @torch.no_grad()
-def translate_ids(model: EncoderDecoder, sources: list[list[int]], beam_size: int = 1,
-                  length_penalty: float = 0.6, batch_size: int = 64, max_extra: int = 50,
-                  device: torch.device | None = None, progress: bool = False) -> list[list[int]]:
+def translate_ids(
+    model: EncoderDecoder,
+    sources: list[list[int]],
+    beam_size: int = 1,
+    length_penalty: float = 0.6,
+    batch_size: int = 64,
+    max_extra: int = 50,
+    device: torch.device | None = None,
+    progress: bool = False,
+) -> list[list[int]]:
     """Translate subword-id sequences; returns output ids (up to, not including, eos), in input order.
 
     The one translate helper of the project: training's BLEU, the translator and the attention viewer
@@ -375,24 +415,26 @@ def translate_ids(model: EncoderDecoder, sources: list[list[int]], beam_size: in
     limit = model.config.max_len
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list[list[int]] = [[] for _ in sources]
-    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     if progress:
         from tqdm.auto import tqdm
+
         chunks = tqdm(chunks, desc="translate", leave=False)
     for idx in chunks:
         seqs = [sources[i][:limit] for i in idx]
         S = max(1, max(len(s) for s in seqs))
         src = torch.full((len(seqs), S), PAD, dtype=torch.long)  # (B, S)
         for r, s in enumerate(seqs):
-            src[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+            src[r, : len(s)] = torch.tensor(s, dtype=torch.long)
         src = src.to(device)
         max_len = min(limit, S + max_extra)
         if beam_size > 1:
-            ys = beam_search(model, src, padding_mask(src, PAD), max_len, beam_size=beam_size,
-                             length_penalty=length_penalty)
+            ys = beam_search(
+                model, src, padding_mask(src, PAD), max_len, beam_size=beam_size, length_penalty=length_penalty
+            )
         else:
             ys = greedy(model, src, padding_mask(src, PAD), max_len)
         for r, i in enumerate(idx):
             row = ys[r].tolist()
-            out[i] = row[:row.index(EOS)] if EOS in row else [t for t in row if t != PAD]
+            out[i] = row[: row.index(EOS)] if EOS in row else [t for t in row if t != PAD]
     return out

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch and the model load is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("translate")
 
 import argparse
@@ -251,7 +252,7 @@ def parts_that_fit(text: str, tokenizer, max_len: int) -> list[list[int]]:
         pieces = [p for p in boundary.split(text) if p]
         if len(pieces) > 1:
             return _packed([part for p in pieces for part in parts_that_fit(p, tokenizer, max_len)], max_len)
-    return [ids[i:i + max_len] for i in range(0, len(ids), max_len)]
+    return [ids[i : i + max_len] for i in range(0, len(ids), max_len)]
 
 
 def _packed(parts: list[list[int]], max_len: int) -> list[list[int]]:
@@ -269,6 +270,7 @@ def _packed(parts: list[list[int]], max_len: int) -> list[list[int]]:
 class Line:
     """One input line on its way through: where it came from; its segments, each the subword ids of its
     parts and the unseen characters set aside; what to say on stderr."""
+
     where: str
     segments: list[tuple[list[list[int]], list[str]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -279,8 +281,15 @@ class Line:
         return [ids for parts, _ in self.segments for ids in parts]
 
 
-def prepare(where: str, text: str | None, note: str | None, tokenizer, max_len: int,
-            case: str = "auto", table: dict | None = None) -> Line:
+def prepare(
+    where: str,
+    text: str | None,
+    note: str | None,
+    tokenizer,
+    max_len: int,
+    case: str = "auto",
+    table: dict | None = None,
+) -> Line:
     """Apply the input rules to one line (text None: longer than MAX_LINE_BYTES); `case="auto"` recases
     capitals, lower case and caps lock (`annotated/decoding/casing.py`, with the checkpoint's case `table`),
     "as-typed" does not."""
@@ -301,8 +310,11 @@ def prepare(where: str, text: str | None, note: str | None, tokenizer, max_len: 
         return line
     if len(line.sources) > 1:
         n = sum(len(ids) for ids in line.sources)
-        longer = (f"{n} subwords, more than the model's max_len={max_len}" if n > max_len else
-                  f"{len(text)} characters, longer than the sentences the model learned from ({LONG_SENTENCE})")
+        longer = (
+            f"{n} subwords, more than the model's max_len={max_len}"
+            if n > max_len
+            else f"{len(text)} characters, longer than the sentences the model learned from ({LONG_SENTENCE})"
+        )
         line.notes.append(f"{longer}; translated in {len(line.sources)} parts")
     return line
 
@@ -320,23 +332,39 @@ def prepare(where: str, text: str | None, note: str | None, tokenizer, max_len: 
 # line per sentence, but byte pieces can spell any character, a line break
 # included: each line break in a translation becomes a space.
 
+
 # %%
-def translate_prepared(model: EncoderDecoder, tokenizer, lines: list[Line], beam_size: int = 4,
-                       length_penalty: float = PAPER_LENGTH_PENALTY, max_extra: int = 50) -> list[str]:
+def translate_prepared(
+    model: EncoderDecoder,
+    tokenizer,
+    lines: list[Line],
+    beam_size: int = 4,
+    length_penalty: float = PAPER_LENGTH_PENALTY,
+    max_extra: int = 50,
+) -> list[str]:
     """The translation of each prepared line, one line each, in order."""
     sources = [ids for line in lines for ids in line.sources]
     outputs = iter(translate_ids(model, sources, beam_size, length_penalty, max_extra=max_extra))
     answers = []
     for line in lines:
-        words = [word for parts, aside in line.segments for word in [tokenizer.decode(next(outputs)) for _ in parts] + aside]
+        words = [
+            word for parts, aside in line.segments for word in [tokenizer.decode(next(outputs)) for _ in parts] + aside
+        ]
         answer = casing.restore(" ".join(w for w in words if w), line.case)
         answers.append(" ".join(answer.splitlines()))  # a line break from byte pieces would shift the output
     return answers
 
 
-def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4,
-              length_penalty: float = PAPER_LENGTH_PENALTY,
-              max_extra: int = 50, case: str = "auto", table: dict | None = None) -> tuple[str, str | None]:
+def translate(
+    model: EncoderDecoder,
+    tokenizer,
+    text: str,
+    beam_size: int = 4,
+    length_penalty: float = PAPER_LENGTH_PENALTY,
+    max_extra: int = 50,
+    case: str = "auto",
+    table: dict | None = None,
+) -> tuple[str, str | None]:
     """One sentence -> (translation on one line, what the input rules did, or None)."""
     line = prepare("text", text, None, tokenizer, model.config.max_len, case, table)
     answer = translate_prepared(model, tokenizer, [line], beam_size, length_penalty, max_extra)[0]
@@ -351,6 +379,7 @@ def translate(model: EncoderDecoder, tokenizer, text: str, beam_size: int = 4,
 # sending one and waiting for the answer), so a thread reads it into a queue
 # of at most `WINDOW` lines, and each window takes the first line that comes
 # and then those already waiting. A terminal gets windows of one line.
+
 
 # %%
 def _numbered(sentences: list[str], stdin) -> Iterator[tuple[str, str | None, str | None]]:
@@ -470,30 +499,49 @@ WAITING = "translate: waiting for sentences, one per line (Ctrl-D to end)"
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="python -m annotated.decoding.translate", name=NAME, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m annotated.decoding.translate",
+        name=NAME,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Translate sentences with a trained checkpoint: the arguments if given,\n"
-                    "else stdin, one sentence a line, one translation a line.\n\n"
-                    "What the models know: the shipped models (and every training preset's) learnt from\n"
-                    "Multi30k, about 29,000 image captions (English, with German translations). They\n"
-                    "translate descriptions of photos; everyday language is outside what they learnt and\n"
-                    "comes back as nonsense.",
-        epilog=RULES)
+        "else stdin, one sentence a line, one translation a line.\n\n"
+        "What the models know: the shipped models (and every training preset's) learnt from\n"
+        "Multi30k, about 29,000 image captions (English, with German translations). They\n"
+        "translate descriptions of photos; everyday language is outside what they learnt and\n"
+        "comes back as nonsense.",
+        epilog=RULES,
+    )
     p.add_argument("sentences", nargs="*", help="sentences to translate (default: read stdin)")
-    p.add_argument("--checkpoint", type=Path, default=None,
-                   help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model, "
-                        "runs/latest/averaged.pt or best.pt; with no run, the model shipped for --src/--tgt)")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model, "
+        "runs/latest/averaged.pt or best.pt; with no run, the model shipped for --src/--tgt)",
+    )
     p.add_argument("--src", default=None, help="source language: picks the run or shipped model (default de)")
     p.add_argument("--tgt", default=None, help="target language (default en; --src en alone means en -> de)")
     p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where to look without --checkpoint")
     p.add_argument("--beam", type=at_least(1), default=4, help="beam width; 1 = greedy (default 4)")
-    p.add_argument("--length-penalty", type=number(0, None), default=None,
-                   help="GNMT alpha: score = log P / ((5 + |Y|) / 6)^alpha (default: the alpha the model's run "
-                        "chose on validation data, else the paper's 0.6)")
-    p.add_argument("--max-extra", type=at_least(0), default=50,
-                   help="output at most source length + this many subwords, capped at max_len (default 50)")
-    p.add_argument("--case", choices=("auto", "as-typed"), default="auto",
-                   help="auto: a line in capitals, in lower case or caps-locked is recased before translating and "
-                        "answered in its style; as-typed: translated as it is (default auto)")
+    p.add_argument(
+        "--length-penalty",
+        type=number(0, None),
+        default=None,
+        help="GNMT alpha: score = log P / ((5 + |Y|) / 6)^alpha (default: the alpha the model's run "
+        "chose on validation data, else the paper's 0.6)",
+    )
+    p.add_argument(
+        "--max-extra",
+        type=at_least(0),
+        default=50,
+        help="output at most source length + this many subwords, capped at max_len (default 50)",
+    )
+    p.add_argument(
+        "--case",
+        choices=("auto", "as-typed"),
+        default="auto",
+        help="auto: a line in capitals, in lower case or caps-locked is recased before translating and "
+        "answered in its style; as-typed: translated as it is (default auto)",
+    )
     p.add_argument("--device", type=device, default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     return p
 
@@ -505,15 +553,18 @@ def _say(stream: TextIO, message: str) -> None:
 def _load(args, stderr: TextIO):
     """(model on the device, tokenizer, case table or None, the model's length penalty); CheckpointError when the
     checkpoint cannot translate text."""
-    path = choose_checkpoint(args.checkpoint, args.runs_dir, args.src, args.tgt,
-                             say=lambda line: _say(stderr, f"{NAME}: {line}"))
+    path = choose_checkpoint(
+        args.checkpoint, args.runs_dir, args.src, args.tgt, say=lambda line: _say(stderr, f"{NAME}: {line}")
+    )
     state = read_checkpoint(path)  # once: the model, its tokenizer and its case table
     model, tokenizer, meta = loaded_from_state(state, path)
     check_tokenizer(tokenizer, path, "translate text")
     asked = direction_asked(args.src, args.tgt)
     if asked and meta.get("src_lang") and asked != f"{meta['src_lang']}-{meta.get('tgt_lang')}":
-        raise CheckpointError(f"checkpoint {path} translates {meta['src_lang']} -> {meta.get('tgt_lang')}, not "
-                              f"{asked.replace('-', ' -> ')}; drop --src/--tgt or pick another --checkpoint")
+        raise CheckpointError(
+            f"checkpoint {path} translates {meta['src_lang']} -> {meta.get('tgt_lang')}, not "
+            f"{asked.replace('-', ' -> ')}; drop --src/--tgt or pick another --checkpoint"
+        )
     return model.to(args.device), tokenizer, case_table_in(state, path), model_length_penalty(meta)
 
 
@@ -533,11 +584,11 @@ def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
 
 def _answer(model, tokenizer, table, window: list, args) -> tuple[list[Line], list[str]]:
     """Prepared lines and their answers; a window the decoder rejects is answered line by line."""
-    prepared = [prepare(where, text, note, tokenizer, model.config.max_len, args.case, table)
-                for where, text, note in window]
+    prepared = [
+        prepare(where, text, note, tokenizer, model.config.max_len, args.case, table) for where, text, note in window
+    ]
     try:
-        return prepared, translate_prepared(model, tokenizer, prepared, args.beam, args.length_penalty,
-                                            args.max_extra)
+        return prepared, translate_prepared(model, tokenizer, prepared, args.beam, args.length_penalty, args.max_extra)
     except ValueError:
         pass
     answers = []
@@ -570,6 +621,7 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
     bar = None
     if not args.sentences and not stdin.isatty() and stderr.isatty():
         from tqdm.auto import tqdm
+
         bar = tqdm(unit=" sentences", desc=NAME, file=stderr, leave=False)
     try:
         for window in _input_windows(args, stdin, stderr):
@@ -596,4 +648,5 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, NAME)  # Ctrl-C: one line and exit code 130, not a traceback

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("agreement")
 
 import tempfile
@@ -57,17 +58,18 @@ NAME = "agreement"
 def _padded(rows: list[list[int]]) -> torch.Tensor:
     out = torch.full((len(rows), max(map(len, rows))), PAD, dtype=torch.long)  # (B, T)
     for r, ids in enumerate(rows):
-        out[r, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        out[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
     return out
 
 
 @torch.no_grad()
-def logit_difference(model, hf, sources: list[list[int]], targets: list[list[int]], dtype: torch.dtype,
-                     batch_size: int = 50) -> float:
+def logit_difference(
+    model, hf, sources: list[list[int]], targets: list[list[int]], dtype: torch.dtype, batch_size: int = 50
+) -> float:
     """The largest |our logit - Marian's logit| over every sentence, position and token, in `dtype`."""
     model, hf, worst = model.to(dtype), hf.to(dtype), 0.0
     for i in range(0, len(sources), batch_size):
-        src, tgt = _padded(sources[i:i + batch_size]), _padded([[BOS] + t for t in targets[i:i + batch_size]])
+        src, tgt = _padded(sources[i : i + batch_size]), _padded([[BOS] + t for t in targets[i : i + batch_size]])
         ours = model(src, tgt, padding_mask(src, PAD), subsequent_mask(tgt.size(1)))  # (B, T, V)
         theirs = hf(input_ids=src, attention_mask=(src != PAD).long(), decoder_input_ids=tgt).logits  # (B, T, V)
         real = (tgt != PAD).unsqueeze(-1)  # (B, T, 1) the positions of real target tokens
@@ -77,28 +79,40 @@ def logit_difference(model, hf, sources: list[list[int]], targets: list[list[int
 
 
 @torch.no_grad()
-def generate_ids(hf, sources: list[list[int]], length_penalty: float, batch_size: int = 64,
-                 max_extra: int = 50) -> list[list[int]]:
+def generate_ids(
+    hf, sources: list[list[int]], length_penalty: float, batch_size: int = 64, max_extra: int = 50
+) -> list[list[int]]:
     """`generate` with beam 4 on `translate_ids`' batches and length limits; ids without eos, in input order."""
     limit = hf.config.max_position_embeddings
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list[list[int]] = [[] for _ in sources]
     for k in range(0, len(order), batch_size):
-        idx = order[k:k + batch_size]
+        idx = order[k : k + batch_size]
         src = _padded([sources[i][:limit] for i in idx])
-        ys = hf.generate(input_ids=src, attention_mask=(src != PAD).long(), num_beams=4, do_sample=False,
-                         early_stopping=True, length_penalty=length_penalty,
-                         # at most min(limit, T + max_extra) new tokens; max_length counts the decoder start too
-                         # (max_new_tokens beside the export's max_length draws a warning per batch)
-                         max_length=1 + min(limit, src.size(1) + max_extra))[:, 1:]  # without the decoder start
+        ys = hf.generate(
+            input_ids=src,
+            attention_mask=(src != PAD).long(),
+            num_beams=4,
+            do_sample=False,
+            early_stopping=True,
+            length_penalty=length_penalty,
+            # at most min(limit, T + max_extra) new tokens; max_length counts the decoder start too
+            # (max_new_tokens beside the export's max_length draws a warning per batch)
+            max_length=1 + min(limit, src.size(1) + max_extra),
+        )[:, 1:]  # without the decoder start
         for r, i in enumerate(idx):
             row = ys[r].tolist()
-            out[i] = row[:row.index(EOS)] if EOS in row else [t for t in row if t != PAD]
+            out[i] = row[: row.index(EOS)] if EOS in row else [t for t in row if t != PAD]
     return out
 
 
-def compare(checkpoint: Path, sentences: int = 1000, alpha: float | None = None,
-            hf_length_penalties: tuple[float, ...] = (1.0,), data_url: str | None = None) -> dict:
+def compare(
+    checkpoint: Path,
+    sentences: int = 1000,
+    alpha: float | None = None,
+    hf_length_penalties: tuple[float, ...] = (1.0,),
+    data_url: str | None = None,
+) -> dict:
     """The figures of this module for `checkpoint` on the first `sentences` test sentences: with no length
     penalty, then our alpha (`alpha`, else the model's) against each of `generate`'s `hf_length_penalties`
     (none: the search without penalties only)."""
@@ -114,25 +128,34 @@ def compare(checkpoint: Path, sentences: int = 1000, alpha: float | None = None,
     pairs = load_multi30k("test_2016_flickr", src_lang, tgt_lang, base_url=data_url)[:sentences]
     limit = model.config.max_len
     sources = [tokenizer.encode(s)[:limit] for s, _ in pairs]
-    targets = [tokenizer.encode(t)[:limit - 1] for _, t in pairs]
+    targets = [tokenizer.encode(t)[: limit - 1] for _, t in pairs]
     with tempfile.TemporaryDirectory() as folder:
         export_marian(checkpoint, Path(folder) / "export")
         hf = MarianMTModel.from_pretrained(str(Path(folder) / "export"), local_files_only=True).float().eval()
-    result = {"sentences": len(pairs), "max_abs_logit_difference": {
-        name: logit_difference(model, hf, sources, targets, dtype)
-        for name, dtype in (("float64", torch.float64), ("float32", torch.float32))}}
+    result = {
+        "sentences": len(pairs),
+        "max_abs_logit_difference": {
+            name: logit_difference(model, hf, sources, targets, dtype)
+            for name, dtype in (("float64", torch.float64), ("float32", torch.float32))
+        },
+    }
     references = [t for _, t in pairs]
-    settings = [("no length penalty", 0.0, 0.0)] + [(f"alpha {alpha:g} against length_penalty {lp:g}", alpha, lp)
-                                                    for lp in hf_length_penalties]
+    settings = [("no length penalty", 0.0, 0.0)] + [
+        (f"alpha {alpha:g} against length_penalty {lp:g}", alpha, lp) for lp in hf_length_penalties
+    ]
     ours_at: dict[float, list[list[int]]] = {}
     for name, ours_alpha, theirs_lp in settings:
         if ours_alpha not in ours_at:
             ours_at[ours_alpha] = translate_ids(model, sources, beam_size=4, length_penalty=ours_alpha)
         ours, theirs = ours_at[ours_alpha], generate_ids(hf, sources, theirs_lp)
         bleu = [score([tokenizer.decode(h) for h in hyps], references)["bleu"] for hyps in (ours, theirs)]
-        result[name] = {"our alpha": ours_alpha, "generate length_penalty": theirs_lp,
-                        "identical": sum(a == b for a, b in zip(ours, theirs)) / len(pairs),
-                        "our BLEU": bleu[0], "generate BLEU": bleu[1]}
+        result[name] = {
+            "our alpha": ours_alpha,
+            "generate length_penalty": theirs_lp,
+            "identical": sum(a == b for a, b in zip(ours, theirs)) / len(pairs),
+            "our BLEU": bleu[0],
+            "generate BLEU": bleu[1],
+        }
     return result
 
 
@@ -144,14 +167,26 @@ def main(argv: list[str] | None = None) -> int:
     from annotated.plumbing.options import Parser, at_least, number
     from annotated.shipped import choose_checkpoint
 
-    p = Parser(prog="python -m annotated.interop.agreement", name=NAME,
-               description="A checkpoint against its MarianMTModel export on test_2016_flickr.")
+    p = Parser(
+        prog="python -m annotated.interop.agreement",
+        name=NAME,
+        description="A checkpoint against its MarianMTModel export on test_2016_flickr.",
+    )
     p.add_argument("checkpoint", help="checkpoint file, or shipped:de-en / shipped:en-de")
     p.add_argument("--sentences", type=at_least(1), default=1000)
-    p.add_argument("--alpha", type=number(0, None), default=None,
-                   help="our GNMT length penalty (default: the model's, else the paper's 0.6)")
-    p.add_argument("--hf-length-penalty", type=number(None, None), nargs="*", default=[1.0],
-                   help="generate's length_penalty, one comparison each (default 1.0)")
+    p.add_argument(
+        "--alpha",
+        type=number(0, None),
+        default=None,
+        help="our GNMT length penalty (default: the model's, else the paper's 0.6)",
+    )
+    p.add_argument(
+        "--hf-length-penalty",
+        type=number(None, None),
+        nargs="*",
+        default=[1.0],
+        help="generate's length_penalty, one comparison each (default 1.0)",
+    )
     args = p.parse_args(argv)
     try:
         checkpoint = choose_checkpoint(args.checkpoint, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
@@ -166,4 +201,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, NAME)

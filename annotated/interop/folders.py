@@ -25,6 +25,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch and transformers load is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("marian")
 
 from pathlib import Path
@@ -61,6 +62,7 @@ NAME = "marian"
 # and an existing target is replaced only with `--overwrite` and only if it
 # holds a `config.json` (it looks like a model folder, not a home directory).
 
+
 # %%
 def _write_tokenizer(tokenizer, folder: Path) -> None:
     """source.spm, target.spm, vocab.json and MarianTokenizer's own config, for our tokenizer."""
@@ -72,9 +74,14 @@ def _write_tokenizer(tokenizer, folder: Path) -> None:
         (folder / name).write_bytes(tokenizer.to_bytes())
     vocab = {piece: i for i, piece in enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    MarianTokenizer(str(folder / "source.spm"), str(folder / "target.spm"), str(folder / "vocab.json"),
-                    unk_token=vocab_piece(tokenizer, UNK), eos_token=vocab_piece(tokenizer, EOS),
-                    pad_token=vocab_piece(tokenizer, PAD)).save_pretrained(str(folder))
+    MarianTokenizer(
+        str(folder / "source.spm"),
+        str(folder / "target.spm"),
+        str(folder / "vocab.json"),
+        unk_token=vocab_piece(tokenizer, UNK),
+        eos_token=vocab_piece(tokenizer, EOS),
+        pad_token=vocab_piece(tokenizer, PAD),
+    ).save_pretrained(str(folder))
 
 
 def vocab_piece(tokenizer, i: int) -> str:
@@ -84,17 +91,26 @@ def vocab_piece(tokenizer, i: int) -> str:
 def generation_config(cfg: TransformerConfig, length_penalty: float = 1.0):
     from transformers import GenerationConfig
 
-    return GenerationConfig(decoder_start_token_id=BOS, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-                            num_beams=4, early_stopping=True, length_penalty=length_penalty,
-                            max_length=cfg.max_len, forced_eos_token_id=None)
+    return GenerationConfig(
+        decoder_start_token_id=BOS,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        num_beams=4,
+        early_stopping=True,
+        length_penalty=length_penalty,
+        max_length=cfg.max_len,
+        forced_eos_token_id=None,
+    )
 
 
 def _check_target(out: Path, overwrite: bool, kind: str) -> None:
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it, or choose another {kind}")
     if out.exists() and kind == "folder" and not (out.is_dir() and (out / "config.json").is_file()):
-        raise FileExistsError(f"{out} exists and is not a model folder (no config.json in it); it is not replaced: "
-                              f"choose another folder")
+        raise FileExistsError(
+            f"{out} exists and is not a model folder (no config.json in it); it is not replaced: choose another folder"
+        )
     if out.exists() and kind == "file" and not out.is_file():
         raise FileExistsError(f"{out} exists and is not a file; choose another output path")
 
@@ -204,7 +220,9 @@ def _unk_of(folder: Path) -> int | None:
     return json.loads(vocab.read_text(encoding="utf-8")).get("<unk>") if vocab.is_file() else None
 
 
-def import_marian(folder: Path, out: Path, attention: AttentionForm = "fused", overwrite: bool = False) -> tuple[Path, bool]:
+def import_marian(
+    folder: Path, out: Path, attention: AttentionForm = "fused", overwrite: bool = False
+) -> tuple[Path, bool]:
     """Write the MarianMTModel folder `folder` as our checkpoint `out`; returns (out, whether it holds a tokenizer)."""
     from transformers import MarianMTModel
 
@@ -228,12 +246,16 @@ def import_marian(folder: Path, out: Path, attention: AttentionForm = "fused", o
 # stores the imported model head by head; `--overwrite` replaces an earlier
 # output). A refusal is one line on stderr that names the fix, exit code 2.
 
+
 # %%
 def build_parser():
     from annotated.plumbing.options import Parser
 
-    p = Parser(prog="python -m annotated.interop.folders", name=NAME,
-               description="Export a checkpoint as a transformers MarianMTModel folder, or import one.")
+    p = Parser(
+        prog="python -m annotated.interop.folders",
+        name=NAME,
+        description="Export a checkpoint as a transformers MarianMTModel folder, or import one.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="checkpoint -> MarianMTModel folder")
     e.add_argument("checkpoint", type=Path)
@@ -258,8 +280,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}: MarianMTModel.from_pretrained({str(out)!r}) loads it")
         else:
             out, has_tokenizer = import_marian(args.hf_dir, args.out, args.attention, args.overwrite)
-            print(f"wrote {out}" + ("" if has_tokenizer else ": without a tokenizer (its sentencepiece model does "
-                                    "not use this project's ids), so it translates token ids, not text"))
+            print(
+                f"wrote {out}"
+                + (
+                    ""
+                    if has_tokenizer
+                    else ": without a tokenizer (its sentencepiece model does "
+                    "not use this project's ids), so it translates token ids, not text"
+                )
+            )
     except (CheckpointError, ValueError, FileExistsError, FileNotFoundError, OSError) as e:
         fail(NAME, str(e))
     return 0
@@ -267,4 +296,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, NAME)

@@ -49,6 +49,7 @@ from torch import Tensor
 # are), `ours = marian[:, perm]` holds entry for entry
 # (`test_sinusoid_tables_differ_by_the_permutation`).
 
+
 # %%
 def sinusoid_permutation(d_model: int) -> Tensor:
     """perm with our coordinate c = Marian's coordinate perm[c] (d_model even).
@@ -110,10 +111,23 @@ def inverse_permutation(perm: Tensor) -> Tensor:
 # %%
 # the d_model axis of each kind of parameter (fused form); the others (b_Q, b_K, b_V, b_1,
 # generator.bias) live in head or hidden space or over the vocabulary and are not renumbered
-RESIDUAL_AXIS = {"W_Q": 0, "W_K": 0, "W_V": 0, "W_1": 0,   # read:  P^T W (rows)
-                 "W_O": 1, "W_2": 1,                        # write: W P (columns)
-                 "b_O": 0, "b_2": 0, "ln.weight": 0, "ln.bias": 0, "final_ln.weight": 0, "final_ln.bias": 0,
-                 "src_embed.weight": 1, "tgt_embed.weight": 1, "generator.weight": 1}  # tables: columns
+RESIDUAL_AXIS = {
+    "W_Q": 0,
+    "W_K": 0,
+    "W_V": 0,
+    "W_1": 0,  # read:  P^T W (rows)
+    "W_O": 1,
+    "W_2": 1,  # write: W P (columns)
+    "b_O": 0,
+    "b_2": 0,
+    "ln.weight": 0,
+    "ln.bias": 0,
+    "final_ln.weight": 0,
+    "final_ln.bias": 0,
+    "src_embed.weight": 1,
+    "tgt_embed.weight": 1,
+    "generator.weight": 1,
+}  # tables: columns
 
 
 def residual_axis(name: str) -> int | None:
@@ -152,8 +166,11 @@ _ATTENTION = (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj"), ("O", "out_proj
 
 
 def _attention(ours: str, hf: str) -> list[tuple[str, str, bool]]:
-    return [pair for x, proj in _ATTENTION
-            for pair in ((f"{ours}.W_{x}", f"{hf}.{proj}.weight", True), (f"{ours}.b_{x}", f"{hf}.{proj}.bias", False))]
+    return [
+        pair
+        for x, proj in _ATTENTION
+        for pair in ((f"{ours}.W_{x}", f"{hf}.{proj}.weight", True), (f"{ours}.b_{x}", f"{hf}.{proj}.bias", False))
+    ]
 
 
 def _norm(ours: str, hf: str) -> list[tuple[str, str, bool]]:
@@ -161,21 +178,31 @@ def _norm(ours: str, hf: str) -> list[tuple[str, str, bool]]:
 
 
 def _ffn(ours: str, hf: str) -> list[tuple[str, str, bool]]:
-    return [(f"{ours}.ffn.W_1", f"{hf}.fc1.weight", True), (f"{ours}.ffn.b_1", f"{hf}.fc1.bias", False),
-            (f"{ours}.ffn.W_2", f"{hf}.fc2.weight", True), (f"{ours}.ffn.b_2", f"{hf}.fc2.bias", False)]
+    return [
+        (f"{ours}.ffn.W_1", f"{hf}.fc1.weight", True),
+        (f"{ours}.ffn.b_1", f"{hf}.fc1.bias", False),
+        (f"{ours}.ffn.W_2", f"{hf}.fc2.weight", True),
+        (f"{ours}.ffn.b_2", f"{hf}.fc2.bias", False),
+    ]
 
 
 def name_pairs(N: int) -> list[tuple[str, str, bool]]:
     """(our name, MarianMTModel's name, whether one is the other transposed) for every weight of N layers."""
-    pairs = [("src_embed.weight", "model.encoder.embed_tokens.weight", False),
-             ("tgt_embed.weight", "model.decoder.embed_tokens.weight", False),
-             ("generator.weight", "lm_head.weight", False)]
+    pairs = [
+        ("src_embed.weight", "model.encoder.embed_tokens.weight", False),
+        ("tgt_embed.weight", "model.decoder.embed_tokens.weight", False),
+        ("generator.weight", "lm_head.weight", False),
+    ]
     for i in range(N):
         ours, hf = f"encoder.layers.{i}", f"model.encoder.layers.{i}"
-        pairs += _attention(f"{ours}.self_attn", f"{hf}.self_attn") + _norm(f"{ours}.res_attn", f"{hf}.self_attn_layer_norm")
+        pairs += _attention(f"{ours}.self_attn", f"{hf}.self_attn") + _norm(
+            f"{ours}.res_attn", f"{hf}.self_attn_layer_norm"
+        )
         pairs += _ffn(ours, hf) + _norm(f"{ours}.res_ffn", f"{hf}.final_layer_norm")
         ours, hf = f"decoder.layers.{i}", f"model.decoder.layers.{i}"
-        pairs += _attention(f"{ours}.self_attn", f"{hf}.self_attn") + _norm(f"{ours}.res_self", f"{hf}.self_attn_layer_norm")
+        pairs += _attention(f"{ours}.self_attn", f"{hf}.self_attn") + _norm(
+            f"{ours}.res_self", f"{hf}.self_attn_layer_norm"
+        )
         pairs += _attention(f"{ours}.cross_attn", f"{hf}.encoder_attn")
         pairs += _norm(f"{ours}.res_cross", f"{hf}.encoder_attn_layer_norm")
         pairs += _ffn(ours, hf) + _norm(f"{ours}.res_ffn", f"{hf}.final_layer_norm")

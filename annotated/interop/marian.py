@@ -97,6 +97,7 @@ FROM_MARIAN_ACTIVATION: dict[str, Activation] = {"relu": "relu", "gelu": "gelu",
 #   map, plus one logit `-inf` that changes no softmax: the probabilities are
 #   exactly Marian's (`test_import_gives_marian_logits`).
 
+
 # %%
 def token_map(pad: int, start: int, eos: int, unk: int | None, vocab: int) -> list[int]:
     """Our id -> Marian's id: pad, decoder start, eos, unk at our 0, 1, 2, 3, then Marian's other ids in order.
@@ -125,19 +126,36 @@ def token_map(pad: int, start: int, eos: int, unk: int | None, vocab: int) -> li
 # (`marian_config`); `scale_embedding` is always on, because our embeddings
 # are always scaled by `sqrt(d_model)`.
 
+
 # %%
 def marian_config(cfg: TransformerConfig):
     """The MarianConfig of a model with our config `cfg` and our token ids."""
     from transformers import MarianConfig
 
     return MarianConfig(
-        vocab_size=cfg.src_vocab, decoder_vocab_size=cfg.tgt_vocab, max_position_embeddings=cfg.max_len,
-        encoder_layers=cfg.N, decoder_layers=cfg.N, encoder_ffn_dim=cfg.d_ff, decoder_ffn_dim=cfg.d_ff,
-        encoder_attention_heads=cfg.h, decoder_attention_heads=cfg.h, d_model=cfg.d_model,
-        activation_function=TO_MARIAN_ACTIVATION[cfg.activation], dropout=cfg.dropout,
-        attention_dropout=cfg.attention_p, activation_dropout=cfg.dropout, scale_embedding=True,
-        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS, forced_eos_token_id=None,
-        share_encoder_decoder_embeddings=cfg.share_embeddings, tie_word_embeddings=cfg.tie_generator)
+        vocab_size=cfg.src_vocab,
+        decoder_vocab_size=cfg.tgt_vocab,
+        max_position_embeddings=cfg.max_len,
+        encoder_layers=cfg.N,
+        decoder_layers=cfg.N,
+        encoder_ffn_dim=cfg.d_ff,
+        decoder_ffn_dim=cfg.d_ff,
+        encoder_attention_heads=cfg.h,
+        decoder_attention_heads=cfg.h,
+        d_model=cfg.d_model,
+        activation_function=TO_MARIAN_ACTIVATION[cfg.activation],
+        dropout=cfg.dropout,
+        attention_dropout=cfg.attention_p,
+        activation_dropout=cfg.dropout,
+        scale_embedding=True,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        decoder_start_token_id=BOS,
+        forced_eos_token_id=None,
+        share_encoder_decoder_embeddings=cfg.share_embeddings,
+        tie_word_embeddings=cfg.tie_generator,
+    )
 
 
 def _complete_state(model: EncoderDecoder) -> dict[str, Tensor]:
@@ -146,8 +164,12 @@ def _complete_state(model: EncoderDecoder) -> dict[str, Tensor]:
     state = {k: v.detach() for k, v in fused.state_dict().items()}
     for name, att in fused.named_modules():
         if hasattr(att, "W_O") and not att.bias:
-            for b, width in (("b_Q", att.h * att.d_k), ("b_K", att.h * att.d_k), ("b_V", att.h * att.d_v),
-                             ("b_O", att.d_model)):
+            for b, width in (
+                ("b_Q", att.h * att.d_k),
+                ("b_K", att.h * att.d_k),
+                ("b_V", att.h * att.d_v),
+                ("b_O", att.d_model),
+            ):
                 state[f"{name}.{b}"] = att.W_O.new_zeros(width)
     return state
 
@@ -196,19 +218,32 @@ def to_marian(model: EncoderDecoder, heads: dict | None = None):
 #   activations we do not have. Marian has no pre-norm option, so every
 #   imported model is post-norm.
 
+
 # %%
 def our_config(config, src_vocab: int, tgt_vocab: int, share: bool, tie: bool) -> TransformerConfig:
     """Our TransformerConfig for a (checked) MarianConfig; `share` and `tie` say which of its tables are one."""
     return TransformerConfig(
-        src_vocab=src_vocab, tgt_vocab=tgt_vocab, N=config.encoder_layers, d_model=config.d_model,
-        d_ff=config.encoder_ffn_dim, h=config.encoder_attention_heads, dropout=float(config.dropout),
-        max_len=config.max_position_embeddings, norm="post", bias=True, share_embeddings=share,
-        tie_generator=tie and config.scale_embedding, activation=FROM_MARIAN_ACTIVATION[config.activation_function],
-        attention_dropout=None if config.attention_dropout == config.dropout else float(config.attention_dropout))
+        src_vocab=src_vocab,
+        tgt_vocab=tgt_vocab,
+        N=config.encoder_layers,
+        d_model=config.d_model,
+        d_ff=config.encoder_ffn_dim,
+        h=config.encoder_attention_heads,
+        dropout=float(config.dropout),
+        max_len=config.max_position_embeddings,
+        norm="post",
+        bias=True,
+        share_embeddings=share,
+        tie_generator=tie and config.scale_embedding,
+        activation=FROM_MARIAN_ACTIVATION[config.activation_function],
+        attention_dropout=None if config.attention_dropout == config.dropout else float(config.attention_dropout),
+    )
 
 
 @torch.no_grad()
-def from_marian(hf, attention: AttentionForm = "fused", unk: int | None = None) -> tuple[EncoderDecoder, list[int], list[int]]:
+def from_marian(
+    hf, attention: AttentionForm = "fused", unk: int | None = None
+) -> tuple[EncoderDecoder, list[int], list[int]]:
     """Our model computing the same function as MarianMTModel `hf`, and the source and target token maps
     (our id -> Marian's id). `unk` is the vocabulary's unk id, where known."""
     config = hf.config

@@ -14,6 +14,7 @@ allocator does on a GPU. Training calls it when it runs on the CPU, and so do th
 step (every implementation they compare runs in the same process, under the same allocator).
 Elsewhere than glibc it does nothing and says so (`False`).
 """
+
 from __future__ import annotations
 
 import ctypes

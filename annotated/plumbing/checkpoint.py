@@ -75,8 +75,9 @@ def atomic_torch_save(obj: Any, path: os.PathLike | str) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def save_checkpoint(path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: dict | None = None,
-                    **training_state: Any) -> None:
+def save_checkpoint(
+    path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: dict | None = None, **training_state: Any
+) -> None:
     """Write model, config, tokenizer and metadata (plus any training state) atomically."""
     state = {
         "format": FORMAT,
@@ -139,8 +140,9 @@ def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:
     """The raw checkpoint dict, after checking that it is one of ours."""
     path = Path(path)
     if path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is a directory; give the checkpoint file in it "
-                              f"(for example {path / 'best.pt'})")
+        raise CheckpointError(
+            f"checkpoint {path} is a directory; give the checkpoint file in it (for example {path / 'best.pt'})"
+        )
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
@@ -151,18 +153,20 @@ def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:
     except CheckpointError:
         raise
     except pickle.UnpicklingError:  # torch's message suggests weights_only=False: never for a file we did not write
-        raise CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain data; "
-                              f"it is not an annotated checkpoint and is not loaded") from None
+        raise CheckpointError(
+            f"checkpoint {path} holds Python objects other than tensors and plain data; "
+            f"it is not an annotated checkpoint and is not loaded"
+        ) from None
     except Exception as e:  # noqa: BLE001 - torch.load raises many kinds: truncated zip, not a torch file, ...
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a torch file ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or not a torch file ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path} is not an annotated checkpoint "
-                              f"(expected format {FORMAT!r})")
+        raise CheckpointError(f"checkpoint {path} is not an annotated checkpoint (expected format {FORMAT!r})")
     missing = [key for key in ("config", "model") if not isinstance(state.get(key), dict)]
     if missing:
-        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {' and no '.join(map(repr, missing))} "
-                              f"dict")
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {' and no '.join(map(repr, missing))} dict")
     return state
 
 
@@ -198,8 +202,9 @@ def _check_field(name: str, kind: str, value) -> str | None:
     return None if isinstance(value, str) else f"must be a string, got {value!r}"
 
 
-def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>",
-                 heads: dict | None = None) -> TransformerConfig:
+def check_config(
+    config, tensors: dict, path: os.PathLike | str = "<checkpoint>", heads: dict | None = None
+) -> TransformerConfig:
     """The stored config as a TransformerConfig, checked field by field and against the stored tensors'
     shapes, without building the model (CheckpointError naming the field otherwise).
 
@@ -218,8 +223,9 @@ def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>"
         bounds["h"] = len(tensors)  # and so does every head of the per-head form
     for name, most in bounds.items():
         if config.get(name, 0) > most:
-            raise CheckpointError(f"checkpoint {path}: its config is invalid: {name}={config[name]} is more than "
-                                  f"{most}")
+            raise CheckpointError(
+                f"checkpoint {path}: its config is invalid: {name}={config[name]} is more than {most}"
+            )
     try:
         cfg = TransformerConfig(**config)
         with torch.device("meta"):  # shapes only: nothing is allocated
@@ -236,8 +242,10 @@ def check_config(config, tensors: dict, path: os.PathLike | str = "<checkpoint>"
         elif name not in wanted:
             problem = f"the file holds {name}, which the config does not make"
         elif (got := stored[name]) != wanted[name]:
-            problem = (f"{name} is stored as {list(got) if got is not None else 'no tensor'} "
-                       f"but the config needs {list(wanted[name])}")
+            problem = (
+                f"{name} is stored as {list(got) if got is not None else 'no tensor'} "
+                f"but the config needs {list(wanted[name])}"
+            )
         else:
             continue
         raise CheckpointError(f"checkpoint {path}: parameters do not match its config: {problem}")
@@ -265,8 +273,9 @@ def model_from_state(state: dict, path: os.PathLike | str = "<checkpoint>") -> E
         model.load_state_dict(state["model"], strict=True)
     except RuntimeError as e:
         first = str(e).strip().splitlines()
-        raise CheckpointError(f"checkpoint {path}: parameters do not match its config: "
-                              f"{' '.join(line.strip() for line in first[:3])}") from None
+        raise CheckpointError(
+            f"checkpoint {path}: parameters do not match its config: {' '.join(line.strip() for line in first[:3])}"
+        ) from None
     return model
 
 
@@ -286,7 +295,9 @@ def loaded_from_state(state: dict, path: os.PathLike | str):
             raise CheckpointError(f"checkpoint {path}: its tokenizer does not load ({e})") from None
         cfg = model.config
         if not tokenizer.vocab_size == cfg.src_vocab == cfg.tgt_vocab:
-            raise CheckpointError(f"checkpoint {path}: its tokenizer has {tokenizer.vocab_size} subwords but the "
-                                  f"model's vocabularies have {cfg.src_vocab} (source) and {cfg.tgt_vocab} "
-                                  f"(target); they do not belong together")
+            raise CheckpointError(
+                f"checkpoint {path}: its tokenizer has {tokenizer.vocab_size} subwords but the "
+                f"model's vocabularies have {cfg.src_vocab} (source) and {cfg.tgt_vocab} "
+                f"(target); they do not belong together"
+            )
     return model, tokenizer, state.get("meta", {})

@@ -50,8 +50,9 @@ from annotated.transformer import EncoderDecoder
 def check_eval_mode(model: nn.Module, what: str) -> None:
     """Decoding and reading attention need eval mode: in training mode dropout makes every call random."""
     if model.training:
-        raise ValueError(f"{what} needs the model in eval mode (call model.eval()): "
-                         f"dropout would make every step random")
+        raise ValueError(
+            f"{what} needs the model in eval mode (call model.eval()): dropout would make every step random"
+        )
 
 
 def check_token_ids(tokens: Tensor, vocab: int, name: str = "token ids") -> None:
@@ -66,11 +67,14 @@ def check_token_ids(tokens: Tensor, vocab: int, name: str = "token ids") -> None
     if not isinstance(tokens, Tensor):
         raise ValueError(f"{name} must be a (B, T) tensor, got {type(tokens).__name__}")
     if tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() != 2:
-        raise ValueError(f"{name} must be an int64 or int32 tensor of shape (B, T), got {tokens.dtype} "
-                         f"{tuple(tokens.shape)}")
+        raise ValueError(
+            f"{name} must be an int64 or int32 tensor of shape (B, T), got {tokens.dtype} {tuple(tokens.shape)}"
+        )
     if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab):
-        raise ValueError(f"{name} must lie in [0, {vocab}) (the model's vocabulary), got "
-                         f"min {int(tokens.min())}, max {int(tokens.max())}")
+        raise ValueError(
+            f"{name} must lie in [0, {vocab}) (the model's vocabulary), got "
+            f"min {int(tokens.min())}, max {int(tokens.max())}"
+        )
 
 
 def check_mask(mask: Tensor, scores_shape: tuple[int, ...], name: str = "mask") -> None:
@@ -90,8 +94,10 @@ def check_mask(mask: Tensor, scores_shape: tuple[int, ...], name: str = "mask") 
     except RuntimeError:
         shape = None
     if shape != tuple(scores_shape):
-        raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to the attention scores of "
-                         f"shape {tuple(scores_shape)} (B, T_q, T_k)")
+        raise ValueError(
+            f"{name} of shape {tuple(mask.shape)} does not broadcast to the attention scores of "
+            f"shape {tuple(scores_shape)} (B, T_q, T_k)"
+        )
 
 
 def check_decoding(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_len: int) -> None:
@@ -160,8 +166,10 @@ def check_id_list(name: str, ids: Sequence[int], vocab: int, max_len: int, allow
         raise ValueError(f"{name} has {len(ids)} tokens, more than the model's max_len={max_len}")
     bad = [i for i in ids if not 0 <= i < vocab or (i == PAD and not allow_pad)]
     if bad:
-        raise ValueError(f"{name} holds ids outside [0, {vocab})"
-                         f"{'' if allow_pad else f' or the pad id {PAD} (it would be masked)'}: {bad[:5]}")
+        raise ValueError(
+            f"{name} holds ids outside [0, {vocab})"
+            f"{'' if allow_pad else f' or the pad id {PAD} (it would be masked)'}: {bad[:5]}"
+        )
     return ids
 
 
@@ -195,27 +203,37 @@ def check_torch_mha(mha) -> None:
     if not isinstance(mha, nn.MultiheadAttention):
         raise ValueError(f"expected a torch.nn.MultiheadAttention, got {type(mha).__name__}")
     if not mha._qkv_same_embed_dim:
-        raise ValueError(f"nn.MultiheadAttention with kdim={mha.kdim}, vdim={mha.vdim} != embed_dim={mha.embed_dim} "
-                         f"has separate input projections for keys and values of other widths; our attentions "
-                         f"read keys and values of width d_model")
+        raise ValueError(
+            f"nn.MultiheadAttention with kdim={mha.kdim}, vdim={mha.vdim} != embed_dim={mha.embed_dim} "
+            f"has separate input projections for keys and values of other widths; our attentions "
+            f"read keys and values of width d_model"
+        )
     if mha.bias_k is not None or mha.add_zero_attn:
-        raise ValueError("nn.MultiheadAttention with add_bias_kv=True or add_zero_attn=True adds keys and values "
-                         "that our attentions do not have")
+        raise ValueError(
+            "nn.MultiheadAttention with add_bias_kv=True or add_zero_attn=True adds keys and values "
+            "that our attentions do not have"
+        )
 
 
 def check_marian_exportable(config, heads=None) -> None:
     """A model that a MarianMTModel can hold: post-norm, heads d_model / h wide, the same h everywhere,
     d_model even (the sinusoids come in pairs)."""
     if config.norm != "post":
-        raise ValueError(f"this model is {config.norm}-norm; MarianMTModel is post-norm only, so no Marian model "
-                         f"computes it (export a model trained with norm='post')")
+        raise ValueError(
+            f"this model is {config.norm}-norm; MarianMTModel is post-norm only, so no Marian model "
+            f"computes it (export a model trained with norm='post')"
+        )
     if heads is not None:
-        raise ValueError("this checkpoint is pruned (its attentions have different numbers of heads); MarianMTModel "
-                         "needs the same h in every attention: export the checkpoint it was pruned from")
+        raise ValueError(
+            "this checkpoint is pruned (its attentions have different numbers of heads); MarianMTModel "
+            "needs the same h in every attention: export the checkpoint it was pruned from"
+        )
     d_k, d_v = config.d_k or config.d_model // config.h, config.d_v or config.d_model // config.h
     if not d_k == d_v == config.d_model // config.h or config.d_model % config.h:
-        raise ValueError(f"MarianMTModel needs d_k = d_v = d_model / h, got d_model={config.d_model}, h={config.h}, "
-                         f"d_k={d_k}, d_v={d_v}")
+        raise ValueError(
+            f"MarianMTModel needs d_k = d_v = d_model / h, got d_model={config.d_model}, h={config.h}, "
+            f"d_k={d_k}, d_v={d_v}"
+        )
     if config.d_model % 2:
         raise ValueError(f"d_model={config.d_model} is odd; the sinusoids of both models need it even")
 
@@ -225,23 +243,36 @@ def check_marian_config(config, activations: Collection[str]) -> None:
     conversion maps); ValueError naming the field otherwise."""
     if getattr(config, "model_type", None) != "marian":
         raise ValueError(f"expected a Marian model (model_type 'marian'), got {getattr(config, 'model_type', None)!r}")
-    for enc, dec in (("encoder_layers", "decoder_layers"), ("encoder_ffn_dim", "decoder_ffn_dim"),
-                     ("encoder_attention_heads", "decoder_attention_heads")):
+    for enc, dec in (
+        ("encoder_layers", "decoder_layers"),
+        ("encoder_ffn_dim", "decoder_ffn_dim"),
+        ("encoder_attention_heads", "decoder_attention_heads"),
+    ):
         if getattr(config, enc) != getattr(config, dec):
-            raise ValueError(f"{enc}={getattr(config, enc)} differs from {dec}={getattr(config, dec)}; our model has "
-                             f"one size for both stacks, so this Marian model cannot be imported")
+            raise ValueError(
+                f"{enc}={getattr(config, enc)} differs from {dec}={getattr(config, dec)}; our model has "
+                f"one size for both stacks, so this Marian model cannot be imported"
+            )
     if config.activation_function not in activations:
-        raise ValueError(f"activation_function {config.activation_function!r} is not one of "
-                         f"{sorted(activations)}, the ones our feed-forward network has")
+        raise ValueError(
+            f"activation_function {config.activation_function!r} is not one of "
+            f"{sorted(activations)}, the ones our feed-forward network has"
+        )
     if config.d_model % config.encoder_attention_heads or config.d_model % 2:
-        raise ValueError(f"d_model={config.d_model} must be even and divisible by the "
-                         f"{config.encoder_attention_heads} heads")
+        raise ValueError(
+            f"d_model={config.d_model} must be even and divisible by the {config.encoder_attention_heads} heads"
+        )
     vocab = min(config.vocab_size, config.decoder_vocab_size)
-    ids = {"pad_token_id": config.pad_token_id, "eos_token_id": config.eos_token_id,
-           "decoder_start_token_id": config.decoder_start_token_id}
+    ids = {
+        "pad_token_id": config.pad_token_id,
+        "eos_token_id": config.eos_token_id,
+        "decoder_start_token_id": config.decoder_start_token_id,
+    }
     for name, i in ids.items():
         if not isinstance(i, int) or not 0 <= i < vocab:
             raise ValueError(f"{name}={i!r} is not a token id of the vocabulary [0, {vocab})")
     if config.eos_token_id in (config.pad_token_id, config.decoder_start_token_id):
-        raise ValueError(f"eos_token_id={config.eos_token_id} is also the pad or decoder start id; our model "
-                         f"needs eos apart from both")
+        raise ValueError(
+            f"eos_token_id={config.eos_token_id} is also the pad or decoder start id; our model "
+            f"needs eos apart from both"
+        )

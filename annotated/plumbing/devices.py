@@ -14,6 +14,7 @@ gradients and the optimizer's moments stay fp32.
 >>> resolve_precision("fp32", torch.device("cpu"))
 ('fp32', 'fp32 as set (by --precision or the preset)')
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,8 +77,7 @@ def cuda_has_bf16(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def resolve_precision(requested: str, device: torch.device,
-                      flags: frozenset[str] | None = None) -> tuple[str, str]:
+def resolve_precision(requested: str, device: torch.device, flags: frozenset[str] | None = None) -> tuple[str, str]:
     """("fp32" or "bf16", the reason in words) for `requested` (auto, fp32, bf16) on `device`.
     Raises ValueError for bf16 on hardware without it. `flags`: the CPU's (default: read from /proc/cpuinfo)."""
     if requested not in ("auto", "fp32", "bf16"):
@@ -88,15 +88,19 @@ def resolve_precision(requested: str, device: torch.device,
         if cuda_has_bf16(device):
             return "bf16", f"{requested}: CUDA device with bf16"
         if requested == "bf16":
-            raise ValueError(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bf16 matrix products "
-                             f"(compute capability below 8.0), so bf16 would be emulated and slower; use fp32 or auto")
+            raise ValueError(
+                f"--precision bf16: {torch.cuda.get_device_name(device)} has no bf16 matrix products "
+                f"(compute capability below 8.0), so bf16 would be emulated and slower; use fp32 or auto"
+            )
         return "fp32", "auto: this CUDA device has no bf16 matrix products (compute capability below 8.0)"
     if device.type == "cpu":
         if cpu_has_bf16(flags):
             return "bf16", f"{requested}: this CPU has bf16 instructions (avx512_bf16 or amx_bf16)"
         if requested == "bf16":
-            raise ValueError("--precision bf16: this CPU has no bf16 instructions (avx512_bf16 or amx_bf16), "
-                             "so bf16 would be emulated and slower than fp32; use --precision fp32 or auto")
+            raise ValueError(
+                "--precision bf16: this CPU has no bf16 instructions (avx512_bf16 or amx_bf16), "
+                "so bf16 would be emulated and slower than fp32; use --precision fp32 or auto"
+            )
         return "fp32", "auto: this CPU has no bf16 instructions (avx512_bf16 or amx_bf16)"
     if requested == "bf16":
         raise ValueError(f"--precision bf16: not supported on device {device}; use fp32")

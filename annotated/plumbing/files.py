@@ -17,6 +17,7 @@ Nothing reads such names. Each writer holds an exclusive `flock` on its temporar
 (the kernel drops it when the process dies), so the next successful write of the same target can delete
 exactly the leftovers that no living writer holds (`remove_stale_temporaries`).
 """
+
 from __future__ import annotations
 
 import glob

@@ -48,6 +48,7 @@ current step and save (`StopFlag`), a second one stops at once.
 Options that make no sense are refused by `annotated/plumbing/options.py` (one line on
 stderr naming the option and what it takes, exit code 2, before any work).
 """
+
 import functools
 import gc
 import os
@@ -128,6 +129,7 @@ def _raise_at_the_next_line_that_can_pass_it_on(frame) -> None:
     """Raise KeyboardInterrupt at the next line that the project's own code runs where it can pass it on: in
     `frame`'s stack once the library code running now returns to it, or in own code that the library calls.
     Until then tracing is on (this thread only): own frames get a trace function, library calls none."""
+
     def at_next_line(f, event, arg):
         if event == "line" and can_be_caught_at(f):
             sys.settrace(None)

@@ -22,6 +22,7 @@ Traceback (most recent call last):
 ...
 argparse.ArgumentTypeError: must be cpu, cuda or cuda:N (cuda only where CUDA is available), got 'tpu'
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,6 +50,7 @@ class Parser(argparse.ArgumentParser):
 
 def at_least(low: int) -> Callable[[str], int]:
     """A whole number >= `low`."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -57,6 +59,7 @@ def at_least(low: int) -> Callable[[str], int]:
         if value is None or value < low:
             raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}")
         return value
+
     return parse
 
 
@@ -68,6 +71,7 @@ def number(low: float | None, high: float | None, *, above: bool = False) -> Cal
     ...
     argparse.ArgumentTypeError: must be a finite number > 0, got '0'
     """
+
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -75,10 +79,17 @@ def number(low: float | None, high: float | None, *, above: bool = False) -> Cal
             value = math.nan
         too_low = low is not None and (value <= low if above else value < low)
         if not math.isfinite(value) or too_low or (high is not None and value > high):
-            bounds = " and ".join(b for b in (f"{'>' if above else '>='} {low:g}" if low is not None else "",
-                                              f"<= {high:g}" if high is not None else "") if b)
+            bounds = " and ".join(
+                b
+                for b in (
+                    f"{'>' if above else '>='} {low:g}" if low is not None else "",
+                    f"<= {high:g}" if high is not None else "",
+                )
+                if b
+            )
             raise argparse.ArgumentTypeError(f"must be a finite number{' ' + bounds if bounds else ''}, got {text!r}")
         return value
+
     return parse
 
 
@@ -87,7 +98,8 @@ def device(text: str) -> str:
     match = re.fullmatch(r"cpu|cuda(?::(\d+))?", text)
     if match is None:
         raise argparse.ArgumentTypeError(
-            f"must be cpu, cuda or cuda:N (cuda only where CUDA is available), got {text!r}")
+            f"must be cpu, cuda or cuda:N (cuda only where CUDA is available), got {text!r}"
+        )
     if text.startswith("cuda"):
         import torch
 
@@ -95,7 +107,8 @@ def device(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text!r} asked for, but CUDA is not available here; use cpu")
         if match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():
             raise argparse.ArgumentTypeError(
-                f"{text!r} asked for, but there are {torch.cuda.device_count()} CUDA devices here")
+                f"{text!r} asked for, but there are {torch.cuda.device_count()} CUDA devices here"
+            )
     return text
 
 

@@ -15,6 +15,7 @@ of the way (the last at the end), each with the count, the elapsed time and the 
 >>> lines[0], len(lines), lines[-1].startswith("ablation: 20/20 (100%)")
 ('ablation: 0/20', 11, True)
 """
+
 from __future__ import annotations
 
 import sys
@@ -44,8 +45,10 @@ class PlainProgress:
             elapsed = time.monotonic() - self.start
             left = elapsed / self.done * (self.total - self.done) if self.done else 0.0
             extra = f", {self.postfix}" if self.postfix else ""
-            self._write(f"{self.desc}: {self.done}/{self.total} ({self.done / self.total:.0%}), "
-                        f"{elapsed:.0f} s, about {left:.0f} s left{extra}")
+            self._write(
+                f"{self.desc}: {self.done}/{self.total} ({self.done / self.total:.0%}), "
+                f"{elapsed:.0f} s, about {left:.0f} s left{extra}"
+            )
 
     def set_postfix_str(self, text: str) -> None:
         self.postfix = text

@@ -9,6 +9,7 @@ True
 >>> sorted(env)
 ['commit', 'cpu', 'machine', 'packages', 'python']
 """
+
 from __future__ import annotations
 
 import platform
@@ -33,12 +34,15 @@ def installed_packages() -> dict[str, str]:
 def code_commit(root: Path = ROOT) -> str | None:
     """The checkout's commit, with "+changes" when tracked files differ from it; None outside a git checkout."""
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("+changes" if dirty else "")
@@ -57,5 +61,10 @@ def cpu_name() -> str:
 
 def environment() -> dict:
     """The record a result carries: python, machine, cpu, packages (every one, with its version), commit."""
-    return {"python": sys.version.split()[0], "machine": f"{platform.system()} {platform.machine()}",
-            "cpu": cpu_name(), "packages": installed_packages(), "commit": code_commit()}
+    return {
+        "python": sys.version.split()[0],
+        "machine": f"{platform.system()} {platform.machine()}",
+        "cpu": cpu_name(),
+        "packages": installed_packages(),
+        "commit": code_commit(),
+    }

@@ -6,6 +6,7 @@ Pointing a script at the module's `main` itself would skip both, and a Ctrl-C wo
 This module imports nothing heavy, so that the handler is in place before torch loads
 (`tests/plumbing/test_interrupts.py` runs each script as the installed one would and checks all of this).
 """
+
 import importlib
 
 from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting, run_command

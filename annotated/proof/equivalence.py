@@ -81,6 +81,7 @@ from typing import Any
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("python -m annotated.proof.equivalence")
 
 import hypothesis
@@ -175,8 +176,11 @@ def blocks_equal(lhs, rhs) -> bool:
     if isinstance(rhs, BlockMatrix):
         if not isinstance(got, BlockMatrix) or got.blockshape != rhs.blockshape:
             return False
-        return all(_is_zero(got.blocks[r, c] - rhs.blocks[r, c])
-                   for r in range(rhs.blockshape[0]) for c in range(rhs.blockshape[1]))
+        return all(
+            _is_zero(got.blocks[r, c] - rhs.blocks[r, c])
+            for r in range(rhs.blockshape[0])
+            for c in range(rhs.blockshape[1])
+        )
     if isinstance(got, BlockMatrix):  # a 1 x 1 block matrix is its one block
         if got.blockshape != (1, 1):
             return False
@@ -198,8 +202,9 @@ def projection_identities(h: int, d) -> tuple[bool, bool]:
     X, ones = MatrixSymbol("X", T_LEN, D_MODEL), OneMatrix(T_LEN, 1)
     W, b = _mats("W", h, D_MODEL, d), _mats("b", h, 1, d)
     plain = blocks_equal(X * BlockMatrix([W]), BlockMatrix([[X * W_i for W_i in W]]))
-    biased = blocks_equal(X * BlockMatrix([W]) + ones * BlockMatrix([b]),
-                          BlockMatrix([[X * W_i + ones * b_i for W_i, b_i in zip(W, b)]]))
+    biased = blocks_equal(
+        X * BlockMatrix([W]) + ones * BlockMatrix([b]), BlockMatrix([[X * W_i + ones * b_i for W_i, b_i in zip(W, b)]])
+    )
     return plain, biased
 
 
@@ -215,12 +220,21 @@ def output_identities(h: int) -> tuple[bool, bool]:
 def induction_step() -> tuple[bool, bool]:
     """The two-block rules with a first block of symbolic width m (all heads so far)."""
     X, ones = MatrixSymbol("X", T_LEN, D_MODEL), OneMatrix(T_LEN, 1)
-    A, W, a, b = (MatrixSymbol("A", D_MODEL, M), MatrixSymbol("W", D_MODEL, D_K), MatrixSymbol("a", 1, M),
-                  MatrixSymbol("b", 1, D_K))
-    proj = blocks_equal(X * BlockMatrix([[A, W]]) + ones * BlockMatrix([[a, b]]),
-                        BlockMatrix([[X * A + ones * a, X * W + ones * b]]))
-    H_A, H, W_A, W_O = (MatrixSymbol("H_A", T_LEN, M), MatrixSymbol("H", T_LEN, D_V), MatrixSymbol("W_A", M, D_MODEL),
-                        MatrixSymbol("W_O", D_V, D_MODEL))
+    A, W, a, b = (
+        MatrixSymbol("A", D_MODEL, M),
+        MatrixSymbol("W", D_MODEL, D_K),
+        MatrixSymbol("a", 1, M),
+        MatrixSymbol("b", 1, D_K),
+    )
+    proj = blocks_equal(
+        X * BlockMatrix([[A, W]]) + ones * BlockMatrix([[a, b]]), BlockMatrix([[X * A + ones * a, X * W + ones * b]])
+    )
+    H_A, H, W_A, W_O = (
+        MatrixSymbol("H_A", T_LEN, M),
+        MatrixSymbol("H", T_LEN, D_V),
+        MatrixSymbol("W_A", M, D_MODEL),
+        MatrixSymbol("W_O", D_V, D_MODEL),
+    )
     out = blocks_equal(BlockMatrix([[H_A, H]]) * BlockMatrix([[W_A], [W_O]]), H_A * W_A + H * W_O)
     return proj, out
 
@@ -233,15 +247,27 @@ def symbolic_identities(h_max: int = H_MAX) -> list[tuple[str, str, bool]]:
     out = [output_identities(h) for h in hs]
     step_proj, step_out = induction_step()
     return [
-        (reach, "X [W(1) | ... | W(h)] = [X W(1) | ... | X W(h)], blocks of width d_k and d_v",
-         all(p[0] for d in proj for p in proj[d])),
-        (reach, "X [W(1) | ... | W(h)] + 1 [b(1) | ... | b(h)] = [X W(1) + 1 b(1) | ... | X W(h) + 1 b(h)]",
-         all(p[1] for d in proj for p in proj[d])),
+        (
+            reach,
+            "X [W(1) | ... | W(h)] = [X W(1) | ... | X W(h)], blocks of width d_k and d_v",
+            all(p[0] for d in proj for p in proj[d]),
+        ),
+        (
+            reach,
+            "X [W(1) | ... | W(h)] + 1 [b(1) | ... | b(h)] = [X W(1) + 1 b(1) | ... | X W(h) + 1 b(h)]",
+            all(p[1] for d in proj for p in proj[d]),
+        ),
         (reach, "[H(1) | ... | H(h)] [W_O(1); ...; W_O(h)] = sum_i H(i) W_O(i)", all(o[0] for o in out)),
-        (reach, "[H(1) | ... | H(h)] [W_O(1); ...; W_O(h)] + 1 b_O = sum_i H(i) W_O(i) + 1 b_O",
-         all(o[1] for o in out)),
-        ("every h (induction step, first block of width m)", "X [A | W] + 1 [a | b] = [X A + 1 a | X W + 1 b]",
-         step_proj),
+        (
+            reach,
+            "[H(1) | ... | H(h)] [W_O(1); ...; W_O(h)] + 1 b_O = sum_i H(i) W_O(i) + 1 b_O",
+            all(o[1] for o in out),
+        ),
+        (
+            "every h (induction step, first block of width m)",
+            "X [A | W] + 1 [a | b] = [X A + 1 a | X W + 1 b]",
+            step_proj,
+        ),
         ("every h (induction step, first block of width m)", "[H_A | H] [W_A; W_O] = H_A W_A + H W_O", step_out),
     ]
 
@@ -249,8 +275,9 @@ def symbolic_identities(h_max: int = H_MAX) -> list[tuple[str, str, bool]]:
 def check_symbolic() -> tuple[CheckResult, list[tuple[str, str, bool]]]:
     identities = symbolic_identities()
     ok = all(holds for _, _, holds in identities)
-    row = CheckResult("block algebra of steps 1 and 4 (sympy, symbolic sizes)", len(identities),
-                      0.0 if ok else math.inf, 0.0, ok)
+    row = CheckResult(
+        "block algebra of steps 1 and 4 (sympy, symbolic sizes)", len(identities), 0.0 if ok else math.inf, 0.0, ok
+    )
     return row, identities
 
 
@@ -393,20 +420,27 @@ def tracer_checks(progress: bool = False, sizes: dict | None = None) -> list[Che
     hs, ds, BTs = sizes["h"], sizes["d"], sizes["BT"]
     forms = (PerHeadAttention, FusedAttention)
     checks: dict[str, list[tuple[Callable[..., bool], tuple]]] = {
-        "FusedAttention._heads: head i = column block i (with and without bias)":
-            [(_heads_case, (h, d, B, T)) for h in hs for d in ds for B, T in BTs],
-        "whole forward of both forms, identity weights: every tag returns to its place (concatenation in _attend)":
-            [(_forward_case, (cls, h, d_k, d_v, B, T)) for cls in forms for h in hs for d_k in ds for d_v in ds
-             for B, T in BTs],
-        "keys_values of both forms: (B, h, T, d_k), head i = block i":
-            [(_keys_case, (cls, h, d, B, T)) for cls in forms for h in hs for d in ds for B, T in BTs],
-        "fuse puts head i's entries in block i (W_O: row block i); split puts every entry back":
-            [(_fuse_split_case, (h, d_k, d_v)) for h in hs for d_k in ds for d_v in ds],
+        "FusedAttention._heads: head i = column block i (with and without bias)": [
+            (_heads_case, (h, d, B, T)) for h in hs for d in ds for B, T in BTs
+        ],
+        "whole forward of both forms, identity weights: every tag returns to its place (concatenation in _attend)": [
+            (_forward_case, (cls, h, d_k, d_v, B, T))
+            for cls in forms
+            for h in hs
+            for d_k in ds
+            for d_v in ds
+            for B, T in BTs
+        ],
+        "keys_values of both forms: (B, h, T, d_k), head i = block i": [
+            (_keys_case, (cls, h, d, B, T)) for cls in forms for h in hs for d in ds for B, T in BTs
+        ],
+        "fuse puts head i's entries in block i (W_O: row block i); split puts every entry back": [
+            (_fuse_split_case, (h, d_k, d_v)) for h in hs for d_k in ds for d_v in ds
+        ],
     }
     size = f"h = 1..{max(hs)}, d_k, d_v = 1..{max(ds)}, (B, T) in {', '.join(str(bt) for bt in BTs)}"
     rows = []
-    bar = tqdm(total=sum(map(len, checks.values())), desc="tracers", leave=False, disable=not progress,
-               file=sys.stderr)
+    bar = tqdm(total=sum(map(len, checks.values())), desc="tracers", leave=False, disable=not progress, file=sys.stderr)
     for what, cases in checks.items():
         failed = []
         for fn, args in cases:
@@ -444,6 +478,7 @@ def tracer_checks(progress: bool = False, sizes: dict | None = None) -> list[Che
 # the mask. What it does not cover is how the two forms round a softmax that
 # is not one-hot: that is part 4, with a tolerance.
 
+
 # %%
 def exact_cases(n: int = 200, seed: int = 0) -> list[dict]:
     """n cases: h in 1..4, d_k = d_v in 1..3, B in 1..3, T_q, T_k in 1..5, bias or not, self or cross."""
@@ -453,8 +488,18 @@ def exact_cases(n: int = 200, seed: int = 0) -> list[dict]:
     for k in range(n):
         h, d, cross = pick(1, 4), pick(1, 3), bool(k % 2)
         T_q = pick(1, 5)
-        out.append(dict(h=h, d=d, B=pick(1, 3), T_q=T_q, T_k=pick(1, 5) if cross else T_q, bias=bool(pick(0, 1)),
-                        cross=cross, seed=k))
+        out.append(
+            dict(
+                h=h,
+                d=d,
+                B=pick(1, 3),
+                T_q=T_q,
+                T_k=pick(1, 5) if cross else T_q,
+                bias=bool(pick(0, 1)),
+                cross=cross,
+                seed=k,
+            )
+        )
     return out
 
 
@@ -483,8 +528,9 @@ def compare_exactly(case: dict) -> tuple[float, bool]:
                     results.append(att(x_q, x_kv, mask))
             probs.append(attend_with_probabilities(att, x_q, x_kv, mask)[1])
         attn_mask, key_padding_mask = torch_mha_masks(mask, B, h)  # (T_q = 1: a padding-shaped mask)
-        results.append(mha(x_q, x_kv, x_kv, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                           need_weights=False)[0])
+        results.append(
+            mha(x_q, x_kv, x_kv, attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=False)[0]
+        )
     worst = max(max_abs(r, results[0]) for r in results)
     one_hot = all(torch.equal(p, mask.unsqueeze(1).expand_as(p).double()) for p in probs)
     return worst, one_hot
@@ -496,12 +542,18 @@ def check_exact_whole(n: int = 200, progress: bool = False) -> list[CheckResult]
     for case in tqdm(cases, desc="exact whole function", leave=False, disable=not progress, file=sys.stderr):
         d, one_hot = compare_exactly(case)
         worst, all_one_hot = nanmax([worst, d]), all_one_hot and one_hot
-    row = CheckResult.of("per-head (SDPA, explicit) = fused (SDPA, explicit) = nn.MultiheadAttention, bit for bit",
-                         len(cases), worst, 0.0)
+    row = CheckResult.of(
+        "per-head (SDPA, explicit) = fused (SDPA, explicit) = nn.MultiheadAttention, bit for bit",
+        len(cases),
+        worst,
+        0.0,
+    )
     row.passed &= all_one_hot
-    row.notes.append(f"exact whole function: {len(cases)} cases with integer inputs, weights and biases and one "
-                     f"visible key per query (h = 1..4, d_k = d_v = 1..3, self- and cross-attention, bias on and "
-                     f"off); probabilities exactly the mask: {'yes' if all_one_hot else 'NO'}")
+    row.notes.append(
+        f"exact whole function: {len(cases)} cases with integer inputs, weights and biases and one "
+        f"visible key per query (h = 1..4, d_k = d_v = 1..3, self- and cross-attention, bias on and "
+        f"off); probabilities exactly the mask: {'yes' if all_one_hot else 'NO'}"
+    )
     return [row]
 
 
@@ -550,8 +602,9 @@ def check_exact_whole(n: int = 200, progress: bool = False) -> list[CheckResult]
 # %%
 def check_forms(examples: int = 300, progress: bool = False) -> list[CheckResult]:
     """Per-head vs fused on `examples` generated cases (outputs, probabilities, gradients)."""
-    return run_property("per-head = fused", attention_cases(), compare_forms, examples,
-                         lambda case: TOL[case.dtype], progress)
+    return run_property(
+        "per-head = fused", attention_cases(), compare_forms, examples, lambda case: TOL[case.dtype], progress
+    )
 
 
 # %% [markdown]
@@ -591,9 +644,12 @@ def check_torch_mha(progress: bool = False) -> list[CheckResult]:
     """Our attentions vs nn.MultiheadAttention, in each mode; conversions round-trip bit-identically."""
     cases = mha_cases()
     rows = []
-    results = [(c, compare_with_torch_mha(c, seed=k))
-               for k, c in enumerate(tqdm(cases, desc="nn.MultiheadAttention", leave=False, disable=not progress,
-                                          file=sys.stderr))]
+    results = [
+        (c, compare_with_torch_mha(c, seed=k))
+        for k, c in enumerate(
+            tqdm(cases, desc="nn.MultiheadAttention", leave=False, disable=not progress, file=sys.stderr)
+        )
+    ]
     tol = TOL[torch.float64]
     for mode in MHA_MODES:
         mine = [(c, r) for c, r in results if c.mode == mode]
@@ -604,23 +660,30 @@ def check_torch_mha(progress: bool = False) -> list[CheckResult]:
         ok_path = True
         if mode == "eval, fast path on":
             eligible = [r["native kernel ran"] for c, r in mine if c.fast_path_expected]
-            notes.append(f"nn.MultiheadAttention, fast path on: its native kernel ran in {sum(eligible)} of "
-                         f"{len(eligible)} cases meeting all the fast path's conditions (self-attention, "
-                         f"batch_first, even h, bias, eval, no grad)")
+            notes.append(
+                f"nn.MultiheadAttention, fast path on: its native kernel ran in {sum(eligible)} of "
+                f"{len(eligible)} cases meeting all the fast path's conditions (self-attention, "
+                f"batch_first, even h, bias, eval, no grad)"
+            )
             ok_path = len(eligible) > 0 and all(eligible)
         elif mode == "eval, fast path off":
             ran = sum(r["native kernel ran"] for _, r in mine)
-            notes.append(f"nn.MultiheadAttention, fast path off: its native kernel ran in {ran} of {len(mine)} "
-                         f"cases")
+            notes.append(f"nn.MultiheadAttention, fast path off: its native kernel ran in {ran} of {len(mine)} cases")
             ok_path = ran == 0
         row = CheckResult.of(f"nn.MultiheadAttention, {mode}: {what}", len(mine), nanmax(diffs), tol, notes)
         row.passed &= ok_path
         rows.append(row)
     trips = [r["roundtrip"] for _, r in results]
-    rows.append(CheckResult("ours -> nn.MultiheadAttention -> ours: bit-identical parameters", len(trips),
-                            0.0 if all(trips) else math.inf, 0.0, all(trips)))
+    rows.append(
+        CheckResult(
+            "ours -> nn.MultiheadAttention -> ours: bit-identical parameters",
+            len(trips),
+            0.0 if all(trips) else math.inf,
+            0.0,
+            all(trips),
+        )
+    )
     return rows
-
 
 
 # %% [markdown]
@@ -652,10 +715,12 @@ def check_torch_mha(progress: bool = False) -> list[CheckResult]:
 # float32 logits are compared with `1e-5 * max(1, max |logit|)`, `1e-5`
 # relative to the largest logit; float64 logits stay at `1e-12` absolute.
 
+
 # %%
 def check_sdpa_paths(examples: int = 100, progress: bool = False) -> list[CheckResult]:
-    return run_property("SDPA path = explicit path", attention_cases(), compare_paths, examples,
-                         lambda case: TOL[case.dtype], progress)
+    return run_property(
+        "SDPA path = explicit path", attention_cases(), compare_paths, examples, lambda case: TOL[case.dtype], progress
+    )
 
 
 def logits_tolerance(dtype: torch.dtype, logits: Tensor) -> float:
@@ -691,20 +756,31 @@ def compare_model_forms(model: transformer.EncoderDecoder, src: Tensor, tgt: Ten
 
 def _model_rows(name: str, res: dict) -> list[CheckResult]:
     n = res["sentences"]
-    rows = [CheckResult.of(f"{name}: logits, per-head = fused, {dtype_name(dt)}", n, *res[dt])
-            for dt in (torch.float64, torch.float32)]
-    rows[1].notes.append(f"{name}: the float32 logits tolerance is relative, 1e-5 x the largest |logit| "
-                         f"({res[torch.float32][1] / TOL[torch.float32]:.1f}), see section 4")
-    rows.append(CheckResult.of(f"{name}: greedy decodes identical (tokens differing)", n,
-                               float(res["tokens differing"]), 0.0))
+    rows = [
+        CheckResult.of(f"{name}: logits, per-head = fused, {dtype_name(dt)}", n, *res[dt])
+        for dt in (torch.float64, torch.float32)
+    ]
+    rows[1].notes.append(
+        f"{name}: the float32 logits tolerance is relative, 1e-5 x the largest |logit| "
+        f"({res[torch.float32][1] / TOL[torch.float32]:.1f}), see section 4"
+    )
+    rows.append(
+        CheckResult.of(f"{name}: greedy decodes identical (tokens differing)", n, float(res["tokens differing"]), 0.0)
+    )
     return rows
 
 
-def check_copy_model(steps: int = 150, batch_size: int = 64, sentences: int = 500, seed: int = 0,
-                     progress: bool = False) -> list[CheckResult]:
+def check_copy_model(
+    steps: int = 150, batch_size: int = 64, sentences: int = 500, seed: int = 0, progress: bool = False
+) -> list[CheckResult]:
     """A per-head copy-task model (briefly trained) vs its fused conversion."""
-    with tqdm(total=1, desc=f"training the copy-task model ({steps} steps)", leave=False, disable=not progress,
-              file=sys.stderr) as bar:
+    with tqdm(
+        total=1,
+        desc=f"training the copy-task model ({steps} steps)",
+        leave=False,
+        disable=not progress,
+        file=sys.stderr,
+    ) as bar:
         model = transformer.train_copy_task(attention="per_head", steps=steps, batch_size=batch_size, seed=seed)
         bar.update(1)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -713,9 +789,11 @@ def check_copy_model(steps: int = 150, batch_size: int = 64, sentences: int = 50
     rows = _model_rows(f"copy-task model ({steps} steps)", res)
     want = tgt[:, 1:]  # (n, 11): symbols, eos, pad
     got = torch.nn.functional.pad(res["decodes"], (0, max(0, want.size(1) - res["decodes"].size(1))), value=PAD)
-    exact = (got[:, :want.size(1)] == want).all(dim=1).float().mean().item()
-    rows[-1].notes.append(f"copy-task model: it copies {exact:.0%} of the {sentences} sentences exactly, so the "
-                          f"decodes are not trivial; both forms produce the same ones")
+    exact = (got[:, : want.size(1)] == want).all(dim=1).float().mean().item()
+    rows[-1].notes.append(
+        f"copy-task model: it copies {exact:.0%} of the {sentences} sentences exactly, so the "
+        f"decodes are not trivial; both forms produce the same ones"
+    )
     return rows
 
 
@@ -752,6 +830,7 @@ def check_checkpoint(path: str, sentences: int = 64, seed: int = 0) -> list[Chec
 # direction between our two forms and `nn.MultiheadAttention`, plus
 # `to_torch_mha` on shapes `nn.MultiheadAttention` cannot hold.
 
+
 # %%
 def bad_conversions() -> list[tuple[str, Callable[[], object]]]:
     """(description, thunk) pairs; each thunk must raise a ValueError naming the shapes."""
@@ -780,8 +859,16 @@ def check_bad_conversions() -> list[CheckResult]:
         except ValueError as e:
             if not any(s in str(e) for s in ("shape {", "kdim=")):
                 failures.append(f"{what}: message names no shape: {e}")
-    return [CheckResult("incompatible conversions raise ValueError naming the shapes", len(cases),
-                        0.0 if not failures else math.inf, 0.0, not failures, failures)]
+    return [
+        CheckResult(
+            "incompatible conversions raise ValueError naming the shapes",
+            len(cases),
+            0.0 if not failures else math.inf,
+            0.0,
+            not failures,
+            failures,
+        )
+    ]
 
 
 # %% [markdown]
@@ -808,8 +895,14 @@ def _tagged(part: str, rows: list[CheckResult]) -> list[CheckResult]:
     return rows
 
 
-def run_checks(examples: int = 300, sdpa_examples: int = 100, copy_steps: int = 150,
-               checkpoint: str | None = None, exact_cases: int = 200, progress: bool = False):
+def run_checks(
+    examples: int = 300,
+    sdpa_examples: int = 100,
+    copy_steps: int = 150,
+    checkpoint: str | None = None,
+    exact_cases: int = 200,
+    progress: bool = False,
+):
     """All checks. Returns (results, identities)."""
     sym, identities = check_symbolic()
     results = _tagged("symbolic", [sym])
@@ -831,10 +924,13 @@ def _fmt(x: float) -> str:
 
 
 def format_report(results: list[CheckResult], identities: list[tuple[str, str, bool]]) -> str:
-    lines = ["Per-head and fused multi-head attention: equivalence report",
-             f"torch {torch.__version__}, sympy {sympy.__version__}, hypothesis {hypothesis.__version__}", "",
-             f"Part {PARTS['symbolic']}: block identities of proof steps 1 and 4 (sympy MatrixSymbol/BlockMatrix, "
-             f"T, d_model, d_k, d_v symbols):"]
+    lines = [
+        "Per-head and fused multi-head attention: equivalence report",
+        f"torch {torch.__version__}, sympy {sympy.__version__}, hypothesis {hypothesis.__version__}",
+        "",
+        f"Part {PARTS['symbolic']}: block identities of proof steps 1 and 4 (sympy MatrixSymbol/BlockMatrix, "
+        f"T, d_model, d_k, d_v symbols):",
+    ]
     last = None
     for reach, identity, holds in identities:
         if reach != last:
@@ -842,14 +938,23 @@ def format_report(results: list[CheckResult], identities: list[tuple[str, str, b
             last = reach
         lines.append(f"    {identity}: {'holds' if holds else 'FAILS'}")
     lines.append("")
-    sizes = (f"h = 1..{max(TRACER_SIZES['h'])}, d_k, d_v = 1..{max(TRACER_SIZES['d'])}, "
-             f"(B, T) in {', '.join(str(bt) for bt in TRACER_SIZES['BT'])}")
+    sizes = (
+        f"h = 1..{max(TRACER_SIZES['h'])}, d_k, d_v = 1..{max(TRACER_SIZES['d'])}, "
+        f"(B, T) in {', '.join(str(bt) for bt in TRACER_SIZES['BT'])}"
+    )
     header = ("check", "cases", "max diff", "tolerance", "result")
-    table = [(r.check, str(r.cases), _fmt(r.max_diff), "exact" if r.tol == 0 else f"{r.tol:.0e}",
-              "pass" if r.passed else "FAIL") for r in results]
+    table = [
+        (
+            r.check,
+            str(r.cases),
+            _fmt(r.max_diff),
+            "exact" if r.tol == 0 else f"{r.tol:.0e}",
+            "pass" if r.passed else "FAIL",
+        )
+        for r in results
+    ]
     widths = [max(len(row[i]) for row in table + [header]) for i in range(5)]
-    fmt = lambda row: " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                                 enumerate(zip(row, widths)))
+    fmt = lambda row: " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
     lines += [fmt(header), "-+-".join("-" * w for w in widths)]
     part = None
     for r, row in zip(results, table):
@@ -858,20 +963,26 @@ def format_report(results: list[CheckResult], identities: list[tuple[str, str, b
             lines.append(f"Part {PARTS.get(part, part).format(sizes=sizes)}:")
         lines.append(fmt(row))
     lines.append("max diff: the largest |a - b|; in the generated (Hypothesis) checks divided by max(1, largest |a|)")
-    notes = [textwrap.fill(n, width=110, initial_indent="  - ", subsequent_indent="    ")
-             for r in results for n in r.notes]
+    notes = [
+        textwrap.fill(n, width=110, initial_indent="  - ", subsequent_indent="    ") for r in results for n in r.notes
+    ]
     if notes:
         lines += ["", "Notes:"] + notes
     failed = sum(not r.passed for r in results)
-    lines += ["", f"{len(results) - failed} of {len(results)} checks passed." +
-              ("" if not failed else f" {failed} FAILED.")]
+    lines += [
+        "",
+        f"{len(results) - failed} of {len(results)} checks passed." + ("" if not failed else f" {failed} FAILED."),
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Prove that per-head and fused attention are the same function.")
-    ap.add_argument("--checkpoint", help="also compare both forms of a trained checkpoint (a .pt file, or "
-                    "shipped:de-en / shipped:en-de for a model shipped in the package)")
+    ap.add_argument(
+        "--checkpoint",
+        help="also compare both forms of a trained checkpoint (a .pt file, or "
+        "shipped:de-en / shipped:en-de for a model shipped in the package)",
+    )
     ap.add_argument("--examples", type=int, default=300, help="Hypothesis cases for per-head vs fused")
     ap.add_argument("--copy-steps", type=int, default=150, help="training steps of the copy-task model")
     args = ap.parse_args(argv)
@@ -880,6 +991,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint is not None:  # a shipped model by name or path: found and its sha256 checked
         from annotated.plumbing.checkpoint import CheckpointError
         from annotated.shipped import choose_checkpoint
+
         try:
             args.checkpoint = str(choose_checkpoint(args.checkpoint))
         except CheckpointError as e:
@@ -888,12 +1000,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"checkpoint file {args.checkpoint} does not exist")
     # Every tensor here is tiny: one thread is as fast, and is not slowed down by other busy processes.
     torch.set_num_threads(1)
-    results, identities = run_checks(args.examples, copy_steps=args.copy_steps, checkpoint=args.checkpoint,
-                                     progress=True)
+    results, identities = run_checks(
+        args.examples, copy_steps=args.copy_steps, checkpoint=args.checkpoint, progress=True
+    )
     print(format_report(results, identities))
     return 0 if all(r.passed for r in results) else 1
 
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, "python -m annotated.proof.equivalence")  # Ctrl-C: one line and exit code 130, not a traceback

@@ -7,6 +7,7 @@ strategies and their runner, the comparison of two attentions on one case
 `torch.nn.MultiheadAttention` (with a dispatch mode that records whether its
 native fast-path kernel ran), and the SDPA-versus-explicit comparison.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,8 @@ def max_abs(a: Tensor, b: Tensor) -> float:
     return float("nan") if torch.isnan(d).any() else d.max().item()
 
 
-
 # --- generated cases: per-head vs fused ------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Case:
@@ -99,11 +100,22 @@ def attention_cases(draw, dtypes=(torch.float64, torch.float32)) -> Case:
     cross = draw(st.booleans())
     T_q = draw(st.integers(1, 5))
     T_k = draw(st.integers(1, 5)) if cross else T_q
-    return Case(batch=draw(st.integers(1, 3)), T_q=T_q, T_k=T_k, d_model=d_model, h=h,
-                d_k=draw(st.integers(1, 5)), d_v=draw(st.integers(1, 5)), cross=cross,
-                padding=draw(st.booleans()), causal=draw(st.booleans()), bias=draw(st.booleans()),
-                dtype=draw(st.sampled_from(dtypes)), start=draw(st.sampled_from(["per_head", "fused"])),
-                seed=draw(st.integers(0, 2**31 - 1)))
+    return Case(
+        batch=draw(st.integers(1, 3)),
+        T_q=T_q,
+        T_k=T_k,
+        d_model=d_model,
+        h=h,
+        d_k=draw(st.integers(1, 5)),
+        d_v=draw(st.integers(1, 5)),
+        cross=cross,
+        padding=draw(st.booleans()),
+        causal=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        dtype=draw(st.sampled_from(dtypes)),
+        start=draw(st.sampled_from(["per_head", "fused"])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 def random_biases(att: nn.Module, gen: torch.Generator) -> None:
@@ -194,8 +206,14 @@ def run_property(name: str, strategy, compare, examples: int, tol_of, progress: 
     coverage: dict[str, int] = {}
     bar = tqdm(total=examples, desc=name, leave=False, disable=not progress, file=sys.stderr)
 
-    @settings(max_examples=examples, deadline=None, derandomize=True, database=None, print_blob=False,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=False,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=strategy)
     def prop(case):
         diffs = compare(case)
@@ -227,8 +245,10 @@ def run_property(name: str, strategy, compare, examples: int, tol_of, progress: 
     if rows:
         rows[0].coverage = coverage
         per_dtype = ", ".join(f"{n} {dtype_name(dt)}" for dt, n in sorted(counts.items(), key=lambda kv: TOL[kv[0]]))
-        rows[0].notes.append(f"{name}: {sum(counts.values())} generated cases ({per_dtype}); corner cases among "
-                             f"them: " + ", ".join(f"{k} ({v})" for k, v in sorted(coverage.items())))
+        rows[0].notes.append(
+            f"{name}: {sum(counts.values())} generated cases ({per_dtype}); corner cases among "
+            f"them: " + ", ".join(f"{k} ({v})" for k, v in sorted(coverage.items()))
+        )
     return rows
 
 
@@ -236,9 +256,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-
-
 # --- nn.MultiheadAttention: cases, and whether its fast path ran ---------------------------------
+
 
 class OpsSeen(TorchDispatchMode):
     """Records the names of the aten operators that run inside the `with` block."""
@@ -282,8 +301,9 @@ class MhaCase:
     @property
     def fast_path_expected(self) -> bool:
         """Every documented condition of the fast path holds (see the prose above)."""
-        return (self.mode == "eval, fast path on" and self.batch_first and not self.cross and self.h % 2 == 0
-                and self.bias)
+        return (
+            self.mode == "eval, fast path on" and self.batch_first and not self.cross and self.h % 2 == 0 and self.bias
+        )
 
 
 def mha_cases() -> list[MhaCase]:
@@ -298,8 +318,9 @@ def mha_cases() -> list[MhaCase]:
                         for masks in ("none", "padding", "causal", "both, merged", "both, separate"):
                             for need_weights in (True, False):
                                 form = ("fused", "per_head")[len(out) % 2]  # both forms, alternately
-                                out.append(MhaCase(d_model, h, bias, batch_first, mode, cross, masks, form,
-                                                   need_weights))
+                                out.append(
+                                    MhaCase(d_model, h, bias, batch_first, mode, cross, masks, form, need_weights)
+                                )
     return out
 
 
@@ -323,8 +344,9 @@ def mha_call(mha: nn.MultiheadAttention, x_q: Tensor, x_kv: Tensor, attn_mask, k
         kv = q if x_kv is x_q else x_kv.transpose(0, 1)
     else:
         q, kv = x_q, x_kv
-    out, w = mha(q, kv, kv, key_padding_mask=kpm, need_weights=need_weights, attn_mask=attn_mask,
-                 average_attn_weights=False)
+    out, w = mha(
+        q, kv, kv, key_padding_mask=kpm, need_weights=need_weights, attn_mask=attn_mask, average_attn_weights=False
+    )
     return (out if mha.batch_first else out.transpose(0, 1)), w  # (B, T_q, d_model), (B, h, T_q, T_k)
 
 
@@ -371,7 +393,6 @@ def compare_with_torch_mha(case: MhaCase, seed: int = 0) -> dict:
     return res
 
 
-
 def nanmax(values) -> float:
     values = list(values)
     if any(math.isnan(v) for v in values):
@@ -379,8 +400,8 @@ def nanmax(values) -> float:
     return max(values, default=0.0)
 
 
-
 # --- the SDPA kernel vs the explicit softmax ------------------------------------------------------
+
 
 def compare_paths(case: Case) -> dict[str, float]:
     """SDPA path vs explicit path, for both forms, on one case: outputs and input gradients."""
@@ -396,8 +417,7 @@ def compare_paths(case: Case) -> dict[str, float]:
             (out * G).sum().backward()
             got[flag] = (out, [q.grad] + ([kv.grad] if case.cross else []))
         worst["output"] = nanmax([worst["output"], max_scaled(got[True][0], got[False][0])])
-        worst["grad inputs"] = nanmax([worst["grad inputs"]] +
-                                       [max_scaled(a, b) for a, b in zip(got[True][1], got[False][1])])
+        worst["grad inputs"] = nanmax(
+            [worst["grad inputs"]] + [max_scaled(a, b) for a, b in zip(got[True][1], got[False][1])]
+        )
     return worst
-
-

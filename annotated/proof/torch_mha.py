@@ -113,17 +113,20 @@ def fused_parameters(att: AttentionLike, *, grads: bool = False) -> dict[str, Te
         return {n: get(p) for n, p in att.named_parameters()}
     if isinstance(att, PerHeadAttention):
         # the chapter's BLOCKS table: W_Q, W_K, W_V side by side (dim 1), W_O stacked (dim 0), biases end to end
-        out = {n: torch.cat([get(p) for p in getattr(att, n)], dim=dim)
-               for n, (dim, _) in BLOCKS.items() if getattr(att, n) is not None}  # (d_model, h*d), (h*d_v, d_model)...
+        out = {
+            n: torch.cat([get(p) for p in getattr(att, n)], dim=dim)
+            for n, (dim, _) in BLOCKS.items()
+            if getattr(att, n) is not None
+        }  # (d_model, h*d), (h*d_v, d_model)...
         if att.b_O is not None:
             out["b_O"] = get(att.b_O)
         return out
     E = shape["d_model"]
     W_in = get(att.in_proj_weight)  # (3 d_model, d_model) = [W_Q^T; W_K^T; W_V^T]
-    out = {"W_Q": W_in[:E].T, "W_K": W_in[E:2 * E].T, "W_V": W_in[2 * E:].T, "W_O": get(att.out_proj.weight).T}
+    out = {"W_Q": W_in[:E].T, "W_K": W_in[E : 2 * E].T, "W_V": W_in[2 * E :].T, "W_O": get(att.out_proj.weight).T}
     if shape["bias"]:
         b_in = get(att.in_proj_bias)  # (3 d_model,) = [b_Q | b_K | b_V]
-        out.update(b_Q=b_in[:E], b_K=b_in[E:2 * E], b_V=b_in[2 * E:], b_O=get(att.out_proj.bias))
+        out.update(b_Q=b_in[:E], b_K=b_in[E : 2 * E], b_V=b_in[2 * E :], b_O=get(att.out_proj.bias))
     return out
 
 
@@ -158,8 +161,10 @@ def copy_attention(src: AttentionLike, dst: Dst) -> Dst:
     s, d = attention_shape(src), attention_shape(dst)
     if s != d:
         differ = ", ".join(k for k in s if s[k] != d[k])
-        raise ValueError(f"cannot copy attention parameters: source {type(src).__name__} has shape {_shape_str(s)}, "
-                         f"destination {type(dst).__name__} has shape {_shape_str(d)} (they differ in {differ})")
+        raise ValueError(
+            f"cannot copy attention parameters: source {type(src).__name__} has shape {_shape_str(s)}, "
+            f"destination {type(dst).__name__} has shape {_shape_str(d)} (they differ in {differ})"
+        )
     _load_fused_parameters(dst, fused_parameters(src))
     return dst
 
@@ -181,11 +186,20 @@ def to_torch_mha(att: PerHeadAttention | FusedAttention, batch_first: bool = Tru
     """
     s = attention_shape(att)
     if not (s["d_k"] == s["d_v"] and s["h"] * s["d_k"] == s["d_model"]):
-        raise ValueError(f"nn.MultiheadAttention needs d_k = d_v = d_model / h, got {type(att).__name__} with shape "
-                         f"{_shape_str(s)} (its kdim/vdim are the widths of the key/value inputs, not head sizes)")
+        raise ValueError(
+            f"nn.MultiheadAttention needs d_k = d_v = d_model / h, got {type(att).__name__} with shape "
+            f"{_shape_str(s)} (its kdim/vdim are the widths of the key/value inputs, not head sizes)"
+        )
     p = next(att.parameters())
-    mha = nn.MultiheadAttention(s["d_model"], s["h"], dropout=att.dropout, bias=s["bias"], batch_first=batch_first,
-                                device=p.device, dtype=p.dtype)
+    mha = nn.MultiheadAttention(
+        s["d_model"],
+        s["h"],
+        dropout=att.dropout,
+        bias=s["bias"],
+        batch_first=batch_first,
+        device=p.device,
+        dtype=p.dtype,
+    )
     return copy_attention(att, mha).train(att.training)
 
 
@@ -218,8 +232,10 @@ def torch_mha_masks(mask: Tensor | None, batch: int, h: int) -> tuple[Tensor | N
     if mask is None:
         return None, None
     if mask.dtype != torch.bool or mask.dim() not in (2, 3):
-        raise ValueError(f"expected a bool mask of shape (T_q, T_k) or (B or 1, T_q or 1, T_k), "
-                         f"got dtype {mask.dtype}, shape {tuple(mask.shape)}")
+        raise ValueError(
+            f"expected a bool mask of shape (T_q, T_k) or (B or 1, T_q or 1, T_k), "
+            f"got dtype {mask.dtype}, shape {tuple(mask.shape)}"
+        )
     mask = mask if mask.dim() == 3 else mask.unsqueeze(0)  # (B or 1, T_q or 1, T_k)
     if mask.size(0) not in (1, batch):
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not match batch size {batch}")

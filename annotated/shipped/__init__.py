@@ -28,6 +28,7 @@ that differs is refused, with how to get the right one back.
 The box is read-only: outputs that a command writes beside its checkpoint go to `runs/shipped-<direction>/`
 instead (`outputs_beside`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,7 +47,7 @@ CARD_FORMAT = "annotated-shipped-v1"
 
 
 def direction_asked(src: str | None, tgt: str | None) -> str | None:
-    """"src-tgt" from --src/--tgt; one of de/en alone implies the other; None when neither is given.
+    """ "src-tgt" from --src/--tgt; one of de/en alone implies the other; None when neither is given.
 
     >>> direction_asked("en", None), direction_asked(None, None), direction_asked("fr", "en")
     ('en-de', None, 'fr-en')
@@ -76,18 +77,23 @@ def read_card(direction: str, folder: Path | None = None) -> dict:
     folder = FOLDER if folder is None else Path(folder)
     path = folder / f"{direction}.json"
     if direction not in DIRECTIONS:
-        raise CheckpointError(f"there is no shipped {direction.replace('-', '->')} model (the box holds "
-                              f"{', '.join(d.replace('-', '->') for d in DIRECTIONS)}); train one "
-                              f"(make train ARGS='--src {direction.split('-')[0]} --tgt {direction.split('-')[-1]}') "
-                              f"or pass --checkpoint PATH")
+        raise CheckpointError(
+            f"there is no shipped {direction.replace('-', '->')} model (the box holds "
+            f"{', '.join(d.replace('-', '->') for d in DIRECTIONS)}); train one "
+            f"(make train ARGS='--src {direction.split('-')[0]} --tgt {direction.split('-')[-1]}') "
+            f"or pass --checkpoint PATH"
+        )
     if not path.is_file():
-        raise CheckpointError(f"no shipped {direction.replace('-', '->')} model: {path} is missing (this copy of "
-                              f"the package was made without it); train one (make train) or pass --checkpoint PATH")
+        raise CheckpointError(
+            f"no shipped {direction.replace('-', '->')} model: {path} is missing (this copy of "
+            f"the package was made without it); train one (make train) or pass --checkpoint PATH"
+        )
     try:
         card = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a readable card ({e}); restore it (git checkout -- {path.name}, or "
-                              f"reinstall the package)") from None
+        raise CheckpointError(
+            f"{path} is not a readable card ({e}); restore it (git checkout -- {path.name}, or reinstall the package)"
+        ) from None
     if not isinstance(card, dict) or card.get("format") != CARD_FORMAT or not isinstance(card.get("sha256"), str):
         raise CheckpointError(f"{path} is not a shipped model's card (format {CARD_FORMAT!r} with a sha256)")
     return card
@@ -99,15 +105,18 @@ def shipped_model(direction: str = DEFAULT, folder: Path | None = None) -> Path:
     card = read_card(direction, folder)
     path = folder / card.get("file", f"{direction}.pt")
     if not path.is_file():
-        raise CheckpointError(f"no shipped {direction.replace('-', '->')} model: {path} is missing; restore it "
-                              f"(git checkout -- {path.name}, or reinstall the package) or pass --checkpoint PATH")
+        raise CheckpointError(
+            f"no shipped {direction.replace('-', '->')} model: {path} is missing; restore it "
+            f"(git checkout -- {path.name}, or reinstall the package) or pass --checkpoint PATH"
+        )
     found = sha256_of(path)
     if found != card["sha256"]:
         raise CheckpointError(
             f"{path} does not match the sha256 in {path.with_suffix('.json').name} (file {found[:16]}..., card "
             f"{card['sha256'][:16]}...): it changed after it was packed and is not used; restore it (git checkout "
             f"-- {path.name} in {folder}, or reinstall the package) or pack it again from its run "
-            f"(python -m annotated.shipped.pack RUN_DIR --force)")
+            f"(python -m annotated.shipped.pack RUN_DIR --force)"
+        )
     return path
 
 
@@ -132,7 +141,7 @@ def outputs_beside(checkpoint: Path) -> Path:
 
 
 def _run_direction(model: Path) -> str | None:
-    """"src-tgt" of a run's model, from its run's config.json (written by training), else None."""
+    """ "src-tgt" of a run's model, from its run's config.json (written by training), else None."""
     try:
         config = json.loads((model.parent / "config.json").read_text(encoding="utf-8"))
         return f"{config['src_lang']}-{config['tgt_lang']}"
@@ -154,8 +163,13 @@ def latest_run(runs_dir: Path, direction: str | None) -> Path | None:
     return max(fitting, key=lambda m: m.stat().st_mtime) if fitting else None
 
 
-def choose_checkpoint(checkpoint: Path | str | None, runs_dir: Path | str = "runs", src: str | None = None,
-                      tgt: str | None = None, say: Callable[[str], None] = lambda line: None) -> Path:
+def choose_checkpoint(
+    checkpoint: Path | str | None,
+    runs_dir: Path | str = "runs",
+    src: str | None = None,
+    tgt: str | None = None,
+    say: Callable[[str], None] = lambda line: None,
+) -> Path:
     """The model a command uses: `checkpoint` when given (a `shipped:<direction>` name is checked), else the
     latest run under `runs_dir` (of the direction asked, if asked), else the shipped model of the direction asked
     (default de-en). `say` gets one line naming what was chosen when `checkpoint` is None.
@@ -163,7 +177,7 @@ def choose_checkpoint(checkpoint: Path | str | None, runs_dir: Path | str = "run
     if checkpoint is not None:
         name = str(checkpoint)
         if name.startswith(NAME_PREFIX):
-            return shipped_model(name[len(NAME_PREFIX):])
+            return shipped_model(name[len(NAME_PREFIX) :])
         return shipped_model(Path(name).stem) if is_shipped(Path(name)) else Path(checkpoint)
     direction = direction_asked(src, tgt)
     run = latest_run(Path(runs_dir), direction)
@@ -174,12 +188,15 @@ def choose_checkpoint(checkpoint: Path | str | None, runs_dir: Path | str = "run
     try:
         path = shipped_model(wanted)
     except CheckpointError as e:
-        raise CheckpointError(f"no checkpoint found: no {wanted.replace('-', '->')} run under {runs_dir}/ and "
-                              f"{e}") from None
+        raise CheckpointError(
+            f"no checkpoint found: no {wanted.replace('-', '->')} run under {runs_dir}/ and {e}"
+        ) from None
     score = read_card(wanted).get("scores", {}).get("test", {}).get("bleu_lowercase")
-    say(f"no trained {wanted.replace('-', '->')} run under {runs_dir}/: using the shipped model {shown_path(path)} "
+    say(
+        f"no trained {wanted.replace('-', '->')} run under {runs_dir}/: using the shipped model {shown_path(path)} "
         f"(Multi30k image captions{f', test BLEU {score:.1f} lowercased' if score is not None else ''}; "
-        f"make train trains your own)")
+        f"make train trains your own)"
+    )
     return path
 
 

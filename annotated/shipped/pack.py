@@ -16,10 +16,12 @@ From a finished run (its `results.json` and its model, `averaged.pt` where the r
 Scoring the packed model takes a couple of minutes on a CPU for the `cpu` preset's model. Existing files are
 replaced only with `--force`.
 """
+
 from __future__ import annotations
 
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("python -m annotated.shipped.pack")
 
 import dataclasses
@@ -48,10 +50,12 @@ NAME = "python -m annotated.shipped.pack"
 MAX_BYTES = 4 << 20  # each shipped model at most 4 MiB
 BEAM = 4  # as `make translate` decodes, at the model's length penalty (model_length_penalty)
 FIRST = 50  # the sentences the tests translate in one batch
-TRAINED_ON = ("Multi30k (Elliott et al., 2016): about 29,000 English descriptions of Flickr photos and their "
-              "German translations. The model knows photo captions (people, animals, clothes, streets, sports); "
-              "everyday language outside them, such as 'Ich habe heute keine Zeit, weil ich arbeiten muss.', is "
-              "out of its domain and comes back as nonsense.")
+TRAINED_ON = (
+    "Multi30k (Elliott et al., 2016): about 29,000 English descriptions of Flickr photos and their "
+    "German translations. The model knows photo captions (people, animals, clothes, streets, sports); "
+    "everyday language outside them, such as 'Ich habe heute keine Zeit, weil ich arbeiten muss.', is "
+    "out of its domain and comes back as nonsense."
+)
 
 
 class PackError(ValueError):
@@ -75,13 +79,22 @@ def compact_state(state: dict) -> dict:
             halves.append((tensor, half))
             same = [half]
         model[name] = same[0]
-    meta = {k: v for k, v in state.get("meta", {}).items() if k in ("src_lang", "tgt_lang", "train_config", "epoch",
-                                                                     "step", "length_penalty")}
+    meta = {
+        k: v
+        for k, v in state.get("meta", {}).items()
+        if k in ("src_lang", "tgt_lang", "train_config", "epoch", "step", "length_penalty")
+    }
     if "averaged" in state.get("meta", {}):
         meta["averaged"] = [Path(p).name for p in state["meta"]["averaged"]]
     meta["weights"] = "float16 on disk, float32 when loaded"
-    return {"format": FORMAT, "config": state["config"], "model": model, "tokenizer": state.get("tokenizer"),
-            "casing": state.get("casing"), "meta": meta}
+    return {
+        "format": FORMAT,
+        "config": state["config"],
+        "model": model,
+        "tokenizer": state.get("tokenizer"),
+        "casing": state.get("casing"),
+        "meta": meta,
+    }
 
 
 def training_command(results: dict) -> str:
@@ -93,16 +106,35 @@ def training_command(results: dict) -> str:
     commands = []
     for preset, base in PRESETS.items():
         try:
-            words = options_between(dataclasses.replace(base, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang,
-                                                        seed=cfg.seed, precision=cfg.precision), cfg)
+            words = options_between(
+                dataclasses.replace(
+                    base, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang, seed=cfg.seed, precision=cfg.precision
+                ),
+                cfg,
+            )
         except ValueError:
             continue
-        command = ["python train_wmt.py --preset", preset, "--src", cfg.src_lang, "--tgt", cfg.tgt_lang, *words,
-                   "--seed", str(cfg.seed), "--precision", results["precision"], "--threads", str(results["threads"])]
+        command = [
+            "python train_wmt.py --preset",
+            preset,
+            "--src",
+            cfg.src_lang,
+            "--tgt",
+            cfg.tgt_lang,
+            *words,
+            "--seed",
+            str(cfg.seed),
+            "--precision",
+            results["precision"],
+            "--threads",
+            str(results["threads"]),
+        ]
         commands.append((len(words), preset != default, " ".join(command)))
     if not commands:
-        raise PackError("the run's settings differ from every preset's in something no option of train_wmt.py "
-                        "sets; give the command that trained it with --command")
+        raise PackError(
+            "the run's settings differ from every preset's in something no option of train_wmt.py "
+            "sets; give the command that trained it with --command"
+        )
     return min(commands)[2]
 
 
@@ -118,43 +150,78 @@ def scores_of(model, tokenizer, pairs, alpha: float, progress: bool) -> tuple[di
     return dict(keep(full), signatures=full["signature"]), keep(first)
 
 
-def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict, first: dict,
-              command: str) -> dict:
+def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict, first: dict, command: str) -> dict:
     """The card of a packed model (see the module's docstring)."""
     cfg = config_from_dict(results["train_config"])
     env = results.get("environment", {})
     run_scores = next((s for n, s in results["test"].items() if Path(s["checkpoint"]).name == source.name), None)
-    run = None if run_scores is None else {k: run_scores["beam"][k] for k in ("bleu", "bleu_lowercase", "chrf")} | {
-        "beam": run_scores["beam"]["beam_size"], "sentences": run_scores["beam"]["sentences"]}
+    run = (
+        None
+        if run_scores is None
+        else {k: run_scores["beam"][k] for k in ("bleu", "bleu_lowercase", "chrf")}
+        | {"beam": run_scores["beam"]["beam_size"], "sentences": run_scores["beam"]["sentences"]}
+    )
     return {
-        "format": CARD_FORMAT, "direction": f"{cfg.src_lang}-{cfg.tgt_lang}", "src_lang": cfg.src_lang,
-        "tgt_lang": cfg.tgt_lang, "file": packed.name, "sha256": sha256_of(packed), "bytes": packed.stat().st_size,
+        "format": CARD_FORMAT,
+        "direction": f"{cfg.src_lang}-{cfg.tgt_lang}",
+        "src_lang": cfg.src_lang,
+        "tgt_lang": cfg.tgt_lang,
+        "file": packed.name,
+        "sha256": sha256_of(packed),
+        "bytes": packed.stat().st_size,
         "weights": "float16 on disk, float32 when loaded",
         "parameters": sum(t.numel() for t in {id(t): t for t in state["model"].values()}.values()),
         "model": state["config"],
         "trained_on": TRAINED_ON,
-        "made": {"command": command, "model": source.name + (" (the mean of the last epochs' checkpoints)"
-                                                             if source.name == "averaged.pt" else ""),
-                 "commit": env.get("commit"), "seed": cfg.seed, "steps": results.get("steps"),
-                 "epoch": state["meta"].get("epoch"), "precision": results.get("precision"),
-                 "precision_reason": results.get("precision_reason"), "threads": results.get("threads"),
-                 "train_minutes": round(results.get("train_s", 0.0) / 60, 1), "device": results.get("device"),
-                 "machine": env.get("machine"), "cpu": env.get("cpu"), "python": env.get("python"),
-                 "packages": env.get("packages"), "train_config": results["train_config"]},
-        "scores": {"test_set": results.get("test_set"), "beam": BEAM,
-                   "length_penalty": model_length_penalty(state["meta"]),
-                   "test": {k: v for k, v in test.items() if k != "signatures"}, f"first_{FIRST}": first,
-                   "run_model_float32": run, "signatures": test["signatures"],
-                   "note": f"test and first_{FIRST}: this packed model as loaded (float16 weights in float32); "
-                           "run_model_float32: the run's model before packing, from its results.json"},
-        "packed": {"by": f"{NAME} {results.get('run_dir', 'RUN_DIR')}", "commit": code_commit(),
-                   "torch": torch.__version__},
+        "made": {
+            "command": command,
+            "model": source.name
+            + (" (the mean of the last epochs' checkpoints)" if source.name == "averaged.pt" else ""),
+            "commit": env.get("commit"),
+            "seed": cfg.seed,
+            "steps": results.get("steps"),
+            "epoch": state["meta"].get("epoch"),
+            "precision": results.get("precision"),
+            "precision_reason": results.get("precision_reason"),
+            "threads": results.get("threads"),
+            "train_minutes": round(results.get("train_s", 0.0) / 60, 1),
+            "device": results.get("device"),
+            "machine": env.get("machine"),
+            "cpu": env.get("cpu"),
+            "python": env.get("python"),
+            "packages": env.get("packages"),
+            "train_config": results["train_config"],
+        },
+        "scores": {
+            "test_set": results.get("test_set"),
+            "beam": BEAM,
+            "length_penalty": model_length_penalty(state["meta"]),
+            "test": {k: v for k, v in test.items() if k != "signatures"},
+            f"first_{FIRST}": first,
+            "run_model_float32": run,
+            "signatures": test["signatures"],
+            "note": f"test and first_{FIRST}: this packed model as loaded (float16 weights in float32); "
+            "run_model_float32: the run's model before packing, from its results.json",
+        },
+        "packed": {
+            "by": f"{NAME} {results.get('run_dir', 'RUN_DIR')}",
+            "commit": code_commit(),
+            "torch": torch.__version__,
+        },
     }
 
 
-def pack(run_dir: Path, out: Path = FOLDER, *, force: bool = False, command: str | None = None,
-         data_url: str | None = None, pairs: list | None = None, progress: bool = False,
-         say=print) -> tuple[Path, Path]:
+def pack(
+    run_dir: Path,
+    out: Path = FOLDER,
+    *,
+    force: bool = False,
+    command: str | None = None,
+    data_url: str | None = None,
+    pairs: list | None = None,
+    progress: bool = False,
+    say=print,
+) -> tuple[Path, Path]:
     """Pack the model of `run_dir` into `out`; returns (model file, card). `pairs`: the test pairs to score
     (default: test_2016_flickr in the run's languages)."""
     from annotated.training.data import load_multi30k
@@ -183,17 +250,25 @@ def pack(run_dir: Path, out: Path = FOLDER, *, force: bool = False, command: str
             raise PackError(f"the packed model has {packed.stat().st_size:,} bytes, more than {MAX_BYTES:,}")
         model, tokenizer, meta = load_checkpoint(packed)
         alpha = model_length_penalty(meta)
-        say(f"pack: scoring the packed {direction} model on {len(pairs)} test sentences, beam {BEAM}, length "
-            f"penalty {alpha:g}")
+        say(
+            f"pack: scoring the packed {direction} model on {len(pairs)} test sentences, beam {BEAM}, length "
+            f"penalty {alpha:g}"
+        )
         test, first = scores_of(model, tokenizer, pairs, alpha, progress)
         card = make_card(results, source, packed, state, test, first, command)
         atomic_write(targets[0], packed.read_bytes())
     atomic_write(targets[1], json.dumps(card, indent=2, ensure_ascii=False) + "\n")
     run = card["scores"]["run_model_float32"]
-    say(f"pack: wrote {targets[0]} ({card['bytes']:,} bytes) and {targets[1]}: test BLEU {test['bleu']:.2f} "
+    say(
+        f"pack: wrote {targets[0]} ({card['bytes']:,} bytes) and {targets[1]}: test BLEU {test['bleu']:.2f} "
         f"(lowercased {test['bleu_lowercase']:.2f}), chrF {test['chrf']:.2f} packed"
-        + (f"; {run['bleu']:.2f} ({run['bleu_lowercase']:.2f}), chrF {run['chrf']:.2f} for {source.name} in float32 "
-           f"(beam {run['beam']})" if run else ""))
+        + (
+            f"; {run['bleu']:.2f} ({run['bleu_lowercase']:.2f}), chrF {run['chrf']:.2f} for {source.name} in float32 "
+            f"(beam {run['beam']})"
+            if run
+            else ""
+        )
+    )
     return targets
 
 
@@ -209,8 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        pack(args.run_dir, args.out, force=args.force, command=args.command, data_url=args.data_url,
-             progress=sys.stderr.isatty())
+        pack(
+            args.run_dir,
+            args.out,
+            force=args.force,
+            command=args.command,
+            data_url=args.data_url,
+            progress=sys.stderr.isatty(),
+        )
     except (ValueError, OSError, KeyError) as e:  # PackError, CheckpointError, DataError; a results.json without a key
         print(f"pack: error: {e}", file=sys.stderr)
         return 2
@@ -219,4 +300,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, NAME)  # Ctrl-C: one line and exit code 130, not a traceback

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("add_case_table")
 
 import argparse
@@ -33,9 +34,11 @@ from annotated.training.data import load_multi30k
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m annotated.training.add_case_table",
-                                description="Write a copy of a checkpoint with the case table of its Multi30k "
-                                            "training data (for checkpoints trained without one).")
+    p = argparse.ArgumentParser(
+        prog="python -m annotated.training.add_case_table",
+        description="Write a copy of a checkpoint with the case table of its Multi30k "
+        "training data (for checkpoints trained without one).",
+    )
     p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint to read (left unchanged)")
     p.add_argument("--out", type=Path, required=True, help="the new checkpoint file (must not exist)")
     args = p.parse_args(argv)
@@ -55,4 +58,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, "add_case_table")

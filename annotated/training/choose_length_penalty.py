@@ -33,6 +33,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
     quiet_ctrl_c_while_starting("choose_length_penalty")
 
 import argparse
@@ -48,14 +49,17 @@ NAME = "choose_length_penalty"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m annotated.training.choose_length_penalty", name=NAME, description="Write a copy of a checkpoint with the beam search's length penalty (GNMT "
-                                      "alpha) that gives the best BLEU on Multi30k's validation split, of "
-                                      f"{', '.join(f'{a:g}' for a in LENGTH_PENALTIES)}.")
+    p = Parser(
+        prog="python -m annotated.training.choose_length_penalty",
+        name=NAME,
+        description="Write a copy of a checkpoint with the beam search's length penalty (GNMT "
+        "alpha) that gives the best BLEU on Multi30k's validation split, of "
+        f"{', '.join(f'{a:g}' for a in LENGTH_PENALTIES)}.",
+    )
     p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint to read (left unchanged)")
     p.add_argument("--out", type=Path, required=True, help="the new checkpoint file")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (it may be --checkpoint)")
-    p.add_argument("--beam", type=at_least(1), default=4, help="beam width of the choice (default 4, the "
-                                                               "translator's)")
+    p.add_argument("--beam", type=at_least(1), default=4, help="beam width of the choice (default 4, the translator's)")
     p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")
     return p
 
@@ -78,11 +82,14 @@ def main(argv=None) -> int:
     alpha, bleu = choose_length_penalty(model, tokenizer, val, args.beam, progress=sys.stderr.isatty())
     with_meta(args.checkpoint, args.out, length_penalty=alpha)
     table = ", ".join(f"{a:g}: {b:.2f}" for a, b in bleu.items())
-    print(f"{args.out}: {args.checkpoint} with length penalty {alpha:g}, the best beam {args.beam} BLEU on the "
-          f"{len(val)} Multi30k validation sentences ({table})")
+    print(
+        f"{args.out}: {args.checkpoint} with length penalty {alpha:g}, the best beam {args.beam} BLEU on the "
+        f"{len(val)} Multi30k validation sentences ({table})"
+    )
     return 0
 
 
 if __name__ == "__main__":
     from annotated.plumbing.interrupts import run_command
+
     run_command(main, NAME)

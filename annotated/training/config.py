@@ -66,8 +66,9 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 def joint_model(vocab_size: int, **fields) -> TransformerConfig:
     """A model over one joint vocabulary of `vocab_size` subwords, embeddings and generator tied."""
-    return TransformerConfig(src_vocab=vocab_size, tgt_vocab=vocab_size, share_embeddings=True,
-                             tie_generator=True, **fields)
+    return TransformerConfig(
+        src_vocab=vocab_size, tgt_vocab=vocab_size, share_embeddings=True, tie_generator=True, **fields
+    )
 
 
 @dataclass(frozen=True)
@@ -76,42 +77,47 @@ class TrainConfig:
     src_lang: str = "de"
     tgt_lang: str = "en"
     train_limit: int | None = None  # use only the first n training pairs (smoke tests)
-    case_augment: float = 0.0        # share of training pairs added again in capitals or lower case (data.py)
+    case_augment: float = 0.0  # share of training pairs added again in capitals or lower case (data.py)
     # the model; its vocabulary is the joint sentencepiece vocabulary to train
-    model: TransformerConfig = field(default_factory=lambda: joint_model(8000, N=3, d_model=256, d_ff=1024, h=8,
-                                                                         max_len=256))
+    model: TransformerConfig = field(
+        default_factory=lambda: joint_model(8000, N=3, d_model=256, d_ff=1024, h=8, max_len=256)
+    )
     # optimisation
-    max_tokens: int = 4096           # tokens per batch (source or target, whichever is larger, before padding)
-    accum: int = 1                   # batches per optimizer step
+    max_tokens: int = 4096  # tokens per batch (source or target, whichever is larger, before padding)
+    accum: int = 1  # batches per optimizer step
     max_steps: int | None = None  # optimizer steps of the run (in total); the budget that defines a preset
-    epochs: int | None = 20       # an upper bound on epochs (None: max_steps alone decides)
+    epochs: int | None = 20  # an upper bound on epochs (None: max_steps alone decides)
     max_minutes: float | None = None  # an optional cap on training wall time (checked between steps)
     warmup: int = 2000
     lr_factor: float = 1.0
-    cooldown: float = 0.0            # share of max_steps, at the end, over which the rate falls linearly to 0
+    cooldown: float = 0.0  # share of max_steps, at the end, over which the rate falls linearly to 0
     label_smoothing: float = 0.1
     clip_norm: float | None = 1.0
-    log_every: int = 50              # steps between two reads of the running loss (the only host syncs)
-    precision: str = "auto"          # auto, fp32 or bf16 (annotated/plumbing/devices.py)
+    log_every: int = 50  # steps between two reads of the running loss (the only host syncs)
+    precision: str = "auto"  # auto, fp32 or bf16 (annotated/plumbing/devices.py)
     # evaluation
     beam_size: int = 4
-    length_penalty: float | None = 0.6   # beam search's GNMT alpha (the paper's); None: chosen on validation
+    length_penalty: float | None = 0.6  # beam search's GNMT alpha (the paper's); None: chosen on validation
     val_bleu_sentences: int | None = None  # translate only the first n val sentences each epoch
-    test_sentences: int | None = None      # score only the first n test sentences (smoke runs)
-    average_last: int = 0            # average the last n epoch checkpoints at the end
+    test_sentences: int | None = None  # score only the first n test sentences (smoke runs)
+    average_last: int = 0  # average the last n epoch checkpoints at the end
     # hardware / reproducibility
     compile: bool = False
     seed: int = 0
 
     def __post_init__(self):
         if self.src_lang not in LANGUAGES or self.tgt_lang not in LANGUAGES or self.src_lang == self.tgt_lang:
-            raise ValueError(f"src_lang and tgt_lang must be two different languages of {LANGUAGES}, "
-                             f"got {self.src_lang!r} -> {self.tgt_lang!r}")
+            raise ValueError(
+                f"src_lang and tgt_lang must be two different languages of {LANGUAGES}, "
+                f"got {self.src_lang!r} -> {self.tgt_lang!r}"
+            )
         if not isinstance(self.model, TransformerConfig):
             raise ValueError(f"model must be a TransformerConfig, got {type(self.model).__name__}")
         if self.model.src_vocab != self.model.tgt_vocab or not self.model.share_embeddings:
-            raise ValueError("training uses one joint vocabulary with shared embeddings: model needs "
-                             "src_vocab == tgt_vocab and share_embeddings (see joint_model)")
+            raise ValueError(
+                "training uses one joint vocabulary with shared embeddings: model needs "
+                "src_vocab == tgt_vocab and share_embeddings (see joint_model)"
+            )
         if not 0 <= self.case_augment <= 1:
             raise ValueError(f"case_augment must be in [0, 1], got {self.case_augment}")
         if not 0 <= self.label_smoothing < 1:
@@ -128,16 +134,21 @@ class TrainConfig:
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.warmup < 1 or not self.lr_factor > 0:
-            raise ValueError(f"warmup must be >= 1 and lr_factor > 0, got warmup={self.warmup}, "
-                             f"lr_factor={self.lr_factor}")
+            raise ValueError(
+                f"warmup must be >= 1 and lr_factor > 0, got warmup={self.warmup}, lr_factor={self.lr_factor}"
+            )
         if not 0 <= self.cooldown < 1 or (self.cooldown and self.max_steps is None):
-            raise ValueError(f"cooldown is a share of max_steps in [0, 1) and needs max_steps, got "
-                             f"cooldown={self.cooldown}, max_steps={self.max_steps}")
+            raise ValueError(
+                f"cooldown is a share of max_steps in [0, 1) and needs max_steps, got "
+                f"cooldown={self.cooldown}, max_steps={self.max_steps}"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.length_penalty is not None and not 0 <= self.length_penalty < float("inf"):
-            raise ValueError(f"length_penalty must be a finite number >= 0 (0: none, 0.6: the paper's) or None "
-                             f"(chosen on validation), got {self.length_penalty}")
+            raise ValueError(
+                f"length_penalty must be a finite number >= 0 (0: none, 0.6: the paper's) or None "
+                f"(chosen on validation), got {self.length_penalty}"
+            )
 
     # the model settings a reader of the training code asks for most, by their paper names
     vocab_size = property(lambda self: self.model.src_vocab, doc="the joint sentencepiece vocabulary")
@@ -145,8 +156,10 @@ class TrainConfig:
     dropout = property(lambda self: self.model.dropout)
     max_len = property(lambda self: self.model.max_len, doc="the longest subword sequence the model accepts")
 
-    cooldown_steps = property(lambda self: round(self.cooldown * self.max_steps) if self.cooldown else 0,
-                              doc="the budget's last steps, over which the learning rate falls towards 0")
+    cooldown_steps = property(
+        lambda self: round(self.cooldown * self.max_steps) if self.cooldown else 0,
+        doc="the budget's last steps, over which the learning rate falls towards 0",
+    )
 
     def model_for(self, vocab: int) -> TransformerConfig:
         """The model's settings over the vocabulary the tokenizer actually has."""
@@ -188,40 +201,76 @@ def config_from_dict(saved: dict) -> TrainConfig:
         model = TransformerConfig(**saved["model"])
     else:
         vocab, tied = saved["vocab_size"], saved.get("tie_embeddings", True)
-        model = TransformerConfig(src_vocab=vocab, tgt_vocab=vocab, share_embeddings=tied, tie_generator=tied,
-                                  **{k: saved[k] for k in MODEL_FIELDS if k in saved})
+        model = TransformerConfig(
+            src_vocab=vocab,
+            tgt_vocab=vocab,
+            share_embeddings=tied,
+            tie_generator=tied,
+            **{k: saved[k] for k in MODEL_FIELDS if k in saved},
+        )
     return TrainConfig(model=model, **{k: saved[k] for k in RUN_FIELDS if k in saved})
 
 
-_CPU = TrainConfig(model=joint_model(5000, N=2, d_model=128, d_ff=512, h=4, dropout=0.1, max_len=256),
-                   max_tokens=2500, epochs=None, max_steps=6500, warmup=800, lr_factor=1.0, cooldown=0.3, beam_size=4,
-                   length_penalty=None, val_bleu_sentences=300, average_last=5)
+_CPU = TrainConfig(
+    model=joint_model(5000, N=2, d_model=128, d_ff=512, h=4, dropout=0.1, max_len=256),
+    max_tokens=2500,
+    epochs=None,
+    max_steps=6500,
+    warmup=800,
+    lr_factor=1.0,
+    cooldown=0.3,
+    beam_size=4,
+    length_penalty=None,
+    val_bleu_sentences=300,
+    average_last=5,
+)
 PRESETS = {
-    "gpu": dataclasses.replace(_CPU, max_tokens=8192, max_steps=4200, lr_factor=2.0, length_penalty=0.6,
-                               beam_size=5, val_bleu_sentences=None),
+    "gpu": dataclasses.replace(
+        _CPU, max_tokens=8192, max_steps=4200, lr_factor=2.0, length_penalty=0.6, beam_size=5, val_bleu_sentences=None
+    ),
     "cpu": _CPU,
-    "smoke": TrainConfig(model=joint_model(500, N=1, d_model=32, d_ff=64, h=2, dropout=0.0, max_len=64),
-                         max_tokens=800, epochs=None, max_steps=28, warmup=20, train_limit=300, beam_size=2,
-                         val_bleu_sentences=20, test_sentences=20, precision="fp32"),  # 28 steps: 2 epochs of 14
+    "smoke": TrainConfig(
+        model=joint_model(500, N=1, d_model=32, d_ff=64, h=2, dropout=0.0, max_len=64),
+        max_tokens=800,
+        epochs=None,
+        max_steps=28,
+        warmup=20,
+        train_limit=300,
+        beam_size=2,
+        val_bleu_sentences=20,
+        test_sentences=20,
+        precision="fp32",
+    ),  # 28 steps: 2 epochs of 14
 }
 
 
 @dataclass(frozen=True)
 class Option:
     """How the command line sets one setting: the option, what it means, and the values it takes."""
+
     help: str
-    flag: str | None = None                # default: --name-with-dashes
-    integer: bool = False                  # any whole number
-    whole_from: int | None = None          # a whole number >= this
-    low: float | None = None               # a finite number >= low (> low with `above`) and <= high
+    flag: str | None = None  # default: --name-with-dashes
+    integer: bool = False  # any whole number
+    whole_from: int | None = None  # a whole number >= this
+    low: float | None = None  # a finite number >= low (> low with `above`) and <= high
     high: float | None = None
     above: bool = False
     choices: tuple[str, ...] | None = None
-    switch: bool = False                   # a flag without a value: on when given
-    none_word: str | None = None           # a word that sets the setting to None (beside a number)
+    switch: bool = False  # a flag without a value: on when given
+    none_word: str | None = None  # a word that sets the setting to None (beside a number)
 
 
-MODEL_OPTIONS = ("N", "d_model", "d_ff", "h", "dropout", "attention_dropout", "attention", "norm", "vocab_size")  # set in cfg.model
+MODEL_OPTIONS = (
+    "N",
+    "d_model",
+    "d_ff",
+    "h",
+    "dropout",
+    "attention_dropout",
+    "attention",
+    "norm",
+    "vocab_size",
+)  # set in cfg.model
 OPTIONS = {  # setting -> its command-line option, in the order --help lists them
     "src_lang": Option(f"source language: {', '.join(LANGUAGES)}", flag="--src"),
     "tgt_lang": Option("target language", flag="--tgt"),
@@ -232,17 +281,27 @@ OPTIONS = {  # setting -> its command-line option, in the order --help lists the
     "d_ff": Option("feed-forward width d_ff", whole_from=1),
     "h": Option("attention heads h (d_k = d_model / h)", flag="--heads", whole_from=1),
     "dropout": Option("dropout probability, in [0, 1)", low=0, high=1),
-    "attention_dropout": Option("dropout on the attention weights, in [0, 1), or 'same': --dropout's (0 lets "
-                                "scaled_dot_product_attention use its fused CPU kernel in training)", low=0, high=1,
-                                none_word="same"),
+    "attention_dropout": Option(
+        "dropout on the attention weights, in [0, 1), or 'same': --dropout's (0 lets "
+        "scaled_dot_product_attention use its fused CPU kernel in training)",
+        low=0,
+        high=1,
+        none_word="same",
+    ),
     "label_smoothing": Option("label smoothing epsilon, in [0, 1)", low=0, high=1),
-    "case_augment": Option("share of the training pairs added again with both sides in capitals or lower case, in "
-                           "[0, 1]", low=0, high=1),
+    "case_augment": Option(
+        "share of the training pairs added again with both sides in capitals or lower case, in [0, 1]", low=0, high=1
+    ),
     "warmup": Option("learning-rate warm-up steps", whole_from=1),
-    "lr_factor": Option("scale of the paper's learning-rate schedule (peak lr = factor * d_model^-0.5 * "
-                        "warmup^-0.5)", low=0, above=True),
-    "cooldown": Option("share of --max-steps, at the end, over which the learning rate falls linearly towards 0, "
-                       "in [0, 1) (0: the paper's schedule to the end)", low=0, high=1),
+    "lr_factor": Option(
+        "scale of the paper's learning-rate schedule (peak lr = factor * d_model^-0.5 * warmup^-0.5)", low=0, above=True
+    ),
+    "cooldown": Option(
+        "share of --max-steps, at the end, over which the learning rate falls linearly towards 0, "
+        "in [0, 1) (0: the paper's schedule to the end)",
+        low=0,
+        high=1,
+    ),
     "val_bleu_sentences": Option("translate only the first n val sentences each epoch", whole_from=1),
     "epochs": Option("an upper bound on epochs", whole_from=1),
     "max_steps": Option("optimizer steps of the run (the preset's budget)", whole_from=1),
@@ -252,15 +311,21 @@ OPTIONS = {  # setting -> its command-line option, in the order --help lists the
     "accum": Option("batches per optimizer step", whole_from=1),
     "vocab_size": Option("subwords of the joint sentencepiece vocabulary", whole_from=8),
     "beam_size": Option("beam width of the final test translation", whole_from=1),
-    "length_penalty": Option("the beam search's GNMT length penalty alpha for the final test translation: a number "
-                             ">= 0 (0.6: the paper's), or 'validation': the alpha of "
-                             f"{', '.join(f'{a:g}' for a in LENGTH_PENALTIES)} with the best BLEU on the whole "
-                             "validation split, chosen at the end of the run", low=0,
-                             none_word="validation"),
+    "length_penalty": Option(
+        "the beam search's GNMT length penalty alpha for the final test translation: a number "
+        ">= 0 (0.6: the paper's), or 'validation': the alpha of "
+        f"{', '.join(f'{a:g}' for a in LENGTH_PENALTIES)} with the best BLEU on the whole "
+        "validation split, chosen at the end of the run",
+        low=0,
+        none_word="validation",
+    ),
     "average_last": Option("average the last N epoch checkpoints at the end", whole_from=0),
     "seed": Option("seed of the initial weights, dropout and the batches' shuffle", integer=True),
-    "precision": Option("arithmetic: auto is bf16 autocast on CUDA and on a CPU with bf16 instructions (avx512_bf16 "
-                        "or AMX), else fp32; the loss and the optimizer stay fp32", choices=PRECISIONS),
+    "precision": Option(
+        "arithmetic: auto is bf16 autocast on CUDA and on a CPU with bf16 instructions (avx512_bf16 "
+        "or AMX), else fp32; the loss and the optimizer stay fp32",
+        choices=PRECISIONS,
+    ),
     "compile": Option("torch.compile the model (CUDA graphs on a GPU)", switch=True),
 }
 
@@ -303,7 +368,10 @@ def options_between(base: TrainConfig, cfg: TrainConfig) -> list[str]:
         elif value is None and option.none_word:
             words += [flag(name), option.none_word]
         elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            words += [flag(name), f"{value:g}" if isinstance(value, float) and float(f"{value:g}") == value else str(value)]
+            words += [
+                flag(name),
+                f"{value:g}" if isinstance(value, float) and float(f"{value:g}") == value else str(value),
+            ]
         else:
             raise ValueError(f"{name}={value!r} has no command-line form")
         changed[name] = value
@@ -321,4 +389,3 @@ def setting(cfg: TrainConfig, name: str):
     if name == "vocab_size":
         return cfg.vocab_size
     return getattr(cfg.model, name) if name in MODEL_OPTIONS else getattr(cfg, name)
-

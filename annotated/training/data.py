@@ -157,6 +157,7 @@ def resolve_base_url(base_url: str | None = None) -> str:
 # `test_unreachable_or_missing_source_names_the_variable`,
 # `test_loopback_http_server_good_and_corrupted`.)
 
+
 # %%
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -167,8 +168,10 @@ def _sha256_file(path: Path) -> str:
 
 
 def _how_to_fix() -> str:
-    return (f"set {URL_ENV} (or pass --data-url) to a reachable copy of the Multi30k raw files, "
-            f"e.g. {URL_ENV}=file:///path/to/multi30k/ or the default {DEFAULT_URL}")
+    return (
+        f"set {URL_ENV} (or pass --data-url) to a reachable copy of the Multi30k raw files, "
+        f"e.g. {URL_ENV}=file:///path/to/multi30k/ or the default {DEFAULT_URL}"
+    )
 
 
 def _download(url: str, out, name: str, timeout: float) -> str:
@@ -183,9 +186,18 @@ def _download(url: str, out, name: str, timeout: float) -> str:
         reason = getattr(e, "reason", e)
         raise DataError(f"cannot download {name} from {url}: {reason}; {_how_to_fix()}") from None
     h, received = hashlib.sha256(), 0
-    with response, tqdm(total=int(response.headers.get("Content-Length") or 0) or None, unit="B",
-                        unit_scale=True, unit_divisor=1024, desc=f"download {name}", leave=False,
-                        disable=None) as bar:
+    with (
+        response,
+        tqdm(
+            total=int(response.headers.get("Content-Length") or 0) or None,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"download {name}",
+            leave=False,
+            disable=None,
+        ) as bar,
+    ):
         expected = response.headers.get("Content-Length")
         try:
             for block in iter(lambda: response.read(1 << 16), b""):
@@ -194,11 +206,15 @@ def _download(url: str, out, name: str, timeout: float) -> str:
                 received += len(block)
                 bar.update(len(block))
         except (OSError, http.client.HTTPException) as e:
-            raise DataError(f"download of {name} from {url} broke off after {received} bytes ({e}); "
-                            f"nothing was cached; try again or {_how_to_fix()}") from None
+            raise DataError(
+                f"download of {name} from {url} broke off after {received} bytes ({e}); "
+                f"nothing was cached; try again or {_how_to_fix()}"
+            ) from None
     if expected is not None and expected.isdigit() and int(expected) != received:
-        raise DataError(f"download of {name} from {url} is incomplete: {received} of {expected} bytes; "
-                        f"nothing was cached; try again or {_how_to_fix()}")
+        raise DataError(
+            f"download of {name} from {url} is incomplete: {received} of {expected} bytes; "
+            f"nothing was cached; try again or {_how_to_fix()}"
+        )
     return h.hexdigest()
 
 
@@ -211,8 +227,10 @@ def _check_gzip(fd: int, name: str, url: str) -> None:
                 while f.read(1 << 20):
                     pass
     except (EOFError, OSError, zlib.error) as e:
-        raise DataError(f"{name} from {url} is not a complete gzip file ({e}): the download was cut short "
-                        f"or the server sent something else; nothing was cached; {_how_to_fix()}") from None
+        raise DataError(
+            f"{name} from {url} is not a complete gzip file ({e}): the download was cut short "
+            f"or the server sent something else; nothing was cached; {_how_to_fix()}"
+        ) from None
 
 
 def fetch(name: str, cache_dir: PathLike, base_url: str | None = None, *, timeout: float = 60.0) -> Path:
@@ -224,17 +242,23 @@ def fetch(name: str, cache_dir: PathLike, base_url: str | None = None, *, timeou
     if target.is_file():
         if _sha256_file(target) == SHA256[name]:
             return target
-        warnings.warn(f"cached {target} does not match its pinned sha256 (damaged?); downloading it again",
-                      DataWarning, stacklevel=2)
+        warnings.warn(
+            f"cached {target} does not match its pinned sha256 (damaged?); downloading it again",
+            DataWarning,
+            stacklevel=2,
+        )
     url = resolve_base_url(base_url) + name
+
     def download_and_verify(out) -> None:  # runs inside atomic_write: raising here caches nothing
         digest = _download(url, out, name, timeout)
         out.flush()
         _check_gzip(out.fileno(), name, url)
         if digest != SHA256[name]:
-            raise DataError(f"{name} from {url} has sha256 {digest}, but annotated/training/data.py pins "
-                            f"{SHA256[name]}: the file is damaged or not the Multi30k release this code "
-                            f"expects; nothing was cached; {_how_to_fix()}")
+            raise DataError(
+                f"{name} from {url} has sha256 {digest}, but annotated/training/data.py pins "
+                f"{SHA256[name]}: the file is damaged or not the Multi30k release this code "
+                f"expects; nothing was cached; {_how_to_fix()}"
+            )
 
     atomic_write(target, download_and_verify)
     return target
@@ -274,6 +298,7 @@ def fetch(name: str, cache_dir: PathLike, base_url: str | None = None, *, timeou
 # `test_line_breaks_and_gzip_detection`, `test_empty_line_rule`,
 # `test_unreadable_user_files_are_data_errors`.)
 
+
 # %%
 def read_lines(path: PathLike) -> list[str]:
     """The lines of a UTF-8 text file (plain or gzip), without their line terminators."""
@@ -282,7 +307,7 @@ def read_lines(path: PathLike) -> list[str]:
     try:
         with open(path, "rb") as raw:
             is_gzip = raw.read(2) == b"\x1f\x8b"
-        with (gzip.open(path, "rb") if is_gzip else open(path, "rb")) as f:
+        with gzip.open(path, "rb") if is_gzip else open(path, "rb") as f:
             for number, line in enumerate(f, start=1):
                 if line.endswith(b"\n"):
                     line = line[:-2] if line.endswith(b"\r\n") else line[:-1]
@@ -291,9 +316,11 @@ def read_lines(path: PathLike) -> list[str]:
                 try:
                     lines.append(line.decode("utf-8"))
                 except UnicodeDecodeError as e:
-                    raise DataError(f"{path}: line {number} is not valid UTF-8 (byte 0x{line[e.start]:02x} at "
-                                    f"byte offset {e.start} of the line); convert the file to UTF-8, "
-                                    f"e.g. with iconv") from None
+                    raise DataError(
+                        f"{path}: line {number} is not valid UTF-8 (byte 0x{line[e.start]:02x} at "
+                        f"byte offset {e.start} of the line); convert the file to UTF-8, "
+                        f"e.g. with iconv"
+                    ) from None
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -309,20 +336,27 @@ def read_parallel(src_path: PathLike, tgt_path: PathLike, *, empty: str = "error
         raise ValueError(f"empty must be 'error', 'skip' or 'keep', got {empty!r}")
     src, tgt = read_lines(src_path), read_lines(tgt_path)
     if len(src) != len(tgt):
-        raise DataError(f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}: a parallel corpus "
-                        f"needs exactly one target line per source line")
+        raise DataError(
+            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}: a parallel corpus "
+            f"needs exactly one target line per source line"
+        )
     pairs = list(zip(src, tgt))
     blank = [i for i, (s, t) in enumerate(pairs) if not s.strip() or not t.strip()]
     if blank and empty == "error":
         i = blank[0]
         where = src_path if not pairs[i][0].strip() else tgt_path
-        raise DataError(f"{where}: line {i + 1} is empty ({len(blank)} pair(s) of {src_path} / {tgt_path} have "
-                        f"an empty side); an empty line usually means the files are misaligned; remove those "
-                        f"pairs, or read with empty='skip' or empty='keep' (train_wmt.py --empty-lines skip|keep)")
+        raise DataError(
+            f"{where}: line {i + 1} is empty ({len(blank)} pair(s) of {src_path} / {tgt_path} have "
+            f"an empty side); an empty line usually means the files are misaligned; remove those "
+            f"pairs, or read with empty='skip' or empty='keep' (train_wmt.py --empty-lines skip|keep)"
+        )
     if blank and empty == "skip":
-        warnings.warn(f"{src_path} / {tgt_path}: skipped {len(blank)} pair(s) with an empty side "
-                      f"(lines {', '.join(str(i + 1) for i in blank[:5])}{', ...' if len(blank) > 5 else ''})",
-                      DataWarning, stacklevel=2)
+        warnings.warn(
+            f"{src_path} / {tgt_path}: skipped {len(blank)} pair(s) with an empty side "
+            f"(lines {', '.join(str(i + 1) for i in blank[:5])}{', ...' if len(blank) > 5 else ''})",
+            DataWarning,
+            stacklevel=2,
+        )
         skip = set(blank)
         pairs = [p for i, p in enumerate(pairs) if i not in skip]
     return pairs
@@ -335,15 +369,22 @@ def read_parallel(src_path: PathLike, tgt_path: PathLike, *, empty: str = "error
 # `<cache_dir>/multi30k/`, `cache_dir` defaulting to `default_cache_dir()`.
 # (`test_load_multi30k_val_has_one_pair_per_line`.)
 
+
 # %%
-def load_multi30k(split: str, src_lang: str = "de", tgt_lang: str = "en", cache_dir: PathLike | None = None,
-                  base_url: str | None = None) -> list[tuple[str, str]]:
+def load_multi30k(
+    split: str,
+    src_lang: str = "de",
+    tgt_lang: str = "en",
+    cache_dir: PathLike | None = None,
+    base_url: str | None = None,
+) -> list[tuple[str, str]]:
     """(source, target) pairs of one Multi30k split, downloaded and verified on first use."""
     if split not in SPLITS:
         raise DataError(f"unknown Multi30k split {split!r}; choose one of {SPLITS}")
     if src_lang not in LANGS or tgt_lang not in LANGS or src_lang == tgt_lang:
-        raise DataError(f"src_lang and tgt_lang must be two different languages of {LANGS}, "
-                        f"got {src_lang!r} -> {tgt_lang!r}")
+        raise DataError(
+            f"src_lang and tgt_lang must be two different languages of {LANGS}, got {src_lang!r} -> {tgt_lang!r}"
+        )
     root = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "multi30k"
     src = fetch(f"{split}.{src_lang}.gz", root, base_url)
     tgt = fetch(f"{split}.{tgt_lang}.gz", root, base_url)
@@ -360,6 +401,7 @@ def load_multi30k(split: str, src_lang: str = "de", tgt_lang: str = "en", cache_
 # in kind (`TrainConfig.case_augment`, `--case-augment`; 0 by default: the
 # translator recases such input instead, `annotated/decoding/casing.py`).
 # The copies join the training pairs before the vocabulary is trained.
+
 
 # %%
 def case_augmented(pairs: Sequence[tuple[str, str]], share: float, seed: int = 0) -> list[tuple[str, str]]:
@@ -452,9 +494,19 @@ def case_augmented(pairs: Sequence[tuple[str, str]], share: float, seed: int = 0
 
 # %%
 SPM_SETTINGS: dict[str, Any] = dict(
-    model_type="bpe", character_coverage=1.0, normalization_rule_name="identity",
-    remove_extra_whitespaces=False, byte_fallback=True, pad_id=PAD, bos_id=BOS, eos_id=EOS, unk_id=UNK,
-    input_sentence_size=5_000_000, shuffle_input_sentence=True, num_threads=4, minloglevel=2,
+    model_type="bpe",
+    character_coverage=1.0,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    byte_fallback=True,
+    pad_id=PAD,
+    bos_id=BOS,
+    eos_id=EOS,
+    unk_id=UNK,
+    input_sentence_size=5_000_000,
+    shuffle_input_sentence=True,
+    num_threads=4,
+    minloglevel=2,
 )
 SPM_SEED = 0
 
@@ -464,8 +516,17 @@ def tokenizer_cache_key(texts: Sequence[str], vocab_size: int, settings: dict | 
     import sentencepiece as spm
 
     h = hashlib.sha256()
-    h.update(json.dumps({"sentencepiece": spm.__version__, "settings": settings or SPM_SETTINGS,
-                         "seed": SPM_SEED, "vocab_size": vocab_size}, sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            {
+                "sentencepiece": spm.__version__,
+                "settings": settings or SPM_SETTINGS,
+                "seed": SPM_SEED,
+                "vocab_size": vocab_size,
+            },
+            sort_keys=True,
+        ).encode()
+    )
     for text in texts:
         b = text.encode("utf-8")
         h.update(len(b).to_bytes(8, "little") + b)  # length-prefixed: ["ab", "c"] != ["a", "bc"]
@@ -478,22 +539,28 @@ def _train_spm(texts: Sequence[str], vocab_size: int) -> bytes:
     spm.set_random_generator_seed(SPM_SEED)
     out = io.BytesIO()
     try:
-        spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=out, vocab_size=vocab_size,
-                                       **SPM_SETTINGS)
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts), model_writer=out, vocab_size=vocab_size, **SPM_SETTINGS
+        )
     except RuntimeError as e:
         msg = str(e)
         high = re.search(r"too high \((\d+)\).*<= (\d+)", msg)
         low = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
         if high:
-            raise DataError(f"vocab_size={vocab_size} is too large for these {len(texts)} sentences: they yield "
-                            f"at most {high.group(2)} subwords; choose vocab_size <= {high.group(2)} or train "
-                            f"on more text") from None
+            raise DataError(
+                f"vocab_size={vocab_size} is too large for these {len(texts)} sentences: they yield "
+                f"at most {high.group(2)} subwords; choose vocab_size <= {high.group(2)} or train "
+                f"on more text"
+            ) from None
         if low:
-            raise DataError(f"vocab_size={vocab_size} is too small: the vocabulary must hold at least "
-                            f"{low.group(2)} entries (4 reserved ids, 256 byte pieces and every distinct "
-                            f"character of the texts); choose vocab_size >= {low.group(2)}") from None
-        raise DataError(f"sentencepiece could not train a vocabulary of {vocab_size} on {len(texts)} "
-                        f"sentences: {msg}") from None
+            raise DataError(
+                f"vocab_size={vocab_size} is too small: the vocabulary must hold at least "
+                f"{low.group(2)} entries (4 reserved ids, 256 byte pieces and every distinct "
+                f"character of the texts); choose vocab_size >= {low.group(2)}"
+            ) from None
+        raise DataError(
+            f"sentencepiece could not train a vocabulary of {vocab_size} on {len(texts)} sentences: {msg}"
+        ) from None
     return out.getvalue()
 
 
@@ -510,8 +577,9 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: PathLike |
         try:
             return Tokenizer.from_bytes(path.read_bytes())
         except TokenizerError as e:
-            warnings.warn(f"ignoring the damaged tokenizer cache {path} ({e}); training again", DataWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"ignoring the damaged tokenizer cache {path} ({e}); training again", DataWarning, stacklevel=2
+            )
     model = _train_spm(texts, vocab_size)
     tokenizer = Tokenizer.from_bytes(model)
     atomic_write(path, model)
@@ -570,6 +638,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: PathLike |
 # `test_over_budget_example_gets_its_own_batch`, and for random lengths,
 # budgets and process counts `test_batching_properties`.)
 
+
 # %%
 def real_positions(tgt: Tensor) -> Tensor:
     """The flat indices (n,) of tgt[:, 1:]'s non-pad entries, the positions a step predicts. tgt (B, T).
@@ -582,8 +651,8 @@ def real_positions(tgt: Tensor) -> Tensor:
 
 @dataclass
 class Batch:
-    src: Tensor    # (B, S) source ids, padded with PAD
-    tgt: Tensor    # (B, T) BOS + target ids + EOS, padded with PAD
+    src: Tensor  # (B, S) source ids, padded with PAD
+    tgt: Tensor  # (B, T) BOS + target ids + EOS, padded with PAD
     index: Tensor  # (B,) position of each row in the list given to make_batches
     real: Tensor = None  # type: ignore[assignment]  # (n,) flat indices of tgt[:, 1:]'s non-pad entries
 
@@ -601,8 +670,12 @@ class Batch:
         return self.src.size(0)
 
     def to(self, device, non_blocking: bool = False) -> Batch:
-        return Batch(self.src.to(device, non_blocking=non_blocking), self.tgt.to(device, non_blocking=non_blocking),
-                     self.index, self.real.to(device, non_blocking=non_blocking))
+        return Batch(
+            self.src.to(device, non_blocking=non_blocking),
+            self.tgt.to(device, non_blocking=non_blocking),
+            self.index,
+            self.real.to(device, non_blocking=non_blocking),
+        )
 
     def pin_memory(self) -> Batch:
         """The same batch in page-locked host memory (needs CUDA), so that `to(cuda, non_blocking=True)` is
@@ -641,8 +714,12 @@ def _width(pair: tuple[Sequence[int], Sequence[int]]) -> int:
     return max(len(pair[0]), len(pair[1]) + 2)
 
 
-def collate(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], index: Sequence[int], pad_to: int = 1,
-            max_len: int | None = None) -> Batch:
+def collate(
+    encoded: Sequence[tuple[Sequence[int], Sequence[int]]],
+    index: Sequence[int],
+    pad_to: int = 1,
+    max_len: int | None = None,
+) -> Batch:
     """The padded Batch of the examples encoded[i] for i in index (columns as in `_columns`).
 
     >>> b = collate([([5, 6, 7], [8]), ([9], [10, 11])], [0, 1])
@@ -698,6 +775,7 @@ def _bucket(encoded, max_tokens: int, rng: random.Random | None) -> list[list[in
 # (`test_ranks_share_all_examples_once`, `test_too_few_examples_for_the_ranks`;
 # the doctest of `make_batches` shows a split.)
 
+
 # %%
 def _split_to_multiple(groups: list[list[int]], world_size: int) -> list[list[int]]:
     groups = list(groups)
@@ -706,16 +784,25 @@ def _split_to_multiple(groups: list[list[int]], world_size: int) -> list[list[in
         g = groups[j]
         if len(g) < 2:
             n = sum(map(len, groups))
-            raise DataError(f"cannot share {n} examples equally among {world_size} processes: each process "
-                            f"needs the same number of batches and no batch can be split further; use more "
-                            f"data, fewer processes or a larger max_tokens")
-        groups[j:j + 1] = [g[:len(g) // 2], g[len(g) // 2:]]
+            raise DataError(
+                f"cannot share {n} examples equally among {world_size} processes: each process "
+                f"needs the same number of batches and no batch can be split further; use more "
+                f"data, fewer processes or a larger max_tokens"
+            )
+        groups[j : j + 1] = [g[: len(g) // 2], g[len(g) // 2 :]]
     return groups
 
 
-def make_batches(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], max_tokens: int, shuffle: bool = False,
-                 seed: int = 0, rank: int = 0, world_size: int = 1, pad_to: int = 8,
-                 max_len: int | None = None) -> list[Batch]:
+def make_batches(
+    encoded: Sequence[tuple[Sequence[int], Sequence[int]]],
+    max_tokens: int,
+    shuffle: bool = False,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    pad_to: int = 8,
+    max_len: int | None = None,
+) -> list[Batch]:
     """This process's batches: length-bucketed, B * max(S, T) <= max_tokens, each example once over all ranks.
 
     Seven pairs of widths 3 ... 9 (n source ids, n target ids + bos + eos) in three batches of at most 18
@@ -744,9 +831,12 @@ def make_batches(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], max_tok
     groups = _bucket(encoded, max_tokens, rng)
     over = [g[0] for g in groups if _width(encoded[g[0]]) > max_tokens]
     if over:
-        warnings.warn(f"{len(over)} example(s) are wider than max_tokens={max_tokens} "
-                      f"(widest: {max(_width(encoded[i]) for i in over)} columns); each gets a batch of its own",
-                      DataWarning, stacklevel=2)
+        warnings.warn(
+            f"{len(over)} example(s) are wider than max_tokens={max_tokens} "
+            f"(widest: {max(_width(encoded[i]) for i in over)} columns); each gets a batch of its own",
+            DataWarning,
+            stacklevel=2,
+        )
     if world_size > 1:
         groups = _split_to_multiple(groups, world_size)
     if rng is not None:
@@ -778,9 +868,9 @@ def make_batches(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], max_tok
 # `split_long` is the helper for the first rule; it only sorts indices and
 # reports nothing itself (its doctest, `test_split_long`).
 
+
 # %%
-def split_long(encoded: Sequence[tuple[Sequence[int], Sequence[int]]],
-               max_len: int) -> tuple[list[int], list[int]]:
+def split_long(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: int) -> tuple[list[int], list[int]]:
     """(indices of pairs that fit a model with this max_len, indices of those that do not).
 
     >>> split_long([([1] * 4, [2] * 3), ([1] * 5, [2] * 3), ([1] * 4, [2] * 4)], max_len=4)

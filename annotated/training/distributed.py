@@ -101,9 +101,11 @@ def join(dev: torch.device) -> tuple[int, int, torch.device, bool]:
     if dev.type == "cuda":  # one GPU per process: the LOCAL_RANK-th of this machine
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if local >= torch.cuda.device_count():
-            raise ValueError(f"process LOCAL_RANK={local} needs GPU {local}, but this machine has "
-                             f"{torch.cuda.device_count()}: start at most that many processes per machine "
-                             f"(--nproc_per_node), or train on CPUs with --device cpu")
+            raise ValueError(
+                f"process LOCAL_RANK={local} needs GPU {local}, but this machine has "
+                f"{torch.cuda.device_count()}: start at most that many processes per machine "
+                f"(--nproc_per_node), or train on CPUs with --device cpu"
+            )
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     if owned:
@@ -123,8 +125,9 @@ def wrap(model: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
 
     # the one buffer, the positional table, is constant: no copy before each forward (newer torch's name for
     # that setting, else the older one)
-    no_buffer_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                      else "broadcast_buffers")
+    no_buffer_sync = (
+        "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
+    )
     settings: dict[str, Any] = {no_buffer_sync: False}
     return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, **settings)
 

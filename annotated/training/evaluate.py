@@ -26,13 +26,27 @@ def score(hypotheses: list[str], references: list[str]) -> dict:
     bleu_lc = sacrebleu.metrics.BLEU(lowercase=True)
     chrf = sacrebleu.metrics.CHRF()
     b, bl, c = (m.corpus_score(hypotheses, [references]) for m in (bleu, bleu_lc, chrf))
-    return {"bleu": round(b.score, 2), "bleu_lowercase": round(bl.score, 2), "chrf": round(c.score, 2),
-            "signature": {"bleu": str(bleu.get_signature()), "bleu_lowercase": str(bleu_lc.get_signature()),
-                          "chrf": str(chrf.get_signature())}}
+    return {
+        "bleu": round(b.score, 2),
+        "bleu_lowercase": round(bl.score, 2),
+        "chrf": round(c.score, 2),
+        "signature": {
+            "bleu": str(bleu.get_signature()),
+            "bleu_lowercase": str(bleu_lc.get_signature()),
+            "chrf": str(chrf.get_signature()),
+        },
+    }
 
 
-def evaluate_bleu(model, tokenizer, pairs: list[tuple[str, str]], beam_size: int, length_penalty: float,
-                  device=None, progress: bool = False) -> tuple[dict, list[str]]:
+def evaluate_bleu(
+    model,
+    tokenizer,
+    pairs: list[tuple[str, str]],
+    beam_size: int,
+    length_penalty: float,
+    device=None,
+    progress: bool = False,
+) -> tuple[dict, list[str]]:
     """Translate the sources of `pairs` and score them against the references: (scores, translations)."""
     sources = [tokenizer.encode(s) for s, _ in pairs]
     truncated = sum(len(s) > model.config.max_len for s in sources)
@@ -61,14 +75,22 @@ def evaluate_bleu(model, tokenizer, pairs: list[tuple[str, str]], beam_size: int
 LENGTH_PENALTIES = (0.6, 1.0, 2.0, 3.0, 4.0)
 
 
-def choose_length_penalty(model, tokenizer, val_pairs: list[tuple[str, str]], beam_size: int,
-                          candidates: tuple[float, ...] = LENGTH_PENALTIES, device=None,
-                          progress: bool = False) -> tuple[float, dict[float, float]]:
+def choose_length_penalty(
+    model,
+    tokenizer,
+    val_pairs: list[tuple[str, str]],
+    beam_size: int,
+    candidates: tuple[float, ...] = LENGTH_PENALTIES,
+    device=None,
+    progress: bool = False,
+) -> tuple[float, dict[float, float]]:
     """(alpha, {alpha: cased BLEU}) over `candidates` on the validation pairs: the highest BLEU, the smaller alpha
     on a tie."""
     if not val_pairs or not candidates:
         raise ValueError("choosing a length penalty needs validation pairs and candidate alphas")
-    bleu = {alpha: evaluate_bleu(model, tokenizer, val_pairs, beam_size, alpha, device, progress)[0]["bleu"]
-            for alpha in candidates}
+    bleu = {
+        alpha: evaluate_bleu(model, tokenizer, val_pairs, beam_size, alpha, device, progress)[0]["bleu"]
+        for alpha in candidates
+    }
     best = max(bleu.values())
     return min(alpha for alpha, b in bleu.items() if b == best), bleu

@@ -55,6 +55,7 @@ from annotated.training.runs import average_checkpoints
 @dataclass(frozen=True)
 class Arithmetic:
     """How a run computes: fp32 or bf16 (and why), and the CPU threads torch uses."""
+
     precision: str
     reason: str
     threads: int
@@ -66,23 +67,43 @@ def checkpoints_to_test(cfg: TrainConfig, run_dir: Path) -> dict[str, Path]:
     candidates = {"best": run_dir / "best.pt" if (run_dir / "best.pt").exists() else run_dir / "last.pt"}
     epochs = sorted(run_dir.glob("epoch*.pt"), key=lambda p: int(p.stem[5:]))
     if cfg.average_last >= 2 and len(epochs) >= 2:
-        atomic_torch_save(average_checkpoints(epochs[-cfg.average_last:]), run_dir / "averaged.pt")
+        atomic_torch_save(average_checkpoints(epochs[-cfg.average_last :]), run_dir / "averaged.pt")
         candidates["averaged"] = run_dir / "averaged.pt"
     return candidates
 
 
-def score_test_set(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev: torch.device,
-                           say: Callable[[str], None], arithmetic: Arithmetic, *, progress: bool = True,
-                           test_files=None, writer=None, val_pairs=None, started_in: dict | None = None) -> dict:
+def score_test_set(
+    cfg: TrainConfig,
+    run_dir: Path,
+    tokenizer,
+    test_pairs,
+    dev: torch.device,
+    say: Callable[[str], None],
+    arithmetic: Arithmetic,
+    *,
+    progress: bool = True,
+    test_files=None,
+    writer=None,
+    val_pairs=None,
+    started_in: dict | None = None,
+) -> dict:
     """Test BLEU of the best (and averaged) checkpoint, greedy and beam (at the length penalty of the settings,
     or chosen on `val_pairs`); writes results.json and, given a tensorboard writer, the test scores and the
     settings. `started_in`: the environment the training started in (`environment()` then: the code that
     trained, not the checkout as it is when training ends); else taken now."""
     test_set = f"{test_files[0]} + {test_files[1]}" if test_files else "test_2016_flickr"  # named by its files
-    results: dict[str, Any] = {"run_dir": str(run_dir), "device": str(dev), "torch": torch.__version__,
-               "precision": arithmetic.precision, "precision_reason": arithmetic.reason,
-               "threads": arithmetic.threads, "train_config": config_dict(cfg), "test_set": test_set, "test": {},
-               "environment": started_in or environment()}
+    results: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "device": str(dev),
+        "torch": torch.__version__,
+        "precision": arithmetic.precision,
+        "precision_reason": arithmetic.reason,
+        "threads": arithmetic.threads,
+        "train_config": config_dict(cfg),
+        "test_set": test_set,
+        "test": {},
+        "environment": started_in or environment(),
+    }
     if test_files:
         results["test_files"] = [str(f) for f in test_files]
     last = read_checkpoint(run_dir / "last.pt")["run_state"]
@@ -96,14 +117,22 @@ def score_test_set(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev: 
         model.to(dev)
         greedy, hyps = evaluate_bleu(model, tokenizer, test_pairs, 1, 0.0, dev, progress)
         beam, beam_hyps = evaluate_bleu(model, tokenizer, test_pairs, cfg.beam_size, alpha, dev, progress)
-        results["test"][name] = {"checkpoint": str(path), "epoch": meta.get("epoch"), "greedy": greedy,
-                                 "beam": dict(beam, length_penalty=alpha)}
-        say(f"{test_set} {cfg.src_lang}->{cfg.tgt_lang} [{name}]: greedy BLEU {greedy['bleu']:.2f} "
+        results["test"][name] = {
+            "checkpoint": str(path),
+            "epoch": meta.get("epoch"),
+            "greedy": greedy,
+            "beam": dict(beam, length_penalty=alpha),
+        }
+        say(
+            f"{test_set} {cfg.src_lang}->{cfg.tgt_lang} [{name}]: greedy BLEU {greedy['bleu']:.2f} "
             f"(lowercased {greedy['bleu_lowercase']:.2f}), beam {cfg.beam_size} BLEU {beam['bleu']:.2f} "
-            f"(lowercased {beam['bleu_lowercase']:.2f}), chrF {beam['chrf']:.2f}")
+            f"(lowercased {beam['bleu_lowercase']:.2f}), chrF {beam['chrf']:.2f}"
+        )
         if not samples:
-            samples = [{"source": s, "reference": r, "greedy": g, "beam": b}
-                       for (s, r), g, b in list(zip(test_pairs, hyps, beam_hyps))[:5]]
+            samples = [
+                {"source": s, "reference": r, "greedy": g, "beam": b}
+                for (s, r), g, b in list(zip(test_pairs, hyps, beam_hyps))[:5]
+            ]
     results["samples"] = samples
     atomic_write(run_dir / "results.json", json.dumps(results, indent=2, ensure_ascii=False))
     if writer is not None:
@@ -114,8 +143,9 @@ def score_test_set(cfg: TrainConfig, run_dir: Path, tokenizer, test_pairs, dev: 
     return results
 
 
-def length_penalty_of_run(cfg: TrainConfig, tested: dict[str, Path], tokenizer, val_pairs, dev, say,
-                          progress: bool) -> dict:
+def length_penalty_of_run(
+    cfg: TrainConfig, tested: dict[str, Path], tokenizer, val_pairs, dev, say, progress: bool
+) -> dict:
     """{"chosen": alpha, "chosen_on": where it came from, ...}: the settings' number, or the alpha with the best
     BLEU on `val_pairs` for the run's model (averaged, else best), then written into every tested checkpoint's
     meta."""
@@ -124,15 +154,21 @@ def length_penalty_of_run(cfg: TrainConfig, tested: dict[str, Path], tokenizer, 
     if not val_pairs:
         raise ValueError("length_penalty None is chosen on validation pairs, and the run has none")
     model, _, _ = load_checkpoint(tested.get("averaged", tested["best"]))
-    alpha, bleu = choose_length_penalty(model.to(dev), tokenizer, val_pairs, cfg.beam_size, device=dev,
-                                        progress=progress)
+    alpha, bleu = choose_length_penalty(
+        model.to(dev), tokenizer, val_pairs, cfg.beam_size, device=dev, progress=progress
+    )
     for path in tested.values():
         with_meta(path, path, length_penalty=alpha)
     table = ", ".join(f"{a:g}: {b:.2f}" for a, b in bleu.items())
-    say(f"length penalty: alpha {alpha:g}, the best beam {cfg.beam_size} BLEU on the {len(val_pairs)} validation "
-        f"sentences ({table})")
-    return {"chosen": alpha, "chosen_on": f"validation ({len(val_pairs)} sentences)",
-            "validation_bleu": {f"{a:g}": b for a, b in bleu.items()}}
+    say(
+        f"length penalty: alpha {alpha:g}, the best beam {cfg.beam_size} BLEU on the {len(val_pairs)} validation "
+        f"sentences ({table})"
+    )
+    return {
+        "chosen": alpha,
+        "chosen_on": f"validation ({len(val_pairs)} sentences)",
+        "validation_bleu": {f"{a:g}": b for a, b in bleu.items()},
+    }
 
 
 def flat_settings(cfg: TrainConfig) -> dict:
@@ -160,7 +196,14 @@ def log_test_scores(writer, cfg: TrainConfig, results: dict) -> None:
                 metrics[f"test_{name}/{search}_{metric}"] = scores[search][metric]
     for tag, value in metrics.items():
         writer.add_scalar(tag, value, results["steps"])
-    writer.add_hparams(dict(flat_settings(cfg), precision_used=results["precision"], threads=results["threads"],
-                            length_penalty_used=results["length_penalty"]["chosen"]),
-                       {f"hparams/{tag}": value for tag, value in metrics.items()}, run_name="hparams")
+    writer.add_hparams(
+        dict(
+            flat_settings(cfg),
+            precision_used=results["precision"],
+            threads=results["threads"],
+            length_penalty_used=results["length_penalty"]["chosen"],
+        ),
+        {f"hparams/{tag}": value for tag, value in metrics.items()},
+        run_name="hparams",
+    )
     writer.flush()

@@ -66,32 +66,37 @@ class TrainingError(RuntimeError):
 
 @dataclass
 class RunState:
-    epoch: int = 0                # epochs completed
-    batch_in_epoch: int = 0       # batches of the current epoch already trained
-    step: int = 0                 # optimizer steps taken
+    epoch: int = 0  # epochs completed
+    batch_in_epoch: int = 0  # batches of the current epoch already trained
+    step: int = 0  # optimizer steps taken
     best_bleu: float = -1.0
     history: list = field(default_factory=list)
-    world_size: int = 1           # processes of the run (batch_in_epoch counts the batches of each one)
-    train_s: float = 0.0          # seconds spent in training steps (evaluation excluded), over all sessions
+    world_size: int = 1  # processes of the run (batch_in_epoch counts the batches of each one)
+    train_s: float = 0.0  # seconds spent in training steps (evaluation excluded), over all sessions
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:
     """A new or empty folder, or with resume one holding last.pt; else one line saying what to do."""
     if run_dir.resolve() == Path.cwd().resolve() or run_dir.name in ("", ".", ".."):
-        raise TrainingError(f"--run-dir {run_dir}: the run needs a folder of its own; choose a new one, "
-                            f"e.g. runs/my-run")
+        raise TrainingError(
+            f"--run-dir {run_dir}: the run needs a folder of its own; choose a new one, e.g. runs/my-run"
+        )
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainingError(f"--run-dir {run_dir} is a file, not a folder; choose another --run-dir")
     if resume:
         if not (run_dir / "last.pt").is_file():
-            raise CheckpointError(f"{run_dir / 'last.pt'}: no such file; --resume continues the run whose "
-                                  f"last.pt is in --run-dir")
+            raise CheckpointError(
+                f"{run_dir / 'last.pt'}: no such file; --resume continues the run whose last.pt is in --run-dir"
+            )
     elif (run_dir / "last.pt").exists():
-        raise TrainingError(f"{run_dir} already holds a run (last.pt); pass --resume to continue it "
-                            f"or choose another --run-dir")
+        raise TrainingError(
+            f"{run_dir} already holds a run (last.pt); pass --resume to continue it or choose another --run-dir"
+        )
     elif run_dir.is_dir() and any(run_dir.iterdir()):
-        raise TrainingError(f"{run_dir} is not empty and holds no run; training writes checkpoints, logs and "
-                            f"results there, so choose a new or empty --run-dir")
+        raise TrainingError(
+            f"{run_dir} is not empty and holds no run; training writes checkpoints, logs and "
+            f"results there, so choose a new or empty --run-dir"
+        )
 
 
 def point_latest(run_dir: Path) -> None:
@@ -136,8 +141,10 @@ def latest_checkpoint(runs_dir: str | Path = "runs") -> Path:
     found = [p for p in runs.glob("*/best.pt") if p.is_file()]
     if found and (model := run_model(max(found, key=lambda p: p.stat().st_mtime).parent)):
         return model
-    raise CheckpointError(f"no checkpoint found: neither {latest}/best.pt nor any {runs}/*/best.pt exists; "
-                          f"train one (`make train`) or pass --checkpoint PATH")
+    raise CheckpointError(
+        f"no checkpoint found: neither {latest}/best.pt nor any {runs}/*/best.pt exists; "
+        f"train one (`make train`) or pass --checkpoint PATH"
+    )
 
 
 def log_line(run_dir: Path, text: str) -> None:
@@ -175,8 +182,10 @@ def average_checkpoints(paths: list[Path]) -> dict:
     """Element-wise mean of the model parameters of several checkpoints (same config)."""
     states = [read_checkpoint(p) for p in paths]
     base = dict(states[-1])
-    base["model"] = {k: sum(s["model"][k].double() for s in states).div(len(states)).to(v.dtype)
-                     for k, v in states[-1]["model"].items()}
+    base["model"] = {
+        k: sum(s["model"][k].double() for s in states).div(len(states)).to(v.dtype)
+        for k, v in states[-1]["model"].items()
+    }
     base["meta"] = dict(base.get("meta", {}), averaged=[str(p) for p in paths])
     for key in ("optimizer", "scheduler", "rng", "run_state"):
         base.pop(key, None)
@@ -187,29 +196,36 @@ def settings_that_differ(saved: TrainConfig, now: TrainConfig) -> dict[str, tupl
     """{name: (saved, now)} for the settings a resumed run must share with its checkpoint: the data and the
     model (dropout aside, which may change between sessions)."""
     pairs = {k: (getattr(saved, k), getattr(now, k)) for k in ("src_lang", "tgt_lang", "train_limit", "vocab_size")}
-    pairs.update({k: (getattr(saved.model, k), getattr(now.model, k))  # (the joint vocabulary: vocab_size)
-                  for k in dataclasses.asdict(now.model) if k not in ("dropout", "src_vocab", "tgt_vocab")})
+    pairs.update(
+        {
+            k: (getattr(saved.model, k), getattr(now.model, k))  # (the joint vocabulary: vocab_size)
+            for k in dataclasses.asdict(now.model)
+            if k not in ("dropout", "src_vocab", "tgt_vocab")
+        }
+    )
     return {k: (a, b) for k, (a, b) in pairs.items() if a != b}
 
 
-def resume_state(path: Path, cfg: TrainConfig, model, opt, sched, tokenizer=None,
-                 read=read_checkpoint) -> RunState:
+def resume_state(path: Path, cfg: TrainConfig, model, opt, sched, tokenizer=None, read=read_checkpoint) -> RunState:
     """Load model, optimizer, scheduler and random states from a run's last.pt; its RunState."""
     state = read(path)
     if "run_state" not in state:
         raise CheckpointError(f"checkpoint {path} has no training state; it cannot be resumed")
     if "train_config" not in state.get("meta", {}):
-        raise CheckpointError(f"checkpoint {path} names no training settings (meta.train_config); it cannot be "
-                              f"resumed")
+        raise CheckpointError(f"checkpoint {path} names no training settings (meta.train_config); it cannot be resumed")
     saved = config_from_dict(state["meta"]["train_config"])
     diff = settings_that_differ(saved, cfg)
     if diff:
-        raise CheckpointError(f"checkpoint {path} was trained with different settings; cannot resume: " +
-                              ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items()))
+        raise CheckpointError(
+            f"checkpoint {path} was trained with different settings; cannot resume: "
+            + ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+        )
     if tokenizer is not None and state.get("tokenizer") not in (None, tokenizer.to_bytes()):
-        raise CheckpointError(f"checkpoint {path} was trained with another tokenizer than the one built from "
-                              f"the training data now (the data or the sentencepiece version changed); "
-                              f"cannot resume")
+        raise CheckpointError(
+            f"checkpoint {path} was trained with another tokenizer than the one built from "
+            f"the training data now (the data or the sentencepiece version changed); "
+            f"cannot resume"
+        )
     loaded = model_from_state(state, path)
     model.load_state_dict(loaded.state_dict())
     opt.load_state_dict(state["optimizer"])

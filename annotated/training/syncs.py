@@ -22,8 +22,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # operators whose result the host must see: a scalar, or an output whose size depends on the values
-SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "equal", "is_nonzero", "unique_dim",
-            "_unique", "_unique2", "unique_consecutive", "bincount", "histc", "repeat_interleave"}
+SYNC_OPS = {
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "masked_select",
+    "equal",
+    "is_nonzero",
+    "unique_dim",
+    "_unique",
+    "_unique2",
+    "unique_consecutive",
+    "bincount",
+    "histc",
+    "repeat_interleave",
+}
 
 
 class SyncCounter(TorchDispatchMode):

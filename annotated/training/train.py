@@ -92,9 +92,11 @@ from annotated.transformer import EncoderDecoder, cooled_rate, make_model, paddi
 # zero, so that its last checkpoints are taken at small steps, not at the
 # rate that makes the validation score jump by two points between epochs.
 
+
 # %%
-def batch_loss(model: torch.nn.Module, src: Tensor, tgt: Tensor, eps: float,
-               real: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def batch_loss(
+    model: torch.nn.Module, src: Tensor, tgt: Tensor, eps: float, real: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(summed loss, number of predicted tokens), both 0-d tensors on the batch's device (nothing is read).
     With `real` (`Batch.real`: the flat indices of tgt[:, 1:]'s non-pad entries) the model projects only
     those positions onto the vocabulary; the loss is the same."""
@@ -158,10 +160,20 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
 # `tests/training/test_train_syncs.py` counts the synchronising operators a run of
 # steps dispatches (`annotated/training/syncs.py`): none between two reads.
 
+
 # %%
-def train_step(model: torch.nn.Module, opt, sched, batches, n_tokens: int, cfg: TrainConfig,
-               dev: torch.device, world: int = 1, ddp=None, precision: str = "fp32"
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def train_step(
+    model: torch.nn.Module,
+    opt,
+    sched,
+    batches,
+    n_tokens: int,
+    cfg: TrainConfig,
+    dev: torch.device,
+    world: int = 1,
+    ddp=None,
+    precision: str = "fp32",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One optimizer step over `batches` (up to `accum` of them, `n_tokens` predicted tokens over all ranks),
     forward and backward under `precision` ("fp32" or "bf16" autocast).
     Returns (summed loss, tokens, gradient norm, found_inf), device tensors that nobody reads here."""
@@ -169,9 +181,14 @@ def train_step(model: torch.nn.Module, opt, sched, batches, n_tokens: int, cfg: 
     for j, b in enumerate(batches):
         # DDP averages the gradients in the backward pass of the step's last batch only
         sync = ddp is None or j == len(batches) - 1
-        with (contextlib.nullcontext() if sync else ddp.no_sync()), autocast(dev, precision):
-            loss, n = batch_loss(model, b.src.to(dev, non_blocking=True), b.tgt.to(dev, non_blocking=True),
-                                 cfg.label_smoothing, b.real.to(dev, non_blocking=True))
+        with contextlib.nullcontext() if sync else ddp.no_sync(), autocast(dev, precision):
+            loss, n = batch_loss(
+                model,
+                b.src.to(dev, non_blocking=True),
+                b.tgt.to(dev, non_blocking=True),
+                cfg.label_smoothing,
+                b.real.to(dev, non_blocking=True),
+            )
         # (W / N) sum_b L_b on this rank; DDP's mean over the W ranks makes it sum_b L_b / N ("Several processes")
         (loss * (world / max(n_tokens, 1))).backward()
         loss_sum, tokens = loss_sum + loss.detach().float(), tokens + n
@@ -191,9 +208,10 @@ class Reading:
     """What a read of the running sums gives: sums over the steps since the last read (over all ranks), the
     first skipped step's number (counted from the previous read, 1 = its first step), loss and gradient norm,
     and how many ranks asked to stop or ran out of time."""
+
     loss: float
     tokens: float
-    grad_norm: float          # summed over the steps (the same on every rank: from the all-reduced gradient)
+    grad_norm: float  # summed over the steps (the same on every rank: from the all-reduced gradient)
     steps: float
     skipped: float
     first_skipped_step: float
@@ -206,6 +224,7 @@ class Reading:
 class Meter:
     """Running sums on the device between two reads: loss, tokens, gradient norms, steps, skipped steps, and the
     step number, loss and gradient norm of the first skipped one."""
+
     SUMMED = ("loss", "tokens", "grad_norm", "steps", "skipped")
     FIRST_SKIPPED = ("first_skipped_step", "first_skipped_loss", "first_skipped_grad_norm")
     FIELDS = SUMMED + FIRST_SKIPPED
@@ -220,8 +239,9 @@ class Meter:
 
     def add(self, loss: Tensor, tokens: Tensor, gnorm: Tensor, found_inf: Tensor) -> None:
         first = (found_inf > 0) & (self._at("skipped") == 0)  # (): the first skipped step since the last read
-        summed = torch.stack([loss.double(), tokens.double(), gnorm.double(), torch.ones_like(self.sums[0]),
-                              found_inf.double()])  # (5,) in SUMMED's order
+        summed = torch.stack(
+            [loss.double(), tokens.double(), gnorm.double(), torch.ones_like(self.sums[0]), found_inf.double()]
+        )  # (5,) in SUMMED's order
         first_skipped = torch.stack([self._at("steps") + 1, loss.double(), gnorm.double()])  # (3,)
         n = len(self.SUMMED)
         self.sums[:n] += summed
@@ -241,10 +261,10 @@ class Meter:
 # %% [markdown]
 # ## Validation loss
 
+
 # %%
 @torch.no_grad()
-def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.device,
-                  precision: str = "fp32") -> float:
+def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.device, precision: str = "fp32") -> float:
     """Label-smoothed loss per predicted token over all batches."""
     model.eval()
     total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
@@ -291,6 +311,7 @@ AlignmentImage = Callable[..., object]  # (writer, model, tokenizer, sentence, s
 class DataSource:
     """Where the sentence pairs come from: Multi30k (`data_url`, `cache_dir`), or the user's three pairs of files
     (`empty_lines`: read_parallel's rule for a pair with an empty side: error, skip or keep)."""
+
     data_url: str | None = None
     cache_dir: Path | None = None
     train_files: tuple[str, str] | None = None
@@ -302,6 +323,7 @@ class DataSource:
 @dataclass(frozen=True)
 class Placement:
     """This process among the run's processes, and its device."""
+
     rank: int
     world: int
     dev: torch.device
@@ -310,27 +332,29 @@ class Placement:
 @dataclass
 class Learner:
     """The model and what updates it."""
-    model: EncoderDecoder             # the plain model (checkpoints, evaluation)
-    model_for_step: torch.nn.Module   # what the step calls: the model, or DDP / torch.compile around it
+
+    model: EncoderDecoder  # the plain model (checkpoints, evaluation)
+    model_for_step: torch.nn.Module  # what the step calls: the model, or DDP / torch.compile around it
     opt: torch.optim.Optimizer
-    sched: Any                        # a LambdaLR
+    sched: Any  # a LambdaLR
     ddp: Any = None
 
 
 @dataclass
 class RunData:
     tokenizer: Tokenizer
-    train_enc: list                   # the training pairs as subword ids (over-long pairs left out)
+    train_enc: list  # the training pairs as subword ids (over-long pairs left out)
     val_batches: list
     val_pairs: list
     test_pairs: list
-    case_table: dict                  # the sources' words in their most frequent casing (decoding/casing.py)
+    case_table: dict  # the sources' words in their most frequent casing (decoding/casing.py)
 
 
 @dataclass
 class EpochTally:
     """The current epoch's summed loss and tokens as read at its log points, and when the sums were last read
     (tokens per second between two reads)."""
+
     loss: float = 0.0
     tokens: float = 0.0
     t_read: float = field(default_factory=time.perf_counter)
@@ -340,6 +364,7 @@ class EpochTally:
 class Run:
     """What every part of the loop needs: the settings, where this process runs, the learner, the data, and
     where to write."""
+
     cfg: TrainConfig
     run_dir: Path
     place: Placement
@@ -348,8 +373,8 @@ class Run:
     data: RunData
     meta: dict
     say: Callable[[str], None]
-    writer: Any = None                # a tensorboard SummaryWriter on rank 0
-    bar: Any = None                   # a tqdm bar
+    writer: Any = None  # a tensorboard SummaryWriter on rank 0
+    bar: Any = None  # a tqdm bar
     alignment_image: AlignmentImage | None = None
     t_start: float = field(default_factory=time.perf_counter)
     tally: EpochTally = field(default_factory=EpochTally)
@@ -362,10 +387,22 @@ class Run:
         return self.cfg.max_minutes is not None and time.perf_counter() - self.t_start > 60 * self.cfg.max_minutes
 
 
-def train(cfg: TrainConfig, run_dir: Path, *, data_url: str | None = None, cache_dir: Path | None = None,
-          device: str | None = None, resume: bool = False, progress: bool = True,
-          train_files=None, val_files=None, test_files=None, empty_lines: str = "error",
-          log: Callable[[str], None] | None = None, alignment_image: AlignmentImage | None = None) -> dict:
+def train(
+    cfg: TrainConfig,
+    run_dir: Path,
+    *,
+    data_url: str | None = None,
+    cache_dir: Path | None = None,
+    device: str | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    train_files=None,
+    val_files=None,
+    test_files=None,
+    empty_lines: str = "error",
+    log: Callable[[str], None] | None = None,
+    alignment_image: AlignmentImage | None = None,
+) -> dict:
     """Train (or resume) a run in `run_dir`; returns the final results (also in results.json).
 
     `alignment_image(writer, model, tokenizer, sentence, step)`, when given, logs a picture of the model's
@@ -382,8 +419,15 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: str | None = None, cache
     try:
         try:
             distributed.from_rank0(lambda: check_run_dir(run_dir, resume), rank, world)  # before any work
-            run, state = setup(cfg, run_dir, place=Placement(rank, world, dev), arithmetic=arithmetic,
-                               resume=resume, source=source, say=log or (lambda s: log_line(run_dir, s)))
+            run, state = setup(
+                cfg,
+                run_dir,
+                place=Placement(rank, world, dev),
+                arithmetic=arithmetic,
+                resume=resume,
+                source=source,
+                say=log or (lambda s: log_line(run_dir, s)),
+            )
             run.alignment_image = alignment_image
             stopped = loop(run, state, progress)
         finally:
@@ -393,9 +437,20 @@ def train(cfg: TrainConfig, run_dir: Path, *, data_url: str | None = None, cache
             return {"interrupted": True, "run_dir": str(run_dir)}
         if not run.main:
             return {}
-        return score_test_set(cfg, run_dir, run.data.tokenizer, run.data.test_pairs, dev, run.say,
-                                      arithmetic, progress=progress, test_files=test_files, writer=run.writer,
-                                      val_pairs=run.data.val_pairs, started_in=started_in)
+        return score_test_set(
+            cfg,
+            run_dir,
+            run.data.tokenizer,
+            run.data.test_pairs,
+            dev,
+            run.say,
+            arithmetic,
+            progress=progress,
+            test_files=test_files,
+            writer=run.writer,
+            val_pairs=run.data.val_pairs,
+            started_in=started_in,
+        )
     finally:
         if run is not None and run.writer is not None:
             run.writer.close()
@@ -406,8 +461,9 @@ def loop(run: Run, state: RunState, progress: bool) -> bool:
     cfg, dev = run.cfg, run.place.dev
     if progress and run.main:  # one bar over the run's steps, with an ETA; log lines are written above it
         from tqdm.auto import tqdm
+
         run.bar = tqdm(total=cfg.max_steps, initial=state.step, unit="step", dynamic_ncols=True)
-    with StopFlag() as stop, (run.bar or contextlib.nullcontext()):
+    with StopFlag() as stop, run.bar or contextlib.nullcontext():
         while cfg.epochs is None or state.epoch < cfg.epochs:
             t_epoch, why = time.perf_counter(), run_epoch(run, state, stop)
             if dev.type == "cuda":  # the queued kernels belong to this epoch's training time
@@ -419,8 +475,10 @@ def loop(run: Run, state: RunState, progress: bool) -> bool:
             flags = torch.tensor([float(why == "stop" or stop.requested)], dtype=torch.float64, device=dev)
             if distributed.sum_over_ranks(flags, run.place.world).item() > 0:
                 if run.main:
-                    run.say(f"interrupted: saved {run.run_dir / 'last.pt'} at epoch {state.epoch}, batch "
-                            f"{state.batch_in_epoch}; continue with --resume --run-dir {run.run_dir}")
+                    run.say(
+                        f"interrupted: saved {run.run_dir / 'last.pt'} at epoch {state.epoch}, batch "
+                        f"{state.batch_in_epoch}; continue with --resume --run-dir {run.run_dir}"
+                    )
                 return True
             if why is not None:  # out of steps or of time
                 break
@@ -437,9 +495,16 @@ def run_epoch(run: Run, state: RunState, stop: StopFlag) -> str | None:
     """Train the rest of the current epoch. None when it is done, else why it stopped: "stop" (Ctrl-C),
     "steps" (max_steps reached) or "time" (max_minutes)."""
     cfg, place, learner = run.cfg, run.place, run.learner
-    batches = data.make_batches(run.data.train_enc, cfg.max_tokens, shuffle=True, seed=cfg.seed + state.epoch,
-                                rank=place.rank, world_size=place.world, pad_to=columns_multiple(place.dev),
-                                max_len=cfg.max_len)
+    batches = data.make_batches(
+        run.data.train_enc,
+        cfg.max_tokens,
+        shuffle=True,
+        seed=cfg.seed + state.epoch,
+        rank=place.rank,
+        world_size=place.world,
+        pad_to=columns_multiple(place.dev),
+        max_len=cfg.max_len,
+    )
     if place.dev.type == "cuda":  # page-locked, so each batch's copy to the GPU is queued, not waited for
         batches = [b.pin_memory() for b in batches]
     tokens = step_tokens(batches, cfg.accum, place.world, place.dev)  # N of each step: its batches on all ranks
@@ -448,10 +513,21 @@ def run_epoch(run: Run, state: RunState, stop: StopFlag) -> str | None:
     why = None
     while state.batch_in_epoch < len(batches):
         i = state.batch_in_epoch
-        step_batches = batches[i:(i // cfg.accum + 1) * cfg.accum]
-        meter.add(*train_step(learner.model_for_step, learner.opt, learner.sched, step_batches,
-                              tokens[i // cfg.accum], cfg, place.dev, place.world, learner.ddp,
-                              precision=run.arithmetic.precision))
+        step_batches = batches[i : (i // cfg.accum + 1) * cfg.accum]
+        meter.add(
+            *train_step(
+                learner.model_for_step,
+                learner.opt,
+                learner.sched,
+                step_batches,
+                tokens[i // cfg.accum],
+                cfg,
+                place.dev,
+                place.world,
+                learner.ddp,
+                precision=run.arithmetic.precision,
+            )
+        )
         state.batch_in_epoch, state.step = i + len(step_batches), state.step + 1
         if run.bar is not None:
             run.bar.update(1)
@@ -466,20 +542,29 @@ def run_epoch(run: Run, state: RunState, stop: StopFlag) -> str | None:
     return why
 
 
-TRAIN_TAGS = {"loss": "train/loss_per_token", "lr": "train/learning_rate", "grad_norm": "train/gradient_norm",
-              "tokens_per_s": "train/tokens_per_second"}  # tensorboard's name of each logged quantity
+TRAIN_TAGS = {
+    "loss": "train/loss_per_token",
+    "lr": "train/learning_rate",
+    "grad_norm": "train/gradient_norm",
+    "tokens_per_s": "train/tokens_per_second",
+}  # tensorboard's name of each logged quantity
 
 
 def log_point(run: Run, state: RunState, meter: Meter, asked: bool, late: bool) -> str | None:
     """Read the running sums (all ranks agree here), stop on a skipped step, log a row. "stop", "time" or None."""
     r = meter.read(run.place.world, asked, late)
     if r.skipped:
-        what = (f"the loss became {r.first_skipped_loss}" if not math.isfinite(r.first_skipped_loss) else
-                f"the gradient norm became {r.first_skipped_grad_norm}")
-        raise TrainingError(f"{what} at step {state.step - int(r.steps) + int(r.first_skipped_step)} (epoch "
-                            f"{state.epoch + 1}); {int(r.skipped)} step(s) with a non-finite loss or gradient were "
-                            f"skipped; stopped at step {state.step}, the last good checkpoint "
-                            f"{run.run_dir / 'last.pt'} is kept")
+        what = (
+            f"the loss became {r.first_skipped_loss}"
+            if not math.isfinite(r.first_skipped_loss)
+            else f"the gradient norm became {r.first_skipped_grad_norm}"
+        )
+        raise TrainingError(
+            f"{what} at step {state.step - int(r.steps) + int(r.first_skipped_step)} (epoch "
+            f"{state.epoch + 1}); {int(r.skipped)} step(s) with a non-finite loss or gradient were "
+            f"skipped; stopped at step {state.step}, the last good checkpoint "
+            f"{run.run_dir / 'last.pt'} is kept"
+        )
     tally = run.tally
     tally.loss, tally.tokens = tally.loss + r.loss, tally.tokens + r.tokens
     seconds, tally.t_read = time.perf_counter() - tally.t_read, time.perf_counter()
@@ -503,7 +588,7 @@ def step_tokens(batches, accum: int, world: int = 1, device: torch.device = torc
     >>> step_tokens(batches, accum=2)
     [6, 5]
     """
-    local = [sum(b.ntokens for b in batches[i:i + accum]) for i in range(0, len(batches), accum)]
+    local = [sum(b.ntokens for b in batches[i : i + accum]) for i in range(0, len(batches), accum)]
     if world == 1 or not local:
         return local
     total = distributed.sum_over_ranks(torch.tensor(local, dtype=torch.float64, device=device), world)
@@ -513,22 +598,25 @@ def step_tokens(batches, accum: int, world: int = 1, device: torch.device = torc
 # %% [markdown]
 # ## Setting a run up
 
+
 # %%
 def prepare_data(cfg: TrainConfig, source: DataSource):
     """Load the three splits (Multi30k or the user's files) and the tokenizer trained on train only."""
+
     def load(split, files):
         if files:
             return data.read_parallel(*files, empty=source.empty_lines)
-        return data.load_multi30k(split, cfg.src_lang, cfg.tgt_lang, cache_dir=source.cache_dir,
-                                  base_url=source.data_url)
+        return data.load_multi30k(
+            split, cfg.src_lang, cfg.tgt_lang, cache_dir=source.cache_dir, base_url=source.data_url
+        )
 
     train_pairs = load("train", source.train_files)
     if cfg.train_limit:
-        train_pairs = train_pairs[:cfg.train_limit]
+        train_pairs = train_pairs[: cfg.train_limit]
     train_pairs = data.case_augmented(train_pairs, cfg.case_augment, cfg.seed)
     val_pairs, test_pairs = load("val", source.val_files), load("test_2016_flickr", source.test_files)
     if cfg.test_sentences:
-        test_pairs = test_pairs[:cfg.test_sentences]
+        test_pairs = test_pairs[: cfg.test_sentences]
     texts = [s for s, _ in train_pairs] + [t for _, t in train_pairs]
     tokenizer = data.train_tokenizer(texts, cfg.vocab_size, cache_dir=source.cache_dir)
     return tokenizer, train_pairs, val_pairs, test_pairs
@@ -537,21 +625,42 @@ def prepare_data(cfg: TrainConfig, source: DataSource):
 def load_run_data(cfg: TrainConfig, source: DataSource, place: Placement, say: Callable[[str], None]) -> RunData:
     """The splits, encoded; the training pairs longer than max_len left out (and counted in the log)."""
     tokenizer, train_pairs, val_pairs, test_pairs = distributed.from_rank0(  # the same data on every rank
-        lambda: prepare_data(cfg, source), place.rank, place.world)
+        lambda: prepare_data(cfg, source), place.rank, place.world
+    )
     train_enc = data.encode_pairs(train_pairs, tokenizer)
     kept, too_long = data.split_long(train_enc, cfg.max_len)
     if too_long and place.rank == 0:
-        say(f"note: {len(too_long)} of {len(train_enc)} training pairs are longer than max_len={cfg.max_len} "
-            f"subwords and are left out of training (rule: long pairs are skipped, never truncated)")
+        say(
+            f"note: {len(too_long)} of {len(train_enc)} training pairs are longer than max_len={cfg.max_len} "
+            f"subwords and are left out of training (rule: long pairs are skipped, never truncated)"
+        )
     val_enc = data.encode_pairs(val_pairs, tokenizer)
-    val_batches = data.make_batches([val_enc[i] for i in data.split_long(val_enc, cfg.max_len)[0]],
-                                    cfg.max_tokens, pad_to=columns_multiple(place.dev), max_len=cfg.max_len)
-    return RunData(tokenizer, [train_enc[i] for i in kept], val_batches, val_pairs, test_pairs,
-                   casing.case_table(s for s, _ in train_pairs))
+    val_batches = data.make_batches(
+        [val_enc[i] for i in data.split_long(val_enc, cfg.max_len)[0]],
+        cfg.max_tokens,
+        pad_to=columns_multiple(place.dev),
+        max_len=cfg.max_len,
+    )
+    return RunData(
+        tokenizer,
+        [train_enc[i] for i in kept],
+        val_batches,
+        val_pairs,
+        test_pairs,
+        casing.case_table(s for s, _ in train_pairs),
+    )
 
 
-def setup(cfg: TrainConfig, run_dir: Path, *, place: Placement, arithmetic: Arithmetic, resume: bool,
-          source: DataSource, say: Callable[[str], None]) -> tuple[Run, RunState]:
+def setup(
+    cfg: TrainConfig,
+    run_dir: Path,
+    *,
+    place: Placement,
+    arithmetic: Arithmetic,
+    resume: bool,
+    source: DataSource,
+    say: Callable[[str], None],
+) -> tuple[Run, RunState]:
     """Data, model, optimizer and state (resumed or new) of a run."""
     main, dev = place.rank == 0, place.dev
     if dev.type == "cuda":
@@ -567,52 +676,77 @@ def setup(cfg: TrainConfig, run_dir: Path, *, place: Placement, arithmetic: Arit
     opt, sched = make_optimizer(model, cfg)
     state = RunState()
     if resume:  # rank 0 reads last.pt and sends it to the others
-        state = resume_state(run_dir / "last.pt", cfg, model, opt, sched, tokenizer,
-                             read=lambda path: distributed.from_rank0(lambda: read_checkpoint(path), place.rank,
-                                                                      place.world))
+        state = resume_state(
+            run_dir / "last.pt",
+            cfg,
+            model,
+            opt,
+            sched,
+            tokenizer,
+            read=lambda path: distributed.from_rank0(lambda: read_checkpoint(path), place.rank, place.world),
+        )
         if state.world_size != place.world:  # keep the number of batches done over all ranks (distributed.py)
             if main:
                 say(f"note: last.pt was written by {state.world_size} process(es), this run has {place.world}")
             state.batch_in_epoch = state.batch_in_epoch * state.world_size // place.world
         if main:
             truncate_log(run_dir / "train_loss.tsv", state.step)
-            say(f"resumed {run_dir / 'last.pt'} at epoch {state.epoch}, batch {state.batch_in_epoch}, "
-                f"step {state.step}")
+            say(
+                f"resumed {run_dir / 'last.pt'} at epoch {state.epoch}, batch {state.batch_in_epoch}, step {state.step}"
+            )
     state.world_size = place.world
     ddp = distributed.wrap(model, dev) if place.world > 1 else None
     model_for_step = ddp or model
     if cfg.compile:  # CUDA graphs on a GPU (batches come in few shapes); inductor's default on the CPU
-        model_for_step = cast(torch.nn.Module, torch.compile(model_for_step, dynamic=True,
-                                                             mode="reduce-overhead" if dev.type == "cuda" else None))
+        model_for_step = cast(
+            torch.nn.Module,
+            torch.compile(model_for_step, dynamic=True, mode="reduce-overhead" if dev.type == "cuda" else None),
+        )
     meta = {"src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "train_config": config_dict(cfg)}
     run = Run(cfg, run_dir, place, arithmetic, Learner(model, model_for_step, opt, sched, ddp), run_data, meta, say)
     if main:
         from torch.utils.tensorboard import SummaryWriter
+
         run.writer = SummaryWriter(log_dir=str(run_dir / "tb"))
         atomic_write(run_dir / "config.json", json.dumps(config_dict(cfg), indent=2))
-        say(f"run {run_dir}: {len(run_data.train_enc)} training pairs, vocab {tokenizer.vocab_size}, "
+        say(
+            f"run {run_dir}: {len(run_data.train_enc)} training pairs, vocab {tokenizer.vocab_size}, "
             f"{sum(p.numel() for p in model.parameters()):,} parameters, device {dev}, world size {place.world}, "
             f"precision {arithmetic.precision} ({arithmetic.reason}), "
-            f"{arithmetic.threads} CPU thread{'' if arithmetic.threads == 1 else 's'}")
+            f"{arithmetic.threads} CPU thread{'' if arithmetic.threads == 1 else 's'}"
+        )
     return run, state
 
 
 # %% [markdown]
 # ## Checkpoints, epoch ends and resuming
 
+
 # %%
 def save_resumable(run: Run, state: RunState) -> None:
     """last.pt: everything needed to resume; then runs/latest points here (runs.point_latest)."""
     learner = run.learner
-    save_checkpoint(run.run_dir / "last.pt", learner.model, run.data.tokenizer, run.meta,
-                    casing=run.data.case_table, optimizer=learner.opt.state_dict(), scheduler=learner.sched.state_dict(), rng=rng_state(),
-                    run_state=dataclasses.asdict(state))
+    save_checkpoint(
+        run.run_dir / "last.pt",
+        learner.model,
+        run.data.tokenizer,
+        run.meta,
+        casing=run.data.case_table,
+        optimizer=learner.opt.state_dict(),
+        scheduler=learner.sched.state_dict(),
+        rng=rng_state(),
+        run_state=dataclasses.asdict(state),
+    )
     point_latest(run.run_dir)  # the run has a checkpoint now
 
 
-VALIDATION_TAGS = {"val_loss": "validation/loss_per_token", "val_bleu": "validation/bleu_greedy",
-                   "val_chrf": "validation/chrf_greedy", "train_s": "time/epoch_training_seconds",
-                   "eval_s": "time/epoch_validation_seconds"}
+VALIDATION_TAGS = {
+    "val_loss": "validation/loss_per_token",
+    "val_bleu": "validation/bleu_greedy",
+    "val_chrf": "validation/chrf_greedy",
+    "train_s": "time/epoch_training_seconds",
+    "eval_s": "time/epoch_validation_seconds",
+}
 
 
 def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
@@ -626,7 +760,7 @@ def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
     t_eval = time.perf_counter()
     rng = rng_state()  # evaluation must not change the training's random stream
     val_loss = evaluate_loss(model, run.data.val_batches, cfg.label_smoothing, dev, run.arithmetic.precision)
-    subset = run.data.val_pairs[:cfg.val_bleu_sentences] if cfg.val_bleu_sentences else run.data.val_pairs
+    subset = run.data.val_pairs[: cfg.val_bleu_sentences] if cfg.val_bleu_sentences else run.data.val_pairs
     val, _ = evaluate_bleu(model, tokenizer, subset, beam_size=1, length_penalty=0.0, device=dev)
     if run.alignment_image is not None:  # the first val sentence's alignment, in tensorboard
         with contextlib.suppress(ValueError):  # (an empty or over-long first sentence: no picture)
@@ -634,11 +768,18 @@ def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
     set_rng_state(rng)
     model.train()
     train_loss = run.tally.loss / max(run.tally.tokens, 1)
-    record = {"epoch": state.epoch, "step": state.step, "train_loss": round(train_loss, 4),
-              "val_loss": round(val_loss, 4), "val_bleu": val["bleu"], "val_chrf": val["chrf"],
-              "lr": run.learner.sched.get_last_lr()[0], "train_s": round(train_s, 2),
-              "tokens_per_s": round(run.tally.tokens / max(train_s, 1e-9)),
-              "eval_s": round(time.perf_counter() - t_eval, 2)}  # validation loss, BLEU and the picture
+    record = {
+        "epoch": state.epoch,
+        "step": state.step,
+        "train_loss": round(train_loss, 4),
+        "val_loss": round(val_loss, 4),
+        "val_bleu": val["bleu"],
+        "val_chrf": val["chrf"],
+        "lr": run.learner.sched.get_last_lr()[0],
+        "train_s": round(train_s, 2),
+        "tokens_per_s": round(run.tally.tokens / max(train_s, 1e-9)),
+        "eval_s": round(time.perf_counter() - t_eval, 2),
+    }  # validation loss, BLEU and the picture
     state.history.append(record)
     for key, tag in VALIDATION_TAGS.items():
         run.writer.add_scalar(tag, record[key], state.step)
@@ -646,15 +787,21 @@ def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
     improved = val["bleu"] > state.best_bleu
     if improved:
         state.best_bleu = val["bleu"]
-        save_checkpoint(run.run_dir / "best.pt", model, tokenizer, dict(run.meta, **record),
-                        casing=run.data.case_table)
+        save_checkpoint(run.run_dir / "best.pt", model, tokenizer, dict(run.meta, **record), casing=run.data.case_table)
     if cfg.average_last:
-        save_checkpoint(run.run_dir / f"epoch{state.epoch}.pt", model, tokenizer, dict(run.meta, **record),
-                        casing=run.data.case_table)
+        save_checkpoint(
+            run.run_dir / f"epoch{state.epoch}.pt",
+            model,
+            tokenizer,
+            dict(run.meta, **record),
+            casing=run.data.case_table,
+        )
         with contextlib.suppress(FileNotFoundError):
             (run.run_dir / f"epoch{state.epoch - cfg.average_last}.pt").unlink()
     save_resumable(run, state)
-    run.say(f"epoch {state.epoch:3d} step {state.step:6d}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  "
-            f"val BLEU {val['bleu']:5.2f} (greedy, {val['sentences']} sentences)  chrF {val['chrf']:5.2f}"
-            f"{'  *best*' if improved else ''}  [train {record['train_s']:.1f} s, {record['tokens_per_s']:,} "
-            f"tok/s; eval {record['eval_s']:.1f} s]")
+    run.say(
+        f"epoch {state.epoch:3d} step {state.step:6d}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  "
+        f"val BLEU {val['bleu']:5.2f} (greedy, {val['sentences']} sentences)  chrF {val['chrf']:5.2f}"
+        f"{'  *best*' if improved else ''}  [train {record['train_s']:.1f} s, {record['tokens_per_s']:,} "
+        f"tok/s; eval {record['eval_s']:.1f} s]"
+    )

@@ -1,5 +1,6 @@
 """annotated/attention/bootstrap.py: the interval is the central 95% of the resampled changes, and a loss change
 is per token over all sentences."""
+
 import numpy as np
 
 from annotated.attention.bootstrap import paired_loss_change, resample_counts

@@ -6,6 +6,7 @@ tokenizer is trained on the first 300 Multi30k training pairs, read from
 $MULTI30K_URL or the shared copy beside the repository (tests skip, saying so,
 when neither exists).
 """
+
 from __future__ import annotations
 
 import base64
@@ -40,13 +41,14 @@ SENTENCES = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball."
 
 # ---------------------------------------------------------------- fixtures
 
+
 @pytest.fixture(scope="module")
 def base_url():
     from annotated.training import data
 
     url = os.environ.get(data.URL_ENV) or SHARED.as_uri() + "/"
     resolved = data.resolve_base_url(url)
-    if resolved.startswith("file://") and not Path(resolved[len("file://"):]).is_dir():
+    if resolved.startswith("file://") and not Path(resolved[len("file://") :]).is_dir():
         pytest.skip(f"no Multi30k data source: {resolved} does not exist (set {data.URL_ENV})")
     return url
 
@@ -65,11 +67,22 @@ def tokenizer(base_url, cache):
     return train_tokenizer([s for s, _ in pairs] + [t for _, t in pairs], 800, cache_dir=cache)
 
 
-def tiny_model(vocab: int, attention: str = "per_head", dtype=torch.float64, seed: int = 0, h: int = 2,
-               max_len: int = MAX_LEN):
+def tiny_model(
+    vocab: int, attention: str = "per_head", dtype=torch.float64, seed: int = 0, h: int = 2, max_len: int = MAX_LEN
+):
     torch.manual_seed(seed)
-    model = make_model(src_vocab=vocab, tgt_vocab=vocab, N=2, d_model=16, d_ff=32, h=h, max_len=max_len,
-                       attention=attention, share_embeddings=True, tie_generator=True)
+    model = make_model(
+        src_vocab=vocab,
+        tgt_vocab=vocab,
+        N=2,
+        d_model=16,
+        d_ff=32,
+        h=h,
+        max_len=max_len,
+        attention=attention,
+        share_embeddings=True,
+        tie_generator=True,
+    )
     return model.to(dtype).eval()
 
 
@@ -94,6 +107,7 @@ def full_dump(checkpoints, tmp_path_factory):
 
 
 # ---------------------------------------------------------------- the arrays
+
 
 def test_shapes_rows_and_masks(tokenizer):
     model = tiny_model(tokenizer.vocab_size)
@@ -131,20 +145,24 @@ def test_rows_are_the_steps_of_greedy_decoding(tokenizer):
                 y = model.decode(memory, mask, torch.tensor([[token]]), None, cache=cache, start=t)
             assert int(model.generator(y[:, -1]).argmax()) == tgt_ids[t]
             for layer in range(model.config.N):
-                np.testing.assert_allclose(attn["dec_self"][layer][0, :, t, :t + 1],
-                                           probs["dec_self", layer][0][0, :, 0], rtol=0, atol=1e-12)
-                np.testing.assert_allclose(attn["cross"][layer][0, :, t], probs["cross", layer][0][0, :, 0], rtol=0,
-                                           atol=1e-12)
+                np.testing.assert_allclose(
+                    attn["dec_self"][layer][0, :, t, : t + 1], probs["dec_self", layer][0][0, :, 0], rtol=0, atol=1e-12
+                )
+                np.testing.assert_allclose(
+                    attn["cross"][layer][0, :, t], probs["cross", layer][0][0, :, 0], rtol=0, atol=1e-12
+                )
 
 
 def test_per_head_and_fused_give_identical_dumps(checkpoints, tmp_path):
     """float64: the two forms are the same function, so the dumps agree to rounding (<= 1e-12)."""
-    outs = [A.dump(c, SENTENCES, tmp_path / c.stem, pictures=False, viewer=False, dtype=np.float64)
-            for c in checkpoints]
+    outs = [
+        A.dump(c, SENTENCES, tmp_path / c.stem, pictures=False, viewer=False, dtype=np.float64) for c in checkpoints
+    ]
     (ia, ib) = (A.read_index(o) for o in outs)
     assert ia["model_config"]["attention"] == "per_head" and ib["model_config"]["attention"] == "fused"
-    assert {k: v for k, v in ia["model_config"].items() if k != "attention"} == \
-           {k: v for k, v in ib["model_config"].items() if k != "attention"}
+    assert {k: v for k, v in ia["model_config"].items() if k != "attention"} == {
+        k: v for k, v in ib["model_config"].items() if k != "attention"
+    }
     for key in ("src_tokens", "tgt_in_tokens", "tgt_out_tokens", "translation", "shapes"):
         assert [s[key] for s in ia["sentences"]] == [s[key] for s in ib["sentences"]]
     worst = 0.0
@@ -159,6 +177,7 @@ def test_per_head_and_fused_give_identical_dumps(checkpoints, tmp_path):
 
 
 # ---------------------------------------------------------------- files and bertviz
+
 
 def test_dump_files_and_index(full_dump, checkpoints, tokenizer):
     index = A.read_index(full_dump)
@@ -194,9 +213,11 @@ def test_bertviz_layout(full_dump):
     args = A.bertviz_args(attn, entry)
     S, T = len(entry["src_tokens"]), len(entry["tgt_in_tokens"])
     with np.load(full_dump / entry["file"]) as f:
-        for name, kind, (q, k) in (("encoder_attention", "enc_self", (S, S)),
-                                   ("decoder_attention", "dec_self", (T, T)),
-                                   ("cross_attention", "cross", (T, S))):
+        for name, kind, (q, k) in (
+            ("encoder_attention", "enc_self", (S, S)),
+            ("decoder_attention", "dec_self", (T, T)),
+            ("cross_attention", "cross", (T, S)),
+        ):
             layers = args[name]
             assert isinstance(layers, tuple) and len(layers) == 2
             for layer, tensor in enumerate(layers):
@@ -219,17 +240,21 @@ def test_pictures_follow_the_label_convention(full_dump):
     """Every picture: the one colour map on 0..1 with one colour bar; a decoder row labelled by the token
     predicted there, a key column by the token fed in there; captions in those words, not internal names."""
     attn, entry = A.load_sentence(full_dump, 0)
-    labels = {"enc_self": (entry["src_tokens"], entry["src_tokens"]),
-              "dec_self": (entry["tgt_out_tokens"], entry["tgt_in_tokens"]),  # predicted / fed in
-              "cross": (entry["tgt_out_tokens"], entry["src_tokens"])}
+    labels = {
+        "enc_self": (entry["src_tokens"], entry["src_tokens"]),
+        "dec_self": (entry["tgt_out_tokens"], entry["tgt_in_tokens"]),  # predicted / fed in
+        "cross": (entry["tgt_out_tokens"], entry["src_tokens"]),
+    }
     assert {k: tuple(entry[n] for n in A.ROWS_COLS[k]) for k in A.KINDS} == labels
     figures = {kind: P.grid_figure(attn[kind], *labels[kind], kind) for kind in A.KINDS}
-    figures["alignment"] = P.alignment_figure(attn["cross"][1], entry["src_tokens"], entry["tgt_out_tokens"],
-                                              per_head=True)
+    figures["alignment"] = P.alignment_figure(
+        attn["cross"][1], entry["src_tokens"], entry["tgt_out_tokens"], per_head=True
+    )
     for name, fig in figures.items():
         images = [ax.images[0] for ax in fig.axes if ax.images]
-        assert images and all(im.get_cmap().name.startswith(P.CMAP) and im.get_clim() == (0.0, 1.0)
-                              for im in images), name
+        assert images and all(im.get_cmap().name.startswith(P.CMAP) and im.get_clim() == (0.0, 1.0) for im in images), (
+            name
+        )
         [bar] = colour_bars(fig)
         assert bar.get_ylim() == (0.0, 1.0), name
         title = fig._suptitle.get_text()
@@ -277,6 +302,7 @@ def test_a_dump_of_the_first_format_is_refused_naming_the_fix_and_replaced_on_re
 
 # ---------------------------------------------------------------- tensorboard
 
+
 def test_tensorboard_alignment_image(tokenizer, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
@@ -296,6 +322,7 @@ def test_tensorboard_alignment_image(tokenizer, tmp_path):
 
 
 # ---------------------------------------------------------------- bad input
+
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_a_dump_directory_gets_the_mode_mkdir_would_give(checkpoints, tmp_path, umask):
@@ -346,12 +373,24 @@ def test_failed_dump_leaves_nothing(checkpoints, tmp_path, monkeypatch):
 
 def tree(path: Path) -> dict:
     """Every file and folder under `path` with its bytes (None for folders, the target for links)."""
-    return {str(p.relative_to(path)): (os.readlink(p) if p.is_symlink() else None if p.is_dir() else p.read_bytes())
-            for p in sorted(path.rglob("*"))}
+    return {
+        str(p.relative_to(path)): (os.readlink(p) if p.is_symlink() else None if p.is_dir() else p.read_bytes())
+        for p in sorted(path.rglob("*"))
+    }
 
 
-@pytest.mark.parametrize("case", ["foreign index", "dump plus a user file", "dump plus a folder", "a file",
-                                  "index without marker", "a link", "index naming a user file"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "foreign index",
+        "dump plus a user file",
+        "dump plus a folder",
+        "a file",
+        "index without marker",
+        "a link",
+        "index naming a user file",
+    ],
+)
 def test_out_dir_that_is_not_our_dump_is_refused_untouched(case, checkpoints, tmp_path, capsys):
     """Only a dump of ours (format marker, nothing but the files its index names) is ever replaced."""
     out = tmp_path / "out"
@@ -388,8 +427,14 @@ def test_out_dir_that_is_not_our_dump_is_refused_untouched(case, checkpoints, tm
 
 def run_cli(*args, cwd=ROOT):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "annotated.attention.dump", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "annotated.attention.dump", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("case", ["missing", "incompatible", "empty", "too_long"])
@@ -400,8 +445,16 @@ def test_cli_bad_input_exits_2_and_writes_nothing(case, checkpoints, tmp_path, c
         ckpt = tmp_path / "nope.pt"
     elif case == "incompatible":
         ckpt = tmp_path / "other.pt"
-        torch.save({"format": "annotated-checkpoint-v1", "config": {"src_vocab": 10, "tgt_vocab": 10, "N": 1},
-                    "model": {"weight": torch.zeros(2)}, "tokenizer": None, "meta": {}}, ckpt)
+        torch.save(
+            {
+                "format": "annotated-checkpoint-v1",
+                "config": {"src_vocab": 10, "tgt_vocab": 10, "N": 1},
+                "model": {"weight": torch.zeros(2)},
+                "tokenizer": None,
+                "meta": {},
+            },
+            ckpt,
+        )
     elif case == "empty":
         sentences = ["Ein Hund.", ""]
     else:
@@ -412,8 +465,12 @@ def test_cli_bad_input_exits_2_and_writes_nothing(case, checkpoints, tmp_path, c
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("attention: error: ")
     assert "Traceback" not in err
-    want = {"missing": "no such file", "incompatible": "do not match its config", "empty": "sentence 2 is empty",
-            "too_long": "more than the model's max_len=20"}[case]
+    want = {
+        "missing": "no such file",
+        "incompatible": "do not match its config",
+        "empty": "sentence 2 is empty",
+        "too_long": "more than the model's max_len=20",
+    }[case]
     assert want in err
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name != "other.pt"] == []
@@ -436,13 +493,17 @@ def test_cli_defaults_in_a_real_process(tokenizer, base_url, tmp_path):
     assert (run / "attention" / "viewer.html").is_file() and "run-1/attention" in r.stdout
 
 
-@pytest.mark.parametrize("option, message", [
-    (["--n", "0"], "argument --n: must be a whole number >= 1, got '0'"),
-    (["--n", "-5"], "argument --n: must be a whole number >= 1, got '-5'"),
-    (["--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N"),
-    (["--device", "meta"], "argument --device: must be cpu, cuda or cuda:N"),
-    (["--cache-dir", "/dev/null/cache"], "argument --cache-dir: '/dev/null/cache': /dev/null is not a folder"),
-], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--n", "0"], "argument --n: must be a whole number >= 1, got '0'"),
+        (["--n", "-5"], "argument --n: must be a whole number >= 1, got '-5'"),
+        (["--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N"),
+        (["--device", "meta"], "argument --device: must be cpu, cuda or cuda:N"),
+        (["--cache-dir", "/dev/null/cache"], "argument --cache-dir: '/dev/null/cache': /dev/null is not a folder"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
 def test_cli_bad_options_exit_2_with_one_line_before_any_work(option, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         A.main(["--checkpoint", str(tmp_path / "none.pt"), "--out", str(tmp_path / "out"), *option])
@@ -476,17 +537,24 @@ def open_viewer(page: Path, tmp_path: Path, fragment: str = "", width: int = WID
     if CHROMIUM is None:
         pytest.skip(NO_CHROMIUM)
     browser = Chromium(CHROMIUM, tmp_path / "profile")
-    browser.open(page.as_uri() + (f"#{fragment}" if fragment else ""), width=width, height=900,
-                 domains=("Network", "Page", "Runtime", "Log"))
+    browser.open(
+        page.as_uri() + (f"#{fragment}" if fragment else ""),
+        width=width,
+        height=900,
+        domains=("Network", "Page", "Runtime", "Log"),
+    )
     return browser
 
 
 def console_errors(browser: Chromium) -> list:
     """Every exception, console error or warning, and browser log error (CSP violations land there)."""
-    return [e["params"] for e in browser.events
-            if e["method"] == "Runtime.exceptionThrown"
-            or (e["method"] == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "warning", "assert"))
-            or (e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] in ("error", "warning"))]
+    return [
+        e["params"]
+        for e in browser.events
+        if e["method"] == "Runtime.exceptionThrown"
+        or (e["method"] == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "warning", "assert"))
+        or (e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] in ("error", "warning"))
+    ]
 
 
 def show(browser: Chromium, fragment: str, rendered: str) -> None:
@@ -505,7 +573,7 @@ def opening(folder: Path) -> str:
 
 def weights_from_colours(rgb: np.ndarray) -> np.ndarray:
     """Read weights back from colours of the viewer's table (CMAP sampled at 64 points): (..., 3) -> (...)."""
-    table = np.array([[int(c[i:i + 2], 16) for i in (1, 3, 5)] for c in P.colour_table(64)])  # (64, 3)
+    table = np.array([[int(c[i : i + 2], 16) for i in (1, 3, 5)] for c in P.colour_table(64)])  # (64, 3)
     dist = np.abs(rgb[..., None, :].astype(int) - table).sum(-1)  # (..., 64)
     assert (dist.min(-1) == 0).all(), "a colour that is not in the colour table"
     return dist.argmin(-1) / 63
@@ -518,8 +586,9 @@ def test_the_viewer_uses_the_pictures_colour_map():
     want = matplotlib.colormaps[P.CMAP]
     for i in (0, 21, 63):
         assert table[i] == matplotlib.colors.to_hex(want(i / 63))
-    page = V.viewer_html({"kinds": list(A.KINDS), "layers": 1, "heads": 1, "rows_cols": A.ROWS_COLS,
-                          "sentences": []}, [])
+    page = V.viewer_html(
+        {"kinds": list(A.KINDS), "layers": 1, "heads": 1, "rows_cols": A.ROWS_COLS, "sentences": []}, []
+    )
     data = json.loads(page.split('id="attention-data">', 1)[1].split("</script>", 1)[0])
     assert data["colours"] == table and data["captions"]["cross"] == P.caption("cross")
 
@@ -541,10 +610,12 @@ def test_viewer_in_headless_chromium(full_dump, tmp_path):
             for kind in A.KINDS:
                 rows, cols = (entry[name] for name in index["rows_cols"][kind])
                 show(browser, f"s={s}&kind={kind}&layer=1&head=mean", f"{s}/{kind}/1/mean")
-                counts = browser.js("[document.querySelectorAll('td.cell').length, "
-                                    "document.querySelectorAll('td.blocked').length, "
-                                    "[...document.querySelectorAll('th.row')].map(t => t.textContent), "
-                                    "[...document.querySelectorAll('th.col')].map(t => t.textContent)]")
+                counts = browser.js(
+                    "[document.querySelectorAll('td.cell').length, "
+                    "document.querySelectorAll('td.blocked').length, "
+                    "[...document.querySelectorAll('th.row')].map(t => t.textContent), "
+                    "[...document.querySelectorAll('th.col')].map(t => t.textContent)]"
+                )
                 blocked = len(rows) * (len(rows) - 1) // 2 if kind == "dec_self" else 0
                 assert counts == [len(rows) * len(cols), blocked, rows, cols], (s, kind)
 
@@ -553,9 +624,11 @@ def test_viewer_in_headless_chromium(full_dump, tmp_path):
         show(browser, "s=0&kind=cross&layer=1&head=0", "0/cross/1/0")
 
         def hover(selector: str):
-            x, y = browser.js(f"(() => {{ const e = document.querySelector('{selector}'); e.scrollIntoView(); "
-                              f"const r = e.getBoundingClientRect(); "
-                              f"return [r.x + r.width / 2, r.y + r.height / 2]; }})()")
+            x, y = browser.js(
+                f"(() => {{ const e = document.querySelector('{selector}'); e.scrollIntoView(); "
+                f"const r = e.getBoundingClientRect(); "
+                f"return [r.x + r.width / 2, r.y + r.height / 2]; }})()"
+            )
             browser.page("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
 
         q = 2
@@ -595,8 +668,12 @@ def test_viewer_in_headless_chromium(full_dump, tmp_path):
 def test_the_policy_stops_a_script_that_is_not_the_viewers(full_dump, tmp_path):
     """The CSP is real: a second inline script (one the page did not ship) does not run and is reported."""
     page = tmp_path / "tampered.html"
-    page.write_text((full_dump / "viewer.html").read_text(encoding="utf-8").replace(
-        "</body>", "<script>document.title = 'injected';</script></body>"), encoding="utf-8")
+    page.write_text(
+        (full_dump / "viewer.html")
+        .read_text(encoding="utf-8")
+        .replace("</body>", "<script>document.title = 'injected';</script></body>"),
+        encoding="utf-8",
+    )
     browser = open_viewer(page, tmp_path)
     try:
         browser.wait_js(f"document.body.dataset.rendered === '{opening(full_dump)}'")  # the viewer's script ran
@@ -626,11 +703,17 @@ def test_head_view_fills_the_page_and_labels_every_token(full_dump, tmp_path):
         assert max(tops) - min(tops) < 10, tops  # one line of controls, however long the sentence
         assert browser.js("document.getElementById('controls').scrollHeight") < 40
         caption = browser.js("document.getElementById('caption').textContent")
-        for words in ("row = query, it sums to 1", "\u2581 marks the start of a word",
-                      "labelled by the token the decoder predicts there", "column = key, labelled by the source token"):
+        for words in (
+            "row = query, it sums to 1",
+            "\u2581 marks the start of a word",
+            "labelled by the token the decoder predicts there",
+            "column = key, labelled by the source token",
+        ):
             assert words in caption, words
-        legend = browser.js("(() => { const r = document.querySelector('#legend .bar').getBoundingClientRect(); "
-                            "return [r.width, r.height, document.getElementById('legend').innerText]; })()")
+        legend = browser.js(
+            "(() => { const r = document.querySelector('#legend .bar').getBoundingClientRect(); "
+            "return [r.width, r.height, document.getElementById('legend').innerText]; })()"
+        )
         assert legend[0] > 50 and legend[1] > 5 and "attention weight" in legend[2]
         assert "causal mask" not in legend[2]  # cross-attention has no masked cell: no grey swatch
         assert console_errors(browser) == []
@@ -651,8 +734,7 @@ def test_arrow_keys_move_between_heads_and_layers(full_dump, tmp_path):
 
         def press(key: str, want: str):
             for kind in ("keyDown", "keyUp"):
-                browser.page("Input.dispatchKeyEvent", type=kind, key=key, code=key,
-                             windowsVirtualKeyCode=codes[key])
+                browser.page("Input.dispatchKeyEvent", type=kind, key=key, code=key, windowsVirtualKeyCode=codes[key])
             browser.wait_js(f"document.body.dataset.rendered === '0/dec_self/{want}'")
 
         press("ArrowRight", "0/1")
@@ -664,11 +746,18 @@ def test_arrow_keys_move_between_heads_and_layers(full_dump, tmp_path):
         press("ArrowUp", "0/mean")
         browser.js("document.getElementById('kind').focus()")
         for kind in ("keyDown", "keyUp"):  # a focused menu keeps its keys (the kind menu moves on): the head stays
-            browser.page("Input.dispatchKeyEvent", type=kind, key="ArrowRight", code="ArrowRight",
-                         windowsVirtualKeyCode=codes["ArrowRight"])
+            browser.page(
+                "Input.dispatchKeyEvent",
+                type=kind,
+                key="ArrowRight",
+                code="ArrowRight",
+                windowsVirtualKeyCode=codes["ArrowRight"],
+            )
         browser.js("new Promise(r => setTimeout(r, 300))")
-        assert browser.js("[document.getElementById('layer').value, document.getElementById('head').value]") == \
-            ["0", "mean"]
+        assert browser.js("[document.getElementById('layer').value, document.getElementById('head').value]") == [
+            "0",
+            "mean",
+        ]
         assert browser.js("location.hash").endswith("&layer=0&head=mean&view=head")
         browser.js("document.getElementById('kind').blur()")
         browser.js("location.hash = 's=0&kind=dec_self&layer=0&head=mean&view=head'")
@@ -686,8 +775,10 @@ def test_the_controls_wrap_on_a_narrow_screen(full_dump, tmp_path):
     browser = open_viewer(full_dump / "viewer.html", tmp_path, width=800)
     try:
         browser.wait_js(f"document.body.dataset.rendered === '{opening(full_dump)}'")
-        boxes = browser.js("[...document.querySelectorAll('#controls select')].map(e => { "
-                           "const r = e.getBoundingClientRect(); return [e.id, r.left, r.right, r.width]; })")
+        boxes = browser.js(
+            "[...document.querySelectorAll('#controls select')].map(e => { "
+            "const r = e.getBoundingClientRect(); return [e.id, r.left, r.right, r.width]; })"
+        )
         assert len(boxes) == 5
         for name, left, right, width in boxes:
             assert left >= 0 and right <= 800 and width >= 60, (name, left, right, width)
@@ -704,17 +795,25 @@ def test_the_legend_shows_only_what_applies(full_dump, tmp_path):
     browser = open_viewer(full_dump / "viewer.html", tmp_path)
     try:
         seen = {}
-        for fragment, rendered in (("s=0&kind=cross&layer=1&head=0&view=head", "0/cross/1/0"),
-                                   ("s=0&kind=enc_self&layer=1&head=0&view=head", "0/enc_self/1/0"),
-                                   ("s=0&kind=dec_self&layer=1&head=0&view=head", "0/dec_self/1/0"),
-                                   ("s=0&kind=dec_self&layer=1&head=0&view=lines", "0/dec_self/1/0/lines"),
-                                   ("s=0&kind=cross&layer=1&head=0&view=model", "0/model")):
+        for fragment, rendered in (
+            ("s=0&kind=cross&layer=1&head=0&view=head", "0/cross/1/0"),
+            ("s=0&kind=enc_self&layer=1&head=0&view=head", "0/enc_self/1/0"),
+            ("s=0&kind=dec_self&layer=1&head=0&view=head", "0/dec_self/1/0"),
+            ("s=0&kind=dec_self&layer=1&head=0&view=lines", "0/dec_self/1/0/lines"),
+            ("s=0&kind=cross&layer=1&head=0&view=model", "0/model"),
+        ):
             show(browser, fragment, rendered)
-            seen[rendered] = browser.js("[document.getElementById('colour-bar').getBoundingClientRect().width > 0, "
-                                        "document.querySelector('#legend .swatch').getBoundingClientRect().width > 0]")
-        assert seen == {"0/cross/1/0": [True, False], "0/enc_self/1/0": [True, False],
-                        "0/dec_self/1/0": [True, True], "0/dec_self/1/0/lines": [False, False],
-                        "0/model": [True, True]}
+            seen[rendered] = browser.js(
+                "[document.getElementById('colour-bar').getBoundingClientRect().width > 0, "
+                "document.querySelector('#legend .swatch').getBoundingClientRect().width > 0]"
+            )
+        assert seen == {
+            "0/cross/1/0": [True, False],
+            "0/enc_self/1/0": [True, False],
+            "0/dec_self/1/0": [True, True],
+            "0/dec_self/1/0/lines": [False, False],
+            "0/model": [True, True],
+        }
         show(browser, "s=0&kind=enc_self&layer=1&head=0&view=head", "0/enc_self/1/0")
         assert "decoder" not in browser.js("document.getElementById('caption').textContent")  # the encoder's own words
         assert console_errors(browser) == []
@@ -749,10 +848,14 @@ def synthetic_dump(seed: int = 0, heads: int = 3) -> tuple[dict, list]:
     """(index, arrays) of one made-up sentence whose weights are spread out (Dirichlet, alpha 0.3): many lie
     below the lines view's threshold without being zero."""
     rng = np.random.default_rng(seed)
-    entry = {"source": "Ein Hund rennt.", "translation": "A dog runs.", "reference": None,
-             "src_tokens": ["\u2581Ein", "\u2581Hund", "\u2581renn", "t", "."],
-             "tgt_in_tokens": ["<s>", "\u2581A", "\u2581dog", "\u2581runs", "."],
-             "tgt_out_tokens": ["\u2581A", "\u2581dog", "\u2581runs", ".", "</s>"]}
+    entry = {
+        "source": "Ein Hund rennt.",
+        "translation": "A dog runs.",
+        "reference": None,
+        "src_tokens": ["\u2581Ein", "\u2581Hund", "\u2581renn", "t", "."],
+        "tgt_in_tokens": ["<s>", "\u2581A", "\u2581dog", "\u2581runs", "."],
+        "tgt_out_tokens": ["\u2581A", "\u2581dog", "\u2581runs", ".", "</s>"],
+    }
     size = {k: (len(entry[r]), len(entry[c])) for k, (r, c) in A.ROWS_COLS.items()}
     attn = {k: [rng.dirichlet(np.full(size[k][1], 0.3), size=(1, heads, size[k][0]))] for k in A.KINDS}
     causal = np.tril(np.ones(size["dec_self"], dtype=bool))
@@ -778,9 +881,11 @@ def test_lines_view_draws_one_path_per_weight_above_the_threshold(tmp_path):
             browser.wait_js(f"document.body.dataset.rendered === '0/{kind}/0/mean/lines'")
 
             def paths():
-                return browser.js("[...document.querySelectorAll('#lines-body path')].map(p => "
-                                  "[+p.dataset.h, +p.dataset.q, +p.dataset.k, +p.getAttribute('stroke-opacity'), "
-                                  "p.getAttribute('stroke')])")
+                return browser.js(
+                    "[...document.querySelectorAll('#lines-body path')].map(p => "
+                    "[+p.dataset.h, +p.dataset.q, +p.dataset.k, +p.getAttribute('stroke-opacity'), "
+                    "p.getAttribute('stroke')])"
+                )
 
             def want(heads):
                 return sorted((h, q, k) for h in heads for q, k in zip(*np.nonzero(weights[h] >= V.LINE_MIN)))
@@ -792,13 +897,17 @@ def test_lines_view_draws_one_path_per_weight_above_the_threshold(tmp_path):
             for h, q, k, opacity, stroke in drawn:
                 assert abs(opacity - weights[h, q, k]) <= 5e-4 + 1e-9 and stroke == colours[h]  # 3 decimals
                 assert kind != "dec_self" or k <= q  # the causal mask: nothing from the future
-            tokens = browser.js("[[...document.querySelectorAll('span.tok.q')].map(t => t.textContent), "
-                                "[...document.querySelectorAll('span.tok.k')].map(t => t.textContent)]")
+            tokens = browser.js(
+                "[[...document.querySelectorAll('span.tok.q')].map(t => t.textContent), "
+                "[...document.querySelectorAll('span.tok.k')].map(t => t.textContent)]"
+            )
             assert tokens == [entry[name] for name in A.ROWS_COLS[kind]]
 
             def click(selector: str, count: int = 1):
-                x, y = browser.js(f"(() => {{ const r = document.querySelector('{selector}').getBoundingClientRect(); "
-                                  f"return [r.x + r.width / 2, r.y + r.height / 2]; }})()")
+                x, y = browser.js(
+                    f"(() => {{ const r = document.querySelector('{selector}').getBoundingClientRect(); "
+                    f"return [r.x + r.width / 2, r.y + r.height / 2]; }})()"
+                )
                 for n in range(1, count + 1):
                     for kind_ in ("mousePressed", "mouseReleased"):
                         browser.page("Input.dispatchMouseEvent", type=kind_, x=x, y=y, button="left", clickCount=n)
@@ -848,8 +957,15 @@ def test_the_dump_decodes_at_the_models_length_penalty(tokenizer, tmp_path):
         model.generator.bias[A.EOS] += 3.0
     at = {a: [translate(model, tokenizer, s, length_penalty=a)[0] for s in SENTENCES] for a in (0.6, 3.0)}
     assert at[0.6] != at[3.0]
-    out = A.dump_model(model, tokenizer, SENTENCES, tmp_path / "dump", pictures=False, viewer=False,
-                       meta={"src_lang": "de", "tgt_lang": "en", "length_penalty": 3.0})
+    out = A.dump_model(
+        model,
+        tokenizer,
+        SENTENCES,
+        tmp_path / "dump",
+        pictures=False,
+        viewer=False,
+        meta={"src_lang": "de", "tgt_lang": "en", "length_penalty": 3.0},
+    )
     index = A.read_index(out)
     assert index["decoder"] == {"beam_size": 4, "length_penalty": 3.0}
     assert [entry["translation"] for entry in index["sentences"]] == at[3.0]
@@ -887,9 +1003,15 @@ def test_head_scores_are_read_only_when_they_fit_the_checkpoint(checkpoints, tmp
 
 def heads_json(cfg, checkpoint: Path) -> dict:
     """A heads.json as `python -m annotated.attention.heads` writes it, with distinct made-up scores."""
-    kinds = {kind: {"importance": [[round(0.1 * (k + 1) + 0.01 * layer + 0.001 * head, 6) for head in range(cfg.h)]
-                                   for layer in range(cfg.N)]} for k, kind in enumerate(("enc_self", "dec_self",
-                                                                                          "cross"))}
+    kinds = {
+        kind: {
+            "importance": [
+                [round(0.1 * (k + 1) + 0.01 * layer + 0.001 * head, 6) for head in range(cfg.h)]
+                for layer in range(cfg.N)
+            ]
+        }
+        for k, kind in enumerate(("enc_self", "dec_self", "cross"))
+    }
     return {"checkpoint": str(checkpoint), "kinds": kinds}
 
 
@@ -905,7 +1027,7 @@ def check_thumbnail(t: dict, weights: np.ndarray, kind: str) -> None:
     assert (t["h"], t["w"]) == weights.shape
     rgba = np.array(t["rgba"]).reshape(t["h"], t["w"], 4)
     blocked = np.triu(np.ones(weights.shape, dtype=bool), 1) if kind == "dec_self" else np.zeros(weights.shape, bool)
-    grey = [int(P.MASKED[i:i + 2], 16) for i in (1, 3, 5)] + [255]
+    grey = [int(P.MASKED[i : i + 2], 16) for i in (1, 3, 5)] + [255]
     assert (rgba[blocked] == grey).all()  # the causal mask's grey
     assert (rgba[~blocked][:, 3] == 255).all()
     shown = weights_from_colours(rgba[~blocked][:, :3])
@@ -929,8 +1051,10 @@ def test_model_view_in_headless_chromium(checkpoints, tmp_path):
     try:
         browser.wait_js("document.body.dataset.rendered === '1/model'")
         attn, entry = A.load_sentence(out, 1)
-        blocks = browser.js("[...document.querySelectorAll('.kind-block')].map(b => "
-                            "[b.dataset.kind, b.querySelector('h3').textContent, b.querySelector('.how').textContent])")
+        blocks = browser.js(
+            "[...document.querySelectorAll('.kind-block')].map(b => "
+            "[b.dataset.kind, b.querySelector('h3').textContent, b.querySelector('.how').textContent])"
+        )
         assert blocks == [[k, P.KIND_LABELS[k], P.caption(k)] for k in A.KINDS]
         for kind in A.KINDS:
             thumbs = browser.js(f"{THUMBS}('{kind}')")
@@ -941,8 +1065,9 @@ def test_model_view_in_headless_chromium(checkpoints, tmp_path):
                 assert t["score"] == f"importance {want:.3f}"
             # token labels where they fit: beside the first head, under the last layer, in the convention's order
             rows, cols = (entry[n] for n in index["rows_cols"][kind])
-            scale = browser.js(f"parseFloat(document.querySelector('td.thumb[data-kind=\"{kind}\"] canvas').style.width)"
-                               f" / {len(cols)}")
+            scale = browser.js(
+                f"parseFloat(document.querySelector('td.thumb[data-kind=\"{kind}\"] canvas').style.width) / {len(cols)}"
+            )
             strips = browser.js(f"""[...document.querySelectorAll('td.thumb[data-kind="{kind}"] .rlabels, '
                                  + 'td.thumb[data-kind="{kind}"] .clabels')].map(d => [d.className,
                                  [...d.children].map(s => s.textContent)])""")
@@ -952,15 +1077,19 @@ def test_model_view_in_headless_chromium(checkpoints, tmp_path):
                 assert strips == [], kind
 
         # a real click on the cross-attention thumbnail of layer 1, head 0 opens that head
-        x, y = browser.js("(() => { const e = document.querySelector('td.thumb[data-kind=\"cross\"][data-layer=\"1\"]"
-                          "[data-head=\"0\"]'); e.scrollIntoView(); const r = e.getBoundingClientRect(); "
-                          "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        x, y = browser.js(
+            '(() => { const e = document.querySelector(\'td.thumb[data-kind="cross"][data-layer="1"]'
+            '[data-head="0"]\'); e.scrollIntoView(); const r = e.getBoundingClientRect(); '
+            "return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+        )
         for kind in ("mousePressed", "mouseReleased"):
             browser.page("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
         browser.wait_js("document.body.dataset.rendered === '1/cross/1/0'")
         assert browser.js("document.getElementById('model').hidden") is True
         want = scores["kinds"]["cross"]["importance"][1][0]
-        assert f"importance of layer 1, head 0: {want:.3f}" in browser.js("document.getElementById('importance').textContent")
+        assert f"importance of layer 1, head 0: {want:.3f}" in browser.js(
+            "document.getElementById('importance').textContent"
+        )
         assert [url.split("#")[0] for url in browser.requests()] == [page.as_uri()]
         assert console_errors(browser) == []
     finally:
@@ -971,13 +1100,16 @@ def test_the_embedded_viewer_opens_on_its_start_view_without_heading(full_dump, 
     index = A.read_index(full_dump)
     arrays = [A.load_sentence(full_dump, i)[0] for i in range(len(index["sentences"]))]
     page = tmp_path / "embedded.html"
-    page.write_text(V.viewer_html(index, arrays, embedded=True, start="s=1&kind=cross&layer=0&head=1&view=lines"),
-                    encoding="utf-8")
+    page.write_text(
+        V.viewer_html(index, arrays, embedded=True, start="s=1&kind=cross&layer=0&head=1&view=lines"), encoding="utf-8"
+    )
     browser = open_viewer(page, tmp_path)
     try:
         browser.wait_js("document.body.dataset.rendered === '1/cross/0/1/lines'")
-        assert browser.js("[getComputedStyle(document.getElementById('heading')).display, "
-                          "getComputedStyle(document.getElementById('footer')).display]") == ["none", "none"]
+        assert browser.js(
+            "[getComputedStyle(document.getElementById('heading')).display, "
+            "getComputedStyle(document.getElementById('footer')).display]"
+        ) == ["none", "none"]
         assert console_errors(browser) == []
     finally:
         browser.close()
@@ -1003,8 +1135,9 @@ def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer,
     assert head_counts(model) == PRUNED_COUNTS
     scores = heads_json(model.config, ckpt)  # a table of the unpruned shape: 4 scores in every layer
     for kind in A.KINDS:
-        scores["kinds"][kind]["importance"] = [row[:n] for row, n in zip(scores["kinds"][kind]["importance"],
-                                                                         PRUNED_COUNTS[kind])]
+        scores["kinds"][kind]["importance"] = [
+            row[:n] for row, n in zip(scores["kinds"][kind]["importance"], PRUNED_COUNTS[kind])
+        ]
     unpruned = heads_json(model.config, ckpt)
     (ckpt.parent / "heads.json").write_text(json.dumps(unpruned))
     importance, note = V.read_head_importance(ckpt, model.config, PRUNED_COUNTS)
@@ -1035,11 +1168,18 @@ def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer,
     with pytest.raises(ValueError, match=r"bertviz needs the same number of heads.*enc_self layers have \[3, 4\]"):
         A.bertviz_args(attn, entry)
     with pytest.raises(ValueError, match="one finite score per head of this model"):  # the unpruned table
-        A.dump_model(model, tokenizer, SENTENCES, tmp_path / "other", pictures=False,
-                     importance={kind: unpruned["kinds"][kind]["importance"] for kind in A.KINDS})
+        A.dump_model(
+            model,
+            tokenizer,
+            SENTENCES,
+            tmp_path / "other",
+            pictures=False,
+            importance={kind: unpruned["kinds"][kind]["importance"] for kind in A.KINDS},
+        )
     assert not (tmp_path / "other").exists()
-    assert "pruned to enc_self [3, 4], dec_self [4, 1], cross [3, 2] heads per layer" in \
-        (out / "viewer.html").read_text(encoding="utf-8")
+    assert "pruned to enc_self [3, 4], dec_self [4, 1], cross [3, 2] heads per layer" in (
+        out / "viewer.html"
+    ).read_text(encoding="utf-8")
 
     page = out / "viewer.html"
     browser = open_viewer(page, tmp_path, "s=1&kind=dec_self&layer=1&head=3&view=head")
@@ -1051,8 +1191,10 @@ def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer,
                 show(browser, f"s=1&kind={kind}&layer={layer}&head=mean&view=head", f"1/{kind}/{layer}/mean")
                 options = browser.js("[...document.getElementById('head').options].map(o => o.value)")
                 assert options == ["mean"] + [str(h) for h in range(n)], (kind, layer)
-                cells = browser.js("[...document.querySelectorAll('td.cell:not(.blocked)')].map(td => "
-                                   "[+td.dataset.q, +td.dataset.k, parseFloat(td.title.split(': ').pop())])")
+                cells = browser.js(
+                    "[...document.querySelectorAll('td.cell:not(.blocked)')].map(td => "
+                    "[+td.dataset.q, +td.dataset.k, parseFloat(td.title.split(': ').pop())])"
+                )
                 mean = attn[kind][layer][0].mean(0)  # (q, k): the mean over this layer's heads only
                 assert len(cells) > 0
                 for q, k, shown in cells:  # each cell's title gives its weight to 3 decimals

@@ -1,5 +1,6 @@
 """Scoring, measuring and labelling heads, and their intervals (annotated/attention/importance.py, profiles.py,
 bootstrap.py), and the command's options (annotated/attention/heads.py)."""
+
 import io
 import math
 import subprocess
@@ -43,8 +44,8 @@ def test_importance_matches_finite_differences():
         for i in range(2):
             diffs = []
             for r in range(3):  # each sentence alone, its padding cut off
-                src = b.src[r:r + 1, :int((b.src[r] != PAD).sum())]
-                tgt = b.tgt[r:r + 1, :int((b.tgt[r] != PAD).sum())]
+                src = b.src[r : r + 1, : int((b.src[r] != PAD).sum())]
+                tgt = b.tgt[r : r + 1, : int((b.tgt[r] != PAD).sum())]
 
                 def loss(xi):
                     gated = remove_heads(model, {})
@@ -82,6 +83,7 @@ def test_dec_self_profile_puts_nothing_on_future_offsets():
 
 # ---------------------------------------------------------------- labels of heads built by hand
 
+
 def _head(kind, S, T, where, share=0.9):
     """(T_q, T_k) probabilities: `share` on key where(q) (None: nowhere), the rest spread evenly over the
     visible keys (all S source keys, or keys 0 ... q in dec_self)."""
@@ -115,12 +117,23 @@ def test_labels_of_constructed_heads():
     diagonal = lambda q, n: round(q * (S - 1) / (T - 1))
     two_back = lambda q, n: max(q - 2, 0)
     # a flat head weighs its previous token exactly as uniform attention does: diffuse, not positional
-    assert _label("enc_self", [_head("enc_self", S, T, f) for f in (flat, previous, last, two_back)]) == \
-        ["diffuse", "positional (offset -1)", "aligns to the last source token", "positional (offset -2)"]
-    assert _label("dec_self", [_head("dec_self", S, T, f) for f in (flat, previous, first)]) == \
-        ["diffuse", "positional (offset -1)", "aligns to <s>"]
-    assert _label("cross", [_head("cross", S, T, f) for f in (flat, diagonal, last, first)]) == \
-        ["diffuse", "monotonic alignment", "aligns to the last source token", "aligns to the first source token"]
+    assert _label("enc_self", [_head("enc_self", S, T, f) for f in (flat, previous, last, two_back)]) == [
+        "diffuse",
+        "positional (offset -1)",
+        "aligns to the last source token",
+        "positional (offset -2)",
+    ]
+    assert _label("dec_self", [_head("dec_self", S, T, f) for f in (flat, previous, first)]) == [
+        "diffuse",
+        "positional (offset -1)",
+        "aligns to <s>",
+    ]
+    assert _label("cross", [_head("cross", S, T, f) for f in (flat, diagonal, last, first)]) == [
+        "diffuse",
+        "monotonic alignment",
+        "aligns to the last source token",
+        "aligns to the first source token",
+    ]
 
 
 def test_a_head_split_between_many_offsets_is_mixed():
@@ -190,8 +203,10 @@ def test_a_change_on_few_sentences_is_not_significant():
 
 
 def test_the_same_seed_gives_the_same_interval_and_another_seed_another():
-    worse = [r.replace("dog", "cat") if i % 3 == 0 else r.replace("park", "street") if i % 5 == 0 else r
-             for i, r in enumerate(REFS)]
+    worse = [
+        r.replace("dog", "cat") if i % 3 == 0 else r.replace("park", "street") if i % 5 == 0 else r
+        for i, r in enumerate(REFS)
+    ]
     assert paired_bleu_change(worse, REFS, REFS, seed=3) == paired_bleu_change(worse, REFS, REFS, seed=3)
     assert paired_bleu_change(worse, REFS, REFS, seed=3) != paired_bleu_change(worse, REFS, REFS, seed=4)
 
@@ -212,8 +227,8 @@ def test_sentence_losses_add_up_to_the_mean_token_loss():
     assert tokens.tolist() == [5, 4, 3]  # T - 1 - b predicted tokens in row b
     assert loss.sum() / tokens.sum() == pytest.approx(mean_token_loss(model, b.src, b.tgt).item(), rel=1e-9)
     for r in range(3):  # one sentence at a time, its padding cut off, gives its own loss
-        src = b.src[r:r + 1, :int((b.src[r] != PAD).sum())]
-        tgt = b.tgt[r:r + 1, :int((b.tgt[r] != PAD).sum())]
+        src = b.src[r : r + 1, : int((b.src[r] != PAD).sum())]
+        tgt = b.tgt[r : r + 1, : int((b.tgt[r] != PAD).sum())]
         assert loss[r] / tokens[r] == pytest.approx(mean_token_loss(model, src, tgt).item(), rel=1e-9)
 
 
@@ -226,6 +241,7 @@ def test_per_head_importance_input_is_not_changed():
 
 # ---------------------------------------------------------------- the command line
 
+
 def run_main(argv, capsys):
     from annotated.attention.heads import main
 
@@ -234,29 +250,42 @@ def run_main(argv, capsys):
     return code, err
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--checkpoint", "no/such.pt"], "no such file"),
-    (["--checkpoint", "{ckpt}", "--sentences", "1"], "--sentences: must be a whole number >= 2"),
-    (["--checkpoint", "{ckpt}", "--max-loss-increase", "0.5"], "--max-loss-increase only applies with --prune"),
-    (["--checkpoint", "{ckpt}", "--prune", "--max-loss-increase", "-1"],
-     "--max-loss-increase: must be a finite number >= 0"),
-    (["--checkpoint", "{ckpt}", "--prune", "--max-loss-increase", "nan"],
-     "--max-loss-increase: must be a finite number >= 0"),
-    (["--checkpoint", "{ckpt}", "--test-sentences", "5"], "--test-sentences only applies with --prune"),
-    (["--checkpoint", "{ckpt}", "--finetune-steps", "5"], "--finetune-steps only applies with --prune"),
-    (["--checkpoint", "{ckpt}", "--length-penalty", "2"], "--length-penalty only applies with --prune"),
-    (["--checkpoint", "{ckpt}", "--prune", "--length-penalty", "-1"], "--length-penalty: must be a finite number >= 0"),
-    (["--checkpoint", "{ckpt}", "--prune", "--finetune-steps", "-1"], "--finetune-steps: must be a whole number >= 0"),
-    (["--checkpoint", "{ckpt}", "--resamples", "0"], "--resamples: must be a whole number >= 1"),
-    (["--checkpoint", "{ckpt}", "--beam", "0"], "--beam: must be a whole number >= 1"),
-    (["--checkpoint", "{ckpt}", "--threads", "0"], "--threads: must be a whole number >= 1"),
-    (["--checkpoint", "{ckpt}", "--sentences", "many"], "--sentences: must be a whole number"),
-    (["--checkpoint", "{ckpt}", "--bogus"], "unrecognized arguments"),
-    (["--checkpoint"], "--checkpoint: expected one argument"),
-    (["--checkpoint", "{ckpt}", "--out", "{ckpt}"], "is not a folder"),
-    (["--checkpoint", "{ckpt}", "--out", "{old}"], "add --force"),
-    (["--checkpoint", "{ckpt}", "--device", "tpu"], "--device: must be cpu, cuda or cuda:N"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--checkpoint", "no/such.pt"], "no such file"),
+        (["--checkpoint", "{ckpt}", "--sentences", "1"], "--sentences: must be a whole number >= 2"),
+        (["--checkpoint", "{ckpt}", "--max-loss-increase", "0.5"], "--max-loss-increase only applies with --prune"),
+        (
+            ["--checkpoint", "{ckpt}", "--prune", "--max-loss-increase", "-1"],
+            "--max-loss-increase: must be a finite number >= 0",
+        ),
+        (
+            ["--checkpoint", "{ckpt}", "--prune", "--max-loss-increase", "nan"],
+            "--max-loss-increase: must be a finite number >= 0",
+        ),
+        (["--checkpoint", "{ckpt}", "--test-sentences", "5"], "--test-sentences only applies with --prune"),
+        (["--checkpoint", "{ckpt}", "--finetune-steps", "5"], "--finetune-steps only applies with --prune"),
+        (["--checkpoint", "{ckpt}", "--length-penalty", "2"], "--length-penalty only applies with --prune"),
+        (
+            ["--checkpoint", "{ckpt}", "--prune", "--length-penalty", "-1"],
+            "--length-penalty: must be a finite number >= 0",
+        ),
+        (
+            ["--checkpoint", "{ckpt}", "--prune", "--finetune-steps", "-1"],
+            "--finetune-steps: must be a whole number >= 0",
+        ),
+        (["--checkpoint", "{ckpt}", "--resamples", "0"], "--resamples: must be a whole number >= 1"),
+        (["--checkpoint", "{ckpt}", "--beam", "0"], "--beam: must be a whole number >= 1"),
+        (["--checkpoint", "{ckpt}", "--threads", "0"], "--threads: must be a whole number >= 1"),
+        (["--checkpoint", "{ckpt}", "--sentences", "many"], "--sentences: must be a whole number"),
+        (["--checkpoint", "{ckpt}", "--bogus"], "unrecognized arguments"),
+        (["--checkpoint"], "--checkpoint: expected one argument"),
+        (["--checkpoint", "{ckpt}", "--out", "{ckpt}"], "is not a folder"),
+        (["--checkpoint", "{ckpt}", "--out", "{old}"], "add --force"),
+        (["--checkpoint", "{ckpt}", "--device", "tpu"], "--device: must be cpu, cuda or cuda:N"),
+    ],
+)
 def test_bad_options_give_one_line_and_exit_2(argv, words, tmp_path, capsys):
     ckpt = tmp_path / "model.pt"
     ckpt.write_bytes(b"not looked at: options are checked before anything is loaded")
@@ -295,20 +324,39 @@ def test_help_states_the_stop_rule(capsys):
 
 # ---------------------------------------------------------------- pictures
 
+
 def _change(value, significant):
-    return {"value": value, "low": value - 0.5 if significant else -1.0,
-            "high": value + 0.5 if significant else 1.0, "significant": significant}
+    return {
+        "value": value,
+        "low": value - 0.5 if significant else -1.0,
+        "high": value + 0.5 if significant else 1.0,
+        "significant": significant,
+    }
 
 
 def _report():
     """A heads report of one layer of two heads per kind, with made-up numbers."""
-    bleu = {"enc_self": [(0.5, False), (-3.0, True)], "dec_self": [(-1.0, False), (0.2, False)],
-            "cross": [(-2.0, True), (0.0, False)]}
-    loss = {"enc_self": [(0.01, False), (0.3, True)], "dec_self": [(0.02, True), (-0.05, False)],
-            "cross": [(0.1, True), (0.0, False)]}
+    bleu = {
+        "enc_self": [(0.5, False), (-3.0, True)],
+        "dec_self": [(-1.0, False), (0.2, False)],
+        "cross": [(-2.0, True), (0.0, False)],
+    }
+    loss = {
+        "enc_self": [(0.01, False), (0.3, True)],
+        "dec_self": [(0.02, True), (-0.05, False)],
+        "cross": [(0.1, True), (0.0, False)],
+    }
     importance = {"enc_self": [0.1, 0.2], "dec_self": [0.05, 0.9], "cross": [0.3, 0.4]}
-    return {"kinds": {k: {"importance": [importance[k]], "bleu_change": [[_change(*c) for c in bleu[k]]],
-                          "loss_change": [[_change(*c) for c in loss[k]]]} for k in KINDS}}
+    return {
+        "kinds": {
+            k: {
+                "importance": [importance[k]],
+                "bleu_change": [[_change(*c) for c in bleu[k]]],
+                "loss_change": [[_change(*c) for c in loss[k]]],
+            }
+            for k in KINDS
+        }
+    }
 
 
 def test_heat_maps_share_one_colour_range_per_measure_and_hatch_what_is_not_significant():
@@ -370,15 +418,22 @@ def test_progress_is_a_bar_with_a_total_on_a_terminal_and_plain_lines_in_a_log()
 
 
 def test_command_misuse_exits_2_without_traceback():
-    r = subprocess.run([sys.executable, "-m", "annotated.attention.heads", "--checkpoint", "x.pt", "--sentences", "-3"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "annotated.attention.heads", "--checkpoint", "x.pt", "--sentences", "-3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 # ---------------------------------------------------------------- one loss, named
 
+
 def test_by_default_every_validation_sentence_and_the_label_smoothed_loss_is_the_runs_logged_val_loss(
-        tmp_path, monkeypatch, data_url, cache):
+    tmp_path, monkeypatch, data_url, cache
+):
     import re
 
     from annotated.attention.heads import _data, label_smoothing_of, parse_args, smoothed_loss
@@ -388,12 +443,16 @@ def test_by_default_every_validation_sentence_and_the_label_smoothed_loss_is_the
     monkeypatch.setenv("MULTI30K_URL", data_url)
     monkeypatch.setenv("ANNOTATED_CACHE", str(cache))
     lines = []
-    train.train(train.PRESETS["smoke"], tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False,
-                log=lines.append)
+    train.train(
+        train.PRESETS["smoke"], tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False, log=lines.append
+    )
     best = tmp_path / "run" / "best.pt"
     model, tokenizer, meta = load_checkpoint(best)
-    [logged] = [float(re.search(r"val loss ([0-9.]+)", line).group(1)) for line in lines
-                if line.startswith(f"epoch {meta['epoch']:3d} ")]
+    [logged] = [
+        float(re.search(r"val loss ([0-9.]+)", line).group(1))
+        for line in lines
+        if line.startswith(f"epoch {meta['epoch']:3d} ")
+    ]
     args = parse_args(["--checkpoint", str(best), "--out", str(tmp_path / "out")])
     val, _encoded, batches, _, available = _data(meta, tokenizer, args.sentences, model.config.max_len, False, None)
     assert len(val) == available == 1014  # the whole validation split
@@ -412,9 +471,11 @@ def test_the_table_names_each_loss_and_what_the_runs_log_scored():
     report = _report()
     for kind in KINDS:
         report["kinds"][kind]["label"] = [["mixed", "mixed"]]
-    report.update(baseline={"bleu": 30.0, "loss": 1.573, "loss_label_smoothed": 2.612, "label_smoothing": 0.1},
-                  validation={"sentences": 1014, "of": 1014, "confidence": 0.95, "resamples": 1000, "seed": 0},
-                  run_log=run_log_loss(meta))
+    report.update(
+        baseline={"bleu": 30.0, "loss": 1.573, "loss_label_smoothed": 2.612, "label_smoothing": 0.1},
+        validation={"sentences": 1014, "of": 1014, "confidence": 0.95, "resamples": 1000, "seed": 0},
+        run_log=run_log_loss(meta),
+    )
     text = " ".join(format_table(report).split())
     assert "val loss 1.573 (cross-entropy per target token, no label smoothing) on 1014 validation sentences" in text
     assert "with the training's label smoothing 0.1 the same sentences give 2.612" in text
@@ -424,13 +485,16 @@ def test_the_table_names_each_loss_and_what_the_runs_log_scored():
 
 # ---------------------------------------------------------------- the pruning curve
 
+
 def test_the_pruning_curve_marks_the_stop_and_draws_every_point_of_the_path():
     from annotated.attention.curve import curve_figure
     from annotated.attention.pictures import colour_table
 
     losses, test, held = [1.70, 1.72, 1.78, 1.85, 2.10], [38.0, 38.1, 37.6, 36.0, 30.0], [35.0, 35.2, 34.0, 33.5, 28.0]
-    curve = [{"heads_removed": i, "held_out_loss": l, "test_bleu": t, "held_out_bleu": h, "kept": i <= 2}
-             for i, (l, t, h) in enumerate(zip(losses, test, held))]
+    curve = [
+        {"heads_removed": i, "held_out_loss": l, "test_bleu": t, "held_out_bleu": h, "kept": i <= 2}
+        for i, (l, t, h) in enumerate(zip(losses, test, held))
+    ]
     fig = curve_figure(curve, 1.70, 0.1, stop=2, test_sentences=1000)
     top, bottom = fig.axes
     lines = {ax: [line for line in ax.get_lines() if len(line.get_xdata()) == 5] for ax in (top, bottom)}

@@ -1,5 +1,6 @@
 """Pruning heads for real, fine-tuning, pruned checkpoints, and the command end to end
 (annotated/attention/prune.py, annotated/attention/heads.py)."""
+
 import json
 from types import SimpleNamespace
 
@@ -42,6 +43,7 @@ def test_pruned_checkpoint_round_trips(form, tmp_path):
 
 def convert_fused(model):
     from annotated.transformer import convert_model
+
     return convert_model(model, "fused")
 
 
@@ -100,17 +102,25 @@ def test_going_beyond_the_stop_keeps_the_same_model_and_follows_the_same_path():
 
     seen = []
     stopped = greedy_prune(model, held_out_loss, importance, max_increase=0.02)
-    beyond = greedy_prune(model, held_out_loss, importance, max_increase=0.02, beyond_stop=True,
-                          on_step=lambda step, m: seen.append((step.kind, step.kept, head_counts(m))))
+    beyond = greedy_prune(
+        model,
+        held_out_loss,
+        importance,
+        max_increase=0.02,
+        beyond_stop=True,
+        on_step=lambda step, m: seen.append((step.kind, step.kept, head_counts(m))),
+    )
     # what the rule keeps does not change
     assert beyond.steps == stopped.steps and head_counts(beyond.model) == head_counts(stopped.model)
     assert head_counts(beyond.model) == {"enc_self": [1], "dec_self": [2], "cross": [2]}
     # the path goes on from the model without the removal that broke the rule, to one head per attention
     assert [(s.kind, s.head, s.kept) for s in beyond.beyond] == [("dec_self", 1, False)]
     assert beyond.beyond[0].held_out_loss == pytest.approx(2.115)  # all three removals together
-    assert seen == [("enc_self", True, {"enc_self": [1], "dec_self": [2], "cross": [2]}),
-                    ("cross", False, {"enc_self": [1], "dec_self": [2], "cross": [1]}),
-                    ("dec_self", False, {"enc_self": [1], "dec_self": [1], "cross": [1]})]
+    assert seen == [
+        ("enc_self", True, {"enc_self": [1], "dec_self": [2], "cross": [2]}),
+        ("cross", False, {"enc_self": [1], "dec_self": [2], "cross": [1]}),
+        ("dec_self", False, {"enc_self": [1], "dec_self": [1], "cross": [1]}),
+    ]
 
 
 def test_alternating_speed_times_each_model_in_every_round_in_turn(monkeypatch):
@@ -169,8 +179,12 @@ def _copy_task_batches(vocab=12, n=6):
     from annotated.training.data import collate
 
     g = torch.Generator().manual_seed(0)
-    pairs = [(seq, seq) for seq in (torch.randint(4, vocab, (int(L),), generator=g).tolist()
-                                    for L in torch.randint(3, 7, (n * 4,), generator=g))]
+    pairs = [
+        (seq, seq)
+        for seq in (
+            torch.randint(4, vocab, (int(L),), generator=g).tolist() for L in torch.randint(3, 7, (n * 4,), generator=g)
+        )
+    ]
     return [collate(pairs, range(k, k + 4)) for k in range(0, len(pairs), 4)]
 
 
@@ -186,8 +200,9 @@ def test_finetune_lowers_the_training_loss_of_a_pruned_model():
     from annotated.attention.importance import sentence_losses
 
     batches = _copy_task_batches()
-    pruned = remove_heads(tiny_model("fused", dtype=torch.float32, vocab=12),
-                          {("enc_self", 0): [0], ("cross", 1): [1, 2]})
+    pruned = remove_heads(
+        tiny_model("fused", dtype=torch.float32, vocab=12), {("enc_self", 0): [0], ("cross", 1): [1, 2]}
+    )
     before = {k: v.clone() for k, v in pruned.state_dict().items()}
 
     def loss(m):
@@ -200,7 +215,6 @@ def test_finetune_lowers_the_training_loss_of_a_pruned_model():
     # a random model's loss on a copy task with 8 words is several nats per token; 40 Adam steps on these same
     # batches bring it down by far more than the step-to-step wobble of a few hundredths
     assert loss(tuned) < loss(pruned) - 0.5, (loss(pruned), loss(tuned))
-
 
 
 def test_finetune_on_held_out_keeps_the_lowest_held_out_loss_and_stops_after_its_patience():
@@ -233,6 +247,7 @@ def test_finetune_on_held_out_keeps_the_input_when_nothing_beats_it_and_checks_t
 
 # ---------------------------------------------------------------- the command, end to end
 
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory, data_url, cache):
     """A small untrained model with a real tokenizer, saved as a checkpoint."""
@@ -242,23 +257,50 @@ def tiny_checkpoint(tmp_path_factory, data_url, cache):
     pairs = data.load_multi30k("train", cache_dir=cache, base_url=data_url)[:300]
     tok = data.train_tokenizer([s for s, _ in pairs] + [t for _, t in pairs], 400, cache_dir=cache)
     torch.manual_seed(0)
-    model = make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2,
-                       dropout=0.0, max_len=64, share_embeddings=True, tie_generator=True)
+    model = make_model(
+        src_vocab=tok.vocab_size,
+        tgt_vocab=tok.vocab_size,
+        N=1,
+        d_model=16,
+        d_ff=32,
+        h=2,
+        dropout=0.0,
+        max_len=64,
+        share_embeddings=True,
+        tie_generator=True,
+    )
     path = tmp_path_factory.mktemp("ckpt") / "best.pt"
     save_checkpoint(path, model, tok, {"src_lang": "de", "tgt_lang": "en"})
     return path
 
 
-def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(tiny_checkpoint, data_url, cache, tmp_path,
-                                                                     monkeypatch, capsys):
+def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(
+    tiny_checkpoint, data_url, cache, tmp_path, monkeypatch, capsys
+):
     from annotated.attention.heads import main
 
     monkeypatch.setenv("MULTI30K_URL", data_url)
     monkeypatch.setenv("ANNOTATED_CACHE", str(cache))
     out = tmp_path / "out"
-    argv = ["--checkpoint", str(tiny_checkpoint), "--out", str(out), "--sentences", "6", "--prune",
-            "--test-sentences", "3", "--beam", "2", "--max-loss-increase", "100", "--resamples", "50",
-            "--finetune-steps", "1"]
+    argv = [
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--out",
+        str(out),
+        "--sentences",
+        "6",
+        "--prune",
+        "--test-sentences",
+        "3",
+        "--beam",
+        "2",
+        "--max-loss-increase",
+        "100",
+        "--resamples",
+        "50",
+        "--finetune-steps",
+        "1",
+    ]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert sum(line.split()[:1] in (["enc_self"], ["dec_self"], ["cross"]) for line in text.splitlines()) == 6
@@ -328,7 +370,8 @@ def pruned_checkpoint(tiny_checkpoint, tmp_path_factory):
 
 
 def test_a_pruned_checkpoint_works_with_the_translator_the_equivalence_check_and_the_attention_dump(
-        pruned_checkpoint, tmp_path):
+    pruned_checkpoint, tmp_path
+):
     import io
 
     import numpy as np

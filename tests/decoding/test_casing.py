@@ -4,14 +4,20 @@ The tokenizer is a real sentencepiece model trained on a few German sentences in
 casing (nouns capitalised, the rest lower case, the first word of a sentence capitalised and not used
 elsewhere), so "each word in the casing it was seen in" has one right answer.
 """
+
 import pytest
 
 from annotated.decoding import casing
 from annotated.training.data import train_tokenizer
 
-SENTENCES = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park.",
-             "Eine Frau liest das Buch am Fenster.", "Drei Kinder essen Eis vor dem Haus.",
-             "Jener Mann fährt mit dem Fahrrad durch die Stadt.", "Viele Leute stehen an der Straße."]
+SENTENCES = [
+    "Ein Hund rennt über die Wiese.",
+    "Zwei Männer spielen Fußball im Park.",
+    "Eine Frau liest das Buch am Fenster.",
+    "Drei Kinder essen Eis vor dem Haus.",
+    "Jener Mann fährt mit dem Fahrrad durch die Stadt.",
+    "Viele Leute stehen an der Straße.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +58,6 @@ def test_ties_go_to_the_piece_merged_first_then_lower_case():
             return sum(self.scores.get(i, -99.0) for i in ids)
 
     assert casing.recase("wiese rennt wiese", Pieces()) == "Wiese rennt Wiese"
-
 
 
 @pytest.mark.parametrize("line", ["EIN MANN FÄHRT Fahrrad.", "DREI KINDER SPIELEN IM Park.", "Zwei HUNDE RENNEN."])

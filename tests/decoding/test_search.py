@@ -14,6 +14,7 @@ additions over sums of a few hundred terms of order 1: 1e-10 leaves room for
 that and would still catch any wrong token probability (those differ by
 far more than 1e-3 here).
 """
+
 import copy
 import itertools
 import math
@@ -58,6 +59,7 @@ def assert_well_formed(out, max_len):
 
 # --- beam of one is greedy --------------------------------------------------
 
+
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
 @pytest.mark.parametrize("max_len", [10, 4])  # 4: some sentences are cut before their eos
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -72,6 +74,7 @@ def test_beam_of_one_is_greedy(copy_models, alpha, max_len, dtype):
 
 
 # --- cache, attention forms, batching ---------------------------------------
+
 
 @pytest.mark.parametrize("attention", ["fused", "per_head"])
 @pytest.mark.parametrize("k", [2, 5])
@@ -109,10 +112,10 @@ def test_batched_beam_equals_one_sentence_at_a_time(copy_models, attention):
     src, mask = copy_sources()
     batch, s_batch = beam_search(m, src, mask, 10, beam_size=3, return_scores=True)
     for b in range(src.size(0)):
-        alone = src[b:b + 1, : int((src[b] != PAD).sum())]  # (1, S_b), no padding at all
+        alone = src[b : b + 1, : int((src[b] != PAD).sum())]  # (1, S_b), no padding at all
         one, s_one = beam_search(m, alone, padding_mask(alone, PAD), 10, beam_size=3, return_scores=True)
         row = batch[b, : one.size(1)]
-        assert torch.equal(row, one[0]) and (batch[b, one.size(1):] == PAD).all()
+        assert torch.equal(row, one[0]) and (batch[b, one.size(1) :] == PAD).all()
         assert abs(s_batch[b] - s_one[0]) <= TOL
 
 
@@ -123,12 +126,14 @@ def test_scores_are_teacher_forced_logprob_over_length_penalty(copy_models):
         out, scores = beam_search(m, src, mask, 10, beam_size=4, length_penalty=alpha, return_scores=True)
         logp, lengths = sequence_logprob(m, src, mask, out)
         # score(Y) = log P(Y | X) / lp(Y)
-        want = torch.tensor([lp_ / length_penalty(n, alpha) for lp_, n in zip(logp.tolist(), lengths.tolist())],
-                            dtype=torch.float64)
+        want = torch.tensor(
+            [lp_ / length_penalty(n, alpha) for lp_, n in zip(logp.tolist(), lengths.tolist())], dtype=torch.float64
+        )
         assert (scores - want).abs().max() <= TOL
 
 
 # --- exhaustive search ------------------------------------------------------
+
 
 def all_outputs(V, max_len):
     """Every output greedy or beam search can return: ends in eos, or has max_len tokens."""
@@ -150,15 +155,15 @@ def test_wide_beam_is_exhaustive_search(alpha, seed):
         m.generator.weight.mul_(3)  # sharper distributions, so the argmax is well separated
     src = torch.tensor([[3, 4, 3], [4, 4, 0]])
     mask = padding_mask(src, PAD)
-    out, scores = beam_search(m, src, mask, max_len, beam_size=V ** max_len, length_penalty=alpha,
-                              return_scores=True)
+    out, scores = beam_search(m, src, mask, max_len, beam_size=V**max_len, length_penalty=alpha, return_scores=True)
     candidates = list(all_outputs(V, max_len))
     ys = torch.tensor([c + [PAD] * (max_len - len(c)) for c in candidates])  # (n, max_len)
     for b in range(src.size(0)):
         n = len(candidates)
-        logp, lengths = sequence_logprob(m, src[b:b + 1].expand(n, -1), mask[b:b + 1].expand(n, -1, -1), ys)
-        exact = torch.tensor([x / length_penalty(k, alpha) for x, k in zip(logp.tolist(), lengths.tolist())],
-                             dtype=torch.float64)
+        logp, lengths = sequence_logprob(m, src[b : b + 1].expand(n, -1), mask[b : b + 1].expand(n, -1, -1), ys)
+        exact = torch.tensor(
+            [x / length_penalty(k, alpha) for x, k in zip(logp.tolist(), lengths.tolist())], dtype=torch.float64
+        )
         best = int(exact.argmax())
         assert out[b, : len(candidates[best])].tolist() == candidates[best]
         assert abs(scores[b] - exact[best]) <= TOL
@@ -178,10 +183,12 @@ class TableModel(nn.Module):
     look up the wrong row.
     """
 
-    table = {(): {A: 0.5, B_: 0.4, EOS: 0.1},
-             (A,): {A: 0.36, B_: 0.34, EOS: 0.3},
-             (B_,): {EOS: 0.9, A: 0.05, B_: 0.05},
-             (A, B_): {EOS: 0.5, A: 0.5}}
+    table = {
+        (): {A: 0.5, B_: 0.4, EOS: 0.1},
+        (A,): {A: 0.36, B_: 0.34, EOS: 0.3},
+        (B_,): {EOS: 0.9, A: 0.05, B_: 0.05},
+        (A, B_): {EOS: 0.5, A: 0.5},
+    }
 
     def __init__(self):
         super().__init__()
@@ -212,8 +219,9 @@ def test_beam_finds_what_greedy_misses():
     assert greedy(m, src, None, 5).tolist() == [[A, A, EOS]]
     # beam of 2: B eos has P = 0.4 * 0.9 = 0.36, found because B stays in the beam at step 1
     for use_cache in (True, False):
-        out, score = beam_search(m, src, None, 5, beam_size=2, length_penalty=0.0, use_cache=use_cache,
-                                 return_scores=True)
+        out, score = beam_search(
+            m, src, None, 5, beam_size=2, length_penalty=0.0, use_cache=use_cache, return_scores=True
+        )
         assert out.tolist() == [[B_, EOS]]
         # the 1e-9 floors of unlisted words make each row sum to 1 + 3e-9: log_softmax shifts by that much
         assert abs(score.item() - math.log(0.36)) <= 1e-8
@@ -221,11 +229,11 @@ def test_beam_finds_what_greedy_misses():
 
 # --- the cache, and bad arguments -------------------------------------------
 
+
 def test_reorder_cache_moves_and_drops_rows_of_a_real_cache():
     torch.manual_seed(0)
     for attention in ("fused", "per_head"):
-        m = make_model(src_vocab=7, tgt_vocab=7, N=2, d_model=16, d_ff=32, h=2, dropout=0.0,
-                       attention=attention).eval()
+        m = make_model(src_vocab=7, tgt_vocab=7, N=2, d_model=16, d_ff=32, h=2, dropout=0.0, attention=attention).eval()
         src = torch.randint(3, 7, (3, 4))
         memory, cache = m.encode(src, None), m.new_cache()
         with torch.no_grad():
@@ -264,8 +272,11 @@ def test_bad_arguments_are_named(copy_models):
         translate_ids(m, [[4, 5]], beam_size=0)
     m.train()
     try:
-        for call in (lambda: beam_search(m, src, mask, 5), lambda: greedy(m, src, mask, 5),
-                     lambda: translate_ids(m, [[4, 5]])):
+        for call in (
+            lambda: beam_search(m, src, mask, 5),
+            lambda: greedy(m, src, mask, 5),
+            lambda: translate_ids(m, [[4, 5]]),
+        ):
             with pytest.raises(ValueError, match="eval mode"):
                 call()
     finally:
@@ -275,8 +286,11 @@ def test_bad_arguments_are_named(copy_models):
 def test_long_inputs_are_refused_at_the_door_or_cut_as_documented():
     m = make_model(src_vocab=17, tgt_vocab=19, N=1, d_model=16, d_ff=32, h=4, dropout=0.0, max_len=8).eval()
     long = torch.full((1, 9), 3)
-    for call in (lambda: greedy(m, long, None, 5), lambda: beam_search(m, long, None, 5),
-                 lambda: sequence_logprob(m, long, None, torch.full((1, 2), 3))):
+    for call in (
+        lambda: greedy(m, long, None, 5),
+        lambda: beam_search(m, long, None, 5),
+        lambda: sequence_logprob(m, long, None, torch.full((1, 2), 3)),
+    ):
         with pytest.raises(ValueError, match="source length 9 exceeds the model's max_len=8"):
             call()
     with pytest.raises(ValueError, match=r"max_len must be an int in \[1, 8\]"):

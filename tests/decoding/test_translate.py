@@ -6,6 +6,7 @@ are nonsense, so the tests compare the command line's output with the same
 search run in this process: the same checkpoint, tokenizer and decoder must
 give the same text.
 """
+
 import functools
 import io
 import operator
@@ -35,9 +36,14 @@ from annotated.transformer import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LEN = 24
-TEXTS = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park.",
-         "A dog runs across the meadow.", "Two men play football in the park.",
-         "Eine Frau liest ein Buch.", "A woman reads a book."] * 4
+TEXTS = [
+    "Ein Hund rennt über die Wiese.",
+    "Zwei Männer spielen Fußball im Park.",
+    "A dog runs across the meadow.",
+    "Two men play football in the park.",
+    "Eine Frau liest ein Buch.",
+    "A woman reads a book.",
+] * 4
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +52,18 @@ def ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
     tok = train_tokenizer(TEXTS, 320, cache_dir=d)
     torch.manual_seed(0)
-    model = make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2,
-                       dropout=0.0, max_len=MAX_LEN, share_embeddings=True, tie_generator=True)
+    model = make_model(
+        src_vocab=tok.vocab_size,
+        tgt_vocab=tok.vocab_size,
+        N=1,
+        d_model=16,
+        d_ff=32,
+        h=2,
+        dropout=0.0,
+        max_len=MAX_LEN,
+        share_embeddings=True,
+        tie_generator=True,
+    )
     path = d / "best.pt"
     save_checkpoint(path, model, tok, {"src_lang": "de", "tgt_lang": "en"})
     return path
@@ -65,11 +81,18 @@ def expected(loaded, text, beam=4):
 
 def run_cli(*args, stdin=b""):
     args = [a if isinstance(a, bytes) else str(a) for a in args]
-    return subprocess.run([sys.executable, "-m", "annotated.decoding.translate", *args], input=stdin, capture_output=True,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "annotated.decoding.translate", *args],
+        input=stdin,
+        capture_output=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=120,
+    )
 
 
 # --- the command line, in a real process --------------------------------------
+
 
 def test_sentences_as_arguments(ckpt, loaded):
     unseen = "Ein Hund 🐕 läuft 東京"  # an emoji and characters the tokenizer never saw
@@ -77,8 +100,12 @@ def test_sentences_as_arguments(ckpt, loaded):
     r = run_cli("--checkpoint", ckpt, "Ein Hund rennt über die Wiese.", unseen, latin1, "--beam", "2")
     assert r.returncode == 0, r.stderr.decode()
     lines = r.stdout.decode("utf-8").split("\n")
-    assert lines == [expected(loaded, "Ein Hund rennt über die Wiese.", 2), expected(loaded, unseen, 2),
-                     expected(loaded, "Stra\ufffde", 2), ""]
+    assert lines == [
+        expected(loaded, "Ein Hund rennt über die Wiese.", 2),
+        expected(loaded, unseen, 2),
+        expected(loaded, "Stra\ufffde", 2),
+        "",
+    ]
     assert r.stderr.decode() == "argument 3: not valid UTF-8, undecodable bytes replaced by U+FFFD\n"
 
 
@@ -89,8 +116,14 @@ def test_stdin_serves_line_by_line_and_survives_bad_lines(ckpt, loaded):
     assert n_long > MAX_LEN
     lines = [b"Ein Hund rennt.", b"", b"   \t", long_line.encode(), b"Stra\xdfe und \xff Hund", b"Eine Frau."]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.Popen([sys.executable, "-m", "annotated.decoding.translate", "--checkpoint", str(ckpt)], cwd=ROOT,
-                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "annotated.decoding.translate", "--checkpoint", str(ckpt)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     killer = threading.Timer(120, p.kill)  # a guard against a hang, not a timing assertion
     killer.start()
     try:
@@ -115,7 +148,9 @@ def test_stdin_serves_line_by_line_and_survives_bad_lines(ckpt, loaded):
     assert answers[5][:-1] == expected(loaded, "Eine Frau.")  # still serving after all that
     assert "line 2: empty input, printed an empty line" in err
     assert "line 3: empty input, printed an empty line" in err
-    assert f"line 4: {n_long} subwords, more than the model's max_len={MAX_LEN}; translated in {len(parts)} parts" in err
+    assert (
+        f"line 4: {n_long} subwords, more than the model's max_len={MAX_LEN}; translated in {len(parts)} parts" in err
+    )
     assert "line 5: not valid UTF-8, undecodable bytes replaced by U+FFFD" in err
     assert "line 1" not in err and "line 6" not in err and "Traceback" not in err
 
@@ -130,9 +165,22 @@ def test_ctrl_c_exits_130_without_a_traceback(ckpt, when):
     from children import IMPORT_TIMES, said, wait_past_the_quiet_handler
 
     loading = when == "while torch loads"
-    p = subprocess.Popen([sys.executable, *(IMPORT_TIMES if loading else []), "-m", "annotated.decoding.translate",
-                          "--checkpoint", str(ckpt)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            *(IMPORT_TIMES if loading else []),
+            "-m",
+            "annotated.decoding.translate",
+            "--checkpoint",
+            str(ckpt),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     killer = threading.Timer(120, p.kill)  # a guard against a hang, not a timing assertion
     killer.start()
     try:
@@ -159,9 +207,14 @@ def test_ctrl_c_exits_130_without_a_traceback(ckpt, when):
 
 def test_a_reader_that_goes_away_ends_it_quietly(ckpt):
     """`... | head -1`: once the reader has closed the pipe, the next answer cannot be written; exit 0, no noise."""
-    p = subprocess.Popen([sys.executable, "-m", "annotated.decoding.translate", "--checkpoint", str(ckpt)], cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "annotated.decoding.translate", "--checkpoint", str(ckpt)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     killer = threading.Timer(120, p.kill)  # a guard against a hang, not a timing assertion
     killer.start()
     try:
@@ -248,6 +301,7 @@ def test_a_huge_line_is_never_held_in_memory(ckpt, loaded):
 
 # --- in-process: options, help, checkpoints without a tokenizer ---------------
 
+
 def run_main(*args, stdin=b""):
     out, err = io.BytesIO(), io.StringIO()
     code = main([str(a) for a in args], stdin=io.BytesIO(stdin), stdout=out, stderr=err)
@@ -264,23 +318,36 @@ def test_in_process_run_matches_and_counts_arguments(ckpt, loaded):
 def test_help_states_the_rules(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
-    for phrase in ("empty or whitespace-only line", "more subwords than max_len", "non-UTF-8 bytes",
-                   "characters unseen in training", "put back at the end of the translation", "exit code 2",
-                   "--max-extra", "split at sentence ends", "typed on a terminal, line by line", "exit code 130"):
+    for phrase in (
+        "empty or whitespace-only line",
+        "more subwords than max_len",
+        "non-UTF-8 bytes",
+        "characters unseen in training",
+        "put back at the end of the translation",
+        "exit code 2",
+        "--max-extra",
+        "split at sentence ends",
+        "typed on a terminal, line by line",
+        "exit code 130",
+    ):
         assert phrase in text
 
 
-@pytest.mark.parametrize("option, message", [
-    (["--beam", "0"], "argument --beam: must be a whole number >= 1, got '0'"),
-    (["--beam", "-2"], "argument --beam: must be a whole number >= 1, got '-2'"),
-    (["--length-penalty", "-1"], "argument --length-penalty: must be a finite number >= 0, got '-1'"),
-    (["--length-penalty", "nan"], "argument --length-penalty: must be a finite number >= 0, got 'nan'"),
-    (["--max-extra", "-3"], "argument --max-extra: must be a whole number >= 0, got '-3'"),
-    (["--device", "nonsense"], "argument --device: must be cpu, cuda or cuda:N"),
-    (["--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N"),
-    (["--device", "meta"], "argument --device: must be cpu, cuda or cuda:N"),
-    (["--device", "cuda:99"], "argument --device: 'cuda:99' asked for, but"),
-], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--beam", "0"], "argument --beam: must be a whole number >= 1, got '0'"),
+        (["--beam", "-2"], "argument --beam: must be a whole number >= 1, got '-2'"),
+        (["--length-penalty", "-1"], "argument --length-penalty: must be a finite number >= 0, got '-1'"),
+        (["--length-penalty", "nan"], "argument --length-penalty: must be a finite number >= 0, got 'nan'"),
+        (["--max-extra", "-3"], "argument --max-extra: must be a whole number >= 0, got '-3'"),
+        (["--device", "nonsense"], "argument --device: must be cpu, cuda or cuda:N"),
+        (["--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N"),
+        (["--device", "meta"], "argument --device: must be cpu, cuda or cuda:N"),
+        (["--device", "cuda:99"], "argument --device: 'cuda:99' asked for, but"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
 def test_bad_options_exit_2_with_one_line_before_loading(option, message, tmp_path, capsys):
     """Checked before the checkpoint is even looked at (it does not exist here)."""
     code, out, err = run_main("--checkpoint", tmp_path / "none.pt", *option, "Ein Hund.")
@@ -314,6 +381,7 @@ def test_a_translation_is_always_one_line(loaded):
 
 
 # --- which checkpoint without --checkpoint ------------------------------------
+
 
 def make_run(runs, name, mtime):
     (runs / name).mkdir(parents=True)
@@ -357,6 +425,7 @@ def test_without_checkpoint_option_uses_the_latest_run(ckpt, loaded, tmp_path):
 
 # --- real input: unseen characters, long lines, many lines --------------------
 
+
 def test_unseen_characters_are_set_aside_and_put_back_at_the_end(loaded):
     """An emoji (or a symbol, or another script) does not change the translation; it is kept, at the end."""
     model, tok = loaded
@@ -389,8 +458,11 @@ def test_capitals_lower_case_and_caps_lock_are_recased_then_answered_in_their_st
     assert spy.calls == [[tok.encode(set_aside_unseen("ZWEI MÄNNER", tok)[0])]]  # only the other input rules
     code, out, err = run_main("--checkpoint", ckpt, "ZWEI MÄNNER.", "--case", "auto")
     recased = casing.normalise("ZWEI MÄNNER.", tok)[0]
-    assert (code, out, err) == (0, expected(loaded, recased).upper() + "\n",
-                                f"argument 1: in capitals: translated as {recased!r}\n")
+    assert (code, out, err) == (
+        0,
+        expected(loaded, recased).upper() + "\n",
+        f"argument 1: in capitals: translated as {recased!r}\n",
+    )
 
 
 class Spy:
@@ -421,18 +493,24 @@ def test_a_line_longer_than_max_len_is_split_at_sentence_ends(loaded, spy):
     want = " ".join(expected(loaded, s) for s in sentences)
     spy.calls.clear()
     assert translate(model, tok, text) == (
-        want, f"{len(tok.encode(text))} subwords, more than the model's max_len={MAX_LEN}; translated in 3 parts")
+        want,
+        f"{len(tok.encode(text))} subwords, more than the model's max_len={MAX_LEN}; translated in 3 parts",
+    )
     assert spy.calls[0] == [tok.encode(s) for s in sentences]  # one part per sentence, in order
 
 
 @pytest.fixture(scope="module")
 def knows_clauses(tmp_path_factory):
     """A tiny model whose tokenizer has seen ',', ';' and ':' (the fixture's texts have none)."""
-    tok = train_tokenizer(TEXTS + ["Ein Hund rennt, eine Frau liest; ein Hund: eine Frau."] * 4, 320,
-                          cache_dir=tmp_path_factory.mktemp("clauses"))
+    tok = train_tokenizer(
+        TEXTS + ["Ein Hund rennt, eine Frau liest; ein Hund: eine Frau."] * 4,
+        320,
+        cache_dir=tmp_path_factory.mktemp("clauses"),
+    )
     torch.manual_seed(0)
-    return make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2,
-                      dropout=0.0, max_len=MAX_LEN).eval(), tok
+    return make_model(
+        src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, max_len=MAX_LEN
+    ).eval(), tok
 
 
 def test_a_sentence_longer_than_max_len_is_split_at_clause_ends(knows_clauses, spy):
@@ -461,8 +539,14 @@ class FlushLog(io.BytesIO):
         self.flushed.append(self.getvalue())
 
 
-SENTENCES = ["Ein Hund rennt.", "Zwei Männer spielen.", "Eine Frau liest ein Buch.",
-             "Ein Hund rennt über die Wiese.", "Eine Frau.", "Ein Hund."] * 2  # each within MAX_LEN subwords
+SENTENCES = [
+    "Ein Hund rennt.",
+    "Zwei Männer spielen.",
+    "Eine Frau liest ein Buch.",
+    "Ein Hund rennt über die Wiese.",
+    "Eine Frau.",
+    "Ein Hund.",
+] * 2  # each within MAX_LEN subwords
 
 
 def test_stdin_from_a_file_is_batched_answered_in_order_and_flushed_per_window(ckpt, loaded, spy, monkeypatch):
@@ -509,9 +593,23 @@ def test_make_bench_compares_the_cli_from_stdin_with_batched_translate_ids():
     assert row["sentences"] == 6 and row["beam"] == 2 and "error" not in row
     assert row["ratio"] == row["cli_s"] / row["translate_ids_s"] > 0
     assert "translator from stdin / batched translate_ids" in bench.markdown(
-        {"meta": {"device_name": "cpu", "torch": "", "date": "", "dtype": "fp32", "clock": "wall",
-                  "load_average_start": [0], "load_average_end": [0], "device_type": "cpu"},
-         "train": [], "decode": [], "targets": [], "translator_cli": row})
+        {
+            "meta": {
+                "device_name": "cpu",
+                "torch": "",
+                "date": "",
+                "dtype": "fp32",
+                "clock": "wall",
+                "load_average_start": [0],
+                "load_average_end": [0],
+                "device_type": "cpu",
+            },
+            "train": [],
+            "decode": [],
+            "targets": [],
+            "translator_cli": row,
+        }
+    )
 
 
 class TerminalText(io.StringIO):
@@ -535,15 +633,18 @@ def test_a_sentence_much_longer_than_the_training_sentences_is_translated_in_cla
 
     _, tok = knows_clauses
     torch.manual_seed(0)
-    model = make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2,
-                       dropout=0.0, max_len=512).eval()
+    model = make_model(
+        src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, max_len=512
+    ).eval()
     clauses = [t.rstrip(".") for t in TEXTS[:6] if not t.startswith(("A ", "Two"))] * 5
     text = ", ".join(clauses) + "."
     assert len(text) > LONG_SENTENCE and len(tok.encode(text)) <= 512
     translation, note = translate(model, tok, text)
     parts = spy.calls[-1]
-    assert len(parts) > 1 and note == (f"{len(text)} characters, longer than the sentences the model learned from "
-                                       f"({LONG_SENTENCE}); translated in {len(parts)} parts")
+    assert len(parts) > 1 and note == (
+        f"{len(text)} characters, longer than the sentences the model learned from "
+        f"({LONG_SENTENCE}); translated in {len(parts)} parts"
+    )
     assert functools.reduce(operator.iadd, parts, []) == tok.encode(text)  # nothing lost, nothing added, in order
     assert all(len(tok.decode(p)) <= LONG_SENTENCE and tok.decode(p)[-1] == "," for p in parts[:-1])
     alone = " ".join(tok.decode(translate_ids(model, [p], 4, 0.6)[0]) for p in parts)
@@ -572,11 +673,17 @@ def test_the_translator_decodes_at_the_models_length_penalty_unless_told(ckpt, t
     def recording(model, sources, beam_size, length_penalty, **kwargs):
         alphas.append(length_penalty)
         return translate_ids(model, sources, beam_size, length_penalty, **kwargs)
+
     monkeypatch.setattr(module, "translate_ids", recording)
     chosen = tmp_path / "chosen.pt"
     with_meta(ckpt, chosen, length_penalty=3.0)
-    for path, flag, want in ((chosen, [], 3.0), (ckpt, [], 0.6), (chosen, ["--length-penalty", "0.25"], 0.25),
-                             (ckpt, ["--length-penalty", "1.5"], 1.5), (chosen, ["--length-penalty", "0"], 0.0)):
+    for path, flag, want in (
+        (chosen, [], 3.0),
+        (ckpt, [], 0.6),
+        (chosen, ["--length-penalty", "0.25"], 0.25),
+        (ckpt, ["--length-penalty", "1.5"], 1.5),
+        (chosen, ["--length-penalty", "0"], 0.0),
+    ):
         alphas.clear()
         code, _, err = run_main("--checkpoint", path, *flag, "Ein Hund rennt.")
         assert code == 0 and alphas == [want], (path.name, flag, alphas, err)

@@ -3,6 +3,7 @@
 Runs on $ANNOTATED_CHECKPOINT, else on the latest run's model under runs/, else on the shipped de -> en model
 (`annotated/shipped/`, the commands' own rule): never skipped.
 """
+
 import os
 from pathlib import Path
 

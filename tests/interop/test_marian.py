@@ -25,26 +25,73 @@ from annotated.transformer import (
 
 # Marian shapes: OPUS-MT's id layout (pad last, the decoder starts with it), separate vocabularies, no scaling
 MARIAN_SHAPES = {
-    "opus-like swish": dict(vocab_size=40, d_model=16, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=32,
-                            decoder_ffn_dim=32, encoder_attention_heads=4, decoder_attention_heads=4,
-                            activation_function="swish", pad_token_id=39, decoder_start_token_id=39, eos_token_id=0,
-                            scale_embedding=True),
-    "separate gelu": dict(vocab_size=30, decoder_vocab_size=45, share_encoder_decoder_embeddings=False, d_model=24,
-                          encoder_layers=1, decoder_layers=1, encoder_ffn_dim=40, decoder_ffn_dim=40,
-                          encoder_attention_heads=3, decoder_attention_heads=3, activation_function="gelu",
-                          pad_token_id=29, decoder_start_token_id=29, eos_token_id=0, scale_embedding=True),
-    "unscaled untied relu": dict(vocab_size=50, d_model=32, encoder_layers=3, decoder_layers=3, encoder_ffn_dim=48,
-                                 decoder_ffn_dim=48, encoder_attention_heads=8, decoder_attention_heads=8,
-                                 activation_function="relu", pad_token_id=3, decoder_start_token_id=3,
-                                 eos_token_id=5, scale_embedding=False, tie_word_embeddings=False),
+    "opus-like swish": dict(
+        vocab_size=40,
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        activation_function="swish",
+        pad_token_id=39,
+        decoder_start_token_id=39,
+        eos_token_id=0,
+        scale_embedding=True,
+    ),
+    "separate gelu": dict(
+        vocab_size=30,
+        decoder_vocab_size=45,
+        share_encoder_decoder_embeddings=False,
+        d_model=24,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_ffn_dim=40,
+        decoder_ffn_dim=40,
+        encoder_attention_heads=3,
+        decoder_attention_heads=3,
+        activation_function="gelu",
+        pad_token_id=29,
+        decoder_start_token_id=29,
+        eos_token_id=0,
+        scale_embedding=True,
+    ),
+    "unscaled untied relu": dict(
+        vocab_size=50,
+        d_model=32,
+        encoder_layers=3,
+        decoder_layers=3,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=48,
+        encoder_attention_heads=8,
+        decoder_attention_heads=8,
+        activation_function="relu",
+        pad_token_id=3,
+        decoder_start_token_id=3,
+        eos_token_id=5,
+        scale_embedding=False,
+        tie_word_embeddings=False,
+    ),
 }
 # our shapes: shared and tied, separate and untied, per-head without attention biases
 OUR_SHAPES = {
-    "shared relu": dict(src_vocab=30, tgt_vocab=30, N=2, d_model=16, d_ff=32, h=4, share_embeddings=True,
-                        tie_generator=True),
+    "shared relu": dict(
+        src_vocab=30, tgt_vocab=30, N=2, d_model=16, d_ff=32, h=4, share_embeddings=True, tie_generator=True
+    ),
     "separate gelu": dict(src_vocab=25, tgt_vocab=35, N=1, d_model=24, d_ff=40, h=3, activation="gelu"),
-    "per-head silu": dict(src_vocab=30, tgt_vocab=30, N=3, d_model=32, d_ff=48, h=8, activation="silu",
-                          attention="per_head", bias=False, tie_generator=True),
+    "per-head silu": dict(
+        src_vocab=30,
+        tgt_vocab=30,
+        N=3,
+        d_model=32,
+        d_ff=48,
+        h=8,
+        activation="silu",
+        attention="per_head",
+        bias=False,
+        tie_generator=True,
+    ),
 }
 
 
@@ -74,8 +121,11 @@ def random_ours(shape: str, seed: int = 0, dtype=torch.float64):
 def marian_batch(config, seed: int = 1):
     """Source ids with padding and target prefixes starting with the decoder start, in Marian's ids."""
     g = torch.Generator().manual_seed(seed)
-    ordinary = [i for i in range(min(config.vocab_size, config.decoder_vocab_size))
-                if i not in (config.pad_token_id, config.eos_token_id)]
+    ordinary = [
+        i
+        for i in range(min(config.vocab_size, config.decoder_vocab_size))
+        if i not in (config.pad_token_id, config.eos_token_id)
+    ]
     pick = lambda *shape: torch.tensor(ordinary)[torch.randint(len(ordinary), shape, generator=g)]
     src, tgt = pick(3, 9), pick(3, 6)
     src[1, 6:] = config.pad_token_id  # a shorter sentence
@@ -142,10 +192,17 @@ def test_per_head_import_is_the_fused_import_split():
 def test_export_gives_our_logits(shape, dtype, tolerance):
     model = random_ours(shape, dtype=dtype)
     hf = to_marian(model)
-    assert hf.config.decoder_start_token_id == BOS and hf.config.pad_token_id == PAD and next(hf.parameters()).dtype == dtype
+    assert (
+        hf.config.decoder_start_token_id == BOS
+        and hf.config.pad_token_id == PAD
+        and next(hf.parameters()).dtype == dtype
+    )
     cfg = model.config
     g = torch.Generator().manual_seed(2)
-    src, tgt = torch.randint(3, cfg.src_vocab, (3, 9), generator=g), torch.randint(3, cfg.tgt_vocab, (3, 6), generator=g)
+    src, tgt = (
+        torch.randint(3, cfg.src_vocab, (3, 9), generator=g),
+        torch.randint(3, cfg.tgt_vocab, (3, 6), generator=g),
+    )
     src[1, 6:], tgt[:, 0] = PAD, BOS
     ours = our_logits(model, src, tgt)
     assert ours.abs().max() > 1.0
@@ -200,12 +257,13 @@ def test_residual_axis_covers_every_d_model_axis():
 def _ids_until_eos(rows, eos: int) -> list[list[int]]:
     out = []
     for row in rows.tolist():
-        out.append(row[:row.index(eos) + 1] if eos in row else row)
+        out.append(row[: row.index(eos) + 1] if eos in row else row)
     return out
 
 
-@pytest.mark.parametrize("shape, eos_boost", [("opus-like swish", 2.0), ("separate gelu", 0.0),
-                                               ("unscaled untied relu", 6.0)])
+@pytest.mark.parametrize(
+    "shape, eos_boost", [("opus-like swish", 2.0), ("separate gelu", 0.0), ("unscaled untied relu", 6.0)]
+)
 def test_beam_search_equals_generate(shape, eos_boost):
     """Beam 4, no length penalty (alpha = 0: the two formulas agree only there), stop at 4 finished.
 
@@ -216,9 +274,17 @@ def test_beam_search_equals_generate(shape, eos_boost):
     src, _ = marian_batch(hf.config)
     max_len = 12
     with torch.no_grad():
-        theirs = hf.generate(input_ids=src, attention_mask=(src != hf.config.pad_token_id).long(), num_beams=4,
-                             length_penalty=0.0, early_stopping=True, max_new_tokens=max_len, do_sample=False,
-                             forced_eos_token_id=None, bad_words_ids=None)[:, 1:]  # without the decoder start
+        theirs = hf.generate(
+            input_ids=src,
+            attention_mask=(src != hf.config.pad_token_id).long(),
+            num_beams=4,
+            length_penalty=0.0,
+            early_stopping=True,
+            max_new_tokens=max_len,
+            do_sample=False,
+            forced_eos_token_id=None,
+            bad_words_ids=None,
+        )[:, 1:]  # without the decoder start
     our_src = to_our_ids(src, src_map, False)
     ours = beam_search(model, our_src, padding_mask(our_src, PAD), max_len, beam_size=4, length_penalty=0.0)
     ours_as_marian = [[tgt_map[i] for i in row] for row in _ids_until_eos(ours, EOS)]
@@ -230,11 +296,37 @@ def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="post-norm only"):
         to_marian(make_model(src_vocab=9, tgt_vocab=9, N=1, d_model=8, d_ff=8, h=2, norm="pre"))
     with pytest.raises(ValueError, match="one size for both stacks"):
-        from_marian(MarianMTModel(MarianConfig(vocab_size=9, d_model=8, encoder_layers=1, decoder_layers=2,
-                                               encoder_ffn_dim=8, decoder_ffn_dim=8, encoder_attention_heads=2,
-                                               decoder_attention_heads=2, pad_token_id=8, decoder_start_token_id=8)))
+        from_marian(
+            MarianMTModel(
+                MarianConfig(
+                    vocab_size=9,
+                    d_model=8,
+                    encoder_layers=1,
+                    decoder_layers=2,
+                    encoder_ffn_dim=8,
+                    decoder_ffn_dim=8,
+                    encoder_attention_heads=2,
+                    decoder_attention_heads=2,
+                    pad_token_id=8,
+                    decoder_start_token_id=8,
+                )
+            )
+        )
     with pytest.raises(ValueError, match="activation_function 'gelu_new'"):
-        from_marian(MarianMTModel(MarianConfig(vocab_size=9, d_model=8, encoder_layers=1, decoder_layers=1,
-                                               encoder_ffn_dim=8, decoder_ffn_dim=8, encoder_attention_heads=2,
-                                               decoder_attention_heads=2, pad_token_id=8, decoder_start_token_id=8,
-                                               activation_function="gelu_new")))
+        from_marian(
+            MarianMTModel(
+                MarianConfig(
+                    vocab_size=9,
+                    d_model=8,
+                    encoder_layers=1,
+                    decoder_layers=1,
+                    encoder_ffn_dim=8,
+                    decoder_ffn_dim=8,
+                    encoder_attention_heads=2,
+                    decoder_attention_heads=2,
+                    pad_token_id=8,
+                    decoder_start_token_id=8,
+                    activation_function="gelu_new",
+                )
+            )
+        )

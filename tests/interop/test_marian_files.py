@@ -1,4 +1,5 @@
 """The export and import commands of annotated/interop/folders.py, through folders and files, offline."""
+
 import shutil
 import subprocess
 import sys
@@ -17,9 +18,16 @@ from annotated.training.data import train_tokenizer
 from annotated.transformer import make_model, padding_mask, subsequent_mask
 
 ROOT = Path(__file__).resolve().parents[2]
-SENTENCES = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park.", "Eine Frau liest ein Buch.",
-             "A dog runs across the meadow.", "Two men play football in the park.", "A woman reads a book.",
-             "Kinder spielen am Strand.", "Children play on the beach."]
+SENTENCES = [
+    "Ein Hund rennt über die Wiese.",
+    "Zwei Männer spielen Fußball im Park.",
+    "Eine Frau liest ein Buch.",
+    "A dog runs across the meadow.",
+    "Two men play football in the park.",
+    "A woman reads a book.",
+    "Kinder spielen am Strand.",
+    "Children play on the beach.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +36,19 @@ def checkpoint(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("marian")
     tokenizer = train_tokenizer(SENTENCES * 20, 300, cache_dir=folder)
     torch.manual_seed(0)
-    model = make_model(src_vocab=tokenizer.vocab_size, tgt_vocab=tokenizer.vocab_size, N=2, d_model=16, d_ff=32,
-                       h=4, dropout=0.0, max_len=64, share_embeddings=True, tie_generator=True, activation="silu")
+    model = make_model(
+        src_vocab=tokenizer.vocab_size,
+        tgt_vocab=tokenizer.vocab_size,
+        N=2,
+        d_model=16,
+        d_ff=32,
+        h=4,
+        dropout=0.0,
+        max_len=64,
+        share_embeddings=True,
+        tie_generator=True,
+        activation="silu",
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -101,8 +120,14 @@ def test_make_targets_pass_paths_as_typed(tmp_path):
     echo.chmod(0o755)
     hostile = "my runs/$USER;touch pwned/it's.pt"
     for target, var, command in (("export", "CHECKPOINT", "export"), ("import", "HF", "import")):
-        r = subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), target, f"PYTHON={echo}", f"{var}={hostile}",
-                            "OUT=o ut"], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+        r = subprocess.run(
+            ["make", "-s", "-f", str(ROOT / "Makefile"), target, f"PYTHON={echo}", f"{var}={hostile}", "OUT=o ut"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == f'["-m", "annotated.interop.folders", "{command}", "{hostile}", "o ut"]'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["python"]
@@ -124,11 +149,24 @@ def opus_like_folder(tokenizer, folder: Path) -> Path:
         (folder / name).write_bytes(tokenizer.to_bytes())
     (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
     torch.manual_seed(1)
-    hf = MarianMTModel(MarianConfig(vocab_size=len(vocab), d_model=16, encoder_layers=1, decoder_layers=1,
-                                    encoder_ffn_dim=32, decoder_ffn_dim=32, encoder_attention_heads=4,
-                                    decoder_attention_heads=4, activation_function="swish", scale_embedding=True,
-                                    max_position_embeddings=64, pad_token_id=len(vocab) - 1,
-                                    decoder_start_token_id=len(vocab) - 1, eos_token_id=0))
+    hf = MarianMTModel(
+        MarianConfig(
+            vocab_size=len(vocab),
+            d_model=16,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            activation_function="swish",
+            scale_embedding=True,
+            max_position_embeddings=64,
+            pad_token_id=len(vocab) - 1,
+            decoder_start_token_id=len(vocab) - 1,
+            eos_token_id=0,
+        )
+    )
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "embed_positions" not in name:
@@ -152,6 +190,8 @@ def test_an_opus_like_folder_imports_with_its_tokenizer(checkpoint, tmp_path):
     tgt = torch.tensor([[BOS] + tokenizer.encode(SENTENCES[3])])
     with torch.no_grad():
         ours = model(src, tgt, padding_mask(src, PAD), subsequent_mask(tgt.size(1)))
-        theirs = hf(input_ids=src.clone().apply_(marian_ids.__getitem__),
-                    decoder_input_ids=tgt.clone().apply_(marian_ids.__getitem__)).logits
+        theirs = hf(
+            input_ids=src.clone().apply_(marian_ids.__getitem__),
+            decoder_input_ids=tgt.clone().apply_(marian_ids.__getitem__),
+        ).logits
     assert (ours[..., 1:] - theirs[..., marian_ids[1:]]).abs().max() <= 1e-4  # float32

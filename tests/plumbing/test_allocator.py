@@ -1,6 +1,7 @@
 """annotated/plumbing/allocator.py: after keep_freed_memory(), a large tensor allocated and freed again and again
 reuses the same memory instead of faulting fresh pages in each time. Each case runs in its own process (the
 setting is for the whole process)."""
+
 import subprocess
 import sys
 

@@ -1,4 +1,5 @@
 """annotated/plumbing/checkpoint.py: round trip, atomic writes, clear errors."""
+
 import os
 import stat
 
@@ -81,8 +82,10 @@ def test_checkpoints_get_the_mode_a_plain_open_would_give(tmp_path, umask):
 
 
 CRAFTED = {  # config change -> what the one-line error says
-    "huge vocabulary": ({"src_vocab": 10_000_000, "tgt_vocab": 10_000_000, "d_model": 4096},
-                        "parameters do not match its config"),
+    "huge vocabulary": (
+        {"src_vocab": 10_000_000, "tgt_vocab": 10_000_000, "d_model": 4096},
+        "parameters do not match its config",
+    ),
     "forty layers": ({"N": 40}, "the config needs decoder.layers.1."),
     "a layer per tensor and more": ({"N": 10_000}, "N=10000 is more than"),
     "max_len NaN": ({"max_len": float("nan")}, "max_len must be a whole number >= 1, got nan"),

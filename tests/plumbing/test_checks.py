@@ -4,6 +4,7 @@ ValueError (or CheckpointError) before any model work, and every check in it ser
 The tests call the entry points, never the checks themselves. "Before any model work" is shown
 by a model whose encoder must not run: `encode` raises if it is reached.
 """
+
 import ast
 from pathlib import Path
 
@@ -28,36 +29,49 @@ def untouchable_model(max_len=8):
 
     def encode(*args, **kwargs):
         raise AssertionError("the model ran before the door refused the input")
+
     m.encode = encode
     return m
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda m: greedy(m, torch.tensor([[3, 11]]), None, 4), r"src token ids must lie in \[0, 11\)"),
-    (lambda m: beam_search(m, torch.full((1, 9), 3), None, 4), "source length 9 exceeds the model's max_len=8"),
-    (lambda m: beam_search(m, torch.full((1, 3), 3), None, 4, beam_size=0), "beam_size must be an int >= 1"),
-    (lambda m: greedy(m, torch.full((1, 3), 3), torch.ones(1, 1, 3), 4), "src_mask must be a bool tensor"),
-    (lambda m: translate_ids(m, [[3, 4], [-1]]), r"source 1 holds ids outside \[0, 11\)"),
-    (lambda m: compare_model_forms(m, torch.full((2, 3), 3), torch.full((3, 3), 3), 4),
-     "batch sizes differ: 2 source sentences, 3 target sentences"),
-    (lambda m: compare_model_forms(m, torch.full((1, 3), 3), torch.full((1, 9), 3), 4),
-     "target length 9 exceeds the model's max_len=8"),
-    (lambda m: compare_model_forms(m, torch.full((1, 3), 3), torch.full((1, 3), 13), 4),
-     r"target ids must lie in \[0, 13\)"),
-    (lambda m: collect_attention(m, [3, 0], [4]), r"source holds ids outside \[0, 11\) or the pad id 0"),
-    (lambda m: collect_attention(m, [3], []), "target is empty"),
-    (lambda m: collect_attention(m.train(), [3], [4]), "collect_attention needs the model in eval mode"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m: greedy(m, torch.tensor([[3, 11]]), None, 4), r"src token ids must lie in \[0, 11\)"),
+        (lambda m: beam_search(m, torch.full((1, 9), 3), None, 4), "source length 9 exceeds the model's max_len=8"),
+        (lambda m: beam_search(m, torch.full((1, 3), 3), None, 4, beam_size=0), "beam_size must be an int >= 1"),
+        (lambda m: greedy(m, torch.full((1, 3), 3), torch.ones(1, 1, 3), 4), "src_mask must be a bool tensor"),
+        (lambda m: translate_ids(m, [[3, 4], [-1]]), r"source 1 holds ids outside \[0, 11\)"),
+        (
+            lambda m: compare_model_forms(m, torch.full((2, 3), 3), torch.full((3, 3), 3), 4),
+            "batch sizes differ: 2 source sentences, 3 target sentences",
+        ),
+        (
+            lambda m: compare_model_forms(m, torch.full((1, 3), 3), torch.full((1, 9), 3), 4),
+            "target length 9 exceeds the model's max_len=8",
+        ),
+        (
+            lambda m: compare_model_forms(m, torch.full((1, 3), 3), torch.full((1, 3), 13), 4),
+            r"target ids must lie in \[0, 13\)",
+        ),
+        (lambda m: collect_attention(m, [3, 0], [4]), r"source holds ids outside \[0, 11\) or the pad id 0"),
+        (lambda m: collect_attention(m, [3], []), "target is empty"),
+        (lambda m: collect_attention(m.train(), [3], [4]), "collect_attention needs the model in eval mode"),
+    ],
+)
 def test_entry_points_refuse_bad_input_before_any_model_work(call, message):
     with pytest.raises(ValueError, match=message):
         call(untouchable_model())
 
 
-@pytest.mark.parametrize("module, message", [
-    (nn.Linear(8, 8), "expected a torch.nn.MultiheadAttention, got Linear"),
-    (nn.MultiheadAttention(8, 2, kdim=4, vdim=4), r"kdim=4, vdim=4 != embed_dim=8"),
-    (nn.MultiheadAttention(8, 2, add_bias_kv=True), "add_bias_kv=True or add_zero_attn=True"),
-])
+@pytest.mark.parametrize(
+    "module, message",
+    [
+        (nn.Linear(8, 8), "expected a torch.nn.MultiheadAttention, got Linear"),
+        (nn.MultiheadAttention(8, 2, kdim=4, vdim=4), r"kdim=4, vdim=4 != embed_dim=8"),
+        (nn.MultiheadAttention(8, 2, add_bias_kv=True), "add_bias_kv=True or add_zero_attn=True"),
+    ],
+)
 def test_from_torch_mha_refuses_what_our_attentions_cannot_hold(module, message):
     with pytest.raises(ValueError, match=message):
         from_torch_mha(module)

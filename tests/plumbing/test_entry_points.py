@@ -1,6 +1,7 @@
 """pyproject.toml: the console scripts of `pip install -e .` run the commands' own main functions through the one
 Ctrl-C protocol (annotated/plumbing/scripts.py), and the package it describes holds every subpackage and the
 viewer's web assets. Read and imported, not installed; `test_interrupts.py` runs the scripts."""
+
 import importlib
 from pathlib import Path
 
@@ -11,9 +12,13 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 SCRIPTS = PROJECT["project"]["scripts"]
 # make target -> the module it runs (Makefile); each has a console script named annotated-<target>
-TARGETS = {"train": "train_wmt", "translate": "annotated.decoding.translate",
-           "equivalence": "annotated.proof.equivalence", "attention": "annotated.attention.dump",
-           "heads": "annotated.attention.heads"}
+TARGETS = {
+    "train": "train_wmt",
+    "translate": "annotated.decoding.translate",
+    "equivalence": "annotated.proof.equivalence",
+    "attention": "annotated.attention.dump",
+    "heads": "annotated.attention.heads",
+}
 
 
 @pytest.mark.parametrize("target, module", TARGETS.items())

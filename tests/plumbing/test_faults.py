@@ -20,6 +20,7 @@ The training tests use the smoke preset on the real Multi30k files (skipped,
 saying so, when there are none), with one torch thread per process so that a
 run in a subprocess and one in this process do the same arithmetic.
 """
+
 import copy
 import dataclasses
 import functools
@@ -122,6 +123,7 @@ def flip_a_parameter_byte(path: Path) -> None:
 
 # --------------------------------------------------------------- Ctrl-C (SIGINT)
 
+
 def test_sigint_saves_a_resumable_checkpoint_and_resume_finishes_the_run(tmp_path, data_url, cache):
     """SIGINT at an arbitrary step: exit 130 without a traceback, last.pt at that step; --resume finishes.
 
@@ -133,8 +135,14 @@ def test_sigint_saves_a_resumable_checkpoint_and_resume_finishes_the_run(tmp_pat
     """
     run = tmp_path / "run"
     common = ["--run-dir", run, "--data-url", data_url, "--cache-dir", cache]
-    p = subprocess.Popen(train_cli("--max-steps", 1000, "--log-every", 1, *common), cwd=tmp_path, env=child_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        train_cli("--max-steps", 1000, "--log-every", 1, *common),
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + GUARD
     try:
         while steps_done(run) < 3:
@@ -156,16 +164,23 @@ def test_sigint_saves_a_resumable_checkpoint_and_resume_finishes_the_run(tmp_pat
 
     stale = run / ".last.pt.killed.tmp"
     stale.write_bytes((run / "last.pt").read_bytes()[:1000])
-    r = subprocess.run(train_cli("--log-every", 1, "--resume", "--max-steps", k + 3, *common), cwd=tmp_path,
-                       env=child_env(), capture_output=True, text=True, timeout=GUARD)
+    r = subprocess.run(
+        train_cli("--log-every", 1, "--resume", "--max-steps", k + 3, *common),
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+    )
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert (run / "results.json").is_file() and not stale.exists()
     resumed = losses(run)
     assert [s for s, _ in resumed] == list(range(1, k + 4))
 
     whole = tmp_path / "whole"
-    train.train(dataclasses.replace(train.PRESETS["smoke"], max_steps=k + 3, log_every=1), whole,
-                **quiet(data_url, cache))
+    train.train(
+        dataclasses.replace(train.PRESETS["smoke"], max_steps=k + 3, log_every=1), whole, **quiet(data_url, cache)
+    )
     for (step, a), (_, b) in zip(resumed, losses(whole), strict=True):
         assert math.isclose(a, b, rel_tol=1e-6), (step, a, b)
 
@@ -178,9 +193,16 @@ def test_a_second_sigint_stops_at_once_without_a_traceback(tmp_path, data_url, c
     (If the first one's orderly stop wins the race, stderr stays empty; same exit code.)
     """
     run = tmp_path / "run"
-    p = subprocess.Popen(train_cli("--max-steps", 1000, "--log-every", 1, "--run-dir", run, "--data-url", data_url,
-                                   "--cache-dir", cache),
-                         cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        train_cli(
+            "--max-steps", 1000, "--log-every", 1, "--run-dir", run, "--data-url", data_url, "--cache-dir", cache
+        ),
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + GUARD
     try:
         while steps_done(run) < 2:
@@ -212,19 +234,31 @@ def _has_main_guard(path) -> bool:
     import ast
 
     body = ast.parse(path.read_text(encoding="utf-8")).body
-    return any(isinstance(n, ast.If) and isinstance(n.test, ast.Compare)
-               and getattr(n.test.left, "id", None) == "__name__" for n in body)
+    return any(
+        isinstance(n, ast.If) and isinstance(n.test, ast.Compare) and getattr(n.test.left, "id", None) == "__name__"
+        for n in body
+    )
 
 
 # every file a user can run, found in the tree: a new command cannot be left off the list
-COMMANDS = sorted(str(p.relative_to(ROOT)) for folder in ("annotated", "benchmarks", "docs")
-                  for p in (ROOT / folder).rglob("*.py") if _has_main_guard(p)
-                  and str(p.relative_to(ROOT)) not in NOT_COMMANDS) + ["train_wmt.py"]
+COMMANDS = sorted(
+    str(p.relative_to(ROOT))
+    for folder in ("annotated", "benchmarks", "docs")
+    for p in (ROOT / folder).rglob("*.py")
+    if _has_main_guard(p) and str(p.relative_to(ROOT)) not in NOT_COMMANDS
+) + ["train_wmt.py"]
 
 
 def test_the_commands_are_found_in_the_tree():
-    assert {"train_wmt.py", "benchmarks/bench.py", "annotated/attention/heads.py", "annotated/interop/folders.py",
-            "annotated/training/add_case_table.py", "docs/build.py", "docs/notebook.py"} <= set(COMMANDS)
+    assert {
+        "train_wmt.py",
+        "benchmarks/bench.py",
+        "annotated/attention/heads.py",
+        "annotated/interop/folders.py",
+        "annotated/training/add_case_table.py",
+        "docs/build.py",
+        "docs/notebook.py",
+    } <= set(COMMANDS)
     assert all((ROOT / c).exists() for c in NOT_COMMANDS)  # a stale exemption is an error too
 
 
@@ -232,13 +266,22 @@ def _main_guard_calls(node) -> list:
     """(function name, first argument) of the calls in a top-level `if __name__ == "__main__":` block."""
     import ast
 
-    is_guard = (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-                and getattr(node.test.left, "id", None) == "__name__")
+    is_guard = (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and getattr(node.test.left, "id", None) == "__name__"
+    )
     if not is_guard:
         return []
-    return [(getattr(c.func, "id", getattr(c.func, "attr", None)), [ast.literal_eval(a) if isinstance(a, ast.Constant)
-                                                                    else getattr(a, "id", None) for a in c.args])
-            for stmt in node.body for c in ast.walk(stmt) if isinstance(c, ast.Call)]
+    return [
+        (
+            getattr(c.func, "id", getattr(c.func, "attr", None)),
+            [ast.literal_eval(a) if isinstance(a, ast.Constant) else getattr(a, "id", None) for a in c.args],
+        )
+        for stmt in node.body
+        for c in ast.walk(stmt)
+        if isinstance(c, ast.Call)
+    ]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -248,14 +291,31 @@ def test_every_command_follows_the_one_ctrl_c_protocol(command):
     import ast
 
     body = ast.parse((ROOT / command).read_text(encoding="utf-8")).body
-    first_torch = next((i for i, node in enumerate(body) if isinstance(node, (ast.Import, ast.ImportFrom))
-                        and any((a.name if isinstance(node, ast.Import) else node.module or "").startswith("torch")
-                                for a in node.names)), len(body))
-    starts = [(i, args) for i, node in enumerate(body) for name, args in _main_guard_calls(node)
-              if name == "quiet_ctrl_c_while_starting"]
+    first_torch = next(
+        (
+            i
+            for i, node in enumerate(body)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            and any(
+                (a.name if isinstance(node, ast.Import) else node.module or "").startswith("torch") for a in node.names
+            )
+        ),
+        len(body),
+    )
+    starts = [
+        (i, args)
+        for i, node in enumerate(body)
+        for name, args in _main_guard_calls(node)
+        if name == "quiet_ctrl_c_while_starting"
+    ]
     runs = [args for name, args in _main_guard_calls(body[-1]) if name == "run_command"]
-    constants = {t.id: node.value.value for node in body if isinstance(node, ast.Assign)
-                 and isinstance(node.value, ast.Constant) for t in node.targets if isinstance(t, ast.Name)}
+    constants = {
+        t.id: node.value.value
+        for node in body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     assert len(starts) == 1 and starts[0][0] < first_torch, "quiet_ctrl_c_while_starting first, under the guard"
     assert len(runs) == 1 and runs[0][0] == "main", "run_command(main, name) last, under the guard"
     assert constants.get(runs[0][1], runs[0][1]) == starts[0][1][0], "the same name in both calls"
@@ -265,10 +325,21 @@ def test_no_command_uses_another_ctrl_c_protocol():
     """One protocol: the module has no other entry, and no file imports it under another name."""
     from annotated.plumbing import interrupts
 
-    public = {n for n in dir(interrupts) if not n.startswith("_") and callable(getattr(interrupts, n))
-              and getattr(getattr(interrupts, n), "__module__", None) == interrupts.__name__}
-    assert public == {"quiet_ctrl_c_while_starting", "run_command", "ctrl_c_requested", "importing", "can_be_caught_at",
-                      "StopFlag"}
+    public = {
+        n
+        for n in dir(interrupts)
+        if not n.startswith("_")
+        and callable(getattr(interrupts, n))
+        and getattr(getattr(interrupts, n), "__module__", None) == interrupts.__name__
+    }
+    assert public == {
+        "quiet_ctrl_c_while_starting",
+        "run_command",
+        "ctrl_c_requested",
+        "importing",
+        "can_be_caught_at",
+        "StopFlag",
+    }
     files = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "tests" not in p.parts]
     assert not [p for p in files if "import interrupts as" in p.read_text(encoding="utf-8")]
 
@@ -276,8 +347,14 @@ def test_no_command_uses_another_ctrl_c_protocol():
 def test_sigint_at_start_up_exits_130_without_a_traceback(tmp_path, data_url, cache):
     """Ctrl-C before training starts (importing torch, reading data): exit 130, one line, nothing to resume."""
     command = train_cli("--run-dir", tmp_path / "run", "--data-url", data_url, "--cache-dir", cache)
-    p = subprocess.Popen([command[0], *IMPORT_TIMES, *command[1:]], cwd=tmp_path, env=child_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [command[0], *IMPORT_TIMES, *command[1:]],
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_past_the_quiet_handler(p)  # any moment after that gives the same outcome
         p.send_signal(signal.SIGINT)
@@ -291,16 +368,25 @@ def test_sigint_at_start_up_exits_130_without_a_traceback(tmp_path, data_url, ca
     assert not (tmp_path / "run" / "last.pt").exists()
 
 
-@pytest.mark.parametrize("command, started", [
-    (["-m", "annotated.proof.equivalence", "--examples", "100000"], "per-head = fused"),
-    ([str(ROOT / "benchmarks" / "bench.py"), "--quick", "--sizes", "cpu", "--device", "cpu"], "bench:"),
-], ids=["equivalence", "bench"])
+@pytest.mark.parametrize(
+    "command, started",
+    [
+        (["-m", "annotated.proof.equivalence", "--examples", "100000"], "per-head = fused"),
+        ([str(ROOT / "benchmarks" / "bench.py"), "--quick", "--sizes", "cpu", "--device", "cpu"], "bench:"),
+    ],
+    ids=["equivalence", "bench"],
+)
 def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command, started):
     """`make equivalence` and `make bench` stopped by Ctrl-C while they work: one line, exit 130.
     (Each writes its results only at the end, atomically: nothing is left half-written.)"""
     out_file = tmp_path / "bench.json"
-    p = subprocess.Popen([sys.executable, *command, *(["--out", str(out_file)] if started == "bench:" else [])],
-                         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, *command, *(["--out", str(out_file)] if started == "bench:" else [])],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         err = b""
         while started.encode() not in err:  # its progress bar: past the imports, working
@@ -320,16 +406,26 @@ def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command
     assert not out_file.exists() and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("command, name", [
-    (["-m", "annotated.proof.equivalence"], "python -m annotated.proof.equivalence"),
-    (["-m", "annotated.attention.dump", "--checkpoint", "none.pt"], "python -m annotated.attention.dump"),
-    ([str(ROOT / "benchmarks" / "bench.py")], "benchmarks/bench.py"),
-    ([str(ROOT / "docs" / "build.py"), "--out", "{tmp}/site"], "docs/build.py"),
-], ids=["equivalence", "attention", "bench", "docs"])
+@pytest.mark.parametrize(
+    "command, name",
+    [
+        (["-m", "annotated.proof.equivalence"], "python -m annotated.proof.equivalence"),
+        (["-m", "annotated.attention.dump", "--checkpoint", "none.pt"], "python -m annotated.attention.dump"),
+        ([str(ROOT / "benchmarks" / "bench.py")], "benchmarks/bench.py"),
+        ([str(ROOT / "docs" / "build.py"), "--out", "{tmp}/site"], "docs/build.py"),
+    ],
+    ids=["equivalence", "attention", "bench", "docs"],
+)
 def test_other_commands_exit_130_on_ctrl_c_while_torch_loads(tmp_path, command, name):
     """A Ctrl-C in the first second (the interpreter is importing torch): one line, exit 130, nothing written."""
-    p = subprocess.Popen([sys.executable, *IMPORT_TIMES, *(c.format(tmp=tmp_path) for c in command)], cwd=tmp_path,
-                         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, *IMPORT_TIMES, *(c.format(tmp=tmp_path) for c in command)],
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_past_the_quiet_handler(p)  # inside the heavy imports (torch: over 1 s here)
         p.send_signal(signal.SIGINT)
@@ -343,6 +439,7 @@ def test_other_commands_exit_130_on_ctrl_c_while_torch_loads(tmp_path, command, 
 
 
 # --------------------------------------------------------------- SIGKILL during a checkpoint write
+
 
 def _write_forever(path, first_version, conn, model):
     """The child: save checkpoints of `model` in a loop, reporting each finished version."""
@@ -420,12 +517,13 @@ def test_a_temporary_file_being_written_is_not_removed(tmp_path):
 
 # --------------------------------------------------------------- damaged or incompatible checkpoints
 
+
 def damage(kind: str, ckpt: Path, out: Path) -> str:
     """Write a damaged copy of `ckpt` to `out`; returns the part of the message that names the damage."""
     if kind == "missing":
         return f"{out}: no such file"
     if kind == "truncated":
-        out.write_bytes(ckpt.read_bytes()[:len(ckpt.read_bytes()) * 2 // 3])
+        out.write_bytes(ckpt.read_bytes()[: len(ckpt.read_bytes()) * 2 // 3])
         return f"checkpoint {out} is corrupt"
     if kind == "flipped byte":
         out.write_bytes(ckpt.read_bytes())
@@ -453,8 +551,10 @@ def damage(kind: str, ckpt: Path, out: Path) -> str:
     elif kind == "tokenizer of another model":
         state["config"]["src_vocab"] = state["config"]["tgt_vocab"] = 400
         state["model"] = make_model(**state["config"]).state_dict()
-        message = (f"checkpoint {out}: its tokenizer has 500 subwords but the model's vocabularies have "
-                   f"400 (source) and 400 (target)")
+        message = (
+            f"checkpoint {out}: its tokenizer has 500 subwords but the model's vocabularies have "
+            f"400 (source) and 400 (target)"
+        )
     elif kind == "no training state":
         del state["run_state"]
         message = f"checkpoint {out} has no training state; it cannot be resumed"
@@ -475,8 +575,15 @@ def test_a_flipped_byte_would_load_silently_without_the_crc_check(stopped_run, t
         read_checkpoint(bad)
 
 
-RESUME_DAMAGE = ["missing", "truncated", "flipped byte", "not a checkpoint", "no config", "no training state",
-                 "config does not fit the parameters"]
+RESUME_DAMAGE = [
+    "missing",
+    "truncated",
+    "flipped byte",
+    "not a checkpoint",
+    "no config",
+    "no training state",
+    "config does not fit the parameters",
+]
 
 
 @pytest.mark.parametrize("kind", RESUME_DAMAGE)
@@ -486,25 +593,55 @@ def test_resume_from_a_damaged_checkpoint_exits_2_naming_it(kind, stopped_run, t
     run.mkdir()
     message = damage(kind, stopped_run / "last.pt", run / "last.pt")
     before = (run / "last.pt").read_bytes() if kind != "missing" else None
-    code = train_wmt.main(["--preset", "smoke", "--resume", "--run-dir", str(run), "--data-url", data_url,
-                           "--cache-dir", str(cache), "--no-progress"])
+    code = train_wmt.main(
+        [
+            "--preset",
+            "smoke",
+            "--resume",
+            "--run-dir",
+            str(run),
+            "--data-url",
+            data_url,
+            "--cache-dir",
+            str(cache),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("train_wmt.py: error: ") and message in err and err.count("\n") == 1, err
     assert (run / "last.pt").read_bytes() == before if before is not None else not (run / "last.pt").exists()
     assert temporaries(run / "last.pt") == [] and not (run / "best.pt").exists()
 
 
-@pytest.mark.parametrize("option, differs", [(["--norm", "pre"], "norm: checkpoint 'post' vs now 'pre'"),
-                                             (["--vocab-size", "600"], "vocab_size: checkpoint 500 vs now 600"),
-                                             (["--attention", "per_head"],
-                                              "attention: checkpoint 'fused' vs now 'per_head'")])
-def test_resume_with_incompatible_settings_exits_2_naming_both(option, differs, stopped_run, tmp_path, data_url,
-                                                                cache, capsys):
+@pytest.mark.parametrize(
+    "option, differs",
+    [
+        (["--norm", "pre"], "norm: checkpoint 'post' vs now 'pre'"),
+        (["--vocab-size", "600"], "vocab_size: checkpoint 500 vs now 600"),
+        (["--attention", "per_head"], "attention: checkpoint 'fused' vs now 'per_head'"),
+    ],
+)
+def test_resume_with_incompatible_settings_exits_2_naming_both(
+    option, differs, stopped_run, tmp_path, data_url, cache, capsys
+):
     run = tmp_path / "run"
     run.mkdir()
     (run / "last.pt").write_bytes((stopped_run / "last.pt").read_bytes())
-    code = train_wmt.main(["--preset", "smoke", "--resume", "--run-dir", str(run), "--data-url", data_url,
-                           "--cache-dir", str(cache), "--no-progress", *option])
+    code = train_wmt.main(
+        [
+            "--preset",
+            "smoke",
+            "--resume",
+            "--run-dir",
+            str(run),
+            "--data-url",
+            data_url,
+            "--cache-dir",
+            str(cache),
+            "--no-progress",
+            *option,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and f"checkpoint {run / 'last.pt'} was trained with different settings" in err, err
     assert differs in err and err.count("\n") == 1
@@ -521,8 +658,24 @@ def test_resume_with_other_training_data_is_refused(stopped_run, tmp_path, data_
     run.mkdir()
     (run / "last.pt").write_bytes((stopped_run / "last.pt").read_bytes())
     files = [str(tmp_path / "src.txt"), str(tmp_path / "tgt.txt")]
-    code = train_wmt.main(["--preset", "smoke", "--resume", "--run-dir", str(run), "--cache-dir", str(cache),
-                           "--no-progress", "--train-files", *files, "--val-files", *files, "--test-files", *files])
+    code = train_wmt.main(
+        [
+            "--preset",
+            "smoke",
+            "--resume",
+            "--run-dir",
+            str(run),
+            "--cache-dir",
+            str(cache),
+            "--no-progress",
+            "--train-files",
+            *files,
+            "--val-files",
+            *files,
+            "--test-files",
+            *files,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and f"checkpoint {run / 'last.pt'} was trained with another tokenizer" in err, err
 
@@ -535,13 +688,29 @@ def test_empty_lines_in_user_files_follow_the_flag(rule, tmp_path, data_url, cac
 
     pairs = load_multi30k("val", "de", "en", cache_dir=cache, base_url=data_url)[:300]
     (tmp_path / "src.txt").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
-    (tmp_path / "tgt.txt").write_text("".join(("" if i == 6 else t) + "\n" for i, (_, t) in enumerate(pairs)),
-                                      encoding="utf-8")
+    (tmp_path / "tgt.txt").write_text(
+        "".join(("" if i == 6 else t) + "\n" for i, (_, t) in enumerate(pairs)), encoding="utf-8"
+    )
     good = [str(tmp_path / "src.txt"), str(tmp_path / "src.txt")]  # val/test: any aligned pair of files
     run = tmp_path / "run"
-    args = ["--preset", "smoke", "--run-dir", str(run), "--cache-dir", str(cache), "--no-progress", "--epochs", "1",
-            "--train-files", str(tmp_path / "src.txt"), str(tmp_path / "tgt.txt"), "--val-files", *good,
-            "--test-files", *good]
+    args = [
+        "--preset",
+        "smoke",
+        "--run-dir",
+        str(run),
+        "--cache-dir",
+        str(cache),
+        "--no-progress",
+        "--epochs",
+        "1",
+        "--train-files",
+        str(tmp_path / "src.txt"),
+        str(tmp_path / "tgt.txt"),
+        "--val-files",
+        *good,
+        "--test-files",
+        *good,
+    ]
     if rule == "error":
         code = train_wmt.main(args)
         err = capsys.readouterr().err
@@ -557,14 +726,29 @@ def test_resume_from_a_damaged_checkpoint_in_a_real_process(stopped_run, tmp_pat
     run = tmp_path / "run"
     run.mkdir()
     message = damage("flipped byte", stopped_run / "last.pt", run / "last.pt")
-    r = subprocess.run(train_cli("--resume", "--run-dir", run, "--data-url", data_url, "--cache-dir", cache),
-                       cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=GUARD)
+    r = subprocess.run(
+        train_cli("--resume", "--run-dir", run, "--data-url", data_url, "--cache-dir", cache),
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr and message in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1
 
 
-TRANSLATE_DAMAGE = ["truncated", "flipped byte", "not a checkpoint", "no config", "config does not fit the parameters",
-                    "unknown config field", "tokenizer of another model", "hostile config", "a folder"]
+TRANSLATE_DAMAGE = [
+    "truncated",
+    "flipped byte",
+    "not a checkpoint",
+    "no config",
+    "config does not fit the parameters",
+    "unknown config field",
+    "tokenizer of another model",
+    "hostile config",
+    "a folder",
+]
 
 
 @pytest.mark.parametrize("kind", TRANSLATE_DAMAGE)
@@ -583,17 +767,25 @@ def test_translator_refuses_a_damaged_checkpoint_with_exit_2(kind, stopped_run, 
 def test_translator_refuses_a_damaged_checkpoint_in_a_real_process(kind, stopped_run, tmp_path):
     path = tmp_path / "model.pt"
     message = damage(kind, stopped_run / "last.pt", path)
-    r = subprocess.run([sys.executable, "-m", "annotated.decoding.translate", "--checkpoint", str(path), "Ein Hund."],
-                       cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=GUARD)
+    r = subprocess.run(
+        [sys.executable, "-m", "annotated.decoding.translate", "--checkpoint", str(path), "Ein Hund."],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+    )
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
     assert message in r.stderr and r.stderr.count("\n") == 1
 
 
 # --------------------------------------------------------------- training numerics
 
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(bad, tmp_path, data_url, cache, monkeypatch,
-                                                                      capsys):
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(
+    bad, tmp_path, data_url, cache, monkeypatch, capsys
+):
     """The loss turns NaN (or inf) at the 3rd step after the first epoch: exit 2, last.pt untouched."""
     run = tmp_path / "run"
     batch_loss, seen, last_at_fault = train.batch_loss, [], {}
@@ -608,16 +800,19 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(bad, tmp_pa
         return loss, n
 
     monkeypatch.setattr(train, "batch_loss", faulty)
-    code = train_wmt.main(["--preset", "smoke", "--run-dir", str(run), "--data-url", data_url, "--cache-dir",
-                           str(cache), "--no-progress"])
+    code = train_wmt.main(
+        ["--preset", "smoke", "--run-dir", str(run), "--data-url", data_url, "--cache-dir", str(cache), "--no-progress"]
+    )
     err = capsys.readouterr().err
     saved = read_checkpoint(run / "last.pt")
     E = saved["run_state"]["step"]  # steps in epoch 1
     assert saved["run_state"]["epoch"] == 1 and sha(run / "last.pt") == last_at_fault["sha"]
     assert code == 2 and err.count("\n") == 1, err
-    assert (f"train_wmt.py: error: the loss became {bad} at step {E + 3} (epoch 2); 1 step(s) with a non-finite "
-            f"loss or gradient were skipped; stopped at step {2 * E}, the last good checkpoint {run / 'last.pt'} "
-            f"is kept") in err  # (the read at epoch 2's end: log_every 50 > the 2 x 14 steps)
+    assert (
+        f"train_wmt.py: error: the loss became {bad} at step {E + 3} (epoch 2); 1 step(s) with a non-finite "
+        f"loss or gradient were skipped; stopped at step {2 * E}, the last good checkpoint {run / 'last.pt'} "
+        f"is kept"
+    ) in err  # (the read at epoch 2's end: log_every 50 > the 2 x 14 steps)
     assert [s for s, _ in losses(run)] == [E] and not (run / "results.json").exists()
     model, _, _ = load_checkpoint(run / "last.pt")
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -657,10 +852,13 @@ def test_non_finite_gradient_at_an_epoch_end_does_not_reach_the_checkpoint(tmp_p
         return loss, n
 
     monkeypatch.setattr(train, "batch_loss", poisoned)
-    with pytest.raises(train.TrainingError, match=rf"the gradient norm became (nan|inf) at step {2 * E} \(epoch 2\); "
-                                              rf"1 step\(s\) with a non-finite loss or gradient were skipped; "
-                                              rf"stopped at step {2 * E}, the last good checkpoint .*last\.pt is "
-                                              rf"kept"):
+    with pytest.raises(
+        train.TrainingError,
+        match=rf"the gradient norm became (nan|inf) at step {2 * E} \(epoch 2\); "
+        rf"1 step\(s\) with a non-finite loss or gradient were skipped; "
+        rf"stopped at step {2 * E}, the last good checkpoint .*last\.pt is "
+        rf"kept",
+    ):
         train.train(dataclasses.replace(SMOKE, epochs=2), run, resume=True, **quiet(data_url, cache))
     assert {name: sha(run / name) for name in kept} == kept
     model, _, _ = load_checkpoint(run / "last.pt")
@@ -689,8 +887,9 @@ def test_non_finite_gradient_at_an_epoch_end_does_not_reach_the_checkpoint(tmp_p
 # "once escaped" tests at the end of this file); the door refuses the invalid ones,
 # annotated/transformer.py handles the valid ones, and the strategies cover them.
 
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-1}
 SCALE = {torch.float64: 30.0, torch.float32: 30.0, torch.float16: 3.0, torch.bfloat16: 3.0}  # largest input
 DTYPES = list(TOL)
@@ -744,7 +943,7 @@ def masks(draw, B, T_q, T_k):
     if draw(st.integers(0, 3)) == 0:
         return None
     shape = [draw(st.sampled_from([n, 1])) for n in (B, T_q, T_k)]
-    shape = shape[draw(st.integers(0, 3)):]  # leading dims may be left out
+    shape = shape[draw(st.integers(0, 3)) :]  # leading dims may be left out
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     return torch.rand(shape, generator=gen) < draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]))
 
@@ -760,10 +959,21 @@ def attention_cases(draw):
     self_attention = draw(st.booleans())
     x_shape, kv_shape = (B, T_q, d_model), (B, T_q if self_attention else T_k, d_model)
     mask = draw(masks(B, T_q, kv_shape[-2]))
-    return dict(d_model=d_model, h=h, bias=bias, dtype=dtype, form=form, x_shape=x_shape,
-                kv_shape=kv_shape, self_attention=self_attention, mask=mask,
-                seed=draw(st.integers(0, 2**16)), scale=draw(st.sampled_from([1e-3, 1.0, SCALE[dtype]])),
-                probabilities=draw(st.booleans()), fast=draw(st.booleans()))
+    return dict(
+        d_model=d_model,
+        h=h,
+        bias=bias,
+        dtype=dtype,
+        form=form,
+        x_shape=x_shape,
+        kv_shape=kv_shape,
+        self_attention=self_attention,
+        mask=mask,
+        seed=draw(st.integers(0, 2**16)),
+        scale=draw(st.sampled_from([1e-3, 1.0, SCALE[dtype]])),
+        probabilities=draw(st.booleans()),
+        fast=draw(st.booleans()),
+    )
 
 
 @FUZZ
@@ -773,8 +983,11 @@ def test_attention_matches_the_float64_reference(case):
     module = low_ph if case["form"] == "per_head" else low_fu
     gen = torch.Generator().manual_seed(case["seed"])
     x = torch.randn(case["x_shape"], generator=gen, dtype=torch.float64) * case["scale"]
-    x_kv = x if case["self_attention"] else (
-        torch.randn(case["kv_shape"], generator=gen, dtype=torch.float64) * case["scale"])
+    x_kv = (
+        x
+        if case["self_attention"]
+        else (torch.randn(case["kv_shape"], generator=gen, dtype=torch.float64) * case["scale"])
+    )
     mask, d_model = case["mask"], case["d_model"]
     assert mask is None or is_broadcast(mask.shape, (x.size(0), x.size(1), x_kv.size(1)))  # the strategy's promise
     x_low, kv_low = x.to(case["dtype"]), x_kv.to(case["dtype"])
@@ -814,13 +1027,33 @@ VOCAB_SRC, VOCAB_TGT, MAX_LEN, D_MODEL = 11, 13, 8, 8
 def models(attention: str, norm: str, dtype: torch.dtype):
     """A small model in `dtype` and its float64 per-head reference (the same function)."""
     torch.manual_seed(1)
-    base = make_model(src_vocab=VOCAB_SRC, tgt_vocab=VOCAB_TGT, N=2, d_model=D_MODEL, d_ff=16, h=2, dropout=0.0,
-                      max_len=MAX_LEN, attention=attention, norm=norm).eval()
+    base = make_model(
+        src_vocab=VOCAB_SRC,
+        tgt_vocab=VOCAB_TGT,
+        N=2,
+        d_model=D_MODEL,
+        d_ff=16,
+        h=2,
+        dropout=0.0,
+        max_len=MAX_LEN,
+        attention=attention,
+        norm=norm,
+    ).eval()
     return copy.deepcopy(base).to(dtype), convert_model(base, "per_head").double()
 
 
-SRC_FAULTS = ["src id", "src too long", "src dtype", "src rank", "src mask size", "src mask dtype", "src mask rank",
-              "max_len", "beam", "training"]  # what a user can hand the decoders wrongly; half the cases have none
+SRC_FAULTS = [
+    "src id",
+    "src too long",
+    "src dtype",
+    "src rank",
+    "src mask size",
+    "src mask dtype",
+    "src mask rank",
+    "max_len",
+    "beam",
+    "training",
+]  # what a user can hand the decoders wrongly; half the cases have none
 
 
 def token_ids(B, T, vocab, gen, bad: bool, dtype):
@@ -828,7 +1061,8 @@ def token_ids(B, T, vocab, gen, bad: bool, dtype):
     ids = torch.randint(0, vocab, (B, T), generator=gen)
     if bad and ids.numel():
         ids.view(-1)[int(torch.randint(ids.numel(), (1,), generator=gen))] = [-1, vocab, vocab + 7][
-            int(torch.randint(3, (1,), generator=gen))]
+            int(torch.randint(3, (1,), generator=gen))
+        ]
     return ids.to(dtype)
 
 
@@ -841,13 +1075,23 @@ def model_cases(draw):
     B = draw(st.integers(0, 3))
     start = draw(st.integers(0, MAX_LEN)) if op == "decode" else 0
     S, T = draw(st.integers(0, MAX_LEN)), draw(st.integers(0, MAX_LEN - start))
-    ids = lambda B_, T_, vocab: token_ids(B_, T_, vocab, gen, False, draw(st.sampled_from([torch.int64,
-                                                                                        torch.int32])))
+    ids = lambda B_, T_, vocab: token_ids(B_, T_, vocab, gen, False, draw(st.sampled_from([torch.int64, torch.int32])))
     src, tgt = ids(B, S, VOCAB_SRC), ids(B, T, VOCAB_TGT)
     src_mask = draw(st.sampled_from(["padding", "padding", "none", "one row"]))
     tgt_mask = draw(st.sampled_from(["target", "target", "subsequent", "none"]))
-    return dict(op=op, dtype=dtype, attention=attention, norm=norm, src=src, tgt=tgt,
-                src_mask=src_mask, tgt_mask=tgt_mask, start=start, probabilities=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+    return dict(
+        op=op,
+        dtype=dtype,
+        attention=attention,
+        norm=norm,
+        src=src,
+        tgt=tgt,
+        src_mask=src_mask,
+        tgt_mask=tgt_mask,
+        start=start,
+        probabilities=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 def recorded(model, call, kinds):
@@ -861,16 +1105,21 @@ def recorded(model, call, kinds):
 
 def make_src_mask(kind, src):
     S = src.size(1)
-    return {"padding": lambda: padding_mask(src, 0), "none": lambda: None,
-            "one row": lambda: torch.ones(1, 1, S, dtype=torch.bool),
-            "wrong length": lambda: torch.ones(src.size(0), 1, S + 1, dtype=torch.bool),
-            "int": lambda: padding_mask(src, 0).int(), "rank 4": lambda: padding_mask(src, 0).unsqueeze(0)}[kind]()
+    return {
+        "padding": lambda: padding_mask(src, 0),
+        "none": lambda: None,
+        "one row": lambda: torch.ones(1, 1, S, dtype=torch.bool),
+        "wrong length": lambda: torch.ones(src.size(0), 1, S + 1, dtype=torch.bool),
+        "int": lambda: padding_mask(src, 0).int(),
+        "rank 4": lambda: padding_mask(src, 0).unsqueeze(0),
+    }[kind]()
 
 
 def make_tgt_mask(kind, tgt):
     T = tgt.size(1)
-    return {"target": lambda: target_mask(tgt, 0), "subsequent": lambda: subsequent_mask(T),
-            "none": lambda: None}[kind]()
+    return {"target": lambda: target_mask(tgt, 0), "subsequent": lambda: subsequent_mask(T), "none": lambda: None}[
+        kind
+    ]()
 
 
 @FUZZ
@@ -921,18 +1170,31 @@ def decoder_cases(draw):
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     B = draw(st.integers(1 if fault == "src id" else 0, 3))
     S = draw(st.integers(MAX_LEN + 1, MAX_LEN + 3) if fault == "src too long" else st.integers(1, MAX_LEN))
-    dtype = draw(st.sampled_from([torch.float32, torch.int16, torch.uint8, torch.bool] if fault == "src dtype"
-                                 else [torch.int64, torch.int32]))
+    dtype = draw(
+        st.sampled_from(
+            [torch.float32, torch.int16, torch.uint8, torch.bool]
+            if fault == "src dtype"
+            else [torch.int64, torch.int32]
+        )
+    )
     src = token_ids(B, S, VOCAB_SRC, gen, fault == "src id", dtype)
     if fault == "src rank":
         src = src.reshape(-1) if draw(st.booleans()) else src.unsqueeze(0)
     src_mask = {"src mask size": "wrong length", "src mask dtype": "int", "src mask rank": "rank 4"}.get(fault) or draw(
-        st.sampled_from(["padding", "padding", "none", "one row"]))
+        st.sampled_from(["padding", "padding", "none", "one row"])
+    )
     max_len = draw(st.sampled_from([0, MAX_LEN + 1]) if fault == "max_len" else st.integers(1, MAX_LEN))
     beam = draw(st.sampled_from([0, -1]) if fault == "beam" else st.integers(1, 3))
-    return dict(fault=fault, src=src, src_mask=src_mask, max_len=max_len, beam=beam,
-                search=draw(st.sampled_from(["greedy", "beam"])) if fault != "beam" else "beam",
-                attention=draw(st.sampled_from(["fused", "per_head"])), dtype=draw(st.sampled_from(DTYPES)))
+    return dict(
+        fault=fault,
+        src=src,
+        src_mask=src_mask,
+        max_len=max_len,
+        beam=beam,
+        search=draw(st.sampled_from(["greedy", "beam"])) if fault != "beam" else "beam",
+        attention=draw(st.sampled_from(["fused", "per_head"])),
+        dtype=draw(st.sampled_from(DTYPES)),
+    )
 
 
 @FUZZ
@@ -942,14 +1204,29 @@ def test_decoders_give_a_translation_or_a_value_error(case):
     src, max_len = case["src"], case["max_len"]
     src_mask = make_src_mask(case["src_mask"], src) if src.dim() == 2 else None
     # valid, read off the arguments themselves
-    valid = (src.dtype in (torch.int64, torch.int32) and src.dim() == 2 and src.size(1) <= MAX_LEN
-             and (src.numel() == 0 or (int(src.min()) >= 0 and int(src.max()) < VOCAB_SRC))
-             and (src_mask is None or (src_mask.dtype == torch.bool and src_mask.dim() == 3
-                                       and is_broadcast(src_mask.shape, (src.size(0),) + (src.size(1),) * 2)))
-             and 1 <= max_len <= MAX_LEN and case["beam"] >= 1 and case["fault"] != "training")
+    valid = (
+        src.dtype in (torch.int64, torch.int32)
+        and src.dim() == 2
+        and src.size(1) <= MAX_LEN
+        and (src.numel() == 0 or (int(src.min()) >= 0 and int(src.max()) < VOCAB_SRC))
+        and (
+            src_mask is None
+            or (
+                src_mask.dtype == torch.bool
+                and src_mask.dim() == 3
+                and is_broadcast(src_mask.shape, (src.size(0),) + (src.size(1),) * 2)
+            )
+        )
+        and 1 <= max_len <= MAX_LEN
+        and case["beam"] >= 1
+        and case["fault"] != "training"
+    )
     assert valid or case["fault"] != "none"
-    search = (lambda: greedy(model, src, src_mask, max_len)) if case["search"] == "greedy" else (
-        lambda: beam_search(model, src, src_mask, max_len, beam_size=case["beam"]))
+    search = (
+        (lambda: greedy(model, src, src_mask, max_len))
+        if case["search"] == "greedy"
+        else (lambda: beam_search(model, src, src_mask, max_len, beam_size=case["beam"]))
+    )
     model.train(case["fault"] == "training")
     try:
         out = outcome(search, valid)
@@ -969,11 +1246,14 @@ def test_decoders_give_a_translation_or_a_value_error(case):
 # Found by the fuzzing above; each case is the smallest input that showed it, kept as a
 # regression test. The docstring-like reason says what used to happen.
 
+
 def escape(reason):
     """Label a regression test with what used to go wrong (its docstring)."""
+
     def label(test):
         test.__doc__ = f"Used to escape: {reason}."
         return test
+
     return label
 
 

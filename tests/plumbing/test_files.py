@@ -1,4 +1,5 @@
 """The shared writers of annotated/plumbing/files.py: figures and JSON."""
+
 import json
 
 import numpy as np

@@ -7,6 +7,7 @@ killed by SIGINT (return code -2) whatever `sys.exit` says. The child below spen
 such place and the rest in plain code; a Ctrl-C at any moment must give exit code 130 and the one line.
 The console scripts go through the same protocol (annotated/plumbing/scripts.py).
 """
+
 import os
 import signal
 import subprocess
@@ -73,8 +74,14 @@ def test_ctrl_c_in_code_that_cannot_pass_an_exception_on_still_exits_130(place, 
     """Three Ctrl-C at staggered moments, each in a fresh `python -m` process: 130, one line, no traceback."""
     (tmp_path / "work.py").write_text(WORK.replace("PLACE", place))
     for delay in (0.02, 0.1, 0.3):
-        p = subprocess.Popen([sys.executable, "-m", "work"], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "work"],
+            cwd=tmp_path,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert p.stderr.readline() == "working\n"
             time.sleep(delay)
@@ -89,14 +96,19 @@ def test_ctrl_c_in_code_that_cannot_pass_an_exception_on_still_exits_130(place, 
 def script(name: str) -> list[str]:
     """What the console script that `pip install` writes does: import the entry point and exit with its value."""
     function = name.removeprefix("annotated-")
-    return [sys.executable, *IMPORT_TIMES, "-c", f"import sys; from annotated.plumbing.scripts import {function}; "
-                                  f"sys.exit({function}())"]
+    return [
+        sys.executable,
+        *IMPORT_TIMES,
+        "-c",
+        f"import sys; from annotated.plumbing.scripts import {function}; sys.exit({function}())",
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_console_scripts_exit_130_on_ctrl_c_while_torch_loads(name, tmp_path):
-    p = subprocess.Popen(script(name), cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(
+        script(name), cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         wait_past_the_quiet_handler(p, "annotated.plumbing.scripts")  # inside the command's imports (torch: > 1 s)
         p.send_signal(signal.SIGINT)
@@ -110,8 +122,13 @@ def test_console_scripts_exit_130_on_ctrl_c_while_torch_loads(name, tmp_path):
 
 def test_a_console_script_stopped_while_it_works_exits_130_without_a_traceback(tmp_path):
     """`annotated-equivalence` past its imports (its progress bar is up): one line, 130."""
-    p = subprocess.Popen([*script("annotated-equivalence"), "--examples", "100000"], cwd=tmp_path, env=env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [*script("annotated-equivalence"), "--examples", "100000"],
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         err = b""
         while b"per-head = fused" not in err:
@@ -125,5 +142,6 @@ def test_a_console_script_stopped_while_it_works_exits_130_without_a_traceback(t
             p.kill()
     err = said((err + rest).decode(errors="replace"))
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
-    assert p.returncode == 130 and "Traceback" not in err and lines[-1] == "annotated-equivalence: interrupted", \
-        err[-800:]
+    assert p.returncode == 130 and "Traceback" not in err and lines[-1] == "annotated-equivalence: interrupted", err[
+        -800:
+    ]

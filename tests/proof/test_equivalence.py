@@ -8,6 +8,7 @@ bugs are caught by the tracers, a swapped block by the symbolic check), and
 that the fast path of nn.MultiheadAttention really ran. The conversions to
 and from nn.MultiheadAttention are tested in tests/proof/test_torch_mha.py.
 """
+
 import sys
 import types
 
@@ -30,9 +31,24 @@ from annotated.proof.harness import (
 from annotated.proof.torch_mha import fused_parameters
 from annotated.transformer import FusedAttention, PerHeadAttention, fuse, make_model
 
-CORNER_CASES = ["h = 1", "h = d_model", "h*d_k != d_model", "d_k != d_v", "T_q = 1", "T_k = 1", "self-attention",
-                "cross-attention", "padding mask", "causal mask", "padding + causal", "a query with no visible key",
-                "bias", "no bias", "per_head built first", "fused built first"]
+CORNER_CASES = [
+    "h = 1",
+    "h = d_model",
+    "h*d_k != d_model",
+    "d_k != d_v",
+    "T_q = 1",
+    "T_k = 1",
+    "self-attention",
+    "cross-attention",
+    "padding mask",
+    "causal mask",
+    "padding + causal",
+    "a query with no visible key",
+    "bias",
+    "no bias",
+    "per_head built first",
+    "fused built first",
+]
 
 
 def assert_all_pass(rows):
@@ -43,16 +59,21 @@ def assert_all_pass(rows):
 
 # --- 1. symbolic, all sizes -------------------------------------------------------
 
+
 def test_block_algebra_holds_for_every_size():
     row, identities = E.check_symbolic()
     assert_all_pass([row])
     assert len(identities) == 6 and all(holds for _, _, holds in identities)
-    assert {reach for reach, _, _ in identities} == {"h = 1..8, any T, d_model, d_k, d_v",
-                                                    "every h (induction step, first block of width m)"}
+    assert {reach for reach, _, _ in identities} == {
+        "h = 1..8, any T, d_model, d_k, d_v",
+        "every h (induction step, first block of width m)",
+    }
     assert all(E.projection_identities(h, E.D_V) == (True, True) for h in (1, 5))
     # the comparison can fail: a claim with two blocks swapped, or a stacked W_O in the wrong order
-    X, W1, W2 = (E.MatrixSymbol(n, *s) for n, s in (("X", (E.T_LEN, E.D_MODEL)), ("W1", (E.D_MODEL, E.D_K)),
-                                                     ("W2", (E.D_MODEL, E.D_K))))
+    X, W1, W2 = (
+        E.MatrixSymbol(n, *s)
+        for n, s in (("X", (E.T_LEN, E.D_MODEL)), ("W1", (E.D_MODEL, E.D_K)), ("W2", (E.D_MODEL, E.D_K)))
+    )
     assert not E.blocks_equal(X * E.BlockMatrix([[W1, W2]]), E.BlockMatrix([[X * W2, X * W1]]))
     H1, H2 = E.MatrixSymbol("H1", E.T_LEN, E.D_V), E.MatrixSymbol("H2", E.T_LEN, E.D_V)
     O1, O2 = E.MatrixSymbol("O1", E.D_V, E.D_MODEL), E.MatrixSymbol("O2", E.D_V, E.D_MODEL)
@@ -60,6 +81,7 @@ def test_block_algebra_holds_for_every_size():
 
 
 # --- 2. exact on the real code: tracers ----------------------------------------------
+
 
 def test_tracers_follow_the_real_code():
     rows = E.tracer_checks()
@@ -70,6 +92,7 @@ def test_tracers_follow_the_real_code():
 
 def _heads_swapping_1_and_2(original):
     """Bug 1: a _heads that swaps heads 1 and 2 (0-based) when h >= 3."""
+
     def heads(self, x, W, b, d):
         out = original(self, x, W, b, d)  # (B, h, T, d)
         if self.h >= 3:
@@ -77,6 +100,7 @@ def _heads_swapping_1_and_2(original):
             order[1], order[2] = 2, 1
             out = out[:, order]
         return out
+
     return heads
 
 
@@ -113,6 +137,7 @@ def test_tracers_catch_two_layout_bugs(monkeypatch):
 
 # --- 3. exact, the whole function ---------------------------------------------------
 
+
 def test_whole_function_is_bit_identical_where_arithmetic_is_exact():
     rows = E.check_exact_whole(200)
     assert_all_pass(rows)
@@ -123,6 +148,7 @@ def test_whole_function_is_bit_identical_where_arithmetic_is_exact():
 
 
 # --- 2. generated cases -------------------------------------------------------
+
 
 def test_per_head_equals_fused_on_generated_cases():
     rows = E.check_forms(examples=200)
@@ -139,8 +165,22 @@ def test_per_head_equals_fused_on_generated_cases():
 def test_float32_differences_are_scaled_by_the_size_of_the_values():
     """The case a 23,569-case run found: gradients up to 26, so float32 rounding alone exceeds 1e-5 absolute
     on some of them; scaled by max(1, largest |value|) every quantity is within 1e-5 (the prose's rule)."""
-    case = Case(batch=2, T_q=3, T_k=3, d_model=2, h=1, d_k=5, d_v=2, cross=False, padding=False, causal=False,
-                bias=True, dtype=torch.float32, start="per_head", seed=11586)
+    case = Case(
+        batch=2,
+        T_q=3,
+        T_k=3,
+        d_model=2,
+        h=1,
+        d_k=5,
+        d_v=2,
+        cross=False,
+        padding=False,
+        causal=False,
+        bias=True,
+        dtype=torch.float32,
+        start="per_head",
+        seed=11586,
+    )
     diffs = compare_forms(case)
     assert all(d <= TOL[torch.float32] for d in diffs.values()), diffs
     assert max_scaled(torch.tensor([30.0]), torch.tensor([30.0006])) == pytest.approx(2e-5, rel=1e-2)
@@ -160,9 +200,9 @@ def test_fused_gradient_is_the_per_head_gradients_in_blocks():
     assert set(g) == {"W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O"}
     for i in range(3):  # head i's blocks: columns i*d_k.. of W_Q, W_K; i*d_v.. of W_V; rows i*d_v.. of W_O
         for name, d in (("W_Q", 2), ("W_K", 2), ("W_V", 4)):
-            assert torch.allclose(g[name][:, d * i:d * (i + 1)], getattr(ph, name)[i].grad, atol=1e-12, rtol=0)
-        assert torch.allclose(g["W_O"][4 * i:4 * (i + 1)], ph.W_O[i].grad, atol=1e-12, rtol=0)
-        assert torch.allclose(g["b_V"][4 * i:4 * (i + 1)], ph.b_V[i].grad, atol=1e-12, rtol=0)
+            assert torch.allclose(g[name][:, d * i : d * (i + 1)], getattr(ph, name)[i].grad, atol=1e-12, rtol=0)
+        assert torch.allclose(g["W_O"][4 * i : 4 * (i + 1)], ph.W_O[i].grad, atol=1e-12, rtol=0)
+        assert torch.allclose(g["b_V"][4 * i : 4 * (i + 1)], ph.b_V[i].grad, atol=1e-12, rtol=0)
     assert torch.allclose(g["b_O"], ph.b_O.grad, atol=1e-12, rtol=0)
     assert g["W_Q"].abs().max() > 1e-3  # the gradients are not trivially zero
     per_head_in_blocks = fused_parameters(ph, grads=True)  # the same layout, as the report compares it
@@ -170,6 +210,7 @@ def test_fused_gradient_is_the_per_head_gradients_in_blocks():
 
 
 # --- 3. nn.MultiheadAttention -------------------------------------------------
+
 
 def test_torch_mha_agrees_in_every_mode():
     rows = E.check_torch_mha()
@@ -181,17 +222,44 @@ def test_torch_mha_agrees_in_every_mode():
 
 def test_fast_path_really_runs_and_flag_is_restored():
     before = torch.backends.mha.get_fastpath_enabled()
-    on = MhaCase(8, 2, bias=True, batch_first=True, mode="eval, fast path on", cross=False, masks="both, separate",
-                 form="per_head", need_weights=True)
+    on = MhaCase(
+        8,
+        2,
+        bias=True,
+        batch_first=True,
+        mode="eval, fast path on",
+        cross=False,
+        masks="both, separate",
+        form="per_head",
+        need_weights=True,
+    )
     assert on.fast_path_expected
     res = compare_with_torch_mha(on)
     assert res["native kernel ran"] and res["output"] <= 1e-12 and res["weights"] <= 1e-12
-    off = MhaCase(8, 2, bias=True, batch_first=True, mode="eval, fast path off", cross=False,
-                  masks="both, separate", form="per_head", need_weights=True)
+    off = MhaCase(
+        8,
+        2,
+        bias=True,
+        batch_first=True,
+        mode="eval, fast path off",
+        cross=False,
+        masks="both, separate",
+        form="per_head",
+        need_weights=True,
+    )
     assert not compare_with_torch_mha(off)["native kernel ran"]
     # one violated condition (batch_first=False) is enough to take the slow path
-    slow = MhaCase(8, 2, bias=True, batch_first=False, mode="eval, fast path on", cross=False, masks="padding",
-                   form="fused", need_weights=False)
+    slow = MhaCase(
+        8,
+        2,
+        bias=True,
+        batch_first=False,
+        mode="eval, fast path on",
+        cross=False,
+        masks="padding",
+        form="fused",
+        need_weights=False,
+    )
     assert not slow.fast_path_expected and not compare_with_torch_mha(slow)["native kernel ran"]
     assert torch.backends.mha.get_fastpath_enabled() == before
     with pytest.raises(RuntimeError), mha_fastpath(not before):
@@ -200,6 +268,7 @@ def test_fast_path_really_runs_and_flag_is_restored():
 
 
 # --- 4. kernels and whole models ----------------------------------------------
+
 
 def test_sdpa_path_matches_explicit_path_on_generated_cases():
     before = transformer.FAST_PATH
@@ -215,8 +284,9 @@ def test_whole_copy_model_converts_with_same_logits_and_decodes():
 
 def test_compare_model_forms_leaves_the_model_alone():
     torch.manual_seed(0)
-    m = make_model(src_vocab=11, tgt_vocab=11, N=1, d_model=8, d_ff=16, h=2, dropout=0.0, max_len=16,
-                   attention="fused").train()
+    m = make_model(
+        src_vocab=11, tgt_vocab=11, N=1, d_model=8, d_ff=16, h=2, dropout=0.0, max_len=16, attention="fused"
+    ).train()
     src = torch.randint(3, 11, (4, 6))
     res = E.compare_model_forms(m, src, src[:, :5], max_len=8)
     assert res["tokens differing"] == 0 and res[torch.float64][0] <= 1e-12
@@ -225,8 +295,9 @@ def test_compare_model_forms_leaves_the_model_alone():
 
 def test_checkpoint_check_uses_load_checkpoint(monkeypatch, tmp_path):
     torch.manual_seed(0)
-    model = make_model(src_vocab=23, tgt_vocab=29, N=1, d_model=16, d_ff=32, h=4, dropout=0.0, max_len=40,
-                       attention="per_head").eval()
+    model = make_model(
+        src_vocab=23, tgt_vocab=29, N=1, d_model=16, d_ff=32, h=4, dropout=0.0, max_len=40, attention="per_head"
+    ).eval()
     seen = []
 
     def load_checkpoint(path, map_location="cpu"):
@@ -257,11 +328,13 @@ def test_checkpoint_that_does_not_load_fails_its_row(monkeypatch, tmp_path):
 
 # --- 5. bad input ---------------------------------------------------------------
 
+
 def test_bad_conversions_all_raise():
     assert_all_pass(E.check_bad_conversions())
 
 
 # --- the report -------------------------------------------------------------------
+
 
 def _fake_results(passed):
     row = E.CheckResult.of("some check", 3, 0.0 if passed else 1.0, 1e-12)

@@ -4,6 +4,7 @@ A round trip copies numbers, so it is compared with torch.equal; the function
 computed is compared in tests/proof/test_equivalence.py (and bit for bit, where
 arithmetic is exact, in its part 3).
 """
+
 import pytest
 import torch
 from torch import nn
@@ -31,10 +32,10 @@ def test_from_torch_mha_exposes_each_head():
         mha.out_proj.bias.normal_()
     per_head = split(from_torch_mha(mha))
     for i in range(3):
-        assert torch.equal(per_head.W_Q[i], mha.in_proj_weight[4 * i:4 * (i + 1)].T)
-        assert torch.equal(per_head.W_V[i], mha.in_proj_weight[24 + 4 * i:24 + 4 * (i + 1)].T)
-        assert torch.equal(per_head.b_K[i], mha.in_proj_bias[12 + 4 * i:12 + 4 * (i + 1)])
-        assert torch.equal(per_head.W_O[i], mha.out_proj.weight[:, 4 * i:4 * (i + 1)].T)
+        assert torch.equal(per_head.W_Q[i], mha.in_proj_weight[4 * i : 4 * (i + 1)].T)
+        assert torch.equal(per_head.W_V[i], mha.in_proj_weight[24 + 4 * i : 24 + 4 * (i + 1)].T)
+        assert torch.equal(per_head.b_K[i], mha.in_proj_bias[12 + 4 * i : 12 + 4 * (i + 1)])
+        assert torch.equal(per_head.W_O[i], mha.out_proj.weight[:, 4 * i : 4 * (i + 1)].T)
     x = torch.randn(2, 5, 12)
     with torch.no_grad():
         want, w = mha(x, x, x, average_attn_weights=False)
@@ -71,7 +72,7 @@ def test_mha_conversions_are_exact_and_keep_settings(batch_first):
     assert mha.batch_first == batch_first and mha.dropout == 0.25 and not mha.training
     assert mha.in_proj_weight.dtype == torch.float64
     assert torch.equal(mha.in_proj_weight[2:4], ph.W_Q[1].T)  # rows of head 1's query block = W_Q[1]^T
-    assert torch.equal(mha.in_proj_weight[8 + 6:8 + 8], ph.W_K[3].T)
+    assert torch.equal(mha.in_proj_weight[8 + 6 : 8 + 8], ph.W_K[3].T)
     assert torch.equal(mha.out_proj.weight[:, 4:6], ph.W_O[2].T)
     back = split(from_torch_mha(mha))
     for (n1, a), (n2, b) in zip(ph.named_parameters(), back.named_parameters()):
@@ -90,14 +91,15 @@ def test_copy_attention_between_all_kinds():
         assert all(torch.equal(got[n], want[n].float()) for n in want)
 
 
-
-
-@pytest.mark.parametrize("src,dst,differ", [
-    (lambda: PerHeadAttention(8, 2), lambda: FusedAttention(8, 4), "h, d_k, d_v"),
-    (lambda: FusedAttention(8, 2, 3, 4), lambda: PerHeadAttention(8, 2, 4, 4), "d_k"),
-    (lambda: FusedAttention(8, 2, 4, 4), lambda: FusedAttention(6, 2, 4, 4), "d_model"),
-    (lambda: PerHeadAttention(8, 2, bias=False), lambda: nn.MultiheadAttention(8, 2), "bias"),
-])
+@pytest.mark.parametrize(
+    "src,dst,differ",
+    [
+        (lambda: PerHeadAttention(8, 2), lambda: FusedAttention(8, 4), "h, d_k, d_v"),
+        (lambda: FusedAttention(8, 2, 3, 4), lambda: PerHeadAttention(8, 2, 4, 4), "d_k"),
+        (lambda: FusedAttention(8, 2, 4, 4), lambda: FusedAttention(6, 2, 4, 4), "d_model"),
+        (lambda: PerHeadAttention(8, 2, bias=False), lambda: nn.MultiheadAttention(8, 2), "bias"),
+    ],
+)
 def test_incompatible_copy_names_both_shapes_and_writes_nothing(src, dst, differ):
     s, d = src(), dst()
     before = {n: p.clone() for n, p in d.named_parameters()}
@@ -110,8 +112,11 @@ def test_incompatible_copy_names_both_shapes_and_writes_nothing(src, dst, differ
 
 
 def test_torch_mha_shapes_it_cannot_hold():
-    with pytest.raises(ValueError, match=r"needs d_k = d_v = d_model / h, got FusedAttention with shape "
-                                         r"\{d_model=8, h=2, d_k=3, d_v=3, bias=True\}"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs d_k = d_v = d_model / h, got FusedAttention with shape "
+        r"\{d_model=8, h=2, d_k=3, d_v=3, bias=True\}",
+    ):
         to_torch_mha(FusedAttention(8, 2, 3, 3))
     with pytest.raises(ValueError, match=r"kdim=4, vdim=4 != embed_dim=8"):
         from_torch_mha(nn.MultiheadAttention(8, 2, kdim=4, vdim=4))

@@ -1,4 +1,5 @@
 """annotated/shipped/pack.py: a run's model packed for the box, and its card."""
+
 import hashlib
 import json
 
@@ -36,8 +37,10 @@ def test_the_packed_weights_are_the_float16_rounding_of_the_run_model_and_load_a
 def test_the_packed_file_keeps_tied_weights_once_and_no_training_state_or_local_paths(packed):
     run, model_file, _ = packed
     stored = read_checkpoint(model_file)
-    tied = {stored["model"][k].untyped_storage().data_ptr()
-            for k in ("src_embed.weight", "tgt_embed.weight", "generator.weight")}
+    tied = {
+        stored["model"][k].untyped_storage().data_ptr()
+        for k in ("src_embed.weight", "tgt_embed.weight", "generator.weight")
+    }
     assert len(tied) == 1  # one table on disk, as in the model
     assert not {"optimizer", "run_state"} & stored.keys()
     assert str(run) not in json.dumps(stored["meta"]) and stored["meta"]["averaged"] == ["epoch1.pt", "epoch2.pt"]
@@ -49,21 +52,29 @@ def test_the_card_names_the_file_its_sha256_how_it_was_made_and_what_it_learnt_f
     assert card["sha256"] == hashlib.sha256(model_file.read_bytes()).hexdigest()
     assert card["bytes"] == model_file.stat().st_size and card["file"] == "de-en.pt"
     made = card["made"]
-    assert made["command"] == "python train_wmt.py --preset smoke --src de --tgt en --seed 0 --precision fp32 --threads 1"
+    assert (
+        made["command"] == "python train_wmt.py --preset smoke --src de --tgt en --seed 0 --precision fp32 --threads 1"
+    )
     results = json.loads((run / "results.json").read_text())
     assert made["packages"] == results["environment"]["packages"] and made["commit"] == results["environment"]["commit"]
     assert (made["seed"], made["steps"], made["precision"], made["threads"]) == (0, 28, "fp32", 1)
     assert "Multi30k" in card["trained_on"] and "out of its domain" in card["trained_on"]
-    assert card["scores"]["run_model_float32"] == {"bleu": 1.5, "bleu_lowercase": 2.5, "chrf": 3.5, "beam": 2,
-                                                   "sentences": 20}
+    assert card["scores"]["run_model_float32"] == {
+        "bleu": 1.5,
+        "bleu_lowercase": 2.5,
+        "chrf": 3.5,
+        "beam": 2,
+        "sentences": 20,
+    }
 
 
 def test_the_card_scores_are_those_of_the_packed_model_as_loaded(packed):
     _, model_file, card = packed
     model, tok, _ = load_checkpoint(model_file)
     scores, _ = evaluate_bleu(model, tok, PAIRS["de-en"], 4, 0.6)
-    assert {k: card["scores"]["test"][k] for k in ("bleu", "bleu_lowercase", "chrf")} == \
-        {k: scores[k] for k in ("bleu", "bleu_lowercase", "chrf")}
+    assert {k: card["scores"]["test"][k] for k in ("bleu", "bleu_lowercase", "chrf")} == {
+        k: scores[k] for k in ("bleu", "bleu_lowercase", "chrf")
+    }
     assert card["scores"]["test"]["sentences"] == len(PAIRS["de-en"]) and card["scores"]["beam"] == 4
 
 
@@ -83,23 +94,34 @@ def test_an_unfinished_run_is_refused(tmp_path, capsys):
 
 
 def test_the_training_command_is_the_preset_and_what_the_run_resolved():
-    results = {"train_config": config_dict(PRESETS["cpu"].__class__(**{**PRESETS["cpu"].__dict__, "src_lang": "en",
-                                                                        "tgt_lang": "de"})),
-               "precision": "fp32", "threads": 1}
-    assert training_command(results) == "python train_wmt.py --preset cpu --src en --tgt de --seed 0 --precision fp32 --threads 1"
+    results = {
+        "train_config": config_dict(
+            PRESETS["cpu"].__class__(**{**PRESETS["cpu"].__dict__, "src_lang": "en", "tgt_lang": "de"})
+        ),
+        "precision": "fp32",
+        "threads": 1,
+    }
+    assert (
+        training_command(results)
+        == "python train_wmt.py --preset cpu --src en --tgt de --seed 0 --precision fp32 --threads 1"
+    )
     results["train_config"]["max_steps"] = 8400  # no preset's budget: the preset, and the option that changes it
-    assert training_command(results) == ("python train_wmt.py --preset cpu --src en --tgt de --max-steps 8400 --seed 0 "
-                                         "--precision fp32 --threads 1")
+    assert training_command(results) == (
+        "python train_wmt.py --preset cpu --src en --tgt de --max-steps 8400 --seed 0 --precision fp32 --threads 1"
+    )
     results["train_config"]["test_sentences"] = 20  # no option sets it: the packer cannot write the command
     with pytest.raises(PackError, match="--command"):
         training_command(results)
 
 
-@pytest.mark.parametrize("changes", [
-    {"max_steps": 4200, "lr_factor": 2.0, "length_penalty": 0.6},  # the shipped models' recipe
-    {"length_penalty": None, "attention_dropout": None, "dropout": 0.3, "d_model": 256, "vocab_size": 8000},
-    {"compile": True, "label_smoothing": 0.05, "warmup": 900, "cooldown": 0.0, "average_last": 0},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"max_steps": 4200, "lr_factor": 2.0, "length_penalty": 0.6},  # the shipped models' recipe
+        {"length_penalty": None, "attention_dropout": None, "dropout": 0.3, "d_model": 256, "vocab_size": 8000},
+        {"compile": True, "label_smoothing": 0.05, "warmup": 900, "cooldown": 0.0, "average_last": 0},
+    ],
+)
 @pytest.mark.parametrize("preset", ["cpu", "gpu"])
 def test_the_training_command_trains_the_same_settings_again(preset, changes):
     """`train_wmt.py`, given the packed command's options, builds exactly the run's settings."""
@@ -120,8 +142,11 @@ def test_the_box_keeps_the_length_penalty_its_run_chose():
     """The packed meta keeps `length_penalty`, so the translator decodes a shipped model at its run's alpha."""
     from annotated.plumbing.checkpoint import model_length_penalty
 
-    state = {"config": {}, "model": {"w": torch.tensor([1.0])}, "meta": {"src_lang": "de", "length_penalty": 4.0,
-                                                                        "optimizer_path": "/home/x/run"}}
+    state = {
+        "config": {},
+        "model": {"w": torch.tensor([1.0])},
+        "meta": {"src_lang": "de", "length_penalty": 4.0, "optimizer_path": "/home/x/run"},
+    }
     meta = compact_state(state)["meta"]
     assert meta == {"src_lang": "de", "length_penalty": 4.0, "weights": "float16 on disk, float32 when loaded"}
     assert model_length_penalty(meta) == 4.0

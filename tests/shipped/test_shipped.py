@@ -3,6 +3,7 @@
 The rule and the checks are tested on a box packed from tiny untrained runs (`tiny_box.py`); the last tests check
 the real shipped files, and are skipped only where those files are absent.
 """
+
 import io
 import json
 import os
@@ -43,6 +44,7 @@ def lines(said):
 
 
 # --- checked on load -----------------------------------------------------------
+
 
 def test_a_shipped_model_loads_when_its_sha256_is_its_cards(box):
     model, tok, meta = shipped.load_shipped("en-de")
@@ -91,6 +93,7 @@ def test_a_missing_model_or_direction_is_named_with_what_to_do(box):
 
 # --- which model: --checkpoint, else the latest run, else the box ----------------
 
+
 def test_an_explicit_checkpoint_comes_first(box, tmp_path):
     make_run(tmp_path / "runs" / "r")
     said = []
@@ -110,8 +113,10 @@ def test_without_a_run_the_box_for_the_direction_asked_and_one_line_that_says_so
     said = []
     assert choose_checkpoint(None, say=lines(said)) == box / "de-en.pt"
     assert choose_checkpoint(None, src="en", say=lines(said)) == box / "en-de.pt"
-    assert len(said) == 2 and all(line.startswith("no trained") and "using the shipped model" in line
-                                  and "Multi30k image captions" in line for line in said)
+    assert len(said) == 2 and all(
+        line.startswith("no trained") and "using the shipped model" in line and "Multi30k image captions" in line
+        for line in said
+    )
     assert said[1].startswith("no trained en->de run under runs/: using the shipped model") and "en-de.pt" in said[1]
 
 
@@ -177,6 +182,7 @@ def test_equivalence_takes_a_shipped_name_and_refuses_an_unknown_one(box, capsys
 
 
 # --- the real shipped files --------------------------------------------------
+
 
 def real_card(direction):
     if not (REAL / f"{direction}.pt").is_file():

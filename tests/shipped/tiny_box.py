@@ -3,6 +3,7 @@
 The model is untrained (its translations are nonsense); what the tests check is the packing, the checks on load
 and which model a command takes, none of which depends on the model having learnt anything.
 """
+
 import dataclasses
 import json
 from pathlib import Path
@@ -28,18 +29,50 @@ def make_run(folder: Path, direction: str = "de-en", seed: int = 0) -> Path:
     folder.mkdir(parents=True)
     tok = train_tokenizer((GERMAN + ENGLISH) * 4, 320, cache_dir=folder / "cache")
     torch.manual_seed(seed)
-    model = make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2,
-                       dropout=0.0, max_len=24, share_embeddings=True, tie_generator=True)
+    model = make_model(
+        src_vocab=tok.vocab_size,
+        tgt_vocab=tok.vocab_size,
+        N=1,
+        d_model=16,
+        d_ff=32,
+        h=2,
+        dropout=0.0,
+        max_len=24,
+        share_embeddings=True,
+        tie_generator=True,
+    )
     settings = config_dict(dataclasses.replace(PRESETS["smoke"], src_lang=src, tgt_lang=tgt, seed=seed))
-    meta = {"src_lang": src, "tgt_lang": tgt, "train_config": settings, "epoch": 2, "step": 28,
-            "averaged": [str(folder / "epoch1.pt"), str(folder / "epoch2.pt")]}
-    save_checkpoint(folder / "best.pt", model, tok, meta, casing={"hund": "Hund", "dog": "dog"},
-                    optimizer={"state": {}}, run_state={"step": 28})
+    meta = {
+        "src_lang": src,
+        "tgt_lang": tgt,
+        "train_config": settings,
+        "epoch": 2,
+        "step": 28,
+        "averaged": [str(folder / "epoch1.pt"), str(folder / "epoch2.pt")],
+    }
+    save_checkpoint(
+        folder / "best.pt",
+        model,
+        tok,
+        meta,
+        casing={"hund": "Hund", "dog": "dog"},
+        optimizer={"state": {}},
+        run_state={"step": 28},
+    )
     (folder / "config.json").write_text(json.dumps(settings))
     beam = {"bleu": 1.5, "bleu_lowercase": 2.5, "chrf": 3.5, "beam_size": 2, "sentences": 20}
-    results = {"train_config": settings, "precision": "fp32", "precision_reason": "fp32 asked for", "threads": 1,
-               "steps": 28, "train_s": 3.0, "device": "cpu", "test_set": "test_2016_flickr",
-               "test": {"best": {"checkpoint": str(folder / "best.pt"), "beam": beam}}, "environment": environment()}
+    results = {
+        "train_config": settings,
+        "precision": "fp32",
+        "precision_reason": "fp32 asked for",
+        "threads": 1,
+        "steps": 28,
+        "train_s": 3.0,
+        "device": "cpu",
+        "test_set": "test_2016_flickr",
+        "test": {"best": {"checkpoint": str(folder / "best.pt"), "beam": beam}},
+        "environment": environment(),
+    }
     (folder / "results.json").write_text(json.dumps(results))
     return folder
 
@@ -47,6 +80,10 @@ def make_run(folder: Path, direction: str = "de-en", seed: int = 0) -> Path:
 def make_box(folder: Path) -> Path:
     """A box holding de-en and en-de, packed from tiny runs."""
     for direction in PAIRS:
-        pack(make_run(folder / "runs" / direction, direction), folder / "box", pairs=PAIRS[direction],
-             say=lambda line: None)
+        pack(
+            make_run(folder / "runs" / direction, direction),
+            folder / "box",
+            pairs=PAIRS[direction],
+            say=lambda line: None,
+        )
     return folder / "box"

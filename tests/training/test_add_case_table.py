@@ -1,12 +1,14 @@
 """annotated/training/add_case_table.py: a copy of an older checkpoint with its training data's case table."""
+
 import pytest
 
 from annotated.decoding import casing
 from annotated.training import add_case_table
 
 
-def test_the_command_writes_a_copy_with_the_training_datas_table_and_never_overwrites(tmp_path, data_url, cache,
-                                                                                      monkeypatch, capsys):
+def test_the_command_writes_a_copy_with_the_training_datas_table_and_never_overwrites(
+    tmp_path, data_url, cache, monkeypatch, capsys
+):
     """`python -m annotated.training.add_case_table`: a new file with the table of Multi30k train (source side); the
     checkpoint it reads is left as it was; an existing --out is refused."""
     from annotated.plumbing.checkpoint import read_case_table, save_checkpoint
@@ -16,8 +18,12 @@ def test_the_command_writes_a_copy_with_the_training_datas_table_and_never_overw
     monkeypatch.setenv("MULTI30K_URL", data_url)
     monkeypatch.setenv("ANNOTATED_CACHE", str(cache))
     old, new = tmp_path / "old.pt", tmp_path / "new.pt"
-    save_checkpoint(old, make_model(src_vocab=8, tgt_vocab=8, N=1, d_model=8, d_ff=8, h=2), None,
-                    {"src_lang": "de", "tgt_lang": "en"})
+    save_checkpoint(
+        old,
+        make_model(src_vocab=8, tgt_vocab=8, N=1, d_model=8, d_ff=8, h=2),
+        None,
+        {"src_lang": "de", "tgt_lang": "en"},
+    )
     before = old.read_bytes()
     assert add_case_table.main(["--checkpoint", str(old), "--out", str(new)]) == 0
     assert old.read_bytes() == before and read_case_table(old) is None

@@ -5,6 +5,7 @@ shared copy beside the repository (../shared/data/multi30k/, which is where
 .ci/run points the variable); tests that need them skip, saying so, when
 neither exists. Every cache lives in a pytest temporary directory.
 """
+
 import contextlib
 import gzip
 import hashlib
@@ -53,6 +54,7 @@ SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "multi30k"
 
 # ---------------------------------------------------------------- fixtures
 
+
 @pytest.fixture(scope="module")
 def base_url():
     """The Multi30k source: $MULTI30K_URL, else the shared copy; skip when the folder is missing."""
@@ -61,8 +63,10 @@ def base_url():
     if resolved.startswith("file://"):
         folder = Path(urllib.request.url2pathname(urllib.parse.urlparse(resolved).path))
         if not folder.is_dir():
-            pytest.skip(f"no Multi30k data source: {folder} does not exist (set {URL_ENV} to a copy of the "
-                        f"raw files, e.g. file:///path/to/multi30k/)")
+            pytest.skip(
+                f"no Multi30k data source: {folder} does not exist (set {URL_ENV} to a copy of the "
+                f"raw files, e.g. file:///path/to/multi30k/)"
+            )
     return url
 
 
@@ -116,6 +120,7 @@ def doctored(gz: bytes) -> bytes:
 
 
 # ---------------------------------------------------------------- downloads
+
 
 def test_pinned_hashes_match_the_shared_sums(base_url):
     """The SHA256SUMS beside the files the tests read ($MULTI30K_URL, else the shared copy) lists the pinned hashes."""
@@ -184,10 +189,12 @@ def test_truncated_gzip_is_rejected_and_nothing_cached(source, tmp_path):
 
 @pytest.mark.parametrize("where", ["missing folder", "closed port", "folder without the file", "env var"])
 def test_unreachable_or_missing_source_names_the_variable(where, tmp_path, monkeypatch):
-    url = {"missing folder": "file:///nonexistent/multi30k/",
-           "closed port": f"http://127.0.0.1:{closed_port()}/",
-           "folder without the file": str(tmp_path / "empty"),  # a plain path is accepted too
-           "env var": None}[where]
+    url = {
+        "missing folder": "file:///nonexistent/multi30k/",
+        "closed port": f"http://127.0.0.1:{closed_port()}/",
+        "folder without the file": str(tmp_path / "empty"),  # a plain path is accepted too
+        "env var": None,
+    }[where]
     (tmp_path / "empty").mkdir()
     monkeypatch.setenv(URL_ENV, "file:///nonexistent/from-env/")
     with pytest.raises(DataError, match=r"cannot download val\.fr\.gz from .*MULTI30K_URL.*--data-url") as e:
@@ -205,6 +212,7 @@ def test_unknown_file_name_is_rejected(tmp_path):
 @contextlib.contextmanager
 def http_server(folder: Path):
     """A loopback http.server serving `folder`, quietly, on a free port."""
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
@@ -235,6 +243,7 @@ def test_loopback_http_server_good_and_corrupted(source, tmp_path):
 
 
 # ---------------------------------------------------------------- reading
+
 
 def test_load_multi30k_val_has_one_pair_per_line(base_url, source, cache):
     pairs = load_multi30k("val", "de", "en", cache_dir=cache, base_url=base_url)
@@ -274,12 +283,14 @@ def test_line_counts_must_match(tmp_path):
 
 
 def test_line_breaks_and_gzip_detection(tmp_path):
-    raw = (b"\xef\xbb\xbfa\n"                  # a UTF-8 byte-order mark, dropped
-           b"b\r\r\n"                         # the terminator "\r\n" goes, the "\r" inside stays
-           + "c\u2028d\n".encode("utf-8")     # characters str.splitlines() would break at
-           + "e\x0cf\x85g\x1ch\n".encode()
-           + b" spaced  out \n"                # spaces are kept as they are
-           + b"last")                          # no newline at the end
+    raw = (
+        b"\xef\xbb\xbfa\n"  # a UTF-8 byte-order mark, dropped
+        b"b\r\r\n"  # the terminator "\r\n" goes, the "\r" inside stays
+        + "c\u2028d\n".encode("utf-8")  # characters str.splitlines() would break at
+        + "e\x0cf\x85g\x1ch\n".encode()
+        + b" spaced  out \n"  # spaces are kept as they are
+        + b"last"
+    )  # no newline at the end
     expected = ["a", "b\r", "c\u2028d", "e\x0cf\x85g\x1ch", " spaced  out ", "last"]
     (tmp_path / "plain.txt").write_bytes(raw)
     (tmp_path / "zipped.txt").write_bytes(gzip.compress(raw))  # gzip under a .txt name
@@ -311,6 +322,7 @@ def test_unreadable_user_files_are_data_errors(tmp_path):
 
 
 # ---------------------------------------------------------------- subwords
+
 
 def test_tokenizer_round_trip_is_exact(tokenizer, source):
     hostile = ["", " ", "  two leading", "trailing  ", "a\u00a0b", "ﬁ ligature", "Straße 😀 北京", "\t tab"]
@@ -431,10 +443,16 @@ def test_encode_pairs_uses_the_tokenizer(tokenizer):
 
 # ---------------------------------------------------------------- batches
 
+
 def random_encoded(n, max_len, seed):
     rng = random.Random(seed)
-    return [([rng.randrange(4, 50) for _ in range(rng.randrange(0, max_len))],
-             [rng.randrange(4, 50) for _ in range(rng.randrange(0, max_len))]) for _ in range(n)]
+    return [
+        (
+            [rng.randrange(4, 50) for _ in range(rng.randrange(0, max_len))],
+            [rng.randrange(4, 50) for _ in range(rng.randrange(0, max_len))],
+        )
+        for _ in range(n)
+    ]
 
 
 def up8(n):
@@ -493,13 +511,16 @@ def test_batches_are_length_buckets_and_seeded():
     # with shuffling the batches stay buckets but come in shuffled order (not sorted by width)
     shuffled = make_batches(encoded, 400, shuffle=True, seed=5)
     widest = [max(width[i] for i in b.index.tolist()) for b in shuffled]
-    assert widest != sorted(widest) and sorted(widest) == sorted(max(width[i] for i in b.index.tolist())
-                                                                 for b in batches)
+    assert widest != sorted(widest) and sorted(widest) == sorted(
+        max(width[i] for i in b.index.tolist()) for b in batches
+    )
     order = lambda bs: [b.index.tolist() for b in bs]
-    assert order(make_batches(encoded, 400, shuffle=True, seed=5)) == order(make_batches(encoded, 400, shuffle=True,
-                                                                                         seed=5))
-    assert order(make_batches(encoded, 400, shuffle=True, seed=5)) != order(make_batches(encoded, 400, shuffle=True,
-                                                                                         seed=6))
+    assert order(make_batches(encoded, 400, shuffle=True, seed=5)) == order(
+        make_batches(encoded, 400, shuffle=True, seed=5)
+    )
+    assert order(make_batches(encoded, 400, shuffle=True, seed=5)) != order(
+        make_batches(encoded, 400, shuffle=True, seed=6)
+    )
 
 
 def test_padding_and_ntokens():
@@ -566,8 +587,10 @@ def test_over_budget_example_gets_its_own_batch():
 def test_ranks_share_all_examples_once(world_size, n):
     encoded = random_encoded(n, 25, seed=n)
     for seed in range(3):
-        shares = [make_batches(encoded, 120, shuffle=True, seed=seed, rank=r, world_size=world_size)
-                  for r in range(world_size)]
+        shares = [
+            make_batches(encoded, 120, shuffle=True, seed=seed, rank=r, world_size=world_size)
+            for r in range(world_size)
+        ]
         assert len({len(s) for s in shares}) == 1  # every rank takes the same number of steps
         seen = sorted(i for s in shares for b in s for i in b.index.tolist())
         assert seen == list(range(n))
@@ -583,9 +606,13 @@ def test_too_few_examples_for_the_ranks():
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=40),
-       max_tokens=st.integers(1, 80), world_size=st.integers(1, 4), shuffle=st.booleans(),
-       seed=st.integers(0, 2**16))
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=40),
+    max_tokens=st.integers(1, 80),
+    world_size=st.integers(1, 4),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_batching_properties(lengths, max_tokens, world_size, shuffle, seed):
     """For any lengths and budget: each example once over the ranks, equal shares, budget kept or reported."""
     encoded = [([4] * a, [5] * b) for a, b in lengths]
@@ -630,12 +657,11 @@ def test_split_long():
         split_long(encoded, 0)
 
 
-@given(st.lists(st.tuples(st.text(max_size=8), st.text(max_size=8)), max_size=30),
-       st.floats(0, 1), st.integers(0, 3))
+@given(st.lists(st.tuples(st.text(max_size=8), st.text(max_size=8)), max_size=30), st.floats(0, 1), st.integers(0, 3))
 def test_case_augmented_adds_capital_or_lower_copies_of_the_pairs(pairs, share, seed):
     out = data.case_augmented(pairs, share, seed)
-    assert out[:len(pairs)] == pairs and len(out) == len(pairs) + round(share * len(pairs))
-    for n, pair in enumerate(out[len(pairs):]):  # capitals, lower case, capitals, ...
+    assert out[: len(pairs)] == pairs and len(out) == len(pairs) + round(share * len(pairs))
+    for n, pair in enumerate(out[len(pairs) :]):  # capitals, lower case, capitals, ...
         cased = str.upper if n % 2 == 0 else str.lower
         assert pair in {(cased(s), cased(t)) for s, t in pairs}
     assert data.case_augmented(pairs, share, seed) == out  # seeded

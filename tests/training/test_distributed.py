@@ -12,6 +12,7 @@ differently (another DDP version or bucketing): float32 rounding changes a gradi
 ~6e-8 per operation, and Adam's update, m / sqrt(v), then moves by about that fraction of the learning
 rate (<= 0.016 in the smoke preset): ~1e-9 a step, far below atol over a dozen steps.
 """
+
 import dataclasses
 import json
 import os
@@ -40,6 +41,7 @@ STEPS = 9  # the smoke preset has 14 batches an epoch: 7 steps of 2, so step 7 e
 
 # --- one step: the normalisation rule, in one process ------------------------
 
+
 def test_step_tokens_counts_each_step_of_the_epoch():
     batches = [collate([([5], [6] * n)], [0]) for n in (3, 1, 4, 2, 6)]  # n + 1 predicted tokens each
     assert train.step_tokens(batches, accum=1) == [4, 2, 5, 3, 7]
@@ -48,6 +50,7 @@ def test_step_tokens_counts_each_step_of_the_epoch():
 
 
 # --- whole runs: torchrun with 2 processes against one process ----------------
+
 
 def _descendants(pid: int) -> list[int]:
     """Every process below pid (read from Linux's /proc; none found elsewhere)."""
@@ -78,14 +81,35 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _launch(args, data_url, cache, script="train_wmt.py") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4()}",
-           str(script), "--preset", "smoke", "--data-url", data_url, "--cache-dir", str(cache),
-           "--no-progress", *map(str, args)]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="20",
-               PYTHONUNBUFFERED="1")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
+        f"--rdzv-id={uuid.uuid4()}",
+        str(script),
+        "--preset",
+        "smoke",
+        "--data-url",
+        data_url,
+        "--cache-dir",
+        str(cache),
+        "--no-progress",
+        *map(str, args),
+    ]
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS="1",
+        TORCH_ELASTIC_SHUTDOWN_TIMEOUT="20",
+        PYTHONUNBUFFERED="1",
+    )
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -147,8 +171,11 @@ def runs(tmp_path_factory, data_url, cache):
 
     def recording(model, cfg):
         opt, sched = make_optimizer(model, cfg)
-        opt.register_step_pre_hook(lambda o, args, kwargs: recorded.append(
-            [(p.detach().clone(), p.grad.detach().clone()) for p in o.param_groups[0]["params"]]))
+        opt.register_step_pre_hook(
+            lambda o, args, kwargs: recorded.append(
+                [(p.detach().clone(), p.grad.detach().clone()) for p in o.param_groups[0]["params"]]
+            )
+        )
         return opt, sched
 
     with pytest.MonkeyPatch.context() as mp:
@@ -179,8 +206,16 @@ def test_each_step_applies_the_gradient_of_the_union_of_the_two_shards(runs, dat
     for s, step in enumerate(recorded):
         if not steps_left:  # the next epoch: (rank 0's batch, rank 1's batch) of each step
             epoch += 1
-            steps_left = list(zip(*[data.make_batches(encoded, cfg.max_tokens, shuffle=True, seed=cfg.seed + epoch,
-                                                      rank=r, world_size=2) for r in (0, 1)]))
+            steps_left = list(
+                zip(
+                    *[
+                        data.make_batches(
+                            encoded, cfg.max_tokens, shuffle=True, seed=cfg.seed + epoch, rank=r, world_size=2
+                        )
+                        for r in (0, 1)
+                    ]
+                )
+            )
         union = collate(encoded, [i for b in steps_left.pop(0) for i in b.index.tolist()])
         with torch.no_grad():
             for p, (value, _) in zip(model.parameters(), step):
@@ -251,8 +286,9 @@ def test_single_process_checkpoint_resumes_under_torchrun_with_accumulation(tmp_
     single(tmp_path / "one", data_url, cache, accum=4, max_steps=6)
     run = tmp_path / "one-then-ddp"
     single(run, data_url, cache, accum=4, max_steps=2)
-    out = torchrun("--resume", "--run-dir", run, "--accum", 2, "--max-steps", 6, "--log-every", 1, data_url=data_url,
-                   cache=cache)
+    out = torchrun(
+        "--resume", "--run-dir", run, "--accum", 2, "--max-steps", 6, "--log-every", 1, data_url=data_url, cache=cache
+    )
     assert "written by 1 process(es), this run has 2" in out and "resumed" in out
     assert_same_losses(run, tmp_path / "one")
     ddp, one = params(run / "last.pt"), params(tmp_path / "one" / "last.pt")
@@ -329,14 +365,17 @@ def test_non_finite_loss_on_one_rank_stops_every_rank_at_that_step(tmp_path, dat
     run = tmp_path / "run"
     script = tmp_path / "poison_rank_1.py"
     script.write_text(POISON_RANK_1.format(repo=str(REPO), last=str(run / "last.pt")))
-    code, out = _finish(_launch(["--epochs", 3, "--log-every", 4, "--run-dir", run], data_url, cache, script=script),
-                        timeout=120)
+    code, out = _finish(
+        _launch(["--epochs", 3, "--log-every", 4, "--run-dir", run], data_url, cache, script=script), timeout=120
+    )
     saved = read_checkpoint(run / "last.pt")["run_state"]
     E = saved["step"]  # steps of epoch 1 (7), all saved in last.pt
     assert code != 0 and saved["epoch"] == 1 and E == 7, out[-3000:]
     # the all-reduced gradient is NaN on both ranks: both skip step E + 3 and stop at the next read (step 12)
-    message = (f"error: the loss became nan at step {E + 3} (epoch 2); 1 step(s) with a non-finite loss or gradient "
-               f"were skipped; stopped at step 12, the last good checkpoint {run / 'last.pt'} is kept")
+    message = (
+        f"error: the loss became nan at step {E + 3} (epoch 2); 1 step(s) with a non-finite loss or gradient "
+        f"were skipped; stopped at step 12, the last good checkpoint {run / 'last.pt'} is kept"
+    )
     assert out.count(message) == 2, out[-3000:]
     assert [s for s, _ in losses(run)] == [4, 7, 8]
     assert "TrainingError" not in out, out[-3000:]  # our error is a message; torchrun's own report follows it

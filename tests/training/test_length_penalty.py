@@ -1,6 +1,7 @@
 """The beam search's length penalty chosen on validation data: the choice (annotated/training/evaluate.py), a run
 that makes it (annotated/training/results.py), the setting's option (train_wmt.py) and the command for an older
 checkpoint (annotated/training/choose_length_penalty.py)."""
+
 import dataclasses
 import json
 
@@ -26,16 +27,20 @@ def fake_scores(monkeypatch, bleu_at: dict) -> list:
     def fake(model, tokenizer, pairs, beam_size, length_penalty, device=None, progress=False):
         asked.append((len(pairs), beam_size, length_penalty))
         return {"bleu": bleu_at[length_penalty]}, []
+
     monkeypatch.setattr(evaluate, "evaluate_bleu", fake)
     return asked
 
 
-@pytest.mark.parametrize("bleu_at, want", [
-    ({0.6: 10.0, 1.0: 12.5, 2.0: 13.0, 3.0: 12.0, 4.0: 11.0}, 2.0),   # the highest
-    ({0.6: 10.0, 1.0: 13.0, 2.0: 12.0, 3.0: 13.0, 4.0: 13.0}, 1.0),   # a tie: the smallest of the tied
-    ({0.6: 20.0, 1.0: 13.0, 2.0: 12.0, 3.0: 13.0, 4.0: 19.99}, 0.6),  # the first candidate
-    ({0.6: 1.0, 1.0: 2.0, 2.0: 3.0, 3.0: 4.0, 4.0: 4.01}, 4.0),       # the last
-])
+@pytest.mark.parametrize(
+    "bleu_at, want",
+    [
+        ({0.6: 10.0, 1.0: 12.5, 2.0: 13.0, 3.0: 12.0, 4.0: 11.0}, 2.0),  # the highest
+        ({0.6: 10.0, 1.0: 13.0, 2.0: 12.0, 3.0: 13.0, 4.0: 13.0}, 1.0),  # a tie: the smallest of the tied
+        ({0.6: 20.0, 1.0: 13.0, 2.0: 12.0, 3.0: 13.0, 4.0: 19.99}, 0.6),  # the first candidate
+        ({0.6: 1.0, 1.0: 2.0, 2.0: 3.0, 3.0: 4.0, 4.0: 4.01}, 4.0),  # the last
+    ],
+)
 def test_the_choice_is_the_highest_validation_bleu_and_a_tie_goes_to_the_smaller_alpha(monkeypatch, bleu_at, want):
     asked = fake_scores(monkeypatch, bleu_at)
     pairs = [("ein hund", "a dog")] * 3
@@ -61,8 +66,9 @@ def test_a_checkpoints_length_penalty_is_its_meta_else_the_papers():
 FORCED = 3.0  # the alpha the run is told it chose: not the settings' or the paper's, so a test BLEU at it is telling
 
 
-def test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_with_it(tmp_path, monkeypatch,
-                                                                                        data_url, cache):
+def test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_with_it(
+    tmp_path, monkeypatch, data_url, cache
+):
     """A smoke run with `length_penalty=None`: the choice is made once, on the whole validation split, with the
     run's model; results.json records it and its table; the tested checkpoint's meta names it; the beam test
     BLEU is the test set translated at it. The real choice runs (on the first 100 of the pairs it is given, over
@@ -73,10 +79,12 @@ def test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_
     calls = []
 
     def choose(model, tokenizer, val_pairs, beam_size, **kwargs):
-        alpha, table = evaluate.choose_length_penalty(model, tokenizer, val_pairs[:100], beam_size,
-                                                      candidates=(0.6, FORCED), **kwargs)
+        alpha, table = evaluate.choose_length_penalty(
+            model, tokenizer, val_pairs[:100], beam_size, candidates=(0.6, FORCED), **kwargs
+        )
         calls.append((model.state_dict(), len(val_pairs), beam_size, alpha, table))
         return FORCED, table
+
     monkeypatch.setattr(results, "choose_length_penalty", choose)
     cfg = dataclasses.replace(train.PRESETS["smoke"], length_penalty=None)
     run, lines = tmp_path / "run", []
@@ -88,11 +96,14 @@ def test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_
     assert n_val == len(val) == 1014 and beam == cfg.beam_size
     assert all(torch.equal(weights[k], v) for k, v in best.state_dict().items())  # the run's model (no averaging)
     on_disk = json.loads((run / "results.json").read_text())
-    assert on_disk["length_penalty"] == {"chosen": FORCED, "chosen_on": "validation (1014 sentences)",
-                                         "validation_bleu": {f"{a:g}": b for a, b in table.items()}}
+    assert on_disk["length_penalty"] == {
+        "chosen": FORCED,
+        "chosen_on": "validation (1014 sentences)",
+        "validation_bleu": {f"{a:g}": b for a, b in table.items()},
+    }
     assert meta["length_penalty"] == FORCED and model_length_penalty(meta) == FORCED
     assert read_checkpoint(run / "last.pt")["meta"].get("length_penalty") is None  # only the tested checkpoints
-    test = load_multi30k("test_2016_flickr", "de", "en", cache_dir=cache, base_url=data_url)[:cfg.test_sentences]
+    test = load_multi30k("test_2016_flickr", "de", "en", cache_dir=cache, base_url=data_url)[: cfg.test_sentences]
     at_forced, hyps = evaluate.evaluate_bleu(best, tok, test, cfg.beam_size, FORCED)
     _, paper_hyps = evaluate.evaluate_bleu(best, tok, test, cfg.beam_size, PAPER_LENGTH_PENALTY)
     assert hyps != paper_hyps  # the two alphas translate differently, so the scores below tell them apart
@@ -107,11 +118,14 @@ def test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_
 def test_a_fixed_length_penalty_is_used_as_it_is_and_no_checkpoint_is_rewritten(monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("a fixed length penalty is not chosen on validation")
+
     monkeypatch.setattr(results, "choose_length_penalty", never)
     cfg = train.PRESETS["smoke"]
     assert cfg.length_penalty == 0.6
     assert results.length_penalty_of_run(cfg, {}, None, None, None, print, False) == {
-        "chosen": 0.6, "chosen_on": "the settings"}
+        "chosen": 0.6,
+        "chosen_on": "the settings",
+    }
     assert train.PRESETS["gpu"].length_penalty == 0.6  # the default; the cpu preset chooses it on validation
     assert train.PRESETS["cpu"].length_penalty is None
 
@@ -132,8 +146,9 @@ def test_a_bad_length_penalty_option_is_one_line_naming_both_forms(given, capsys
     assert f"argument --length-penalty: must be a finite number >= 0 or 'validation', got {given!r}" in err, err
 
 
-def test_the_command_writes_a_copy_with_the_validation_choice_and_never_overwrites(tmp_path, monkeypatch,
-                                                                                   data_url, capsys):
+def test_the_command_writes_a_copy_with_the_validation_choice_and_never_overwrites(
+    tmp_path, monkeypatch, data_url, capsys
+):
     """`python -m annotated.training.choose_length_penalty`: the choice on Multi30k val (faked scores: the pairs
     asked for are the whole split), a new file with it in the meta, the old one unchanged; an existing --out is
     refused without --force and replaced with it."""
@@ -142,8 +157,12 @@ def test_the_command_writes_a_copy_with_the_validation_choice_and_never_overwrit
     monkeypatch.setenv("MULTI30K_URL", data_url)
     asked = fake_scores(monkeypatch, {0.6: 30.0, 1.0: 31.0, 2.0: 33.0, 3.0: 32.0, 4.0: 31.5})
     old, new = tmp_path / "old.pt", tmp_path / "new.pt"
-    save_checkpoint(old, make_model(src_vocab=8, tgt_vocab=8, N=1, d_model=8, d_ff=8, h=2), None,
-                    {"src_lang": "de", "tgt_lang": "en", "epoch": 7})
+    save_checkpoint(
+        old,
+        make_model(src_vocab=8, tgt_vocab=8, N=1, d_model=8, d_ff=8, h=2),
+        None,
+        {"src_lang": "de", "tgt_lang": "en", "epoch": 7},
+    )
     before = old.read_bytes()
     assert command.main(["--checkpoint", str(old), "--out", str(new)]) == 0
     assert old.read_bytes() == before

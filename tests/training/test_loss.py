@@ -1,4 +1,5 @@
 """annotated/training/loss.py: the label-smoothed loss and its formula."""
+
 import torch
 import torch.nn.functional as F
 
@@ -19,8 +20,9 @@ def test_label_smoothing_matches_formula():
     per_pos = -(q * logits.reshape(-1, V).float().log_softmax(-1).double()).sum(-1)  # (B*L,)
     want = per_pos[target.reshape(-1) != PAD].sum()
     assert abs(ours.item() - want.item()) <= 1e-5 * abs(want.item())  # ours computes log_softmax in float32
-    torch_ls = F.cross_entropy(logits.reshape(-1, V).float(), target.reshape(-1), ignore_index=PAD,
-                               label_smoothing=eps, reduction="sum")
+    torch_ls = F.cross_entropy(
+        logits.reshape(-1, V).float(), target.reshape(-1), ignore_index=PAD, label_smoothing=eps, reduction="sum"
+    )
     assert abs(ours.item() - torch_ls.item()) <= 1e-5 * abs(want.item())
 
 

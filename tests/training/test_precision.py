@@ -1,4 +1,5 @@
 """--precision: the rule that picks fp32 or bf16 (annotated/plumbing/devices.py), and a bf16 step on the CPU."""
+
 import copy
 import dataclasses
 
@@ -33,9 +34,15 @@ def test_auto_is_fp32_on_a_torch_without_avx512_kernels(monkeypatch):
 
 
 def test_fp32_when_asked_and_bf16_refused_where_unsupported(avx512_torch):
-    assert devices.resolve_precision("fp32", CPU, flags=frozenset({"avx512_bf16"})) == ("fp32", "fp32 as set (by --precision or the preset)")
-    with pytest.raises(ValueError, match=r"--precision bf16: this CPU has no bf16 instructions .*use "
-                                         "--precision fp32 or auto"):
+    assert devices.resolve_precision("fp32", CPU, flags=frozenset({"avx512_bf16"})) == (
+        "fp32",
+        "fp32 as set (by --precision or the preset)",
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"--precision bf16: this CPU has no bf16 instructions .*use "
+        "--precision fp32 or auto",
+    ):
         devices.resolve_precision("bf16", CPU, flags=frozenset({"avx2"}))
     with pytest.raises(ValueError, match="precision must be auto, fp32 or bf16, got 'fp16'"):
         devices.resolve_precision("fp16", CPU)
@@ -43,16 +50,27 @@ def test_fp32_when_asked_and_bf16_refused_where_unsupported(avx512_torch):
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\n\n"
-                    "processor\t: 1\nflags\t\t: fpu\n")
+    info.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n"
+    )
     assert devices.cpu_flags(info) == {"fpu", "avx2", "avx512_bf16"}
     assert devices.cpu_flags(tmp_path / "absent") == frozenset()
 
 
 def test_bf16_on_a_cpu_without_it_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset({"avx2"}))
-    code = train_wmt.main(["--preset", "smoke", "--precision", "bf16", "--run-dir", str(tmp_path / "run"),
-                           "--data-url", "file:///nonexistent/"])
+    code = train_wmt.main(
+        [
+            "--preset",
+            "smoke",
+            "--precision",
+            "bf16",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--data-url",
+            "file:///nonexistent/",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--precision bf16: this CPU has no bf16 instructions" in err, err
     assert not (tmp_path / "run").exists()
@@ -61,14 +79,17 @@ def test_bf16_on_a_cpu_without_it_is_one_line_before_any_work(tmp_path, capsys, 
 def test_the_run_log_and_print_config_name_precision_and_threads(capsys):
     assert train_wmt.main(["--preset", "smoke", "--print-config", "--threads", "1", "--precision", "fp32"]) == 0
     shown = capsys.readouterr().out
-    assert '"precision": "fp32"' in shown and '"precision_reason": "fp32 as set (by --precision or the preset)"' in shown
+    assert (
+        '"precision": "fp32"' in shown and '"precision_reason": "fp32 as set (by --precision or the preset)"' in shown
+    )
     assert '"threads": 1' in shown
 
 
 def toy_batch(seed: int):
     gen = torch.Generator().manual_seed(seed)
-    ids = lambda: [int(t) for t in torch.randint(4, 60, (int(torch.randint(3, 20, (1,), generator=gen)),),
-                                                 generator=gen)]
+    ids = lambda: [
+        int(t) for t in torch.randint(4, 60, (int(torch.randint(3, 20, (1,), generator=gen)),), generator=gen)
+    ]
     return data.make_batches([(ids(), ids()) for _ in range(32)], 400)[0]
 
 
@@ -92,7 +113,7 @@ def test_a_bf16_step_on_the_cpu_gives_the_fp32_loss_to_bf16_rounding(seed):
         assert all(v.dtype == torch.float32 for s in opt.state.values() for k, v in s.items() if k != "step")
         losses[precision] = loss.item() / n.item()
     assert losses["bf16"] != losses["fp32"]
-    assert abs(losses["bf16"] - losses["fp32"]) <= 2 ** -9 * losses["fp32"], losses
+    assert abs(losses["bf16"] - losses["fp32"]) <= 2**-9 * losses["fp32"], losses
 
 
 def test_the_loss_is_fp32_under_bf16_autocast():
@@ -119,8 +140,15 @@ def test_threads_default_to_every_core_shared_among_torchruns_processes(monkeypa
     assert devices.default_threads() == 1
 
 
-@pytest.mark.parametrize("gpu, capability, expected", [("Tesla T4", (7, 5), "fp32"), ("Tesla V100", (7, 0), "fp32"),
-                                                       ("NVIDIA A100", (8, 0), "bf16"), ("NVIDIA H100", (9, 0), "bf16")])
+@pytest.mark.parametrize(
+    "gpu, capability, expected",
+    [
+        ("Tesla T4", (7, 5), "fp32"),
+        ("Tesla V100", (7, 0), "fp32"),
+        ("NVIDIA A100", (8, 0), "bf16"),
+        ("NVIDIA H100", (9, 0), "bf16"),
+    ],
+)
 def test_auto_on_a_gpu_is_bf16_only_where_it_multiplies_bf16_in_hardware(gpu, capability, expected, monkeypatch):
     """A faked CUDA device: torch's own `is_bf16_supported()` says True on all four (emulation counts), so it
     cannot be the rule; `bf16` on a T4 or V100 is refused, naming the GPU and the reason."""

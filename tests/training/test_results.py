@@ -1,5 +1,6 @@
 """annotated/training/results.py and runs.py: `averaged.pt` is the element-wise mean of exactly the last
 `average_last` epoch checkpoints (the smoke preset never averages, so its run cannot show it)."""
+
 import dataclasses
 
 import pytest
@@ -30,5 +31,6 @@ def test_averaged_is_the_mean_of_exactly_the_last_epochs(average_last, epochs, t
     for name, value in averaged.items():
         mean = (sum(s[name].double() for s in last) / len(last)).float()
         assert torch.equal(value, mean), name
-    assert read_checkpoint(paths["averaged"])["meta"]["averaged"] == \
-        [str(tmp_path / f"epoch{e}.pt") for e in range(max(1, epochs - average_last + 1), epochs + 1)]
+    assert read_checkpoint(paths["averaged"])["meta"]["averaged"] == [
+        str(tmp_path / f"epoch{e}.pt") for e in range(max(1, epochs - average_last + 1), epochs + 1)
+    ]

@@ -1,5 +1,6 @@
 """One optimizer step, seen directly in one process: the learning rate it uses, the loss it reports, the clipped
 gradient it applies, and how accumulated batches are normalised."""
+
 import copy
 import dataclasses
 
@@ -22,16 +23,20 @@ def tiny_model(seed: int = 0):
 
 def toy_batches(n_pairs: int = 48, max_tokens: int = 200, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    ids = lambda: [int(t) for t in torch.randint(4, 60, (int(torch.randint(3, 20, (1,), generator=gen)),),
-                                                 generator=gen)]
+    ids = lambda: [
+        int(t) for t in torch.randint(4, 60, (int(torch.randint(3, 20, (1,), generator=gen)),), generator=gen)
+    ]
     return data.make_batches([(ids(), ids()) for _ in range(n_pairs)], max_tokens, shuffle=True, seed=seed)
 
 
 def applied_gradients(opt) -> list:
     """What the optimizer sees at each step: (learning rate, [gradient of each parameter])."""
     seen = []
-    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(
-        (o.param_groups[0]["lr"], [p.grad.detach().clone() for p in o.param_groups[0]["params"]])))
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: seen.append(
+            (o.param_groups[0]["lr"], [p.grad.detach().clone() for p in o.param_groups[0]["params"]])
+        )
+    )
     return seen
 
 
@@ -69,8 +74,13 @@ def test_the_step_reports_the_label_smoothed_loss_of_its_batch():
     b = toy_batches()[0]
     with torch.no_grad():  # (B, T-1, V), before the step changes the weights
         logits = model(b.src, b.tgt[:, :-1], padding_mask(b.src, PAD), target_mask(b.tgt[:, :-1], PAD))
-    want = F.cross_entropy(logits.reshape(-1, logits.size(-1)), b.tgt[:, 1:].reshape(-1), ignore_index=PAD,
-                           label_smoothing=CFG.label_smoothing, reduction="sum")
+    want = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)),
+        b.tgt[:, 1:].reshape(-1),
+        ignore_index=PAD,
+        label_smoothing=CFG.label_smoothing,
+        reduction="sum",
+    )
     opt, sched = train.make_optimizer(model, CFG)
     loss, tokens, _, _ = train.train_step(model, opt, sched, [b], b.ntokens, CFG, CPU)
     assert int(tokens) == b.ntokens == int((b.tgt[:, 1:] != PAD).sum())

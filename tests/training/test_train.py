@@ -1,4 +1,5 @@
 """annotated/training/train.py: the schedule, and a whole (smoke) run."""
+
 import dataclasses
 import json
 import math
@@ -15,7 +16,7 @@ def test_schedule_warms_up_then_decays():
     lrs = [rate(s, 256, 1000) for s in range(1, 5001)]
     peak = max(range(len(lrs)), key=lrs.__getitem__) + 1
     assert peak == 1000
-    assert math.isclose(lrs[999], 256 ** -0.5 * 1000 ** -0.5)
+    assert math.isclose(lrs[999], 256**-0.5 * 1000**-0.5)
     assert math.isclose(lrs[3999] / lrs[999], 0.5)  # step 4000 vs 1000: 1/sqrt(4)
 
 
@@ -39,12 +40,42 @@ def test_command_line_flags_override_the_preset():
     import train_wmt
     from annotated.training.config import MODEL_OPTIONS, setting
 
-    args = train_wmt.parse_args(["--preset", "gpu", "--layers", "3", "--d-model", "256", "--d-ff", "1024",
-                                 "--heads", "8", "--dropout", "0.2", "--label-smoothing", "0.05",
-                                 "--warmup", "900", "--lr-factor", "1.5", "--val-bleu-sentences", "400"])
+    args = train_wmt.parse_args(
+        [
+            "--preset",
+            "gpu",
+            "--layers",
+            "3",
+            "--d-model",
+            "256",
+            "--d-ff",
+            "1024",
+            "--heads",
+            "8",
+            "--dropout",
+            "0.2",
+            "--label-smoothing",
+            "0.05",
+            "--warmup",
+            "900",
+            "--lr-factor",
+            "1.5",
+            "--val-bleu-sentences",
+            "400",
+        ]
+    )
     preset, cfg = train_wmt.config_from_args(args, cuda=False)
-    want = dict(N=3, d_model=256, d_ff=1024, h=8, dropout=0.2, label_smoothing=0.05, warmup=900, lr_factor=1.5,
-                val_bleu_sentences=400)
+    want = dict(
+        N=3,
+        d_model=256,
+        d_ff=1024,
+        h=8,
+        dropout=0.2,
+        label_smoothing=0.05,
+        warmup=900,
+        lr_factor=1.5,
+        val_bleu_sentences=400,
+    )
     assert preset == "gpu" and {k: setting(cfg, k) for k in want} == want
     gpu = train.PRESETS["gpu"]
     model_back = {k: getattr(gpu.model, k) for k in want if k in MODEL_OPTIONS}
@@ -79,11 +110,18 @@ def test_presets_are_defined_by_steps_as_the_prose_says(data_url, cache):
     differ = {f.name for f in dataclasses.fields(train.TrainConfig) if getattr(gpu, f.name) != getattr(cpu, f.name)}
     assert gpu.model == cpu.model
     assert differ == {"max_tokens", "max_steps", "lr_factor", "length_penalty", "beam_size", "val_bleu_sentences"}
-    assert (gpu.max_tokens, cpu.max_tokens, gpu.max_steps, cpu.max_steps, gpu.beam_size, cpu.average_last) == \
-        (8192, 2500, 4200, 6500, 5, 5)
+    assert (gpu.max_tokens, cpu.max_tokens, gpu.max_steps, cpu.max_steps, gpu.beam_size, cpu.average_last) == (
+        8192,
+        2500,
+        4200,
+        6500,
+        5,
+        5,
+    )
     assert (cpu.lr_factor, gpu.lr_factor, cpu.length_penalty, gpu.length_penalty) == (1.0, 2.0, None, 0.6)
     assert cpu.cooldown_steps == 1950 and train.learning_rate(6500, cpu) == pytest.approx(
-        train.learning_rate(4550, cpu) / 1951)  # the rate of the last step: 1/1951 of the one cooldown starts at
+        train.learning_rate(4550, cpu) / 1951
+    )  # the rate of the last step: 1/1951 of the one cooldown starts at
     assert gpu.val_bleu_sentences is None  # every validation sentence, for choosing best.pt
     for cfg in train.PRESETS.values():
         assert cfg.max_minutes is None and cfg.epochs is None and cfg.max_steps
@@ -101,7 +139,9 @@ def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "runs" / "run"
     lines = []
-    results = train.train(train.PRESETS["smoke"], run, data_url=data_url, cache_dir=cache, progress=False, log=lines.append)
+    results = train.train(
+        train.PRESETS["smoke"], run, data_url=data_url, cache_dir=cache, progress=False, log=lines.append
+    )
     on_disk = json.loads((run / "results.json").read_text())
     assert (on_disk["precision"], on_disk["precision_reason"]) == ("fp32", "fp32 as set (by --precision or the preset)")
     assert on_disk["threads"] == torch.get_num_threads() >= 1
@@ -148,8 +188,9 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, data_url, cache):
     arithmetic is the same, so the losses agree to every printed digit. Dropout 0.1, so the
     dropout masks after the resume are right only if the random state was restored.
     """
-    cfg = dataclasses.replace(train.PRESETS["smoke"].with_model(dropout=0.1), test_sentences=2, val_bleu_sentences=2,
-                              log_every=1)
+    cfg = dataclasses.replace(
+        train.PRESETS["smoke"].with_model(dropout=0.1), test_sentences=2, val_bleu_sentences=2, log_every=1
+    )
     quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
     train.train(cfg, tmp_path / "whole", **quiet)
     train.train(dataclasses.replace(cfg, max_steps=7), tmp_path / "parts", **quiet)
@@ -186,8 +227,10 @@ def test_training_modules_import_no_attention_pictures_and_form_no_circle():
                 names.update(a.name for a in node.names)
         imports[path.stem] = names
     assert not [(m, n) for m, ns in imports.items() for n in ns if n.startswith("annotated.attention")]
-    graph = {m: {n.split(".")[2] for n in ns if n.startswith("annotated.training.") and n.split(".")[2] in imports}
-             for m, ns in imports.items()}
+    graph = {
+        m: {n.split(".")[2] for n in ns if n.startswith("annotated.training.") and n.split(".")[2] in imports}
+        for m, ns in imports.items()
+    }
     done, active = set(), []
 
     def visit(m):
@@ -214,10 +257,15 @@ def figures(run: Path) -> dict:
     history = [{k: v for k, v in epoch.items() if k not in TIMINGS} for epoch in results["history"]]
     test = {name: {k: v for k, v in scores.items() if k != "checkpoint"} for name, scores in results["test"].items()}
     from annotated.plumbing.checkpoint import read_checkpoint
+
     model = read_checkpoint(run / "last.pt")["model"]
-    return {"history": history, "test": test, "steps": results["steps"],
-            "losses": (run / "train_loss.tsv").read_text(),
-            "parameters": {k: t.contiguous().numpy().tobytes() for k, t in model.items()}}
+    return {
+        "history": history,
+        "test": test,
+        "steps": results["steps"],
+        "losses": (run / "train_loss.tsv").read_text(),
+        "parameters": {k: t.contiguous().numpy().tobytes() for k, t in model.items()},
+    }
 
 
 def test_two_runs_on_one_install_give_bit_identical_figures(tmp_path, data_url, cache):

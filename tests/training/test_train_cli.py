@@ -1,4 +1,5 @@
 """train_wmt.py's command line and run folder: bad options refused before any work, the user's files untouched."""
+
 import dataclasses
 import json
 import os
@@ -37,8 +38,10 @@ BAD_OPTIONS = [
     (["--dump-attention", "-1"], "argument --dump-attention: must be a whole number >= 0, got '-1'"),
     (["--log-every", "0"], "argument --log-every: must be a whole number >= 1"),
     (["--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N"),
-    (["--device", "meta"], "argument --device: must be cpu, cuda or cuda:N (cuda only where CUDA is available), "
-                           "got 'meta'"),
+    (
+        ["--device", "meta"],
+        "argument --device: must be cpu, cuda or cuda:N (cuda only where CUDA is available), got 'meta'",
+    ),
     (["--resume"], "--resume needs --run-dir"),
 ]
 
@@ -66,8 +69,12 @@ def test_cuda_without_cuda_and_an_unwritable_cache_are_refused(tmp_path, capsys)
     locked.mkdir(mode=0o500)
     cases = []
     if not os.access(locked, os.W_OK):  # (root can write anywhere)
-        cases.append((["--cache-dir", str(locked / "cache")], f"argument --cache-dir: '{locked / 'cache'}': "
-                                                             f"{locked} is not writable"))
+        cases.append(
+            (
+                ["--cache-dir", str(locked / "cache")],
+                f"argument --cache-dir: '{locked / 'cache'}': {locked} is not writable",
+            )
+        )
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "argument --device: 'cuda' asked for, but CUDA is not available here"))
     for option, message in cases:
@@ -79,12 +86,18 @@ def test_cuda_without_cuda_and_an_unwritable_cache_are_refused(tmp_path, capsys)
 
 
 def test_a_bad_option_in_a_real_process_has_no_traceback(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "train_wmt.py"), "--max-minutes", "nan"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "train_wmt.py"), "--max-minutes", "nan"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
 # --- the run folder --------------------------------------------------------------------------------------
+
 
 def test_a_users_latest_file_or_folder_is_left_alone(tmp_path, monkeypatch, data_url, cache):
     """runs/latest is replaced only when it is our link; a file or folder of that name stays as it was, and no
@@ -120,10 +133,14 @@ def test_latest_moves_only_once_the_run_has_a_checkpoint(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     train.train(SMOKE, Path("runs") / "good", **quiet(data_url, cache))
     with pytest.raises(ValueError):  # a data error before any checkpoint
-        train.train(SMOKE, Path("runs") / "bad", train_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
-                val_files=(tmp_path / "no.src", tmp_path / "no.tgt"), test_files=(tmp_path / "no.src",
-                                                                                   tmp_path / "no.tgt"),
-                **quiet(data_url, cache))
+        train.train(
+            SMOKE,
+            Path("runs") / "bad",
+            train_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
+            val_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
+            test_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
+            **quiet(data_url, cache),
+        )
     assert os.readlink(tmp_path / "runs" / "latest") == "good"
 
 
@@ -133,15 +150,19 @@ def test_run_dir_that_is_not_a_new_folder_is_refused(where, tmp_path, capsys, mo
     written (a foreign config.json is not overwritten)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "config.json").write_text("{\"mine\": 1}")
+    (tmp_path / "other" / "config.json").write_text('{"mine": 1}')
     (tmp_path / "afile").write_text("x")
     run_dir = {".": ".", "foreign": str(tmp_path / "other"), "file": str(tmp_path / "afile")}[where]
-    code = train_wmt.main(["--preset", "smoke", "--run-dir", run_dir, "--data-url", data_url, "--cache-dir",
-                           str(cache), "--no-progress"])
+    code = train_wmt.main(
+        ["--preset", "smoke", "--run-dir", run_dir, "--data-url", data_url, "--cache-dir", str(cache), "--no-progress"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    want = {".": "the run needs a folder of its own", "foreign": "is not empty and holds no run",
-            "file": "is a file, not a folder"}[where]
+    want = {
+        ".": "the run needs a folder of its own",
+        "foreign": "is not empty and holds no run",
+        "file": "is a file, not a folder",
+    }[where]
     assert want in err, err
     assert json.loads((tmp_path / "other" / "config.json").read_text()) == {"mine": 1}
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["afile", "config.json", "other"]
@@ -155,15 +176,27 @@ def test_a_users_test_set_is_named_by_its_files(tmp_path, data_url, cache):
     src.write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
     tgt.write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
     lines = []
-    results = train.train(SMOKE, tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False, log=lines.append,
-                      train_files=(src, tgt), val_files=(src, tgt), test_files=(src, tgt))
+    results = train.train(
+        SMOKE,
+        tmp_path / "run",
+        data_url=data_url,
+        cache_dir=cache,
+        progress=False,
+        log=lines.append,
+        train_files=(src, tgt),
+        val_files=(src, tgt),
+        test_files=(src, tgt),
+    )
     on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
     assert on_disk["test_set"] == results["test_set"] == f"{src} + {tgt}"
     assert on_disk["test_files"] == [str(src), str(tgt)]
-    assert "test_2016_flickr" not in "\n".join(lines) and any(line.startswith(f"{src} + {tgt} de->en") for line in lines)
+    assert "test_2016_flickr" not in "\n".join(lines) and any(
+        line.startswith(f"{src} + {tgt} de->en") for line in lines
+    )
 
 
 # --- the command as people expect it ---------------------------------------------------------------------
+
 
 def test_every_option_has_help_and_names_each_presets_value():
     """No option without help; each preset setting's help names its value in gpu, cpu and smoke, or with
@@ -189,8 +222,21 @@ def test_help_with_a_preset_shows_that_presets_defaults(capsys):
 
 def test_print_config_prints_the_resolved_settings_and_trains_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code = train_wmt.main(["--preset", "smoke", "--d-model", "64", "--dropout", "0.2", "--precision", "fp32",
-                           "--run-dir", str(tmp_path / "run"), "--print-config"])
+    code = train_wmt.main(
+        [
+            "--preset",
+            "smoke",
+            "--d-model",
+            "64",
+            "--dropout",
+            "0.2",
+            "--precision",
+            "fp32",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--print-config",
+        ]
+    )
     shown = json.loads(capsys.readouterr().out)
     assert code == 0 and list(tmp_path.iterdir()) == []
     from annotated.training.config import config_from_dict

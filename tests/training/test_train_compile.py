@@ -5,6 +5,7 @@ too slow for the suite (`make bench` measures inductor's speed-up). Here the sam
 and recompiles run with the `aot_eager` backend: the graphs AOTAutograd traces for forward and backward, run
 op by op. Everything about shapes and recompiles is the same; only the kernels' code generation is skipped.
 """
+
 import dataclasses
 import functools
 
@@ -14,7 +15,10 @@ SMOKE = dataclasses.replace(train.PRESETS["smoke"], test_sentences=2, val_bleu_s
 
 
 def rows(run):
-    return [(int(a), float(b)) for a, b in (line.split("\t") for line in (run / "train_loss.tsv").read_text().split("\n") if line)]
+    return [
+        (int(a), float(b))
+        for a, b in (line.split("\t") for line in (run / "train_loss.tsv").read_text().split("\n") if line)
+    ]
 
 
 def test_compiled_training_matches_eager_with_few_recompiles(tmp_path, data_url, cache, monkeypatch):

@@ -1,4 +1,5 @@
 """The training step never waits for the host: counted sync operators, log rows, skipped non-finite steps."""
+
 import dataclasses
 import math
 from pathlib import Path
@@ -15,10 +16,13 @@ SMOKE = dataclasses.replace(train.PRESETS["smoke"], test_sentences=2, val_bleu_s
 
 def toy_epoch(n_batches=12, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    encoded = [([int(t) for t in torch.randint(4, 60, (int(torch.randint(3, 20, (1,), generator=gen)),),
-                                               generator=gen)],
-                [int(t) for t in torch.randint(4, 60, (int(torch.randint(3, 20, (1,), generator=gen)),),
-                                               generator=gen)]) for _ in range(8 * n_batches)]
+    encoded = [
+        (
+            [int(t) for t in torch.randint(4, 60, (int(torch.randint(3, 20, (1,), generator=gen)),), generator=gen)],
+            [int(t) for t in torch.randint(4, 60, (int(torch.randint(3, 20, (1,), generator=gen)),), generator=gen)],
+        )
+        for _ in range(8 * n_batches)
+    ]
     return data.make_batches(encoded, 200, shuffle=True, seed=seed)
 
 
@@ -30,9 +34,17 @@ def run_steps(batches, log_every, patch=None):
     opt, sched = train.make_optimizer(model, cfg)
     rows = []
     # rank 1: log_point reads and agrees as every rank does; only rank 0 writes rows (no run folder here)
-    run = train.Run(cfg, None, train.Placement(1, 1, torch.device("cpu")), train.Arithmetic("fp32", "test", 1),
-                train.Learner(model, patch(model) if patch else model, opt, sched), train.RunData(None, [], [], [], [], {}), {},
-                print, writer=type("W", (), {"add_scalar": lambda *a: None})())
+    run = train.Run(
+        cfg,
+        None,
+        train.Placement(1, 1, torch.device("cpu")),
+        train.Arithmetic("fp32", "test", 1),
+        train.Learner(model, patch(model) if patch else model, opt, sched),
+        train.RunData(None, [], [], [], [], {}),
+        {},
+        print,
+        writer=type("W", (), {"add_scalar": lambda *a: None})(),
+    )
     meter = train.Meter(run.place.dev)
     tokens = train.step_tokens(batches, cfg.accum)
     state = train.RunState()
@@ -84,8 +96,13 @@ def test_log_rows_are_token_weighted_means_of_the_steps(tmp_path, data_url, cach
     tokenizer, pairs, _, _ = train.prepare_data(SMOKE, train.DataSource(data_url, cache))
     encoded = data.encode_pairs(pairs, tokenizer)
     encoded = [encoded[i] for i in data.split_long(encoded, SMOKE.max_len)[0]]
-    n = [k for e in (0, 1) for k in train.step_tokens(data.make_batches(encoded, SMOKE.max_tokens, shuffle=True,
-                                                                     seed=SMOKE.seed + e, max_len=SMOKE.max_len), 1)]
+    n = [
+        k
+        for e in (0, 1)
+        for k in train.step_tokens(
+            data.make_batches(encoded, SMOKE.max_tokens, shuffle=True, seed=SMOKE.seed + e, max_len=SMOKE.max_len), 1
+        )
+    ]
     prev = 0
     for step, mean in five:
         want = sum(each[s][1] * n[s] for s in range(prev, step)) / sum(n[prev:step])
@@ -94,7 +111,10 @@ def test_log_rows_are_token_weighted_means_of_the_steps(tmp_path, data_url, cach
 
 
 def rows(run):
-    return [(int(a), float(b)) for a, b in (line.split("\t") for line in (run / "train_loss.tsv").read_text().split("\n") if line)]
+    return [
+        (int(a), float(b))
+        for a, b in (line.split("\t") for line in (run / "train_loss.tsv").read_text().split("\n") if line)
+    ]
 
 
 def test_resume_cuts_the_log_back_to_the_checkpoint(tmp_path, data_url, cache):
@@ -109,8 +129,9 @@ def test_resume_cuts_the_log_back_to_the_checkpoint(tmp_path, data_url, cache):
     assert rows(tmp_path / "parts") == rows(tmp_path / "whole")
 
 
-def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run_at_the_next_read(tmp_path, data_url, cache,
-                                                                                      monkeypatch):
+def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run_at_the_next_read(
+    tmp_path, data_url, cache, monkeypatch
+):
     """A NaN loss at step 3 of epoch 2 with log_every 4: the fused Adam kernel skips that update (found_inf), the
     run goes on to the read at the next multiple of 4 and stops there naming the step; last.pt stays epoch 1's."""
     run = tmp_path / "run"
@@ -125,12 +146,22 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run_at_the_nex
         return loss, n
 
     monkeypatch.setattr(train, "batch_loss", faulty)
-    with pytest.raises(train.TrainingError, match=r"the loss became nan at step 17 \(epoch 2\); 1 step\(s\) with a "
-                                              r"non-finite loss or gradient were skipped; stopped at step 20, the "
-                                              r"last good checkpoint .*last\.pt is kept"):
-        train.train(dataclasses.replace(SMOKE, log_every=4), run, data_url=data_url, cache_dir=cache, progress=False,
-                log=lambda s: None)
+    with pytest.raises(
+        train.TrainingError,
+        match=r"the loss became nan at step 17 \(epoch 2\); 1 step\(s\) with a "
+        r"non-finite loss or gradient were skipped; stopped at step 20, the "
+        r"last good checkpoint .*last\.pt is kept",
+    ):
+        train.train(
+            dataclasses.replace(SMOKE, log_every=4),
+            run,
+            data_url=data_url,
+            cache_dir=cache,
+            progress=False,
+            log=lambda s: None,
+        )
     from annotated.plumbing.checkpoint import read_checkpoint
+
     assert read_checkpoint(run / "last.pt")["run_state"]["step"] == 14
     assert [s for s, _ in rows(run)] == [4, 8, 12, 14, 16]
 
@@ -145,10 +176,17 @@ def test_a_non_finite_loss_skips_only_its_own_update_and_the_next_read_names_it(
     torch.manual_seed(0)
     model = make_model(src_vocab=60, tgt_vocab=60, N=1, d_model=32, d_ff=64, h=2, dropout=0.1, max_len=64)
     opt, sched = train.make_optimizer(model, cfg)
-    run = train.Run(cfg, Path("toy-run"), train.Placement(0, 1, torch.device("cpu")),
-                    train.Arithmetic("fp32", "test", 1), train.Learner(model, model, opt, sched),
-                    train.RunData(None, [], [], [], [], {}), {}, print,
-                    writer=type("W", (), {"add_scalar": lambda *a: None})())
+    run = train.Run(
+        cfg,
+        Path("toy-run"),
+        train.Placement(0, 1, torch.device("cpu")),
+        train.Arithmetic("fp32", "test", 1),
+        train.Learner(model, model, opt, sched),
+        train.RunData(None, [], [], [], [], {}),
+        {},
+        print,
+        writer=type("W", (), {"add_scalar": lambda *a: None})(),
+    )
     batch_loss, calls = train.batch_loss, []
 
     def nan_at_the_third(m, src, tgt, eps, real=None):
@@ -174,9 +212,12 @@ def test_a_non_finite_loss_skips_only_its_own_update_and_the_next_read_names_it(
         found.append(float(found_inf))
         assert same(before, snapshot()) == (i == 2), f"step {i + 1}: updated or not, the wrong way"
     assert found == [0, 0, 1, 0, 0]
-    with pytest.raises(train.TrainingError, match=r"^the loss became nan at step 3 \(epoch 1\); 1 step\(s\) with a "
-                                                 r"non-finite loss or gradient were skipped; stopped at step 5, "
-                                                 r"the last good checkpoint toy-run/last\.pt is kept$"):
+    with pytest.raises(
+        train.TrainingError,
+        match=r"^the loss became nan at step 3 \(epoch 1\); 1 step\(s\) with a "
+        r"non-finite loss or gradient were skipped; stopped at step 5, "
+        r"the last good checkpoint toy-run/last\.pt is kept$",
+    ):
         train.log_point(run, state, meter, False, False)
     assert not Path("toy-run").exists()  # the read raised before writing anything
 
@@ -188,6 +229,7 @@ def test_results_name_the_commit_the_run_started_from(tmp_path, data_url, cache,
 
     commits = iter(["the commit at the start", "a commit made while it trained"])
     monkeypatch.setattr(provenance, "code_commit", lambda root=provenance.ROOT: next(commits))
-    results = train.train(SMOKE, tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False,
-                          log=lambda s: None)
+    results = train.train(
+        SMOKE, tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None
+    )
     assert results["environment"]["commit"] == "the commit at the start"
