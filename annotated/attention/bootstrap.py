@@ -159,3 +159,22 @@ def paired_loss_change(
     counts = resample_counts(len(la), resamples, seed)  # (R, n)
     value = lb.sum() / tb.sum() - la.sum() / ta.sum()
     return _interval(value, (counts @ lb) / (counts @ tb) - (counts @ la) / (counts @ ta))
+
+
+# %% [markdown]
+# ## A mean over sentences
+#
+# Not every measure compares two systems: the circuits' faithfulness
+# (`annotated/circuits/faithfulness.py`) is one number per sentence, and its
+# interval is that of the mean, over the same kind of resamples.
+
+# %%
+def mean_interval(values: np.ndarray, resamples: int = RESAMPLES, seed: int = SEED) -> Change:
+    """The mean of per-sentence `values` (n,) and its bootstrap interval.
+
+    >>> mean_interval(np.array([0.5, 0.5, 0.5]), resamples=10)
+    Change(value=0.5, low=0.5, high=0.5)
+    """
+    values = np.asarray(values, dtype=np.float64)
+    counts = resample_counts(len(values), resamples, seed)  # (R, n)
+    return _interval(values.mean(), counts @ values / len(values))

@@ -1,0 +1,199 @@
+"""The direct path (annotated/circuits/direct.py) and faithfulness (faithfulness.py): exact where the prose says
+so, and a planted model whose readout finds exactly what was planted."""
+
+import math
+
+import numpy as np
+import torch
+
+from annotated.circuits.circuits import attention_inputs, circuits
+from annotated.circuits.direct import (
+    best_pairs,
+    copying_score,
+    exact,
+    layer_norms_after,
+    ov_table,
+    position_vectors,
+    positional_table,
+    preferred_offsets,
+    sentence_vectors,
+    through,
+    token_vectors,
+    top_table,
+)
+from annotated.circuits.faithfulness import argmax_agreement, faithfulness, masked_spearman
+from annotated.sites import attention_at
+from annotated.tokens import BOS, EOS, PAD
+from annotated.transformer import make_model
+
+TOL = 1e-12  # float64 sums of the same products in another order
+
+
+def _shipped64():
+    from annotated.shipped import load_shipped
+
+    model, tok, _ = load_shipped("de-en")
+    return model.double().eval(), tok
+
+
+def _pairs(tok):
+    src = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball.", "Eine Frau mit rotem Hut."]
+    tgt = ["A dog runs across the meadow.", "Two men play soccer.", "A woman with a red hat."]
+    pad = lambda seqs: torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True)
+    return pad([tok.encode(s) + [EOS] for s in src]), pad([[BOS] + tok.encode(t) for t in tgt])
+
+
+def test_the_first_layer_splits_exactly_into_four_tables():
+    model, tok = _shipped64()
+    src, tgt = _pairs(tok)
+    inputs = attention_inputs(model, src, tgt, PAD)
+    for site, side_ids in ((("enc_self", 0), src), (("dec_self", 0), tgt)):
+        assert exact(model, site)
+        x = sentence_vectors(model, site, "q", side_ids)
+        assert (x - inputs[site][0]).abs().max() < TOL  # the direct path is the whole input here
+        c = circuits(model)[site][1]
+        e = token_vectors(model, site, "q", side_ids[0])  # (T, d_model)
+        p = position_vectors(model, site, "q", side_ids.size(1))
+        cross = c.scale * (c.QK.bilinear(e, p) + c.QK.bilinear(p, e))
+        four = c.matching(e, e) + c.matching(p, p) + cross  # token table + position table + the two cross terms
+        assert (four - c.matching(x[0], x[0])).abs().max() < TOL
+    assert not exact(model, ("enc_self", 1)) and not exact(model, ("cross", 0))
+
+
+def test_the_norms_are_followed_on_the_way_in_and_out():
+    model, _ = _shipped64()
+    N = model.config.N
+    from annotated.circuits.direct import layer_norms_before
+
+    assert layer_norms_before(model, ("enc_self", 0), "q") == []
+    assert len(layer_norms_before(model, ("enc_self", 1), "q")) == 2  # layer 0's two sublayers
+    assert len(layer_norms_before(model, ("cross", 0), "kv")) == 2 * N  # the whole encoder
+    assert len(layer_norms_before(model, ("cross", 1), "q")) == 3 + 1  # decoder layer 0, then layer 1's self
+    assert len(layer_norms_after(model, ("cross", N - 1))) == 2  # its own sublayer's norm and the ffn's
+    v = torch.randn(5, model.config.d_model, dtype=torch.float64)
+    assert through([], v) is v
+    ln = model.encoder.layers[0].res_attn.ln  # trained: its gamma is not all ones
+    gamma = ln.weight.detach()
+    expected = (v - v.mean(-1, keepdim=True)) * gamma  # LayerNorm less its division and its beta
+    assert (through([ln], v) - expected).abs().max() < TOL and (gamma - 1).abs().max() > 0.1
+
+
+def _spearman_rows(a, b):
+    rank = lambda x: np.argsort(np.argsort(x))
+    return np.corrcoef(rank(a), rank(b))[0, 1]
+
+
+def test_masked_spearman_is_scipys_on_each_row():
+    g = torch.Generator().manual_seed(0)
+    a, b = (
+        torch.randn(2, 4, 6, generator=g, dtype=torch.float64),
+        torch.randn(2, 4, 6, generator=g, dtype=torch.float64),
+    )
+    allowed = torch.ones(2, 4, 6, dtype=torch.bool)
+    allowed[0, :, 4:] = False  # padding
+    allowed[1] = torch.ones(4, 6, dtype=torch.bool).tril()  # causal: row 0 has one key
+    rho, rows = masked_spearman(a, b, allowed)
+    for i in range(2):
+        for j in range(4):
+            keys = allowed[i, j].nonzero().flatten().numpy()
+            if len(keys) < 2:
+                assert not rows[i, j]
+                continue
+            assert abs(rho[i, j].item() - _spearman_rows(a[i, j, keys].numpy(), b[i, j, keys].numpy())) < 1e-12
+    agree = argmax_agreement(a, a + 1e-3 * b, allowed)
+    assert agree.min() == 1.0 and argmax_agreement(a, -a, allowed)[0].max() == 0.0
+
+
+def test_faithfulness_is_one_where_the_direct_path_is_exact():
+    model, tok = _shipped64()
+    f = faithfulness(model, [_pairs(tok)], PAD, resamples=50)
+    assert len(f) == 24
+    for (site, head), v in f.items():
+        if exact(model, site):
+            assert v.rho.value > 1 - 1e-9 and v.argmax.value == 1.0, (site, head, v)
+    assert min(v.rho.value for (site, _), v in f.items() if not exact(model, site)) < 0.9  # it can fail
+
+
+# ---------------------------------------------------------------- a planted model
+
+
+def _planted():
+    """One layer, d_model 32, 2 heads of d_k 16, d_v 32: enc head 0 matches token A with B, enc head 1 attends to
+    the previous position, cross head 0 copies what it reads, cross head 1 writes the opposite."""
+    torch.manual_seed(0)
+    d, d_k = 32, 16
+    model = (
+        make_model(
+            src_vocab=40,
+            tgt_vocab=40,
+            N=1,
+            d_model=d,
+            d_ff=16,
+            h=2,
+            d_k=d_k,
+            d_v=d,
+            dropout=0.0,
+            attention="per_head",
+            share_embeddings=True,
+            tie_generator=True,
+            max_len=64,
+        )
+        .double()
+        .eval()
+    )
+    A, B = 7, 11
+    with torch.no_grad():
+        enc = attention_at(model, "enc_self", 0)
+        E = model.src_embed.weight * math.sqrt(d)  # what the head reads
+        for W in (enc.W_Q[0], enc.W_K[0]):
+            W.zero_()
+        enc.W_Q[0][:, 0] = 3 * E[A] / E[A].norm()
+        enc.W_K[0][:, 0] = 3 * E[B] / E[B].norm()
+        enc.W_Q[1].zero_(), enc.W_K[1].zero_()
+        for j in range(d_k // 2):  # rotate each sinusoid pair back one position: p_m W_Q = p_{m-1}
+            w = 10000 ** (-2 * j / d)
+            enc.W_Q[1][2 * j : 2 * j + 2, 2 * j : 2 * j + 2] = 4 * torch.tensor(
+                [[math.cos(w), math.sin(w)], [-math.sin(w), math.cos(w)]]
+            )
+            enc.W_K[1][2 * j : 2 * j + 2, 2 * j : 2 * j + 2] = 4 * torch.eye(2)
+        cross = attention_at(model, "cross", 0)
+        cross.W_V[0].copy_(torch.eye(d)), cross.W_O[0].copy_(torch.eye(d))
+        cross.W_V[1].copy_(torch.eye(d)), cross.W_O[1].copy_(-torch.eye(d))
+    return model, A, B
+
+
+def test_the_readout_finds_exactly_what_was_planted():
+    model, A, B = _planted()
+    cs = circuits(model)
+    ids = torch.arange(4, 40)  # every non-special token
+    site = ("enc_self", 0)
+    top = top_table(cs[site][0], token_vectors(model, site, "q", ids), token_vectors(model, site, "kv", ids))
+    row, col, _ = best_pairs(top, 1)[0]
+    assert (int(ids[row]), int(ids[col])) == (A, B)  # the token pair it was built to match
+
+    offsets = preferred_offsets(positional_table(model, cs[site][1], n=30))
+    assert offsets[1:].tolist() == [-1] * 29  # every position but the first attends to the one before it
+    assert preferred_offsets(positional_table(model, cs[site][0], n=30)).unique().numel() > 1  # not positional
+
+    x = token_vectors(model, ("cross", 0), "kv", ids)
+    copier, opposite = cs[("cross", 0)]
+    assert copying_score(model, copier, x, ids) > 0.9 and copying_score(model, opposite, x, ids) < -0.9
+    promoted = ov_table(model, copier, x, ids, k=1).ids[:, 0]
+    assert torch.equal(promoted, ids)  # reading token t raises the logit of t, for every t
+
+
+def test_copying_score_from_the_small_matrix_is_the_vocabularys():
+    torch.manual_seed(2)
+    model = (
+        make_model(src_vocab=30, tgt_vocab=30, N=2, d_model=16, d_ff=8, h=2, share_embeddings=True, tie_generator=True)
+        .double()
+        .eval()
+    )
+    ids = torch.arange(30)
+    for site in (("cross", 0), ("dec_self", 1)):
+        c = circuits(model)[site][1]
+        x = token_vectors(model, site, "kv", ids)
+        written = through(layer_norms_after(model, site), c.OV.apply(x))  # (V, d_model)
+        lam = torch.linalg.eigvals(written @ model.generator.weight.detach().T)  # the V x V matrix itself
+        expected = float(lam.real.sum() / lam.abs().sum())
+        assert abs(copying_score(model, c, x, ids) - expected) < 1e-9
