@@ -236,3 +236,27 @@ def test_a_run_that_averages_chooses_its_length_penalty_with_averaged_pt_not_bes
     assert done["length_penalty"]["validation_bleu"] == {f"{a:g}": b for a, b in validation[2.0].items()}
     assert read_checkpoint(run / "averaged.pt")["meta"]["length_penalty"] == 2.0
     assert read_checkpoint(run / "best.pt")["meta"]["length_penalty"] == 2.0  # the run's choice, for both
+
+
+def test_the_commands_beam_is_the_beam_the_search_translates_with(tmp_path, monkeypatch, data_url, cache, capsys):
+    """`--beam N` reaches the beam search itself (`translate_ids`, recorded here instead of translating) at every
+    alpha, on the whole validation split, and the printed line names it: not the default 4."""
+    from annotated.decoding import search
+    from annotated.training.data import train_tokenizer
+    from annotated.transformer import make_model
+
+    beam, asked = 3, []
+
+    def record(model, sources, beam_size=1, length_penalty=0.6, **kwargs):
+        asked.append((len(sources), beam_size, length_penalty))
+        return [[] for _ in sources]
+
+    monkeypatch.setattr(search, "translate_ids", record)
+    monkeypatch.setenv("MULTI30K_URL", data_url)
+    tok = train_tokenizer(["Ein Hund rennt.", "A dog runs.", "Zwei Männer.", "Two men."] * 4, 290, cache_dir=cache)
+    old, new = tmp_path / "old.pt", tmp_path / "new.pt"
+    model = make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=8, d_ff=8, h=2)
+    save_checkpoint(old, model, tok, {"src_lang": "de", "tgt_lang": "en"})
+    assert command.main(["--checkpoint", str(old), "--out", str(new), "--beam", str(beam)]) == 0
+    assert asked == [(1014, beam, alpha) for alpha in evaluate.LENGTH_PENALTIES]
+    assert f", the best beam {beam} BLEU on the 1014 Multi30k validation sentences" in capsys.readouterr().out
