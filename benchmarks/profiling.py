@@ -64,6 +64,11 @@ def minor_page_faults() -> int | None:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def fresh_mib(pages: float, page_size: int = mmap.PAGESIZE) -> float:
+    """MiB of `pages` memory pages of `page_size` bytes each (the platform's by default)."""
+    return pages * page_size / 2**20
+
+
 @dataclass(frozen=True)
 class Profiled:
     """The profiler's key averages, and the same number of steps timed and counted with and without it."""
@@ -89,9 +94,8 @@ class Profiled:
         extra = self.faults_per_step_profiled - self.faults_per_step
         if extra <= 0:
             return line
-        fresh = extra * mmap.PAGESIZE / 2**20
         return line + (
-            f" (about {fresh:,.0f} MiB more of fresh pages a step, whose zeroing the table charges to "
+            f" (about {fresh_mib(extra):,.0f} MiB more of fresh pages a step, whose zeroing the table charges to "
             f"the operators that first write them)"
         )
 

@@ -508,3 +508,18 @@ def test_profiling_counts_the_fresh_pages_a_step_touches_with_and_without_the_pr
     assert pages * 0.9 <= r.faults_per_step_profiled <= pages * 1.5
     assert r.ms_per_step > 0 and r.ms_per_step_profiled > 0
     assert f"{r.faults_per_step_profiled:,.0f} under it" in r.summary()
+
+
+def test_the_profilers_cost_line_gives_the_extra_fresh_pages_in_mib_from_the_page_size():
+    """The extra minor page faults a profiled step takes, stated in MiB: pages times the page size (4 KiB on
+    x86-64 Linux, 16 KiB on Apple silicon), whichever the platform's is, in the line the commands print."""
+    import mmap
+
+    from benchmarks import profiling
+
+    assert profiling.fresh_mib(2048, 4096) == 8.0 and profiling.fresh_mib(2048, 16384) == 32.0
+    assert profiling.fresh_mib(2560) == 2560 * mmap.PAGESIZE / 2**20  # the platform's page size by default
+    r = profiling.Profiled(None, 10.0, 12.0, 100.0, 100.0 + 2560)  # 2,560 extra pages a step under the profiler
+    mib = 2560 * mmap.PAGESIZE / 2**20  # 10 MiB with 4 KiB pages
+    assert f"(about {mib:,.0f} MiB more of fresh pages a step, " in r.summary()
+    assert "MiB" not in profiling.Profiled(None, 10.0, 12.0, 100.0, 90.0).summary()  # no extra pages: no figure

@@ -130,6 +130,34 @@ def test_a_run_of_another_direction_gives_way_to_the_box_for_the_direction_asked
     assert choose_checkpoint(None).resolve() == run / "best.pt"  # no direction asked: the latest run
 
 
+def fake_run(runs: Path, name: str, direction: str, mtime: int, models=("best.pt",)) -> Path:
+    """A run folder as the rule reads it: config.json naming its direction, and model files written at `mtime`."""
+    src, tgt = direction.split("-")
+    (runs / name).mkdir(parents=True)
+    (runs / name / "config.json").write_text(json.dumps({"src_lang": src, "tgt_lang": tgt}))
+    for model in models:
+        (runs / name / model).write_bytes(b"x")
+        os.utime(runs / name / model, (mtime, mtime))
+    return runs / name
+
+
+@pytest.mark.parametrize("latest", ["absent", "a link to the run of the other direction"])
+def test_of_several_runs_of_the_direction_asked_the_newest_is_taken(tmp_path, latest):
+    """The newest en->de run (b, its model averaged.pt) is neither the first nor the last by name, nor the
+    oldest (c), and a newer de->en run (x) is the latest run of all: asked for en->de, the rule takes b's model."""
+    runs = tmp_path / "runs"
+    fake_run(runs, "a", "en-de", 2_000)
+    newest = fake_run(runs, "b", "en-de", 3_000, ("best.pt", "averaged.pt"))
+    fake_run(runs, "c", "en-de", 1_000)
+    fake_run(runs, "x", "de-en", 5_000)
+    if latest != "absent":
+        (runs / "latest").symlink_to("x")
+    said = []
+    assert choose_checkpoint(None, runs_dir=runs, src="en", tgt="de", say=lines(said)) == newest / "averaged.pt"
+    assert said == [f"using {newest / 'averaged.pt'}"]
+    assert choose_checkpoint(None, runs_dir=runs).resolve() == runs / "x" / "best.pt"  # no direction: the latest
+
+
 def test_with_neither_a_run_nor_a_box_it_says_how_to_get_a_model(box):
     shutil.rmtree(box)
     with pytest.raises(CheckpointError, match="no checkpoint found: no de->en run under runs/ and no shipped"):

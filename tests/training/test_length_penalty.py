@@ -178,3 +178,85 @@ def test_the_command_writes_a_copy_with_the_validation_choice_and_never_overwrit
     assert old.read_bytes() == before
     assert command.main(["--checkpoint", str(old), "--out", str(old), "--force"]) == 0
     assert read_checkpoint(old)["meta"]["length_penalty"] == 2.0
+
+
+def test_a_run_that_averages_chooses_its_length_penalty_with_averaged_pt_not_best_pt(tmp_path, monkeypatch):
+    """A run with average_last=2 and length_penalty None: its model is averaged.pt (the mean of epoch1.pt and
+    epoch2.pt, written by `score_test_set`), and best.pt is another model on which another alpha wins. The scores
+    are a table per model (told apart by their weights, each checkpoint's parameters all one number), so the alpha
+    the run records is the one averaged.pt's validation scores give, and only averaged.pt is scored on them."""
+    from annotated.transformer import make_model
+
+    def checkpoint(path, weight, **state):
+        model = make_model(src_vocab=8, tgt_vocab=8, N=1, d_model=8, d_ff=8, h=2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(weight)
+        save_checkpoint(path, model, None, {"src_lang": "de", "tgt_lang": "en"}, **state)
+
+    run = tmp_path / "run"
+    run.mkdir()
+    checkpoint(run / "epoch1.pt", 1.0)
+    checkpoint(run / "epoch2.pt", 3.0)  # averaged.pt: every parameter 2.0 (exact in float32)
+    checkpoint(run / "best.pt", 3.0)
+    checkpoint(run / "last.pt", 3.0, run_state={"step": 28, "history": []})
+    validation = {  # {model's weight: {alpha: validation BLEU}}: each model's own winner
+        2.0: {0.6: 10.0, 1.0: 11.0, 2.0: 14.0, 3.0: 12.0, 4.0: 9.0},
+        3.0: {0.6: 10.0, 1.0: 15.0, 2.0: 12.0, 3.0: 11.0, 4.0: 9.0},
+    }
+    val_pairs, test_pairs = [("ein hund", "a dog")] * 5, [("eine katze", "a cat")] * 3
+    scored_on_validation = []
+
+    def fake(model, tokenizer, pairs, beam_size, length_penalty, device=None, progress=False):
+        weight = next(model.parameters()).detach().flatten()[0].item()
+        if pairs is val_pairs:
+            scored_on_validation.append(weight)
+            return {"bleu": validation[weight][length_penalty]}, []
+        return {"bleu": 1.0, "bleu_lowercase": 1.0, "chrf": 1.0}, ["a"] * len(pairs)
+
+    monkeypatch.setattr(evaluate, "evaluate_bleu", fake)
+    monkeypatch.setattr(results, "evaluate_bleu", fake)
+    cfg = dataclasses.replace(train.PRESETS["smoke"], length_penalty=None, average_last=2)
+    arithmetic = results.Arithmetic("fp32", "fp32 asked for", 1)
+    done = results.score_test_set(
+        cfg,
+        run,
+        None,
+        test_pairs,
+        torch.device("cpu"),
+        lambda line: None,
+        arithmetic,
+        progress=False,
+        val_pairs=val_pairs,
+        started_in={"python": "3"},
+    )
+    assert set(done["test"]) == {"best", "averaged"}
+    assert scored_on_validation == [2.0] * len(evaluate.LENGTH_PENALTIES)  # averaged.pt, at each alpha
+    assert done["length_penalty"]["chosen"] == 2.0  # averaged.pt's winner (best.pt's is 1.0)
+    assert done["length_penalty"]["validation_bleu"] == {f"{a:g}": b for a, b in validation[2.0].items()}
+    assert read_checkpoint(run / "averaged.pt")["meta"]["length_penalty"] == 2.0
+    assert read_checkpoint(run / "best.pt")["meta"]["length_penalty"] == 2.0  # the run's choice, for both
+
+
+def test_the_commands_beam_is_the_beam_the_search_translates_with(tmp_path, monkeypatch, data_url, cache, capsys):
+    """`--beam N` reaches the beam search itself (`translate_ids`, recorded here instead of translating) at every
+    alpha, on the whole validation split, and the printed line names it: not the default 4."""
+    from annotated.decoding import search
+    from annotated.training.data import train_tokenizer
+    from annotated.transformer import make_model
+
+    beam, asked = 3, []
+
+    def record(model, sources, beam_size=1, length_penalty=0.6, **kwargs):
+        asked.append((len(sources), beam_size, length_penalty))
+        return [[] for _ in sources]
+
+    monkeypatch.setattr(search, "translate_ids", record)
+    monkeypatch.setenv("MULTI30K_URL", data_url)
+    tok = train_tokenizer(["Ein Hund rennt.", "A dog runs.", "Zwei Männer.", "Two men."] * 4, 290, cache_dir=cache)
+    old, new = tmp_path / "old.pt", tmp_path / "new.pt"
+    model = make_model(src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=8, d_ff=8, h=2)
+    save_checkpoint(old, model, tok, {"src_lang": "de", "tgt_lang": "en"})
+    assert command.main(["--checkpoint", str(old), "--out", str(new), "--beam", str(beam)]) == 0
+    assert asked == [(1014, beam, alpha) for alpha in evaluate.LENGTH_PENALTIES]
+    assert f", the best beam {beam} BLEU on the 1014 Multi30k validation sentences" in capsys.readouterr().out
