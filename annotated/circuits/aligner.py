@@ -228,7 +228,7 @@ def eflomal_iterations(n_pairs: int, model: int = 3, rel_iterations: float = 1.0
     >>> eflomal_iterations(30_000)
     (7, 7, 29)
     """
-    iters = max(2, int(round(rel_iterations * 5000 / n_pairs**0.5)))
+    iters = max(2, round(rel_iterations * 5000 / n_pairs**0.5))
     quarter = max(1, iters // 4)
     return {1: (iters, 0, 0), 2: (max(2, quarter), iters, 0)}.get(model, (max(2, quarter), quarter, iters))
 
@@ -323,10 +323,12 @@ def run_eflomal(
 # (`test_align_caches_by_texts_and_settings`). The file is written
 # atomically; one that does not read back is computed again.
 #
-# The symmetrized links do not depend on which language is called the
-# source (grow-diag-final-and treats the two directions alike), so
+# eflomal aligns both directions in every run, and grow-diag-final-and
+# combines them by the same rules whichever language is called the source
+# (only the order in which links are visited differs). So
 # `multi30k_alignments` aligns each language pair once, in alphabetical
-# order of the languages, and transposes the links for the other direction
+# order of the languages, and transposes the links for the other direction:
+# de->en and en->de are scored against one and the same set of links
 # (`test_multi30k_directions_share_one_run`).
 
 

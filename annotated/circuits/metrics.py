@@ -29,6 +29,7 @@
 # %%
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -39,6 +40,7 @@ TOP = 500  # the most frequent source words a dictionary is scored on
 MIN_SHARE = 0.1  # a lexicon translation counts from this share of the source word's links on
 SPECIALS = frozenset({"<pad>", "<s>", "</s>"})  # the labels of PAD, BOS and EOS (attention/dump.py)
 STEPS = ("predicts", "reads")
+BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")  # sentencepiece's byte-fallback pieces
 
 # %% [markdown]
 # ## 1. precision@k of a dictionary
@@ -149,9 +151,15 @@ def aer(predicted: Sequence[Links], sure: Sequence[Links], possible: Sequence[Li
 # piece without `▁` at the very start opens a word too). Word `k` is thus
 # the `k`-th space-separated word of the sentence, the same numbering as
 # `aligner.words`. The special pieces `<s>`, `</s>` and `<pad>` belong to no
-# word, and neither does a lone `▁` that starts a word with no characters
-# (two spaces in a row). A word whose text is only punctuation (`.` , `-`)
-# is kept in the numbering but never linked (`test_words_from_pieces`).
+# word. The tokenizer writes ` .` as a lone `▁` then `.`, so a lone `▁` opens
+# the word of the pieces after it; when another `▁`-piece follows at once
+# (two spaces in a row) it is no word at all. Byte pieces (`<0xE2>`, sentencepiece's spelling of
+# a character its vocabulary lacks) are read as the bytes they stand for. A word whose text is only punctuation (`.` , `-`)
+# is kept in the numbering but never linked (`test_words_from_pieces`; the
+# shipped tokenizer's words are `aligner.words` on every sentence of
+# test_2016_flickr, both languages:
+# `test_piece_words_match_aligner_words_on_multi30k`,
+# `test_piece_words_match_aligner_words_on_the_shipped_tokenizer`).
 #
 # **Which row speaks for a target piece.** The decoder reads `<s> y_1 ...
 # y_n` and predicts `y_1 ... y_n </s>`; row `p` is the position whose input
@@ -182,23 +190,25 @@ def piece_words(pieces: Sequence[str]) -> tuple[list[int | None], list[str]]:
     ([0, 1, 1, 2, None], ['ein', 'spielhaus', ''])
     """
     number: list[int | None] = []
-    texts: list[str] = []
-    current: list[str] | None = None  # the raw text of the word being read
+    spelled: list[bytes] = []  # the UTF-8 of each word read so far
+    inside = False  # whether the last piece belongs to a word
     for piece in pieces:
         if piece in SPECIALS:
             number.append(None)
-            current = None
+            inside = False
             continue
-        if piece.startswith("▁") or current is None:
-            current = []
-            texts.append("")
-        current.append(piece.lstrip("▁"))
-        texts[-1] = "".join(current)
-        number.append(len(texts) - 1)
+        if piece.startswith("▁") or not inside:
+            spelled.append(b"")
+            inside = True
+        body = piece.lstrip("▁")
+        byte = BYTE_PIECE.fullmatch(body)  # byte fallback: one byte of a character the vocabulary lacks
+        spelled[-1] += bytes.fromhex(byte.group(1)) if byte else body.encode()
+        number.append(len(spelled) - 1)
     # a word with no characters (a lone ▁) is no word: renumber the others
-    real = [k for k, t in enumerate(texts) if t]
+    real = [k for k, b in enumerate(spelled) if b]
     renumber = {k: n for n, k in enumerate(real)}
-    return [renumber.get(k) if k is not None else None for k in number], [normalize_word(texts[k]) for k in real]
+    texts = [normalize_word(spelled[k].decode("utf-8", errors="replace")) for k in real]
+    return [renumber.get(k) if k is not None else None for k in number], texts
 
 
 def attention_to_word_links(
