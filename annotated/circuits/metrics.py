@@ -172,9 +172,11 @@ def aer(predicted: Sequence[Links], sure: Sequence[Links], possible: Sequence[Li
 #
 # **Argmax, then union.** Each target piece links to the source piece its
 # row attends to most (the first of equal maxima). When that is a special
-# piece (`</s>`, where many heads put their weight when nothing fits) or a
-# punctuation-only word, the target piece links to nothing, as an aligner
-# leaves a word unaligned. A target word links to **every** source word one
+# piece (a source that ends in `</s>`, as an imported MarianMT model's does,
+# gives heads a place to put their weight when nothing fits) or a
+# punctuation-only word (the final `.` plays that part in this project's
+# sources), the target piece links to nothing, as an aligner leaves a word
+# unaligned. A target word links to **every** source word one
 # of its pieces links to (the union, not the majority): the usual
 # conversion from subword to word alignments (Zenkel et al. 2019, Garg et al.
 # 2019), and right for compounds, where *Spiel|haus*'s two pieces may point
@@ -219,7 +221,8 @@ def attention_to_word_links(
 ) -> Links:
     """(source word, target word) links from one head's attention `attn` (T, S).
 
-    `src_pieces` (S,) label the source positions (ending in "</s>"), `tgt_pieces` (T,) the decoder's inputs
+    `src_pieces` (S,) label the source positions (this project's sources have no "</s>"; MarianMT's end in one),
+    `tgt_pieces` (T,) the decoder's inputs
     ("<s>", y_1, ..., y_n). step="predicts" (Garg et al., the default) reads y_p's link from row p - 1,
     step="reads" from row p.
     """

@@ -113,3 +113,6 @@ def test_lexicon_by_hand():
     assert lexicon["spielt"] == [("is", 1 / 3), ("playing", 1 / 3), ("plays", 1 / 3)]
     with pytest.raises(ValueError, match="one link set per pair"):
         aligner.lexicon(pairs, links[:2])
+    with pytest.raises(ValueError, match=r"pair 2 has 2 source and 2 target words, but links \[\(1, 2\)\]"):
+        aligner.lexicon(pairs, links[:2] + [{(1, 2)}])
+    assert aligner.align([]) == []  # nothing to align: no eflomal run, no cache file
