@@ -253,8 +253,9 @@ def attention_inputs(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int) 
 
     handles = [attention_at(model, *s).register_forward_pre_hook(recorder(s), with_kwargs=True) for s in sites(model)]
     try:
-        with torch.no_grad():
-            model(src, tgt, padding_mask(src, pad), target_mask(tgt, pad))
+        with torch.no_grad():  # encoder and decoder only: the generator reads no attention
+            src_mask = padding_mask(src, pad)
+            model.decode(model.encode(src, src_mask), src_mask, tgt, target_mask(tgt, pad))
     finally:
         for handle in handles:
             handle.remove()

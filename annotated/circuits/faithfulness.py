@@ -22,6 +22,13 @@
 # * **argmax agreement**: is the key the reading ranks first the one the
 #   head attends to most?
 #
+# The head's attention is the softmax of its scores, which keeps their
+# order, so both are measured against the model's real scores (recorded with
+# `attention_inputs`, equal to the model's by
+# `test_circuit_scores_are_the_models_scores`) rather than its probabilities:
+# in float32 the weights of far-off keys underflow to exact zeros, and ties
+# among them would count as disagreement.
+#
 # Each is averaged over a sentence's queries, then over sentences, with a
 # 95% bootstrap interval over sentences (`mean_interval` of
 # `annotated/attention/bootstrap.py`). Where the direct path is exact (the
@@ -41,9 +48,8 @@ import torch
 from torch import Tensor
 
 from annotated.attention.bootstrap import RESAMPLES, SEED, Change, mean_interval
-from annotated.circuits.circuits import circuits
+from annotated.circuits.circuits import attention_inputs, circuits
 from annotated.circuits.direct import SIDES, sentence_vectors
-from annotated.recording import record_attention
 from annotated.sites import Site
 from annotated.transformer import EncoderDecoder, padding_mask, target_mask
 
@@ -54,6 +60,7 @@ from annotated.transformer import EncoderDecoder, padding_mask, target_mask
 # a key's rank is the number of allowed keys scored below it. rho is then the
 # correlation of the two rank vectors, for each query row with at least two
 # allowed keys (`test_masked_spearman_is_scipys_on_each_row`).
+
 
 # %%
 def _ranks(x: Tensor, allowed: Tensor) -> Tensor:
@@ -82,6 +89,7 @@ def argmax_agreement(a: Tensor, b: Tensor, allowed: Tensor) -> Tensor:
 
 # %% [markdown]
 # ## 2. Every head, over sentences
+
 
 # %%
 @dataclass(frozen=True)
@@ -115,19 +123,18 @@ def faithfulness(
     heads = circuits(model)
     per_sentence: dict[tuple[Site, int], tuple[list[float], list[float]]] = {}
     for src, tgt in batches:
-        with record_attention(model) as probs:
-            model(src, tgt, padding_mask(src, pad), target_mask(tgt, pad))
+        inputs = attention_inputs(model, src, tgt, pad)
         for site, cs in heads.items():
             ids = {"src": src, "tgt": tgt}
             q_side, kv_side = SIDES[site[0]]
             x_q = sentence_vectors(model, site, "q", ids[q_side])  # (B, T_q, d_model)
             x_kv = sentence_vectors(model, site, "kv", ids[kv_side])  # (B, T_k, d_model)
             allowed = _allowed(site[0], src, tgt, pad)
-            p = probs[site][0]  # (B, h, T_q, T_k) the head's real attention
             for c in cs:
-                predicted = c.matching(x_q, x_kv)  # (B, T_q, T_k)
-                rho, rows = masked_spearman(predicted.double(), p[:, c.head].double(), allowed)
-                agree = argmax_agreement(predicted, p[:, c.head], allowed)
+                predicted = c.matching(x_q, x_kv)  # (B, T_q, T_k) from the weights and the embeddings
+                real = c.matching(*inputs[site])  # (B, T_q, T_k) what the head's softmax sees
+                rho, rows = masked_spearman(predicted, real, allowed)
+                agree = argmax_agreement(predicted, real, allowed)
                 lists = per_sentence.setdefault((site, c.head), ([], []))
                 for b in range(src.size(0)):
                     if rows[b].any():

@@ -1,0 +1,240 @@
+"""`python -m annotated.circuits.command [--checkpoint PATH] [--head KIND:LAYER:HEAD]` (`make circuits`).
+
+Reads every head's QK and OV circuits from the weights (annotated/circuits/): ranks and singular values, the
+direct path through the vocabulary and the positions, the copying score, the faithfulness of the weights-only
+reading on validation sentences, and for cross-attention the dictionaries in context and the alignment error rate
+against a statistical aligner. One table on stdout; `circuits.json` and `circuits_*.png` beside the checkpoint
+or in `--out`.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
+    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+
+    quiet_ctrl_c_while_starting("python -m annotated.circuits.command")
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from annotated.plumbing.options import Parser, at_least, fail, writable_dir
+from annotated.sites import KINDS
+
+NAME = "python -m annotated.circuits.command"
+OUTPUTS = (
+    "circuits.json",
+    "circuits_spectra.png",
+    "circuits_positions.png",
+    "circuits_faithfulness.png",
+    "circuits_dictionary.png",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog=NAME, name=NAME, description=__doc__.split("\n\n")[1])
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a checkpoint, or shipped:de-en / shipped:en-de (default: the latest run, else shipped)",
+    )
+    p.add_argument("--src", default=None, help="source language of the model to use without --checkpoint")
+    p.add_argument("--tgt", default=None, help="its target language")
+    p.add_argument("--head", default=None, help="print one head's reading in full: KIND:LAYER:HEAD, e.g. cross:1:2")
+    p.add_argument("--sentences", type=at_least(1), default=200, help="validation sentences for faithfulness")
+    p.add_argument("--pairs", type=at_least(1), default=4000, help="training pairs for the dictionaries")
+    p.add_argument("--no-aligner", action="store_true", help="skip the statistical aligner (no dictionary scores)")
+    p.add_argument("--out", type=writable_dir, default=None, help="output folder (default: beside the checkpoint)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
+    p.add_argument("--force", action="store_true", help="overwrite outputs of an earlier run in the output folder")
+    return p
+
+
+def _head_choice(text: str | None) -> tuple[str, int, int] | None:
+    if text is None:
+        return None
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in KINDS or not parts[1].isdigit() or not parts[2].isdigit():
+        fail(NAME, f"--head {text!r}: write KIND:LAYER:HEAD with KIND one of {', '.join(KINDS)}, e.g. cross:1:2")
+    return parts[0], int(parts[1]), int(parts[2])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked before any model or data work: one line and exit 2 (SystemExit) if wrong."""
+    args = build_parser().parse_args(argv)
+    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.shipped import choose_checkpoint, outputs_beside
+
+    try:
+        args.checkpoint = choose_checkpoint(
+            args.checkpoint, "runs", args.src, args.tgt, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
+        )
+    except CheckpointError as e:
+        fail(NAME, str(e))
+    if not args.checkpoint.is_file():
+        fail(NAME, f"--checkpoint {args.checkpoint}: no such file")
+    args.head = _head_choice(args.head)
+    args.out = args.out if args.out is not None else outputs_beside(args.checkpoint)
+    existing = [n for n in OUTPUTS if (args.out / n).exists()]
+    if existing and not args.force:
+        fail(NAME, f"{args.out / existing[0]} exists (from an earlier run); add --force to overwrite, or pick --out")
+    return args
+
+
+def check_model(model, tokenizer, checkpoint: Path, head: tuple[str, int, int] | None) -> None:
+    """The checks that need the loaded model: a tokenizer that fits it, and the head asked for."""
+    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.sites import attention_at
+
+    if tokenizer is None:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds no tokenizer, so its circuits cannot be read in words; "
+            "use a checkpoint saved by train_wmt.py or `make import`"
+        )
+    cfg = model.config
+    if tokenizer.vocab_size != cfg.src_vocab or tokenizer.vocab_size != cfg.tgt_vocab:
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: its tokenizer has {tokenizer.vocab_size} pieces but the model "
+            f"has vocabularies of {cfg.src_vocab} and {cfg.tgt_vocab}; the two do not belong together"
+        )
+    if head is not None:
+        kind, layer, i = head
+        if layer >= cfg.N:
+            raise CheckpointError(f"--head {kind}:{layer}:{i}: the model has layers 0..{cfg.N - 1}")
+        h = attention_at(model, kind, layer).h
+        if i >= h:
+            why = (
+                f"pruning kept {h} of its {cfg.h} heads (renumbered 0..{h - 1}); a removed head has no circuit"
+                if h < cfg.h
+                else f"it has heads 0..{h - 1}"
+            )
+            raise CheckpointError(f"--head {kind}:{layer}:{i}: {kind} layer {layer} has no head {i}: {why}")
+
+
+def gather_inputs(model, tokenizer, meta: dict, args, say):
+    """Counts, batches and the aligner's output for `read_model` (annotated/circuits/readout.py)."""
+    from annotated.circuits.readout import Inputs
+    from annotated.training.data import collate, encode_pairs, load_multi30k, split_long
+
+    src, tgt = meta.get("src_lang"), meta.get("tgt_lang")
+    if not src or not tgt:
+        from annotated.plumbing.checkpoint import CheckpointError
+
+        raise CheckpointError(
+            f"checkpoint {args.checkpoint}: its metadata names no src_lang/tgt_lang, so the "
+            "readout cannot tell which Multi30k sides to read"
+        )
+    max_len = model.config.max_len
+
+    def batches(pairs, size: int = 100):
+        encoded = encode_pairs(pairs, tokenizer)
+        kept, _ = split_long(encoded, max_len)
+        kept_pairs = [encoded[i] for i in kept]
+        out = [collate(kept_pairs, range(s, min(s + size, len(kept_pairs)))) for s in range(0, len(kept_pairs), size)]
+        return [(b.src, b.tgt) for b in out], kept
+
+    train = load_multi30k("train", src, tgt)
+    encoded = encode_pairs(train, tokenizer)
+    src_counts = Counter(i for s, _ in encoded for i in s)
+    tgt_counts = Counter(i for _, t in encoded for i in t)
+    val_batches, _ = batches(load_multi30k("val", src, tgt)[: args.sentences])
+    train_batches, _ = batches(train[: args.pairs])
+    lexicon = test_links = None
+    test_batches: list = []
+    if not args.no_aligner:
+        from annotated.circuits.aligner import lexicon as make_lexicon
+        from annotated.circuits.aligner import multi30k_alignments
+
+        say("word alignments of the training and test pairs (eflomal; cached after the first run)")
+        aligned = multi30k_alignments(src, tgt)
+        lexicon = make_lexicon(*aligned["train"])
+        test_pairs, links = aligned["test_2016_flickr"]
+        test_batches, kept = batches(test_pairs)
+        test_links = [links[i] for i in kept]
+    return Inputs(
+        tokenizer.pieces, src_counts, tgt_counts, val_batches, train_batches, test_batches, lexicon, test_links
+    )
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [
+        f"{'head':<14} {'rank QK':>7} {'faithful rho [95%]':>22} {'argmax':>6} {'positions':>10} "
+        f"{'copying':>7} {'P@1 QK':>6} {'P@1 OV':>6} {'AER':>5}"
+    ]
+    for h in report["heads"]:
+        f = h.get("faithfulness", {}).get("rho", [float("nan")] * 3)
+        d = h.get("dictionary")
+        p_qk = f"{d['qk_precision'][0]:.2f}" if d else "-"
+        p_ov = f"{d['ov_precision'][0]:.2f}" if d else "-"
+        a = f"{h['aer']:.2f}" if "aer" in h else "-"
+        lines.append(
+            f"{h['site'][0]} {h['site'][1]}.{h['head']:<6} {h['qk']['rank']:>7} "
+            f"{f[0]:>8.2f} [{f[1]:.2f}, {f[2]:.2f}] {h.get('faithfulness', {}).get('argmax', [0])[0]:>6.2f} "
+            f"{h['positions']['label']:>10} {h['copying_score']:>7.2f} {p_qk:>6} {p_ov:>6} {a:>5}"
+        )
+    return "\n".join(lines)
+
+
+def best_cross_head(report: dict[str, Any]) -> dict | None:
+    """The cross-attention head with the lowest alignment error rate (None without the aligner)."""
+    scored = [h for h in report["heads"] if "aer" in h]
+    return min(scored, key=lambda h: h["aer"]) if scored else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from annotated.circuits.pictures import dictionary_figure, faithfulness_figure, positions_figure, spectra_figure
+    from annotated.circuits.readout import read_model
+    from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
+    from annotated.plumbing.files import atomic_write, json_safe
+    from annotated.shipped import shown_path
+    from annotated.training.data import DataError
+
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    say = lambda line: print(line, file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        model, tokenizer, meta = load_checkpoint(args.checkpoint)
+        check_model(model, tokenizer, args.checkpoint, args.head)
+        inputs = gather_inputs(model, tokenizer, meta, args, say)
+    except (CheckpointError, DataError) as e:
+        print(f"{NAME}: error: {e}", file=sys.stderr)
+        return 2
+    report = {"checkpoint": str(shown_path(args.checkpoint)), "direction": f"{meta['src_lang']}-{meta['tgt_lang']}"}
+    report.update(read_model(model, inputs, say))
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    best = best_cross_head(report)
+    report["best_cross_head"] = None if best is None else [*best["site"], best["head"]]
+    print(format_table(report), flush=True)
+    if args.head is not None:
+        chosen = next(h for h in report["heads"] if h["site"] == list(args.head[:2]) and h["head"] == args.head[2])
+        print(json.dumps(json_safe({k: v for k, v in chosen.items() if k != "positions"}, digits=3), indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write(args.out / "circuits.json", json.dumps(json_safe(report, digits=5), indent=1))
+    figures = {
+        "circuits_spectra.png": spectra_figure(report["heads"]),
+        "circuits_positions.png": positions_figure(report["heads"]),
+        "circuits_faithfulness.png": faithfulness_figure(report["heads"]),
+    }
+    if best is not None and inputs.lexicon is not None:
+        figures["circuits_dictionary.png"] = dictionary_figure(best, inputs.lexicon)
+    for name, fig in figures.items():
+        fig.savefig(args.out / name)
+    print(f"wrote {args.out / 'circuits.json'} and {', '.join(figures)} in {args.out} ({report['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    from annotated.plumbing.interrupts import run_command
+
+    run_command(main, NAME)  # Ctrl-C: one line and exit code 130, not a traceback

@@ -1,0 +1,139 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Pictures of the circuits
+#
+# Four pictures, drawn from `circuits.json`'s records, in the project's one
+# colour map (`CMAP`) and head colours (`head_colours`) of
+# `annotated/attention/pictures.py`:
+#
+# * `circuits_spectra.png`: per attention, the singular values of each
+#   head's `W_QK` (solid) and `W_OV` (dashed), largest first: how many
+#   directions a head really uses of the `d_k` it has;
+# * `circuits_positions.png`: every self-attention head's position table
+#   (query position down, key position across, each row centred), the
+#   first layer's exact, the others through the norms;
+# * `circuits_faithfulness.png`: each head's rank correlation between the
+#   weights-only reading and its real scores, with the 95% interval;
+# * `circuits_dictionary.png`: the best cross-attention head's QK dictionary
+#   for the most frequent source words: for each, its first five target
+#   words, the lexicon's translation marked.
+
+# %%
+from __future__ import annotations
+
+from typing import Any
+
+import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
+
+from annotated.attention.pictures import CMAP, KIND_LABELS, LAYOUT, head_colours
+
+
+def _sites(heads: list[dict]) -> list[tuple[str, int]]:
+    return sorted({(h["site"][0], h["site"][1]) for h in heads}, key=lambda s: (list(KIND_LABELS).index(s[0]), s[1]))
+
+
+def spectra_figure(heads: list[dict]) -> Figure:
+    sites = _sites(heads)
+    layers = max(s[1] for s in sites) + 1
+    fig = Figure(figsize=(3.2 * layers + 1, 2.4 * 3 + 0.6), dpi=90, layout=LAYOUT)
+    axes = fig.subplots(3, layers, squeeze=False, sharey=True)
+    colours = head_colours(max(h["head"] for h in heads) + 1)
+    for r, kind in enumerate(KIND_LABELS):
+        for layer in range(layers):
+            ax = axes[r][layer]
+            for h in (h for h in heads if h["site"] == [kind, layer]):
+                ax.semilogy(h["qk"]["singular_values"], color=colours[h["head"]], label=f"head {h['head']}")
+                ax.semilogy(h["ov"]["singular_values"], color=colours[h["head"]], linestyle="--")
+            ax.set_title(f"{KIND_LABELS[kind]}, layer {layer}", fontsize=9)
+            ax.set_xlabel("singular value number", fontsize=8)
+    axes[0][0].set_ylabel("singular value (solid: W_QK, dashed: W_OV)", fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    return fig
+
+
+def positions_figure(heads: list[dict]) -> Figure:
+    rows = [h for h in heads if h["site"][0] != "cross"]
+    sites = _sites(rows)
+    n_heads = max(h["head"] for h in rows) + 1
+    fig = Figure(figsize=(2.1 * n_heads + 1.2, 2.1 * len(sites) + 0.8), dpi=90, layout=LAYOUT)
+    axes = fig.subplots(len(sites), n_heads, squeeze=False)
+    im = None
+    for r, site in enumerate(sites):
+        for i in range(n_heads):
+            ax = axes[r][i]
+            found = [h for h in rows if tuple(h["site"]) == site and h["head"] == i]
+            if not found:  # pruned away
+                ax.axis("off")
+                continue
+            t = np.array(found[0]["positions"]["table"], dtype=float)
+            t[~np.isfinite(t)] = np.nan
+            bound = np.nanmax(np.abs(t)) or 1.0
+            colours = matplotlib.colormaps[CMAP].with_extremes(bad="#d0d0d0")
+            im = ax.imshow(t / bound, cmap=colours, vmin=-1, vmax=1, interpolation="nearest")
+            exact = " (exact)" if found[0]["exact_direct_path"] else ""
+            ax.set_title(f"{site[0]} {site[1]}, head {i}{exact}\n{found[0]['positions']['label']}", fontsize=8)
+            ax.set_xticks([0, 10, 20]), ax.set_yticks([0, 10, 20])
+            ax.tick_params(labelsize=7)
+    fig.supxlabel("key position", fontsize=9)
+    fig.supylabel("query position", fontsize=9)
+    if im is not None:
+        fig.colorbar(im, ax=axes, shrink=0.6, label="score, centred per row, / the head's largest")
+    return fig
+
+
+def faithfulness_figure(heads: list[dict]) -> Figure:
+    rows = [h for h in heads if "faithfulness" in h]
+    fig = Figure(figsize=(max(6.0, 0.32 * len(rows) + 1.5), 3.4), dpi=90, layout=LAYOUT)
+    ax = fig.subplots()
+    kinds = list(KIND_LABELS)
+    colours = matplotlib.colormaps[CMAP](np.linspace(0.15, 0.85, len(kinds)))
+    for x, h in enumerate(rows):
+        value, low, high = h["faithfulness"]["rho"]
+        c = colours[kinds.index(h["site"][0])]
+        ax.bar(x, value, color=c, hatch="" if h["exact_direct_path"] else "//", edgecolor="white")
+        ax.errorbar(x, value, yerr=[[value - low], [high - value]], color="black", capsize=2)
+    ax.set_xticks(
+        range(len(rows)), [f"{h['site'][0]} {h['site'][1]}.{h['head']}" for h in rows], rotation=90, fontsize=7
+    )
+    ax.set_ylim(-0.1, 1.05)
+    ax.set_ylabel("rank correlation, weights vs real scores", fontsize=8)
+    ax.set_title(
+        "How much of each head the direct path explains (hatched: an approximation; 95% intervals)", fontsize=9
+    )
+    return fig
+
+
+def dictionary_figure(head: dict[str, Any], lexicon: dict[str, list[tuple[str, float]]], n: int = 16) -> Figure:
+    """The head's two dictionaries for the first n source words: what it writes (OV), whose queries pick it (QK)."""
+    words = list(head["dictionary"]["ov"])[:n]
+    fig = Figure(figsize=(10.0, 0.3 * n + 1.4), dpi=90, layout=LAYOUT)
+    ax = fig.subplots()
+    ax.axis("off")
+    site, i = head["site"], head["head"]
+    ov, qk = head["dictionary"]["ov_precision"], head["dictionary"]["qk_precision"]
+    ax.set_title(
+        f"{site[0]} layer {site[1]}, head {i}, in context. Bold: the aligner's best translation.\n"
+        f"reads -> writes (OV: precision@1 {ov[0]:.2f}, @5 {ov[1]:.2f})"
+        f"{'':<30}queries that pick it (QK: @1 {qk[0]:.2f}, @5 {qk[1]:.2f})",
+        fontsize=9,
+    )
+    for r, word in enumerate(words):
+        y = 1 - (r + 0.5) / n
+        best = lexicon.get(word, [("", 0.0)])[0][0]
+        ax.text(0.0, y, word, fontsize=9, ha="left", va="center", transform=ax.transAxes, style="italic")
+        for x0, part in ((0.12, "ov"), (0.56, "qk")):
+            for k, t in enumerate(head["dictionary"][part][word][:4]):
+                weight = "bold" if t == best else "normal"
+                ax.text(x0 + 0.105 * k, y, t, fontsize=9, va="center", transform=ax.transAxes, fontweight=weight)
+    return fig

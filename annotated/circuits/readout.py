@@ -1,0 +1,185 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The whole readout of one model
+#
+# `read_model` runs every reading of this part on one checkpoint and returns
+# one JSON-ready record per head: the circuits' ranks and singular values,
+# the direct path's best token pairs, the preferred offsets of its position
+# table, the OV table of the most frequent tokens and the copying score, the
+# faithfulness of the weights-only reading, and for cross-attention heads the
+# two dictionaries and the alignment error rate. `make circuits`
+# (`annotated/circuits/command.py`) writes it as `circuits.json` and draws it.
+#
+# Everything over the vocabulary is restricted to the pieces that occur in
+# the training text of each side (`frequent_pieces`, by frequency), so an
+# English piece never stands among the keys of the German encoder's table,
+# and every table is computed in chunks with only its best entries kept.
+
+# %%
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from annotated.circuits.circuits import HeadCircuit, circuits
+from annotated.circuits.dictionary import (
+    attention_links,
+    dictionary_precision,
+    mean_inputs,
+    ov_dictionary,
+    qk_dictionary,
+)
+from annotated.circuits.direct import (
+    SIDES,
+    best_pairs,
+    copying_score,
+    exact,
+    ov_table,
+    positional_table,
+    preferred_offsets,
+    token_vectors,
+    top_table,
+)
+from annotated.circuits.faithfulness import faithfulness
+from annotated.circuits.metrics import aer
+from annotated.sites import Site
+from annotated.tokens import PAD
+from annotated.transformer import EncoderDecoder
+
+VOCAB = 2000  # the most frequent pieces of each side that the vocabulary tables range over
+POSITIONS = 24  # positions of the position table
+SHOWN = 12  # the best token pairs kept per head
+ROWS = 200  # tokens whose best matches and writes are kept per head (the viewer's choice of tokens)
+VIEWED = 8  # entries kept per token
+RTOL = 1e-6  # a singular value counts towards the rank above this share of the largest (Factored.rank's)
+OFFSET_SHARE = 0.5  # a head is "positional" when at least half its queries prefer one offset (or one key)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the readout reads besides the model: labelled pieces, batches of three splits, the aligner's output."""
+
+    pieces: Callable[[Sequence[int]], list[str]]  # ids -> sentencepiece labels
+    src_counts: Counter  # piece id -> occurrences in the training sources
+    tgt_counts: Counter
+    val_batches: list[tuple[Tensor, Tensor]]  # (src, BOS + tgt + EOS) for faithfulness
+    train_batches: list[tuple[Tensor, Tensor]]  # for the words' mean inputs
+    test_batches: list[tuple[Tensor, Tensor]]  # for the alignment error rate
+    lexicon: dict[str, list[tuple[str, float]]] | None  # the aligner's, source word -> [(target word, p)]
+    test_links: list[set[tuple[int, int]]] | None  # the aligner's links of the test pairs, in batch order
+    top: int = 500  # source words a dictionary is scored on
+
+
+def frequent_pieces(counts: Counter, n: int = VOCAB) -> Tensor:
+    """The n most frequent piece ids, most frequent first (ties by id, so the order is fixed)."""
+    return torch.tensor([i for i, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]])
+
+
+def position_label(offsets: Tensor, first: int = 0, share: float = OFFSET_SHARE) -> str:
+    """What the position table prefers, from each query's best offset (queries `first`, `first` + 1, ...):
+    'previous' / 'self' / 'next' / 'offset +k' when `share` of the queries prefer one offset, 'position k' when
+    they prefer one absolute key position, else 'mixed'.
+
+    >>> position_label(torch.tensor([0, -1, -1, -1])), position_label(torch.tensor([0, -1, -2, -3]))
+    ('previous', 'position 0')
+    >>> position_label(torch.tensor([0, 2, -1, 1]))
+    'mixed'
+    """
+    keys = offsets + torch.arange(first, first + len(offsets))
+    value, count = Counter(offsets.tolist()).most_common(1)[0]
+    key, key_count = Counter(keys.tolist()).most_common(1)[0]
+    if count >= share * len(offsets) and count >= key_count:
+        return {-1: "previous", 0: "self", 1: "next"}.get(value, f"offset {value:+d}")
+    if key_count >= share * len(offsets):
+        return f"position {key}"
+    return "mixed"
+
+
+def _ids(inputs: Inputs, site: Site, side: str) -> Tensor:
+    language = SIDES[site[0]][0 if side == "q" else 1]
+    return frequent_pieces(inputs.src_counts if language == "src" else inputs.tgt_counts)
+
+
+def _head_record(model: EncoderDecoder, c: HeadCircuit, inputs: Inputs) -> dict[str, Any]:
+    q_ids, kv_ids = _ids(inputs, c.site, "q"), _ids(inputs, c.site, "kv")
+    x_q, x_kv = token_vectors(model, c.site, "q", q_ids), token_vectors(model, c.site, "kv", kv_ids)
+    label = lambda i: inputs.pieces([int(i)])[0]
+    top = top_table(c, x_q, x_kv, k=VIEWED)
+    pairs = best_pairs(top, SHOWN)
+    table = positional_table(model, c, POSITIONS)
+    first = 1 if c.site[0] == "dec_self" else 0  # the decoder's first query has no choice
+    offsets = preferred_offsets(table)[first:]
+    out_ids = frequent_pieces(inputs.tgt_counts)
+    ov = ov_table(model, c, x_kv[:ROWS], out_ids, k=VIEWED)
+    same = token_vectors(model, c.site, "kv", out_ids)  # the output tokens read as keys: a square table
+    spectra = {name: f.singular_values() for name, f in (("qk", c.QK), ("ov", c.OV))}
+    return {
+        "site": list(c.site),
+        "head": c.head,
+        "exact_direct_path": exact(model, c.site),
+        **{
+            name: {"rank": int((sv > RTOL * sv[0]).sum()), "inner": sv.numel(), "singular_values": sv.tolist()}
+            for name, sv in spectra.items()
+        },
+        "key_bias_norm": None if c.key_bias is None else float(c.key_bias.norm()),
+        "token_pairs": [[label(q_ids[r]), label(kv_ids[k]), v] for r, k, v in pairs],
+        "positions": {"table": table.tolist(), "offsets": offsets.tolist(), "label": position_label(offsets, first)},
+        "qk_rows": [  # the most frequent query tokens: the keys each matches best, with centred scores
+            [label(q_ids[r]), [[label(kv_ids[k]), float(v)] for k, v in zip(top.ids[r], top.values[r])]]
+            for r in range(min(ROWS, top.ids.size(0)))
+        ],
+        "ov_rows": [  # the most frequent key tokens: the output tokens whose logits reading it raises most
+            [label(kv_ids[j]), [[label(i), float(v)] for i, v in zip(ov.ids[j].tolist(), ov.values[j])]]
+            for j in range(ov.ids.size(0))
+        ],
+        "copying_score": copying_score(model, c, same, out_ids),
+    }
+
+
+def read_model(model: EncoderDecoder, inputs: Inputs, say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Every reading of every head of `model` (eval mode), as a JSON-ready dict."""
+    model = model.eval()
+    heads = circuits(model)
+    say("circuits, tables and copying scores")
+    records = {(c.site, c.head): _head_record(model, c, inputs) for cs in heads.values() for c in cs}
+    say(f"faithfulness on {sum(b[0].size(0) for b in inputs.val_batches)} validation sentences")
+    for key, f in faithfulness(model, [(s, t[:, :-1]) for s, t in inputs.val_batches], PAD).items():
+        records[key]["faithfulness"] = {
+            "rho": [f.rho.value, f.rho.low, f.rho.high],
+            "argmax": [f.argmax.value, f.argmax.low, f.argmax.high],
+        }
+    cross = [s for s in heads if s[0] == "cross"]
+    if inputs.lexicon is not None:
+        say(f"dictionaries from {sum(b[0].size(0) for b in inputs.train_batches)} training pairs")
+        means = mean_inputs(model, inputs.pieces, inputs.train_batches, cross)
+        sources = [w for w in inputs.lexicon if w in set(means.src_words)][: inputs.top]
+        for site in cross:
+            for c in heads[site]:
+                qk = qk_dictionary(c, means, sources)
+                ov = ov_dictionary(model, c, means, sources, inputs.pieces)
+                records[(site, c.head)]["dictionary"] = {
+                    "words": len(sources),
+                    "qk_precision": list(dictionary_precision(qk, inputs.lexicon, inputs.top)),
+                    "ov_precision": list(dictionary_precision(ov, inputs.lexicon, inputs.top)),
+                    "qk": {w: qk[w] for w in sources[:40]},
+                    "ov": {w: ov[w] for w in sources[:40]},
+                }
+    if inputs.test_links is not None:
+        say(f"alignment error rates on {len(inputs.test_links)} test pairs")
+        for key, links in attention_links(model, inputs.pieces, inputs.test_batches, cross).items():
+            records[key]["aer"] = aer(links, inputs.test_links)
+    return {"heads": list(records.values())}
