@@ -6,8 +6,8 @@
 # the block-matrix figure) and a short contents list (parts and chapters; a
 # chapter's sections unfold under it). Then come the parts of `PARTS`, which
 # follow the package's folders: Part I the chapter, Part II the proof, Part
-# III data, training and decoding, Part IV attention and heads, and an
-# appendix for the plumbing. Each module under `annotated/` is a chapter; a
+# III data, training and decoding, Part IV attention and heads, Part V the
+# circuits, and an appendix for the plumbing. Each module under `annotated/` is a chapter; a
 # module no part lists goes into the part of its folder (`FOLDER_PART`), with
 # a note on the console (`test_an_unlisted_module_lands_in_the_part_of_its_folder`).
 # What the build has to say about itself (a module missing or in no part, a
@@ -154,6 +154,21 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
         ),
     ),
     (
+        "part-5",
+        "Part V. Circuits: what a head's own matrices compute",
+        (
+            "circuits/circuits",
+            "circuits/direct",
+            "circuits/faithfulness",
+            "circuits/dictionary",
+            "circuits/aligner",
+            "circuits/metrics",
+            "circuits/readout",
+            "circuits/pictures",
+            "circuits/command",
+        ),
+    ),
+    (
         "appendix",
         "Appendix. The plumbing",
         (
@@ -178,6 +193,7 @@ FOLDER_PART = {
     "training": "part-3",
     "decoding": "part-3",
     "attention": "part-4",
+    "circuits": "part-5",
     "plumbing": "appendix",
 }  # where a module no part lists goes, by its folder (else the appendix)
 READING_ORDER: tuple[str, ...] = tuple(m for _, _, modules in PARTS for m in modules)
@@ -940,7 +956,8 @@ Part I is the chapter: the whole model, trained on a copy task in about 20 secon
 equivalence symbolically, exactly and numerically, against `torch.nn.MultiheadAttention`, and proves the
 conversions to and from Hugging Face's `MarianMTModel` (the OPUS-MT translators) the same function; Part III trains
 a translator and decodes with it; Part IV looks at what the heads attend to, measures how much each one
-matters, and removes heads. Each prose cell sits beside the code it explains; the guides follow the parts.
+matters, and removes heads; Part V reads what each head's own matrices compute, its QK and OV circuits, and finds
+a dictionary in the cross-attention. Each prose cell sits beside the code it explains; the guides follow the parts.
 
 Heads, layers and positions are counted from 0 everywhere, as the code counts them: head 0 is the one that
 uses `W_Q[0]`, position 0 holds the first token, and the figures, the attention viewer, its pictures and

@@ -39,6 +39,7 @@ from matplotlib.figure import Figure as MplFigure
 from annotated import transformer
 from annotated.attention.pictures import CMAP
 from annotated.recording import record_attention
+from docs import circuit_figures as C
 from docs import model_figures as M
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -687,4 +688,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("architecture", "transformer", M.draw_architecture),
     Figure("label_smoothing", "training/loss", draw_label_smoothing),
     Figure("reading", "attention/pictures", draw_reading),
+    Figure("circuit_spectra", "circuits/circuits", C.draw_circuit_spectra),
+    Figure("circuit_positions", "circuits/direct", C.draw_circuit_positions),
+    Figure("circuit_writes", "circuits/direct", C.draw_circuit_writes),
 )

@@ -59,6 +59,14 @@ from annotated.transformer import BLOCKS, EncoderDecoder, FusedAttention, PerHea
 # singular values. So the rank is at most `r`, whatever `m` and `n` are
 # (`test_a_circuit_has_rank_at_most_d_k`, and the singular values equal
 # those of the materialised product: `test_factored_singular_values_are_the_products`).
+#
+# <!-- figure: circuit_spectra -->
+#
+# In the shipped models every head uses all of its `d_k = 32` directions
+# (no singular value is negligible), but not evenly: a few carry most of the
+# first layer's QK circuits, while the cross-attention heads spread theirs.
+#
+# <!-- figure: circuit_spectra -->
 
 
 # %%

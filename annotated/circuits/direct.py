@@ -144,6 +144,12 @@ def sentence_vectors(model: EncoderDecoder, site: Site, side: str, ids: Tensor) 
 # row changes nothing: every table is **centred per row** (its mean over the
 # keys subtracted) before its best entries are taken. `top_table` returns,
 # for each query row, the `k` best keys and their centred scores.
+#
+# The position table of a head is the same reading with positions in
+# place of tokens (`positional_table`, and `preferred_offsets` for each
+# query's best key).
+#
+# <!-- figure: circuit_positions -->
 
 
 # %%
@@ -217,6 +223,8 @@ def preferred_offsets(table: Tensor) -> Tensor:
 # how we compute them (`test_copying_score_from_the_small_matrix_is_the_vocabularys`).
 # Copying across a vocabulary shared by two languages means the head moves a
 # piece unchanged, as names and numbers are.
+#
+# <!-- figure: circuit_writes -->
 
 
 # %%

@@ -57,7 +57,9 @@ def spectra_figure(heads: list[dict]) -> Figure:
                 ax.semilogy(h["ov"]["singular_values"], color=colours[h["head"]], linestyle="--")
             ax.set_title(f"{KIND_LABELS[kind]}, layer {layer}", fontsize=9)
             ax.set_xlabel("singular value number", fontsize=8)
-    axes[0][0].set_ylabel("singular value (solid: W_QK, dashed: W_OV)", fontsize=8)
+    for row in axes:
+        row[0].set_ylabel("singular value", fontsize=8)
+    fig.suptitle("Singular values of each head's circuits: W_QK solid, W_OV dashed", fontsize=10)
     axes[0][0].legend(fontsize=7)
     return fig
 

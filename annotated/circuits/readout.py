@@ -114,19 +114,12 @@ def _ids(inputs: Inputs, site: Site, side: str) -> Tensor:
     return frequent_pieces(inputs.src_counts if language == "src" else inputs.tgt_counts)
 
 
-def _head_record(model: EncoderDecoder, c: HeadCircuit, inputs: Inputs) -> dict[str, Any]:
-    q_ids, kv_ids = _ids(inputs, c.site, "q"), _ids(inputs, c.site, "kv")
-    x_q, x_kv = token_vectors(model, c.site, "q", q_ids), token_vectors(model, c.site, "kv", kv_ids)
-    label = lambda i: inputs.pieces([int(i)])[0]
-    top = top_table(c, x_q, x_kv, k=VIEWED)
-    pairs = best_pairs(top, SHOWN)
+def weights_record(model: EncoderDecoder, c: HeadCircuit) -> dict[str, Any]:
+    """What the weights and the positions alone say of a head: its spectra and its position table."""
+    spectra = {name: f.singular_values() for name, f in (("qk", c.QK), ("ov", c.OV))}
     table = positional_table(model, c, POSITIONS)
     first = 1 if c.site[0] == "dec_self" else 0  # the decoder's first query has no choice
     offsets = preferred_offsets(table)[first:]
-    out_ids = frequent_pieces(inputs.tgt_counts)
-    ov = ov_table(model, c, x_kv[:ROWS], out_ids, k=VIEWED)
-    same = token_vectors(model, c.site, "kv", out_ids)  # the output tokens read as keys: a square table
-    spectra = {name: f.singular_values() for name, f in (("qk", c.QK), ("ov", c.OV))}
     return {
         "site": list(c.site),
         "head": c.head,
@@ -136,8 +129,21 @@ def _head_record(model: EncoderDecoder, c: HeadCircuit, inputs: Inputs) -> dict[
             for name, sv in spectra.items()
         },
         "key_bias_norm": None if c.key_bias is None else float(c.key_bias.norm()),
-        "token_pairs": [[label(q_ids[r]), label(kv_ids[k]), v] for r, k, v in pairs],
         "positions": {"table": table.tolist(), "offsets": offsets.tolist(), "label": position_label(offsets, first)},
+    }
+
+
+def _head_record(model: EncoderDecoder, c: HeadCircuit, inputs: Inputs) -> dict[str, Any]:
+    q_ids, kv_ids = _ids(inputs, c.site, "q"), _ids(inputs, c.site, "kv")
+    x_q, x_kv = token_vectors(model, c.site, "q", q_ids), token_vectors(model, c.site, "kv", kv_ids)
+    label = lambda i: inputs.pieces([int(i)])[0]
+    top = top_table(c, x_q, x_kv, k=VIEWED)
+    out_ids = frequent_pieces(inputs.tgt_counts)
+    ov = ov_table(model, c, x_kv[:ROWS], out_ids, k=VIEWED)
+    same = token_vectors(model, c.site, "kv", out_ids)  # the output tokens read as keys: a square table
+    return {
+        **weights_record(model, c),
+        "token_pairs": [[label(q_ids[r]), label(kv_ids[k]), v] for r, k, v in best_pairs(top, SHOWN)],
         "qk_rows": [  # the most frequent query tokens: the keys each matches best, with centred scores
             [label(q_ids[r]), [[label(kv_ids[k]), float(v)] for k, v in zip(top.ids[r], top.values[r])]]
             for r in range(min(ROWS, top.ids.size(0)))
