@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{NAME}: error: {e}", file=sys.stderr)
         return 2
     report = {"checkpoint": str(shown_path(args.checkpoint)), "direction": f"{meta['src_lang']}-{meta['tgt_lang']}"}
-    report.update(read_model(model, inputs, say))
+    report.update(read_model(model, inputs))
     report["seconds"] = round(time.perf_counter() - start, 1)
     best = best_cross_head(report)
     report["best_cross_head"] = None if best is None else [*best["site"], best["head"]]

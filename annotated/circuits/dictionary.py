@@ -125,7 +125,7 @@ def mean_inputs(
         tgt_word: list[int] = []
         T_in = tgt.size(1) - 1
         for b in range(src.size(0)):
-            ids = [int(i) for i in src[b] if i != PAD]
+            ids = [i for i in src[b].tolist() if i != PAD]
             number, texts = piece_words(pieces(ids))
             occ = [_number(means.src_words, means.src_count, src_table, t) if t else -1 for t in texts]
             sizes = [number.count(k) for k in range(len(texts))]
@@ -134,7 +134,7 @@ def mean_inputs(
                     src_rows.append(b * src.size(1) + s)
                     src_word.append(occ[k])
                     src_weight.append(1.0 / sizes[k])  # the word's input: the mean over its pieces
-            out = [int(i) for i in tgt[b, 1:] if i not in (PAD, BOS)]  # y_1 .. y_n, EOS
+            out = [i for i in tgt[b, 1:].tolist() if i not in (PAD, BOS)]  # y_1 .. y_n, EOS
             number, texts = piece_words(pieces(out))
             first = {}
             for p, k in enumerate(number):
@@ -206,8 +206,8 @@ def attention_links(
         with record_attention(model) as probs:
             model(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD))
         for b in range(src.size(0)):
-            src_ids = [int(i) for i in src[b] if i != PAD]
-            y = [int(i) for i in tgt[b, 1:] if i != PAD][:-1]  # y_1 .. y_n (EOS dropped)
+            src_ids = [i for i in src[b].tolist() if i != PAD]
+            y = [i for i in tgt[b, 1:].tolist() if i != PAD][:-1]  # y_1 .. y_n (EOS dropped)
             src_pieces, tgt_pieces = pieces(src_ids), ["<s>", *pieces(y)]
             for site in sites:
                 p = probs[site][0][b, :, : len(tgt_pieces), : len(src_ids)]  # (h, T, S)

@@ -57,16 +57,20 @@ from annotated.transformer import EncoderDecoder, padding_mask, target_mask
 # ## 1. Rank correlation over the keys a query may see
 #
 # Ranks are counted among the allowed keys only (`allowed`, `(B, T_q, T_k)`):
-# a key's rank is the number of allowed keys scored below it. rho is then the
+# a key's rank is its place among the allowed keys in increasing order. rho is then the
 # correlation of the two rank vectors, for each query row with at least two
 # allowed keys (`test_masked_spearman_is_scipys_on_each_row`).
 
 
 # %%
 def _ranks(x: Tensor, allowed: Tensor) -> Tensor:
-    """Rank of each allowed entry among the allowed entries of its row (0 = lowest); (B, T_q, T_k)."""
-    below = (x.unsqueeze(-2) < x.unsqueeze(-1)) & allowed.unsqueeze(-2)  # (B, T_q, T_k, T_k): key c below key b
-    return below.sum(-1).to(torch.float64)
+    """Rank of each allowed entry among the allowed entries of its row (0 = lowest); (B, T_q, T_k).
+
+    The entries a row may not see are set below every other and sorted first, then taken off the rank.
+    """
+    lowest = torch.finfo(x.dtype).min
+    order = x.masked_fill(~allowed, lowest).argsort(dim=-1, stable=True).argsort(dim=-1)  # (B, T_q, T_k)
+    return (order - (~allowed).sum(-1, keepdim=True)).to(torch.float64)
 
 
 def masked_spearman(a: Tensor, b: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:

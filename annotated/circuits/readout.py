@@ -56,6 +56,7 @@ from annotated.circuits.direct import (
 )
 from annotated.circuits.faithfulness import faithfulness
 from annotated.circuits.metrics import aer
+from annotated.plumbing.progress import tracked
 from annotated.sites import Site
 from annotated.tokens import PAD
 from annotated.transformer import EncoderDecoder
@@ -156,22 +157,24 @@ def _head_record(model: EncoderDecoder, c: HeadCircuit, inputs: Inputs) -> dict[
     }
 
 
-def read_model(model: EncoderDecoder, inputs: Inputs, say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Every reading of every head of `model` (eval mode), as a JSON-ready dict."""
+def read_model(model: EncoderDecoder, inputs: Inputs) -> dict[str, Any]:
+    """Every reading of every head of `model` (eval mode), as a JSON-ready dict; progress bars on stderr."""
     model = model.eval()
     heads = circuits(model)
-    say("circuits, tables and copying scores")
-    records = {(c.site, c.head): _head_record(model, c, inputs) for cs in heads.values() for c in cs}
-    say(f"faithfulness on {sum(b[0].size(0) for b in inputs.val_batches)} validation sentences")
-    for key, f in faithfulness(model, [(s, t[:, :-1]) for s, t in inputs.val_batches], PAD).items():
+    bar = lambda batches, what: tracked(batches, len(batches), what, unit="batch", enabled=bool(batches))
+    records = {
+        (c.site, c.head): _head_record(model, c, inputs)
+        for c in tracked([c for cs in heads.values() for c in cs], sum(map(len, heads.values())), "circuits", "head")
+    }
+    val = [(s, t[:, :-1]) for s, t in inputs.val_batches]
+    for key, f in faithfulness(model, bar(val, "faithfulness"), PAD).items():
         records[key]["faithfulness"] = {
             "rho": [f.rho.value, f.rho.low, f.rho.high],
             "argmax": [f.argmax.value, f.argmax.low, f.argmax.high],
         }
     cross = [s for s in heads if s[0] == "cross"]
     if inputs.lexicon is not None:
-        say(f"dictionaries from {sum(b[0].size(0) for b in inputs.train_batches)} training pairs")
-        means = mean_inputs(model, inputs.pieces, inputs.train_batches, cross)
+        means = mean_inputs(model, inputs.pieces, bar(inputs.train_batches, "dictionaries"), cross)
         sources = [w for w in inputs.lexicon if w in set(means.src_words)][: inputs.top]
         for site in cross:
             for c in heads[site]:
@@ -185,7 +188,7 @@ def read_model(model: EncoderDecoder, inputs: Inputs, say: Callable[[str], None]
                     "ov": {w: ov[w] for w in sources[:40]},
                 }
     if inputs.test_links is not None:
-        say(f"alignment error rates on {len(inputs.test_links)} test pairs")
-        for key, links in attention_links(model, inputs.pieces, inputs.test_batches, cross).items():
-            records[key]["aer"] = aer(links, inputs.test_links)
+        links = attention_links(model, inputs.pieces, bar(inputs.test_batches, "alignments"), cross)
+        for key, predicted in links.items():
+            records[key]["aer"] = aer(predicted, inputs.test_links)
     return {"heads": list(records.values())}
