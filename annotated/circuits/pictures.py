@@ -24,8 +24,9 @@
 # * `circuits_faithfulness.png`: each head's rank correlation between the
 #   weights-only reading and its real scores, with the 95% interval;
 # * `circuits_dictionary.png`: the best cross-attention head's QK dictionary
-#   for the most frequent source words: for each, its first five target
-#   words, the lexicon's translation marked.
+#   and OV dictionaries for the most frequent source words of four letters
+#   or more (the shorter ones are mostly articles and prepositions): for
+#   each, its first four target words, the aligner's translation in bold.
 
 # %%
 from __future__ import annotations
@@ -116,9 +117,12 @@ def faithfulness_figure(heads: list[dict]) -> Figure:
     return fig
 
 
+MIN_LETTERS = 4  # the dictionary picture shows the most frequent source words of at least this many letters
+
+
 def dictionary_figure(head: dict[str, Any], lexicon: dict[str, list[tuple[str, float]]], n: int = 16) -> Figure:
     """The head's two dictionaries for the first n source words: what it writes (OV), whose queries pick it (QK)."""
-    words = list(head["dictionary"]["ov"])[:n]
+    words = [w for w in head["dictionary"]["ov"] if len(w) >= MIN_LETTERS][:n]  # content words, mostly
     fig = Figure(figsize=(10.0, 0.3 * n + 1.4), dpi=90, layout=LAYOUT)
     ax = fig.subplots()
     ax.axis("off")
