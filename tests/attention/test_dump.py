@@ -181,7 +181,7 @@ def test_per_head_and_fused_give_identical_dumps(checkpoints, tmp_path):
 
 def test_dump_files_and_index(full_dump, checkpoints, tokenizer):
     index = A.read_index(full_dump)
-    assert index["checkpoint"] == str(checkpoints[1].resolve())
+    assert index["checkpoint"] == A.checkpoint_name(checkpoints[1])
     assert index["model_config"]["N"] == index["layers"] == 2 and index["heads"] == 2
     assert index["format"] == "annotated-attention-v2" and index["kinds"] == ["enc_self", "dec_self", "cross"]
     assert index["head_counts"] == {kind: [2, 2] for kind in A.KINDS}
@@ -491,6 +491,9 @@ def test_cli_defaults_in_a_real_process(tokenizer, base_url, tmp_path):
     test = load_multi30k("test_2016_flickr", "de", "en", cache_dir=tmp_path / "cache", base_url=base_url)[:2]
     assert [(s["source"], s["reference"]) for s in index["sentences"]] == test
     assert (run / "attention" / "viewer.html").is_file() and "run-1/attention" in r.stdout
+    # the viewer's address, to open it as make docs prints the book's; the caption names the model relatively
+    assert r.stdout.splitlines()[-1] == f"open {(run / 'attention' / 'viewer.html').resolve().as_uri()}"
+    assert index["checkpoint"] == "runs/run-1/best.pt", index["checkpoint"]  # the run itself, not latest
 
 
 @pytest.mark.parametrize(
@@ -685,7 +688,8 @@ def test_the_policy_stops_a_script_that_is_not_the_viewers(full_dump, tmp_path):
 
 def test_head_view_fills_the_page_and_labels_every_token(full_dump, tmp_path):
     """At 1400 px the heatmap is at least 60% of the page wide, no row or column label is cut to nothing,
-    the controls stay on one line, and the caption gives the label convention; docs/screenshots/viewer.png."""
+    the controls stay on one line, and the caption gives the label convention; the screenshot goes to tmp_path
+    (the README's are made by `make screenshots` from the shipped model)."""
     index = A.read_index(full_dump)
     entry = index["sentences"][1]
     browser = open_viewer(full_dump / "viewer.html", tmp_path, "s=1&kind=cross&layer=1&head=mean&view=head")
@@ -718,8 +722,7 @@ def test_head_view_fills_the_page_and_labels_every_token(full_dump, tmp_path):
         assert "causal mask" not in legend[2]  # cross-attention has no masked cell: no grey swatch
         assert console_errors(browser) == []
         shot = base64.b64decode(browser.page("Page.captureScreenshot", format="png")["data"])
-        (ROOT / "docs" / "screenshots").mkdir(exist_ok=True)
-        (ROOT / "docs" / "screenshots" / "viewer.png").write_bytes(shot)
+        (tmp_path / "viewer.png").write_bytes(shot)
     finally:
         browser.close()
 
