@@ -157,6 +157,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
         "appendix",
         "Appendix. The plumbing",
         (
+            "plumbing/allocator",
             "plumbing/checks",
             "plumbing/checkpoint",
             "plumbing/devices",
