@@ -250,7 +250,9 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 # recombines:
 #
 # $$\mathrm{head}_i = \mathrm{Attention}(Q W_Q^{(i)},\ K W_K^{(i)},\ V W_V^{(i)})$$
-# $$\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\, W_O = \sum_i \mathrm{head}_i\, W_O^{(i)}$$
+# $$\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_0, \dots, \mathrm{head}_{h-1})\, W_O = \sum_i \mathrm{head}_i\, W_O^{(i)}$$
+#
+# (heads counted from 0, as the code counts them; the paper numbers them 1 to `h`).
 #
 # The paper's parameters are **rectangular**: `W_Q[i], W_K[i]` are
 # `d_model x d_k`, `W_V[i]` is `d_model x d_v`, and `W_O` is `h*d_v x d_model`,
@@ -464,23 +466,23 @@ class PerHeadAttention(_Attention):
 # Looping over heads launches `4h` small matrix products. Put the per-head
 # matrices side by side instead:
 #
-# $$W_Q = [\,W_Q^{(1)} \mid W_Q^{(2)} \mid \dots \mid W_Q^{(h)}\,] \in \mathbb{R}^{d_{model} \times h d_k}$$
+# $$W_Q = [\,W_Q^{(0)} \mid W_Q^{(1)} \mid \dots \mid W_Q^{(h-1)}\,] \in \mathbb{R}^{d_{model} \times h d_k}$$
 #
 # (likewise `W_K`, `W_V`; `W_O` stacks its row blocks `W_O[i]` on top of each
 # other). One product now computes every head's queries at once, because a
 # matrix times a block row is the block row of products:
 #
-# $$X W_Q = [\,X W_Q^{(1)} \mid \dots \mid X W_Q^{(h)}\,]$$
+# $$X W_Q = [\,X W_Q^{(0)} \mid \dots \mid X W_Q^{(h-1)}\,]$$
 #
 # **Why `view(B, T, h, d_k).transpose(1, 2)` picks out head i.** `X W_Q` has
 # shape `(B, T, h*d_k)` and is stored row-major: in each row the `h*d_k`
-# numbers lie as `d_k` numbers of block 1, then `d_k` of block 2, and so on.
+# numbers lie as `d_k` numbers of block 0, then `d_k` of block 1, and so on.
 # `view(B, T, h, d_k)` reinterprets the last axis as `(h, d_k)` without moving
 # memory, so index `[b, t, i, c]` is element `i*d_k + c` of the row: column `c`
 # of block `i`, exactly `(X W_Q[i])[b, t, c]`. `transpose(1, 2)` then only
 # moves the head axis forward, to `(B, h, T, d_k)`, so each head is a batch of
 # ordinary attention problems. On the way out, `transpose` back and
-# `reshape(B, T, h*d_v)` is the concatenation `Concat(head_1, ..., head_h)`,
+# `reshape(B, T, h*d_v)` is the concatenation `Concat(head_0, ..., head_{h-1})`,
 # and one product with the stacked `W_O` is the sum over heads above.
 #
 # **Theorem.** With `W_Q, W_K, W_V, W_O` (and biases) built from the per-head

@@ -1021,7 +1021,7 @@ def test_no_display_formula_is_wider_than_its_column(site, tmp_path, width):
 
 def test_long_formulas_are_set_one_equation_and_one_equals_sign_a_line():
     multihead = (
-        r"\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\, W_O"
+        r"\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_0, \dots, \mathrm{head}_{h-1})\, W_O"
         r" = \sum_i \mathrm{head}_i\, W_O^{(i)}"
     )
     assert B.formula_lines(multihead) == [
