@@ -27,7 +27,7 @@ class Chromium:
     write replies and events to fd 4, each message ending in a NUL byte.
     """
 
-    FLAGS = [
+    FLAGS = (
         "--headless",
         "--no-sandbox",
         "--disable-gpu",
@@ -41,7 +41,7 @@ class Chromium:
         "--disable-dev-shm-usage",
         "--host-resolver-rules=MAP * ~NOTFOUND",
         "--remote-debugging-pipe",
-    ]
+    )
 
     STARTS = 3  # tries: a browser that dies while starting on a loaded machine is started again
 
