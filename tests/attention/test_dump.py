@@ -1227,3 +1227,39 @@ def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer,
         assert console_errors(browser) == []
     finally:
         browser.close()
+
+
+@pytest.mark.parametrize("width", [1000, 1400])
+def test_the_model_views_labels_are_whole(tmp_path, width):
+    """The model view's token labels (rotated under the last layer, upright beside head 0) show the whole
+    token: `orangefarbenen`, not `orangefarbe`; nothing the label holds is cut off by its box."""
+    index, arrays = synthetic_dump()
+    entry = index["sentences"][0]
+    long = ["\u2581Ein", "\u2581Mann", "\u2581mit", "\u2581einem", "\u2581orangefarbenen", "\u2581Hut", "."]
+    entry.update(src_tokens=long, tgt_in_tokens=["<s>", *long[:-1]], tgt_out_tokens=long)
+    size = {k: (len(entry[r]), len(entry[c])) for k, (r, c) in A.ROWS_COLS.items()}
+    rng = np.random.default_rng(0)
+    arrays = [{k: [rng.dirichlet(np.ones(size[k][1]), size=(1, index["heads"], size[k][0]))] for k in A.KINDS}]
+    page = tmp_path / "viewer.html"
+    page.write_text(V.viewer_html(index, arrays), encoding="utf-8")
+    browser = open_viewer(page, tmp_path, "s=0&kind=cross&layer=0&head=0&view=model", width=width)
+    try:
+        browser.wait_js("document.body.dataset.rendered === '0/model'")
+        labels = browser.js(
+            "[...document.querySelectorAll('.clabels span, .rlabels span')].map(s => "
+            "[s.parentElement.className, s.textContent, s.scrollWidth - s.clientWidth, "
+            "s.scrollHeight - s.clientHeight, (() => { const r = document.createRange(); r.selectNodeContents(s);"
+            " const t = r.getBoundingClientRect(), b = s.getBoundingClientRect();"
+            " return [t.height - b.height, t.width - b.width, t.height]; })()])"
+        )
+        across = [label for label in labels if label[0] == "clabels"]
+        assert across and "\u2581orangefarbenen" in [label[1] for label in across]
+        # the label's box holds its text (no scrolling inside, the text's own box no longer than the label's);
+        # 1 px: subpixel rounding
+        cut = [label for label in labels if max(label[2], label[3], label[4][0], label[4][1]) > 1]
+        assert cut == [], cut
+        text = {label[1]: label[4][2] for label in across}  # the rotated text's length on the page
+        assert text["\u2581orangefarbenen"] > 4 * text["."], text
+        assert console_errors(browser) == []
+    finally:
+        browser.close()
