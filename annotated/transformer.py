@@ -261,11 +261,17 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 # split into column blocks by one split into matching row blocks is the sum of
 # the block products.
 #
-# `PerHeadAttention` stores exactly these `4h` matrices (plus optional biases,
-# one per head and projection, and one output bias) and runs the formula
-# literally, with a Python loop over heads. Weights are in the paper's
-# orientation: a row vector `x` is projected as `x @ W_Q[i]`. Without biases
-# (`bias=False`) the bias attributes are `None`.
+# **One interface, two implementations.** `_Attention` is what every
+# multi-head attention of this chapter is: its sizes, and `forward` (attend
+# from `x_q` to `x_kv`), written once. It names the three methods a form
+# provides: `queries` and `keys_values`, in the layouts of the next
+# paragraph, and `_attend`, which attends given the keys and values (the
+# decoder passes its cache there). `PerHeadAttention` implements them with a
+# loop over heads, `FusedAttention` (section 4) with one product each;
+# everything else (the decoder's cache, the recorder of
+# `annotated/recording.py`, the proofs) uses only these, so either form plugs
+# in. A form that left one out could not be built
+# (`test_an_attention_form_must_provide_the_interface`).
 #
 # Queries, keys and values are computed head by head and stacked on dim 1:
 # `queries` gives `(B, h, T_q, d_k)`, head `i` being `x W_Q[i] + b_Q[i]`, and
@@ -273,23 +279,18 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 # form below produces the same layouts in one product each, so the decoder's
 # cache (section 6) holds the same thing whatever the form.
 #
+# `PerHeadAttention` stores exactly the `4h` rectangular matrices (plus optional biases,
+# one per head and projection, and one output bias) and runs the formula
+# literally, with a Python loop over heads. Weights are in the paper's
+# orientation: a row vector `x` is projected as `x @ W_Q[i]`. Without biases
+# (`bias=False`) the bias attributes are `None`.
+#
 # One bias is idle: the key bias `b_K[i]` adds `q . b_K[i]` to *every* score of
 # a query, and a softmax does not change when the same number is added to all
 # its inputs. So `b_K` never changes the output and its true gradient is
 # exactly zero (`test_key_bias_does_not_change_attention`); in training it
 # only receives rounding noise. We keep it because `nn.MultiheadAttention`
 # has it too (its `in_proj_bias`), which makes conversions exact.
-#
-# **One interface, two implementations.** `_Attention` below is what every
-# multi-head attention of this chapter is: its sizes, and `forward` (attend
-# from `x_q` to `x_kv`), written once. It names the three methods a form
-# provides: `queries` and `keys_values` in the layouts above, and `_attend`,
-# which attends given the keys and values (the decoder passes its cache
-# there). `PerHeadAttention` implements them with a loop over heads,
-# `FusedAttention` (section 4) with one product each; everything else (the
-# decoder's cache, the recorder of `annotated/recording.py`, the proofs) uses
-# only these, so either form plugs in. A form that left one out could not be
-# built (`test_an_attention_form_must_provide_the_interface`).
 #
 # The paper uses `d_k = d_v = d_model / h`, so that "the total computational
 # cost is similar to that of single-head attention with full dimensionality":
