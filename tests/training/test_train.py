@@ -309,7 +309,7 @@ def test_the_case_table_is_built_from_the_training_sources_only(tmp_path):
     assert case_table(targets) != run_data.case_table != case_table(sources + targets)
 
 
-def test_two_processes_train_bit_identical_weights(tmp_path, data_url, cache):
+def test_two_processes_train_bit_identical_weights(tmp_path, data_url):
     """`train_wmt.py` twice, each in a process of its own (one machine, one install, one thread, seed 0): the
     saved weights are the same bytes, and so is every figure of results.json but the clock's. Nothing of the
     process (hash seeds, thread pools, allocation addresses) reaches the numbers; what moves a seed's BLEU
@@ -339,7 +339,7 @@ def test_two_processes_train_bit_identical_weights(tmp_path, data_url, cache):
                 "--data-url",
                 data_url,
                 "--cache-dir",
-                str(cache),
+                str(tmp_path / name / "cache"),  # its own tokenizer, trained in the process, as a fresh clone
                 "--run-dir",
                 str(tmp_path / name / "run"),
             ],
