@@ -71,7 +71,7 @@ from annotated.plumbing.checks import check_eval_mode, check_id_list, check_toke
 from annotated.plumbing.files import json_safe, new_file_mode, save_figure
 from annotated.plumbing.options import Parser, at_least, device, writable_dir
 from annotated.recording import record_attention
-from annotated.shipped import NAME_PREFIX, choose_checkpoint, is_shipped, outputs_beside, shown_path
+from annotated.shipped import choose_checkpoint, outputs_beside, typed_name
 from annotated.sites import KINDS, head_counts
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import EncoderDecoder, padding_mask, subsequent_mask
@@ -599,7 +599,7 @@ def dump(
     model runs in float64 too (exact comparisons). Each head's importance comes from
     `heads.json` beside the checkpoint when there is one for this model (`say` gets a
     line when one is there but does not fit). `name`: the checkpoint as the user typed it, which the index and
-    the viewer's caption show (default `checkpoint_name`: never an absolute path of this machine). Raises
+    the viewer's caption show (default `typed_name`: never an absolute path of this machine). Raises
     CheckpointError for an unusable checkpoint, ValueError for bad sentences, before writing anything.
     """
     checkpoint = Path(checkpoint_path).resolve()
@@ -618,7 +618,7 @@ def dump(
         tokenizer,
         sentences,
         out_dir,
-        checkpoint=name if name is not None else checkpoint_name(checkpoint),
+        checkpoint=name if name is not None else typed_name(checkpoint),
         meta=meta,
         references=references,
         pictures=pictures,
@@ -628,17 +628,6 @@ def dump(
         beam_size=beam_size,
         importance=importance,
     )
-
-
-def checkpoint_name(path: Path) -> str:
-    """How a dump names its checkpoint when the user typed none: `shipped:<direction>` for a shipped model, else
-    the path relative to the working folder (absolute only outside it).
-
-    >>> from annotated.shipped import FOLDER
-    >>> checkpoint_name(FOLDER / "de-en.pt"), checkpoint_name(Path("runs/x/best.pt").resolve())
-    ('shipped:de-en', 'runs/x/best.pt')
-    """
-    return f"{NAME_PREFIX}{path.stem}" if is_shipped(path) else str(shown_path(path))
 
 
 def flickr_test_sentences(

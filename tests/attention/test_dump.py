@@ -29,6 +29,7 @@ from annotated.attention import pictures as P
 from annotated.attention import viewer as V
 from annotated.plumbing.checkpoint import CheckpointError, save_checkpoint
 from annotated.recording import record_attention
+from annotated.shipped import typed_name
 from annotated.sites import head_counts
 from annotated.tokens import BOS, PAD
 from annotated.transformer import convert_model, make_model, padding_mask
@@ -181,7 +182,7 @@ def test_per_head_and_fused_give_identical_dumps(checkpoints, tmp_path):
 
 def test_dump_files_and_index(full_dump, checkpoints, tokenizer):
     index = A.read_index(full_dump)
-    assert index["checkpoint"] == A.checkpoint_name(checkpoints[1])
+    assert index["checkpoint"] == typed_name(checkpoints[1])
     assert index["model_config"]["N"] == index["layers"] == 2 and index["heads"] == 2
     assert index["format"] == "annotated-attention-v2" and index["kinds"] == ["enc_self", "dec_self", "cross"]
     assert index["head_counts"] == {kind: [2, 2] for kind in A.KINDS}
