@@ -1199,3 +1199,20 @@ def test_one_head_figure_is_readable_at_1000_px(site, tmp_path, width):
     assert natural > 0
     label_px = M.ONE_HEAD_FONT * F.DPI / 72 * shown / natural
     assert label_px >= 9, (shown, natural, label_px)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (.ci/run installs Debian's package)")
+def test_make_screenshots_writes_every_picture_into_its_folder(site, tmp_path):
+    """`make screenshots` (docs/screenshots.py) photographs a built book and a dump of the shipped model: one
+    1400 px PNG per name, into the folder it is given, and nothing else beside it."""
+    import matplotlib.image
+
+    from docs import screenshots as S
+
+    result, _ = site
+    written = S.make_screenshots(tmp_path / "shots", say=lambda line: None, book=result.index)
+    assert sorted(p.name for p in written) == sorted([*S.BOOK_SHOTS, "viewer.png"])
+    for path in written:
+        pixels = matplotlib.image.imread(path)
+        assert pixels.shape[1] == S.WIDTH and pixels[..., :3].std() > 0.05, path  # a page, not a blank
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shots"]  # the book, the dump: temporary, gone
