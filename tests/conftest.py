@@ -86,6 +86,6 @@ def the_suite_writes_nothing_in_the_tree():
     if changed:
         pytest.fail(
             f"the test run changed {len(changed)} file(s) of the checkout: {', '.join(changed)} "
-            "(tests write into tmp_path; `git status` shows them)",
+            "(tests write into tmp_path; `git status` shows them; an editor saving files during the run counts too)",
             pytrace=False,
         )
