@@ -10,16 +10,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # Folders every machine has and example paths use (`--out /tmp/t.json`): not a trace of one machine.
 EVERYONE_S = {"/", "/tmp", "/home", "/var", "/usr", "/opt", "/mnt", "/srv"}
-# Recorded outputs of runs, kept byte for byte as the runs wrote them (their commands and run folders).
-RECORDS = ("benchmarks/results/",)
+# Recorded outputs of runs, kept byte for byte as the runs wrote them (their commands and run folders); and this
+# file, whose examples name folders.
+RECORDS = ("benchmarks/results/", "tests/test_tree.py")
 
 
 def machine_folders(repo: Path = REPO, home: Path | None = None) -> list[str]:
     """The absolute folders of this machine a committed file must not name: the top folder the clone lies in
-    (e.g. /work/) and the home folder (e.g. /root/), each with its trailing slash.
+    and the home folder, each with its trailing slash.
 
-    >>> machine_folders(Path("/work/wt/x"), Path("/root"))
-    ['/root/', '/work/']
+    >>> machine_folders(Path("/builds/wt/x"), Path("/Users/ana"))
+    ['/Users/ana/', '/builds/']
     >>> machine_folders(Path("/home/ana/src/annotated"), Path("/home/ana"))
     ['/home/ana/']
     """
