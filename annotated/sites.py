@@ -80,11 +80,11 @@ def keep_heads_per_head(att: PerHeadAttention, keep: Sequence[int]) -> PerHeadAt
 # section 4): `W_Q = [W_Q[0] | ... | W_Q[h-1]]` has `h` column blocks of width
 # `d_k` (likewise `W_K`, and `W_V` with width `d_v`), and `W_O` stacks its
 # row blocks `W_O[0], ..., W_O[h-1]` of height `d_v`. Write the output as a
-# block product:
+# block product, the row vector `[head_0 | ... | head_{h-1}]` times the
+# column of row blocks of `W_O`:
 #
 # $$\mathrm{Concat}(\mathrm{head}_0, \dots, \mathrm{head}_{h-1})\, W_O
-# = [\,\mathrm{head}_0 \mid \dots \mid \mathrm{head}_{h-1}\,]
-# \begin{bmatrix} W_O^{(0)} \\ \vdots \\ W_O^{(h-1)} \end{bmatrix} = \sum_i \mathrm{head}_i\, W_O^{(i)}$$
+# = \sum_i \mathrm{head}_i\, W_O^{(i)}$$
 #
 # Leaving out term `i` is deleting block `i` of the row vector *and* row
 # block `i` of `W_O`: the product of what remains is the sum of the other
