@@ -36,8 +36,9 @@ help:
 	@echo "make export       CHECKPOINT=... OUT=dir: the checkpoint as a transformers MarianMTModel folder"
 	@echo "make import       HF=dir OUT=file.pt: a MarianMTModel folder (save_pretrained) as our checkpoint"
 	@echo "make docs         the annotated source as a page: docs/_build/index.html (offline)"
+	@echo "make screenshots  retake the README's screenshots (docs/screenshots/*.png) from the shipped de->en model"
 	@echo "make notebook     annotated/transformer.py as an executed notebook, examples and figures inline:"
-	@echo "                  docs/_build/transformer.ipynb (minutes: it trains the copy model, 300 steps, in a"
+	@echo "                  docs/_build/transformer.ipynb (minutes: it trains the copy model, 400 steps, in a"
 	@echo "                  Jupyter kernel; longer on a busy machine; says how to open it)"
 	@echo "make jupyter      install JupyterLab into .venv (requirements-notebook.txt) and open the notebook"
 	@echo "make bench        speed, memory and share of the CPU's peak, against torch.nn.Transformer [ARGS='--quick']"
@@ -152,9 +153,14 @@ heads: $(SETUP)
 # make notebook: annotated/transformer.py as docs/_build/transformer.ipynb, its prose examples and figures as
 # code cells, executed (docs/notebook.py; python -m docs.notebook --help). make jupyter: JupyterLab, from
 # requirements-notebook.txt (not requirements.txt: the tests need no Jupyter), into .venv, then opens it.
-.PHONY: docs notebook jupyter
+# make screenshots: docs/screenshots/*.png (but heads-pruning.png, make heads' curve) taken in headless Chromium
+# from the book and the viewer of the shipped de->en model (docs/screenshots.py); the tests never write there.
+.PHONY: docs notebook jupyter screenshots
 docs: $(SETUP)
 	$(PY) -m docs.build $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
+
+screenshots: $(SETUP)
+	$(PY) -m docs.screenshots $(ARGS)
 
 notebook: $(SETUP)
 	$(PY) -m docs.notebook $(ARGS)

@@ -77,14 +77,14 @@ def keep_heads_per_head(att: PerHeadAttention, keep: Sequence[int]) -> PerHeadAt
 # ## 2. In the fused form: delete one column block and one row block
 #
 # The fused form stores the same numbers side by side (main chapter,
-# section 4): `W_Q = [W_Q[1] | ... | W_Q[h]]` has `h` column blocks of width
+# section 4): `W_Q = [W_Q[0] | ... | W_Q[h-1]]` has `h` column blocks of width
 # `d_k` (likewise `W_K`, and `W_V` with width `d_v`), and `W_O` stacks its
-# row blocks `W_O[1], ..., W_O[h]` of height `d_v`. Write the output as a
-# block product:
+# row blocks `W_O[0], ..., W_O[h-1]` of height `d_v`. Write the output as a
+# block product, the row vector `[head_0 | ... | head_{h-1}]` times the
+# column of row blocks of `W_O`:
 #
-# $$\mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\, W_O
-# = [\,\mathrm{head}_1 \mid \dots \mid \mathrm{head}_h\,]
-# \begin{bmatrix} W_O^{(1)} \\ \vdots \\ W_O^{(h)} \end{bmatrix} = \sum_i \mathrm{head}_i\, W_O^{(i)}$$
+# $$\mathrm{Concat}(\mathrm{head}_0, \dots, \mathrm{head}_{h-1})\, W_O
+# = \sum_i \mathrm{head}_i\, W_O^{(i)}$$
 #
 # Leaving out term `i` is deleting block `i` of the row vector *and* row
 # block `i` of `W_O`: the product of what remains is the sum of the other

@@ -250,7 +250,9 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 # recombines:
 #
 # $$\mathrm{head}_i = \mathrm{Attention}(Q W_Q^{(i)},\ K W_K^{(i)},\ V W_V^{(i)})$$
-# $$\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\, W_O = \sum_i \mathrm{head}_i\, W_O^{(i)}$$
+# $$\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_0, \dots, \mathrm{head}_{h-1})\, W_O = \sum_i \mathrm{head}_i\, W_O^{(i)}$$
+#
+# (heads counted from 0, as the code counts them; the paper numbers them 1 to `h`).
 #
 # The paper's parameters are **rectangular**: `W_Q[i], W_K[i]` are
 # `d_model x d_k`, `W_V[i]` is `d_model x d_v`, and `W_O` is `h*d_v x d_model`,
@@ -259,11 +261,17 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 # split into column blocks by one split into matching row blocks is the sum of
 # the block products.
 #
-# `PerHeadAttention` stores exactly these `4h` matrices (plus optional biases,
-# one per head and projection, and one output bias) and runs the formula
-# literally, with a Python loop over heads. Weights are in the paper's
-# orientation: a row vector `x` is projected as `x @ W_Q[i]`. Without biases
-# (`bias=False`) the bias attributes are `None`.
+# **One interface, two implementations.** `_Attention` is what every
+# multi-head attention of this chapter is: its sizes, and `forward` (attend
+# from `x_q` to `x_kv`), written once. It names the three methods a form
+# provides: `queries` and `keys_values`, in the layouts of the next
+# paragraph, and `_attend`, which attends given the keys and values (the
+# decoder passes its cache there). `PerHeadAttention` implements them with a
+# loop over heads, `FusedAttention` (section 4) with one product each;
+# everything else (the decoder's cache, the recorder of
+# `annotated/recording.py`, the proofs) uses only these, so either form plugs
+# in. A form that left one out could not be built
+# (`test_an_attention_form_must_provide_the_interface`).
 #
 # Queries, keys and values are computed head by head and stacked on dim 1:
 # `queries` gives `(B, h, T_q, d_k)`, head `i` being `x W_Q[i] + b_Q[i]`, and
@@ -271,23 +279,18 @@ def target_mask(tgt: Tensor, pad: int) -> Tensor:
 # form below produces the same layouts in one product each, so the decoder's
 # cache (section 6) holds the same thing whatever the form.
 #
+# `PerHeadAttention` stores exactly the `4h` rectangular matrices (plus optional biases,
+# one per head and projection, and one output bias) and runs the formula
+# literally, with a Python loop over heads. Weights are in the paper's
+# orientation: a row vector `x` is projected as `x @ W_Q[i]`. Without biases
+# (`bias=False`) the bias attributes are `None`.
+#
 # One bias is idle: the key bias `b_K[i]` adds `q . b_K[i]` to *every* score of
 # a query, and a softmax does not change when the same number is added to all
 # its inputs. So `b_K` never changes the output and its true gradient is
 # exactly zero (`test_key_bias_does_not_change_attention`); in training it
 # only receives rounding noise. We keep it because `nn.MultiheadAttention`
 # has it too (its `in_proj_bias`), which makes conversions exact.
-#
-# **One interface, two implementations.** `_Attention` below is what every
-# multi-head attention of this chapter is: its sizes, and `forward` (attend
-# from `x_q` to `x_kv`), written once. It names the three methods a form
-# provides: `queries` and `keys_values` in the layouts above, and `_attend`,
-# which attends given the keys and values (the decoder passes its cache
-# there). `PerHeadAttention` implements them with a loop over heads,
-# `FusedAttention` (section 4) with one product each; everything else (the
-# decoder's cache, the recorder of `annotated/recording.py`, the proofs) uses
-# only these, so either form plugs in. A form that left one out could not be
-# built (`test_an_attention_form_must_provide_the_interface`).
 #
 # The paper uses `d_k = d_v = d_model / h`, so that "the total computational
 # cost is similar to that of single-head attention with full dimensionality":
@@ -464,23 +467,23 @@ class PerHeadAttention(_Attention):
 # Looping over heads launches `4h` small matrix products. Put the per-head
 # matrices side by side instead:
 #
-# $$W_Q = [\,W_Q^{(1)} \mid W_Q^{(2)} \mid \dots \mid W_Q^{(h)}\,] \in \mathbb{R}^{d_{model} \times h d_k}$$
+# $$W_Q = [\,W_Q^{(0)} \mid W_Q^{(1)} \mid \dots \mid W_Q^{(h-1)}\,] \in \mathbb{R}^{d_{model} \times h d_k}$$
 #
 # (likewise `W_K`, `W_V`; `W_O` stacks its row blocks `W_O[i]` on top of each
 # other). One product now computes every head's queries at once, because a
 # matrix times a block row is the block row of products:
 #
-# $$X W_Q = [\,X W_Q^{(1)} \mid \dots \mid X W_Q^{(h)}\,]$$
+# $$X W_Q = [\,X W_Q^{(0)} \mid \dots \mid X W_Q^{(h-1)}\,]$$
 #
 # **Why `view(B, T, h, d_k).transpose(1, 2)` picks out head i.** `X W_Q` has
 # shape `(B, T, h*d_k)` and is stored row-major: in each row the `h*d_k`
-# numbers lie as `d_k` numbers of block 1, then `d_k` of block 2, and so on.
+# numbers lie as `d_k` numbers of block 0, then `d_k` of block 1, and so on.
 # `view(B, T, h, d_k)` reinterprets the last axis as `(h, d_k)` without moving
 # memory, so index `[b, t, i, c]` is element `i*d_k + c` of the row: column `c`
 # of block `i`, exactly `(X W_Q[i])[b, t, c]`. `transpose(1, 2)` then only
 # moves the head axis forward, to `(B, h, T, d_k)`, so each head is a batch of
 # ordinary attention problems. On the way out, `transpose` back and
-# `reshape(B, T, h*d_v)` is the concatenation `Concat(head_1, ..., head_h)`,
+# `reshape(B, T, h*d_v)` is the concatenation `Concat(head_0, ..., head_{h-1})`,
 # and one product with the stacked `W_O` is the sum over heads above.
 #
 # **Theorem.** With `W_Q, W_K, W_V, W_O` (and biases) built from the per-head

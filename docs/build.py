@@ -172,6 +172,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
         "appendix",
         "Appendix. The plumbing",
         (
+            "plumbing/allocator",
             "plumbing/checks",
             "plumbing/checkpoint",
             "plumbing/devices",
@@ -351,8 +352,8 @@ def _top_level(tex: str):
 def formula_lines(tex: str) -> list[str]:
     """A long display formula as its lines: each `\\quad`-separated equation, each `=` of a chain.
 
-    >>> print(*formula_lines(r"\\mathrm{MultiHead}(Q, K, V) = \\mathrm{Concat}(\\mathrm{head}_1, \\dots, \\mathrm{head}_h)\\, W_O = \\sum_i \\mathrm{head}_i\\, W_O^{(i)}"), sep="\\n")
-    \\mathrm{MultiHead}(Q, K, V) = \\mathrm{Concat}(\\mathrm{head}_1, \\dots, \\mathrm{head}_h)\\, W_O
+    >>> print(*formula_lines(r"\\mathrm{MultiHead}(Q, K, V) = \\mathrm{Concat}(\\mathrm{head}_0, \\dots, \\mathrm{head}_{h-1})\\, W_O = \\sum_i \\mathrm{head}_i\\, W_O^{(i)}"), sep="\\n")
+    \\mathrm{MultiHead}(Q, K, V) = \\mathrm{Concat}(\\mathrm{head}_0, \\dots, \\mathrm{head}_{h-1})\\, W_O
     = \\sum_i \\mathrm{head}_i\\, W_O^{(i)}
     >>> formula_lines("a = b")
     ['a = b']

@@ -25,6 +25,10 @@ from annotated.attention.pictures import CMAP
 from annotated.sites import attention_at
 
 CELL = 0.2  # inches per matrix entry: every matrix at the same scale, so shapes are true
+# Figure 4 (one head) fits a 1000 px screen at its own size: its matrices at most ONE_HEAD_MATRIX inches wide,
+# the bars BARS wide with NUMBERS beside them for their values, every label ONE_HEAD_FONT points
+# (`test_one_head_figure_is_readable_at_1000_px`).
+ONE_HEAD_MATRIX, BARS, NUMBERS, ONE_HEAD_FONT = 1.6, 1.0, 0.5, 9
 
 
 # %% [markdown]
@@ -273,11 +277,15 @@ def draw_one_head(ctx) -> tuple[MplFigure, str]:
     n = one_head(attention_at(per_head, "enc_self", layer - 1), x, mask, labels, query, 0)
     T_len, d_k, d_v = n.K.shape[0], n.K.shape[1], n.V.shape[1]
     lim = float(max(n.K.abs().max(), n.V.abs().max(), n.q.abs().max()))
-    cell = min(CELL, 2.4 / max(d_k, 1))  # a wide head is drawn narrower, still one square per number
-    width = 1.6 + 2 * d_k * cell + 5.8 + d_v * cell + 0.3
-    c = Canvas(width, 1.6 + T_len * CELL + 1.6)
-    top = 0.9
-    k_x, v_x = 1.6 + d_k * cell + 1.4, 1.6 + 2 * d_k * cell + 1.4 + 4.2
+    cell = min(CELL, ONE_HEAD_MATRIX / max(d_k, d_v, 1))  # a wide head is drawn narrower, one square per number
+    # left to right: row labels | q over k | scores, their numbers | weights, their numbers | v over the output
+    k_x = 1.1
+    s_x = k_x + d_k * cell + 0.2
+    p_x = s_x + BARS + NUMBERS
+    v_x = p_x + BARS + NUMBERS
+    c = Canvas(v_x + d_v * cell + 0.1, 0.55 + 2 * CELL + 0.5 + T_len * CELL + 0.45 + CELL + 0.1)
+    q_y = 0.55  # room for q's two-line title
+    top = q_y + CELL + 0.5  # the keys' rows: k, the scores, the weights and v, row for row
 
     def strip(x0, y0, M, title, ticks=None):
         ax = c.fig.add_axes(
@@ -285,35 +293,34 @@ def draw_one_head(ctx) -> tuple[MplFigure, str]:
         )
         ax.imshow(M.numpy(), cmap=CMAP, vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
         ax.set_xticks([])
-        ax.set_yticks(range(len(ticks)) if ticks else [], ticks or [], fontsize=8)
+        ax.set_yticks(range(len(ticks)) if ticks else [], ticks or [], fontsize=ONE_HEAD_FONT)
         ax.tick_params(length=0)
-        ax.set_title(title, fontsize=9, pad=3)
+        ax.set_title(title, fontsize=ONE_HEAD_FONT, pad=3)
         return ax
 
-    strip(
-        1.6,
-        top + query * CELL,
-        n.q[None],
-        f"query {_safe(labels[query])}:\nq = x W_Q[{n.head}]",
-        [_safe(labels[query])],
-    )
-    strip(k_x, top, n.K, f"k = x W_K[{n.head}], one row per key", [_safe(t) for t in labels])
-    ax = c.fig.add_axes(((k_x + d_k * cell + 0.3) / c.w, 1 - (top + T_len * CELL) / c.h, 1.6 / c.w, T_len * CELL / c.h))
+    def bars(x0, values, title, colours, numbers, xlim=None):
+        """Horizontal bars, one per key row; their numbers right of the axes, where no bar reaches."""
+        ax = c.fig.add_axes((x0 / c.w, 1 - (top + T_len * CELL) / c.h, BARS / c.w, T_len * CELL / c.h))
+        ax.barh(range(T_len), values, color=colours)
+        ax.axvline(0, color="#57606a", lw=0.6)
+        ax.set(ylim=(T_len - 0.5, -0.5), xticks=[])
+        if xlim is not None:
+            ax.set_xlim(*xlim)
+        ax.yaxis.tick_right()
+        ax.set_yticks(range(T_len), numbers, fontsize=ONE_HEAD_FONT)
+        ax.tick_params(length=0, pad=2)
+        ax.set_title(title, fontsize=ONE_HEAD_FONT, pad=3)
+        return ax
+
+    strip(k_x, q_y, n.q[None], f"query {_safe(labels[query])}:\nq = x W_Q[{n.head}]", [_safe(labels[query])])
+    strip(k_x, top, n.K, f"k = x W_K[{n.head}], a row per key", [_safe(t) for t in labels])
     finite = torch.where(torch.isfinite(n.scores), n.scores, torch.zeros_like(n.scores))
-    ax.barh(range(T_len), finite.numpy(), color="#8c959f")
-    ax.set(ylim=(T_len - 0.5, -0.5), yticks=[], xticks=[])
-    ax.set_title(r"q·k / $\sqrt{d_k}$", fontsize=9, pad=3)
-    for j, s in enumerate(n.scores.tolist()):
-        ax.text(0, j, f" {s:.2f}" if math.isfinite(s) else " masked", fontsize=7, va="center")
-    ax = c.fig.add_axes(((k_x + d_k * cell + 2.2) / c.w, 1 - (top + T_len * CELL) / c.h, 1.6 / c.w, T_len * CELL / c.h))
+    numbers = [f"{s:.2f}" if math.isfinite(s) else "masked" for s in n.scores.tolist()]
+    bars(s_x, finite.numpy(), r"q·k / $\sqrt{d_k}$", "#8c959f", numbers)
     colours = [_colour(p) for p in n.p.tolist()]
-    ax.barh(range(T_len), n.p.numpy(), color=colours)
-    ax.set(ylim=(T_len - 0.5, -0.5), xlim=(0, 1), yticks=[], xticks=[])
-    ax.set_title("softmax: weight p", fontsize=9, pad=3)
-    for j, p in enumerate(n.p.tolist()):
-        ax.text(min(p, 0.6), j, f" {p:.2f}", fontsize=7, va="center")
+    bars(p_x, n.p.numpy(), "softmax: weight p", colours, [f"{p:.2f}" for p in n.p.tolist()], xlim=(0, 1))
     strip(v_x, top, n.V, f"v = x W_V[{n.head}]")
-    strip(v_x, top + T_len * CELL + 0.6, n.out[None], "Σ p·v: the head's output")
+    strip(v_x, top + T_len * CELL + 0.45, n.out[None], "Σ p·v: the head's output")
     caption = (
         f"One head at work: head {n.head} of the last encoder layer's self-attention "
         f"({where}), for the query at position {query}, “{as_text(labels[query])}”. Rows are the key "

@@ -122,6 +122,7 @@ def _is_expression(source: str) -> bool:
 # prose heading it illustrates, so everything it calls is defined by then.
 
 # %%
+COPY_STEPS = 400  # the copy model's training steps in section 8's cells below (`test_the_copy_steps_agree`)
 FIGURES: list[tuple[str, str]] = [
     (
         "## 1. Attention: a soft dictionary lookup",
@@ -396,7 +397,10 @@ def notebook_cells(module_path: Path) -> list:
 # repository's root, so the setup cell finds the checkout wherever `--out`
 # is; matplotlib draws with the inline backend, which turns each shown
 # figure into a PNG output. The copy model's 400 steps are the longest
-# cell; `TIMEOUT` bounds every cell.
+# cell; `TIMEOUT` bounds every cell. The console shows the cells executed
+# so far (plumbing/progress.py); the kernel's own stderr (ipykernel's
+# `[IPKernelApp] WARNING` lines) goes to a file, shown only if the kernel
+# dies (`test_execution_shows_cells_done_and_keeps_the_kernels_stderr_to_itself`).
 
 # %%
 TIMEOUT = 900  # seconds one cell may run (the copy model trains in about 20 s; a loaded machine is slower)
@@ -406,22 +410,36 @@ class CellError(RuntimeError):
     """A notebook cell raised; the message names the cell."""
 
 
-def execute(cells: list, name: str = "transformer_notebook", cwd: Path = ROOT) -> None:
-    """Run the code cells in order in a fresh kernel (nbclient) and store their outputs in place."""
+def execute(cells: list, name: str = "transformer_notebook", cwd: Path = ROOT, stream=None) -> None:
+    """Run the code cells in order in a fresh kernel (nbclient) and store their outputs in place.
+
+    Progress goes to `stream` (stderr by default): the cells executed of all, through plumbing/progress.py (a
+    bar on a terminal, plain lines in a log). The kernel's own stderr (ipykernel's `[IPKernelApp] WARNING`
+    lines and the like) goes to a file of its own, shown only when a cell fails or the kernel dies."""
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    from annotated.plumbing.progress import progress
 
     nb = nbformat.v4.new_notebook(
         cells=cells, metadata={"kernelspec": {"name": "python3", "language": "python", "display_name": "Python 3"}}
     )
     sockets = tempfile.TemporaryDirectory(prefix="notebook-kernel-")  # local sockets: no TCP port is opened
     kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(sockets.name) / "kernel"))
+    bar = progress(sum(c.cell_type == "code" for c in cells), f"{name}: cells executed", unit="cell", stream=stream)
     client = NotebookClient(
-        nb, km=kernel, timeout=TIMEOUT, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+        nb,
+        km=kernel,
+        timeout=TIMEOUT,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(cwd)}},
+        on_cell_executed=lambda **_: bar.update(),
     )
+    kernel_log = Path(sockets.name) / "kernel.log"
     try:
-        client.execute()
+        with open(kernel_log, "wb") as log:
+            client.execute(stderr=log)
     except CellExecutionError as e:
         code = [c for c in nb.cells if c.cell_type == "code"]
         failed = next(i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.outputs))
@@ -430,8 +448,13 @@ def execute(cells: list, name: str = "transformer_notebook", cwd: Path = ROOT) -
         ) from None
     except (CellTimeoutError, DeadKernelError) as e:  # a cell past TIMEOUT, a kernel killed or crashed
         done = sum(1 for c in nb.cells if c.cell_type == "code" and c.get("execution_count"))
-        raise CellError(f"{name}: notebook cell {done} did not finish ({type(e).__name__}: {e})") from None
+        said = kernel_log.read_text(encoding="utf-8", errors="replace")[-2000:] if kernel_log.exists() else ""
+        raise CellError(
+            f"{name}: notebook cell {done} did not finish ({type(e).__name__}: {e})"
+            + (f"\nthe kernel's stderr ended with:\n{said}" if said.strip() else "")
+        ) from None
     finally:  # new_notebook copied the cells: their outputs go back into the caller's
+        bar.close()
         sockets.cleanup()
         for mine, ran in zip(cells, nb.cells):
             if mine.cell_type == "code":
@@ -465,7 +488,7 @@ def main(argv=None) -> int:
         name="notebook",
         description="Write annotated/transformer.py as an executed Jupyter notebook, its prose examples "
         "and figures inline: docs/_build/transformer.ipynb (minutes: a Jupyter kernel trains the "
-        "copy model, 400 steps; longer on a busy machine).",
+        f"copy model, {COPY_STEPS} steps; longer on a busy machine).",
     )
     p.add_argument(
         "--out", type=writable_dir, default=ROOT / "docs" / "_build", help="output folder (default docs/_build)"

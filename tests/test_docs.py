@@ -127,7 +127,10 @@ def test_an_unlisted_module_lands_in_the_part_of_its_folder(tmp_path):
 
 
 def test_reading_order_names_every_module():
-    modules = {p.stem for p in (ROOT / "annotated").glob("*.py") if not p.stem.startswith("_")}
+    """Every module of every folder has its place in PARTS, so `make docs` prints no maintainer's note."""
+    package = ROOT / "annotated"
+    modules = {p.relative_to(package).with_suffix("").as_posix() for p in package.rglob("*.py")}
+    modules = {m for m in modules if not m.rsplit("/", 1)[-1].startswith("_")}
     assert sorted(modules - set(B.READING_ORDER)) == []
     assert len(set(B.READING_ORDER)) == len(B.READING_ORDER)
 
@@ -1018,7 +1021,7 @@ def test_no_display_formula_is_wider_than_its_column(site, tmp_path, width):
 
 def test_long_formulas_are_set_one_equation_and_one_equals_sign_a_line():
     multihead = (
-        r"\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\, W_O"
+        r"\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_0, \dots, \mathrm{head}_{h-1})\, W_O"
         r" = \sum_i \mathrm{head}_i\, W_O^{(i)}"
     )
     assert B.formula_lines(multihead) == [
@@ -1083,7 +1086,8 @@ def test_a_wrapped_code_line_continues_deeper_than_its_own_indent(site, tmp_path
 
 
 def test_prose_sits_beside_the_code_it_names(site):
-    """Section 3's prose on `PerHeadAttention` sits in the row of the class, not beside the helpers before it;
+    """Section 3's prose on `PerHeadAttention` sits in the row of the class, not beside the helpers before it,
+    and its prose on `_Attention` in the row of `_Attention`, not below it;
     the section's opening (its heading and formulas) stays at the top, beside the first piece."""
     _, page = site
     chapter = _chapter(page, "transformer")
@@ -1094,7 +1098,10 @@ def test_prose_sits_beside_the_code_it_names(site):
         re.S,
     )
     [(prose, _)] = [(p, c) for p, c in rows if "class PerHeadAttention" in _text(c)]
-    assert _text(prose).strip().startswith("PerHeadAttention stores exactly these 4h matrices")
+    assert _text(prose).strip().startswith("PerHeadAttention stores exactly the 4h rectangular matrices")
+    # the interface's prose beside the interface, not beside the class after it
+    [(prose, _)] = [(p, c) for p, c in rows if "class _Attention" in _text(c)]
+    assert _text(prose).strip().startswith("One interface, two implementations. _Attention is what every")
     [(opening, code)] = [(p, c) for p, c in rows if "3. Multi-head attention, one head at a time" in _text(p)]
     assert "def _head_sizes" in _text(code) and "PerHeadAttention stores" not in _text(opening)
     assert "<!--mentions" not in page
@@ -1153,3 +1160,59 @@ def test_figures_count_heads_and_positions_from_zero(tmp_path):
     ]
     assert any("W_Q[0]" in t for t in texts) and not any("W_Q[3]" in t for t in texts)  # h = 3 there
     assert "counted from 0" in B.INTRODUCTION
+
+
+def test_one_head_figure_keeps_its_numbers_clear_of_the_bars(tmp_path):
+    """Figure 4: no text (a score, a weight, a title, a token) overlaps a bar of the q·k or softmax panel, and
+    every label is set in at least M.ONE_HEAD_FONT points."""
+    import matplotlib.text
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    ctx = F.FigureContext(root=ROOT, checkpoint=None, copy_steps=0, cache_dir=tmp_path, say=lambda s: None)
+    fig, _ = M.draw_one_head(ctx)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    texts = [t for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip()]
+    assert min(t.get_fontsize() for t in texts) >= M.ONE_HEAD_FONT
+    bars = [p.get_window_extent(renderer) for ax in fig.axes for p in ax.patches if p.get_width()]
+    assert len(bars) >= 2 * ctx.shown_sentence().src.shape[1] - 2  # the scores' bars and the weights'
+    drawn = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    over = [(s, b) for s, box in drawn for b in bars if b.width > 0.5 and box.overlaps(b)]
+    assert over == [], over
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (.ci/run installs Debian's package)")
+@pytest.mark.parametrize("width", [1000, 1400])
+def test_one_head_figure_is_readable_at_1000_px(site, tmp_path, width):
+    """Figure 4 is shown at (nearly) its own size at 1000 and 1400 px: its smallest label, M.ONE_HEAD_FONT points
+    at F.DPI, is at least 9 CSS pixels on the page (it was about 5 when the 1,217 px picture shrank to 735)."""
+    result, _ = site
+    browser = Chromium(CHROMIUM, tmp_path / "profile", tmp_path / "chromium.log")
+    try:
+        browser.open(result.index.resolve().as_uri(), width, 1000, domains=("Page",))
+        shown, natural = browser.js(
+            "(() => { const i = document.querySelector('#fig-one_head img');"
+            " return [i.getBoundingClientRect().width, i.naturalWidth]; })()"
+        )
+    finally:
+        browser.close()
+    assert natural > 0
+    label_px = M.ONE_HEAD_FONT * F.DPI / 72 * shown / natural
+    assert label_px >= 9, (shown, natural, label_px)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (.ci/run installs Debian's package)")
+def test_make_screenshots_writes_every_picture_into_its_folder(site, tmp_path):
+    """`make screenshots` (docs/screenshots.py) photographs a built book and a dump of the shipped model: one
+    1400 px PNG per name, into the folder it is given, and nothing else beside it."""
+    import matplotlib.image
+
+    from docs import screenshots as S
+
+    result, _ = site
+    written = S.make_screenshots(tmp_path / "shots", say=lambda line: None, book=result.index)
+    assert sorted(p.name for p in written) == sorted([*S.BOOK_SHOTS, "viewer.png"])
+    for path in written:
+        pixels = matplotlib.image.imread(path)
+        assert pixels.shape[1] == S.WIDTH and pixels[..., :3].std() > 0.05, path  # a page, not a blank
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shots"]  # the book, the dump: temporary, gone

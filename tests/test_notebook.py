@@ -6,6 +6,7 @@ import base64
 import doctest
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -234,3 +235,37 @@ def test_the_shipped_translator_translates_and_draws_one_head_at_the_end(built):
     translations = [line.split("  ->  ")[1] for line in text.splitlines() if "  ->  " in line]
     assert len(translations) == 2 and all(t.strip() for t in translations)
     assert any(o.get("data", {}).get("image/png") for o in cells[2].outputs)
+
+
+def test_the_copy_steps_agree():
+    """The copy model's steps: the cells train COPY_STEPS, and `make help`, `--help` and the prose say so."""
+    said = {
+        "cells": " ".join(source for _, source in NB.FIGURES + NB.TRIES),
+        "module": (ROOT / "docs" / "notebook.py").read_text(encoding="utf-8"),
+        "make help": subprocess.run(
+            ["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+        )
+        .stdout.split("make notebook", 1)[1]
+        .split("\nmake ", 1)[0],
+        "--help": subprocess.run(
+            [sys.executable, "-m", "docs.notebook", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        ).stdout,
+    }
+    for where, text in said.items():
+        counts = {int(n) for n in re.findall(r"\b(\d+) steps\b|steps=(\d+)", text) for n in n if n}
+        assert counts == {NB.COPY_STEPS}, (where, counts)
+
+
+def test_execution_shows_cells_done_and_keeps_the_kernels_stderr_to_itself(capfd):
+    """A line per tenth of the cells (a bar on a terminal); what the kernel writes on its stderr (ipykernel's
+    `[IPKernelApp] WARNING ...`) does not reach ours."""
+    warn = "import os; os.write(2, b'[IPKernelApp] WARNING | a stray line\\n'); 1"
+    cells = [nbformat.v4.new_code_cell(code) for code in ("x = 1", warn, "x + 1")]
+    said = io.StringIO()
+    NB.execute(cells, "quiet_notebook", stream=said)
+    lines = said.getvalue().splitlines()
+    assert lines[0] == "quiet_notebook: cells executed: 0/3" and lines[-1].startswith(
+        "quiet_notebook: cells executed: 3/3"
+    )
+    assert cells[2].outputs[0]["data"]["text/plain"] == "2"
+    assert "IPKernelApp" not in capfd.readouterr().err

@@ -71,7 +71,7 @@ from annotated.plumbing.checks import check_eval_mode, check_id_list, check_toke
 from annotated.plumbing.files import json_safe, new_file_mode, save_figure
 from annotated.plumbing.options import Parser, at_least, device, writable_dir
 from annotated.recording import record_attention
-from annotated.shipped import choose_checkpoint, outputs_beside
+from annotated.shipped import choose_checkpoint, outputs_beside, typed_name
 from annotated.sites import KINDS, head_counts
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import EncoderDecoder, padding_mask, subsequent_mask
@@ -589,6 +589,7 @@ def dump(
     progress: bool = False,
     beam_size: int = 4,
     say=None,
+    name: str | None = None,
 ) -> Path:
     """Load a checkpoint and write the attention dump of `sentences` into `out_dir`; returns `out_dir`.
 
@@ -597,8 +598,9 @@ def dump(
     No `out_dir`: `attention/` next to the checkpoint. With `dtype=np.float64` the
     model runs in float64 too (exact comparisons). Each head's importance comes from
     `heads.json` beside the checkpoint when there is one for this model (`say` gets a
-    line when one is there but does not fit). Raises CheckpointError for an
-    unusable checkpoint, ValueError for bad sentences, before writing anything.
+    line when one is there but does not fit). `name`: the checkpoint as the user typed it, which the index and
+    the viewer's caption show (default `typed_name`: never an absolute path of this machine). Raises
+    CheckpointError for an unusable checkpoint, ValueError for bad sentences, before writing anything.
     """
     checkpoint = Path(checkpoint_path).resolve()
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent / "attention"
@@ -616,7 +618,7 @@ def dump(
         tokenizer,
         sentences,
         out_dir,
-        checkpoint=str(checkpoint),
+        checkpoint=name if name is not None else typed_name(checkpoint),
         meta=meta,
         references=references,
         pictures=pictures,
@@ -756,6 +758,7 @@ def main(argv=None) -> int:
             progress=sys.stderr.isatty(),
             beam_size=args.beam,
             say=lambda line: print(f"attention: note: {line}", file=sys.stderr),
+            name=None if args.checkpoint is None else str(args.checkpoint),
         )
     except (ValueError, OSError) as e:  # CheckpointError and the data errors are ValueErrors
         print(f"attention: error: {e}", file=sys.stderr)
@@ -765,6 +768,8 @@ def main(argv=None) -> int:
         f"wrote the attention of {count} sentence(s) to {out}/: index.json, sentence_*.npz"
         f"{', *.png' if not args.no_pictures else ''}{', viewer.html' if not args.no_viewer else ''}"
     )
+    if not args.no_viewer:
+        print(f"open {(out / 'viewer.html').resolve().as_uri()}")
     return 0
 
 

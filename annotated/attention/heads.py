@@ -32,7 +32,7 @@ from annotated.attention.bootstrap import RESAMPLES, SEED, Change, paired_bleu_c
 from annotated.attention.importance import ablate, head_importance, normalise_per_attention, sentence_losses
 from annotated.attention.prune import FINETUNE_CHECK_EVERY, FINETUNE_PATIENCE, MAX_LOSS_INCREASE
 from annotated.plumbing.options import Parser, at_least, device, fail, number, writable_dir
-from annotated.shipped import shown_path
+from annotated.shipped import typed_name
 from annotated.sites import KINDS, attention_at, sites
 
 NAME = "python -m annotated.attention.heads"
@@ -601,7 +601,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
             stop,
             len(test),
             tuned,
-            title=str(shown_path(args.checkpoint)),
+            title=typed_name(args.checkpoint),
         ),
         args.out / "heads_pruning.png",
     )
@@ -713,7 +713,7 @@ def write_pictures(model, tokenizer, report: dict, profiles_for_page, val, encod
     for kind in KINDS:
         save_figure(heat_map(kind, report, ranges), args.out / f"heads_{kind}.png")
     save_figure(
-        inspect_figure(model, profiles_for_page, WINDOW, title=str(shown_path(args.checkpoint))),
+        inspect_figure(model, profiles_for_page, WINDOW, title=typed_name(args.checkpoint)),
         args.out / "heads_inspect.png",
     )
     i = example_sentence(val, encoded, model.config.max_len)

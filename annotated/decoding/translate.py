@@ -117,7 +117,7 @@ NAME = "translate"
 # | more subwords than the model's `max_len` | split at sentence ends (`.`, `!`, `?`, `…`), a part still too long at clause ends (`,`, `;`, `:`), then between words; each part is translated and the translations are joined in order; on stderr `line N: K subwords, more than the model's max_len=M; translated in P parts` |
 # | a sentence of more than `LONG_SENTENCE` (200) characters, though within `max_len` | split at clause ends into runs of whole clauses of at most 200 characters (99.9% of Multi30k's training sentences are shorter): a model that never saw a longer sentence tends to end one after its first clauses, and the rest would be lost without a word; on stderr `line N: C characters, longer than the sentences the model learned from (200); translated in P parts` |
 # | in capitals (`EIN MANN FÄHRT.`), all lower case, or caps-locked (`eIN mANN`) | recased first (`annotated/decoding/casing.py`), translated, and answered in capitals or lower case (caps lock: as usual); on stderr `line N: in capitals: translated as 'Ein Mann fährt.'`; `--case as-typed` turns this off |
-# | characters never seen in training (emoji, symbols, other scripts) | set aside: the rest of the sentence is translated, and they are put back at the end of the translation, in their order (each run of such characters stays together; in a line split into sentences, at the end of their sentence's translation) |
+# | characters never seen in training (emoji, symbols, other scripts) | set aside: the rest of the sentence is translated, and they are put back at the end of the translation, in their order (each run of such characters stays together; in a line split into sentences, at the end of their sentence's translation); a line of nothing else is printed as typed, and on stderr `line N: only characters never seen in training ('🙂'): nothing translated, printed as typed` |
 # | bytes that are not UTF-8 (stdin) | each undecodable byte becomes U+FFFD, itself an unseen character; on stderr `line N: not valid UTF-8, undecodable bytes replaced by U+FFFD` |
 # | anything else the decoder rejects with a `ValueError` | an empty output line; on stderr `line N: error: ...` |
 #
@@ -308,6 +308,9 @@ def prepare(
     except ValueError as e:  # e.g. a lone surrogate from an undecodable argument
         line.notes.append(f"error: {e}; printed an empty line")
         return line
+    if not line.sources:  # nothing left to translate: only characters the model never saw
+        aside = "".join(run for _, runs in line.segments for run in runs)
+        line.notes.append(f"only characters never seen in training ({aside!r}): nothing translated, printed as typed")
     if len(line.sources) > 1:
         n = sum(len(ids) for ids in line.sources)
         longer = (
@@ -479,7 +482,8 @@ input rules (each bad line still gets one output line, and the next line is serv
   more subwords than max_len     -> split at sentence ends, then clause ends, then between words;
                                     the parts are translated and joined in order; note on stderr
   characters unseen in training  -> (emoji, symbols, other scripts) set aside; the rest is translated
-                                    and they are put back at the end of the translation, in order
+                                    and they are put back at the end of the translation, in order;
+                                    a line of nothing else is printed as typed; note on stderr
   all capitals / all lower case  -> recased (each word in its most frequent casing in the training data,
                                     the checkpoint's case table), translated, and answered in capitals /
                                     lower case; caps lock (eIN mANN) is swapped back; note on stderr

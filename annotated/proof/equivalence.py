@@ -22,8 +22,8 @@
 #
 # **Theorem.** Build the fused parameters from the per-head ones by blocks,
 #
-# $$W_Q = [\,W_Q^{(1)} \mid \dots \mid W_Q^{(h)}\,],\quad b_Q = [\,b_Q^{(1)} \mid \dots \mid b_Q^{(h)}\,],\quad
-#   W_O = \begin{bmatrix} W_O^{(1)} \\ \vdots \\ W_O^{(h)} \end{bmatrix}$$
+# $$W_Q = [\,W_Q^{(0)} \mid \dots \mid W_Q^{(h-1)}\,],\quad b_Q = [\,b_Q^{(0)} \mid \dots \mid b_Q^{(h-1)}\,],\quad
+#   W_O = \begin{bmatrix} W_O^{(0)} \\ \vdots \\ W_O^{(h-1)} \end{bmatrix}$$
 #
 # (likewise `W_K`, `b_K`, `W_V`, `b_V`; `b_O` is shared). Then, with dropout
 # off (eval mode, or dropout 0), for every query input `X_q`, key/value input
@@ -34,9 +34,9 @@
 #
 # **Proof.**
 # 1. *Block product.* Column `j` of `X W` only involves column `j` of `W`, so
-#    `X [W^(1) | ... | W^(h)] + [b^(1) | ... | b^(h)] = [X W^(1) + b^(1) | ... | X W^(h) + b^(h)]`.
+#    `X [W^(0) | ... | W^(h-1)] + [b^(0) | ... | b^(h-1)] = [X W^(0) + b^(0) | ... | X W^(h-1) + b^(h-1)]`.
 #    By induction on `h`: for `h = 1` there is nothing to show; for `h + 1`,
-#    write the matrix as two blocks `[A | W^(h+1)]` with `A` the first `h`,
+#    write the matrix as two blocks `[A | W^(h)]` with `A` the first `h`,
 #    apply the two-block rule `X [A | W] = [X A | X W]`, and the hypothesis to `X A`.
 # 2. *Layout.* `X W + b` has shape `(B, T, h*d)`; in row-major order its
 #    element `(n, t, j)` (sentence `n`) is number `(n*T + t)*h*d + j`.
@@ -48,7 +48,7 @@
 # 3. *Same attention per head.* Both forms then call the same `attention`
 #    function on equal inputs with the same mask, so `head_i` and its
 #    probabilities are equal.
-# 4. *Output.* `transpose(1, 2).reshape(B, T, h*d_v)` is `Concat(head_1, ..., head_h)`
+# 4. *Output.* `transpose(1, 2).reshape(B, T, h*d_v)` is `Concat(head_0, ..., head_{h-1})`
 #    (step 2 backwards), and a row of column blocks times a column of row
 #    blocks is the sum of the block products (by the same induction):
 #    `Concat(heads) W_O + b_O = sum_i head_i W_O^(i) + b_O`.
@@ -135,10 +135,10 @@ from annotated.transformer import (
 # difference must come out as sympy's zero matrix. For every `h` from 1 to 8
 # we check
 #
-# - `X [W^(1) | ... | W^(h)] = [X W^(1) | ... | X W^(h)]` and its bias version
-#   `X [W^(1) | ... | W^(h)] + 1 [b^(1) | ... | b^(h)] = [X W^(1) + 1 b^(1) | ...]`,
+# - `X [W^(0) | ... | W^(h-1)] = [X W^(0) | ... | X W^(h-1)]` and its bias version
+#   `X [W^(0) | ... | W^(h-1)] + 1 [b^(0) | ... | b^(h-1)] = [X W^(0) + 1 b^(0) | ...]`,
 #   for blocks of width `d_k` (queries, keys) and `d_v` (values);
-# - `[H^(1) | ... | H^(h)] [W_O^(1); ...; W_O^(h)] = sum_i H^(i) W_O^(i)`, with
+# - `[H^(0) | ... | H^(h-1)] [W_O^(0); ...; W_O^(h-1)] = sum_i H^(i) W_O^(i)`, with
 #   and without `+ 1 b_O`;
 #
 # and, for the proof's induction on `h`, the same two rules for **two**
@@ -249,18 +249,18 @@ def symbolic_identities(h_max: int = H_MAX) -> list[tuple[str, str, bool]]:
     return [
         (
             reach,
-            "X [W(1) | ... | W(h)] = [X W(1) | ... | X W(h)], blocks of width d_k and d_v",
+            "X [W(0) | ... | W(h-1)] = [X W(0) | ... | X W(h-1)], blocks of width d_k and d_v",
             all(p[0] for d in proj for p in proj[d]),
         ),
         (
             reach,
-            "X [W(1) | ... | W(h)] + 1 [b(1) | ... | b(h)] = [X W(1) + 1 b(1) | ... | X W(h) + 1 b(h)]",
+            "X [W(0) | ... | W(h-1)] + 1 [b(0) | ... | b(h-1)] = [X W(0) + 1 b(0) | ... | X W(h-1) + 1 b(h-1)]",
             all(p[1] for d in proj for p in proj[d]),
         ),
-        (reach, "[H(1) | ... | H(h)] [W_O(1); ...; W_O(h)] = sum_i H(i) W_O(i)", all(o[0] for o in out)),
+        (reach, "[H(0) | ... | H(h-1)] [W_O(0); ...; W_O(h-1)] = sum_i H(i) W_O(i)", all(o[0] for o in out)),
         (
             reach,
-            "[H(1) | ... | H(h)] [W_O(1); ...; W_O(h)] + 1 b_O = sum_i H(i) W_O(i) + 1 b_O",
+            "[H(0) | ... | H(h-1)] [W_O(0); ...; W_O(h-1)] + 1 b_O = sum_i H(i) W_O(i) + 1 b_O",
             all(o[1] for o in out),
         ),
         (

@@ -206,3 +206,13 @@ def shown_path(path: Path) -> Path:
         return path.resolve().relative_to(Path.cwd().resolve())
     except ValueError:
         return path
+
+
+def typed_name(path: Path) -> str:
+    """How a picture or a dump names a model: `shipped:<direction>` for a shipped model, else `shown_path` (never
+    this machine's absolute path for a file below the working folder).
+
+    >>> typed_name(FOLDER / "de-en.pt"), typed_name(Path("runs/x/best.pt").resolve())
+    ('shipped:de-en', 'runs/x/best.pt')
+    """
+    return f"{NAME_PREFIX}{Path(path).stem}" if is_shipped(Path(path)) else str(shown_path(Path(path)))

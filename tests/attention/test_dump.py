@@ -29,6 +29,7 @@ from annotated.attention import pictures as P
 from annotated.attention import viewer as V
 from annotated.plumbing.checkpoint import CheckpointError, save_checkpoint
 from annotated.recording import record_attention
+from annotated.shipped import typed_name
 from annotated.sites import head_counts
 from annotated.tokens import BOS, PAD
 from annotated.transformer import convert_model, make_model, padding_mask
@@ -181,7 +182,7 @@ def test_per_head_and_fused_give_identical_dumps(checkpoints, tmp_path):
 
 def test_dump_files_and_index(full_dump, checkpoints, tokenizer):
     index = A.read_index(full_dump)
-    assert index["checkpoint"] == str(checkpoints[1].resolve())
+    assert index["checkpoint"] == typed_name(checkpoints[1])
     assert index["model_config"]["N"] == index["layers"] == 2 and index["heads"] == 2
     assert index["format"] == "annotated-attention-v2" and index["kinds"] == ["enc_self", "dec_self", "cross"]
     assert index["head_counts"] == {kind: [2, 2] for kind in A.KINDS}
@@ -491,6 +492,9 @@ def test_cli_defaults_in_a_real_process(tokenizer, base_url, tmp_path):
     test = load_multi30k("test_2016_flickr", "de", "en", cache_dir=tmp_path / "cache", base_url=base_url)[:2]
     assert [(s["source"], s["reference"]) for s in index["sentences"]] == test
     assert (run / "attention" / "viewer.html").is_file() and "run-1/attention" in r.stdout
+    # the viewer's address, to open it as make docs prints the book's; the caption names the model relatively
+    assert r.stdout.splitlines()[-1] == f"open {(run / 'attention' / 'viewer.html').resolve().as_uri()}"
+    assert index["checkpoint"] == "runs/run-1/best.pt", index["checkpoint"]  # the run itself, not latest
 
 
 @pytest.mark.parametrize(
@@ -685,7 +689,8 @@ def test_the_policy_stops_a_script_that_is_not_the_viewers(full_dump, tmp_path):
 
 def test_head_view_fills_the_page_and_labels_every_token(full_dump, tmp_path):
     """At 1400 px the heatmap is at least 60% of the page wide, no row or column label is cut to nothing,
-    the controls stay on one line, and the caption gives the label convention; docs/screenshots/viewer.png."""
+    the controls stay on one line, and the caption gives the label convention; the screenshot goes to tmp_path
+    (the README's are made by `make screenshots` from the shipped model)."""
     index = A.read_index(full_dump)
     entry = index["sentences"][1]
     browser = open_viewer(full_dump / "viewer.html", tmp_path, "s=1&kind=cross&layer=1&head=mean&view=head")
@@ -718,8 +723,7 @@ def test_head_view_fills_the_page_and_labels_every_token(full_dump, tmp_path):
         assert "causal mask" not in legend[2]  # cross-attention has no masked cell: no grey swatch
         assert console_errors(browser) == []
         shot = base64.b64decode(browser.page("Page.captureScreenshot", format="png")["data"])
-        (ROOT / "docs" / "screenshots").mkdir(exist_ok=True)
-        (ROOT / "docs" / "screenshots" / "viewer.png").write_bytes(shot)
+        (tmp_path / "viewer.png").write_bytes(shot)
     finally:
         browser.close()
 
@@ -1221,6 +1225,42 @@ def test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads(tokenizer,
                 want = scores["kinds"][kind]["importance"][t["layer"]][t["head"]]
                 assert t["score"] == f"importance {want:.3f}"
         assert [url.split("#")[0] for url in browser.requests()] == [page.as_uri()]
+        assert console_errors(browser) == []
+    finally:
+        browser.close()
+
+
+@pytest.mark.parametrize("width", [1000, 1400])
+def test_the_model_views_labels_are_whole(tmp_path, width):
+    """The model view's token labels (rotated under the last layer, upright beside head 0) show the whole
+    token: `orangefarbenen`, not `orangefarbe`; nothing the label holds is cut off by its box."""
+    index, arrays = synthetic_dump()
+    entry = index["sentences"][0]
+    long = ["\u2581Ein", "\u2581Mann", "\u2581mit", "\u2581einem", "\u2581orangefarbenen", "\u2581Hut", "."]
+    entry.update(src_tokens=long, tgt_in_tokens=["<s>", *long[:-1]], tgt_out_tokens=long)
+    size = {k: (len(entry[r]), len(entry[c])) for k, (r, c) in A.ROWS_COLS.items()}
+    rng = np.random.default_rng(0)
+    arrays = [{k: [rng.dirichlet(np.ones(size[k][1]), size=(1, index["heads"], size[k][0]))] for k in A.KINDS}]
+    page = tmp_path / "viewer.html"
+    page.write_text(V.viewer_html(index, arrays), encoding="utf-8")
+    browser = open_viewer(page, tmp_path, "s=0&kind=cross&layer=0&head=0&view=model", width=width)
+    try:
+        browser.wait_js("document.body.dataset.rendered === '0/model'")
+        labels = browser.js(
+            "[...document.querySelectorAll('.clabels span, .rlabels span')].map(s => "
+            "[s.parentElement.className, s.textContent, s.scrollWidth - s.clientWidth, "
+            "s.scrollHeight - s.clientHeight, (() => { const r = document.createRange(); r.selectNodeContents(s);"
+            " const t = r.getBoundingClientRect(), b = s.getBoundingClientRect();"
+            " return [t.height - b.height, t.width - b.width, t.height]; })()])"
+        )
+        across = [label for label in labels if label[0] == "clabels"]
+        assert across and "\u2581orangefarbenen" in [label[1] for label in across]
+        # the label's box holds its text (no scrolling inside, the text's own box no longer than the label's);
+        # 1 px: subpixel rounding
+        cut = [label for label in labels if max(label[2], label[3], label[4][0], label[4][1]) > 1]
+        assert cut == [], cut
+        text = {label[1]: label[4][2] for label in across}  # the rotated text's length on the page
+        assert text["\u2581orangefarbenen"] > 4 * text["."], text
         assert console_errors(browser) == []
     finally:
         browser.close()

@@ -324,6 +324,7 @@ def test_help_states_the_rules(capsys):
         "non-UTF-8 bytes",
         "characters unseen in training",
         "put back at the end of the translation",
+        "a line of nothing else is printed as typed",
         "exit code 2",
         "--max-extra",
         "split at sentence ends",
@@ -433,7 +434,16 @@ def test_unseen_characters_are_set_aside_and_put_back_at_the_end(loaded):
     assert translate(model, tok, "Ein Hund 🐕 rennt über die Wiese.") == (expected(loaded, plain) + " 🐕", None)
     both = translate(model, tok, "🐕 Ein Hund rennt über die Wiese. 👍🏽 東京")[0]
     assert both == expected(loaded, plain) + " 🐕 👍🏽 東京"  # in their order; a run of them stays together
-    assert translate(model, tok, "🐕🐕")[0] == "🐕🐕"  # nothing else to translate
+    assert translate(model, tok, "🐕🐕") == (  # nothing else to translate: as typed, and stderr says why
+        "🐕🐕",
+        "only characters never seen in training ('🐕🐕'): nothing translated, printed as typed",
+    )
+
+
+def test_a_line_of_only_unseen_characters_comes_back_as_typed_with_a_note(ckpt):
+    code, out, err = run_main("--checkpoint", ckpt, "👍🏽", stdin=b"")
+    assert (code, out) == (0, "👍🏽\n")
+    assert err == "argument 1: only characters never seen in training ('👍🏽'): nothing translated, printed as typed\n"
 
 
 def test_capitals_lower_case_and_caps_lock_are_recased_then_answered_in_their_style(ckpt, loaded, spy):

@@ -190,7 +190,7 @@ def test_attention_without_a_run_dumps_the_box_model_into_runs(box, tmp_path, ca
     err = capsys.readouterr().err
     assert err.startswith("attention: no trained de->en run under runs/: using the shipped model")
     index = json.loads((tmp_path / "runs" / "shipped-de-en" / "attention" / "index.json").read_text())
-    assert index["checkpoint"] == str(box / "de-en.pt") and not (box / "attention").exists()
+    assert index["checkpoint"] == "shipped:de-en" and not (box / "attention").exists()  # the name, not the path
 
 
 def test_heads_without_a_run_studies_the_box_model_and_writes_into_runs(box, capsys):

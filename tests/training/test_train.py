@@ -307,3 +307,49 @@ def test_the_case_table_is_built_from_the_training_sources_only(tmp_path):
     assert run_data.case_table == case_table(sources)
     assert run_data.case_table["hund"] == "Hund" and run_data.case_table["wiese"] == "Wiese"
     assert case_table(targets) != run_data.case_table != case_table(sources + targets)
+
+
+def test_two_processes_train_bit_identical_weights(tmp_path, data_url):
+    """`train_wmt.py` twice, each in a process of its own (one machine, one install, one thread, seed 0): the
+    saved weights are the same bytes, and so is every figure of results.json but the clock's. Nothing of the
+    process (hash seeds, thread pools, allocation addresses) reaches the numbers; what moves a seed's BLEU
+    between two machines is their CPUs' kernels, not the run (docs/training.md, "How far one seed moves")."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for name in ("a", "b"):
+        env["PYTHONHASHSEED"] = {"a": "1", "b": "2"}[name]  # the processes differ in what they may
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "train_wmt.py"),
+                "--preset",
+                "smoke",
+                "--max-steps",
+                "10",
+                "--val-bleu-sentences",
+                "4",
+                "--seed",
+                "0",
+                "--threads",
+                "1",
+                "--no-progress",
+                "--data-url",
+                data_url,
+                "--cache-dir",
+                str(tmp_path / name / "cache"),  # its own tokenizer, trained in the process, as a fresh clone
+                "--run-dir",
+                str(tmp_path / name / "run"),
+            ],
+            cwd=tmp_path,
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+    first, second = (figures(tmp_path / name / "run") for name in ("a", "b"))
+    assert first["steps"] == 10 and first["parameters"]
+    assert first["parameters"] == second["parameters"]  # every weight, bit for bit
+    assert first == second

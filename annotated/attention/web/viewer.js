@@ -274,9 +274,9 @@ function labelStrip(tokens, scale, across) {
   const strip = document.createElement('div'); strip.className = across ? 'clabels' : 'rlabels';
   const font = Math.min(11, scale - 1);
   tokens.forEach(t => {
+    // a label is as long as its token: a subword is short, and a cut one (orangefarbe) reads as another word
     const span = document.createElement('span'); span.textContent = t; span.style.fontSize = `${font}px`;
-    if (across) { span.style.width = `${scale}px`; span.style.maxHeight = '64px'; }
-    else { span.style.height = `${scale}px`; span.style.maxWidth = '90px'; }
+    if (across) span.style.width = `${scale}px`; else span.style.height = `${scale}px`;
     strip.appendChild(span);
   });
   return strip;
