@@ -259,8 +259,10 @@ def ov_table(model: EncoderDecoder, c: HeadCircuit, x_kv: Tensor, out_ids: Tenso
 
 @torch.no_grad()
 def copying_score(model: EncoderDecoder, c: HeadCircuit, x_kv: Tensor, out_ids: Tensor) -> float:
-    """sum(lambda) / sum(|lambda|) over the eigenvalues of E W_OV L W_gen^T (L: the norms after the head),
-    E the direct-path rows x_kv of the same tokens out_ids."""
+    """Elhage's copying score of `c`: sum(lambda) / sum(|lambda|) over the eigenvalues of E W_OV L W_gen^T.
+
+    L: the norms after the head, as a matrix; E: the direct-path rows x_kv of the tokens out_ids, the same
+    tokens as the generator's rows, so the table is square."""
     W_gen = model.generator.weight.detach()[out_ids]  # (m, d_model)
     d = W_gen.size(1)
     L = through(layer_norms_after(model, c.site), torch.eye(d, dtype=W_gen.dtype))  # the norms as a matrix
