@@ -14,9 +14,10 @@ import pytest
 import torch
 from browser import CHROMIUM, NO_CHROMIUM, Chromium
 
+from annotated.attention import pictures as P
 from annotated.attention import viewer as V
 from annotated.circuits.command import best_cross_head
-from annotated.circuits.page import circuits_html, page_file, write_page
+from annotated.circuits.page import DIGITS, circuits_html, page_file, write_page
 from annotated.circuits.readout import Inputs, read_model
 from annotated.plumbing.files import json_safe
 from annotated.sites import remove_heads
@@ -246,6 +247,12 @@ def test_circuits_page_shows_the_chosen_rows(report, tmp_path):
         assert len(cells) == 24 * 24 == sum(len(row) for row in table)
         grey = [c == "rgb(208, 208, 208)" for c in cells]
         assert grey == [v is None for row in table for v in row] and sum(grey) == 24 * 23 // 2
+        # the other cells: the pictures' colour map from -1 to 1, the table divided by its largest magnitude
+        values = np.array([round(v, DIGITS) for row in table for v in row if v is not None])  # as the page has it
+        colours = P.colour_table(64)
+        index = np.floor((0.5 + 0.5 * values / np.abs(values).max()) * 63 + 0.5).astype(int)  # JS's Math.round
+        rgb = lambda c: "rgb({}, {}, {})".format(*(int(c[i : i + 2], 16) for i in (1, 3, 5)))
+        assert [c for c, g in zip(cells, grey) if not g] == [rgb(colours[i]) for i in index]
         assert not browser.js("document.getElementById('mask-key').hidden")
 
         assert problems(browser) == []
