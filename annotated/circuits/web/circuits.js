@@ -165,12 +165,10 @@ function renderBars() {
   const q = r.qk_rows.find(x => x[0] === state.q), k = r.ov_rows.find(x => x[0] === state.k);
   $('qk-title').textContent = q ? `QK: the keys the query \u201c${q[0]}\u201d matches best` : 'QK: no query token';
   $('ov-title').textContent = k ? `OV: what the head writes when it reads \u201c${k[0]}\u201d` : 'OV: no key token';
-  $('qk-how').textContent = `A query is ${query}, a key ${key}. W_QK = W_Q W_K\u1d40 scores the pair through ` +
-    'the embeddings, divided by \u221ad_k and centred over the keys (0 = an average key); a higher score gets ' +
-    'more of the softmax. Left: the most frequent query tokens; right: the keys this one scores highest.';
-  $('ov-how').textContent = `When the head attends to a key (${key}), W_OV = W_V W_O is what it adds to the ` +
-    'output, read through the norms after it and the generator: the output tokens whose logits it raises most, ' +
-    'centred over the output tokens. Left: the most frequent key tokens; right: what reading this one writes.';
+  $('qk-how').textContent = `A query is ${query}; a key is ${key}. W_QK = W_Q W_K\u1d40 scores each pair ` +
+    'through the embeddings (divided by \u221ad_k, centred over the keys): the higher, the more attention.';
+  $('ov-how').textContent = `When the head attends to a key (${key}), W_OV = W_V W_O is what it adds: here the ` +
+    'output tokens whose logits it raises most (through the norms after it and the generator, centred).';
   bars($('qk-bars'), q ? q[1] : [], 'centred score');
   bars($('ov-bars'), k ? k[1] : [], 'logit raise');
 }
@@ -194,11 +192,10 @@ function renderPositions(r) {
     });
   });
   $('positions').replaceChildren(table);
-  const exact = r.exact_direct_path ? 'exact here' : 'through the norms, an approximation here';
-  $('positions-how').textContent = `The same QK circuit read between positions alone (the sinusoids, ${exact}): ` +
-    'query position down, key position across, each row centred, divided by the largest (-1 to 1). ' +
-    `Its label, ${r.positions.label}: the offset (or the key position) at least half the queries prefer most, ` +
-    'else mixed.';
+  const exact = r.exact_direct_path ? 'exact here' : 'through the norms, an approximation';
+  $('positions-how').textContent = `The QK circuit between positions alone (the sinusoids; ${exact}): query ` +
+    'position down, key position across, each row centred, divided by the largest (-1 to 1). ' +
+    `Label ${r.positions.label}: the offset (or key) at least half the queries prefer, else mixed.`;
   $('mask-key').hidden = r.site[0] !== 'dec_self';
 }
 
