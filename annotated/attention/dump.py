@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figure
-from annotated.attention.viewer import importance_fits, read_head_importance, viewer_html
+from annotated.attention.viewer import circuits_beside, importance_fits, read_head_importance, viewer_html
 from annotated.decoding.search import translate_ids
 from annotated.plumbing.checkpoint import PAPER_LENGTH_PENALTY, load_checkpoint, model_length_penalty
 from annotated.plumbing.checks import check_eval_mode, check_id_list, check_tokenizer
@@ -567,7 +567,8 @@ def dump_model(
             index["sentences"].append(entry)
             all_arrays.append(attn)
         if viewer:
-            (tmp / "viewer.html").write_text(viewer_html(index, all_arrays), encoding="utf-8")
+            page = viewer_html(index, all_arrays, circuits=circuits_beside(out_dir))
+            (tmp / "viewer.html").write_text(page, encoding="utf-8")
             index["viewer"] = "viewer.html"
         (tmp / "index.json").write_text(_pretty_json(index) + "\n", encoding="utf-8")
     return Path(out_dir)

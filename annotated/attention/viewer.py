@@ -34,6 +34,7 @@ from annotated.attention.pictures import KIND_LABELS, MASKED, READING, WORD_MARK
 from annotated.sites import KINDS
 
 LINE_MIN = 0.02  # the lines view draws a line for every weight at least this large
+CIRCUITS = ("circuits.html", "../circuits.html")  # the circuits page beside a dump, or beside its folder
 
 
 # %% [markdown]
@@ -96,6 +97,14 @@ LINE_MIN = 0.02  # the lines view draws a line for every weight at least this la
 # the row header saying how many when the layers differ.
 # (`test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads`.)
 #
+# **The circuits of a head.** When `python -m annotated.circuits.command`
+# (`make circuits`) has written `circuits.html` beside the dump or in the
+# folder above it (its default place: the dump is `attention/` of the
+# checkpoint's output folder), the heading links to it, opened on the head
+# shown (head 0 for the mean); the circuits page links back the same way
+# (`annotated/circuits/page.py`). Whichever page is written second finds the
+# other. (`test_the_viewer_links_the_circuits_page_beside_it`.)
+#
 # **Inside another page.** `viewer_html(..., embedded=True, start="kind=cross&view=lines")`
 # gives the same page without its heading and footer, opening on `start`:
 # a file for an `<iframe>` (its own CSP travels with it). After each
@@ -125,19 +134,31 @@ def script_json(value) -> str:
     return json.dumps(value, ensure_ascii=False).translate(_SCRIPT_SAFE)
 
 
+def circuits_beside(folder: os.PathLike | str) -> str | None:
+    """`circuits.html` (written by `make circuits`) in `folder` or the folder above, relative to `folder`; or None."""
+    return next((name for name in CIRCUITS if (Path(folder) / name).is_file()), None)
+
+
 def viewer_file(name: str) -> str:
     """The text of `annotated/attention/web/<name>` (package data)."""
     return importlib.resources.files("annotated.attention").joinpath("web").joinpath(name).read_text(encoding="utf-8")
 
 
 def viewer_html(
-    index: dict, arrays: list[dict], decimals: int = 4, *, embedded: bool = False, start: str | None = None
+    index: dict,
+    arrays: list[dict],
+    decimals: int = 4,
+    *,
+    embedded: bool = False,
+    start: str | None = None,
+    circuits: str | None = None,
 ) -> str:
     """The self-contained viewer page for a dump (`index` as in index.json, `arrays` per sentence as
     `load_sentence` gives them).
 
     `embedded`: without heading and footer, for an <iframe>; `start`: the view it opens on when the
-    address names none, as in the address (`"s=0&kind=cross&layer=1&head=mean&view=lines"`)."""
+    address names none, as in the address (`"s=0&kind=cross&layer=1&head=mean&view=lines"`); `circuits`: the
+    circuits page (`circuits.html`) relative to this one, linked from the heading on the chosen head."""
     sentences = []
     kinds = index["kinds"]
     if list(kinds) != list(KINDS):
@@ -164,6 +185,7 @@ def viewer_html(
         "line_min": LINE_MIN,
         "start": start if start is not None else opening_view(arrays, counts),
         "importance": index.get("head_importance"),
+        "circuits": circuits,
         "sentences": sentences,
     }
     decoder = index.get("decoder") or {}

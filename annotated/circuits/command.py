@@ -34,6 +34,7 @@ OUTPUTS = (
     "circuits_positions.png",
     "circuits_faithfulness.png",
     "circuits_dictionary.png",
+    "circuits.html",
 )
 
 
@@ -183,6 +184,7 @@ def best_cross_head(report: dict[str, Any]) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from annotated.circuits.page import write_page
     from annotated.circuits.pictures import dictionary_figure, faithfulness_figure, positions_figure, spectra_figure
     from annotated.circuits.readout import read_model
     from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
@@ -225,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         figures["circuits_dictionary.png"] = dictionary_figure(best, inputs.lexicon)
     for name, fig in figures.items():
         fig.savefig(args.out / name)
-    print(f"wrote {args.out / 'circuits.json'} and {', '.join(figures)} in {args.out} ({report['seconds']} s)")
+    write_page(args.out, report)
+    print(
+        f"wrote {args.out / 'circuits.json'}, circuits.html and {', '.join(figures)} in {args.out} ({report['seconds']} s)"
+    )
     return 0
 
 

@@ -40,8 +40,9 @@ def test_the_package_holds_every_subpackage_and_the_web_assets():
     setuptools = PROJECT["tool"]["setuptools"]
     assert setuptools["packages"]["find"]["include"] == ["annotated", "annotated.*"]
     assert setuptools["py-modules"] == ["train_wmt"]
-    assets = setuptools["package-data"]["annotated.attention"]
-    web = sorted(p.name for pattern in assets for p in (ROOT / "annotated" / "attention").glob(pattern))
-    assert web == sorted(p.name for p in (ROOT / "annotated" / "attention" / "web").iterdir() if p.is_file())
-    assert {"viewer.html", "viewer.js", "viewer.css"} <= set(web)
+    for package, page in (("attention", "viewer"), ("circuits", "circuits")):
+        assets = setuptools["package-data"][f"annotated.{package}"]
+        web = sorted(p.name for pattern in assets for p in (ROOT / "annotated" / package).glob(pattern))
+        assert web == sorted(p.name for p in (ROOT / "annotated" / package / "web").iterdir() if p.is_file())
+        assert {f"{page}.html", f"{page}.js", f"{page}.css"} <= set(web)
     assert PROJECT["tool"]["setuptools"]["dynamic"]["dependencies"] == {"file": ["requirements.txt"]}

@@ -354,6 +354,11 @@ function render() {
   if (model) renderModel();
   else if (state.view === 'lines') renderLines();
   else renderHead();
+  if (DATA.circuits) {  // circuits.html of the same model beside the dump: the chosen head's circuits
+    const link = $('circuits-link');
+    link.hidden = false;
+    link.href = `${DATA.circuits}#kind=${state.kind}&layer=${state.layer}&head=${state.head === 'mean' ? 0 : state.head}`;
+  }
   document.body.dataset.rendered = model ? `${state.s}/model`
     : `${state.s}/${state.kind}/${state.layer}/${state.head}${state.view === 'lines' ? '/lines' : ''}`;
   tellHeight();
