@@ -14,7 +14,7 @@ from transformers import MarianConfig, MarianMTModel
 from annotated.decoding.search import beam_search
 from annotated.interop import layout
 from annotated.interop.layout import permute_residual, sinusoid_permutation
-from annotated.interop.marian import from_marian, to_marian
+from annotated.interop.marian import export_ids, from_marian, marian_vocab, to_marian
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import (
     make_model,
@@ -187,26 +187,33 @@ def test_per_head_import_is_the_fused_import_split():
     assert (our_logits(fused, src, tgt) - our_logits(per_head, src, tgt)).nan_to_num(0).abs().max() <= 1e-12
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-9), (torch.float32, 1e-4)])
+def our_batch(cfg, seed: int = 2):
+    """Our source ids with padding, and target prefixes starting with bos."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(3, cfg.src_vocab, (3, 9), generator=g)  # (3, 9)
+    tgt = torch.randint(3, cfg.tgt_vocab, (3, 6), generator=g)  # (3, 6)
+    src[1, 6:], tgt[:, 0] = PAD, BOS
+    return src, tgt
+
+
+# float64: the measured differences are about 1e-15 (two orders of the same floating-point operations), so 1e-12
+# leaves three orders of margin and still catches any slip (a wrong row moves logits by units); float32: about 1e-6
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("shape", OUR_SHAPES)
 def test_export_gives_our_logits(shape, dtype, tolerance):
+    """OPUS-MT's layout: our ids, then one row, the pad and decoder start, zero and never predicted."""
     model = random_ours(shape, dtype=dtype)
     hf = to_marian(model)
-    assert (
-        hf.config.decoder_start_token_id == BOS
-        and hf.config.pad_token_id == PAD
-        and next(hf.parameters()).dtype == dtype
-    )
-    cfg = model.config
-    g = torch.Generator().manual_seed(2)
-    src, tgt = (
-        torch.randint(3, cfg.src_vocab, (3, 9), generator=g),
-        torch.randint(3, cfg.tgt_vocab, (3, 6), generator=g),
-    )
-    src[1, 6:], tgt[:, 0] = PAD, BOS
-    ours = our_logits(model, src, tgt)
+    cfg, start = model.config, marian_vocab(model.config) - 1
+    assert hf.config.decoder_start_token_id == hf.config.pad_token_id == start
+    assert next(hf.parameters()).dtype == dtype
+    assert not hf.model.decoder.embed_tokens.weight[start].any()  # what CTranslate2 assumes: a zero start
+    src, tgt = our_batch(cfg)
+    ours = our_logits(model, src, tgt)  # (B, T, V_tgt)
+    theirs = marian_logits(hf, export_ids(src, start), export_ids(tgt, start, decoder=True))  # (B, T, start + 1)
     assert ours.abs().max() > 1.0
-    assert (ours - marian_logits(hf, src, tgt)).abs().max() <= tolerance
+    assert (ours - theirs[..., : cfg.tgt_vocab]).abs().max() <= tolerance
+    assert torch.isneginf(theirs[..., cfg.tgt_vocab :]).all()  # the added rows: never predicted
 
 
 @pytest.mark.parametrize("shape", OUR_SHAPES)
