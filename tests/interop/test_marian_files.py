@@ -15,49 +15,12 @@ from annotated.interop.folders import main
 from annotated.interop.marian import export_ids
 from annotated.plumbing.checkpoint import load_checkpoint, save_checkpoint
 from annotated.tokens import BOS, PAD
-from annotated.training.data import train_tokenizer
 from annotated.transformer import make_model, padding_mask, subsequent_mask
 
 ROOT = Path(__file__).resolve().parents[2]
-SENTENCES = [
-    "Ein Hund rennt über die Wiese.",
-    "Zwei Männer spielen Fußball im Park.",
-    "Eine Frau liest ein Buch.",
-    "A dog runs across the meadow.",
-    "Two men play football in the park.",
-    "A woman reads a book.",
-    "Kinder spielen am Strand.",
-    "Children play on the beach.",
-]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    """A random model with a real sentencepiece tokenizer of the project's ids, as a checkpoint file."""
-    folder = tmp_path_factory.mktemp("marian")
-    tokenizer = train_tokenizer(SENTENCES * 20, 300, cache_dir=folder)
-    torch.manual_seed(0)
-    model = make_model(
-        src_vocab=tokenizer.vocab_size,
-        tgt_vocab=tokenizer.vocab_size,
-        N=2,
-        d_model=16,
-        d_ff=32,
-        h=4,
-        dropout=0.0,
-        max_len=64,
-        share_embeddings=True,
-        tie_generator=True,
-        activation="silu",
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    save_checkpoint(folder / "model.pt", model, tokenizer, {"src_lang": "de", "tgt_lang": "en"})
-    return folder / "model.pt"
-
-
-def test_export_loads_offline_and_tokenizes_like_ours(checkpoint, tmp_path):
+def test_export_loads_offline_and_tokenizes_like_ours(checkpoint, sentences, tmp_path):
     assert main(["export", str(checkpoint), str(tmp_path / "out")]) == 0
     model, tokenizer, _ = load_checkpoint(checkpoint)
     hf = MarianMTModel.from_pretrained(str(tmp_path / "out"), local_files_only=True).eval()
@@ -66,7 +29,7 @@ def test_export_loads_offline_and_tokenizes_like_ours(checkpoint, tmp_path):
     assert tok.decode(tokenizer.encode("Kinder spielen."), skip_special_tokens=True) == "Kinder spielen."
     start = hf.config.decoder_start_token_id
     assert tok.pad_token_id == start == tokenizer.vocab_size  # OPUS-MT's layout: <pad> last, the decoder start
-    src = torch.tensor([tokenizer.encode(s) for s in SENTENCES[:1]])
+    src = torch.tensor([tokenizer.encode(s) for s in sentences[:1]])
     tgt = torch.tensor([[BOS] + tokenizer.encode("A dog")])
     with torch.no_grad():
         ours = model(src, tgt, padding_mask(src, PAD), subsequent_mask(tgt.size(1)))
@@ -76,13 +39,13 @@ def test_export_loads_offline_and_tokenizes_like_ours(checkpoint, tmp_path):
     assert (ours - theirs[..., :start]).abs().max() <= 1e-4
 
 
-def test_import_of_an_export_is_the_checkpoint(checkpoint, tmp_path):
+def test_import_of_an_export_is_the_checkpoint(checkpoint, sentences, tmp_path):
     main(["export", str(checkpoint), str(tmp_path / "out")])
     assert main(["import", str(tmp_path / "out"), str(tmp_path / "back.pt"), "--attention", "per_head"]) == 0
     model, tokenizer, _ = load_checkpoint(checkpoint)
     back, back_tokenizer, _ = load_checkpoint(tmp_path / "back.pt")
     assert back_tokenizer == tokenizer and back.config.attention == "per_head"
-    src = torch.tensor([tokenizer.encode(s) for s in SENTENCES[:2]][:1])
+    src = torch.tensor([tokenizer.encode(s) for s in sentences[:2]][:1])
     tgt = torch.tensor([[BOS] + tokenizer.encode("Two men")])
     with torch.no_grad():
         a, b = (m(src, tgt, padding_mask(src, PAD), subsequent_mask(tgt.size(1))) for m in (model, back))
@@ -180,19 +143,19 @@ def opus_like_folder(tokenizer, folder: Path) -> Path:
     return folder
 
 
-def test_an_opus_like_folder_imports_with_its_tokenizer(checkpoint, tmp_path):
+def test_an_opus_like_folder_imports_with_its_tokenizer(checkpoint, sentences, tmp_path):
     folder = opus_like_folder(load_checkpoint(checkpoint)[1], tmp_path / "opus")
     assert main(["import", str(folder), str(tmp_path / "opus.pt")]) == 0
     model, tokenizer, meta = load_checkpoint(tmp_path / "opus.pt")
     assert tokenizer is not None and tokenizer.vocab_size == model.config.src_vocab
     marian_ids, hf = meta["marian_source_ids"], MarianMTModel.from_pretrained(str(folder), local_files_only=True)
     marian_tokenizer = MarianTokenizer.from_pretrained(str(folder), local_files_only=True)
-    for sentence in SENTENCES + ["Übermütige Kängurus!"]:  # the last one spelled with pieces of bytes
+    for sentence in sentences + ["Übermütige Kängurus!"]:  # the last one spelled with pieces of bytes
         ours = tokenizer.encode(sentence)
         assert [marian_ids[i] for i in ours] == marian_tokenizer(sentence, add_special_tokens=False)["input_ids"]
         assert tokenizer.decode(ours) == sentence
-    src = torch.tensor([tokenizer.encode(SENTENCES[0])])
-    tgt = torch.tensor([[BOS] + tokenizer.encode(SENTENCES[3])])
+    src = torch.tensor([tokenizer.encode(sentences[0])])
+    tgt = torch.tensor([[BOS] + tokenizer.encode(sentences[3])])
     with torch.no_grad():
         ours = model(src, tgt, padding_mask(src, PAD), subsequent_mask(tgt.size(1)))
         theirs = hf(
