@@ -1,5 +1,6 @@
 """The export and import commands of annotated/interop/folders.py, through folders and files, offline."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -163,3 +164,69 @@ def test_an_opus_like_folder_imports_with_its_tokenizer(checkpoint, sentences, t
             decoder_input_ids=tgt.clone().apply_(marian_ids.__getitem__),
         ).logits
     assert (ours[..., 1:] - theirs[..., marian_ids[1:]]).abs().max() <= 1e-4  # float32
+
+
+def test_export_takes_shipped_names_and_says_what_is_missing(tmp_path, monkeypatch, capsys):
+    """`shipped:NAME`, and with no checkpoint the commands' rule (here, no runs/: the shipped de -> en model); with
+    no folder to write, one line saying what to pass."""
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    for argv in (["export"], ["export", "", ""], ["export", "shipped:de-en"]):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "name the folder to write: make export CHECKPOINT=shipped:de-en OUT=" in err
+    assert main(["export", "shipped:en-de", "en-de"]) == 0
+    assert main(["export", "", "fallback"]) == 0
+    assert "using the shipped model" in capsys.readouterr().err
+    configs = [json.loads((tmp_path / d / "tokenizer_config.json").read_text()) for d in ("en-de", "fallback")]
+    assert [(c["source_lang"], c["target_lang"]) for c in configs] == [("en", "de"), ("de", "en")]
+
+
+def test_the_export_carries_its_model_card(tmp_path):
+    """README.md: data and domain warning, recipe, scores with their signatures (the shipped card's), how it was
+    exported; the tokenizer's limit is the model's positions; generate's beam is the translator's."""
+    from annotated.decoding.translate import build_parser
+    from annotated.shipped import read_card
+
+    assert main(["export", "shipped:de-en", str(tmp_path / "x")]) == 0
+    card, shipped = (tmp_path / "x" / "README.md").read_text(encoding="utf-8"), read_card("de-en")
+    assert shipped["trained_on"] in card and "out of its domain" in card
+    assert shipped["made"]["command"] in card and "make export CHECKPOINT=shipped:de-en" in card
+    for name in ("bleu", "bleu_lowercase", "chrf"):
+        assert f"| {name} | {shipped['scores']['test'][name]} | `{shipped['scores']['signatures'][name]}` |" in card
+    assert "ct2-transformers-converter" in card and str(Path.cwd()) not in card
+    tokenizer_config = json.loads((tmp_path / "x" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["model_max_length"] == shipped["model"]["max_len"] == 256
+    generation = json.loads((tmp_path / "x" / "generation_config.json").read_text())
+    assert generation["num_beams"] == build_parser().get_default("beam") == 4
+
+
+def test_a_long_source_goes_through_generate(checkpoint, tmp_path):
+    """A source of 600 subwords, cut by the tokenizer (truncation=True) to the model's 64 positions, translates
+    within the positions the generation config allows."""
+    main(["export", str(checkpoint), str(tmp_path / "out")])
+    hf = MarianMTModel.from_pretrained(str(tmp_path / "out"), local_files_only=True).eval()
+    tok = MarianTokenizer.from_pretrained(str(tmp_path / "out"), local_files_only=True)
+    text = " ".join(["Zwei Männer spielen Fußball im Park."] * 100)
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) >= 600
+    batch = tok([text], add_special_tokens=False, truncation=True, return_tensors="pt")
+    assert batch["input_ids"].shape[1] == hf.config.max_position_embeddings == 64
+    with torch.no_grad():
+        out = hf.generate(**batch, num_beams=2)  # the export's max_length: the model's positions
+    assert out.shape[1] <= 64
+
+
+def test_the_language_pair_survives_export_and_import(checkpoint, tmp_path):
+    from annotated.attention.heads import languages_of
+
+    main(["export", str(checkpoint), str(tmp_path / "out")])
+    assert main(["import", str(tmp_path / "out"), str(tmp_path / "back.pt")]) == 0
+    assert languages_of(load_checkpoint(tmp_path / "back.pt")[2]) == ("de", "en")
+    config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    del config["source_lang"], config["target_lang"]  # a folder that names no pair: --src/--tgt name it
+    (tmp_path / "out" / "tokenizer_config.json").write_text(json.dumps(config))
+    main(["import", str(tmp_path / "out"), str(tmp_path / "none.pt")])
+    assert "src_lang" not in load_checkpoint(tmp_path / "none.pt")[2]
+    main(["import", str(tmp_path / "out"), str(tmp_path / "named.pt"), "--src", "en", "--tgt", "de"])
+    assert languages_of(load_checkpoint(tmp_path / "named.pt")[2]) == ("en", "de")
