@@ -168,7 +168,7 @@ def marian_config(cfg: TransformerConfig):
     from transformers import MarianConfig
 
     start = marian_vocab(cfg) - 1
-    return MarianConfig(
+    config = MarianConfig(
         vocab_size=marian_vocab(cfg),
         decoder_vocab_size=marian_vocab(cfg),
         max_position_embeddings=cfg.max_len,
@@ -191,8 +191,9 @@ def marian_config(cfg: TransformerConfig):
         forced_eos_token_id=None,
         share_encoder_decoder_embeddings=cfg.share_embeddings,
         tie_word_embeddings=cfg.tie_generator,
-        **{VOCAB_SIZES_KEY: [cfg.src_vocab, cfg.tgt_vocab]},
     )
+    setattr(config, VOCAB_SIZES_KEY, [cfg.src_vocab, cfg.tgt_vocab])  # written into config.json with the rest
+    return config
 
 
 def _complete_state(model: EncoderDecoder) -> dict[str, Tensor]:
