@@ -125,9 +125,12 @@ def model_card(checkpoint_as_typed: str, checkpoint: Path, meta: dict, shipped_c
         "- `transformers`: `MarianMTModel.from_pretrained(folder)`, `MarianTokenizer.from_pretrained(folder)`; "
         "encode with `add_special_tokens=False` (the model was trained on sources without `</s>`) and "
         "`truncation=True` (at most the model's positions).",
-        "- CTranslate2: `ct2-transformers-converter --model folder --output_dir ct2` (the stock converter).",
+        "- CTranslate2: `ct2-transformers-converter --model folder --output_dir ct2` (the stock converter); it "
+        "computes this model's log-probabilities, and its beam search stops by its own rule (when its best "
+        "candidate ends), so a few translations differ from this project's.",
         "- `generate` ranks finished translations with `|Y|^length_penalty`, this project's translator with GNMT's "
-        "`((5 + |Y|) / 6)^alpha`; with both off (`length_penalty=0`, alpha 0) the two searches agree.",
+        "`((5 + |Y|) / 6)^alpha`; with both off (`length_penalty=0`, alpha 0) the two searches agree but for "
+        "outputs cut at the length limit (section 5 of `annotated/interop/marian.py`).",
         "",
     ]
     return "\n".join(lines)

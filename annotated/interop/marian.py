@@ -415,13 +415,21 @@ def from_marian(
 #   ReLU without embedding scaling and with an untied output projection, 1 to
 #   3 layers, 3 to 8 heads, d_model 16 to 32): our logits equal Marian's in
 #   float64 within 1e-9 under the token map, and the probabilities too.
+# - `test_every_activation_spelling_and_table_option_imports_as_the_same_function`:
+#   each spelling (`relu`, `gelu`, `silu`, `swish`), with and without
+#   embedding scaling, tied and untied (the unscaled tied model is the one
+#   whose generator must stay Marian's undivided table), gives Marian's
+#   float64 logits within 1e-12; `test_an_activation_we_do_not_have_is_refused`
+#   for `gelu_new`, `gelu_fast`, `quick_gelu`, `tanh`, `sigmoid`, `mish`.
 # - `test_export_gives_our_logits`, for three of our shapes (shared and
-#   tied; separate and untied; per-head without attention biases): Marian's
-#   logits equal ours within 1e-9 in float64 and 1e-4 in float32 (the
-#   measured differences are about 1e-15 and 1e-6: two orders of
-#   floating-point operations).
+#   tied; separate and untied; per-head without attention biases), in
+#   OPUS-MT's layout (section 1): Marian's logits equal ours within 1e-12 in
+#   float64 and 1e-4 in float32 (the measured differences are about 1e-15
+#   and 1e-6: two orders of floating-point operations), and the added rows'
+#   logits are `-inf`.
 # - `test_round_trip_is_exact`: export then import gives back every
-#   parameter bit for bit, in either attention form.
+#   parameter bit for bit, in either attention form, with our ids.
+# - `test_exported_config_says_what_the_model_does`: the three dropouts.
 # - `test_permuting_the_residual_stream_is_a_symmetry` (the theorem of
 #   `layout.py`, with a random permutation) and
 #   `test_a_wrong_permutation_is_caught` (none, or two coordinates swapped:
@@ -449,15 +457,24 @@ def from_marian(
 #
 # `tests/interop/test_marian_files.py` goes through folders: the export
 # loads offline in `MarianMTModel` and `MarianTokenizer`, which cuts text
-# into our ids; importing an export gives back the checkpoint and its
-# tokenizer; a folder in OPUS-MT's layout (`</s>` at 0, `<pad>` last, the
+# into our ids; importing an export gives back the checkpoint, its
+# tokenizer and its language pair; a folder in OPUS-MT's layout (`</s>` at 0, `<pad>` last, the
 # vocabulary's ids unlike the sentencepiece model's) imports with a tokenizer
 # that, under the token map, cuts text exactly as `MarianTokenizer` does.
 # The tests of logits and of the symmetry were seen to fail when the
 # conversion was broken on purpose: the renumbering skipped, `W_O` left
 # untransposed, SiLU read as GELU, the `-inf` of the duplicated pad left out,
-# `W_2` left out of the renumbering; and the beam test when `generate` was
-# given one token less than our search.
+# `W_2` left out of the renumbering, the start vector left out of the
+# decoder's first positional row, the added row's output bias 0 instead of
+# `-inf`, an unscaled tied model imported with its generator tied to the
+# divided table, the residual dropout written as `attention_dropout`; and
+# the beam test when `generate` was given one token less than our search.
+# `tests/interop/test_ctranslate2.py` runs CTranslate2's stock
+# `ct2-transformers-converter` on an export: its teacher-forced
+# log-probabilities are ours within 1e-4 in float32
+# (`test_the_stock_converter_gives_our_log_probabilities`; a folder without
+# the stored positional row moves them by 0.2), and its greedy and beam
+# translations are ours (`test_the_stock_converter_translates_as_we_do`).
 
 # %% [markdown]
 # ## 6. A trained model and its export, on real sentences
