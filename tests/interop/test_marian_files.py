@@ -230,3 +230,18 @@ def test_the_language_pair_survives_export_and_import(checkpoint, tmp_path):
     assert "src_lang" not in load_checkpoint(tmp_path / "none.pt")[2]
     main(["import", str(tmp_path / "out"), str(tmp_path / "named.pt"), "--src", "en", "--tgt", "de"])
     assert languages_of(load_checkpoint(tmp_path / "named.pt")[2]) == ("en", "de")
+
+
+def test_an_export_saved_again_by_transformers_is_refused_with_the_reason(checkpoint, tmp_path, capsys):
+    """save_pretrained leaves Marian's positional tables out, and with them the start vector: such a folder
+    computes another function, so import says why instead of reading it; with the export's own setting it keeps it."""
+    main(["export", str(checkpoint), str(tmp_path / "out")])
+    hf = MarianMTModel.from_pretrained(str(tmp_path / "out"), local_files_only=True)
+    hf.save_pretrained(str(tmp_path / "again"))
+    with pytest.raises(SystemExit) as stop:
+        main(["import", str(tmp_path / "again"), str(tmp_path / "x.pt")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "no longer holds the start vector" in err and "export the checkpoint again" in err
+    hf._keys_to_ignore_on_save = {"model.encoder.embed_positions.weight"}  # what the card says to do
+    hf.save_pretrained(str(tmp_path / "kept"))
+    assert main(["import", str(tmp_path / "kept"), str(tmp_path / "kept.pt")]) == 0
