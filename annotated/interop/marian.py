@@ -507,7 +507,7 @@ def from_marian(
 # It computes our log-probabilities (section 5); the 9 translations that
 # differ come from its search, which stops a sentence when its best
 # candidate ends rather than when `k` translations have finished: in all 9,
-# its translation (one to three subwords longer) has a higher
+# its translation (one to four subwords longer) has a higher
 # log-probability under our model than ours.
 
 # %% [markdown]
