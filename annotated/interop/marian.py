@@ -268,7 +268,7 @@ def to_marian(model: EncoderDecoder, heads: dict | None = None):
     for name, t in hf.state_dict().items():
         if "embed_positions" not in name:  # the sinusoids: Marian computes its own table
             t.copy_(hf_state[name])
-    hf.model.decoder.embed_positions.weight[0] = first_decoder_input(model)[to_theirs.to(dtype=torch.long)]
+    hf.model.decoder.embed_positions.weight[0] = first_decoder_input(model)[to_theirs]
     hf._keys_to_ignore_on_save = {"model.encoder.embed_positions.weight"}  # keep the decoder's table
     return hf
 
