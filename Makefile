@@ -33,7 +33,7 @@ help:
 	@echo "make attention    dump, draw and browse the attention of the latest run [CHECKPOINT=...]"
 	@echo "make heads        what each head does: importance, ablation, inspection [CHECKPOINT=...];"
 	@echo "                  ARGS='--prune' also removes heads (pruned.pt) and measures BLEU and speed"
-	@echo "make export       CHECKPOINT=... OUT=dir: the checkpoint as a transformers MarianMTModel folder"
+	@echo "make export       [CHECKPOINT=...] OUT=dir: the checkpoint as a transformers MarianMTModel folder"
 	@echo "make import       HF=dir OUT=file.pt: a MarianMTModel folder (save_pretrained) as our checkpoint"
 	@echo "make docs         the annotated source as a page: docs/_build/index.html (offline)"
 	@echo "make screenshots  retake the README's screenshots (docs/screenshots/*.png) from the shipped de->en model"
@@ -121,8 +121,9 @@ bench: $(SETUP)
 gpu-report: $(SETUP)
 	$(PY) benchmarks/gpu_report.py $(ARGS)
 
-# make export CHECKPOINT=runs/<run>/averaged.pt OUT=exported [ARGS=--overwrite]; make import HF=folder OUT=model.pt
-# [ARGS='--attention per_head']: annotated/interop/folders.py (over marian.py), to and from transformers' MarianMTModel.
+# make export [CHECKPOINT=shipped:de-en|runs/<run>/averaged.pt] OUT=exported [ARGS=--overwrite] (no CHECKPOINT: the
+# latest run's model, else the shipped de -> en one); make import HF=folder OUT=model.pt [ARGS='--attention per_head
+# --src de --tgt en']: annotated/interop/folders.py (over marian.py), to and from transformers' MarianMTModel.
 .PHONY: export import
 HF ?=
 OUT ?=

@@ -12,14 +12,14 @@ trained) on the same number of threads, batched as it does best:
   sentences of similar length;
 - **generate**: `transformers` `MarianMTModel.generate(num_beams=4, early_stopping=True)` on the export
   (`annotated/interop/marian.py`), on translate_ids' batches;
-- **CTranslate2 float32 / int8**: the export converted by CTranslate2's own `TransformersConverter`, and
-  `Translator.translate_batch(beam_size=4, max_batch_size=64)`.
+- **CTranslate2 float32 / int8**: the export converted by CTranslate2's stock `TransformersConverter` (the code
+  of `ct2-transformers-converter`, nothing patched), and `Translator.translate_batch(beam_size=4,
+  max_batch_size=64)`.
 
-CTranslate2's Marian loader assumes OPUS-MT's decoder start, a zero embedding in place of the pad's row. Our
-export starts the decoder with `bos`, whose embedding is not zero, so the benchmark converts with that
-loader's two start-token settings changed (`start_from_zero_embedding` off, `<s>` as the start token), and
-without the loader's removal of the vocabulary's last row (OPUS-MT's `<pad>`; ours is an ordinary piece):
-everything else is CTranslate2's own conversion. Each row prints sentences per second, corpus BLEU
+The export is laid out as OPUS-MT's models are (a `<pad>` row appended as the decoder start, zero, with the
+start vector in the decoder's first positional row: section 1 of `annotated/interop/marian.py`), which is what
+CTranslate2's Marian loader assumes, so its stock conversion computes our model's function
+(`tests/interop/test_ctranslate2.py`). Each row prints sentences per second, corpus BLEU
 (sacreBLEU, cased) and its speed as a multiple of CTranslate2 float32's. Timings are the median of `--rounds`
 rounds in a rotating order, after one warm-up round per tool. Speed is never asserted by a test;
 `tests/test_translate_bench.py` checks that every tool runs and translates.
@@ -46,29 +46,10 @@ NAME = "translate-bench"
 
 
 def convert_ctranslate2(hf_dir: Path, out: Path, quantization: str | None) -> Path:
-    """CTranslate2's TransformersConverter with the Marian loader starting the decoder from our bos."""
-    from ctranslate2.converters import transformers as ct2t
+    """CTranslate2's stock TransformersConverter (what `ct2-transformers-converter` runs), unpatched."""
+    from ctranslate2.converters import TransformersConverter
 
-    class BosStartMarianLoader(ct2t.MarianMTLoader):
-        def get_model_spec(self, model):  # all of Marian's but the removal of a last (pad) row: ours is a piece
-            model.config.normalize_before = False
-            model.config.normalize_embedding = False
-            return ct2t.BartLoader.get_model_spec(self, model)
-
-        def set_config(self, config, model, tokenizer):
-            super().set_config(config, model, tokenizer)
-            config.decoder_start_token = "<s>"
-
-        def set_decoder(self, spec, decoder):
-            super().set_decoder(spec, decoder)
-            spec.start_from_zero_embedding = False
-
-    saved = ct2t._MODEL_LOADERS["MarianConfig"]
-    ct2t._MODEL_LOADERS["MarianConfig"] = BosStartMarianLoader()
-    try:
-        ct2t.TransformersConverter(str(hf_dir)).convert(str(out), quantization=quantization, force=True)
-    finally:
-        ct2t._MODEL_LOADERS["MarianConfig"] = saved
+    TransformersConverter(str(hf_dir)).convert(str(out), quantization=quantization, force=True)
     return out
 
 

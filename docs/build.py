@@ -113,6 +113,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "interop/layout",
             "interop/marian",
             "interop/folders",
+            "interop/card",
             "interop/agreement",
         ),
     ),

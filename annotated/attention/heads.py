@@ -165,10 +165,25 @@ def _batches(encoded, indices, max_len: int):
     return make_batches([chosen[i] for i in kept], max_tokens=4000)
 
 
+def languages_of(meta: dict) -> tuple[str, str]:
+    """(src_lang, tgt_lang) of a checkpoint's metadata; CheckpointError naming the fix where it names none (a model
+    scored in the wrong direction would look like a model with useless heads)."""
+    from annotated.plumbing.checkpoint import CheckpointError
+
+    src, tgt = meta.get("src_lang"), meta.get("tgt_lang")
+    if not (isinstance(src, str) and isinstance(tgt, str)):
+        raise CheckpointError(
+            "the checkpoint's metadata names no language pair (src_lang/tgt_lang), so the direction to score it "
+            "in is unknown; for an imported model, import it again naming them: make import HF=folder "
+            "OUT=model.pt ARGS='--src de --tgt en'"
+        )
+    return src, tgt
+
+
 def _data(meta: dict, tokenizer, n: int, max_len: int, prune: bool, n_test: int | None):
     from annotated.training.data import encode_pairs, load_multi30k
 
-    src, tgt = meta.get("src_lang", "de"), meta.get("tgt_lang", "en")
+    src, tgt = languages_of(meta)
     every = load_multi30k("val", src, tgt)
     val = every[:n]
     encoded = encode_pairs(val, tokenizer)
@@ -699,7 +714,7 @@ def time_both(model, pruned, tokenizer, test, beam: int, alpha: float) -> tuple[
 def _training_batches(meta: dict, tokenizer, max_len: int):
     from annotated.training.data import encode_pairs, load_multi30k, make_batches, split_long
 
-    train = load_multi30k("train", meta.get("src_lang", "de"), meta.get("tgt_lang", "en"))
+    train = load_multi30k("train", *languages_of(meta))
     encoded = encode_pairs(train, tokenizer)
     kept, _ = split_long(encoded, max_len)
     return make_batches([encoded[i] for i in kept], max_tokens=4000, shuffle=True, seed=0)

@@ -21,7 +21,11 @@
 #
 # 1. **logits**, teacher-forced on each source and its reference, in
 #    float64 and in float32: the largest absolute difference over every
-#    position and every token;
+#    position and every token of ours (the export's added start row is
+#    `-inf`). In float32 the folder as `from_pretrained` loads it; in float64
+#    the conversion of our float64 model (`to_marian`), because the folder
+#    stores the first decoder positional row (section 1 of `marian.py`) as a
+#    float32 sum, which our float64 model computes in float64;
 # 2. **translations**, our `translate_ids` (beam 4) against `generate`
 #    (`num_beams=4`, `early_stopping=True`) on the same batches, with the
 #    same output length limit: the share of identical translations and each
@@ -29,7 +33,13 @@
 #    0` and `length_penalty=0`, where the two formulas agree, so any
 #    difference is a difference of search), then with our translator's
 #    GNMT `alpha` (the model's own, `model_length_penalty`, unless `--alpha`
-#    names one) against `generate`'s `|Y|^length_penalty`.
+#    names one) against `generate`'s `|Y|^length_penalty`;
+# 3. where `ctranslate2` is installed, **CTranslate2**: the export converted
+#    by its stock converter (`ctranslate2_ids`, the code of
+#    `ct2-transformers-converter`, nothing patched), `translate_batch` with
+#    beam 4 and `length_penalty=0`, the same output length limits, against
+#    our search with `alpha = 0`: the share of identical translations and
+#    each one's corpus BLEU.
 #
 # `tests/interop/test_agreement.py` runs it on a trained checkpoint where
 # there is one.
@@ -42,6 +52,7 @@ if __name__ == "__main__":
 
     quiet_ctrl_c_while_starting("agreement")
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -49,6 +60,7 @@ import torch
 
 from annotated.decoding.search import translate_ids
 from annotated.interop.folders import export_marian
+from annotated.interop.marian import export_ids, to_marian
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import padding_mask, subsequent_mask
 
@@ -68,29 +80,56 @@ def logit_difference(
 ) -> float:
     """The largest |our logit - Marian's logit| over every sentence, position and token, in `dtype`."""
     model, hf, worst = model.to(dtype), hf.to(dtype), 0.0
+    start, V = hf.config.decoder_start_token_id, model.config.tgt_vocab
     for i in range(0, len(sources), batch_size):
         src, tgt = _padded(sources[i : i + batch_size]), _padded([[BOS] + t for t in targets[i : i + batch_size]])
         ours = model(src, tgt, padding_mask(src, PAD), subsequent_mask(tgt.size(1)))  # (B, T, V)
-        theirs = hf(input_ids=src, attention_mask=(src != PAD).long(), decoder_input_ids=tgt).logits  # (B, T, V)
+        theirs = hf(
+            input_ids=export_ids(src, start),
+            attention_mask=(src != PAD).long(),
+            decoder_input_ids=export_ids(tgt, start, decoder=True),
+        ).logits[..., :V]  # (B, T, V)
         real = (tgt != PAD).unsqueeze(-1)  # (B, T, 1) the positions of real target tokens
         worst = max(worst, ((ours - theirs).abs() * real).max().item())
     model.float(), hf.float()
     return worst
 
 
+def ctranslate2_ids(folder: Path, tokenizer, sources: list[list[int]], max_extra: int = 50) -> list[list[int]]:
+    """CTranslate2's beam 4, no length penalty, on the export `folder` converted by the stock converter; output
+    lengths at most min(max_len, S + max_extra) as `translate_ids`; our ids without eos, in input order."""
+    import ctranslate2
+    from ctranslate2.converters import TransformersConverter
+
+    converted = TransformersConverter(str(folder)).convert(str(folder.parent / "ctranslate2"), force=True)
+    translator = ctranslate2.Translator(converted, device="cpu", intra_threads=torch.get_num_threads())
+    limit = json.loads((folder / "config.json").read_text(encoding="utf-8"))["max_position_embeddings"]
+    piece_id = {p: i for i, p in enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
+    out = []
+    for ids in sources:  # one call per sentence: each its own length limit
+        r = translator.translate_batch(
+            [tokenizer.pieces(ids[:limit])],
+            beam_size=4,
+            length_penalty=0.0,
+            max_decoding_length=min(limit, len(ids) + max_extra),
+        )[0]
+        out.append([piece_id[p] for p in r.hypotheses[0]])
+    return out
+
+
 @torch.no_grad()
 def generate_ids(
     hf, sources: list[list[int]], length_penalty: float, batch_size: int = 64, max_extra: int = 50
 ) -> list[list[int]]:
-    """`generate` with beam 4 on `translate_ids`' batches and length limits; ids without eos, in input order."""
-    limit = hf.config.max_position_embeddings
+    """`generate` with beam 4 on `translate_ids`' batches and length limits; our ids without eos, in input order."""
+    limit, start = hf.config.max_position_embeddings, hf.config.decoder_start_token_id
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list[list[int]] = [[] for _ in sources]
     for k in range(0, len(order), batch_size):
         idx = order[k : k + batch_size]
         src = _padded([sources[i][:limit] for i in idx])
         ys = hf.generate(
-            input_ids=src,
+            input_ids=export_ids(src, start),
             attention_mask=(src != PAD).long(),
             num_beams=4,
             do_sample=False,
@@ -102,7 +141,7 @@ def generate_ids(
         )[:, 1:]  # without the decoder start
         for r, i in enumerate(idx):
             row = ys[r].tolist()
-            out[i] = row[: row.index(EOS)] if EOS in row else [t for t in row if t != PAD]
+            out[i] = row[: row.index(EOS)] if EOS in row else [t for t in row if t != start]
     return out
 
 
@@ -132,11 +171,12 @@ def compare(
     with tempfile.TemporaryDirectory() as folder:
         export_marian(checkpoint, Path(folder) / "export")
         hf = MarianMTModel.from_pretrained(str(Path(folder) / "export"), local_files_only=True).float().eval()
+        ct2 = ctranslate2_ids(Path(folder) / "export", tokenizer, sources) if _has_ctranslate2() else None
     result = {
         "sentences": len(pairs),
         "max_abs_logit_difference": {
-            name: logit_difference(model, hf, sources, targets, dtype)
-            for name, dtype in (("float64", torch.float64), ("float32", torch.float32))
+            "float64": logit_difference(model, to_marian(model.double()), sources, targets, torch.float64),
+            "float32": logit_difference(model, hf, sources, targets, torch.float32),
         },
     }
     references = [t for _, t in pairs]
@@ -156,7 +196,20 @@ def compare(
             "our BLEU": bleu[0],
             "generate BLEU": bleu[1],
         }
+    if ct2 is not None:
+        ours = ours_at[0.0]
+        result["CTranslate2, no length penalty"] = {
+            "identical": sum(a == b for a, b in zip(ours, ct2)) / len(pairs),
+            "our BLEU": score([tokenizer.decode(h) for h in ours], references)["bleu"],
+            "CTranslate2 BLEU": score([tokenizer.decode(h) for h in ct2], references)["bleu"],
+        }
     return result
+
+
+def _has_ctranslate2() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ctranslate2") is not None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while torch and transformer
 from pathlib import Path
 from typing import Any
 
-from annotated.interop.marian import from_marian, to_marian
+from annotated.interop.marian import from_marian, marian_vocab, to_marian
 from annotated.tokens import BOS, EOS, PAD, UNK
 from annotated.transformer import AttentionForm, TransformerConfig
 
@@ -41,18 +41,26 @@ NAME = "marian"
 # ## Folders and files
 #
 # An exported folder holds what `save_pretrained` writes (`config.json`,
-# `generation_config.json`, `model.safetensors`) and the tokenizer files of
-# `MarianTokenizer`: our sentencepiece model as both `source.spm` and
-# `target.spm`, and `vocab.json`, which maps each piece to its id (ours: the
-# sentencepiece model's own ids). One difference in use: `MarianTokenizer`
-# appends `</s>` to every source, and our models were trained on sources
-# without it. To give the exported model what ours sees, encode with
-# `tokenizer(text, add_special_tokens=False)`.
+# `generation_config.json`, `model.safetensors`, with the decoder's
+# positional table: section 1 of `marian.py`), the tokenizer files of
+# `MarianTokenizer` and a model card, `README.md` (`card.py`). The
+# tokenizer: our sentencepiece model as both `source.spm` and `target.spm`,
+# and `vocab.json`, which maps each piece to its id: ours, the sentencepiece
+# model's own, but for the appended start row, named `<pad>` as in OPUS-MT,
+# so our pad's piece (id 0, never produced from text) is renamed
+# `<annotated-pad>`. `tokenizer_config.json` names the language pair
+# (`source_lang`, `target_lang`) and the model's positions
+# (`model_max_length`), so that `truncation=True` cuts a long source to what
+# the model can read (`test_a_long_source_goes_through_generate`). One
+# difference in use: `MarianTokenizer` appends `</s>` to every source, and
+# our models were trained on sources without it. To give the exported model
+# what ours sees, encode with `tokenizer(text, add_special_tokens=False)`.
 #
 # The generation config asks for our translator's search where
-# `transformers` has it: beam 4, stop a sentence when 4 translations have
-# finished (`early_stopping=True`, our rule, `annotated/decoding/search.py`).
-# The length penalties differ in form: ours is GNMT's `((5 + |Y|) / 6)^alpha`,
+# `transformers` has it: the translator's beam (`--beam`'s default), stop a
+# sentence when that many translations have finished
+# (`early_stopping=True`, our rule, `annotated/decoding/search.py`). The
+# length penalties differ in form: ours is GNMT's `((5 + |Y|) / 6)^alpha`,
 # `generate` divides by `|Y|^length_penalty`; the two agree only at 0. The
 # export writes `length_penalty=1.0`, `transformers`' default, and section 6
 # of `marian.py` measures what that changes.
@@ -64,7 +72,18 @@ NAME = "marian"
 
 
 # %%
-def _write_tokenizer(tokenizer, folder: Path) -> None:
+OUR_PAD_PIECE = "<annotated-pad>"  # vocab.json's name for our pad (id 0): `<pad>` is the start row's
+
+
+def export_vocab(tokenizer, size: int) -> dict[str, int]:
+    """vocab.json of the export: our pieces at our ids (pad renamed), unused ids up to the start row, `<pad>` last."""
+    names = tokenizer.pieces(range(tokenizer.vocab_size))
+    names[PAD] = OUR_PAD_PIECE
+    names += [f"<unused-{i}>" for i in range(len(names), size - 1)] + ["<pad>"]
+    return {piece: i for i, piece in enumerate(names)}
+
+
+def _write_tokenizer(tokenizer, folder: Path, size: int, meta: dict, max_len: int) -> None:
     """source.spm, target.spm, vocab.json and MarianTokenizer's own config, for our tokenizer."""
     import json
 
@@ -72,15 +91,18 @@ def _write_tokenizer(tokenizer, folder: Path) -> None:
 
     for name in ("source.spm", "target.spm"):
         (folder / name).write_bytes(tokenizer.to_bytes())
-    vocab = {piece: i for i, piece in enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
+    vocab = export_vocab(tokenizer, size)
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     MarianTokenizer(
         str(folder / "source.spm"),
         str(folder / "target.spm"),
         str(folder / "vocab.json"),
+        source_lang=meta.get("src_lang"),
+        target_lang=meta.get("tgt_lang"),
         unk_token=vocab_piece(tokenizer, UNK),
         eos_token=vocab_piece(tokenizer, EOS),
-        pad_token=vocab_piece(tokenizer, PAD),
+        pad_token="<pad>",
+        model_max_length=max_len,
     ).save_pretrained(str(folder))
 
 
@@ -88,15 +110,23 @@ def vocab_piece(tokenizer, i: int) -> str:
     return tokenizer.pieces([i])[0]
 
 
+def translator_beam() -> int:
+    """The beam `make translate` decodes with (its --beam default)."""
+    from annotated.decoding.translate import build_parser
+
+    return build_parser().get_default("beam")
+
+
 def generation_config(cfg: TransformerConfig, length_penalty: float = 1.0):
     from transformers import GenerationConfig
 
+    start = marian_vocab(cfg) - 1
     return GenerationConfig(
-        decoder_start_token_id=BOS,
-        bos_token_id=BOS,
+        decoder_start_token_id=start,
+        bos_token_id=start,
         eos_token_id=EOS,
-        pad_token_id=PAD,
-        num_beams=4,
+        pad_token_id=start,
+        num_beams=translator_beam(),
         early_stopping=True,
         length_penalty=length_penalty,
         max_length=cfg.max_len,
@@ -129,23 +159,28 @@ def _publish(staging: Path, out: Path) -> None:
         staging.rename(out)
 
 
-def export_marian(checkpoint: Path, out: Path, overwrite: bool = False) -> Path:
-    """Write checkpoint `checkpoint` as a MarianMTModel folder `out`; returns `out`."""
+def export_marian(checkpoint: Path, out: Path, overwrite: bool = False, as_typed: str | None = None) -> Path:
+    """Write checkpoint `checkpoint` (named `as_typed` on the command line) as a MarianMTModel folder `out`."""
     import shutil
     import tempfile
 
+    from annotated.interop.card import model_card
     from annotated.plumbing.checkpoint import load_checkpoint, read_checkpoint
+    from annotated.shipped import is_shipped, read_card
 
     _check_target(out, overwrite, "folder")
-    model, tokenizer, _ = load_checkpoint(checkpoint)
+    model, tokenizer, meta = load_checkpoint(checkpoint)
     hf = to_marian(model, read_checkpoint(checkpoint).get("heads"))
     hf.generation_config = generation_config(model.config)
+    shipped = read_card(Path(checkpoint).stem) if is_shipped(Path(checkpoint)) else None
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         hf.save_pretrained(str(staging))
         if tokenizer is not None:
-            _write_tokenizer(tokenizer, staging)
+            _write_tokenizer(tokenizer, staging, marian_vocab(model.config), meta, model.config.max_len)
+        card = model_card(as_typed or str(checkpoint), Path(checkpoint), meta, shipped, model.config)
+        (staging / "README.md").write_text(card, encoding="utf-8")
         _publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -167,8 +202,7 @@ def _tokenizer_of(folder: Path, src_map: list[int], tgt_map: list[int]):
         return None
     vocab = json.loads(files[2].read_text(encoding="utf-8"))
     identity = list(range(tokenizer.vocab_size))
-    pieces = dict(zip(tokenizer.pieces(identity), identity))
-    return tokenizer if vocab == pieces and src_map == tgt_map == identity else None
+    return tokenizer if vocab == export_vocab(tokenizer, len(vocab)) and src_map == tgt_map == identity else None
 
 
 def _renumbered_tokenizer(folder: Path, src_map: list[int], tgt_map: list[int]):
@@ -220,10 +254,28 @@ def _unk_of(folder: Path) -> int | None:
     return json.loads(vocab.read_text(encoding="utf-8")).get("<unk>") if vocab.is_file() else None
 
 
+def _languages(folder: Path, src: str | None, tgt: str | None) -> dict:
+    """src_lang/tgt_lang: as given, else tokenizer_config.json's source_lang/target_lang; only those known."""
+    import json
+
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    found = {"src_lang": src or config.get("source_lang"), "tgt_lang": tgt or config.get("target_lang")}
+    return {k: v for k, v in found.items() if isinstance(v, str) and v}
+
+
 def import_marian(
-    folder: Path, out: Path, attention: AttentionForm = "fused", overwrite: bool = False
+    folder: Path,
+    out: Path,
+    attention: AttentionForm = "fused",
+    overwrite: bool = False,
+    src: str | None = None,
+    tgt: str | None = None,
 ) -> tuple[Path, bool]:
-    """Write the MarianMTModel folder `folder` as our checkpoint `out`; returns (out, whether it holds a tokenizer)."""
+    """Write the MarianMTModel folder `folder` as our checkpoint `out`; returns (out, whether it holds a tokenizer).
+    The language pair: `src`/`tgt` where given, else the folder's tokenizer_config.json."""
     from transformers import MarianMTModel
 
     from annotated.plumbing.checkpoint import save_checkpoint
@@ -235,6 +287,7 @@ def import_marian(
     model, src_map, tgt_map = from_marian(hf, attention, _unk_of(folder))
     tokenizer = _tokenizer_of(folder, src_map, tgt_map) or _renumbered_tokenizer(folder, src_map, tgt_map)
     meta = {"imported_from": str(folder), "marian_source_ids": src_map, "marian_target_ids": tgt_map}
+    meta.update(_languages(folder, src, tgt))
     save_checkpoint(out, model, tokenizer, meta)
     return out, tokenizer is not None
 
@@ -242,12 +295,23 @@ def import_marian(
 # %% [markdown]
 # ## The command
 #
-# `export CHECKPOINT DIR` and `import HF_DIR OUT.pt` (`--attention per_head`
-# stores the imported model head by head; `--overwrite` replaces an earlier
-# output). A refusal is one line on stderr that names the fix, exit code 2.
+# `export [CHECKPOINT] DIR` and `import HF_DIR OUT.pt` (`--attention per_head`
+# stores the imported model head by head; `--src`/`--tgt` name its language
+# pair where the folder does not; `--overwrite` replaces an earlier output).
+# The checkpoint is chosen as by every command (`choose_checkpoint`):
+# `shipped:de-en` names a shipped model, and with none given (or an empty
+# `CHECKPOINT=`) the latest run's model, else the shipped de -> en model. A
+# refusal is one line on stderr that names the fix, exit code 2
+# (`test_export_takes_shipped_names_and_says_what_is_missing`).
 
 
 # %%
+EXPORT_USAGE = (
+    "make export CHECKPOINT=shipped:de-en OUT=exported (or python -m annotated.interop.folders export CHECKPOINT DIR)"
+)
+IMPORT_USAGE = "make import HF=folder OUT=model.pt (or python -m annotated.interop.folders import HF_DIR OUT.pt)"
+
+
 def build_parser():
     from annotated.plumbing.options import Parser
 
@@ -258,15 +322,54 @@ def build_parser():
     )
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="checkpoint -> MarianMTModel folder")
-    e.add_argument("checkpoint", type=Path)
-    e.add_argument("out", type=Path, help="the folder to write")
+    e.add_argument(
+        "checkpoint",
+        nargs="?",
+        default=None,
+        help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model; with no run, "
+        "the shipped de -> en model)",
+    )
+    e.add_argument("out", nargs="?", default=None, help="the folder to write")
     i = sub.add_parser("import", help="MarianMTModel folder -> checkpoint")
-    i.add_argument("hf_dir", type=Path, help="a folder written by save_pretrained")
-    i.add_argument("out", type=Path, help="the checkpoint to write (.pt)")
+    i.add_argument("hf_dir", nargs="?", default=None, help="a folder written by save_pretrained")
+    i.add_argument("out", nargs="?", default=None, help="the checkpoint to write (.pt)")
     i.add_argument("--attention", choices=("fused", "per_head"), default="fused")
+    i.add_argument("--src", default=None, help="source language, where the folder's tokenizer_config.json names none")
+    i.add_argument("--tgt", default=None, help="target language, likewise")
     for s in (e, i):
         s.add_argument("--overwrite", action="store_true", help="replace an existing output")
     return p
+
+
+def _export(args) -> None:
+    import sys
+
+    from annotated.shipped import choose_checkpoint
+
+    if not args.out:
+        raise ValueError(f"name the folder to write: {EXPORT_USAGE}")
+    checkpoint = choose_checkpoint(args.checkpoint or None, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
+    if not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint}: no such file; {EXPORT_USAGE}")
+    out = export_marian(Path(checkpoint), Path(args.out), args.overwrite, as_typed=args.checkpoint or None)
+    print(f"wrote {out}: MarianMTModel.from_pretrained({str(out)!r}) loads it")
+
+
+def _import(args) -> None:
+    if not args.hf_dir or not args.out:
+        raise ValueError(f"name the folder to read and the checkpoint to write: {IMPORT_USAGE}")
+    out, has_tokenizer = import_marian(
+        Path(args.hf_dir), Path(args.out), args.attention, args.overwrite, args.src, args.tgt
+    )
+    print(
+        f"wrote {out}"
+        + (
+            ""
+            if has_tokenizer
+            else ": without a tokenizer (its sentencepiece model does "
+            "not use this project's ids), so it translates token ids, not text"
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,20 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "export":
-            out = export_marian(args.checkpoint, args.out, args.overwrite)
-            print(f"wrote {out}: MarianMTModel.from_pretrained({str(out)!r}) loads it")
-        else:
-            out, has_tokenizer = import_marian(args.hf_dir, args.out, args.attention, args.overwrite)
-            print(
-                f"wrote {out}"
-                + (
-                    ""
-                    if has_tokenizer
-                    else ": without a tokenizer (its sentencepiece model does "
-                    "not use this project's ids), so it translates token ids, not text"
-                )
-            )
+        _export(args) if args.command == "export" else _import(args)
     except (CheckpointError, ValueError, FileExistsError, FileNotFoundError, OSError) as e:
         fail(NAME, str(e))
     return 0

@@ -306,6 +306,23 @@ def test_bad_checkpoint_file_is_one_line_exit_2(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_model_without_a_language_pair_is_refused(tmp_path, capsys):
+    """No src_lang/tgt_lang in the metadata (an imported folder that named none): refused in one line naming the
+    fix, not scored in a guessed direction."""
+    from annotated.plumbing.checkpoint import save_checkpoint
+    from annotated.training.data import train_tokenizer
+    from annotated.transformer import make_model
+
+    tokenizer = train_tokenizer(["Ein Hund rennt.", "A dog runs.", "Zwei Männer.", "Two men."] * 20, 300, tmp_path)
+    model = make_model(src_vocab=300, tgt_vocab=300, N=1, d_model=8, d_ff=8, h=2)
+    for meta in ({}, {"src_lang": "de"}):
+        save_checkpoint(tmp_path / "model.pt", model, tokenizer, meta)
+        code, err = run_main(["--checkpoint", str(tmp_path / "model.pt"), "--out", str(tmp_path / "o")], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "names no language pair" in err and "ARGS='--src de --tgt en'" in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_without_a_checkpoint_or_a_run_it_says_how_to_get_one(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no runs/ here
     monkeypatch.setattr("annotated.shipped.FOLDER", tmp_path / "empty box")  # and no shipped model

@@ -14,7 +14,7 @@ from transformers import MarianConfig, MarianMTModel
 from annotated.decoding.search import beam_search
 from annotated.interop import layout
 from annotated.interop.layout import permute_residual, sinusoid_permutation
-from annotated.interop.marian import from_marian, to_marian
+from annotated.interop.marian import export_ids, from_marian, marian_vocab, to_marian
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import (
     make_model,
@@ -187,26 +187,33 @@ def test_per_head_import_is_the_fused_import_split():
     assert (our_logits(fused, src, tgt) - our_logits(per_head, src, tgt)).nan_to_num(0).abs().max() <= 1e-12
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-9), (torch.float32, 1e-4)])
+def our_batch(cfg, seed: int = 2):
+    """Our source ids with padding, and target prefixes starting with bos."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(3, cfg.src_vocab, (3, 9), generator=g)  # (3, 9)
+    tgt = torch.randint(3, cfg.tgt_vocab, (3, 6), generator=g)  # (3, 6)
+    src[1, 6:], tgt[:, 0] = PAD, BOS
+    return src, tgt
+
+
+# float64: the measured differences are at most 1.2e-14 (two orders of the same floating-point operations), so 1e-12
+# leaves two orders of margin and still catches any slip (a wrong row moves logits by units); float32: about 1e-5
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("shape", OUR_SHAPES)
 def test_export_gives_our_logits(shape, dtype, tolerance):
+    """OPUS-MT's layout: our ids, then one row, the pad and decoder start, zero and never predicted."""
     model = random_ours(shape, dtype=dtype)
     hf = to_marian(model)
-    assert (
-        hf.config.decoder_start_token_id == BOS
-        and hf.config.pad_token_id == PAD
-        and next(hf.parameters()).dtype == dtype
-    )
-    cfg = model.config
-    g = torch.Generator().manual_seed(2)
-    src, tgt = (
-        torch.randint(3, cfg.src_vocab, (3, 9), generator=g),
-        torch.randint(3, cfg.tgt_vocab, (3, 6), generator=g),
-    )
-    src[1, 6:], tgt[:, 0] = PAD, BOS
-    ours = our_logits(model, src, tgt)
+    cfg, start = model.config, marian_vocab(model.config) - 1
+    assert hf.config.decoder_start_token_id == hf.config.pad_token_id == start
+    assert next(hf.parameters()).dtype == dtype
+    assert not hf.model.decoder.embed_tokens.weight[start].any()  # what CTranslate2 assumes: a zero start
+    src, tgt = our_batch(cfg)
+    ours = our_logits(model, src, tgt)  # (B, T, V_tgt)
+    theirs = marian_logits(hf, export_ids(src, start), export_ids(tgt, start, decoder=True))  # (B, T, start + 1)
     assert ours.abs().max() > 1.0
-    assert (ours - marian_logits(hf, src, tgt)).abs().max() <= tolerance
+    assert (ours - theirs[..., : cfg.tgt_vocab]).abs().max() <= tolerance
+    assert torch.isneginf(theirs[..., cfg.tgt_vocab :]).all()  # the added rows: never predicted
 
 
 @pytest.mark.parametrize("shape", OUR_SHAPES)
@@ -330,3 +337,68 @@ def test_refusals_name_the_fix():
                 )
             )
         )
+
+
+def small_marian(activation: str, scale: bool, tie: bool, seed: int = 4) -> MarianMTModel:
+    """OPUS-MT's id layout, with the given activation spelling, embedding scaling and tying, in float64."""
+    torch.manual_seed(seed)
+    config = MarianConfig(
+        vocab_size=30,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_ffn_dim=24,
+        decoder_ffn_dim=24,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        activation_function=activation,
+        pad_token_id=29,
+        decoder_start_token_id=29,
+        eos_token_id=0,
+        scale_embedding=scale,
+        tie_word_embeddings=tie,
+        max_position_embeddings=32,
+        dropout=0.0,
+    )
+    hf = MarianMTModel(config).double().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "embed_positions" not in name:
+                p.add_(torch.randn_like(p) * 0.3)
+        hf.final_logits_bias.normal_()
+    return hf
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("scale", [True, False], ids=["scaled", "unscaled"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu", "swish"])
+def test_every_activation_spelling_and_table_option_imports_as_the_same_function(activation, scale, tie):
+    """Each spelling MarianConfig takes for the three functions we have, with and without embedding scaling and
+    tied output tables: float64 logits equal Marian's. An unscaled tied model is the case where our tables (divided
+    by sqrt(d_model)) and the generator (Marian's table as the model uses it) stop being one table."""
+    hf = small_marian(activation, scale, tie)
+    assert (hf.lm_head.weight is hf.model.decoder.embed_tokens.weight) == tie
+    model, src_map, tgt_map = from_marian(hf)
+    expected = {"relu": "relu", "gelu": "gelu", "silu": "silu", "swish": "silu"}[activation]
+    assert model.config.activation == expected and model.config.tie_generator == (tie and scale)
+    src, tgt = marian_batch(hf.config)
+    theirs = marian_logits(hf, src, tgt)  # (B, T, V_marian)
+    ours = our_logits(model, to_our_ids(src, src_map, False), to_our_ids(tgt, tgt_map, True))  # (B, T, V_marian + 1)
+    # measured at most 2.4e-15: the same operations in another order; a wrong activation or table moves them by units
+    assert (ours[..., 1:] - theirs[..., tgt_map[1:]]).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("activation", ["gelu_new", "gelu_fast", "quick_gelu", "tanh", "sigmoid", "mish"])
+def test_an_activation_we_do_not_have_is_refused(activation):
+    with pytest.raises(ValueError, match=f"activation_function {activation!r} is not one of"):
+        from_marian(small_marian(activation, True, True))
+
+
+def test_exported_config_says_what_the_model_does():
+    """dropout is the residual dropout, attention_dropout the one on attention weights, activation_dropout the one
+    after the feed-forward activation (ours: dropout); all three differ from transformers' defaults here."""
+    model = make_model(src_vocab=20, tgt_vocab=20, N=1, d_model=8, d_ff=16, h=2, dropout=0.15, attention_dropout=0.05)
+    config = to_marian(model).config
+    assert (config.dropout, config.attention_dropout, config.activation_dropout) == (0.15, 0.05, 0.15)
+    back = from_marian(to_marian(model))[0].config
+    assert (back.dropout, back.attention_p) == (0.15, 0.05)
