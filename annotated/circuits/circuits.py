@@ -185,8 +185,9 @@ class HeadCircuit:
     def scores(self, x_q: Tensor, x_kv: Tensor) -> Tensor:
         """The head's raw scores q_a k_b^T / sqrt(d_k) for x_q (B, T_q, d_model), x_kv (B, T_k, d_model)."""
         s = self.QK.bilinear(x_q, x_kv)  # (B, T_q, T_k)
-        if self.key_bias is not None:  # biases come all or none (the attention's `bias`)
+        if self.key_bias is not None:
             s = s + (x_kv @ self.key_bias).unsqueeze(-2)  # x_b u, the same for every query
+        if self.query_bias is not None and self.constant is not None:
             s = s + (x_q @ self.query_bias).unsqueeze(-1) + self.constant  # constant along the keys
         return s * self.scale  # (B, T_q, T_k)
 
@@ -211,17 +212,21 @@ def circuit(att: PerHeadAttention | FusedAttention, i: int, site: Site = ("", 0)
     W_Q, W_K, W_V, W_O = m["W_Q"], m["W_K"], m["W_V"], m["W_O"]
     assert W_Q is not None and W_K is not None and W_V is not None and W_O is not None
     b_Q, b_K, b_V = m["b_Q"], m["b_K"], m["b_V"]
-    biased = b_Q is not None and b_K is not None and b_V is not None
+    terms: dict[str, Tensor | None] = dict(key_bias=None, query_bias=None, constant=None, ov_bias=None)
+    if b_Q is not None and b_K is not None and b_V is not None:  # all or none: the attention's `bias`
+        terms = dict(
+            key_bias=W_K @ b_Q,  # (d_model,)
+            query_bias=W_Q @ b_K,  # (d_model,)
+            constant=b_Q @ b_K,  # ()
+            ov_bias=b_V @ W_O,  # (d_model,)
+        )
     return HeadCircuit(
         site=site,
         head=i,
         QK=Factored(W_Q, W_K.T),  # W_Q W_K^T
         OV=Factored(W_V, W_O),  # W_V W_O
-        key_bias=W_K @ b_Q if biased else None,  # (d_model,)
-        query_bias=W_Q @ b_K if biased else None,  # (d_model,)
-        constant=b_Q @ b_K if biased else None,  # ()
-        ov_bias=b_V @ W_O if biased else None,  # (d_model,)
         scale=1.0 / math.sqrt(att.d_k),
+        **terms,
     )
 
 

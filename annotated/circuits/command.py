@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     from annotated.circuits.readout import read_model
     from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
     from annotated.plumbing.files import atomic_write, json_safe
-    from annotated.shipped import shown_path
+    from annotated.shipped import typed_name
     from annotated.training.data import DataError
 
     try:
@@ -207,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, DataError) as e:
         print(f"{NAME}: error: {e}", file=sys.stderr)
         return 2
-    report = {"checkpoint": str(shown_path(args.checkpoint)), "direction": f"{meta['src_lang']}-{meta['tgt_lang']}"}
+    report: dict[str, Any] = {
+        "checkpoint": typed_name(args.checkpoint),
+        "direction": f"{meta['src_lang']}-{meta['tgt_lang']}",
+    }
     report.update(read_model(model, inputs))
     report["seconds"] = round(time.perf_counter() - start, 1)
     best = best_cross_head(report)

@@ -67,22 +67,34 @@ TOP = 10  # entries kept per row
 
 
 # %%
+def _norm(residual) -> nn.LayerNorm:
+    """The LayerNorm of a `Residual` sublayer wrapper."""
+    assert isinstance(residual.ln, nn.LayerNorm)
+    return residual.ln
+
+
+def _norm_of(module) -> nn.LayerNorm:
+    """A stack's final norm (a LayerNorm in a pre-norm model)."""
+    assert isinstance(module, nn.LayerNorm)
+    return module
+
+
 def layer_norms_before(model: EncoderDecoder, site: Site, side: str) -> list[nn.LayerNorm]:
     """The LayerNorms the embedding passes through before reaching `site`'s queries (side "q") or keys ("kv")."""
     kind, layer = site
     pre = model.config.norm == "pre"
     enc, dec = model.encoder.layers, model.decoder.layers
     if kind == "cross" and side == "kv":  # the encoder's output: every encoder sublayer, and its final norm
-        lns = [r.ln for lay in enc for r in (lay.res_attn, lay.res_ffn)]
-        return lns + ([model.encoder.final_ln] if pre else [])
+        lns = [_norm(r) for lay in enc for r in (lay.res_attn, lay.res_ffn)]
+        return lns + ([_norm_of(model.encoder.final_ln)] if pre else [])
     stack = enc if kind == "enc_self" else dec
     names = ("res_attn", "res_ffn") if kind == "enc_self" else ("res_self", "res_cross", "res_ffn")
     own = {"enc_self": "res_attn", "dec_self": "res_self", "cross": "res_cross"}[kind]
-    lns = [getattr(lay, n).ln for lay in stack[:layer] for n in names]
+    lns = [_norm(getattr(lay, n)) for lay in stack[:layer] for n in names]
     if kind == "cross":  # the decoder layer's own self-attention sublayer comes first
-        lns.append(stack[layer].res_self.ln)
+        lns.append(_norm(stack[layer].res_self))
     if pre:  # pre-norm: the sublayer normalises its own input
-        lns.append(getattr(stack[layer], own).ln)
+        lns.append(_norm(getattr(stack[layer], own)))
     return lns
 
 
@@ -233,13 +245,13 @@ def layer_norms_after(model: EncoderDecoder, site: Site) -> list[nn.LayerNorm]:
     kind, layer = site
     dec = model.decoder.layers
     if kind == "enc_self":  # reaches the decoder only through cross-attention: its own stack's norms, then none
-        return [r.ln for lay in model.encoder.layers[layer:] for r in (lay.res_attn, lay.res_ffn)]
+        return [_norm(r) for lay in model.encoder.layers[layer:] for r in (lay.res_attn, lay.res_ffn)]
     pre = model.config.norm == "pre"
     names = ("res_self", "res_cross", "res_ffn")
     start = names.index("res_self" if kind == "dec_self" else "res_cross") + (1 if pre else 0)
-    lns = [getattr(dec[layer], n).ln for n in names[start:]]
-    lns += [getattr(lay, n).ln for lay in dec[layer + 1 :] for n in names] if not pre else []
-    return lns + ([model.decoder.final_ln] if pre else [])
+    lns = [_norm(getattr(dec[layer], n)) for n in names[start:]]
+    lns += [_norm(getattr(lay, n)) for lay in dec[layer + 1 :] for n in names] if not pre else []
+    return lns + ([_norm_of(model.decoder.final_ln)] if pre else [])
 
 
 @torch.no_grad()
