@@ -177,6 +177,21 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def pruned_lines(report: dict[str, Any], h: int) -> list[str]:
+    """One line per attention that pruning left with fewer than h heads: removed heads have no circuit.
+
+    >>> heads = [{"site": ["cross", 1], "head": 0}, {"site": ["enc_self", 0], "head": 0}, {"site": ["enc_self", 0], "head": 1}]
+    >>> pruned_lines({"heads": heads}, 2)
+    ['cross layer 1 keeps 1 of 2 heads after pruning (renumbered from 0): removed heads have no circuit']
+    """
+    counts = Counter((h_["site"][0], h_["site"][1]) for h_ in report["heads"])
+    return [
+        f"{kind} layer {layer} keeps {n} of {h} heads after pruning (renumbered from 0): removed heads have no circuit"
+        for (kind, layer), n in counts.items()
+        if n < h
+    ]
+
+
 def best_cross_head(report: dict[str, Any]) -> dict | None:
     """The cross-attention head with the lowest alignment error rate (None without the aligner)."""
     scored = [h for h in report["heads"] if "aer" in h]
@@ -216,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     best = best_cross_head(report)
     report["best_cross_head"] = None if best is None else [*best["site"], best["head"]]
     print(format_table(report), flush=True)
+    for line in pruned_lines(report, model.config.h):
+        print(line, flush=True)
     if args.head is not None:
         chosen = next(h for h in report["heads"] if h["site"] == list(args.head[:2]) and h["head"] == args.head[2])
         print(json.dumps(json_safe({k: v for k, v in chosen.items() if k != "positions"}, digits=3), indent=1))
