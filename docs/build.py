@@ -204,6 +204,7 @@ GUIDES: tuple[str, ...] = (  # Markdown files, relative to the repository root, 
     "docs/distributed.md",
     "docs/faults.md",
     "docs/heads.md",
+    "docs/circuits.md",
     "benchmarks/README.md",
 )
 DEFAULT_OUT = ROOT / "docs" / "_build"
