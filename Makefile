@@ -33,6 +33,8 @@ help:
 	@echo "make attention    dump, draw and browse the attention of the latest run [CHECKPOINT=...]"
 	@echo "make heads        what each head does: importance, ablation, inspection [CHECKPOINT=...];"
 	@echo "                  ARGS='--prune' also removes heads (pruned.pt) and measures BLEU and speed"
+	@echo "make circuits     every head's QK and OV circuits read from its weights, the cross-attention as a"
+	@echo "                  dictionary and an aligner (eflomal): circuits.json, .html, pictures [CHECKPOINT=...]"
 	@echo "make export       [CHECKPOINT=...] OUT=dir: the checkpoint as a transformers MarianMTModel folder"
 	@echo "make import       HF=dir OUT=file.pt: a MarianMTModel folder (save_pretrained) as our checkpoint"
 	@echo "make docs         the annotated source as a page: docs/_build/index.html (offline)"
@@ -146,6 +148,13 @@ attention: $(SETUP)
 .PHONY: heads
 heads: $(SETUP)
 	$(PY) -m annotated.attention.heads $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
+
+# make circuits [CHECKPOINT=shipped:en-de] [ARGS='--head cross:1:2 --no-aligner']: every head's circuits
+# (annotated/circuits/, Part V; python -m annotated.circuits.command --help); writes circuits.json, circuits.html
+# and pictures beside the checkpoint (--out elsewhere); docs/circuits.md says how to read them.
+.PHONY: circuits
+circuits: $(SETUP)
+	$(PY) -m annotated.circuits.command $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 # make docs: annotated/*.py rendered into docs/_build/index.html (math as MathML, figures drawn by the
 # modules' own code; offline). Attention figure from CHECKPOINT=..., else the latest run's model (averaged.pt or
