@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     import torch.utils.tensorboard
 
     from annotated.attention.dump import log_alignment_image  # the epochs' alignment pictures (matplotlib)
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.plumbing.devices import default_device, default_threads
     from annotated.training.distributed import RankError
     from annotated.training.runs import RUNS

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from annotated.checkpoint import load_checkpoint, read_case_table
 from annotated.decoding import casing
 from annotated.decoding.translate import prepare, translate_prepared
-from annotated.plumbing.checkpoint import load_checkpoint, read_case_table
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.options import Parser, at_least
 from annotated.training.data import load_multi30k

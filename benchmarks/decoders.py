@@ -99,8 +99,8 @@ def bench_translator_cli(st: Settings, log: Callable[[str], None], sentences: in
     """The translator reading `sentences` lines from stdin (annotated/decoding/translate.py's main, in process:
     checkpoint loading, reading, input rules, output) against one `translate_ids` call on the same sentences'
     ids with the same beam, on the CPU, a tiny random model. ratio = CLI seconds / translate_ids seconds."""
+    from annotated.checkpoint import save_checkpoint
     from annotated.decoding import translate as cli
-    from annotated.plumbing.checkpoint import save_checkpoint
     from annotated.training.data import train_tokenizer
 
     words = [

@@ -77,11 +77,11 @@ def tools(checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[
     import ctranslate2
     from transformers import MarianMTModel
 
+    from annotated.checkpoint import load_checkpoint, model_length_penalty
     from annotated.decoding.search import translate_ids
     from annotated.decoding.translate import main as translator
     from annotated.interop.agreement import generate_ids
     from annotated.interop.folders import export_marian
-    from annotated.plumbing.checkpoint import load_checkpoint, model_length_penalty
 
     model, tokenizer, meta = load_checkpoint(checkpoint)
     alpha = model_length_penalty(meta)  # ours: GNMT alpha, the translator's default
@@ -136,7 +136,7 @@ def tools(checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[
 
 
 def measure(checkpoint: Path, sentences: int | None, threads: int, rounds: int, data_url: str | None = None) -> dict:
-    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.checkpoint import load_checkpoint
     from annotated.training.data import load_multi30k
     from annotated.training.evaluate import score
 
@@ -181,7 +181,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     import sys
 
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.plumbing.files import atomic_write
     from annotated.plumbing.options import Parser, at_least
     from annotated.shipped import choose_checkpoint

@@ -97,7 +97,7 @@ from pygments.formatters import HtmlFormatter  # noqa: E402
 from pygments.lexers import get_lexer_by_name  # noqa: E402
 from pygments.util import ClassNotFound  # noqa: E402
 
-from annotated.plumbing.checkpoint import CheckpointError  # noqa: E402
+from annotated.checkpoint import CheckpointError  # noqa: E402
 from annotated.plumbing.files import atomic_write  # noqa: E402
 from annotated.plumbing.options import Parser, at_least, writable_dir  # noqa: E402
 from docs import figures as figs  # noqa: E402
@@ -134,7 +134,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "decoding/casing",
             "training/add_case_table",
             "training/choose_length_penalty",
-            "shipped/pack",
+            "training/pack",
         ),
     ),
     (
@@ -157,8 +157,8 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
         "appendix",
         "Appendix. The plumbing",
         (
-            "plumbing/checks",
-            "plumbing/checkpoint",
+            "checks",
+            "checkpoint",
             "plumbing/devices",
             "plumbing/files",
             "plumbing/interrupts",

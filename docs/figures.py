@@ -300,7 +300,7 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
 def find_checkpoint(root: Path) -> Path | None:
     """The translator's default model (`choose_checkpoint`: the latest run under root/runs, else the de -> en model
     shipped in the package), or None when there is neither."""
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.shipped import choose_checkpoint
 
     try:
@@ -311,7 +311,7 @@ def find_checkpoint(root: Path) -> Path | None:
 
 def copy_task_model(ctx: FigureContext) -> transformer.EncoderDecoder:
     """The copy-task model, trained once per version of transformer.py and number of steps."""
-    from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from annotated.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
     key = hashlib.sha256((ctx.root / "annotated" / "transformer.py").read_bytes()).hexdigest()[:16]
     cached = ctx.cache_dir / f"copy-{ctx.copy_steps}-{key}.pt" if ctx.cache_dir else None
@@ -407,7 +407,7 @@ def _copy_shown(ctx: FigureContext) -> Shown:
 
 
 def _checkpoint_shown(ctx: FigureContext) -> Shown:
-    from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
+    from annotated.checkpoint import CheckpointError, load_checkpoint
 
     model, tokenizer, meta = load_checkpoint(ctx.checkpoint)
     if tokenizer is None:
@@ -432,7 +432,7 @@ def _checkpoint_shown(ctx: FigureContext) -> Shown:
 
 def _shown_sentence(ctx: FigureContext) -> Shown:
     if ctx.checkpoint is not None:
-        from annotated.plumbing.checkpoint import CheckpointError
+        from annotated.checkpoint import CheckpointError
 
         try:
             return _checkpoint_shown(ctx)

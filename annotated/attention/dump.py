@@ -65,9 +65,9 @@ import torch
 
 from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figure
 from annotated.attention.viewer import importance_fits, read_head_importance, viewer_html
+from annotated.checkpoint import PAPER_LENGTH_PENALTY, load_checkpoint, model_length_penalty
+from annotated.checks import check_eval_mode, check_id_list, check_tokenizer
 from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import PAPER_LENGTH_PENALTY, load_checkpoint, model_length_penalty
-from annotated.plumbing.checks import check_eval_mode, check_id_list, check_tokenizer
 from annotated.plumbing.files import json_safe, new_file_mode, save_figure
 from annotated.plumbing.options import Parser, at_least, device, writable_dir
 from annotated.recording import record_attention

@@ -125,7 +125,7 @@ def outputs(prune: bool) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked before any data or model work: one line and exit 2 (SystemExit) if wrong."""
     args = build_parser().parse_args(argv)
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.shipped import choose_checkpoint, outputs_beside
 
     try:
@@ -505,7 +505,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         speed_ratio,
         split_sentences,
     )
-    from annotated.plumbing.checkpoint import model_length_penalty, read_case_table
+    from annotated.checkpoint import model_length_penalty, read_case_table
     from annotated.plumbing.files import save_figure
     from annotated.sites import head_counts
     from annotated.training.evaluate import evaluate_bleu
@@ -733,7 +733,7 @@ def write_pictures(model, tokenizer, report: dict, profiles_for_page, val, encod
 
 def main(argv: list[str] | None = None) -> int:
     from annotated.attention.bootstrap import CONFIDENCE
-    from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
+    from annotated.checkpoint import CheckpointError, load_checkpoint
     from annotated.plumbing.files import atomic_write, json_safe
     from annotated.training.data import DataError
 

@@ -41,7 +41,7 @@ import math
 import torch
 from torch import Tensor
 
-from annotated.plumbing.checks import check_beam, check_decoder_output, check_decoding, check_sources
+from annotated.checks import check_beam, check_decoder_output, check_decoding, check_sources
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import Cache, EncoderDecoder, greedy_decode, padding_mask, subsequent_mask
 
@@ -62,7 +62,7 @@ from annotated.transformer import Cache, EncoderDecoder, greedy_decode, padding_
 # - **token ids.** Every source id must index the embedding table. The model
 #   itself does not check (a range check reads the ids back to the host, a
 #   stall on a GPU at every training step), so the decoders check once, here,
-#   with `check_decoding` from `annotated/plumbing/checks.py`, the door every
+#   with `check_decoding` from `annotated/checks.py`, the door every
 #   entry point of this file goes through before any model work
 #   (`test_bad_arguments_are_named`).
 

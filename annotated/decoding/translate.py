@@ -36,7 +36,7 @@
 #   waiting for sentences, one per line, and that Ctrl-D ends.
 #
 # Everything the model needs comes from the checkpoint (see
-# `annotated/plumbing/checkpoint.py`): the config, the parameters, and the
+# `annotated/checkpoint.py`): the config, the parameters, and the
 # sentencepiece model the training data was cut with, so the translator
 # splits words into exactly the subwords the model knows. The beam search's
 # length penalty too: the translator decodes at the alpha the checkpoint
@@ -45,7 +45,7 @@
 # `annotated/training/choose_length_penalty.py`, chooses on the validation
 # split and writes in; at the paper's 0.6 for a checkpoint that names none,
 # as the shipped models (`model_length_penalty`,
-# `annotated/plumbing/checkpoint.py`; why 0.6 stays the default:
+# `annotated/checkpoint.py`; why 0.6 stays the default:
 # `docs/training.md`). `--length-penalty` overrides it.
 # (`tests/decoding/test_translate.py`:
 # `test_the_translator_decodes_at_the_models_length_penalty_unless_told`.)
@@ -72,9 +72,7 @@ from typing import TextIO
 
 import torch
 
-from annotated.decoding import casing
-from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import (
+from annotated.checkpoint import (
     PAPER_LENGTH_PENALTY,
     CheckpointError,
     case_table_in,
@@ -82,7 +80,9 @@ from annotated.plumbing.checkpoint import (
     model_length_penalty,
     read_checkpoint,
 )
-from annotated.plumbing.checks import check_tokenizer
+from annotated.checks import check_tokenizer
+from annotated.decoding import casing
+from annotated.decoding.search import translate_ids
 from annotated.plumbing.options import Parser, at_least, device, number
 from annotated.shipped import choose_checkpoint, direction_asked
 from annotated.transformer import EncoderDecoder

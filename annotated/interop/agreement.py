@@ -118,7 +118,7 @@ def compare(
     (none: the search without penalties only)."""
     from transformers import MarianMTModel
 
-    from annotated.plumbing.checkpoint import load_checkpoint, model_length_penalty
+    from annotated.checkpoint import load_checkpoint, model_length_penalty
     from annotated.training.data import load_multi30k
     from annotated.training.evaluate import score
 
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.plumbing.options import Parser, at_least, number
     from annotated.shipped import choose_checkpoint
 

@@ -134,7 +134,7 @@ def export_marian(checkpoint: Path, out: Path, overwrite: bool = False) -> Path:
     import shutil
     import tempfile
 
-    from annotated.plumbing.checkpoint import load_checkpoint, read_checkpoint
+    from annotated.checkpoint import load_checkpoint, read_checkpoint
 
     _check_target(out, overwrite, "folder")
     model, tokenizer, _ = load_checkpoint(checkpoint)
@@ -226,7 +226,7 @@ def import_marian(
     """Write the MarianMTModel folder `folder` as our checkpoint `out`; returns (out, whether it holds a tokenizer)."""
     from transformers import MarianMTModel
 
-    from annotated.plumbing.checkpoint import save_checkpoint
+    from annotated.checkpoint import save_checkpoint
 
     _check_target(out, overwrite, "file")
     if not (folder / "config.json").is_file():
@@ -270,7 +270,7 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.plumbing.options import fail
 
     args = build_parser().parse_args(argv)

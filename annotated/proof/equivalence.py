@@ -92,7 +92,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from annotated import transformer
-from annotated.plumbing.checks import check_source_and_target
+from annotated.checks import check_source_and_target
 from annotated.proof.harness import (
     MHA_MODES,
     TOL,
@@ -802,7 +802,7 @@ def check_checkpoint(path: str, sentences: int = 64, seed: int = 0) -> list[Chec
 
     A file that does not load gives one failing row whose note is the loader's error (it names the file).
     """
-    from annotated.plumbing.checkpoint import load_checkpoint  # lazily: only this check needs it
+    from annotated.checkpoint import load_checkpoint  # lazily: only this check needs it
 
     try:
         model, _tokenizer, _meta = load_checkpoint(path)
@@ -989,7 +989,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.examples < 1 or args.copy_steps < 1:
         ap.error("--examples and --copy-steps must be positive")
     if args.checkpoint is not None:  # a shipped model by name or path: found and its sha256 checked
-        from annotated.plumbing.checkpoint import CheckpointError
+        from annotated.checkpoint import CheckpointError
         from annotated.shipped import choose_checkpoint
 
         try:

@@ -3,9 +3,9 @@
 A fresh clone (or `pip install`) can translate, draw attention and study heads before anything is trained:
 this folder holds one model per direction, trained with the `cpu` preset's model and its earlier recipe of 4,200
 steps (each card names the command), each the run's model (`averaged.pt`), packed by
-`python -m annotated.shipped.pack RUN_DIR` (`pack.py`):
+`python -m annotated.training.pack RUN_DIR` (`annotated/training/pack.py`):
 
-    de-en.pt    the checkpoint, in the format of `annotated/plumbing/checkpoint.py` (config, tokenizer, case table,
+    de-en.pt    the checkpoint, in the format of `annotated/checkpoint.py` (config, tokenizer, case table,
                 metadata) with its weights stored as float16; loaded as float32
     de-en.json  its card: how it was made (command, commit, seed, steps, precision, package versions, machine), what
                 it scores on test_2016_flickr (BLEU cased and lowercased, chrF, beam 4, as packed), what it was
@@ -36,7 +36,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
+from annotated.checkpoint import CheckpointError, load_checkpoint
 from annotated.training.runs import latest_checkpoint, run_model
 
 FOLDER = Path(__file__).resolve().parent  # the box; the tests point it elsewhere
@@ -115,7 +115,7 @@ def shipped_model(direction: str = DEFAULT, folder: Path | None = None) -> Path:
             f"{path} does not match the sha256 in {path.with_suffix('.json').name} (file {found[:16]}..., card "
             f"{card['sha256'][:16]}...): it changed after it was packed and is not used; restore it (git checkout "
             f"-- {path.name} in {folder}, or reinstall the package) or pack it again from its run "
-            f"(python -m annotated.shipped.pack RUN_DIR --force)"
+            f"(python -m annotated.training.pack RUN_DIR --force)"
         )
     return path
 

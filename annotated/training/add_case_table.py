@@ -28,8 +28,8 @@ if __name__ == "__main__":
 import argparse
 from pathlib import Path
 
+from annotated.checkpoint import CheckpointError, add_case_table, read_checkpoint
 from annotated.decoding.casing import case_table
-from annotated.plumbing.checkpoint import CheckpointError, add_case_table, read_checkpoint
 from annotated.training.data import load_multi30k
 
 

@@ -15,7 +15,7 @@
 # default) chooses its beam search's length penalty on the validation split at
 # its end (`annotated/training/results.py`) and writes it into its
 # checkpoints' meta, where the translator and the other tools find it
-# (`model_length_penalty`, `annotated/plumbing/checkpoint.py`). A checkpoint
+# (`model_length_penalty`, `annotated/checkpoint.py`). A checkpoint
 # trained with a fixed alpha (such as the `gpu` preset's 0.6) names none and
 # decodes at the paper's 0.6. This command makes the same choice for it: it
 # translates Multi30k's **validation** split (never the test set) in the
@@ -40,7 +40,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, with_meta
+from annotated.checkpoint import CheckpointError, load_checkpoint, with_meta
 from annotated.plumbing.options import Parser, at_least
 from annotated.training.data import DataError, load_multi30k
 from annotated.training.evaluate import LENGTH_PENALTIES, choose_length_penalty

@@ -25,7 +25,7 @@
 # "validation (1014 sentences)", "validation_bleu": {...}}`), and the alpha is
 # written into the tested checkpoints' meta, so the translator and the other
 # tools decode with it by default (`model_length_penalty`,
-# `annotated/plumbing/checkpoint.py`). A number given as the setting (the
+# `annotated/checkpoint.py`). A number given as the setting (the
 # `gpu` preset's 0.6, or `--length-penalty 2`) is used as it is and recorded as
 # `"chosen_on": "the settings"`. (`tests/training/test_length_penalty.py`:
 # `test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_with_it`.)
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from annotated.plumbing.checkpoint import atomic_torch_save, load_checkpoint, read_checkpoint, with_meta
+from annotated.checkpoint import atomic_torch_save, load_checkpoint, read_checkpoint, with_meta
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.provenance import environment
 from annotated.training.config import TrainConfig, config_dict

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from annotated.plumbing.checkpoint import CheckpointError, model_from_state, read_checkpoint
+from annotated.checkpoint import CheckpointError, model_from_state, read_checkpoint
 from annotated.plumbing.files import atomic_write
 from annotated.training.config import TrainConfig, config_from_dict
 

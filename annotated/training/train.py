@@ -28,9 +28,9 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from annotated.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 - train.CheckpointError for the callers
 from annotated.decoding import casing
 from annotated.plumbing.allocator import keep_freed_memory
-from annotated.plumbing.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 - train.CheckpointError for the callers
 from annotated.plumbing.devices import autocast, default_device, resolve_precision
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.interrupts import StopFlag

@@ -437,7 +437,7 @@ def test_by_default_every_validation_sentence_and_the_label_smoothed_loss_is_the
     import re
 
     from annotated.attention.heads import _data, label_smoothing_of, parse_args, smoothed_loss
-    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.checkpoint import load_checkpoint
     from annotated.training import train
 
     monkeypatch.setenv("MULTI30K_URL", data_url)

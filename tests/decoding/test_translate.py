@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated.decoding import casing
-from annotated.decoding.search import translate_ids
-from annotated.decoding.translate import main, set_aside_unseen, translate
-from annotated.plumbing.checkpoint import (
+from annotated.checkpoint import (
     CheckpointError,
     add_case_table,
     load_checkpoint,
     read_case_table,
     save_checkpoint,
 )
+from annotated.decoding import casing
+from annotated.decoding.search import translate_ids
+from annotated.decoding.translate import main, set_aside_unseen, translate
 from annotated.training.data import train_tokenizer
 from annotated.training.runs import latest_checkpoint
 from annotated.transformer import make_model
@@ -665,8 +665,8 @@ def test_every_line_that_arrives_with_the_end_of_input_is_answered(n, size):
 def test_the_translator_decodes_at_the_models_length_penalty_unless_told(ckpt, tmp_path, monkeypatch):
     """Default: the alpha in the checkpoint's meta (its run's choice on validation), else the paper's 0.6;
     `--length-penalty` wins over both."""
+    from annotated.checkpoint import with_meta
     from annotated.decoding import translate as module
-    from annotated.plumbing.checkpoint import with_meta
 
     alphas = []
 

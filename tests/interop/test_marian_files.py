@@ -11,8 +11,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import MarianMTModel, MarianTokenizer
 
+from annotated.checkpoint import load_checkpoint, save_checkpoint
 from annotated.interop.folders import main
-from annotated.plumbing.checkpoint import load_checkpoint, save_checkpoint
 from annotated.tokens import BOS, PAD
 from annotated.training.data import train_tokenizer
 from annotated.transformer import make_model, padding_mask, subsequent_mask

@@ -44,9 +44,9 @@ from hypothesis import strategies as st
 
 import train_wmt
 from annotated import transformer
+from annotated.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from annotated.decoding import translate
 from annotated.decoding.search import beam_search, greedy
-from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from annotated.plumbing.files import remove_stale_temporaries
 from annotated.recording import attend_with_probabilities, record_attention
 from annotated.tokens import EOS, PAD
@@ -869,7 +869,7 @@ def test_non_finite_gradient_at_an_epoch_end_does_not_reach_the_checkpoint(tmp_p
 #
 # The model and its attentions assume valid inputs; the entry points (the decoders, the
 # translator, the attention dump, the equivalence report) check them at the door,
-# annotated/plumbing/checks.py. So the fuzzing is in two parts. Valid inputs to the attentions
+# annotated/checks.py. So the fuzzing is in two parts. Valid inputs to the attentions
 # and the model: the result must have the documented shape and dtype, be finite, and agree
 # with a float64 per-head reference (the paper's formula, explicit softmax). Inputs to the
 # decoders, valid or with one fault: a valid one gives a well-formed translation, an invalid

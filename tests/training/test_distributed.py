@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from annotated.checkpoint import load_checkpoint, read_checkpoint
 from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import load_checkpoint, read_checkpoint
 from annotated.training import train
 from annotated.training.data import collate
 from annotated.transformer import make_model

@@ -1,4 +1,4 @@
-"""`python -m annotated.shipped.pack RUN_DIR [--out FOLDER] [--force]`: a training run's model, packed for the box.
+"""`python -m annotated.training.pack RUN_DIR [--out FOLDER] [--force]`: a training run's model, packed for the box.
 
 From a finished run (its `results.json` and its model, `averaged.pt` where the run averaged its last epochs, else
 `best.pt`, the rule of `run_model`) it writes two files into the box (`annotated/shipped/`, or `--out`):
@@ -22,7 +22,7 @@ from __future__ import annotations
 if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
     from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
 
-    quiet_ctrl_c_while_starting("python -m annotated.shipped.pack")
+    quiet_ctrl_c_while_starting("python -m annotated.training.pack")
 
 import dataclasses
 import json
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from annotated.plumbing.checkpoint import (
+from annotated.checkpoint import (
     FORMAT,
     atomic_torch_save,
     load_checkpoint,
@@ -46,7 +46,7 @@ from annotated.shipped import CARD_FORMAT, FOLDER, sha256_of
 from annotated.training.config import PRESETS, config_from_dict, options_between
 from annotated.training.runs import run_model
 
-NAME = "python -m annotated.shipped.pack"
+NAME = "python -m annotated.training.pack"
 MAX_BYTES = 4 << 20  # each shipped model at most 4 MiB
 BEAM = 4  # as `make translate` decodes, at the model's length penalty (model_length_penalty)
 FIRST = 50  # the sentences the tests translate in one batch
