@@ -205,8 +205,8 @@ def main(argv=None) -> int:
     from annotated.attention.dump import log_alignment_image  # the epochs' alignment pictures (matplotlib)
     from annotated.checkpoint import CheckpointError
     from annotated.plumbing.devices import default_device, default_threads
+    from annotated.run_folder import LAST, RUNS
     from annotated.training.distributed import RankError
-    from annotated.training.runs import RUNS
     from annotated.training.train import TrainingError, train
 
     run_dir, threads_before = None, torch.get_num_threads()
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
         print(f"train_wmt.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (data, final test), or a second one inside it
-        last = Path(run_dir) / "last.pt" if run_dir is not None else None
+        last = Path(run_dir) / LAST if run_dir is not None else None
         if last is not None and last.is_file():
             print(
                 f"train_wmt.py: interrupted; {last} holds the last completed save (checkpoint writes are "

@@ -39,6 +39,7 @@ if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one li
     quiet_ctrl_c_while_starting("benchmarks/gpu_report.py")
 
 from annotated.plumbing.options import Parser, number  # noqa: E402
+from annotated.run_folder import RUNS  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -126,7 +127,7 @@ def bench_part(out_dir: Path, stamp: str, compile_rows: str = "both") -> dict:
 
 def train_part(out_dir: Path, stamp: str, src: str, tgt: str, minutes: float, data_url, compiled: bool = False) -> dict:
     """One direction of the gpu preset, capped at `minutes` of training; limited to that plus 2.5 minutes."""
-    run_dir = ROOT / "runs" / f"gpu-report-{stamp}-{src}-{tgt}"
+    run_dir = ROOT / RUNS / f"gpu-report-{stamp}-{src}-{tgt}"
     cmd = [
         sys.executable,
         "train_wmt.py",
@@ -180,7 +181,7 @@ def ddp_part(out_dir: Path, stamp: str, gpus: int) -> dict:
             "--device",
             "cuda",
             "--run-dir",
-            str(ROOT / "runs" / f"gpu-report-{stamp}-ddp"),
+            str(ROOT / RUNS / f"gpu-report-{stamp}-ddp"),
             "--no-progress",
         ],
         180,

@@ -199,9 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = p.parse_args(argv)
     try:
-        checkpoint = choose_checkpoint(
-            args.checkpoint, "runs", say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
-        )
+        checkpoint = choose_checkpoint(args.checkpoint, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
     except CheckpointError as e:
         p.error(str(e))
     if not checkpoint.is_file():

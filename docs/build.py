@@ -125,6 +125,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "training/loss",
             "training/train",
             "training/distributed",
+            "run_folder",
             "training/runs",
             "training/evaluate",
             "training/syncs",

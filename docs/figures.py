@@ -301,10 +301,11 @@ def find_checkpoint(root: Path) -> Path | None:
     """The translator's default model (`choose_checkpoint`: the latest run under root/runs, else the de -> en model
     shipped in the package), or None when there is neither."""
     from annotated.checkpoint import CheckpointError
+    from annotated.run_folder import RUNS
     from annotated.shipped import choose_checkpoint
 
     try:
-        return choose_checkpoint(None, root / "runs")
+        return choose_checkpoint(None, root / RUNS)
     except CheckpointError:
         return None
 

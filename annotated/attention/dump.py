@@ -685,7 +685,7 @@ def log_alignment_image(
 # `python -m annotated.attention.dump [--checkpoint PATH] [--out DIR] [--n 3] [--beam 4] [sentence ...]`
 # (also `make attention ARGS='...'`). Without `--checkpoint` it takes the
 # model of the most recent training run (`runs/latest/averaged.pt`, else
-# `best.pt`), found by `latest_checkpoint` (`annotated/training/runs.py`), as the translator finds it;
+# `best.pt`), found by `latest_checkpoint` (`annotated/run_folder.py`), as the translator finds it;
 # with no run, the model shipped in the package (`annotated/shipped/`; `--src`/`--tgt` pick the direction,
 # default de -> en), whose dump goes to `runs/shipped-<src>-<tgt>/attention/`;
 # without sentences, the first `--n` sentences of Multi30k's
@@ -741,7 +741,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         ckpt = choose_checkpoint(
-            args.checkpoint, "runs", args.src, args.tgt, say=lambda line: print(f"attention: {line}", file=sys.stderr)
+            args.checkpoint, src=args.src, tgt=args.tgt, say=lambda line: print(f"attention: {line}", file=sys.stderr)
         )
         out = dump(
             ckpt,

@@ -130,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     try:
         args.checkpoint = choose_checkpoint(
-            args.checkpoint, "runs", args.src, args.tgt, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
+            args.checkpoint, src=args.src, tgt=args.tgt, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
         )
     except CheckpointError as e:
         fail(NAME, str(e))

@@ -84,6 +84,7 @@ from annotated.checks import check_tokenizer
 from annotated.decoding import casing
 from annotated.decoding.search import translate_ids
 from annotated.plumbing.options import Parser, at_least, device, number
+from annotated.run_folder import RUNS
 from annotated.shipped import choose_checkpoint, direction_asked
 from annotated.transformer import EncoderDecoder
 
@@ -93,8 +94,8 @@ NAME = "translate"
 # ## 1. Which checkpoint
 #
 # `--checkpoint PATH`, or else the model of the latest training run, found
-# by `latest_checkpoint` (`annotated/training/runs.py`, "Which
-# checkpoint"): `runs/latest/averaged.pt` where the run averaged its last
+# by `latest_checkpoint` (`annotated/run_folder.py`):
+# `runs/latest/averaged.pt` where the run averaged its last
 # epochs, else `runs/latest/best.pt`; else that of the run whose `best.pt`
 # was written last; else, with no run at all, the trained model shipped in
 # the package for the direction asked (`--src`/`--tgt`, default de -> en),
@@ -520,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--src", default=None, help="source language: picks the run or shipped model (default de)")
     p.add_argument("--tgt", default=None, help="target language (default en; --src en alone means en -> de)")
-    p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where to look without --checkpoint")
+    p.add_argument("--runs-dir", type=Path, default=RUNS, help="where to look without --checkpoint")
     p.add_argument("--beam", type=at_least(1), default=4, help="beam width; 1 = greedy (default 4)")
     p.add_argument(
         "--length-penalty",

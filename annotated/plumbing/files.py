@@ -21,6 +21,7 @@ exactly the leftovers that no living writer holds (`remove_stale_temporaries`).
 from __future__ import annotations
 
 import glob
+import hashlib
 import math
 import os
 import tempfile
@@ -104,6 +105,15 @@ def remove_stale_temporaries(path: os.PathLike | str) -> list[Path]:
             continue
         removed.append(tmp)
     return removed
+
+
+def sha256_of(path: os.PathLike | str) -> str:
+    """The sha256 of a file's bytes, in hex, read 1 MiB at a time (the checks of downloads and of the box)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def save_figure(fig, path: os.PathLike | str, dpi: float | None = None) -> Path:

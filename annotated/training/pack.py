@@ -39,12 +39,12 @@ from annotated.checkpoint import (
     model_length_penalty,
     read_checkpoint,
 )
-from annotated.plumbing.files import atomic_write
+from annotated.plumbing.files import atomic_write, sha256_of
 from annotated.plumbing.options import Parser, at_least
 from annotated.plumbing.provenance import code_commit
-from annotated.shipped import CARD_FORMAT, FOLDER, sha256_of
+from annotated.run_folder import AVERAGED, run_model
+from annotated.shipped import CARD_FORMAT, FOLDER
 from annotated.training.config import PRESETS, config_from_dict, options_between
-from annotated.training.runs import run_model
 
 NAME = "python -m annotated.training.pack"
 MAX_BYTES = 4 << 20  # each shipped model at most 4 MiB
@@ -175,8 +175,7 @@ def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict
         "trained_on": TRAINED_ON,
         "made": {
             "command": command,
-            "model": source.name
-            + (" (the mean of the last epochs' checkpoints)" if source.name == "averaged.pt" else ""),
+            "model": source.name + (" (the mean of the last epochs' checkpoints)" if source.name == AVERAGED else ""),
             "commit": env.get("commit"),
             "seed": cfg.seed,
             "steps": results.get("steps"),

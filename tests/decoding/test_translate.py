@@ -30,8 +30,8 @@ from annotated.checkpoint import (
 from annotated.decoding import casing
 from annotated.decoding.search import translate_ids
 from annotated.decoding.translate import main, set_aside_unseen, translate
+from annotated.run_folder import latest_checkpoint
 from annotated.training.data import train_tokenizer
-from annotated.training.runs import latest_checkpoint
 from annotated.transformer import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
