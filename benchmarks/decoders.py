@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from annotated import transformer
+from annotated.checkpoint import PAPER_LENGTH_PENALTY
 from annotated.decoding import search as decoding
 from annotated.tokens import EOS, PAD
 from annotated.transformer import make_model, padding_mask
@@ -57,7 +58,9 @@ def decode_fns(model, batches, steps: int, amp) -> dict:
     return {
         "greedy_cached": run(lambda s, m: decoding.greedy(model, s, m, steps, use_cache=True)),
         "greedy_recompute": run(lambda s, m: decoding.greedy(model, s, m, steps, use_cache=False)),
-        "beam4_cached": run(lambda s, m: decoding.beam_search(model, s, m, steps, beam_size=4, length_penalty=0.6)),
+        "beam4_cached": run(
+            lambda s, m: decoding.beam_search(model, s, m, steps, beam_size=4, length_penalty=PAPER_LENGTH_PENALTY)
+        ),
     }
 
 

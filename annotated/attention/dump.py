@@ -44,14 +44,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -67,8 +64,8 @@ from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figu
 from annotated.attention.viewer import importance_fits, read_head_importance, viewer_html
 from annotated.checkpoint import PAPER_LENGTH_PENALTY, load_checkpoint, model_length_penalty
 from annotated.checks import check_eval_mode, check_id_list, check_tokenizer
-from annotated.decoding.search import translate_ids
-from annotated.plumbing.files import json_safe, new_file_mode, save_figure
+from annotated.decoding.search import MAX_EXTRA, translate_ids
+from annotated.plumbing.files import json_safe, save_figure, staged_directory
 from annotated.plumbing.options import Parser, at_least, device, writable_dir
 from annotated.recording import record_attention
 from annotated.shipped import choose_checkpoint, outputs_beside
@@ -245,7 +242,7 @@ def translate_sentence(
     src_ids: Sequence[int],
     beam_size: int = 4,
     length_penalty: float = PAPER_LENGTH_PENALTY,
-    max_extra: int = 50,
+    max_extra: int = MAX_EXTRA,
 ) -> list[int]:
     """What `make translate` prints for `src_ids`, as ids y_1 ... y_n (eos kept when the search stopped there)."""
     ids = translate_ids(model, [list(src_ids)], beam_size, length_penalty, max_extra=max_extra)[0]
@@ -254,7 +251,7 @@ def translate_sentence(
 
 
 @torch.no_grad()
-def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: int = 50) -> list[int]:
+def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: int = MAX_EXTRA) -> list[int]:
     """The model's greedy output ids y_1 ... y_n (eos kept when produced, nothing after it)."""
     from annotated.decoding import search as decoding
 
@@ -434,29 +431,6 @@ def check_output_dir(out_dir: os.PathLike | str) -> None:
         )
 
 
-@contextlib.contextmanager
-def staged_directory(out_dir: os.PathLike | str):
-    """Yield a temporary directory that becomes `out_dir` only if the block succeeds."""
-    out_dir = Path(out_dir)
-    check_output_dir(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
-        yield tmp
-        os.chmod(tmp, new_file_mode(0o777))  # mkdtemp's 0o700 -> what mkdir would give
-        check_output_dir(out_dir)  # still missing, empty or ours after the work
-        old = None
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
-            os.replace(out_dir, old)  # an empty directory may be replaced by a rename
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def _pretty_json(value, indent: str = "") -> str:
     """JSON with one key per line but lists of plain values (ids, tokens, shapes) on one line."""
     inner = indent + " "
@@ -542,7 +516,7 @@ def dump_model(
         from tqdm.auto import tqdm
 
         items = tqdm(items, desc="attention", leave=False)
-    with staged_directory(out_dir) as tmp:
+    with staged_directory(out_dir, check_output_dir) as tmp:
         for i, (sentence, src_ids) in items:
             tgt_ids = translate_sentence(model, src_ids, beam_size, alpha)
             attn = collect_attention(model, src_ids, tgt_ids, dtype=dtype)

@@ -70,8 +70,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-import torch
-
 from annotated.checkpoint import (
     PAPER_LENGTH_PENALTY,
     CheckpointError,
@@ -82,7 +80,8 @@ from annotated.checkpoint import (
 )
 from annotated.checks import check_tokenizer
 from annotated.decoding import casing
-from annotated.decoding.search import translate_ids
+from annotated.decoding.search import MAX_EXTRA, translate_ids
+from annotated.plumbing.devices import default_device
 from annotated.plumbing.options import Parser, at_least, device, number
 from annotated.run_folder import RUNS
 from annotated.shipped import choose_checkpoint, direction_asked
@@ -341,7 +340,7 @@ def translate_prepared(
     lines: list[Line],
     beam_size: int = 4,
     length_penalty: float = PAPER_LENGTH_PENALTY,
-    max_extra: int = 50,
+    max_extra: int = MAX_EXTRA,
 ) -> list[str]:
     """The translation of each prepared line, one line each, in order."""
     sources = [ids for line in lines for ids in line.sources]
@@ -362,7 +361,7 @@ def translate(
     text: str,
     beam_size: int = 4,
     length_penalty: float = PAPER_LENGTH_PENALTY,
-    max_extra: int = 50,
+    max_extra: int = MAX_EXTRA,
     case: str = "auto",
     table: dict | None = None,
 ) -> tuple[str, str | None]:
@@ -533,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-extra",
         type=at_least(0),
-        default=50,
+        default=MAX_EXTRA,
         help="output at most source length + this many subwords, capped at max_len (default 50)",
     )
     p.add_argument(
@@ -611,7 +610,7 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
     stdin = sys.stdin.buffer if stdin is None else stdin
     stdout = sys.stdout.buffer if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.device = default_device(args.device)
     try:
         model, tokenizer, table, alpha = _load(args, stderr)
     except CheckpointError as e:

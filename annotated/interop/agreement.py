@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from annotated.decoding.search import translate_ids
+from annotated.decoding.search import MAX_EXTRA, translate_ids
 from annotated.interop.folders import export_marian
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import padding_mask, subsequent_mask
@@ -80,7 +80,7 @@ def logit_difference(
 
 @torch.no_grad()
 def generate_ids(
-    hf, sources: list[list[int]], length_penalty: float, batch_size: int = 64, max_extra: int = 50
+    hf, sources: list[list[int]], length_penalty: float, batch_size: int = 64, max_extra: int = MAX_EXTRA
 ) -> list[list[int]]:
     """`generate` with beam 4 on `translate_ids`' batches and length limits; ids without eos, in input order."""
     limit = hf.config.max_position_embeddings

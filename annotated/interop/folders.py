@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from annotated.interop.marian import from_marian, to_marian
+from annotated.plumbing.files import staged_directory
 from annotated.tokens import BOS, EOS, PAD, UNK
 from annotated.transformer import AttentionForm, TransformerConfig
 
@@ -115,40 +116,18 @@ def _check_target(out: Path, overwrite: bool, kind: str) -> None:
         raise FileExistsError(f"{out} exists and is not a file; choose another output path")
 
 
-def _publish(staging: Path, out: Path) -> None:
-    """Move the finished `staging` folder to `out`, replacing an old `out` (checked by the caller)."""
-    import shutil
-    import tempfile
-
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-        out.rename(old / "x")
-        staging.rename(out)
-        shutil.rmtree(old)
-    else:
-        staging.rename(out)
-
-
 def export_marian(checkpoint: Path, out: Path, overwrite: bool = False) -> Path:
     """Write checkpoint `checkpoint` as a MarianMTModel folder `out`; returns `out`."""
-    import shutil
-    import tempfile
-
     from annotated.checkpoint import load_checkpoint, read_checkpoint
 
     _check_target(out, overwrite, "folder")
     model, tokenizer, _ = load_checkpoint(checkpoint)
     hf = to_marian(model, read_checkpoint(checkpoint).get("heads"))
     hf.generation_config = generation_config(model.config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_directory(out) as staging:
         hf.save_pretrained(str(staging))
         if tokenizer is not None:
             _write_tokenizer(tokenizer, staging)
-        _publish(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

@@ -195,3 +195,20 @@ def test_an_opus_like_folder_imports_with_its_tokenizer(checkpoint, tmp_path):
             decoder_input_ids=tgt.clone().apply_(marian_ids.__getitem__),
         ).logits
     assert (ours[..., 1:] - theirs[..., marian_ids[1:]]).abs().max() <= 1e-4  # float32
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_an_exported_folder_gets_the_mode_of_the_umask(checkpoint, tmp_path, umask):
+    """The export is published by plumbing/files.py's `staged_directory`: the folder is 0o777 less the umask,
+    as `mkdir` would make it, not the 0o700 of the private staging folder; its files are readable alike."""
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        assert main(["export", str(checkpoint), str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
+    modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in (tmp_path / "out").iterdir()}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
