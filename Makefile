@@ -112,13 +112,13 @@ equivalence: $(SETUP)
 # (benchmarks/bench.py; ARGS='--sizes cpu --quick' etc.); writes benchmarks/results/<device>-<date>.json.
 .PHONY: bench
 bench: $(SETUP)
-	$(PY) benchmarks/bench.py $(ARGS)
+	$(PY) -m benchmarks.bench $(ARGS)
 
 # `make gpu-report`: bench on CUDA (bf16, eager and compiled), the gpu preset de->en and en->de, a 2-GPU DDP
 # smoke run; writes benchmarks/results/<device>-<date>.json and prints the table (benchmarks/gpu_report.py).
 .PHONY: gpu-report
 gpu-report: $(SETUP)
-	$(PY) benchmarks/gpu_report.py $(ARGS)
+	$(PY) -m benchmarks.gpu_report $(ARGS)
 
 # make export CHECKPOINT=runs/<run>/averaged.pt OUT=exported [ARGS=--overwrite]; make import HF=folder OUT=model.pt
 # [ARGS='--attention per_head']: annotated/interop/folders.py (over marian.py), to and from transformers' MarianMTModel.

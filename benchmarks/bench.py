@@ -50,45 +50,36 @@
 # | `profiling.py` | `python -m benchmarks.profiling`: the step's top operators |
 #
 # The results go to a table on stdout and to
-# `benchmarks/results/<device>-<date>.json`. `python benchmarks/bench.py
+# `benchmarks/results/<device>-<date>.json`. `python -m benchmarks.bench
 # --help` lists the options; `make bench ARGS=...` passes them on.
 
 # %%
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import datetime
+import gc
+import os
+import platform
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `python benchmarks/bench.py` runs from the repository without installing
-    sys.path.insert(0, str(ROOT))
+import torch
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("benchmarks/bench.py")
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import gc  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-
-import torch  # noqa: E402
-
-from annotated.plumbing.allocator import keep_freed_memory  # noqa: E402
-from annotated.plumbing.devices import default_device  # noqa: E402
-from benchmarks.arithmetic import bench_cpu_arithmetic, distinct_models  # noqa: E402
-from benchmarks.decoders import bench_decoding, bench_translator_cli  # noqa: E402
-from benchmarks.flops import peak_tflops  # noqa: E402
-from benchmarks.report import default_out_path, device_name, markdown, write_json  # noqa: E402
-from benchmarks.sizes import SIZES, Size  # noqa: E402
-from benchmarks.targets import evaluate_targets  # noqa: E402
-from benchmarks.timing import Settings  # noqa: E402
-from benchmarks.training import bench_training, compile_speedups, host_syncs_per_step  # noqa: E402
+from annotated.plumbing.allocator import keep_freed_memory
+from annotated.plumbing.devices import default_device
+from annotated.plumbing.scripts import name_of, usage_of
+from benchmarks.arithmetic import bench_cpu_arithmetic, distinct_models
+from benchmarks.decoders import bench_decoding, bench_translator_cli
+from benchmarks.flops import peak_tflops
+from benchmarks.report import default_out_path, device_name, markdown, write_json
+from benchmarks.sizes import SIZES, Size
+from benchmarks.targets import evaluate_targets
+from benchmarks.timing import Settings
+from benchmarks.training import bench_training, compile_speedups, host_syncs_per_step
 
 __all__ = ["Settings", "bench_translator_cli", "main", "markdown", "parse_args", "run_benchmarks"]
 
@@ -228,7 +219,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
             compile_keys=None if device.type == "cuda" else ("fused_sdpa",),
         )
     except ValueError as e:
-        raise SystemExit(f"bench.py: {e}") from None
+        raise SystemExit(f"{name_of(__file__)}: {e}") from None
 
 
 def main(argv=None) -> dict:
@@ -245,7 +236,7 @@ def main(argv=None) -> dict:
 
     result = run_benchmarks([SIZES[s] for s in args.sizes], settings, log)
     bar.close()
-    result["meta"]["command"] = " ".join(["benchmarks/bench.py"] + (argv if argv is not None else sys.argv[1:]))
+    result["meta"]["command"] = " ".join([usage_of(__file__)] + (argv if argv is not None else sys.argv[1:]))
     result["meta"]["quick"] = args.quick
     out = args.out or default_out_path(result)
     write_json(result, out)
@@ -255,6 +246,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "benchmarks/bench.py")  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

@@ -14,11 +14,6 @@ case table (`annotated/decoding/casing.py`), or by the tokenizer alone for a che
 
 from __future__ import annotations
 
-if __name__ == "__main__":
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("case")
-
 import argparse
 import json
 import sys
@@ -45,7 +40,7 @@ def measure(
     from tqdm.auto import tqdm
 
     references = [t for _, t in pairs]
-    results = {}
+    results: dict[str, dict] = {}
     jobs = [(v, mode) for v in VARIANTS for mode in ("as-typed", "auto")]
     for variant, mode in tqdm(jobs, desc="case", unit="run", disable=not progress):
         lines = [
@@ -90,8 +85,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = Parser(
-        prog="python -m benchmarks.case",
-        name="case",
+        command=__file__,
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -133,6 +127,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "case")
+    run_main(main)

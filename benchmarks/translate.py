@@ -27,11 +27,6 @@ rounds in a rotating order, after one warm-up round per tool. Speed is never ass
 
 from __future__ import annotations
 
-if __name__ == "__main__":
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("translate-bench")
-
 import io
 import json
 import statistics
@@ -42,7 +37,9 @@ from pathlib import Path
 
 import torch
 
-NAME = "translate-bench"
+from annotated.plumbing.scripts import name_of
+
+NAME = name_of(__file__)
 
 
 def convert_ctranslate2(hf_dir: Path, out: Path, quantization: str | None) -> Path:
@@ -186,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     from annotated.plumbing.options import Parser, at_least
     from annotated.shipped import choose_checkpoint
 
-    p = Parser(prog="python -m benchmarks.translate", name=NAME, description=__doc__.split("\n")[0])
+    p = Parser(command=__file__, description=__doc__.split("\n")[0])
     p.add_argument(
         "--checkpoint",
         default=None,
@@ -212,6 +209,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)
+    run_main(main)

@@ -174,7 +174,7 @@ class Chromium:
     def close(self):
         try:
             self.send("Browser.close", timeout=10)
-        except Exception:  # noqa: BLE001 - the browser may already be gone; closing goes on either way
+        except Exception:  # noqa: BLE001 the browser may already be gone; closing goes on either way
             pass
         try:
             self.proc.wait(timeout=10)

@@ -52,11 +52,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("python -m annotated.attention.dump")
-
 import numpy as np
 import torch
 
@@ -67,11 +62,14 @@ from annotated.checks import check_eval_mode, check_id_list, check_tokenizer
 from annotated.decoding.search import MAX_EXTRA, translate_ids
 from annotated.plumbing.files import json_safe, save_figure, staged_directory
 from annotated.plumbing.options import Parser, at_least, device, writable_dir
+from annotated.plumbing.scripts import name_of, usage_of
 from annotated.recording import record_attention
 from annotated.shipped import choose_checkpoint, outputs_beside
 from annotated.sites import KINDS, head_counts
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import EncoderDecoder, padding_mask, subsequent_mask
+
+NAME = name_of(__file__)
 
 FORMAT = "annotated-attention-v2"
 OLD_FORMATS = ("annotated-attention-v1",)  # kinds named encoder / decoder_self: read no more, replaced on request
@@ -340,7 +338,7 @@ def read_index(out_dir: os.PathLike | str) -> dict:
         raise ValueError(
             f"{path} is an attention dump of format {index['format']!r} (kinds named encoder, "
             f"decoder_self, cross); this version reads {FORMAT!r}: re-run make attention "
-            f"(python -m annotated.attention.dump) to write it again"
+            f"({usage_of(__file__)}) to write it again"
         )
     if index.get("format") != FORMAT:
         raise ValueError(f"{path} is not an attention index (expected format {FORMAT!r})")
@@ -535,7 +533,7 @@ def dump_model(
                 "tgt_out_tokens": token_labels(tokenizer, tgt_ids),
                 "shapes": {k: [list(a.shape) for a in attn[k]] for k in KINDS},
             }  # per layer
-            np.savez(tmp / entry["file"], **{array_name(k, layer): a for k in KINDS for layer, a in enumerate(attn[k])})
+            np.savez(tmp / f"{stem}.npz", **{array_name(k, layer): a for k in KINDS for layer, a in enumerate(attn[k])})
             if pictures:
                 entry["pictures"] = _pictures(tmp, stem, attn, entry)
             index["sentences"].append(entry)
@@ -677,8 +675,7 @@ def log_alignment_image(
 # %%
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(
-        prog="python -m annotated.attention.dump",
-        name="attention",
+        command=__file__,
         description="Dump, draw and browse every attention weight of a trained translator.",
     )
     p.add_argument("sentences", nargs="*", help="source sentences (default: the first --n of test_2016_flickr)")
@@ -715,7 +712,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         ckpt = choose_checkpoint(
-            args.checkpoint, src=args.src, tgt=args.tgt, say=lambda line: print(f"attention: {line}", file=sys.stderr)
+            args.checkpoint, src=args.src, tgt=args.tgt, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
         )
         out = dump(
             ckpt,
@@ -729,10 +726,10 @@ def main(argv=None) -> int:
             device=args.device,
             progress=sys.stderr.isatty(),
             beam_size=args.beam,
-            say=lambda line: print(f"attention: note: {line}", file=sys.stderr),
+            say=lambda line: print(f"{NAME}: note: {line}", file=sys.stderr),
         )
     except (ValueError, OSError) as e:  # CheckpointError and the data errors are ValueErrors
-        print(f"attention: error: {e}", file=sys.stderr)
+        print(f"{NAME}: error: {e}", file=sys.stderr)
         return 2
     count = len(read_index(out)["sentences"])
     print(
@@ -743,6 +740,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "python -m annotated.attention.dump")  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

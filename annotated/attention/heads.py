@@ -12,11 +12,6 @@ the whole greedy path drawn in `heads_pruning.png`. The chapters are `annotated/
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("python -m annotated.attention.heads")
-
 import argparse
 import dataclasses
 import json
@@ -32,10 +27,11 @@ from annotated.attention.bootstrap import RESAMPLES, SEED, Change, paired_bleu_c
 from annotated.attention.importance import ablate, head_importance, normalise_per_attention, sentence_losses
 from annotated.attention.prune import FINETUNE_CHECK_EVERY, FINETUNE_PATIENCE, MAX_LOSS_INCREASE
 from annotated.plumbing.options import Parser, at_least, device, fail, number, writable_dir
+from annotated.plumbing.scripts import name_of
 from annotated.shipped import shown_path
 from annotated.sites import KINDS, attention_at, sites
 
-NAME = "python -m annotated.attention.heads"
+NAME = name_of(__file__)
 WINDOW = 4  # offsets -4 ... +4 in the position profiles
 SPEED_ROUNDS = 3  # timings alternate unpruned / pruned this many times (the ratio: the median round's)
 NOISY_BLEU = 1.0  # the command warns when the typical BLEU interval is wider than this
@@ -48,7 +44,7 @@ STOP_RULE = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog=NAME, description=__doc__.split("\n\n")[1].replace("\n", " "), epilog=STOP_RULE)
+    p = Parser(command=__file__, description=__doc__.split("\n\n")[1].replace("\n", " "), epilog=STOP_RULE)
     p.add_argument(
         "--checkpoint",
         type=Path,
@@ -797,6 +793,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

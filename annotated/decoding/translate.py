@@ -53,11 +53,6 @@
 # %%
 from __future__ import annotations
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch and the model load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("translate")
-
 import argparse
 import os
 import queue
@@ -83,11 +78,12 @@ from annotated.decoding import casing
 from annotated.decoding.search import MAX_EXTRA, translate_ids
 from annotated.plumbing.devices import default_device
 from annotated.plumbing.options import Parser, at_least, device, number
+from annotated.plumbing.scripts import name_of
 from annotated.run_folder import RUNS
 from annotated.shipped import choose_checkpoint, direction_asked
 from annotated.transformer import EncoderDecoder
 
-NAME = "translate"
+NAME = name_of(__file__)
 
 # %% [markdown]
 # ## 1. Which checkpoint
@@ -494,13 +490,12 @@ checkpoint missing, corrupt or incompatible, or a bad option: one line on stderr
 Ctrl-C: "translate: interrupted" on stderr, exit code 130.
 """
 CASE_NOTES = {"upper": "in capitals", "lower": "all lower case", "inverted": "caps lock"}
-WAITING = "translate: waiting for sentences, one per line (Ctrl-D to end)"
+WAITING = f"{NAME}: waiting for sentences, one per line (Ctrl-D to end)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="python -m annotated.decoding.translate",
-        name=NAME,
+        command=__file__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Translate sentences with a trained checkpoint: the arguments if given,\n"
         "else stdin, one sentence a line, one translation a line.\n\n"
@@ -577,7 +572,7 @@ def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
         _say(stderr, WAITING)
         return windows(_numbered([], stdin), 1)
     if _is_pipe(stdin):  # the reading thread gets its own reader: one it may still hold when the process ends
-        own = open(os.dup(stdin.fileno()), "rb", buffering=MAX_LINE_BYTES + 2)  # noqa: SIM115 - the thread holds it
+        own = open(os.dup(stdin.fileno()), "rb", buffering=MAX_LINE_BYTES + 2)  # noqa: SIM115 the thread holds it
         return arrived_windows(_numbered([], own), WINDOW)
     return windows(_numbered([], stdin), WINDOW)
 
@@ -647,6 +642,6 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

@@ -37,11 +37,6 @@
 # %%
 from __future__ import annotations
 
-if __name__ == "__main__":
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("agreement")
-
 import tempfile
 from pathlib import Path
 
@@ -49,10 +44,11 @@ import torch
 
 from annotated.decoding.search import MAX_EXTRA, translate_ids
 from annotated.interop.folders import export_marian
+from annotated.plumbing.scripts import name_of
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import padding_mask, subsequent_mask
 
-NAME = "agreement"
+NAME = name_of(__file__)
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
@@ -168,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from annotated.shipped import choose_checkpoint
 
     p = Parser(
-        prog="python -m annotated.interop.agreement",
-        name=NAME,
+        command=__file__,
         description="A checkpoint against its MarianMTModel export on test_2016_flickr.",
     )
     p.add_argument("checkpoint", help="checkpoint file, or shipped:de-en / shipped:en-de")
@@ -200,6 +195,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)
+    run_main(main)

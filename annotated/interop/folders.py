@@ -23,20 +23,16 @@
 # %%
 from __future__ import annotations
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch and transformers load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("marian")
-
 from pathlib import Path
 from typing import Any
 
 from annotated.interop.marian import from_marian, to_marian
 from annotated.plumbing.files import staged_directory
+from annotated.plumbing.scripts import name_of
 from annotated.tokens import BOS, EOS, PAD, UNK
 from annotated.transformer import AttentionForm, TransformerConfig
 
-NAME = "marian"
+NAME = name_of(__file__)
 
 # %% [markdown]
 # ## Folders and files
@@ -231,8 +227,7 @@ def build_parser():
     from annotated.plumbing.options import Parser
 
     p = Parser(
-        prog="python -m annotated.interop.folders",
-        name=NAME,
+        command=__file__,
         description="Export a checkpoint as a transformers MarianMTModel folder, or import one.",
     )
     sub = p.add_subparsers(dest="command", required=True)
@@ -274,6 +269,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)
+    run_main(main)

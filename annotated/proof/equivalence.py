@@ -70,7 +70,6 @@
 # %%
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import os
@@ -78,11 +77,6 @@ import sys
 import textwrap
 from collections.abc import Callable
 from typing import Any
-
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("python -m annotated.proof.equivalence")
 
 import hypothesis
 import sympy
@@ -93,6 +87,7 @@ from tqdm import tqdm
 
 from annotated import transformer
 from annotated.checks import check_source_and_target
+from annotated.plumbing.options import Parser
 from annotated.proof.harness import (
     MHA_MODES,
     TOL,
@@ -977,7 +972,7 @@ def format_report(results: list[CheckResult], identities: list[tuple[str, str, b
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Prove that per-head and fused attention are the same function.")
+    ap = Parser(command=__file__, description="Prove that per-head and fused attention are the same function.")
     ap.add_argument(
         "--checkpoint",
         help="also compare both forms of a trained checkpoint (a .pt file, or "
@@ -1008,6 +1003,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "python -m annotated.proof.equivalence")  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

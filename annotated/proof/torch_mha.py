@@ -69,7 +69,7 @@ import torch
 from torch import Tensor, nn
 
 from annotated.checks import check_torch_mha
-from annotated.transformer import BLOCKS, FusedAttention, PerHeadAttention, split, subsequent_mask  # noqa: F401 (doctests)
+from annotated.transformer import BLOCKS, FusedAttention, PerHeadAttention, split, subsequent_mask  # noqa: F401 the doctests use them
 
 AttentionLike = PerHeadAttention | FusedAttention | nn.MultiheadAttention
 Dst = TypeVar("Dst", PerHeadAttention, FusedAttention, nn.MultiheadAttention)

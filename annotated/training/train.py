@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from annotated.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 - train.CheckpointError for the callers
+from annotated.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 train.CheckpointError for the callers
 from annotated.decoding import casing
 from annotated.plumbing.allocator import keep_freed_memory
 from annotated.plumbing.devices import autocast, default_device, resolve_precision
@@ -38,7 +38,7 @@ from annotated.plumbing.provenance import environment
 from annotated.run_folder import BEST, CONFIG, LAST, epoch_file
 from annotated.tokens import PAD, Tokenizer
 from annotated.training import data, distributed
-from annotated.training.config import PRESETS, TrainConfig, config_dict  # noqa: F401 - train.PRESETS for the callers
+from annotated.training.config import PRESETS, TrainConfig, config_dict  # noqa: F401 train.PRESETS for the callers
 from annotated.training.evaluate import evaluate_bleu
 from annotated.training.loss import label_smoothed_loss
 from annotated.training.results import Arithmetic, score_test_set

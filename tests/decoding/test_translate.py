@@ -586,7 +586,6 @@ def test_a_terminal_on_stdin_is_served_line_by_line_after_saying_so(ckpt, loaded
 
 def test_make_bench_compares_the_cli_from_stdin_with_batched_translate_ids():
     """benchmarks/bench.py's row: both sides run the same sentences with the same beam (no speed asserted)."""
-    sys.path.insert(0, str(ROOT))
     from benchmarks import bench
 
     row = bench.bench_translator_cli(bench.Settings(reps=1, window=0.01), lambda line: None, sentences=6)
