@@ -18,7 +18,8 @@ endif
 
 help:
 	@echo "make test         create .venv, install requirements.lock, run the whole test suite"
-	@echo "make lint         ruff check (rules in pyproject.toml) and mypy on annotated/; CI runs it before the tests"
+	@echo "make lint         ruff check, ruff format --check (nothing rewritten) and mypy on annotated/, benchmarks/,"
+	@echo "                  docs/ and train_wmt.py (settings in pyproject.toml); CI runs it before the tests"
 	@echo "make format       ruff format: rewrites the files in the house style (pyproject.toml [tool.ruff.format])"
 	@echo "make lock         resolve requirements.txt into requirements.lock (pinned, with hashes)"
 	@echo "make copy         train the copy task with both attention forms (CPU, about 1.5 min)"
@@ -63,10 +64,12 @@ setup: $(SETUP)
 test: $(SETUP)
 	$(PY) -m pytest
 
-# make lint: the linter and the type checker, both configured in pyproject.toml; nothing is rewritten.
-# make format: the formatter, which rewrites files (`ruff format --check` says which it would change).
+# make lint: the linter, the formatter's check and the type checker, all configured in pyproject.toml; nothing is
+# rewritten (`ruff format --check` fails on a file `make format` would change, and names it).
+# make format: the formatter, which rewrites files.
 lint: $(SETUP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
 format: $(SETUP)

@@ -23,20 +23,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from annotated import transformer
 from annotated.checkpoint import PAPER_LENGTH_PENALTY
 from annotated.decoding import search as decoding
 from annotated.tokens import EOS, PAD
-from annotated.transformer import make_model, padding_mask
+from annotated.transformer import EncoderDecoder, make_model, padding_mask
 from benchmarks.rows import DECODERS, DecodeRow
 from benchmarks.sizes import Size, make_batches
 from benchmarks.timing import Settings, interleaved_times, median
 
 
 @torch.no_grad()
-def suppress_eos(model: nn.Module) -> nn.Module:
+def suppress_eos(model: EncoderDecoder) -> EncoderDecoder:
     """Make eos unreachable: its generator bias becomes -inf, so its probability is exactly 0."""
     model.generator.bias[EOS] = float("-inf")
     return model
