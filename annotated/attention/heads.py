@@ -44,6 +44,8 @@ STOP_RULE = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from annotated.checkpoint import PAPER_LENGTH_PENALTY
+
     p = Parser(command=__file__, description=__doc__.split("\n\n")[1].replace("\n", " "), epilog=STOP_RULE)
     p.add_argument(
         "--checkpoint",
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=number(0, None),
         default=None,
         help="with --prune: the beam search's GNMT alpha (default: the alpha the model's run chose on "
-        "validation data, else the paper's 0.6)",
+        f"validation data, else the paper's {PAPER_LENGTH_PENALTY})",
     )
     p.add_argument(
         "--test-sentences",

@@ -522,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=number(0, None),
         default=None,
         help="GNMT alpha: score = log P / ((5 + |Y|) / 6)^alpha (default: the alpha the model's run "
-        "chose on validation data, else the paper's 0.6)",
+        f"chose on validation data, else the paper's {PAPER_LENGTH_PENALTY})",
     )
     p.add_argument(
         "--max-extra",

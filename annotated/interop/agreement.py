@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from annotated.checkpoint import CheckpointError
+    from annotated.checkpoint import PAPER_LENGTH_PENALTY, CheckpointError
     from annotated.plumbing.options import Parser, at_least, number
     from annotated.shipped import choose_checkpoint
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "--alpha",
         type=number(0, None),
         default=None,
-        help="our GNMT length penalty (default: the model's, else the paper's 0.6)",
+        help=f"our GNMT length penalty (default: the model's, else the paper's {PAPER_LENGTH_PENALTY})",
     )
     p.add_argument(
         "--hf-length-penalty",
