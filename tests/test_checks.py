@@ -20,7 +20,7 @@ from annotated.proof.torch_mha import from_torch_mha
 from annotated.transformer import make_model
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = REPO / "annotated" / "plumbing" / "checks.py"
+CHECKS = REPO / "annotated" / "checks.py"
 
 
 def untouchable_model(max_len=8):
