@@ -71,6 +71,7 @@ import torch
 
 from annotated.plumbing.allocator import keep_freed_memory
 from annotated.plumbing.devices import default_device
+from annotated.plumbing.options import Parser, at_least, device, number
 from annotated.plumbing.scripts import name_of, usage_of
 from benchmarks.arithmetic import bench_cpu_arithmetic, distinct_models
 from benchmarks.decoders import bench_decoding, bench_translator_cli
@@ -140,17 +141,20 @@ def run_benchmarks(sizes: list[Size], settings: Settings | None = None, log: Cal
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Benchmark training steps and decoding against torch.nn.Transformer.")
+    p = Parser(command=__file__, description="Benchmark training steps and decoding against torch.nn.Transformer.")
     p.add_argument("--sizes", default="cpu,gpu,base", help="comma-separated subset of: " + ", ".join(SIZES))
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument(
         "--quick",
         action="store_true",
         help="2 rounds, short windows, a 1024 matmul peak: a smoke run, not a measurement",
     )
-    p.add_argument("--reps", type=int, default=None, help="timing rounds (default 5; 2 with --quick)")
+    p.add_argument("--reps", type=at_least(1), default=None, help="timing rounds (default 5; 2 with --quick)")
     p.add_argument(
-        "--window", type=float, default=None, help="seconds per timed window (default 1.0; 0.2 with --quick)"
+        "--window",
+        type=number(0, None, above=True),
+        default=None,
+        help="seconds per timed window (default 1.0; 0.2 with --quick)",
     )
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     p.add_argument(
@@ -166,10 +170,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="skip the CPU rows of fp32 vs bf16, one thread vs all, and the share of the matmul peak",
     )
-    p.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s (in TFLOP/s) for MFU")
+    p.add_argument(
+        "--peak-tflops", type=number(0, None, above=True), default=None, help="peak FLOP/s (in TFLOP/s) for MFU"
+    )
     p.add_argument(
         "--threads",
-        type=int,
+        type=at_least(1),
         default=None,
         help="CPU threads for torch (default: torch's choice); 1 is steadier on a loaded machine",
     )
@@ -187,21 +193,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown or not names:
         p.error(f"--sizes: unknown size(s) {unknown or args.sizes!r}; choose from {', '.join(SIZES)}")
     args.sizes = names
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
     return args
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = default_device(args.device)
-    if device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    device = default_device(args.device)  # (cpu, cuda or cuda:N where it exists: checked by the parser)
     if device.type == "cpu":  # as training does (every row runs under it; the memory rows in their own process)
         keep_freed_memory()
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
     try:
         return Settings(
             device=device,

@@ -360,8 +360,9 @@ def test_targets_met_not_met_not_measured():
 def test_command_line_errors():
     with pytest.raises(SystemExit):
         bench.parse_args(["--sizes", "cpu,huge"])
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--threads", "0"])
+    for bad in (["--threads", "0"], ["--reps", "0"], ["--window", "-1"], ["--device", "tpu"], ["--peak-tflops", "0"]):
+        with pytest.raises(SystemExit):  # refused at the door, before any work
+            bench.parse_args(bad)
     assert bench.parse_args(["--sizes", "cpu, base"]).sizes == ["cpu", "base"]
     with pytest.raises(ValueError, match="dtype"):
         timing.Settings(dtype="fp16")
