@@ -18,7 +18,8 @@ endif
 
 help:
 	@echo "make test         create .venv, install requirements.lock, run the whole test suite"
-	@echo "make lint         ruff check (rules in pyproject.toml) and mypy on annotated/; CI runs it before the tests"
+	@echo "make lint         ruff check, ruff format --check (nothing rewritten) and mypy on annotated/, benchmarks/,"
+	@echo "                  docs/ and train_wmt.py (settings in pyproject.toml); CI runs it before the tests"
 	@echo "make format       ruff format: rewrites the files in the house style (pyproject.toml [tool.ruff.format])"
 	@echo "make lock         resolve requirements.txt into requirements.lock (pinned, with hashes)"
 	@echo "make copy         train the copy task with both attention forms (CPU, about 1.5 min)"
@@ -66,10 +67,12 @@ setup: $(SETUP)
 test: $(SETUP)
 	$(PY) -m pytest
 
-# make lint: the linter and the type checker, both configured in pyproject.toml; nothing is rewritten.
-# make format: the formatter, which rewrites files (`ruff format --check` says which it would change).
+# make lint: the linter, the formatter's check and the type checker, all configured in pyproject.toml; nothing is
+# rewritten (`ruff format --check` fails on a file `make format` would change, and names it).
+# make format: the formatter, which rewrites files.
 lint: $(SETUP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
 format: $(SETUP)
@@ -115,13 +118,13 @@ equivalence: $(SETUP)
 # (benchmarks/bench.py; ARGS='--sizes cpu --quick' etc.); writes benchmarks/results/<device>-<date>.json.
 .PHONY: bench
 bench: $(SETUP)
-	$(PY) benchmarks/bench.py $(ARGS)
+	$(PY) -m benchmarks.bench $(ARGS)
 
 # `make gpu-report`: bench on CUDA (bf16, eager and compiled), the gpu preset de->en and en->de, a 2-GPU DDP
 # smoke run; writes benchmarks/results/<device>-<date>.json and prints the table (benchmarks/gpu_report.py).
 .PHONY: gpu-report
 gpu-report: $(SETUP)
-	$(PY) benchmarks/gpu_report.py $(ARGS)
+	$(PY) -m benchmarks.gpu_report $(ARGS)
 
 # make export [CHECKPOINT=shipped:de-en|runs/<run>/averaged.pt] OUT=exported [ARGS=--overwrite] (no CHECKPOINT: the
 # latest run's model, else the shipped de -> en one); make import HF=folder OUT=model.pt [ARGS='--attention per_head

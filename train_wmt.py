@@ -21,12 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while the extensions load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("train_wmt.py")
-
 from annotated.plumbing.options import Parser, at_least, device, number, writable_dir
+from annotated.plumbing.scripts import name_of
+
+NAME = name_of(__file__)
 
 
 def preset_asked(argv) -> str | None:
@@ -82,7 +80,7 @@ def build_parser(chosen: str | None = None) -> Parser:
         return " (" + ", ".join(f"{p}: {shown(setting(c, name))}" for p, c in PRESETS.items()) + ")"
 
     p = Parser(
-        prog="train_wmt.py",
+        command=__file__,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG,
@@ -198,15 +196,15 @@ def resolved_settings(preset: str, cfg, where, threads: int, run_dir: Path) -> d
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import sentencepiece  # noqa: F401
+    import sentencepiece  # noqa: F401 loaded inside main(): a Ctrl-C in its C start-up exits at once
     import torch
     import torch.utils.tensorboard
 
     from annotated.attention.dump import log_alignment_image  # the epochs' alignment pictures (matplotlib)
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.plumbing.devices import default_device, default_threads
+    from annotated.run_folder import LAST, RUNS
     from annotated.training.distributed import RankError
-    from annotated.training.runs import RUNS
     from annotated.training.train import TrainingError, train
 
     run_dir, threads_before = None, torch.get_num_threads()
@@ -243,20 +241,18 @@ def main(argv=None) -> int:
             )
             print(f"attention dump: {out}", flush=True)
     except (ValueError, CheckpointError, TrainingError, RankError) as e:  # DataError is a ValueError
-        print(f"train_wmt.py: error: {e}", file=sys.stderr)
+        print(f"{NAME}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (data, final test), or a second one inside it
-        last = Path(run_dir) / "last.pt" if run_dir is not None else None
+        last = Path(run_dir) / LAST if run_dir is not None else None
         if last is not None and last.is_file():
             print(
-                f"train_wmt.py: interrupted; {last} holds the last completed save (checkpoint writes are "
+                f"{NAME}: interrupted; {last} holds the last completed save (checkpoint writes are "
                 f"atomic); continue with --resume --run-dir {run_dir}",
                 file=sys.stderr,
             )
         else:
-            print(
-                "train_wmt.py: interrupted before the first checkpoint was written; nothing to resume", file=sys.stderr
-            )
+            print(f"{NAME}: interrupted before the first checkpoint was written; nothing to resume", file=sys.stderr)
         return 130
     finally:  # main() called from Python leaves the caller's thread count as it found it
         torch.set_num_threads(threads_before)
@@ -264,6 +260,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "train_wmt.py")  # Ctrl-C: one line and exit code 130 (main() may say more itself)
+    run_main(main)

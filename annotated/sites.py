@@ -14,7 +14,7 @@
 # A trained model has `3N` attentions: one encoder self-attention, one decoder
 # self-attention and one cross-attention per layer. This module names them
 # (*sites*), counts their heads, and removes heads for real. Checkpoint
-# loading (`annotated/plumbing/checkpoint.py`, for pruned models), the head
+# loading (`annotated/checkpoint.py`, for pruned models), the head
 # analysis and pruning (`annotated/attention/`) and the attention dump all
 # address attentions through it. Tests: `tests/test_sites.py`.
 

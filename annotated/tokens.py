@@ -37,7 +37,7 @@ class Tokenizer:
         self._model = bytes(model)
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=self._model)
-        except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError with a C++ location only
+        except Exception as e:  # noqa: BLE001 sentencepiece raises RuntimeError with a C++ location only
             raise TokenizerError(f"these {len(self._model)} bytes are not a sentencepiece model ({e})") from None
         ids = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
         if ids != (PAD, BOS, EOS, UNK):

@@ -26,7 +26,7 @@
 #
 # The chapter assumes well-formed inputs: it keeps one-line `assert`s for its
 # own invariants and leaves the checking of what a user hands over to the
-# entry points (`annotated/plumbing/checks.py`).
+# entry points (`annotated/checks.py`).
 
 # %%
 from __future__ import annotations

@@ -32,31 +32,22 @@ time, so what separates the two steps is named.
 
 from __future__ import annotations
 
-import sys
+import argparse
+import ast
+import copy
+import itertools
+import json
+import math
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `python benchmarks/annotated_transformer.py` works too
-    sys.path.insert(0, str(ROOT))
+import torch
+from torch import nn
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+from annotated.plumbing.scripts import name_of
 
-    quiet_ctrl_c_while_starting("annotated-transformer-bench")
-
-import argparse  # noqa: E402
-import ast  # noqa: E402
-import copy  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-NAME = "annotated-transformer-bench"
+NAME = name_of(__file__)
 URL = (
     "https://raw.githubusercontent.com/harvardnlp/annotated-transformer/"
     "debc9fd747bb2123160a98046ad1c2d4da44a567/the_annotated_transformer.py"
@@ -245,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.sizes import SIZES
 
     p = Parser(
-        prog="python -m benchmarks.annotated_transformer",
-        name=NAME,
+        command=__file__,
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -299,6 +289,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)
+    run_main(main)

@@ -39,12 +39,13 @@ from benchmarks.sizes import Size, make_batches, real_lengths
 from benchmarks.timing import Settings, interleaved_times, median
 from benchmarks.trainees import build_trainees, make_step
 
-ARITHMETIC = (("fp32", "all"), ("fp32", 1), ("bf16", "all"), ("bf16", 1))  # the baseline first
+ARITHMETIC: tuple[tuple[str, int | None], ...] = (("fp32", None), ("fp32", 1), ("bf16", None), ("bf16", 1))
+# (precision, threads; None: all cores), the baseline first
 NO_BF16 = "not measured: this CPU has no bf16 instructions (avx512_bf16 or amx_bf16)"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def with_threads(fn: Callable[[], None], threads: int) -> Callable[[], None]:
+def with_threads(fn: Callable[[], object], threads: int) -> Callable[[], None]:
     def run():
         torch.set_num_threads(threads)
         fn()
@@ -76,7 +77,7 @@ def bench_cpu_arithmetic(size: Size, st: Settings, log: Callable[[str], None]) -
     batches = make_batches(st.train_batches, size.train_sentences["cpu"], size.train.vocab_size, st.seed)
     src_l, tgt_l, tokens = real_lengths(batches)
     [t] = build_trainees(size, cpu, st.seed, keys=("fused_sdpa",))
-    wanted = sorted({(p, cores if n == "all" else n) for p, n in ARITHMETIC}, key=lambda k: (k[0], -k[1]))
+    wanted = sorted({(p, cores if n is None else n) for p, n in ARITHMETIC}, key=lambda k: (k[0], -k[1]))
     runnable = [k for k in wanted if k[0] == "fp32" or cpu_has_bf16()]  # with one core, 1 and "all" are one row
     fns = {}
     for precision, threads in runnable:

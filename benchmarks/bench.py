@@ -50,45 +50,37 @@
 # | `profiling.py` | `python -m benchmarks.profiling`: the step's top operators |
 #
 # The results go to a table on stdout and to
-# `benchmarks/results/<device>-<date>.json`. `python benchmarks/bench.py
+# `benchmarks/results/<device>-<date>.json`. `python -m benchmarks.bench
 # --help` lists the options; `make bench ARGS=...` passes them on.
 
 # %%
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import datetime
+import gc
+import os
+import platform
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `python benchmarks/bench.py` runs from the repository without installing
-    sys.path.insert(0, str(ROOT))
+import torch
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("benchmarks/bench.py")
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import gc  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-
-import torch  # noqa: E402
-
-from annotated.plumbing.allocator import keep_freed_memory  # noqa: E402
-from annotated.plumbing.devices import default_device  # noqa: E402
-from benchmarks.arithmetic import bench_cpu_arithmetic, distinct_models  # noqa: E402
-from benchmarks.decoders import bench_decoding, bench_translator_cli  # noqa: E402
-from benchmarks.flops import peak_tflops  # noqa: E402
-from benchmarks.report import default_out_path, device_name, markdown, write_json  # noqa: E402
-from benchmarks.sizes import SIZES, Size  # noqa: E402
-from benchmarks.targets import evaluate_targets  # noqa: E402
-from benchmarks.timing import Settings  # noqa: E402
-from benchmarks.training import bench_training, compile_speedups, host_syncs_per_step  # noqa: E402
+from annotated.plumbing.allocator import keep_freed_memory
+from annotated.plumbing.devices import default_device
+from annotated.plumbing.options import Parser, at_least, device, number
+from annotated.plumbing.scripts import name_of, usage_of
+from benchmarks.arithmetic import bench_cpu_arithmetic, distinct_models
+from benchmarks.decoders import bench_decoding, bench_translator_cli
+from benchmarks.flops import peak_tflops
+from benchmarks.report import default_out_path, device_name, markdown, write_json
+from benchmarks.sizes import SIZES, Size
+from benchmarks.targets import evaluate_targets
+from benchmarks.timing import Settings
+from benchmarks.training import bench_training, compile_speedups, host_syncs_per_step
 
 __all__ = ["Settings", "bench_translator_cli", "main", "markdown", "parse_args", "run_benchmarks"]
 
@@ -149,17 +141,20 @@ def run_benchmarks(sizes: list[Size], settings: Settings | None = None, log: Cal
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Benchmark training steps and decoding against torch.nn.Transformer.")
+    p = Parser(command=__file__, description="Benchmark training steps and decoding against torch.nn.Transformer.")
     p.add_argument("--sizes", default="cpu,gpu,base", help="comma-separated subset of: " + ", ".join(SIZES))
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument(
         "--quick",
         action="store_true",
         help="2 rounds, short windows, a 1024 matmul peak: a smoke run, not a measurement",
     )
-    p.add_argument("--reps", type=int, default=None, help="timing rounds (default 5; 2 with --quick)")
+    p.add_argument("--reps", type=at_least(1), default=None, help="timing rounds (default 5; 2 with --quick)")
     p.add_argument(
-        "--window", type=float, default=None, help="seconds per timed window (default 1.0; 0.2 with --quick)"
+        "--window",
+        type=number(0, None, above=True),
+        default=None,
+        help="seconds per timed window (default 1.0; 0.2 with --quick)",
     )
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     p.add_argument(
@@ -175,10 +170,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="skip the CPU rows of fp32 vs bf16, one thread vs all, and the share of the matmul peak",
     )
-    p.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s (in TFLOP/s) for MFU")
+    p.add_argument(
+        "--peak-tflops", type=number(0, None, above=True), default=None, help="peak FLOP/s (in TFLOP/s) for MFU"
+    )
     p.add_argument(
         "--threads",
-        type=int,
+        type=at_least(1),
         default=None,
         help="CPU threads for torch (default: torch's choice); 1 is steadier on a loaded machine",
     )
@@ -196,21 +193,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown or not names:
         p.error(f"--sizes: unknown size(s) {unknown or args.sizes!r}; choose from {', '.join(SIZES)}")
     args.sizes = names
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
     return args
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = default_device(args.device)
-    if device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    device = default_device(args.device)  # (cpu, cuda or cuda:N where it exists: checked by the parser)
     if device.type == "cpu":  # as training does (every row runs under it; the memory rows in their own process)
         keep_freed_memory()
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
     try:
         return Settings(
             device=device,
@@ -228,7 +219,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
             compile_keys=None if device.type == "cuda" else ("fused_sdpa",),
         )
     except ValueError as e:
-        raise SystemExit(f"bench.py: {e}") from None
+        raise SystemExit(f"{name_of(__file__)}: {e}") from None
 
 
 def main(argv=None) -> dict:
@@ -245,7 +236,7 @@ def main(argv=None) -> dict:
 
     result = run_benchmarks([SIZES[s] for s in args.sizes], settings, log)
     bar.close()
-    result["meta"]["command"] = " ".join(["benchmarks/bench.py"] + (argv if argv is not None else sys.argv[1:]))
+    result["meta"]["command"] = " ".join([usage_of(__file__)] + (argv if argv is not None else sys.argv[1:]))
     result["meta"]["quick"] = args.quick
     out = args.out or default_out_path(result)
     write_json(result, out)
@@ -255,6 +246,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "benchmarks/bench.py")  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

@@ -14,11 +14,6 @@ case table (`annotated/decoding/casing.py`), or by the tokenizer alone for a che
 
 from __future__ import annotations
 
-if __name__ == "__main__":
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("case")
-
 import argparse
 import json
 import sys
@@ -26,14 +21,14 @@ from pathlib import Path
 
 import torch
 
+from annotated.checkpoint import CheckpointError, load_checkpoint, read_case_table
 from annotated.decoding import casing
 from annotated.decoding.translate import prepare, translate_prepared
-from annotated.plumbing.checkpoint import load_checkpoint, read_case_table
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.options import Parser, at_least
+from annotated.shipped import choose_checkpoint
 from annotated.training.data import load_multi30k
 from annotated.training.evaluate import score
-from annotated.training.runs import latest_checkpoint
 
 VARIANTS = {"as written": lambda s: s, "capitals": str.upper, "lower case": str.lower, "caps lock": casing.swap_case}
 
@@ -45,7 +40,7 @@ def measure(
     from tqdm.auto import tqdm
 
     references = [t for _, t in pairs]
-    results = {}
+    results: dict[str, dict] = {}
     jobs = [(v, mode) for v in VARIANTS for mode in ("as-typed", "auto")]
     for variant, mode in tqdm(jobs, desc="case", unit="run", disable=not progress):
         lines = [
@@ -90,13 +85,14 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = Parser(
-        prog="python -m benchmarks.case",
-        name="case",
+        command=__file__,
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--checkpoint", type=Path, help="default: the latest run's model (runs/latest/averaged.pt or best.pt)"
+        "--checkpoint",
+        help="a checkpoint file or shipped:de-en (default: the latest run's model, runs/latest/averaged.pt or best.pt; "
+        "with no run, the shipped de->en model)",
     )
     p.add_argument("--sentences", type=at_least(1), help="only the first n test sentences (default: all)")
     p.add_argument("--beam", type=at_least(1), default=4, help="beam width (default 4)")
@@ -104,8 +100,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.out is not None and args.out.exists():
         p.error(f"--out {args.out} exists; name a new file (nothing is overwritten)")
-    path = args.checkpoint or latest_checkpoint()
-    model, tokenizer, meta = load_checkpoint(path)
+    try:
+        path = choose_checkpoint(args.checkpoint, say=lambda line: print(f"{p.name}: {line}", file=sys.stderr))
+        model, tokenizer, meta = load_checkpoint(path)
+    except CheckpointError as e:
+        p.error(str(e))
     model.eval()
     src, tgt = meta.get("src_lang", "de"), meta.get("tgt_lang", "en")
     pairs = load_multi30k("test_2016_flickr", src, tgt)[: args.sentences]
@@ -128,6 +127,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "case")
+    run_main(main)

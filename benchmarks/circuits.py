@@ -11,12 +11,13 @@ two cores), as shares of them. Nothing here is asserted by a test.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 import tempfile
 import time
+
+from annotated.plumbing.options import Parser, at_least
 
 BUDGET_S = 60.0
 BUDGET_MIB = 1024.0
@@ -41,8 +42,8 @@ def run(direction: str, out: str, threads: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.circuits", description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the readout (default 2)")
+    p = Parser(command=__file__, description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=at_least(1), default=2, help="torch threads of the readout (default 2)")
     p.add_argument("--directions", nargs="+", default=["de-en", "en-de"], help="shipped models to read")
     args = p.parse_args(argv)
     print(f"CPU: {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} before the runs", flush=True)
@@ -58,4 +59,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from annotated.plumbing.scripts import run_main
+
+    run_main(main)

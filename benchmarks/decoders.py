@@ -23,19 +23,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from annotated import transformer
+from annotated.checkpoint import PAPER_LENGTH_PENALTY
 from annotated.decoding import search as decoding
 from annotated.tokens import EOS, PAD
-from annotated.transformer import make_model, padding_mask
+from annotated.transformer import EncoderDecoder, make_model, padding_mask
 from benchmarks.rows import DECODERS, DecodeRow
 from benchmarks.sizes import Size, make_batches
 from benchmarks.timing import Settings, interleaved_times, median
 
 
 @torch.no_grad()
-def suppress_eos(model: nn.Module) -> nn.Module:
+def suppress_eos(model: EncoderDecoder) -> EncoderDecoder:
     """Make eos unreachable: its generator bias becomes -inf, so its probability is exactly 0."""
     model.generator.bias[EOS] = float("-inf")
     return model
@@ -57,7 +57,9 @@ def decode_fns(model, batches, steps: int, amp) -> dict:
     return {
         "greedy_cached": run(lambda s, m: decoding.greedy(model, s, m, steps, use_cache=True)),
         "greedy_recompute": run(lambda s, m: decoding.greedy(model, s, m, steps, use_cache=False)),
-        "beam4_cached": run(lambda s, m: decoding.beam_search(model, s, m, steps, beam_size=4, length_penalty=0.6)),
+        "beam4_cached": run(
+            lambda s, m: decoding.beam_search(model, s, m, steps, beam_size=4, length_penalty=PAPER_LENGTH_PENALTY)
+        ),
     }
 
 
@@ -99,8 +101,8 @@ def bench_translator_cli(st: Settings, log: Callable[[str], None], sentences: in
     """The translator reading `sentences` lines from stdin (annotated/decoding/translate.py's main, in process:
     checkpoint loading, reading, input rules, output) against one `translate_ids` call on the same sentences'
     ids with the same beam, on the CPU, a tiny random model. ratio = CLI seconds / translate_ids seconds."""
+    from annotated.checkpoint import save_checkpoint
     from annotated.decoding import translate as cli
-    from annotated.plumbing.checkpoint import save_checkpoint
     from annotated.training.data import train_tokenizer
 
     words = [

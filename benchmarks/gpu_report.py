@@ -1,4 +1,4 @@
-"""Every GPU figure in one command: `make gpu-report` (or `python benchmarks/gpu_report.py`).
+"""Every GPU figure in one command: `make gpu-report` (or `python -m benchmarks.gpu_report`).
 
 Three parts, each a subprocess with its own time limit, so that each ends within 9 minutes of wall time
 and the whole within 27 minutes of GPU time:
@@ -30,19 +30,15 @@ import sys
 import time
 from pathlib import Path
 
+from annotated.plumbing.options import Parser, number
+from annotated.plumbing.scripts import name_of
+from annotated.run_folder import RUNS
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("benchmarks/gpu_report.py")
-
-from annotated.plumbing.options import Parser, number  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = Parser(prog="gpu_report.py", description=__doc__.split("\n\n")[0])
+    p = Parser(command=__file__, description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="bench,train,ddp", help="comma-separated subset of bench, train, ddp")
     p.add_argument(
         "--train-minutes",
@@ -100,7 +96,8 @@ def bench_part(out_dir: Path, stamp: str, compile_rows: str = "both") -> dict:
     r = run(
         [
             sys.executable,
-            "benchmarks/bench.py",
+            "-m",
+            "benchmarks.bench",
             "--device",
             "cuda",
             "--dtype",
@@ -126,7 +123,7 @@ def bench_part(out_dir: Path, stamp: str, compile_rows: str = "both") -> dict:
 
 def train_part(out_dir: Path, stamp: str, src: str, tgt: str, minutes: float, data_url, compiled: bool = False) -> dict:
     """One direction of the gpu preset, capped at `minutes` of training; limited to that plus 2.5 minutes."""
-    run_dir = ROOT / "runs" / f"gpu-report-{stamp}-{src}-{tgt}"
+    run_dir = ROOT / RUNS / f"gpu-report-{stamp}-{src}-{tgt}"
     cmd = [
         sys.executable,
         "train_wmt.py",
@@ -180,7 +177,7 @@ def ddp_part(out_dir: Path, stamp: str, gpus: int) -> dict:
             "--device",
             "cuda",
             "--run-dir",
-            str(ROOT / "runs" / f"gpu-report-{stamp}-ddp"),
+            str(ROOT / RUNS / f"gpu-report-{stamp}-ddp"),
             "--no-progress",
         ],
         180,
@@ -238,7 +235,7 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "gpu_report.py: error: no CUDA device (torch.cuda.is_available() is False); run it on a machine "
+            f"{name_of(__file__)}: error: no CUDA device (torch.cuda.is_available() is False); run it on a machine "
             "with an NVIDIA GPU, or use `make bench` for CPU figures",
             file=sys.stderr,
         )
@@ -249,7 +246,8 @@ def main(argv=None) -> int:
     out_dir = ROOT / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = f"{device}-{date}"
-    report = {"device": name, "torch": torch.__version__, "date": date, "gpus": torch.cuda.device_count()}
+    gpus = torch.cuda.device_count()
+    report = {"device": name, "torch": torch.__version__, "date": date, "gpus": gpus}
     data_url = args.data_url or os.environ.get("MULTI30K_URL")
     if "bench" in args.parts:
         report["bench"] = bench_part(out_dir, stamp, args.bench_compile)
@@ -259,7 +257,7 @@ def main(argv=None) -> int:
                 out_dir, stamp, src, tgt, args.train_minutes, data_url, args.train_compile
             )
     if "ddp" in args.parts:
-        report["ddp"] = ddp_part(out_dir, stamp, report["gpus"])
+        report["ddp"] = ddp_part(out_dir, stamp, gpus)
     report["markdown"] = markdown(report)
     from annotated.plumbing.files import atomic_write
 
@@ -271,6 +269,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "benchmarks/gpu_report.py")
+    run_main(main)

@@ -31,22 +31,13 @@ import argparse
 import dataclasses
 import itertools
 import statistics
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `python benchmarks/padding.py` works too
-    sys.path.insert(0, str(ROOT))
+import torch
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
+from annotated.plumbing.scripts import name_of
 
-    quiet_ctrl_c_while_starting("padding-bench")
-
-import torch  # noqa: E402
-
-NAME = "padding-bench"
+NAME = name_of(__file__)
 WAYS = {
     "pad 8, every position": (8, False, False),
     "pad 8, real positions": (8, True, False),
@@ -131,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     from annotated.training.config import PRESETS
 
     p = Parser(
-        prog="python -m benchmarks.padding",
-        name=NAME,
+        command=__file__,
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -172,6 +162,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)
+    run_main(main)

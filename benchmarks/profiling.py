@@ -20,29 +20,20 @@ read. benchmarks/README.md says what dominates at the cpu size.
 
 from __future__ import annotations
 
-import argparse
 import mmap
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `python benchmarks/profiling.py` works too
-    sys.path.insert(0, str(ROOT))
+import torch
+from torch.autograd.profiler_util import EventList
+from torch.profiler import ProfilerActivity, profile
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while Python and torch load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("profiling")
-
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from annotated.plumbing.allocator import keep_freed_memory  # noqa: E402
-from annotated.plumbing.devices import autocast, cpu_has_bf16  # noqa: E402
-from benchmarks.sizes import SIZES, Size, make_batches  # noqa: E402
-from benchmarks.trainees import build_trainees, make_step  # noqa: E402
+from annotated.plumbing.allocator import keep_freed_memory
+from annotated.plumbing.devices import autocast, cpu_has_bf16
+from annotated.plumbing.options import Parser
+from benchmarks.sizes import SIZES, Size, make_batches
+from benchmarks.trainees import build_trainees, make_step
 
 
 def profile_step(size: Size, steps: int = 3, precision: str = "fp32", seed: int = 0) -> Profiled:
@@ -73,7 +64,7 @@ def fresh_mib(pages: float, page_size: int = mmap.PAGESIZE) -> float:
 class Profiled:
     """The profiler's key averages, and the same number of steps timed and counted with and without it."""
 
-    averages: object  # torch.profiler's key averages over the profiled steps
+    averages: EventList  # torch.profiler's key averages over the profiled steps
     ms_per_step: float  # wall time of a step outside the profiler
     ms_per_step_profiled: float
     faults_per_step: float | None  # minor page faults per step outside the profiler (None: not counted here)
@@ -127,7 +118,7 @@ def top_operators(averages, n: int) -> list[tuple[str, float, int]]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profiling", description=__doc__.splitlines()[0])
+    p = Parser(command=__file__, description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=list(SIZES), default="cpu")
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after 2 untimed ones)")
     p.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's choice)")
@@ -137,7 +128,7 @@ def main(argv=None) -> None:
     if args.steps < 1 or args.rows < 1 or (args.threads is not None and args.threads < 1):
         p.error(f"--steps, --rows and --threads must be >= 1, got {args.steps}, {args.rows}, {args.threads}")
     if args.precision == "bf16" and not cpu_has_bf16():
-        print("profiling: note: this CPU has no bf16 instructions; PyTorch emulates bf16 here", file=sys.stderr)
+        print(f"{p.name}: note: this CPU has no bf16 instructions; PyTorch emulates bf16 here", file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # as training on the CPU does
@@ -152,6 +143,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "profiling")
+    run_main(main)

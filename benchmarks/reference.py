@@ -40,6 +40,8 @@ from annotated.transformer import TransformerConfig
 class TorchTransformerReference(nn.Module):
     """torch.nn.Transformer inside embeddings, positional encoding and a generator like ours."""
 
+    pe: Tensor  # (max_len, d_model), a buffer
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         if not cfg.bias or cfg.d_k not in (None, cfg.d_model // cfg.h) or cfg.d_v not in (None, cfg.d_model // cfg.h):

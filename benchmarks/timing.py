@@ -49,7 +49,7 @@ def interleaved_times(
                 fns[name]()
             sync()
             return (clock() - t0) / n
-        except Exception as e:  # noqa: BLE001 - recorded in the results, the other rows go on
+        except Exception as e:  # noqa: BLE001 recorded in the results, the other rows go on
             errors[name] = error_text(e)
             del fns[name]
             if torch.cuda.is_available():
@@ -63,7 +63,7 @@ def interleaved_times(
             dt = run(name, 1)
             if dt is not None:
                 iters[name] = max(1, min(100, round(window / max(dt, 1e-9))))
-    times = {name: [] for name in fns}
+    times: dict = {name: [] for name in fns}
     names = list(fns)
     for r in range(reps):
         if progress:

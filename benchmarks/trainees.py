@@ -37,13 +37,13 @@ class Trainee:
     model: nn.Module
     loss_fn: Callable
     opt: torch.optim.Optimizer
-    sched: object
+    sched: torch.optim.lr_scheduler.LRScheduler
     fast: bool = True
 
 
 def build_trainees(size: Size, device: torch.device, seed: int, keys=tuple(VARIANTS)) -> list[Trainee]:
     cfg = size.model_config()
-    out, fused = [], None
+    out: list[Trainee] = []
 
     def optimiser(model):
         return make_optimizer(model, size.train)
@@ -55,9 +55,9 @@ def build_trainees(size: Size, device: torch.device, seed: int, keys=tuple(VARIA
         for key, fast in (("fused_sdpa", True), ("fused_explicit", False)):
             if key in keys:
                 out.append(Trainee(key, fused, batch_loss, opt, sched, fast))
-    if "per_head" in keys:
-        per_head = convert_model(fused, "per_head").train()
-        out.append(Trainee("per_head", per_head, batch_loss, *optimiser(per_head)))
+        if "per_head" in keys:
+            per_head = convert_model(fused, "per_head").train()
+            out.append(Trainee("per_head", per_head, batch_loss, *optimiser(per_head)))
     if "reference" in keys:
         torch.manual_seed(seed)
         ref = TorchTransformerReference(cfg).to(device).train()

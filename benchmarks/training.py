@@ -49,7 +49,7 @@ def _cpu_memory(size: Size, st: Settings, sentences: int, trainees, log) -> dict
     log(f"[{size.name}] memory probe (subprocess)")
     try:
         return run_memory_probe(size, st.train_batches, sentences, st.seed, [t.key for t in trainees])
-    except Exception as e:  # noqa: BLE001 - reported in the rows
+    except Exception as e:  # noqa: BLE001 reported in the rows
         return {t.key: {"error": error_text(e)} for t in trainees}
 
 
@@ -58,7 +58,7 @@ def _add_memory(row: TrainRow, t, step, st: Settings, cpu_memory: dict) -> None:
         try:
             row.resident_bytes = resident_bytes(t)
             row.step_peak_bytes = cuda_step_peak(step, t, st.device)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 recorded in the row, the other rows go on
             row.memory_error = error_text(e)
     elif t.key in cpu_memory:
         m = cpu_memory[t.key]

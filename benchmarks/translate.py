@@ -27,11 +27,6 @@ rounds in a rotating order, after one warm-up round per tool. Speed is never ass
 
 from __future__ import annotations
 
-if __name__ == "__main__":
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("translate-bench")
-
 import io
 import json
 import statistics
@@ -42,7 +37,9 @@ from pathlib import Path
 
 import torch
 
-NAME = "translate-bench"
+from annotated.plumbing.scripts import name_of
+
+NAME = name_of(__file__)
 
 
 def convert_ctranslate2(hf_dir: Path, out: Path, quantization: str | None) -> Path:
@@ -58,11 +55,11 @@ def tools(checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[
     import ctranslate2
     from transformers import MarianMTModel
 
+    from annotated.checkpoint import load_checkpoint, model_length_penalty
     from annotated.decoding.search import translate_ids
     from annotated.decoding.translate import main as translator
     from annotated.interop.agreement import generate_ids
     from annotated.interop.folders import export_marian
-    from annotated.plumbing.checkpoint import load_checkpoint, model_length_penalty
 
     model, tokenizer, meta = load_checkpoint(checkpoint)
     alpha = model_length_penalty(meta)  # ours: GNMT alpha, the translator's default
@@ -117,7 +114,7 @@ def tools(checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[
 
 
 def measure(checkpoint: Path, sentences: int | None, threads: int, rounds: int, data_url: str | None = None) -> dict:
-    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.checkpoint import load_checkpoint
     from annotated.training.data import load_multi30k
     from annotated.training.evaluate import score
 
@@ -162,12 +159,12 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     import sys
 
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.plumbing.files import atomic_write
     from annotated.plumbing.options import Parser, at_least
     from annotated.shipped import choose_checkpoint
 
-    p = Parser(prog="python -m benchmarks.translate", name=NAME, description=__doc__.split("\n")[0])
+    p = Parser(command=__file__, description=__doc__.split("\n")[0])
     p.add_argument(
         "--checkpoint",
         default=None,
@@ -180,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = p.parse_args(argv)
     try:
-        checkpoint = choose_checkpoint(
-            args.checkpoint, "runs", say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
-        )
+        checkpoint = choose_checkpoint(args.checkpoint, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
     except CheckpointError as e:
         p.error(str(e))
     if not checkpoint.is_file():
@@ -195,6 +190,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)
+    run_main(main)

@@ -45,6 +45,10 @@ class Chromium:
 
     STARTS = 3  # tries: a browser that dies while starting on a loaded machine is started again
 
+    events: list[dict]  # the protocol's events, in order of arrival
+    _to_child: int = -1  # our ends of the pipes (-1: closed, or never opened)
+    _from_child: int = -1
+
     def __init__(self, binary: str, profile: Path, log: Path | None = None):
         self.log = log or Path(profile).parent / f"{Path(profile).name}.chromium.log"
         failures = []
@@ -86,13 +90,13 @@ class Chromium:
         if getattr(self, "proc", None) is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for fd in (getattr(self, "_to_child", None), getattr(self, "_from_child", None)):
-            if fd is not None:
+        for fd in (self._to_child, self._from_child):
+            if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self._to_child = self._from_child = None
+        self._to_child = self._from_child = -1
 
     def _died(self) -> str:
         """Why the pipe closed: the browser's exit status and the end of its log."""
@@ -174,7 +178,7 @@ class Chromium:
     def close(self):
         try:
             self.send("Browser.close", timeout=10)
-        except Exception:  # noqa: BLE001 - the browser may already be gone; closing goes on either way
+        except Exception:  # noqa: BLE001 the browser may already be gone; closing goes on either way
             pass
         try:
             self.proc.wait(timeout=10)

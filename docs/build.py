@@ -78,29 +78,25 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
+
+import jupytext
+from latex2mathml.converter import convert as _latex2mathml
+from markdown_it import MarkdownIt
+from markdown_it.renderer import RendererHTML
+from mdit_py_plugins.dollarmath import dollarmath_plugin
+from pygments import highlight as _pygments_highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexers import get_lexer_by_name
+from pygments.util import ClassNotFound
+
+from annotated.checkpoint import CheckpointError
+from annotated.plumbing.files import atomic_write
+from annotated.plumbing.options import Parser, at_least, writable_dir
+from annotated.plumbing.scripts import name_of
+from docs import figures as figs
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `python docs/build.py` as well as `python -m docs.build`
-    sys.path.insert(0, str(ROOT))
-
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("docs/build.py")
-
-import jupytext  # noqa: E402
-from latex2mathml.converter import convert as _latex2mathml  # noqa: E402
-from markdown_it import MarkdownIt  # noqa: E402
-from mdit_py_plugins.dollarmath import dollarmath_plugin  # noqa: E402
-from pygments import highlight as _pygments_highlight  # noqa: E402
-from pygments.formatters import HtmlFormatter  # noqa: E402
-from pygments.lexers import get_lexer_by_name  # noqa: E402
-from pygments.util import ClassNotFound  # noqa: E402
-
-from annotated.plumbing.checkpoint import CheckpointError  # noqa: E402
-from annotated.plumbing.files import atomic_write  # noqa: E402
-from annotated.plumbing.options import Parser, at_least, writable_dir  # noqa: E402
-from docs import figures as figs  # noqa: E402
 
 PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: paths under annotated/ without .py)
     ("part-1", "Part I. The chapter", ("transformer", "tokens")),
@@ -126,6 +122,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "training/loss",
             "training/train",
             "training/distributed",
+            "run_folder",
             "training/runs",
             "training/evaluate",
             "training/syncs",
@@ -135,7 +132,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "decoding/casing",
             "training/add_case_table",
             "training/choose_length_penalty",
-            "shipped/pack",
+            "training/pack",
         ),
     ),
     (
@@ -166,6 +163,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "circuits/metrics",
             "circuits/readout",
             "circuits/pictures",
+            "circuits/page",
             "circuits/command",
         ),
     ),
@@ -174,8 +172,8 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
         "Appendix. The plumbing",
         (
             "plumbing/allocator",
-            "plumbing/checks",
-            "plumbing/checkpoint",
+            "checks",
+            "checkpoint",
             "plumbing/devices",
             "plumbing/files",
             "plumbing/interrupts",
@@ -241,7 +239,8 @@ def read_cells(path: Path) -> list[Cell]:
     """
     text = path.read_text(encoding="utf-8")
     notebook = jupytext.reads(text, fmt="py:percent")
-    cells, pos = [], 0
+    cells: list[Cell] = []
+    pos = 0
     for cell in notebook.cells:
         if not cell.source.strip():
             continue
@@ -289,7 +288,7 @@ def latex_to_mathml(tex: str, display: bool, where: str = "<formula>") -> str:
     try:
         mathml = _latex2mathml(tex, display="block" if display else "inline")
         root = ET.fromstring(mathml)
-    except Exception as e:  # noqa: BLE001 - latex2mathml raises many kinds on bad input
+    except Exception as e:  # noqa: BLE001 latex2mathml raises many kinds on bad input
         raise DocsError(f"{where}: cannot convert the formula ${tex}$ to MathML ({type(e).__name__}: {e})") from None
     for element in root.iter():
         unknown = re.search(r"\\[A-Za-z]+", element.text or "")
@@ -422,8 +421,9 @@ _NAMED_SPACES = {
 def _polish(root: ET.Element) -> None:
     """Named widths to ems, and TeX's thin space after an operator name (`\\log p`) that browsers omit."""
     for element in root.iter():
-        if element.get("width") in _NAMED_SPACES:
-            element.set("width", _NAMED_SPACES[element.get("width")])
+        width = element.get("width")
+        if width is not None and width in _NAMED_SPACES:
+            element.set("width", _NAMED_SPACES[width])
     for parent in list(root.iter()):
         children = list(parent)
         for i in reversed(range(len(children) - 1)):
@@ -623,7 +623,10 @@ def render_prose(
             anchor = page.unique_id(f"{chapter}-{slugify(text)}")
         tokens[i].attrSet("id", anchor)
         tokens[i + 2].meta["id"] = anchor  # heading_close, for the permalink
-        page.headings.append(Heading(level, md.renderer.renderInline(tokens[i + 1].children, md.options, env), anchor))
+        renderer = cast(RendererHTML, md.renderer)  # MarkdownIt's own HTML renderer (make_markdown)
+        page.headings.append(
+            Heading(level, renderer.renderInline(tokens[i + 1].children or [], md.options, env), anchor)
+        )
     for i, t in enumerate(tokens):  # a citation <!-- figure: name --> (a paragraph of its own): the figure
         paragraph = t.type == "inline" and tokens[i - 1].type == "paragraph_open"
         cited = _CITATION.fullmatch(t.content.strip()) if paragraph else None
@@ -770,7 +773,9 @@ def render_chapter(page: Page, name: str, path: Path, root: Path, want: list[fig
     """The chapter as rows: each prose cell beside the code cell after it, long code cut into pieces (each
     beside its definitions' summaries), figures in rows of their own where the prose placed them."""
     rel = path.relative_to(root).as_posix()
-    parts, used_chapter_id, prose, after = [], False, "", []  # after: figures that close the pending prose
+    parts: list[str] = []
+    after: list[str] = []  # figures that close the pending prose
+    used_chapter_id, prose = False, ""
     for cell in read_cells(path):
         if cell.kind == "markdown":
             body, used = render_prose(page, name, cell, rel, want, first_h1=not used_chapter_id, mark=True)
@@ -925,7 +930,8 @@ FRAMES = (
 
 def _toc(headings: list[Heading]) -> str:
     """Parts, each with its chapters; a chapter's sections unfold under it (<details>, no script)."""
-    items, state = [], []  # state: the open elements, innermost last
+    items: list[str] = []
+    state: list[str] = []  # the open elements, innermost last
 
     def close(down_to: int) -> None:
         while len(state) > down_to:
@@ -1327,8 +1333,7 @@ def build_notebook(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = Parser(
-        prog="python -m docs.build",
-        name="docs",
+        command=__file__,
         description="Render annotated/*.py and the guides (docs/*.md, benchmarks/README.md) into "
         "docs/_build/index.html, or convert a chapter to a notebook.",
     )
@@ -1374,7 +1379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=args.overwrite,
         )
     except (DocsError, ValueError) as e:  # a refused --out or checkpoint: 2, like other bad input; else 1
-        print(f"docs: error: {e}", file=sys.stderr)
+        print(f"{name_of(__file__)}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (OutputError, CheckpointError)) else 1
     for note in result.notes:
         print(f"note: {note}")
@@ -1386,6 +1391,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "docs/build.py")  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

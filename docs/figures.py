@@ -39,6 +39,7 @@ from matplotlib.figure import Figure as MplFigure
 from annotated import transformer
 from annotated.attention.pictures import CMAP
 from annotated.recording import record_attention
+from annotated.tokens import Tokenizer
 from docs import circuit_figures as C
 from docs import model_figures as M
 
@@ -57,9 +58,9 @@ class FigureContext:
     say: Callable[[str], None] = print
     checkpoint_required: bool = False  # True: a checkpoint that does not load is an error, not a fallback
     notes: list[str] = field(default_factory=list)  # what the build should tell the reader
-    shown: tuple | None = field(default=None, repr=False)  # shown_sentence's answer, once computed
+    shown: Shown | None = field(default=None, repr=False)  # shown_sentence's answer, once computed
 
-    def shown_sentence(self) -> tuple:
+    def shown_sentence(self) -> Shown:
         """(model, source ids (1, S), one label per source position, a few words naming the model):
         the trained translator and its sentence if a checkpoint loads, else the copy-task model and a
         random source. Computed once per build."""
@@ -227,12 +228,14 @@ def _smoothing_functions(ctx: FigureContext):
             f"drawn with the formula in docs/figures.py"
         )
 
-        def smoothed_targets(target, vocab, eps):
+        def smoothed_targets(target: torch.Tensor, vocab: int, eps: float) -> torch.Tensor:
             q = torch.full((target.numel(), vocab), eps / vocab)  # (n, V)
             q[torch.arange(target.numel()), target.reshape(-1)] += 1 - eps
             return q
 
-        def label_smoothed_loss(logits, target, eps, pad=transformer.PAD):
+        def label_smoothed_loss(
+            logits: torch.Tensor, target: torch.Tensor, eps: float, pad: int = transformer.PAD
+        ) -> torch.Tensor:
             loss = torch.nn.functional.cross_entropy(
                 logits.flatten(0, 1), target.flatten(), label_smoothing=eps, reduction="none"
             )
@@ -301,18 +304,19 @@ def draw_label_smoothing(ctx: FigureContext) -> tuple[MplFigure, str]:
 def find_checkpoint(root: Path) -> Path | None:
     """The translator's default model (`choose_checkpoint`: the latest run under root/runs, else the de -> en model
     shipped in the package), or None when there is neither."""
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
+    from annotated.run_folder import RUNS
     from annotated.shipped import choose_checkpoint
 
     try:
-        return choose_checkpoint(None, root / "runs")
+        return choose_checkpoint(None, root / RUNS)
     except CheckpointError:
         return None
 
 
 def copy_task_model(ctx: FigureContext) -> transformer.EncoderDecoder:
     """The copy-task model, trained once per version of transformer.py and number of steps."""
-    from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from annotated.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
     key = hashlib.sha256((ctx.root / "annotated" / "transformer.py").read_bytes()).hexdigest()[:16]
     cached = ctx.cache_dir / f"copy-{ctx.copy_steps}-{key}.pt" if ctx.cache_dir else None
@@ -387,7 +391,7 @@ class Shown:
     labels: list[str]  # one per source position
     name: str  # a few words naming the model, for captions
     label: Callable[[list[int]], list[str]]  # ids -> one label per id
-    tokenizer: object = None  # the checkpoint's, or None for the copy task
+    tokenizer: Tokenizer | None = None  # the checkpoint's, or None for the copy task
     meta: dict = field(default_factory=dict)
     sentence: str = ""
     short: str = "copy-task model"  # the name without markup, for a picture's title
@@ -407,17 +411,17 @@ def _copy_shown(ctx: FigureContext) -> Shown:
     )
 
 
-def _checkpoint_shown(ctx: FigureContext) -> Shown:
-    from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
+def _checkpoint_shown(ctx: FigureContext, checkpoint: Path) -> Shown:
+    from annotated.checkpoint import CheckpointError, load_checkpoint
 
-    model, tokenizer, meta = load_checkpoint(ctx.checkpoint)
+    model, tokenizer, meta = load_checkpoint(checkpoint)
     if tokenizer is None:
-        raise CheckpointError(f"checkpoint {ctx.checkpoint} holds no tokenizer, so no sentence can be encoded")
-    sentence = _checkpoint_sentence(ctx.checkpoint, meta.get("src_lang", ""))
+        raise CheckpointError(f"checkpoint {checkpoint} holds no tokenizer, so no sentence can be encoded")
+    sentence = _checkpoint_sentence(checkpoint, meta.get("src_lang", ""))
     ids = tokenizer.encode(sentence)[: model.config.max_len]
     label = lambda ids: [_NAMES.get(t) or "".join(tokenizer.pieces([t])) for t in ids]
     languages = as_text(f"{meta.get('src_lang', '?')}→{meta.get('tgt_lang', '?')}")
-    name = f"the trained translator {as_text(f'{ctx.checkpoint.parent.name}/{ctx.checkpoint.name}')} ({languages})"
+    name = f"the trained translator {as_text(f'{checkpoint.parent.name}/{checkpoint.name}')} ({languages})"
     return Shown(
         model.eval(),
         torch.tensor([ids]),
@@ -427,16 +431,16 @@ def _checkpoint_shown(ctx: FigureContext) -> Shown:
         tokenizer,
         meta,
         sentence,
-        f"translator {ctx.checkpoint.parent.name}",
+        f"translator {checkpoint.parent.name}",
     )
 
 
 def _shown_sentence(ctx: FigureContext) -> Shown:
     if ctx.checkpoint is not None:
-        from annotated.plumbing.checkpoint import CheckpointError
+        from annotated.checkpoint import CheckpointError
 
         try:
-            return _checkpoint_shown(ctx)
+            return _checkpoint_shown(ctx, ctx.checkpoint)
         except CheckpointError as e:
             if ctx.checkpoint_required:
                 raise
@@ -648,7 +652,7 @@ def viewer_page(ctx: FigureContext) -> str:
     from annotated.attention.viewer import viewer_html
 
     shown = ctx.shown_sentence()
-    tokenizer = shown.tokenizer or SymbolTokens()
+    tokenizer: Tokenizer | SymbolTokens = shown.tokenizer or SymbolTokens()
     ids = shown.src[0].tolist()
     sentence = shown.sentence if shown.sentence and tokenizer.encode(shown.sentence) == ids else tokenizer.decode(ids)
     if ctx.cache_dir is not None:

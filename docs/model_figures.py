@@ -236,10 +236,13 @@ class OneHead:
 def attention_input(model: transformer.EncoderDecoder, src: torch.Tensor, kind: str = "enc_self", layer: int = -1):
     """(x_q (T, d_model), mask or None) that the attention at (kind, layer) receives while encoding src."""
     layer = layer % model.config.N
-    seen = {}
+    seen: dict[str, torch.Tensor] = {}  # x, and mask where there is one
 
     def hook(att, args, kwargs):
-        seen.update(x=args[0] if args else kwargs["x_q"], mask=args[2] if len(args) > 2 else kwargs.get("mask"))
+        seen["x"] = args[0] if args else kwargs["x_q"]
+        mask = args[2] if len(args) > 2 else kwargs.get("mask")
+        if mask is not None:
+            seen["mask"] = mask
 
     handle = attention_at(model, kind, layer).register_forward_pre_hook(hook, with_kwargs=True)
     try:
@@ -247,7 +250,7 @@ def attention_input(model: transformer.EncoderDecoder, src: torch.Tensor, kind: 
             model.encode(src, transformer.padding_mask(src, transformer.PAD))
     finally:
         handle.remove()
-    return seen["x"][0], seen["mask"]
+    return seen["x"][0], seen.get("mask")
 
 
 @torch.no_grad()

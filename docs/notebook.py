@@ -66,17 +66,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import jupytext
+import nbformat
+
+from annotated.plumbing.scripts import name_of
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `python docs/notebook.py` as well as `python -m docs.notebook`
-    sys.path.insert(0, str(ROOT))
-
-if __name__ == "__main__":  # as a command: a Ctrl-C while Python and its libraries load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("notebook")
-
-import jupytext  # noqa: E402
-import nbformat  # noqa: E402
 
 # %% [markdown]
 # ## Examples out of the prose
@@ -365,7 +360,8 @@ def notebook_cells(module_path: Path) -> list:
     """The chapter's cells (each prose cell followed by its examples), the setup cell after the title (before
     the first code cell), the figure and try-it cells."""
     nb = jupytext.read(module_path, fmt="py:percent")
-    cells, pending = [], []
+    cells: list[nbformat.NotebookNode] = []
+    pending: list[tuple[str, str]] = []
     for cell in nb.cells:
         command = False
         if cell.cell_type == "code":
@@ -484,8 +480,7 @@ def main(argv=None) -> int:
     from annotated.plumbing.options import Parser, writable_dir
 
     p = Parser(
-        prog="python -m docs.notebook",
-        name="notebook",
+        command=__file__,
         description="Write annotated/transformer.py as an executed Jupyter notebook, its prose examples "
         "and figures inline: docs/_build/transformer.ipynb (minutes: a Jupyter kernel trains the "
         f"copy model, {COPY_STEPS} steps; longer on a busy machine).",
@@ -502,7 +497,7 @@ def main(argv=None) -> int:
     try:
         path = build_notebook("transformer", args.out, overwrite=args.overwrite)
     except (DocsError, CellError) as e:
-        print(f"notebook: error: {e}", file=sys.stderr)
+        print(f"{name_of(__file__)}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, DocsError) else 1
     print(
         f"wrote {path}\nopen it with `make jupyter` (installs JupyterLab into .venv from "
@@ -512,6 +507,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "notebook")
+    run_main(main)

@@ -37,6 +37,12 @@ BOOK_SHOTS = {  # file: (element id to scroll to, or None for the top; window he
 }
 
 
+def _binary() -> str:
+    """Chromium's path (main() has refused to start without one)."""
+    assert CHROMIUM is not None, NO_CHROMIUM
+    return CHROMIUM
+
+
 def shoot(browser: Chromium, url: str, height: int, element: str | None = None, ready: str = "true") -> bytes:
     """PNG bytes of `url` in a WIDTH x `height` window, scrolled to `element`, once the JavaScript `ready` holds
     in the page (and, where the page has frames, in its one frame: the embedded viewer has drawn)."""
@@ -70,7 +76,7 @@ def book_shots(tmp: Path, say: Callable[[str], None], index: Path | None = None)
         ).index
     shots = {}
     for name, (element, height) in BOOK_SHOTS.items():
-        browser = Chromium(CHROMIUM, tmp / f"profile-{name}", tmp / "chromium.log")
+        browser = Chromium(_binary(), tmp / f"profile-{name}", tmp / "chromium.log")
         try:
             shots[name] = shoot(
                 browser, index.resolve().as_uri(), height, element, "document.readyState === 'complete'"
@@ -86,7 +92,7 @@ def viewer_shot(tmp: Path, say: Callable[[str], None]) -> bytes:
 
     say(f"dumping the attention of {SENTENCE!r} ...")
     folder = dump(shipped_model("de-en"), [SENTENCE], tmp / "attention", pictures=False, name=f"{NAME_PREFIX}de-en")
-    browser = Chromium(CHROMIUM, tmp / "profile-viewer", tmp / "chromium.log")
+    browser = Chromium(_binary(), tmp / "profile-viewer", tmp / "chromium.log")
     try:
         return shoot(
             browser, (folder / "viewer.html").resolve().as_uri(), 900, None, "!!document.body.dataset.rendered"

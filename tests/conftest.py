@@ -1,14 +1,10 @@
 import hashlib
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-# The tests import the package from the repository root, without installing it.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Two cores on CI: one intra-op thread per process is as fast for the small
 # models the tests build, and keeps timings steady.

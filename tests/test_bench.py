@@ -7,6 +7,7 @@ the harness measures what it says it measures.
 
 import doctest
 import json
+import os
 
 import pytest
 import torch
@@ -359,8 +360,9 @@ def test_targets_met_not_met_not_measured():
 def test_command_line_errors():
     with pytest.raises(SystemExit):
         bench.parse_args(["--sizes", "cpu,huge"])
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--threads", "0"])
+    for bad in (["--threads", "0"], ["--reps", "0"], ["--window", "-1"], ["--device", "tpu"], ["--peak-tflops", "0"]):
+        with pytest.raises(SystemExit):  # refused at the door, before any work
+            bench.parse_args(bad)
     assert bench.parse_args(["--sizes", "cpu, base"]).sizes == ["cpu", "base"]
     with pytest.raises(ValueError, match="dtype"):
         timing.Settings(dtype="fp16")
@@ -402,19 +404,21 @@ def test_gpu_report_without_cuda_says_so_in_one_line_and_exits_2(tmp_path):
     root = Path(__file__).resolve().parents[1]
     before = sorted((root / "benchmarks" / "results").glob("*")) if (root / "benchmarks" / "results").is_dir() else []
     r = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "gpu_report.py")],
+        [sys.executable, "-m", "benchmarks.gpu_report"],
         cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(root)),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.startswith("gpu_report.py: error: no CUDA device")
+    assert r.stderr.startswith("gpu-report: error: no CUDA device")
     after = sorted((root / "benchmarks" / "results").glob("*")) if (root / "benchmarks" / "results").is_dir() else []
     assert after == before
     r = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "gpu_report.py"), "--parts", "nope"],
+        [sys.executable, "-m", "benchmarks.gpu_report", "--parts", "nope"],
         cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(root)),
         capture_output=True,
         text=True,
         timeout=120,

@@ -608,7 +608,7 @@ def tiny_run(tmp_path, sentence: str) -> Path:
     data = pytest.importorskip(
         "annotated.training.data", reason="annotated/training/data.py (the tokenizer) not written yet"
     )
-    from annotated.plumbing.checkpoint import save_checkpoint
+    from annotated.checkpoint import save_checkpoint
 
     words = [
         "zwei",
@@ -680,7 +680,7 @@ def test_text_from_data_stays_text_in_the_caption(tmp_path):
 
 
 def test_attention_figure_from_a_checkpoint(tmp_path):
-    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.checkpoint import load_checkpoint
 
     sentence = "Zwei junge Männer spielen."
     _, tokenizer, _ = load_checkpoint(tiny_run(tmp_path, sentence))

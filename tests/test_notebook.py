@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 nbformat = pytest.importorskip("nbformat")  # installed with jupytext
-from docs import build as B  # noqa: E402
-from docs import notebook as NB  # noqa: E402
+from docs import build as B  # noqa: E402 only once nbformat is known to be installed
+from docs import notebook as NB  # noqa: E402 only once nbformat is known to be installed
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from annotated import transformer
+from annotated.checks import check_token_ids
 from annotated.decoding.search import beam_search, greedy
-from annotated.plumbing.checks import check_token_ids
 from annotated.recording import attend_with_probabilities, record_attention
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import (

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 ctranslate2 = pytest.importorskip("ctranslate2")
+from annotated.checkpoint import save_checkpoint
 from annotated.interop.folders import export_marian
-from annotated.plumbing.checkpoint import save_checkpoint
 from annotated.tokens import BOS, EOS, PAD
 from annotated.training.data import train_tokenizer
 from annotated.transformer import make_model, padding_mask, subsequent_mask
@@ -53,7 +53,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def test_ctranslate2_scores_tokens_as_our_model_does(checkpoint, tmp_path):
-    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.checkpoint import load_checkpoint
 
     model, tokenizer, _ = load_checkpoint(checkpoint)
     converted = bench.convert_ctranslate2(export_marian(checkpoint, tmp_path / "hf"), tmp_path / "ct2", None)

@@ -168,6 +168,7 @@ def paired_loss_change(
 # (`annotated/circuits/faithfulness.py`) is one number per sentence, and its
 # interval is that of the mean, over the same kind of resamples.
 
+
 # %%
 def mean_interval(values: np.ndarray, resamples: int = RESAMPLES, seed: int = SEED) -> Change:
     """The mean of per-sentence `values` (n,) and its bootstrap interval.

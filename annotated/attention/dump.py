@@ -44,37 +44,32 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("python -m annotated.attention.dump")
 
 import numpy as np
 import torch
 
 from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figure
 from annotated.attention.viewer import circuits_beside, importance_fits, read_head_importance, viewer_html
-from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import PAPER_LENGTH_PENALTY, load_checkpoint, model_length_penalty
-from annotated.plumbing.checks import check_eval_mode, check_id_list, check_tokenizer
-from annotated.plumbing.files import json_safe, new_file_mode, save_figure
+from annotated.checkpoint import PAPER_LENGTH_PENALTY, load_checkpoint, model_length_penalty
+from annotated.checks import check_eval_mode, check_id_list, check_tokenizer
+from annotated.decoding.search import MAX_EXTRA, translate_ids
+from annotated.plumbing.files import json_safe, save_figure, staged_directory
 from annotated.plumbing.options import Parser, at_least, device, writable_dir
+from annotated.plumbing.scripts import name_of, usage_of
 from annotated.recording import record_attention
 from annotated.shipped import choose_checkpoint, outputs_beside, typed_name
 from annotated.sites import KINDS, head_counts
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import EncoderDecoder, padding_mask, subsequent_mask
+
+NAME = name_of(__file__)
 
 FORMAT = "annotated-attention-v2"
 OLD_FORMATS = ("annotated-attention-v1",)  # kinds named encoder / decoder_self: read no more, replaced on request
@@ -245,7 +240,7 @@ def translate_sentence(
     src_ids: Sequence[int],
     beam_size: int = 4,
     length_penalty: float = PAPER_LENGTH_PENALTY,
-    max_extra: int = 50,
+    max_extra: int = MAX_EXTRA,
 ) -> list[int]:
     """What `make translate` prints for `src_ids`, as ids y_1 ... y_n (eos kept when the search stopped there)."""
     ids = translate_ids(model, [list(src_ids)], beam_size, length_penalty, max_extra=max_extra)[0]
@@ -254,7 +249,7 @@ def translate_sentence(
 
 
 @torch.no_grad()
-def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: int = 50) -> list[int]:
+def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: int = MAX_EXTRA) -> list[int]:
     """The model's greedy output ids y_1 ... y_n (eos kept when produced, nothing after it)."""
     from annotated.decoding import search as decoding
 
@@ -343,7 +338,7 @@ def read_index(out_dir: os.PathLike | str) -> dict:
         raise ValueError(
             f"{path} is an attention dump of format {index['format']!r} (kinds named encoder, "
             f"decoder_self, cross); this version reads {FORMAT!r}: re-run make attention "
-            f"(python -m annotated.attention.dump) to write it again"
+            f"({usage_of(__file__)}) to write it again"
         )
     if index.get("format") != FORMAT:
         raise ValueError(f"{path} is not an attention index (expected format {FORMAT!r})")
@@ -434,29 +429,6 @@ def check_output_dir(out_dir: os.PathLike | str) -> None:
         )
 
 
-@contextlib.contextmanager
-def staged_directory(out_dir: os.PathLike | str):
-    """Yield a temporary directory that becomes `out_dir` only if the block succeeds."""
-    out_dir = Path(out_dir)
-    check_output_dir(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
-        yield tmp
-        os.chmod(tmp, new_file_mode(0o777))  # mkdtemp's 0o700 -> what mkdir would give
-        check_output_dir(out_dir)  # still missing, empty or ours after the work
-        old = None
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
-            os.replace(out_dir, old)  # an empty directory may be replaced by a rename
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def _pretty_json(value, indent: str = "") -> str:
     """JSON with one key per line but lists of plain values (ids, tokens, shapes) on one line."""
     inner = indent + " "
@@ -542,7 +514,7 @@ def dump_model(
         from tqdm.auto import tqdm
 
         items = tqdm(items, desc="attention", leave=False)
-    with staged_directory(out_dir) as tmp:
+    with staged_directory(out_dir, check_output_dir) as tmp:
         for i, (sentence, src_ids) in items:
             tgt_ids = translate_sentence(model, src_ids, beam_size, alpha)
             attn = collect_attention(model, src_ids, tgt_ids, dtype=dtype)
@@ -561,7 +533,7 @@ def dump_model(
                 "tgt_out_tokens": token_labels(tokenizer, tgt_ids),
                 "shapes": {k: [list(a.shape) for a in attn[k]] for k in KINDS},
             }  # per layer
-            np.savez(tmp / entry["file"], **{array_name(k, layer): a for k in KINDS for layer, a in enumerate(attn[k])})
+            np.savez(tmp / f"{stem}.npz", **{array_name(k, layer): a for k in KINDS for layer, a in enumerate(attn[k])})
             if pictures:
                 entry["pictures"] = _pictures(tmp, stem, attn, entry)
             index["sentences"].append(entry)
@@ -688,7 +660,7 @@ def log_alignment_image(
 # `python -m annotated.attention.dump [--checkpoint PATH] [--out DIR] [--n 3] [--beam 4] [sentence ...]`
 # (also `make attention ARGS='...'`). Without `--checkpoint` it takes the
 # model of the most recent training run (`runs/latest/averaged.pt`, else
-# `best.pt`), found by `latest_checkpoint` (`annotated/training/runs.py`), as the translator finds it;
+# `best.pt`), found by `latest_checkpoint` (`annotated/run_folder.py`), as the translator finds it;
 # with no run, the model shipped in the package (`annotated/shipped/`; `--src`/`--tgt` pick the direction,
 # default de -> en), whose dump goes to `runs/shipped-<src>-<tgt>/attention/`;
 # without sentences, the first `--n` sentences of Multi30k's
@@ -706,8 +678,7 @@ def log_alignment_image(
 # %%
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(
-        prog="python -m annotated.attention.dump",
-        name="attention",
+        command=__file__,
         description="Dump, draw and browse every attention weight of a trained translator.",
     )
     p.add_argument("sentences", nargs="*", help="source sentences (default: the first --n of test_2016_flickr)")
@@ -744,7 +715,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         ckpt = choose_checkpoint(
-            args.checkpoint, "runs", args.src, args.tgt, say=lambda line: print(f"attention: {line}", file=sys.stderr)
+            args.checkpoint, src=args.src, tgt=args.tgt, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
         )
         out = dump(
             ckpt,
@@ -758,11 +729,11 @@ def main(argv=None) -> int:
             device=args.device,
             progress=sys.stderr.isatty(),
             beam_size=args.beam,
-            say=lambda line: print(f"attention: note: {line}", file=sys.stderr),
+            say=lambda line: print(f"{NAME}: note: {line}", file=sys.stderr),
             name=None if args.checkpoint is None else str(args.checkpoint),
         )
     except (ValueError, OSError) as e:  # CheckpointError and the data errors are ValueErrors
-        print(f"attention: error: {e}", file=sys.stderr)
+        print(f"{NAME}: error: {e}", file=sys.stderr)
         return 2
     count = len(read_index(out)["sentences"])
     print(
@@ -775,6 +746,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "python -m annotated.attention.dump")  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

@@ -12,11 +12,6 @@ the whole greedy path drawn in `heads_pruning.png`. The chapters are `annotated/
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("python -m annotated.attention.heads")
-
 import argparse
 import dataclasses
 import json
@@ -32,10 +27,11 @@ from annotated.attention.bootstrap import RESAMPLES, SEED, Change, paired_bleu_c
 from annotated.attention.importance import ablate, head_importance, normalise_per_attention, sentence_losses
 from annotated.attention.prune import FINETUNE_CHECK_EVERY, FINETUNE_PATIENCE, MAX_LOSS_INCREASE
 from annotated.plumbing.options import Parser, at_least, device, fail, number, writable_dir
+from annotated.plumbing.scripts import name_of
 from annotated.shipped import typed_name
 from annotated.sites import KINDS, attention_at, sites
 
-NAME = "python -m annotated.attention.heads"
+NAME = name_of(__file__)
 WINDOW = 4  # offsets -4 ... +4 in the position profiles
 SPEED_ROUNDS = 3  # timings alternate unpruned / pruned this many times (the ratio: the median round's)
 NOISY_BLEU = 1.0  # the command warns when the typical BLEU interval is wider than this
@@ -48,7 +44,9 @@ STOP_RULE = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog=NAME, description=__doc__.split("\n\n")[1].replace("\n", " "), epilog=STOP_RULE)
+    from annotated.checkpoint import PAPER_LENGTH_PENALTY
+
+    p = Parser(command=__file__, description=__doc__.split("\n\n")[1].replace("\n", " "), epilog=STOP_RULE)
     p.add_argument(
         "--checkpoint",
         type=Path,
@@ -103,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=number(0, None),
         default=None,
         help="with --prune: the beam search's GNMT alpha (default: the alpha the model's run chose on "
-        "validation data, else the paper's 0.6)",
+        f"validation data, else the paper's {PAPER_LENGTH_PENALTY})",
     )
     p.add_argument(
         "--test-sentences",
@@ -125,12 +123,12 @@ def outputs(prune: bool) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked before any data or model work: one line and exit 2 (SystemExit) if wrong."""
     args = build_parser().parse_args(argv)
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.shipped import choose_checkpoint, outputs_beside
 
     try:
         args.checkpoint = choose_checkpoint(
-            args.checkpoint, "runs", args.src, args.tgt, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
+            args.checkpoint, src=args.src, tgt=args.tgt, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
         )
     except CheckpointError as e:
         fail(NAME, str(e))
@@ -168,7 +166,7 @@ def _batches(encoded, indices, max_len: int):
 def languages_of(meta: dict) -> tuple[str, str]:
     """(src_lang, tgt_lang) of a checkpoint's metadata; CheckpointError naming the fix where it names none (a model
     scored in the wrong direction would look like a model with useless heads)."""
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
 
     src, tgt = meta.get("src_lang"), meta.get("tgt_lang")
     if not (isinstance(src, str) and isinstance(tgt, str)):
@@ -520,7 +518,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         speed_ratio,
         split_sentences,
     )
-    from annotated.plumbing.checkpoint import model_length_penalty, read_case_table
+    from annotated.checkpoint import model_length_penalty, read_case_table
     from annotated.plumbing.files import save_figure
     from annotated.sites import head_counts
     from annotated.training.evaluate import evaluate_bleu
@@ -748,7 +746,7 @@ def write_pictures(model, tokenizer, report: dict, profiles_for_page, val, encod
 
 def main(argv: list[str] | None = None) -> int:
     from annotated.attention.bootstrap import CONFIDENCE
-    from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
+    from annotated.checkpoint import CheckpointError, load_checkpoint
     from annotated.plumbing.files import atomic_write, json_safe
     from annotated.training.data import DataError
 
@@ -812,6 +810,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from annotated.plumbing.checkpoint import save_checkpoint
+from annotated.checkpoint import save_checkpoint
 from annotated.plumbing.progress import progress as progress_bar
 from annotated.sites import attention_at, head_counts, remove_heads, sites
 from annotated.transformer import EncoderDecoder, convert_model

@@ -9,11 +9,6 @@ or in `--out`.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("python -m annotated.circuits.command")
-
 import argparse
 import json
 import sys
@@ -25,9 +20,10 @@ from typing import Any
 import torch
 
 from annotated.plumbing.options import Parser, at_least, fail, writable_dir
+from annotated.plumbing.scripts import name_of
 from annotated.sites import KINDS
 
-NAME = "python -m annotated.circuits.command"
+NAME = name_of(__file__)
 OUTPUTS = (
     "circuits.json",
     "circuits_spectra.png",
@@ -39,7 +35,7 @@ OUTPUTS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog=NAME, name=NAME, description=__doc__.split("\n\n")[1])
+    p = Parser(command=__file__, description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument(
         "--checkpoint",
         default=None,
@@ -69,7 +65,7 @@ def _head_choice(text: str | None) -> tuple[str, int, int] | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked before any model or data work: one line and exit 2 (SystemExit) if wrong."""
     args = build_parser().parse_args(argv)
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.shipped import choose_checkpoint, outputs_beside
 
     try:
@@ -90,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_model(model, tokenizer, checkpoint: Path, head: tuple[str, int, int] | None) -> None:
     """The checks that need the loaded model: a tokenizer, and the head asked for."""
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.sites import attention_at
 
     if tokenizer is None:
@@ -120,7 +116,7 @@ def gather_inputs(model, tokenizer, meta: dict, args, say):
 
     src, tgt = meta.get("src_lang"), meta.get("tgt_lang")
     if not src or not tgt:
-        from annotated.plumbing.checkpoint import CheckpointError
+        from annotated.checkpoint import CheckpointError
 
         raise CheckpointError(
             f"checkpoint {args.checkpoint}: its metadata names no src_lang/tgt_lang, so the "
@@ -199,10 +195,10 @@ def best_cross_head(report: dict[str, Any]) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from annotated.checkpoint import CheckpointError, load_checkpoint
     from annotated.circuits.page import write_page
     from annotated.circuits.pictures import dictionary_figure, faithfulness_figure, positions_figure, spectra_figure
     from annotated.circuits.readout import read_model
-    from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
     from annotated.plumbing.files import atomic_write, json_safe
     from annotated.shipped import typed_name
     from annotated.training.data import DataError
@@ -255,6 +251,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

@@ -41,7 +41,8 @@ import math
 import torch
 from torch import Tensor
 
-from annotated.plumbing.checks import check_beam, check_decoder_output, check_decoding, check_sources
+from annotated.checkpoint import PAPER_LENGTH_PENALTY
+from annotated.checks import check_beam, check_decoder_output, check_decoding, check_sources
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import Cache, EncoderDecoder, greedy_decode, padding_mask, subsequent_mask
 
@@ -62,7 +63,7 @@ from annotated.transformer import Cache, EncoderDecoder, greedy_decode, padding_
 # - **token ids.** Every source id must index the embedding table. The model
 #   itself does not check (a range check reads the ids back to the host, a
 #   stall on a GPU at every training step), so the decoders check once, here,
-#   with `check_decoding` from `annotated/plumbing/checks.py`, the door every
+#   with `check_decoding` from `annotated/checks.py`, the door every
 #   entry point of this file goes through before any model work
 #   (`test_bad_arguments_are_named`).
 
@@ -281,7 +282,7 @@ def beam_search(
     src_mask: Tensor | None,
     max_len: int,
     beam_size: int = 4,
-    length_penalty: float = 0.6,
+    length_penalty: float = PAPER_LENGTH_PENALTY,
     bos: int = BOS,
     eos: int = EOS,
     pad: int = PAD,
@@ -388,16 +389,18 @@ def _finish_at_max_len(finished, alive, ys, scores, short, alpha, k) -> None:
 # `translate_ids` is what the rest of the project calls: lists of subword ids
 # in, lists of subword ids out, with greedy (`beam_size=1`) or beam search.
 
-
 # %%
+MAX_EXTRA = 50  # an output may run this many subwords past its source (the paper's "input length + 50", 6.1)
+
+
 @torch.no_grad()
 def translate_ids(
     model: EncoderDecoder,
     sources: list[list[int]],
     beam_size: int = 1,
-    length_penalty: float = 0.6,
+    length_penalty: float = PAPER_LENGTH_PENALTY,
     batch_size: int = 64,
-    max_extra: int = 50,
+    max_extra: int = MAX_EXTRA,
     device: torch.device | None = None,
     progress: bool = False,
 ) -> list[list[int]]:

@@ -36,7 +36,7 @@
 #   waiting for sentences, one per line, and that Ctrl-D ends.
 #
 # Everything the model needs comes from the checkpoint (see
-# `annotated/plumbing/checkpoint.py`): the config, the parameters, and the
+# `annotated/checkpoint.py`): the config, the parameters, and the
 # sentencepiece model the training data was cut with, so the translator
 # splits words into exactly the subwords the model knows. The beam search's
 # length penalty too: the translator decodes at the alpha the checkpoint
@@ -45,18 +45,13 @@
 # `annotated/training/choose_length_penalty.py`, chooses on the validation
 # split and writes in; at the paper's 0.6 for a checkpoint that names none,
 # as the shipped models (`model_length_penalty`,
-# `annotated/plumbing/checkpoint.py`; why 0.6 stays the default:
+# `annotated/checkpoint.py`; why 0.6 stays the default:
 # `docs/training.md`). `--length-penalty` overrides it.
 # (`tests/decoding/test_translate.py`:
 # `test_the_translator_decodes_at_the_models_length_penalty_unless_told`.)
 
 # %%
 from __future__ import annotations
-
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch and the model load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("translate")
 
 import argparse
 import os
@@ -70,11 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-import torch
-
-from annotated.decoding import casing
-from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import (
+from annotated.checkpoint import (
     PAPER_LENGTH_PENALTY,
     CheckpointError,
     case_table_in,
@@ -82,19 +73,24 @@ from annotated.plumbing.checkpoint import (
     model_length_penalty,
     read_checkpoint,
 )
-from annotated.plumbing.checks import check_tokenizer
+from annotated.checks import check_tokenizer
+from annotated.decoding import casing
+from annotated.decoding.search import MAX_EXTRA, translate_ids
+from annotated.plumbing.devices import default_device
 from annotated.plumbing.options import Parser, at_least, device, number
+from annotated.plumbing.scripts import name_of
+from annotated.run_folder import RUNS
 from annotated.shipped import choose_checkpoint, direction_asked
 from annotated.transformer import EncoderDecoder
 
-NAME = "translate"
+NAME = name_of(__file__)
 
 # %% [markdown]
 # ## 1. Which checkpoint
 #
 # `--checkpoint PATH`, or else the model of the latest training run, found
-# by `latest_checkpoint` (`annotated/training/runs.py`, "Which
-# checkpoint"): `runs/latest/averaged.pt` where the run averaged its last
+# by `latest_checkpoint` (`annotated/run_folder.py`):
+# `runs/latest/averaged.pt` where the run averaged its last
 # epochs, else `runs/latest/best.pt`; else that of the run whose `best.pt`
 # was written last; else, with no run at all, the trained model shipped in
 # the package for the direction asked (`--src`/`--tgt`, default de -> en),
@@ -343,7 +339,7 @@ def translate_prepared(
     lines: list[Line],
     beam_size: int = 4,
     length_penalty: float = PAPER_LENGTH_PENALTY,
-    max_extra: int = 50,
+    max_extra: int = MAX_EXTRA,
 ) -> list[str]:
     """The translation of each prepared line, one line each, in order."""
     sources = [ids for line in lines for ids in line.sources]
@@ -364,7 +360,7 @@ def translate(
     text: str,
     beam_size: int = 4,
     length_penalty: float = PAPER_LENGTH_PENALTY,
-    max_extra: int = 50,
+    max_extra: int = MAX_EXTRA,
     case: str = "auto",
     table: dict | None = None,
 ) -> tuple[str, str | None]:
@@ -498,13 +494,12 @@ checkpoint missing, corrupt or incompatible, or a bad option: one line on stderr
 Ctrl-C: "translate: interrupted" on stderr, exit code 130.
 """
 CASE_NOTES = {"upper": "in capitals", "lower": "all lower case", "inverted": "caps lock"}
-WAITING = "translate: waiting for sentences, one per line (Ctrl-D to end)"
+WAITING = f"{NAME}: waiting for sentences, one per line (Ctrl-D to end)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="python -m annotated.decoding.translate",
-        name=NAME,
+        command=__file__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Translate sentences with a trained checkpoint: the arguments if given,\n"
         "else stdin, one sentence a line, one translation a line.\n\n"
@@ -524,19 +519,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--src", default=None, help="source language: picks the run or shipped model (default de)")
     p.add_argument("--tgt", default=None, help="target language (default en; --src en alone means en -> de)")
-    p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where to look without --checkpoint")
+    p.add_argument("--runs-dir", type=Path, default=RUNS, help="where to look without --checkpoint")
     p.add_argument("--beam", type=at_least(1), default=4, help="beam width; 1 = greedy (default 4)")
     p.add_argument(
         "--length-penalty",
         type=number(0, None),
         default=None,
         help="GNMT alpha: score = log P / ((5 + |Y|) / 6)^alpha (default: the alpha the model's run "
-        "chose on validation data, else the paper's 0.6)",
+        f"chose on validation data, else the paper's {PAPER_LENGTH_PENALTY})",
     )
     p.add_argument(
         "--max-extra",
         type=at_least(0),
-        default=50,
+        default=MAX_EXTRA,
         help="output at most source length + this many subwords, capped at max_len (default 50)",
     )
     p.add_argument(
@@ -581,7 +576,7 @@ def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
         _say(stderr, WAITING)
         return windows(_numbered([], stdin), 1)
     if _is_pipe(stdin):  # the reading thread gets its own reader: one it may still hold when the process ends
-        own = open(os.dup(stdin.fileno()), "rb", buffering=MAX_LINE_BYTES + 2)  # noqa: SIM115 - the thread holds it
+        own = open(os.dup(stdin.fileno()), "rb", buffering=MAX_LINE_BYTES + 2)  # noqa: SIM115 the thread holds it
         return arrived_windows(_numbered([], own), WINDOW)
     return windows(_numbered([], stdin), WINDOW)
 
@@ -614,7 +609,7 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
     stdin = sys.stdin.buffer if stdin is None else stdin
     stdout = sys.stdout.buffer if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.device = default_device(args.device)
     try:
         model, tokenizer, table, alpha = _load(args, stderr)
     except CheckpointError as e:
@@ -651,6 +646,6 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

@@ -47,24 +47,20 @@
 # %%
 from __future__ import annotations
 
-if __name__ == "__main__":
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("agreement")
-
 import json
 import tempfile
 from pathlib import Path
 
 import torch
 
-from annotated.decoding.search import translate_ids
+from annotated.decoding.search import MAX_EXTRA, translate_ids
 from annotated.interop.folders import export_marian
 from annotated.interop.marian import export_ids, to_marian
+from annotated.plumbing.scripts import name_of
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import padding_mask, subsequent_mask
 
-NAME = "agreement"
+NAME = name_of(__file__)
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
@@ -119,7 +115,7 @@ def ctranslate2_ids(folder: Path, tokenizer, sources: list[list[int]], max_extra
 
 @torch.no_grad()
 def generate_ids(
-    hf, sources: list[list[int]], length_penalty: float, batch_size: int = 64, max_extra: int = 50
+    hf, sources: list[list[int]], length_penalty: float, batch_size: int = 64, max_extra: int = MAX_EXTRA
 ) -> list[list[int]]:
     """`generate` with beam 4 on `translate_ids`' batches and length limits; our ids without eos, in input order."""
     limit, start = hf.config.max_position_embeddings, hf.config.decoder_start_token_id
@@ -157,7 +153,7 @@ def compare(
     (none: the search without penalties only)."""
     from transformers import MarianMTModel
 
-    from annotated.plumbing.checkpoint import load_checkpoint, model_length_penalty
+    from annotated.checkpoint import load_checkpoint, model_length_penalty
     from annotated.training.data import load_multi30k
     from annotated.training.evaluate import score
 
@@ -216,13 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import PAPER_LENGTH_PENALTY, CheckpointError
     from annotated.plumbing.options import Parser, at_least, number
     from annotated.shipped import choose_checkpoint
 
     p = Parser(
-        prog="python -m annotated.interop.agreement",
-        name=NAME,
+        command=__file__,
         description="A checkpoint against its MarianMTModel export on test_2016_flickr.",
     )
     p.add_argument("checkpoint", help="checkpoint file, or shipped:de-en / shipped:en-de")
@@ -231,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "--alpha",
         type=number(0, None),
         default=None,
-        help="our GNMT length penalty (default: the model's, else the paper's 0.6)",
+        help=f"our GNMT length penalty (default: the model's, else the paper's {PAPER_LENGTH_PENALTY})",
     )
     p.add_argument(
         "--hf-length-penalty",
@@ -253,6 +248,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)
+    run_main(main)

@@ -23,19 +23,16 @@
 # %%
 from __future__ import annotations
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch and transformers load is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("marian")
-
 from pathlib import Path
 from typing import Any
 
 from annotated.interop.marian import from_marian, marian_vocab, to_marian
+from annotated.plumbing.files import staged_directory
+from annotated.plumbing.scripts import name_of
 from annotated.tokens import BOS, EOS, PAD, UNK
 from annotated.transformer import AttentionForm, TransformerConfig
 
-NAME = "marian"
+NAME = name_of(__file__)
 
 # %% [markdown]
 # ## Folders and files
@@ -145,27 +142,10 @@ def _check_target(out: Path, overwrite: bool, kind: str) -> None:
         raise FileExistsError(f"{out} exists and is not a file; choose another output path")
 
 
-def _publish(staging: Path, out: Path) -> None:
-    """Move the finished `staging` folder to `out`, replacing an old `out` (checked by the caller)."""
-    import shutil
-    import tempfile
-
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-        out.rename(old / "x")
-        staging.rename(out)
-        shutil.rmtree(old)
-    else:
-        staging.rename(out)
-
-
 def export_marian(checkpoint: Path, out: Path, overwrite: bool = False, as_typed: str | None = None) -> Path:
     """Write checkpoint `checkpoint` (named `as_typed` on the command line) as a MarianMTModel folder `out`."""
-    import shutil
-    import tempfile
-
+    from annotated.checkpoint import load_checkpoint, read_checkpoint
     from annotated.interop.card import model_card
-    from annotated.plumbing.checkpoint import load_checkpoint, read_checkpoint
     from annotated.shipped import is_shipped, read_card
 
     _check_target(out, overwrite, "folder")
@@ -173,17 +153,12 @@ def export_marian(checkpoint: Path, out: Path, overwrite: bool = False, as_typed
     hf = to_marian(model, read_checkpoint(checkpoint).get("heads"))
     hf.generation_config = generation_config(model.config)
     shipped = read_card(Path(checkpoint).stem) if is_shipped(Path(checkpoint)) else None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_directory(out) as staging:
         hf.save_pretrained(str(staging))
         if tokenizer is not None:
             _write_tokenizer(tokenizer, staging, marian_vocab(model.config), meta, model.config.max_len)
         card = model_card(as_typed or str(checkpoint), Path(checkpoint), meta, shipped, model.config)
         (staging / "README.md").write_text(card, encoding="utf-8")
-        _publish(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
@@ -278,7 +253,7 @@ def import_marian(
     The language pair: `src`/`tgt` where given, else the folder's tokenizer_config.json."""
     from transformers import MarianMTModel
 
-    from annotated.plumbing.checkpoint import save_checkpoint
+    from annotated.checkpoint import save_checkpoint
 
     _check_target(out, overwrite, "file")
     if not (folder / "config.json").is_file():
@@ -316,8 +291,7 @@ def build_parser():
     from annotated.plumbing.options import Parser
 
     p = Parser(
-        prog="python -m annotated.interop.folders",
-        name=NAME,
+        command=__file__,
         description="Export a checkpoint as a transformers MarianMTModel folder, or import one.",
     )
     sub = p.add_subparsers(dest="command", required=True)
@@ -373,7 +347,7 @@ def _import(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from annotated.plumbing.checkpoint import CheckpointError
+    from annotated.checkpoint import CheckpointError
     from annotated.plumbing.options import fail
 
     args = build_parser().parse_args(argv)
@@ -385,6 +359,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)
+    run_main(main)

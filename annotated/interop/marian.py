@@ -54,6 +54,7 @@ import math
 import torch
 from torch import Tensor
 
+from annotated.checks import check_marian_config, check_marian_exportable
 from annotated.interop.layout import (
     inverse_permutation,
     marian_to_ours,
@@ -61,7 +62,6 @@ from annotated.interop.layout import (
     permute_residual,
     sinusoid_permutation,
 )
-from annotated.plumbing.checks import check_marian_config, check_marian_exportable
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import (
     Activation,

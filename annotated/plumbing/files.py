@@ -1,6 +1,7 @@
 """Files written whole or not at all: the project's one atomic write, its one permission policy, and the
 two writers built on them that every command shares: `save_figure` (a matplotlib figure as PNG) and
-`json_safe` (any result made fit for `json.dumps`).
+`json_safe` (any result made fit for `json.dumps`). A folder is published whole or not at all by
+`staged_directory`.
 
 Every file the project writes for the user (checkpoints, cached data and tokenizers, results, attention
 dumps, pages, benchmark results) goes through `atomic_write`: the bytes go to a temporary file in the same
@@ -11,6 +12,13 @@ middle leaves the old file as it was.
 **Permissions.** `tempfile.mkstemp` makes private files (0o600); before the rename the file gets the mode
 a plain `open(path, "w")` would have given it, 0o666 less the umask (`new_file_mode`).
 
+**Folders.** `staged_directory` yields a new temporary folder beside the target; only when the block succeeds does
+the folder take the target's name (one rename; an old target is moved aside first and then removed), with the
+mode a plain `mkdir` would have given it, 0o777 less the umask, and its files that of `open`, 0o666 less the
+umask: `tempfile.mkdtemp` makes the folder 0o700 and safetensors its files 0o600, which would leave an exported
+model or an attention dump unreadable to the user's group whatever the umask says
+(`test_a_published_folder_gets_the_mode_of_the_umask`, `test_an_exported_folder_gets_the_mode_of_the_umask`).
+
 **Leftovers of a killed write.** A Ctrl-C or an exception removes the temporary file; a process killed
 outright (`kill -9`, the out-of-memory killer) cannot, and leaves `.<name>.<random>.tmp` beside the target.
 Nothing reads such names. Each writer holds an exclusive `flock` on its temporary file until the rename
@@ -20,11 +28,14 @@ exactly the leftovers that no living writer holds (`remove_stale_temporaries`).
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import hashlib
 import math
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -104,6 +115,49 @@ def remove_stale_temporaries(path: os.PathLike | str) -> list[Path]:
             continue
         removed.append(tmp)
     return removed
+
+
+@contextlib.contextmanager
+def staged_directory(out: os.PathLike | str, check: Callable[[Path], None] = lambda out: None) -> Iterator[Path]:
+    """Yield a new temporary folder beside `out` that becomes `out` only if the block succeeds, with the mode of
+    the umask. `check(out)` runs before the work and again just before the rename (it raises to refuse an `out`
+    that is not the caller's to replace); an old `out` is replaced whole. On any error the folder is removed."""
+    out = Path(out)
+    check(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        yield staging
+        _modes_of_the_umask(staging)
+        check(out)  # still the caller's to replace after the work
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-")) if out.exists() else None
+        if old is not None:
+            os.replace(out, old / out.name)
+        os.replace(staging, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _modes_of_the_umask(folder: Path) -> None:
+    """Give `folder` and all in it the modes that mkdir and open would: mkdtemp's folder is 0o700, and some
+    writers (safetensors) make their files 0o600. Executable files stay executable."""
+    os.chmod(folder, new_file_mode(0o777))
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            executable = path.is_dir() or path.stat().st_mode & 0o100
+            os.chmod(path, new_file_mode(0o777 if executable else 0o666))
+
+
+def sha256_of(path: os.PathLike | str) -> str:
+    """The sha256 of a file's bytes, in hex, read 1 MiB at a time (the checks of downloads and of the box)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def save_figure(fig, path: os.PathLike | str, dpi: float | None = None) -> Path:

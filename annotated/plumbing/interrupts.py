@@ -1,17 +1,8 @@
 """What every command does on Ctrl-C: one protocol, two calls.
 
-```python
-if __name__ == "__main__":  # first thing, before the heavy imports
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-    quiet_ctrl_c_while_starting(NAME)
-...
-if __name__ == "__main__":  # last thing
-    from annotated.plumbing.interrupts import run_command
-    run_command(main, NAME)
-```
-
-Every command follows it: `train_wmt.py`, `benchmarks/bench.py`, `docs/build.py` and the `python -m` modules
-(the translator, the attention dump, the heads command, the equivalence report, ...);
+`quiet_ctrl_c_while_starting(name)` before the heavy imports, `run_command(main, name)` for the work. No command
+calls them itself: `annotated/plumbing/scripts.py` does, for every command (the `python -m` modules, `train_wmt.py`,
+the console scripts), with the name it gives each command there.
 `test_every_command_follows_the_one_ctrl_c_protocol` reads every file with a main guard that the tree holds,
 but the chapter's demo and the bench's memory probe (`NOT_COMMANDS`).
 

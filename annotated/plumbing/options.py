@@ -34,13 +34,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from annotated.plumbing.scripts import name_of, usage_of
+
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (no usage block), exit code 2.
 
-    `name` starts the line (default: `prog`), so that every error of one command reads alike."""
+    `name` starts the line (default: `prog`), so that every error of one command reads alike. A command passes
+    `command=__file__`: its name and its usage line then come from `annotated/plumbing/scripts.py`, where each
+    command is named once."""
 
-    def __init__(self, *args, name: str | None = None, **kwargs):
+    def __init__(self, *args, name: str | None = None, command: str | Path | None = None, **kwargs):
+        if command is not None:
+            kwargs.setdefault("prog", usage_of(command))
+            name = name or name_of(command)
         super().__init__(*args, **kwargs)
         self.name = name or self.prog
 

@@ -70,7 +70,6 @@
 # %%
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import os
@@ -78,11 +77,6 @@ import sys
 import textwrap
 from collections.abc import Callable
 from typing import Any
-
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("python -m annotated.proof.equivalence")
 
 import hypothesis
 import sympy
@@ -92,7 +86,8 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from annotated import transformer
-from annotated.plumbing.checks import check_source_and_target
+from annotated.checks import check_source_and_target
+from annotated.plumbing.options import Parser
 from annotated.proof.harness import (
     MHA_MODES,
     TOL,
@@ -802,7 +797,7 @@ def check_checkpoint(path: str, sentences: int = 64, seed: int = 0) -> list[Chec
 
     A file that does not load gives one failing row whose note is the loader's error (it names the file).
     """
-    from annotated.plumbing.checkpoint import load_checkpoint  # lazily: only this check needs it
+    from annotated.checkpoint import load_checkpoint  # lazily: only this check needs it
 
     try:
         model, _tokenizer, _meta = load_checkpoint(path)
@@ -977,7 +972,7 @@ def format_report(results: list[CheckResult], identities: list[tuple[str, str, b
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Prove that per-head and fused attention are the same function.")
+    ap = Parser(command=__file__, description="Prove that per-head and fused attention are the same function.")
     ap.add_argument(
         "--checkpoint",
         help="also compare both forms of a trained checkpoint (a .pt file, or "
@@ -989,7 +984,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.examples < 1 or args.copy_steps < 1:
         ap.error("--examples and --copy-steps must be positive")
     if args.checkpoint is not None:  # a shipped model by name or path: found and its sha256 checked
-        from annotated.plumbing.checkpoint import CheckpointError
+        from annotated.checkpoint import CheckpointError
         from annotated.shipped import choose_checkpoint
 
         try:
@@ -1008,6 +1003,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "python -m annotated.proof.equivalence")  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

@@ -47,7 +47,7 @@
 # input projections, which our forms (one input width `d_model`) do not have.
 # Converting anything else raises a `ValueError` naming the shapes. Its
 # `add_bias_kv` and `add_zero_attn` options add keys our forms do not have
-# and are refused too, by `check_torch_mha` in `annotated/plumbing/checks.py`,
+# and are refused too, by `check_torch_mha` in `annotated/checks.py`,
 # the door `from_torch_mha` goes through first.
 #
 # **Masks.** Its boolean masks mean the opposite of ours: `True` = *blocked*.
@@ -68,8 +68,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor, nn
 
-from annotated.plumbing.checks import check_torch_mha
-from annotated.transformer import BLOCKS, FusedAttention, PerHeadAttention, split, subsequent_mask  # noqa: F401 (doctests)
+from annotated.checks import check_torch_mha
+from annotated.transformer import BLOCKS, FusedAttention, PerHeadAttention, split, subsequent_mask  # noqa: F401 the doctests use them
 
 AttentionLike = PerHeadAttention | FusedAttention | nn.MultiheadAttention
 Dst = TypeVar("Dst", PerHeadAttention, FusedAttention, nn.MultiheadAttention)

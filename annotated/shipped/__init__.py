@@ -3,9 +3,9 @@
 A fresh clone (or `pip install`) can translate, draw attention and study heads before anything is trained:
 this folder holds one model per direction, trained with the `cpu` preset's model and its earlier recipe of 4,200
 steps (each card names the command), each the run's model (`averaged.pt`), packed by
-`python -m annotated.shipped.pack RUN_DIR` (`pack.py`):
+`python -m annotated.training.pack RUN_DIR` (`annotated/training/pack.py`):
 
-    de-en.pt    the checkpoint, in the format of `annotated/plumbing/checkpoint.py` (config, tokenizer, case table,
+    de-en.pt    the checkpoint, in the format of `annotated/checkpoint.py` (config, tokenizer, case table,
                 metadata) with its weights stored as float16; loaded as float32
     de-en.json  its card: how it was made (command, commit, seed, steps, precision, package versions, machine), what
                 it scores on test_2016_flickr (BLEU cased and lowercased, chrF, beam 4, as packed), what it was
@@ -21,7 +21,7 @@ that differs is refused, with how to get the right one back.
 `make translate`, `make attention`, `make heads`):
 
 1. `--checkpoint PATH` when given (`shipped:de-en` names a model of the box, checked as above);
-2. else the latest training run under `runs/` (`latest_checkpoint` of `annotated/training/runs.py`), of the
+2. else the latest training run under `runs/` (`latest_run` of `annotated/run_folder.py`), of the
    direction asked when one is asked (`--src`/`--tgt`), else whatever its direction;
 3. else the shipped model of the direction asked (default de -> en), said in one line on stderr.
 
@@ -31,13 +31,13 @@ instead (`outputs_beside`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 
-from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
-from annotated.training.runs import latest_checkpoint, run_model
+from annotated.checkpoint import CheckpointError, load_checkpoint
+from annotated.plumbing.files import sha256_of
+from annotated.run_folder import RUNS, latest_run
 
 FOLDER = Path(__file__).resolve().parent  # the box; the tests point it elsewhere
 DIRECTIONS = ("de-en", "en-de")
@@ -62,14 +62,6 @@ def direction_asked(src: str | None, tgt: str | None) -> str | None:
     if src == tgt:
         raise CheckpointError(f"--src and --tgt are both {src!r}; give two different languages")
     return f"{src}-{tgt}"
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_card(direction: str, folder: Path | None = None) -> dict:
@@ -115,7 +107,7 @@ def shipped_model(direction: str = DEFAULT, folder: Path | None = None) -> Path:
             f"{path} does not match the sha256 in {path.with_suffix('.json').name} (file {found[:16]}..., card "
             f"{card['sha256'][:16]}...): it changed after it was packed and is not used; restore it (git checkout "
             f"-- {path.name} in {folder}, or reinstall the package) or pack it again from its run "
-            f"(python -m annotated.shipped.pack RUN_DIR --force)"
+            f"(python -m annotated.training.pack RUN_DIR --force)"
         )
     return path
 
@@ -137,35 +129,12 @@ def outputs_beside(checkpoint: Path) -> Path:
     `runs/shipped-<direction>/` for a model of the (read-only) box. Through `runs/latest` it names the run itself,
     which stays where it is when `latest` moves on."""
     checkpoint = Path(checkpoint)
-    return Path("runs") / f"shipped-{checkpoint.stem}" if is_shipped(checkpoint) else checkpoint.resolve().parent
-
-
-def _run_direction(model: Path) -> str | None:
-    """ "src-tgt" of a run's model, from its run's config.json (written by training), else None."""
-    try:
-        config = json.loads((model.parent / "config.json").read_text(encoding="utf-8"))
-        return f"{config['src_lang']}-{config['tgt_lang']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def latest_run(runs_dir: Path, direction: str | None) -> Path | None:
-    """The latest run's model (any direction when `direction` is None), else the newest run of `direction`, else
-    None."""
-    try:
-        latest = latest_checkpoint(runs_dir)
-    except CheckpointError:
-        return None
-    if direction is None or _run_direction(latest) == direction:
-        return latest
-    models = [run_model(run) for run in Path(runs_dir).iterdir() if run.is_dir() and run.name != "latest"]
-    fitting = [m for m in models if m is not None and _run_direction(m) == direction]
-    return max(fitting, key=lambda m: m.stat().st_mtime) if fitting else None
+    return RUNS / f"shipped-{checkpoint.stem}" if is_shipped(checkpoint) else checkpoint.resolve().parent
 
 
 def choose_checkpoint(
     checkpoint: Path | str | None,
-    runs_dir: Path | str = "runs",
+    runs_dir: Path | str = RUNS,
     src: str | None = None,
     tgt: str | None = None,
     say: Callable[[str], None] = lambda line: None,

@@ -20,22 +20,17 @@
 # %%
 from __future__ import annotations
 
-if __name__ == "__main__":
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("add_case_table")
-
-import argparse
 from pathlib import Path
 
+from annotated.checkpoint import CheckpointError, add_case_table, read_checkpoint
 from annotated.decoding.casing import case_table
-from annotated.plumbing.checkpoint import CheckpointError, add_case_table, read_checkpoint
+from annotated.plumbing.options import Parser
 from annotated.training.data import load_multi30k
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m annotated.training.add_case_table",
+    p = Parser(
+        command=__file__,
         description="Write a copy of a checkpoint with the case table of its Multi30k "
         "training data (for checkpoints trained without one).",
     )
@@ -57,6 +52,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, "add_case_table")
+    run_main(main)

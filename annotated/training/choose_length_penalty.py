@@ -15,7 +15,7 @@
 # default) chooses its beam search's length penalty on the validation split at
 # its end (`annotated/training/results.py`) and writes it into its
 # checkpoints' meta, where the translator and the other tools find it
-# (`model_length_penalty`, `annotated/plumbing/checkpoint.py`). A checkpoint
+# (`model_length_penalty`, `annotated/checkpoint.py`). A checkpoint
 # trained with a fixed alpha (such as the `gpu` preset's 0.6) names none and
 # decodes at the paper's 0.6. This command makes the same choice for it: it
 # translates Multi30k's **validation** split (never the test set) in the
@@ -31,27 +31,22 @@
 # %%
 from __future__ import annotations
 
-if __name__ == "__main__":
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("choose_length_penalty")
-
 import argparse
 import sys
 from pathlib import Path
 
-from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, with_meta
+from annotated.checkpoint import CheckpointError, load_checkpoint, with_meta
 from annotated.plumbing.options import Parser, at_least
+from annotated.plumbing.scripts import name_of
 from annotated.training.data import DataError, load_multi30k
 from annotated.training.evaluate import LENGTH_PENALTIES, choose_length_penalty
 
-NAME = "choose_length_penalty"
+NAME = name_of(__file__)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="python -m annotated.training.choose_length_penalty",
-        name=NAME,
+        command=__file__,
         description="Write a copy of a checkpoint with the beam search's length penalty (GNMT "
         "alpha) that gives the best BLEU on Multi30k's validation split, of "
         f"{', '.join(f'{a:g}' for a in LENGTH_PENALTIES)}.",
@@ -90,6 +85,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)
+    run_main(main)

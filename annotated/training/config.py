@@ -57,6 +57,7 @@ import math
 from dataclasses import dataclass, field
 from typing import get_args
 
+from annotated.checkpoint import PAPER_LENGTH_PENALTY
 from annotated.training.evaluate import LENGTH_PENALTIES
 from annotated.transformer import AttentionForm, Norm, TransformerConfig
 
@@ -97,7 +98,9 @@ class TrainConfig:
     precision: str = "auto"  # auto, fp32 or bf16 (annotated/plumbing/devices.py)
     # evaluation
     beam_size: int = 4
-    length_penalty: float | None = 0.6  # beam search's GNMT alpha (the paper's); None: chosen on validation
+    length_penalty: float | None = (
+        PAPER_LENGTH_PENALTY  # beam search's GNMT alpha (the paper's); None: chosen on validation
+    )
     val_bleu_sentences: int | None = None  # translate only the first n val sentences each epoch
     test_sentences: int | None = None  # score only the first n test sentences (smoke runs)
     average_last: int = 0  # average the last n epoch checkpoints at the end
@@ -226,7 +229,13 @@ _CPU = TrainConfig(
 )
 PRESETS = {
     "gpu": dataclasses.replace(
-        _CPU, max_tokens=8192, max_steps=4200, lr_factor=2.0, length_penalty=0.6, beam_size=5, val_bleu_sentences=None
+        _CPU,
+        max_tokens=8192,
+        max_steps=4200,
+        lr_factor=2.0,
+        length_penalty=PAPER_LENGTH_PENALTY,
+        beam_size=5,
+        val_bleu_sentences=None,
     ),
     "cpu": _CPU,
     "smoke": TrainConfig(

@@ -58,7 +58,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from annotated.plumbing.files import atomic_write
+from annotated.plumbing.files import atomic_write, sha256_of
 from annotated.tokens import BOS, EOS, PAD, UNK, Tokenizer, TokenizerError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -159,14 +159,6 @@ def resolve_base_url(base_url: str | None = None) -> str:
 
 
 # %%
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _how_to_fix() -> str:
     return (
         f"set {URL_ENV} (or pass --data-url) to a reachable copy of the Multi30k raw files, "
@@ -240,7 +232,7 @@ def fetch(name: str, cache_dir: PathLike, base_url: str | None = None, *, timeou
     cache_dir = Path(cache_dir)
     target = cache_dir / name
     if target.is_file():
-        if _sha256_file(target) == SHA256[name]:
+        if sha256_of(target) == SHA256[name]:
             return target
         warnings.warn(
             f"cached {target} does not match its pinned sha256 (damaged?); downloading it again",

@@ -15,6 +15,7 @@
 # %%
 from __future__ import annotations
 
+from annotated.checkpoint import PAPER_LENGTH_PENALTY
 from annotated.decoding import search as decoding
 
 
@@ -72,7 +73,7 @@ def evaluate_bleu(
 # `test_the_choice_is_the_highest_validation_bleu_and_a_tie_goes_to_the_smaller_alpha`.)
 
 # %%
-LENGTH_PENALTIES = (0.6, 1.0, 2.0, 3.0, 4.0)
+LENGTH_PENALTIES = (PAPER_LENGTH_PENALTY, 1.0, 2.0, 3.0, 4.0)
 
 
 def choose_length_penalty(

@@ -25,7 +25,7 @@
 # "validation (1014 sentences)", "validation_bleu": {...}}`), and the alpha is
 # written into the tested checkpoints' meta, so the translator and the other
 # tools decode with it by default (`model_length_penalty`,
-# `annotated/plumbing/checkpoint.py`). A number given as the setting (the
+# `annotated/checkpoint.py`). A number given as the setting (the
 # `gpu` preset's 0.6, or `--length-penalty 2`) is used as it is and recorded as
 # `"chosen_on": "the settings"`. (`tests/training/test_length_penalty.py`:
 # `test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_with_it`.)
@@ -44,9 +44,10 @@ from typing import Any
 
 import torch
 
-from annotated.plumbing.checkpoint import atomic_torch_save, load_checkpoint, read_checkpoint, with_meta
+from annotated.checkpoint import atomic_torch_save, load_checkpoint, read_checkpoint, with_meta
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.provenance import environment
+from annotated.run_folder import AVERAGED, BEST, LAST, epoch_files
 from annotated.training.config import TrainConfig, config_dict
 from annotated.training.evaluate import choose_length_penalty, evaluate_bleu
 from annotated.training.runs import average_checkpoints
@@ -64,11 +65,11 @@ class Arithmetic:
 def checkpoints_to_test(cfg: TrainConfig, run_dir: Path) -> dict[str, Path]:
     """{"best": best.pt (last.pt for a run stopped before its first epoch ended), "averaged": averaged.pt (with
     average_last >= 2 and two epoch checkpoints, written here)}."""
-    candidates = {"best": run_dir / "best.pt" if (run_dir / "best.pt").exists() else run_dir / "last.pt"}
-    epochs = sorted(run_dir.glob("epoch*.pt"), key=lambda p: int(p.stem[5:]))
+    candidates = {"best": run_dir / BEST if (run_dir / BEST).exists() else run_dir / LAST}
+    epochs = epoch_files(run_dir)
     if cfg.average_last >= 2 and len(epochs) >= 2:
-        atomic_torch_save(average_checkpoints(epochs[-cfg.average_last :]), run_dir / "averaged.pt")
-        candidates["averaged"] = run_dir / "averaged.pt"
+        atomic_torch_save(average_checkpoints(epochs[-cfg.average_last :]), run_dir / AVERAGED)
+        candidates["averaged"] = run_dir / AVERAGED
     return candidates
 
 
@@ -106,7 +107,7 @@ def score_test_set(
     }
     if test_files:
         results["test_files"] = [str(f) for f in test_files]
-    last = read_checkpoint(run_dir / "last.pt")["run_state"]
+    last = read_checkpoint(run_dir / LAST)["run_state"]
     results.update(steps=last["step"], train_s=round(last.get("train_s", 0.0), 1), history=last["history"])
     samples: list = []
     tested = checkpoints_to_test(cfg, run_dir)

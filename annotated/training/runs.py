@@ -23,22 +23,16 @@
 # `train_loss.tsv` back to the checkpoint's step: rows written after the last
 # save by a killed run would otherwise appear twice (`truncate_log`).
 #
-# **Which checkpoint.** Training writes each run into `runs/<name>/`, with `best.pt` (best
-# validation BLEU), `last.pt` and, when the run averages its last epochs
-# (the `cpu` and `gpu` presets do), `averaged.pt`; it points `runs/latest`
-# at the newest run (a symlink, or a text file holding the run directory's
-# name). A run's **model** (`run_model`) is `averaged.pt` where there is
-# one, else `best.pt`: the rule is fixed before any test score is seen,
-# never chosen by it. Without `--checkpoint` the translator, `make
-# attention` and `make heads` take, in this order:
-#
-# 1. the model of `runs/latest`, a symlink to a run directory or a text file
-#    naming one (relative to `runs/`, or as a path);
-# 2. else the model of the run whose `best.pt` was written last;
-# 3. else, with no run, the trained model shipped in the package for the
-#    direction asked (`choose_checkpoint` of `annotated/shipped/`, which
-#    applies this whole rule and says on stderr which model it took);
-# 4. else it stops with an error that says how to get a checkpoint.
+# **Which checkpoint.** The folder's names (`runs/`, `latest`, `last.pt`,
+# `best.pt`, `averaged.pt`), a run's model (`run_model`: `averaged.pt`
+# where there is one, else `best.pt`) and the latest run
+# (`latest_checkpoint`) are `annotated/run_folder.py`'s, which this file,
+# the box (`annotated/shipped/`) and every command read. Without
+# `--checkpoint` the translator, `make attention` and `make heads` take the
+# model of the latest run, else, with no run, the trained model shipped in
+# the package for the direction asked (`choose_checkpoint` of
+# `annotated/shipped/`, which says on stderr which model it took), else
+# they stop with an error that says how to get a checkpoint.
 
 # %%
 from __future__ import annotations
@@ -53,11 +47,10 @@ from pathlib import Path
 
 import torch
 
-from annotated.plumbing.checkpoint import CheckpointError, model_from_state, read_checkpoint
+from annotated.checkpoint import CheckpointError, model_from_state, read_checkpoint
 from annotated.plumbing.files import atomic_write
+from annotated.run_folder import LAST, LATEST, RUNS
 from annotated.training.config import TrainConfig, config_from_dict
-
-RUNS = Path("runs")  # the runs' default parent, relative to the current directory; `latest` lives only here
 
 
 class TrainingError(RuntimeError):
@@ -84,11 +77,11 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainingError(f"--run-dir {run_dir} is a file, not a folder; choose another --run-dir")
     if resume:
-        if not (run_dir / "last.pt").is_file():
+        if not (run_dir / LAST).is_file():
             raise CheckpointError(
-                f"{run_dir / 'last.pt'}: no such file; --resume continues the run whose last.pt is in --run-dir"
+                f"{run_dir / LAST}: no such file; --resume continues the run whose last.pt is in --run-dir"
             )
-    elif (run_dir / "last.pt").exists():
+    elif (run_dir / LAST).exists():
         raise TrainingError(
             f"{run_dir} already holds a run (last.pt); pass --resume to continue it or choose another --run-dir"
         )
@@ -104,7 +97,7 @@ def point_latest(run_dir: Path) -> None:
     user's own file; nothing for a run elsewhere."""
     if run_dir.parent.resolve() != RUNS.resolve():
         return
-    link = run_dir.parent / "latest"
+    link = run_dir.parent / LATEST
     if (link.exists() or link.is_symlink()) and not link.is_symlink():
         return
     tmp = run_dir.parent / f".latest.{os.getpid()}.tmp"
@@ -116,35 +109,6 @@ def point_latest(run_dir: Path) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-
-
-def run_model(run: Path) -> Path | None:
-    """A run's model: `averaged.pt` when the run averaged its last epochs, else `best.pt`; None without either."""
-    for name in ("averaged.pt", "best.pt"):
-        if (run / name).is_file():
-            return run / name
-    return None
-
-
-def latest_checkpoint(runs_dir: str | Path = "runs") -> Path:
-    """The model of the latest training run under `runs_dir`."""
-    runs = Path(runs_dir)
-    latest = runs / "latest"
-    if latest.is_dir():  # a symlink to the run directory
-        if model := run_model(latest):
-            return model
-    elif latest.is_file():  # a text file naming it
-        name = latest.read_text(encoding="utf-8", errors="replace").strip()
-        for run in (runs / name, Path(name)):
-            if name and (model := run_model(run)):
-                return model
-    found = [p for p in runs.glob("*/best.pt") if p.is_file()]
-    if found and (model := run_model(max(found, key=lambda p: p.stat().st_mtime).parent)):
-        return model
-    raise CheckpointError(
-        f"no checkpoint found: neither {latest}/best.pt nor any {runs}/*/best.pt exists; "
-        f"train one (`make train`) or pass --checkpoint PATH"
-    )
 
 
 def log_line(run_dir: Path, text: str) -> None:

@@ -28,16 +28,17 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from annotated.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 train.CheckpointError for the callers
 from annotated.decoding import casing
 from annotated.plumbing.allocator import keep_freed_memory
-from annotated.plumbing.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 - train.CheckpointError for the callers
 from annotated.plumbing.devices import autocast, default_device, resolve_precision
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.interrupts import StopFlag
 from annotated.plumbing.provenance import environment
+from annotated.run_folder import BEST, CONFIG, LAST, epoch_file
 from annotated.tokens import PAD, Tokenizer
 from annotated.training import data, distributed
-from annotated.training.config import PRESETS, TrainConfig, config_dict  # noqa: F401 - train.PRESETS for the callers
+from annotated.training.config import PRESETS, TrainConfig, config_dict  # noqa: F401 train.PRESETS for the callers
 from annotated.training.evaluate import evaluate_bleu
 from annotated.training.loss import label_smoothed_loss
 from annotated.training.results import Arithmetic, score_test_set
@@ -476,7 +477,7 @@ def loop(run: Run, state: RunState, progress: bool) -> bool:
             if distributed.sum_over_ranks(flags, run.place.world).item() > 0:
                 if run.main:
                     run.say(
-                        f"interrupted: saved {run.run_dir / 'last.pt'} at epoch {state.epoch}, batch "
+                        f"interrupted: saved {run.run_dir / LAST} at epoch {state.epoch}, batch "
                         f"{state.batch_in_epoch}; continue with --resume --run-dir {run.run_dir}"
                     )
                 return True
@@ -563,7 +564,7 @@ def log_point(run: Run, state: RunState, meter: Meter, asked: bool, late: bool) 
             f"{what} at step {state.step - int(r.steps) + int(r.first_skipped_step)} (epoch "
             f"{state.epoch + 1}); {int(r.skipped)} step(s) with a non-finite loss or gradient were "
             f"skipped; stopped at step {state.step}, the last good checkpoint "
-            f"{run.run_dir / 'last.pt'} is kept"
+            f"{run.run_dir / LAST} is kept"
         )
     tally = run.tally
     tally.loss, tally.tokens = tally.loss + r.loss, tally.tokens + r.tokens
@@ -677,7 +678,7 @@ def setup(
     state = RunState()
     if resume:  # rank 0 reads last.pt and sends it to the others
         state = resume_state(
-            run_dir / "last.pt",
+            run_dir / LAST,
             cfg,
             model,
             opt,
@@ -691,9 +692,7 @@ def setup(
             state.batch_in_epoch = state.batch_in_epoch * state.world_size // place.world
         if main:
             truncate_log(run_dir / "train_loss.tsv", state.step)
-            say(
-                f"resumed {run_dir / 'last.pt'} at epoch {state.epoch}, batch {state.batch_in_epoch}, step {state.step}"
-            )
+            say(f"resumed {run_dir / LAST} at epoch {state.epoch}, batch {state.batch_in_epoch}, step {state.step}")
     state.world_size = place.world
     ddp = distributed.wrap(model, dev) if place.world > 1 else None
     model_for_step = ddp or model
@@ -708,7 +707,7 @@ def setup(
         from torch.utils.tensorboard import SummaryWriter
 
         run.writer = SummaryWriter(log_dir=str(run_dir / "tb"))
-        atomic_write(run_dir / "config.json", json.dumps(config_dict(cfg), indent=2))
+        atomic_write(run_dir / CONFIG, json.dumps(config_dict(cfg), indent=2))
         say(
             f"run {run_dir}: {len(run_data.train_enc)} training pairs, vocab {tokenizer.vocab_size}, "
             f"{sum(p.numel() for p in model.parameters()):,} parameters, device {dev}, world size {place.world}, "
@@ -727,7 +726,7 @@ def save_resumable(run: Run, state: RunState) -> None:
     """last.pt: everything needed to resume; then runs/latest points here (runs.point_latest)."""
     learner = run.learner
     save_checkpoint(
-        run.run_dir / "last.pt",
+        run.run_dir / LAST,
         learner.model,
         run.data.tokenizer,
         run.meta,
@@ -787,17 +786,17 @@ def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
     improved = val["bleu"] > state.best_bleu
     if improved:
         state.best_bleu = val["bleu"]
-        save_checkpoint(run.run_dir / "best.pt", model, tokenizer, dict(run.meta, **record), casing=run.data.case_table)
+        save_checkpoint(run.run_dir / BEST, model, tokenizer, dict(run.meta, **record), casing=run.data.case_table)
     if cfg.average_last:
         save_checkpoint(
-            run.run_dir / f"epoch{state.epoch}.pt",
+            run.run_dir / epoch_file(state.epoch),
             model,
             tokenizer,
             dict(run.meta, **record),
             casing=run.data.case_table,
         )
         with contextlib.suppress(FileNotFoundError):
-            (run.run_dir / f"epoch{state.epoch - cfg.average_last}.pt").unlink()
+            (run.run_dir / epoch_file(state.epoch - cfg.average_last)).unlink()
     save_resumable(run, state)
     run.say(
         f"epoch {state.epoch:3d} step {state.step:6d}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  "

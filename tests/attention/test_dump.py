@@ -27,7 +27,7 @@ from browser import CHROMIUM, NO_CHROMIUM, Chromium
 from annotated.attention import dump as A
 from annotated.attention import pictures as P
 from annotated.attention import viewer as V
-from annotated.plumbing.checkpoint import CheckpointError, save_checkpoint
+from annotated.checkpoint import CheckpointError, save_checkpoint
 from annotated.recording import record_attention
 from annotated.shipped import typed_name
 from annotated.sites import head_counts
@@ -977,8 +977,8 @@ def test_the_dump_decodes_at_the_models_length_penalty(tokenizer, tmp_path):
 
 def test_the_dump_translates_as_the_translator_does(full_dump, checkpoints):
     """The viewer and `make translate` show the same sentence: same decoder (beam 4), same settings."""
+    from annotated.checkpoint import load_checkpoint
     from annotated.decoding.translate import translate
-    from annotated.plumbing.checkpoint import load_checkpoint
 
     model, tokenizer, _ = load_checkpoint(checkpoints[1])
     index = A.read_index(full_dump)

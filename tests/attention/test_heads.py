@@ -309,7 +309,7 @@ def test_bad_checkpoint_file_is_one_line_exit_2(tmp_path, capsys):
 def test_a_model_without_a_language_pair_is_refused(tmp_path, capsys):
     """No src_lang/tgt_lang in the metadata (an imported folder that named none): refused in one line naming the
     fix, not scored in a guessed direction."""
-    from annotated.plumbing.checkpoint import save_checkpoint
+    from annotated.checkpoint import save_checkpoint
     from annotated.training.data import train_tokenizer
     from annotated.transformer import make_model
 
@@ -454,7 +454,7 @@ def test_by_default_every_validation_sentence_and_the_label_smoothed_loss_is_the
     import re
 
     from annotated.attention.heads import _data, label_smoothing_of, parse_args, smoothed_loss
-    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.checkpoint import load_checkpoint
     from annotated.training import train
 
     monkeypatch.setenv("MULTI30K_URL", data_url)

@@ -16,8 +16,8 @@ from annotated.attention.prune import (
     save_pruned,
     split_sentences,
 )
+from annotated.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from annotated.sites import KINDS, attention_at, head_counts, remove_heads, sites
 from annotated.transformer import FusedAttention
 
@@ -413,9 +413,8 @@ def test_a_pruned_checkpoint_works_with_the_translator_the_equivalence_check_and
 def test_head_counts_above_the_configs_h_are_refused_before_anything_is_built(tmp_path, monkeypatch):
     import io
 
-    from annotated import sites
+    from annotated import checkpoint, sites
     from annotated.decoding import translate
-    from annotated.plumbing import checkpoint
     from annotated.transformer import make_model
 
     model = tiny_model("fused", dtype=torch.float32, N=1, h=2)

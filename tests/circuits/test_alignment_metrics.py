@@ -61,7 +61,7 @@ def test_words_from_pieces():
 
 
 def test_piece_words_match_aligner_words_on_the_shipped_tokenizer():
-    from annotated.plumbing.checkpoint import read_checkpoint
+    from annotated.checkpoint import read_checkpoint
     from annotated.shipped import __file__ as shipped
     from annotated.tokens import Tokenizer
 
@@ -78,7 +78,7 @@ def test_piece_words_match_aligner_words_on_the_shipped_tokenizer():
 
 
 def test_piece_words_match_aligner_words_on_multi30k(data_url, cache):
-    from annotated.plumbing.checkpoint import read_checkpoint
+    from annotated.checkpoint import read_checkpoint
     from annotated.shipped import __file__ as shipped
     from annotated.tokens import Tokenizer
     from annotated.training.data import load_multi30k

@@ -4,11 +4,11 @@ imported models read as they compute."""
 import pytest
 import torch
 
+from annotated.checkpoint import save_checkpoint
 from annotated.circuits.circuits import attention_inputs, circuits
 from annotated.circuits.command import main
 from annotated.circuits.direct import exact, sentence_vectors
 from annotated.circuits.readout import Inputs, read_model
-from annotated.plumbing.checkpoint import save_checkpoint
 from annotated.sites import attention_at, remove_heads
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import make_model

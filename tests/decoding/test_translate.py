@@ -20,18 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated.decoding import casing
-from annotated.decoding.search import translate_ids
-from annotated.decoding.translate import main, set_aside_unseen, translate
-from annotated.plumbing.checkpoint import (
+from annotated.checkpoint import (
     CheckpointError,
     add_case_table,
     load_checkpoint,
     read_case_table,
     save_checkpoint,
 )
+from annotated.decoding import casing
+from annotated.decoding.search import translate_ids
+from annotated.decoding.translate import main, set_aside_unseen, translate
+from annotated.run_folder import latest_checkpoint
 from annotated.training.data import train_tokenizer
-from annotated.training.runs import latest_checkpoint
 from annotated.transformer import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -596,7 +596,6 @@ def test_a_terminal_on_stdin_is_served_line_by_line_after_saying_so(ckpt, loaded
 
 def test_make_bench_compares_the_cli_from_stdin_with_batched_translate_ids():
     """benchmarks/bench.py's row: both sides run the same sentences with the same beam (no speed asserted)."""
-    sys.path.insert(0, str(ROOT))
     from benchmarks import bench
 
     row = bench.bench_translator_cli(bench.Settings(reps=1, window=0.01), lambda line: None, sentences=6)
@@ -675,8 +674,8 @@ def test_every_line_that_arrives_with_the_end_of_input_is_answered(n, size):
 def test_the_translator_decodes_at_the_models_length_penalty_unless_told(ckpt, tmp_path, monkeypatch):
     """Default: the alpha in the checkpoint's meta (its run's choice on validation), else the paper's 0.6;
     `--length-penalty` wins over both."""
+    from annotated.checkpoint import with_meta
     from annotated.decoding import translate as module
-    from annotated.plumbing.checkpoint import with_meta
 
     alphas = []
 

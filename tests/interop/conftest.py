@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated.plumbing.checkpoint import save_checkpoint
+from annotated.checkpoint import save_checkpoint
 from annotated.training.data import train_tokenizer
 from annotated.transformer import make_model
 

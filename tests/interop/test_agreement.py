@@ -37,10 +37,10 @@ def test_at_the_length_limit_generate_differs_only_as_stated(data_url):
     of float32 can make or hide a difference."""
     import torch
 
+    from annotated.checkpoint import load_checkpoint
     from annotated.decoding.search import translate_ids
     from annotated.interop.agreement import generate_ids
     from annotated.interop.marian import to_marian
-    from annotated.plumbing.checkpoint import load_checkpoint
     from annotated.tokens import BOS, EOS, PAD
     from annotated.training.data import load_multi30k
     from annotated.transformer import padding_mask, subsequent_mask

@@ -14,9 +14,9 @@ import torch
 pytest.importorskip("transformers")
 ctranslate2 = pytest.importorskip("ctranslate2")
 
+from annotated.checkpoint import load_checkpoint
 from annotated.decoding.search import beam_search, greedy
 from annotated.interop.folders import main
-from annotated.plumbing.checkpoint import load_checkpoint
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import padding_mask, subsequent_mask
 

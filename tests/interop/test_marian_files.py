@@ -12,9 +12,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import MarianMTModel, MarianTokenizer
 
+from annotated.checkpoint import load_checkpoint, save_checkpoint
 from annotated.interop.folders import main
 from annotated.interop.marian import export_ids
-from annotated.plumbing.checkpoint import load_checkpoint, save_checkpoint
 from annotated.tokens import BOS, PAD
 from annotated.transformer import make_model, padding_mask, subsequent_mask
 
@@ -245,3 +245,20 @@ def test_an_export_saved_again_by_transformers_is_refused_with_the_reason(checkp
     hf._keys_to_ignore_on_save = {"model.encoder.embed_positions.weight"}  # what the card says to do
     hf.save_pretrained(str(tmp_path / "kept"))
     assert main(["import", str(tmp_path / "kept"), str(tmp_path / "kept.pt")]) == 0
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_an_exported_folder_gets_the_mode_of_the_umask(checkpoint, tmp_path, umask):
+    """The export is published by plumbing/files.py's `staged_directory`: the folder is 0o777 less the umask,
+    as `mkdir` would make it, not the 0o700 of the private staging folder; its files are readable alike."""
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        assert main(["export", str(checkpoint), str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
+    modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in (tmp_path / "out").iterdir()}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes

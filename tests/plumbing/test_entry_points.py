@@ -1,5 +1,5 @@
 """pyproject.toml: the console scripts of `pip install -e .` run the commands' own main functions through the one
-Ctrl-C protocol (annotated/plumbing/scripts.py), and the package it describes holds every subpackage and the
+start-up and Ctrl-C protocol (annotated/plumbing/scripts.py, which finds each by the script's name), and the package it describes holds every subpackage and the
 viewer's web assets. Read and imported, not installed; `test_interrupts.py` runs the scripts."""
 
 import importlib
@@ -25,9 +25,10 @@ TARGETS = {
 def test_console_scripts_resolve_to_the_commands_main_functions(target, module):
     assert f"$(PY) {'train_wmt.py' if module == 'train_wmt' else '-m ' + module}" in (ROOT / "Makefile").read_text()
     name, function = SCRIPTS[f"annotated-{target}"].split(":")
-    assert (name, function) == ("annotated.plumbing.scripts", target)
-    assert callable(getattr(importlib.import_module(name), function))
-    assert importlib.import_module(name).SCRIPTS[f"annotated-{target}"] == module
+    assert (name, function) == ("annotated.plumbing.scripts", "script")
+    scripts = importlib.import_module(name)
+    assert callable(getattr(scripts, function))
+    assert scripts.COMMANDS[module] == target  # annotated-<target> runs the command named <target>
     main = importlib.import_module(module).main
     assert callable(main) and main.__module__ == module and main.__name__ == "main"
 

@@ -44,9 +44,9 @@ from hypothesis import strategies as st
 
 import train_wmt
 from annotated import transformer
+from annotated.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from annotated.decoding import translate
 from annotated.decoding.search import beam_search, greedy
-from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from annotated.plumbing.files import remove_stale_temporaries
 from annotated.recording import attend_with_probabilities, record_attention
 from annotated.tokens import EOS, PAD
@@ -216,7 +216,7 @@ def test_a_second_sigint_stops_at_once_without_a_traceback(tmp_path, data_url, c
         if p.poll() is None:
             p.kill()
     assert p.returncode == 130 and "Traceback" not in err, err
-    assert err == "" or (err.startswith("train_wmt.py: interrupted") and err.count("\n") == 1), err
+    assert err == "" or (err.startswith("train: interrupted") and err.count("\n") == 1), err
     if (run / "last.pt").exists():
         assert read_checkpoint(run / "last.pt")["run_state"]["step"] <= len(losses(run))
         assert "continue with --resume" in err or "interrupted: saved" in out
@@ -263,7 +263,7 @@ def test_the_commands_are_found_in_the_tree():
 
 
 def _main_guard_calls(node) -> list:
-    """(function name, first argument) of the calls in a top-level `if __name__ == "__main__":` block."""
+    """(function name, arguments) of the calls in a top-level `if __name__ == "__main__":` block."""
     import ast
 
     is_guard = (
@@ -286,39 +286,25 @@ def _main_guard_calls(node) -> list:
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_follows_the_one_ctrl_c_protocol(command):
-    """annotated/plumbing/interrupts.py: `quiet_ctrl_c_while_starting(name)` under the main guard before torch
-    is imported, `run_command(main, name)` under the main guard at the end, with the same name."""
+    """annotated/plumbing/scripts.py: the file ends with `run_main(main)` under the main guard, and calls neither half of
+    the protocol itself (`starting()`, from the packages' `__init__.py`, installs the quiet handler before the
+    command's imports; `run_main` runs `main` under `run_command`, with the name `COMMANDS` gives the module)."""
     import ast
 
+    from annotated.plumbing.scripts import COMMANDS as NAMED
+    from annotated.plumbing.scripts import module_of
+
     body = ast.parse((ROOT / command).read_text(encoding="utf-8")).body
-    first_torch = next(
-        (
-            i
-            for i, node in enumerate(body)
-            if isinstance(node, (ast.Import, ast.ImportFrom))
-            and any(
-                (a.name if isinstance(node, ast.Import) else node.module or "").startswith("torch") for a in node.names
-            )
-        ),
-        len(body),
-    )
-    starts = [
-        (i, args)
-        for i, node in enumerate(body)
-        for name, args in _main_guard_calls(node)
-        if name == "quiet_ctrl_c_while_starting"
-    ]
-    runs = [args for name, args in _main_guard_calls(body[-1]) if name == "run_command"]
-    constants = {
-        t.id: node.value.value
-        for node in body
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-        for t in node.targets
-        if isinstance(t, ast.Name)
+    called = {
+        getattr(c.func, "id", getattr(c.func, "attr", None))
+        for c in ast.walk(ast.Module(body=body, type_ignores=[]))
+        if isinstance(c, ast.Call)
     }
-    assert len(starts) == 1 and starts[0][0] < first_torch, "quiet_ctrl_c_while_starting first, under the guard"
-    assert len(runs) == 1 and runs[0][0] == "main", "run_command(main, name) last, under the guard"
-    assert constants.get(runs[0][1], runs[0][1]) == starts[0][1][0], "the same name in both calls"
+    assert _main_guard_calls(body[-1]) == [("run_main", ["main"])], (
+        "run_main(main) last, under the guard, and nothing else"
+    )
+    assert not called & {"quiet_ctrl_c_while_starting", "run_command"}, "the protocol's halves only through run_main"
+    assert module_of(ROOT / command) in NAMED, "named in annotated/plumbing/scripts.py's COMMANDS"
 
 
 def test_no_command_uses_another_ctrl_c_protocol():
@@ -364,7 +350,7 @@ def test_sigint_at_start_up_exits_130_without_a_traceback(tmp_path, data_url, ca
             p.kill()
     err = said(err)
     assert p.returncode == 130, err
-    assert "Traceback" not in err and err.startswith("train_wmt.py: interrupted") and err.count("\n") == 1, err
+    assert "Traceback" not in err and err.startswith("train: interrupted") and err.count("\n") == 1, err
     assert not (tmp_path / "run" / "last.pt").exists()
 
 
@@ -372,7 +358,7 @@ def test_sigint_at_start_up_exits_130_without_a_traceback(tmp_path, data_url, ca
     "command, started",
     [
         (["-m", "annotated.proof.equivalence", "--examples", "100000"], "per-head = fused"),
-        ([str(ROOT / "benchmarks" / "bench.py"), "--quick", "--sizes", "cpu", "--device", "cpu"], "bench:"),
+        (["-m", "benchmarks.bench", "--quick", "--sizes", "cpu", "--device", "cpu"], "bench:"),
     ],
     ids=["equivalence", "bench"],
 )
@@ -399,7 +385,7 @@ def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command
         if p.poll() is None:
             p.kill()
     err = (err + rest).decode(errors="replace")
-    name = f"python -m {command[1]}" if command[0] == "-m" else "benchmarks/bench.py"
+    name = {"annotated.proof.equivalence": "equivalence", "benchmarks.bench": "bench"}[command[1]]
     assert p.returncode == 130, err
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]  # (progress bars use \r)
     assert "Traceback" not in err and lines[-1] == f"{name}: interrupted", err[-500:]
@@ -409,10 +395,10 @@ def test_other_commands_exit_130_on_ctrl_c_without_a_traceback(tmp_path, command
 @pytest.mark.parametrize(
     "command, name",
     [
-        (["-m", "annotated.proof.equivalence"], "python -m annotated.proof.equivalence"),
-        (["-m", "annotated.attention.dump", "--checkpoint", "none.pt"], "python -m annotated.attention.dump"),
-        ([str(ROOT / "benchmarks" / "bench.py")], "benchmarks/bench.py"),
-        ([str(ROOT / "docs" / "build.py"), "--out", "{tmp}/site"], "docs/build.py"),
+        (["-m", "annotated.proof.equivalence"], "equivalence"),
+        (["-m", "annotated.attention.dump", "--checkpoint", "none.pt"], "attention"),
+        (["-m", "benchmarks.bench"], "bench"),
+        (["-m", "docs.build", "--out", "{tmp}/site"], "docs"),
     ],
     ids=["equivalence", "attention", "bench", "docs"],
 )
@@ -608,7 +594,7 @@ def test_resume_from_a_damaged_checkpoint_exits_2_naming_it(kind, stopped_run, t
         ]
     )
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("train_wmt.py: error: ") and message in err and err.count("\n") == 1, err
+    assert code == 2 and err.startswith("train: error: ") and message in err and err.count("\n") == 1, err
     assert (run / "last.pt").read_bytes() == before if before is not None else not (run / "last.pt").exists()
     assert temporaries(run / "last.pt") == [] and not (run / "best.pt").exists()
 
@@ -809,7 +795,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(
     assert saved["run_state"]["epoch"] == 1 and sha(run / "last.pt") == last_at_fault["sha"]
     assert code == 2 and err.count("\n") == 1, err
     assert (
-        f"train_wmt.py: error: the loss became {bad} at step {E + 3} (epoch 2); 1 step(s) with a non-finite "
+        f"train: error: the loss became {bad} at step {E + 3} (epoch 2); 1 step(s) with a non-finite "
         f"loss or gradient were skipped; stopped at step {2 * E}, the last good checkpoint {run / 'last.pt'} "
         f"is kept"
     ) in err  # (the read at epoch 2's end: log_every 50 > the 2 x 14 steps)
@@ -869,7 +855,7 @@ def test_non_finite_gradient_at_an_epoch_end_does_not_reach_the_checkpoint(tmp_p
 #
 # The model and its attentions assume valid inputs; the entry points (the decoders, the
 # translator, the attention dump, the equivalence report) check them at the door,
-# annotated/plumbing/checks.py. So the fuzzing is in two parts. Valid inputs to the attentions
+# annotated/checks.py. So the fuzzing is in two parts. Valid inputs to the attentions
 # and the model: the result must have the documented shape and dtype, be finite, and agree
 # with a float64 per-head reference (the paper's formula, explicit softmax). Inputs to the
 # decoders, valid or with one fault: a valid one gives a well-formed translation, an invalid

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+import tomllib
 from children import IMPORT_TIMES, said, wait_past_the_quiet_handler
 
-from annotated.plumbing.scripts import SCRIPTS
-
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
 GUARD = 120  # seconds: a guard against a hung child (a swallowed Ctrl-C), never a timing assertion
 
 WORK = textwrap.dedent('''
@@ -93,37 +93,41 @@ def test_ctrl_c_in_code_that_cannot_pass_an_exception_on_still_exits_130(place, 
         assert (p.returncode, err) == (130, "\nwork: interrupted\n"), (delay, p.returncode, err[-1500:])
 
 
-def script(name: str) -> list[str]:
-    """What the console script that `pip install` writes does: import the entry point and exit with its value."""
-    function = name.removeprefix("annotated-")
-    return [
-        sys.executable,
-        *IMPORT_TIMES,
-        "-c",
-        f"import sys; from annotated.plumbing.scripts import {function}; sys.exit({function}())",
-    ]
+def script(name: str, folder: Path) -> list[str]:
+    """The console script `name` as `pip install` writes it (a file named `name` that calls the entry point and
+    exits with its value), in `folder`."""
+    module, function = SCRIPTS[name].split(":")
+    wrapper = folder / name
+    wrapper.write_text(f"import sys\nfrom {module} import {function}\nsys.exit({function}())\n")
+    return [sys.executable, *IMPORT_TIMES, str(wrapper)]
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_console_scripts_exit_130_on_ctrl_c_while_torch_loads(name, tmp_path):
+def test_console_scripts_exit_130_on_ctrl_c_while_torch_loads(name, tmp_path, tmp_path_factory):
     p = subprocess.Popen(
-        script(name), cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        script(name, tmp_path_factory.mktemp("bin")),
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
-        wait_past_the_quiet_handler(p, "annotated.plumbing.scripts")  # inside the command's imports (torch: > 1 s)
+        wait_past_the_quiet_handler(p)  # inside the command's imports (torch: > 1 s)
         p.send_signal(signal.SIGINT)
         _out, err = p.communicate(timeout=GUARD)
     finally:
         if p.poll() is None:
             p.kill()
-    assert (p.returncode, said(err)) == (130, f"{name}: interrupted\n"), (p.returncode, said(err)[-800:])
+    command = name.removeprefix("annotated-")  # its name, as the python -m command has it
+    assert (p.returncode, said(err)) == (130, f"{command}: interrupted\n"), (p.returncode, said(err)[-800:])
     assert not list(tmp_path.iterdir())
 
 
-def test_a_console_script_stopped_while_it_works_exits_130_without_a_traceback(tmp_path):
+def test_a_console_script_stopped_while_it_works_exits_130_without_a_traceback(tmp_path, tmp_path_factory):
     """`annotated-equivalence` past its imports (its progress bar is up): one line, 130."""
     p = subprocess.Popen(
-        [*script("annotated-equivalence"), "--examples", "100000"],
+        [*script("annotated-equivalence", tmp_path_factory.mktemp("bin")), "--examples", "100000"],
         cwd=tmp_path,
         env=env(),
         stdout=subprocess.PIPE,
@@ -142,6 +146,4 @@ def test_a_console_script_stopped_while_it_works_exits_130_without_a_traceback(t
             p.kill()
     err = said((err + rest).decode(errors="replace"))
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
-    assert p.returncode == 130 and "Traceback" not in err and lines[-1] == "annotated-equivalence: interrupted", err[
-        -800:
-    ]
+    assert p.returncode == 130 and "Traceback" not in err and lines[-1] == "equivalence: interrupted", err[-800:]

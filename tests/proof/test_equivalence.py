@@ -304,9 +304,9 @@ def test_checkpoint_check_uses_load_checkpoint(monkeypatch, tmp_path):
         seen.append(path)
         return model, None, {"src_lang": "en", "tgt_lang": "de"}
 
-    fake = types.ModuleType("annotated.plumbing.checkpoint")
+    fake = types.ModuleType("annotated.checkpoint")
     fake.load_checkpoint = load_checkpoint
-    monkeypatch.setitem(sys.modules, "annotated.plumbing.checkpoint", fake)
+    monkeypatch.setitem(sys.modules, "annotated.checkpoint", fake)
     path = str(tmp_path / "model.pt")
     rows = E.check_checkpoint(path, sentences=16)
     assert seen == [path]
@@ -318,7 +318,7 @@ def test_checkpoint_that_does_not_load_fails_its_row(monkeypatch, tmp_path):
     def load_checkpoint(path, map_location="cpu"):
         raise ValueError(f"checkpoint {path} is corrupt")
 
-    monkeypatch.setattr("annotated.plumbing.checkpoint.load_checkpoint", load_checkpoint)
+    monkeypatch.setattr("annotated.checkpoint.load_checkpoint", load_checkpoint)
     rows = E.check_checkpoint(str(tmp_path / "bad.pt"))
     assert len(rows) == 1 and not rows[0].passed and "bad.pt is corrupt" in rows[0].notes[0]
     with pytest.raises(SystemExit) as err:

@@ -15,10 +15,10 @@ import torch
 from tiny_box import make_box, make_run
 
 import annotated.shipped as shipped
-from annotated.plumbing.checkpoint import CheckpointError, load_checkpoint
+from annotated.checkpoint import CheckpointError, load_checkpoint
 from annotated.shipped import choose_checkpoint, shipped_model
-from annotated.shipped.pack import FIRST, MAX_BYTES, training_command
 from annotated.training.evaluate import evaluate_bleu
+from annotated.training.pack import FIRST, MAX_BYTES, training_command
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL = ROOT / "annotated" / "shipped"
@@ -65,7 +65,7 @@ def test_a_model_file_that_does_not_match_its_sha256_is_refused_with_the_fix(box
         shipped_model("de-en")
     message = str(e.value)
     assert "does not match the sha256 in de-en.json" in message
-    assert "git checkout -- de-en.pt" in message and "python -m annotated.shipped.pack RUN_DIR --force" in message
+    assert "git checkout -- de-en.pt" in message and "python -m annotated.training.pack RUN_DIR --force" in message
     with pytest.raises(CheckpointError, match="does not match the sha256"):  # every way in checks it
         choose_checkpoint(None)
     with pytest.raises(CheckpointError, match="does not match the sha256"):

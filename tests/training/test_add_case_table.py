@@ -11,7 +11,7 @@ def test_the_command_writes_a_copy_with_the_training_datas_table_and_never_overw
 ):
     """`python -m annotated.training.add_case_table`: a new file with the table of Multi30k train (source side); the
     checkpoint it reads is left as it was; an existing --out is refused."""
-    from annotated.plumbing.checkpoint import read_case_table, save_checkpoint
+    from annotated.checkpoint import read_case_table, save_checkpoint
     from annotated.training.data import load_multi30k
     from annotated.transformer import make_model
 

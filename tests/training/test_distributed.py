@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from annotated.checkpoint import load_checkpoint, read_checkpoint
 from annotated.decoding.search import translate_ids
-from annotated.plumbing.checkpoint import load_checkpoint, read_checkpoint
 from annotated.training import train
 from annotated.training.data import collate
 from annotated.transformer import make_model
@@ -106,6 +106,7 @@ def _launch(args, data_url, cache, script="train_wmt.py") -> subprocess.Popen:
         OMP_NUM_THREADS="1",
         TORCH_ELASTIC_SHUTDOWN_TIMEOUT="20",
         PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO),  # the package and train_wmt, from the checkout
     )
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -340,7 +341,6 @@ def test_ctrl_c_on_one_rank_stops_all_ranks_at_one_step_and_saves(tmp_path, data
 # Rank 1's loss becomes NaN at its 3rd training batch of epoch 2; rank 0's stays finite.
 POISON_RANK_1 = """
 import os, sys
-sys.path.insert(0, {repo!r})
 from annotated.training import train
 import train_wmt
 
@@ -364,7 +364,7 @@ def test_non_finite_loss_on_one_rank_stops_every_rank_at_that_step(tmp_path, dat
     each saying why (no rank left waiting in an all-reduce), with epoch 1's last.pt untouched."""
     run = tmp_path / "run"
     script = tmp_path / "poison_rank_1.py"
-    script.write_text(POISON_RANK_1.format(repo=str(REPO), last=str(run / "last.pt")))
+    script.write_text(POISON_RANK_1.format(last=str(run / "last.pt")))
     code, out = _finish(
         _launch(["--epochs", 3, "--log-every", 4, "--run-dir", run], data_url, cache, script=script), timeout=120
     )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_wmt
-from annotated.plumbing.checkpoint import (
+from annotated.checkpoint import (
     PAPER_LENGTH_PENALTY,
     load_checkpoint,
     model_length_penalty,

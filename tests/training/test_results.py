@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from annotated.plumbing.checkpoint import read_checkpoint, save_checkpoint
+from annotated.checkpoint import read_checkpoint, save_checkpoint
 from annotated.training import train
 from annotated.training.results import checkpoints_to_test
 from annotated.transformer import make_model

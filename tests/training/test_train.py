@@ -134,7 +134,7 @@ def test_presets_are_defined_by_steps_as_the_prose_says(data_url, cache):
 
 
 def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, monkeypatch, data_url, cache):
-    from annotated.plumbing.checkpoint import load_checkpoint
+    from annotated.checkpoint import load_checkpoint
 
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "runs" / "run"
@@ -162,8 +162,8 @@ def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, monkeypatch,
     assert float(steps[-1][1]) < float(steps[0][1])  # it learned something
     model, tok, meta = load_checkpoint(run / "best.pt")
     assert meta["src_lang"] == "de" and tok.vocab_size == model.config.src_vocab
+    from annotated.checkpoint import read_case_table
     from annotated.decoding.casing import case_table
-    from annotated.plumbing.checkpoint import read_case_table
     from annotated.training.data import load_multi30k
 
     sources = [s for s, _ in load_multi30k("train", "de", "en", cache_dir=cache, base_url=data_url)[:300]]
@@ -256,7 +256,7 @@ def figures(run: Path) -> dict:
     results = json.loads((run / "results.json").read_text())
     history = [{k: v for k, v in epoch.items() if k not in TIMINGS} for epoch in results["history"]]
     test = {name: {k: v for k, v in scores.items() if k != "checkpoint"} for name, scores in results["test"].items()}
-    from annotated.plumbing.checkpoint import read_checkpoint
+    from annotated.checkpoint import read_checkpoint
 
     model = read_checkpoint(run / "last.pt")["model"]
     return {

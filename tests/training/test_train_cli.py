@@ -58,7 +58,7 @@ def test_bad_options_one_line_exit_2_before_any_work(option, message, tmp_path, 
     except SystemExit as e:
         code = e.code
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("train_wmt.py: error: ") and err.count("\n") == 1, err
+    assert code == 2 and err.startswith("train: error: ") and err.count("\n") == 1, err
     assert message in err, err
     assert not (tmp_path / "run").exists() and list(tmp_path.iterdir()) == []
 
@@ -81,7 +81,7 @@ def test_cuda_without_cuda_and_an_unwritable_cache_are_refused(tmp_path, capsys)
         with pytest.raises(SystemExit) as stop:
             train_wmt.main(["--preset", "smoke", "--run-dir", str(tmp_path / "run"), *option])
         err = capsys.readouterr().err
-        assert stop.value.code == 2 and err.startswith("train_wmt.py: error: "), err
+        assert stop.value.code == 2 and err.startswith("train: error: "), err
         assert message in err and err.count("\n") == 1 and not (tmp_path / "run").exists(), err
 
 

@@ -160,7 +160,7 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run_at_the_nex
             progress=False,
             log=lambda s: None,
         )
-    from annotated.plumbing.checkpoint import read_checkpoint
+    from annotated.checkpoint import read_checkpoint
 
     assert read_checkpoint(run / "last.pt")["run_state"]["step"] == 14
     assert [s for s, _ in rows(run)] == [4, 8, 12, 14, 16]

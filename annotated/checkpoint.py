@@ -157,7 +157,7 @@ def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:
             f"checkpoint {path} holds Python objects other than tensors and plain data; "
             f"it is not an annotated checkpoint and is not loaded"
         ) from None
-    except Exception as e:  # noqa: BLE001 - torch.load raises many kinds: truncated zip, not a torch file, ...
+    except Exception as e:  # noqa: BLE001 torch.load raises many kinds: truncated zip, not a torch file, ...
         raise CheckpointError(
             f"checkpoint {path} is corrupt or not a torch file ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''})"
@@ -291,7 +291,7 @@ def loaded_from_state(state: dict, path: os.PathLike | str):
     if state.get("tokenizer") is not None:
         try:
             tokenizer = Tokenizer.from_bytes(state["tokenizer"])
-        except Exception as e:  # noqa: BLE001 - sentencepiece raises many kinds on bad bytes
+        except Exception as e:  # noqa: BLE001 sentencepiece raises many kinds on bad bytes
             raise CheckpointError(f"checkpoint {path}: its tokenizer does not load ({e})") from None
         cfg = model.config
         if not tokenizer.vocab_size == cfg.src_vocab == cfg.tgt_vocab:

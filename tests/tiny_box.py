@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from annotated.plumbing.checkpoint import save_checkpoint
+from annotated.checkpoint import save_checkpoint
 from annotated.plumbing.provenance import environment
-from annotated.shipped.pack import pack
 from annotated.training.config import PRESETS, config_dict
 from annotated.training.data import train_tokenizer
+from annotated.training.pack import pack
 from annotated.transformer import make_model
 
 GERMAN = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park.", "Eine Frau liest ein Buch."]

@@ -1,4 +1,4 @@
-"""annotated/shipped/pack.py: a run's model packed for the box, and its card."""
+"""annotated/training/pack.py: a run's model packed for the box, and its card."""
 
 import hashlib
 import json
@@ -7,10 +7,10 @@ import pytest
 import torch
 from tiny_box import PAIRS, make_run
 
-from annotated.plumbing.checkpoint import load_checkpoint, read_checkpoint
-from annotated.shipped.pack import PackError, compact_state, main, pack, training_command
+from annotated.checkpoint import load_checkpoint, read_checkpoint
 from annotated.training.config import PRESETS, config_dict
 from annotated.training.evaluate import evaluate_bleu
+from annotated.training.pack import PackError, compact_state, main, pack, training_command
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_the_training_command_trains_the_same_settings_again(preset, changes):
 
 def test_the_box_keeps_the_length_penalty_its_run_chose():
     """The packed meta keeps `length_penalty`, so the translator decodes a shipped model at its run's alpha."""
-    from annotated.plumbing.checkpoint import model_length_penalty
+    from annotated.checkpoint import model_length_penalty
 
     state = {
         "config": {},

@@ -1,4 +1,4 @@
-"""`python -m annotated.shipped.pack RUN_DIR [--out FOLDER] [--force]`: a training run's model, packed for the box.
+"""`python -m annotated.training.pack RUN_DIR [--out FOLDER] [--force]`: a training run's model, packed for the box.
 
 From a finished run (its `results.json` and its model, `averaged.pt` where the run averaged its last epochs, else
 `best.pt`, the rule of `run_model`) it writes two files into the box (`annotated/shipped/`, or `--out`):
@@ -19,11 +19,6 @@ replaced only with `--force`.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # as a command: a Ctrl-C while torch loads is one line, exit 130
-    from annotated.plumbing.interrupts import quiet_ctrl_c_while_starting
-
-    quiet_ctrl_c_while_starting("python -m annotated.shipped.pack")
-
 import dataclasses
 import json
 import sys
@@ -32,21 +27,22 @@ from pathlib import Path
 
 import torch
 
-from annotated.plumbing.checkpoint import (
+from annotated.checkpoint import (
     FORMAT,
     atomic_torch_save,
     load_checkpoint,
     model_length_penalty,
     read_checkpoint,
 )
-from annotated.plumbing.files import atomic_write
+from annotated.plumbing.files import atomic_write, sha256_of
 from annotated.plumbing.options import Parser, at_least
 from annotated.plumbing.provenance import code_commit
-from annotated.shipped import CARD_FORMAT, FOLDER, sha256_of
+from annotated.plumbing.scripts import name_of, usage_of
+from annotated.run_folder import AVERAGED, run_model
+from annotated.shipped import CARD_FORMAT, FOLDER
 from annotated.training.config import PRESETS, config_from_dict, options_between
-from annotated.training.runs import run_model
 
-NAME = "python -m annotated.shipped.pack"
+NAME = name_of(__file__)
 MAX_BYTES = 4 << 20  # each shipped model at most 4 MiB
 BEAM = 4  # as `make translate` decodes, at the model's length penalty (model_length_penalty)
 FIRST = 50  # the sentences the tests translate in one batch
@@ -175,8 +171,7 @@ def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict
         "trained_on": TRAINED_ON,
         "made": {
             "command": command,
-            "model": source.name
-            + (" (the mean of the last epochs' checkpoints)" if source.name == "averaged.pt" else ""),
+            "model": source.name + (" (the mean of the last epochs' checkpoints)" if source.name == AVERAGED else ""),
             "commit": env.get("commit"),
             "seed": cfg.seed,
             "steps": results.get("steps"),
@@ -204,7 +199,7 @@ def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict
             "run_model_float32: the run's model before packing, from its results.json",
         },
         "packed": {
-            "by": f"{NAME} {results.get('run_dir', 'RUN_DIR')}",
+            "by": f"{usage_of(__file__)} {results.get('run_dir', 'RUN_DIR')}",
             "commit": code_commit(),
             "torch": torch.__version__,
         },
@@ -251,7 +246,7 @@ def pack(
         model, tokenizer, meta = load_checkpoint(packed)
         alpha = model_length_penalty(meta)
         say(
-            f"pack: scoring the packed {direction} model on {len(pairs)} test sentences, beam {BEAM}, length "
+            f"{NAME}: scoring the packed {direction} model on {len(pairs)} test sentences, beam {BEAM}, length "
             f"penalty {alpha:g}"
         )
         test, first = scores_of(model, tokenizer, pairs, alpha, progress)
@@ -260,7 +255,7 @@ def pack(
     atomic_write(targets[1], json.dumps(card, indent=2, ensure_ascii=False) + "\n")
     run = card["scores"]["run_model_float32"]
     say(
-        f"pack: wrote {targets[0]} ({card['bytes']:,} bytes) and {targets[1]}: test BLEU {test['bleu']:.2f} "
+        f"{NAME}: wrote {targets[0]} ({card['bytes']:,} bytes) and {targets[1]}: test BLEU {test['bleu']:.2f} "
         f"(lowercased {test['bleu_lowercase']:.2f}), chrF {test['chrf']:.2f} packed"
         + (
             f"; {run['bleu']:.2f} ({run['bleu_lowercase']:.2f}), chrF {run['chrf']:.2f} for {source.name} in float32 "
@@ -273,7 +268,7 @@ def pack(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog=NAME, name="pack", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p = Parser(command=__file__, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     p.add_argument("run_dir", type=Path, help="a finished training run (runs/<run>/ with results.json)")
     p.add_argument("--out", type=Path, default=FOLDER, help=f"where to write the two files (default {FOLDER})")
     p.add_argument("--force", action="store_true", help="replace the files of an earlier pack")
@@ -293,12 +288,12 @@ def main(argv: list[str] | None = None) -> int:
             progress=sys.stderr.isatty(),
         )
     except (ValueError, OSError, KeyError) as e:  # PackError, CheckpointError, DataError; a results.json without a key
-        print(f"pack: error: {e}", file=sys.stderr)
+        print(f"{NAME}: error: {e}", file=sys.stderr)
         return 2
     return 0
 
 
 if __name__ == "__main__":
-    from annotated.plumbing.interrupts import run_command
+    from annotated.plumbing.scripts import run_main
 
-    run_command(main, NAME)  # Ctrl-C: one line and exit code 130, not a traceback
+    run_main(main)

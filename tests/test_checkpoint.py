@@ -1,4 +1,4 @@
-"""annotated/plumbing/checkpoint.py: round trip, atomic writes, clear errors."""
+"""annotated/checkpoint.py: round trip, atomic writes, clear errors."""
 
 import os
 import stat
@@ -6,7 +6,7 @@ import stat
 import pytest
 import torch
 
-from annotated.plumbing.checkpoint import (
+from annotated.checkpoint import (
     CheckpointError,
     atomic_torch_save,
     load_checkpoint,
@@ -105,7 +105,7 @@ EXTRA_TENSOR = "an extra entry with a number for a name"
 def test_a_crafted_config_is_refused_before_anything_is_built(case, tmp_path, monkeypatch):
     """A config that passes weights_only loading but asks for a model its tensors are not: one clear error,
     and no model is built (only shapes are worked out, on the meta device)."""
-    from annotated.plumbing import checkpoint
+    from annotated import checkpoint
 
     save_checkpoint(tmp_path / "a.pt", tiny_model(), None)
     state = read_checkpoint(tmp_path / "a.pt")

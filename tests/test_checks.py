@@ -1,4 +1,4 @@
-"""The door, annotated/plumbing/checks.py: every entry point refuses bad input with one clear
+"""The door, annotated/checks.py: every entry point refuses bad input with one clear
 ValueError (or CheckpointError) before any model work, and every check in it serves an entry point.
 
 The tests call the entry points, never the checks themselves. "Before any model work" is shown
@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from annotated.attention.dump import collect_attention
+from annotated.checkpoint import CheckpointError, save_checkpoint
 from annotated.decoding.search import beam_search, greedy, translate_ids
-from annotated.plumbing.checkpoint import CheckpointError, save_checkpoint
 from annotated.proof.equivalence import compare_model_forms
 from annotated.proof.torch_mha import from_torch_mha
 from annotated.transformer import make_model
 
-REPO = Path(__file__).resolve().parents[2]
-CHECKS = REPO / "annotated" / "plumbing" / "checks.py"
+REPO = Path(__file__).resolve().parents[1]
+CHECKS = REPO / "annotated" / "checks.py"
 
 
 def untouchable_model(max_len=8):

@@ -42,7 +42,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor, nn
 
-from annotated.plumbing.checkpoint import CheckpointError
+from annotated.checkpoint import CheckpointError
 from annotated.tokens import PAD
 from annotated.transformer import EncoderDecoder
 
