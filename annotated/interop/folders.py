@@ -28,7 +28,7 @@ from typing import Any
 
 from annotated.interop.marian import from_marian, marian_vocab, to_marian
 from annotated.plumbing.files import staged_directory
-from annotated.plumbing.scripts import name_of
+from annotated.plumbing.scripts import name_of, usage_of
 from annotated.tokens import BOS, EOS, PAD, UNK
 from annotated.transformer import AttentionForm, TransformerConfig
 
@@ -281,10 +281,8 @@ def import_marian(
 
 
 # %%
-EXPORT_USAGE = (
-    "make export CHECKPOINT=shipped:de-en OUT=exported (or python -m annotated.interop.folders export CHECKPOINT DIR)"
-)
-IMPORT_USAGE = "make import HF=folder OUT=model.pt (or python -m annotated.interop.folders import HF_DIR OUT.pt)"
+EXPORT_USAGE = f"make export CHECKPOINT=shipped:de-en OUT=exported (or {usage_of(__file__)} export CHECKPOINT DIR)"
+IMPORT_USAGE = f"make import HF=folder OUT=model.pt (or {usage_of(__file__)} import HF_DIR OUT.pt)"
 
 
 def build_parser():

@@ -18,6 +18,7 @@ TARGETS = {
     "equivalence": "annotated.proof.equivalence",
     "attention": "annotated.attention.dump",
     "heads": "annotated.attention.heads",
+    "circuits": "annotated.circuits.command",
 }
 
 
