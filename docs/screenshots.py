@@ -118,25 +118,26 @@ def make_screenshots(out: Path = OUT, say: Callable[[str], None] = print, book: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from annotated.plumbing.options import Parser
+    from annotated.plumbing.scripts import name_of
 
+    name = name_of(__file__)
     p = Parser(
-        prog="python -m docs.screenshots",
-        name="screenshots",
+        command=__file__,
         description="Retake the README's screenshots (docs/screenshots/*.png) from the shipped de->en model.",
     )
     p.add_argument("--out", type=Path, default=OUT, help="folder of the pictures (default docs/screenshots)")
     p.add_argument("--book", type=Path, help="index.html of a book already built with the shipped model")
     args = p.parse_args(argv)
     if CHROMIUM is None:
-        print(f"screenshots: error: {NO_CHROMIUM}", file=sys.stderr)
+        print(f"{name}: error: {NO_CHROMIUM}", file=sys.stderr)
         return 2
     start = time.monotonic()
-    written = make_screenshots(
-        args.out, say=lambda line: print(f"screenshots: {line}", file=sys.stderr), book=args.book
-    )
+    written = make_screenshots(args.out, say=lambda line: print(f"{name}: {line}", file=sys.stderr), book=args.book)
     print(f"wrote {len(written)} screenshots in {time.monotonic() - start:.0f} s: " + ", ".join(map(str, written)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from annotated.plumbing.scripts import run_main
+
+    run_main(main)

@@ -196,7 +196,9 @@ def best_pairs(top: Top, n: int = 20) -> list[tuple[int, int, float]]:
 
 @torch.no_grad()
 def positional_table(model: EncoderDecoder, c: HeadCircuit, n: int = 32) -> Tensor:
-    """(n, n) matching scores between positions 0..n-1, centred per query; the decoder's future is -inf."""
+    """(n, n) matching scores between positions 0..n-1, centred per query; the decoder's future is -inf.
+    n is at most the model's positions."""
+    n = min(n, model.pos.pe.size(0))
     p_q, p_kv = position_vectors(model, c.site, "q", n), position_vectors(model, c.site, "kv", n)
     s = c.matching(p_q, p_kv)  # (n, n)
     if c.site[0] == "dec_self":  # a decoder query sees only itself and the past

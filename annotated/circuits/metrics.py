@@ -223,7 +223,7 @@ def attention_to_word_links(
 
     `src_pieces` (S,) label the source positions (this project's sources have no "</s>"; MarianMT's end in one),
     `tgt_pieces` (T,) the decoder's inputs
-    ("<s>", y_1, ..., y_n). step="predicts" (Garg et al., the default) reads y_p's link from row p - 1,
+    ("<s>", then y_1 to y_n). step="predicts" (Garg et al., the default) reads y_p's link from row p - 1,
     step="reads" from row p.
     """
     if step not in STEPS:

@@ -57,6 +57,7 @@ COMMANDS = {  # module -> the command's name
     "benchmarks.annotated_transformer": "annotated-transformer-bench",
     "docs.build": "docs",
     "docs.notebook": "notebook",
+    "docs.screenshots": "screenshots",
 }
 
 
