@@ -161,10 +161,10 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "circuits/dictionary",
             "circuits/aligner",
             "circuits/metrics",
-            "circuits/readout",
             "circuits/pictures",
             "circuits/page",
             "circuits/command",
+            "circuits/readout",  # last: the part ends with its answer to the seed question
         ),
     ),
     (
