@@ -36,11 +36,13 @@
 # %%
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
 
+import annotated.transformer
 from annotated.plumbing.checks import check_beam, check_decoder_output, check_decoding, check_sources
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import Cache, EncoderDecoder, greedy_decode, padding_mask, subsequent_mask
@@ -152,14 +154,15 @@ def sequence_logprob(
 # `lp = 1`, the raw log-probability; larger `alpha` favours longer outputs
 # (a negative log-probability divided by a larger number moves towards 0).
 # The `5` makes the penalty grow slowly for the first few tokens; `lp(1) = 1`
-# (doctest of `length_penalty`).
+# (doctest of `gnmt_lp`). The decoders' argument `length_penalty` is this
+# `alpha`.
 
 
 # %%
-def length_penalty(length: int, alpha: float) -> float:
-    """GNMT length penalty ((5 + length) / 6) ** alpha.
+def gnmt_lp(length: int, alpha: float) -> float:
+    """GNMT length penalty lp = ((5 + length) / 6) ** alpha.
 
-    >>> length_penalty(1, 0.6), length_penalty(7, 0.0), length_penalty(25, 0.6) == (30 / 6) ** 0.6
+    >>> gnmt_lp(1, 0.6), gnmt_lp(7, 0.0), gnmt_lp(25, 0.6) == (30 / 6) ** 0.6
     (1.0, 1.0, True)
     """
     # lp(Y) = ((5 + |Y|) / 6)^alpha
@@ -295,10 +298,19 @@ def beam_search(
     """
     check_decoding(model, src, src_mask, max_len)
     check_beam(beam_size, length_penalty)
-    B, k, device = src.size(0), beam_size, src.device
+    out, scores = _beam_search(model, src, src_mask, max_len, beam_size, length_penalty, bos, eos, pad, use_cache)
+    return (out, scores) if return_scores else out
+
+
+def _beam_search(model, src, src_mask, max_len, k, length_penalty, bos, eos, pad, use_cache) -> tuple[Tensor, Tensor]:
+    """`beam_search` on arguments already checked: (best ids (B, L), their scores (B,))."""
+    B, device = src.size(0), src.device
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]  # per sentence: (score, ids)
     if B > 0:
-        _search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished)
+        search = (
+            _search_fast if annotated.transformer.FAST_PATH and use_cache else _search
+        )  # the one place that chooses
+        search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished)
     empty = [b for b, f in enumerate(finished) if not f]
     if empty:
         raise ValueError(
@@ -310,12 +322,10 @@ def beam_search(
     out = torch.full((B, width), pad, dtype=torch.long, device=device)  # (B, L)
     for b, (_, ids) in enumerate(best):
         out[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    if not return_scores:
-        return out
     return out, torch.tensor([score for score, _ in best], dtype=torch.float64, device=device)  # (B,)
 
 
-def _search(model, src, src_mask, max_len, k, alpha, bos, eos, use_cache, finished) -> None:
+def _search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished) -> None:
     """The beam search loop; appends (score, ids) of finished translations to `finished`."""
     B, device = src.size(0), src.device
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # (B*k, S, d_model)
@@ -346,7 +356,7 @@ def _search(model, src, src_mask, max_len, k, alpha, bos, eos, use_cache, finish
             a, j = ends.nonzero(as_tuple=True)  # row-major: best first within a sentence
             rows = a * k + parent[a, j]  # (n,)
             for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[rows, 1:].tolist()):
-                finished[b].append((logP / length_penalty(t + 1, alpha), ids + [eos]))
+                finished[b].append((logP / gnmt_lp(t + 1, length_penalty), ids + [eos]))
         # 3. continue: the best k candidates that do not end in eos (a stable sort keeps their order)
         pick = torch.sort(is_eos.long(), dim=-1, stable=True).indices[:, :k]  # (A, k)
         scores = top.gather(1, pick)  # (A, k)
@@ -356,7 +366,7 @@ def _search(model, src, src_mask, max_len, k, alpha, bos, eos, use_cache, finish
         n_done = torch.tensor([len(finished[b]) for b in alive.tolist()], device=device)  # (A,)
         done = (n_done >= k) | ~scores.isfinite().any(dim=1)  # (A,)
         if t == max_len - 1:
-            _finish_at_max_len(finished, alive, ys, scores, n_done < k, alpha, k)
+            _finish_at_max_len(finished, alive, ys, scores, n_done < k, length_penalty, k)
             return
         if done.all():
             return
@@ -371,7 +381,7 @@ def _search(model, src, src_mask, max_len, k, alpha, bos, eos, use_cache, finish
             cache = reorder_cache(cache, rows)
 
 
-def _finish_at_max_len(finished, alive, ys, scores, short, alpha, k) -> None:
+def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) -> None:
     """At max_len, sentences with fewer than k finished translations rank their live prefixes too."""
     for a in short.nonzero(as_tuple=True)[0].tolist():
         b = alive[a].item()
@@ -379,11 +389,101 @@ def _finish_at_max_len(finished, alive, ys, scores, short, alpha, k) -> None:
             logP = scores[a, j].item()
             if math.isfinite(logP):
                 ids = ys[a * k + j, 1:].tolist()
-                finished[b].append((logP / length_penalty(len(ids), alpha), ids))
+                finished[b].append((logP / gnmt_lp(len(ids), length_penalty), ids))
 
 
 # %% [markdown]
-# ## 7. Translating many sentences
+# ## 7. The same search, without the overhead
+#
+# (FAST_COST_PROSE)
+
+
+# %%
+def _search_fast(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished) -> None:
+    """`_search` with the cache, doing less work per step for the same hypotheses and scores."""
+    B, device = src.size(0), src.device
+    memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # (B*k, S, d_model)
+    mask = None
+    if src_mask is not None:
+        mask = src_mask.expand(B, *src_mask.shape[1:]).repeat_interleave(k, dim=0)  # (B*k, 1|S, S)
+    ys = torch.full((B * k, max_len + 1), bos, dtype=torch.long, device=device)  # (B*k, max_len+1) filled as it goes
+    scores = torch.full((B, k), -math.inf, dtype=_score_dtype(memory.dtype), device=device)  # (B, k) log P
+    scores[:, 0] = 0.0  # only the lone bos is live at first
+    alive = torch.arange(B, device=device)  # (A,) the sentence of each block of k rows
+    n_done = torch.zeros(B, dtype=torch.long, device=device)  # (A,) finished translations per sentence
+    cache = model.new_cache()
+    for t in range(max_len):
+        A = alive.numel()
+        y = model.decode(memory, mask, ys[:, t : t + 1], None, cache=cache, start=t)[:, -1]  # (A*k, d_model)
+        logp = model.generator(y).to(scores.dtype).log_softmax(dim=-1)  # (A*k, V)
+        top, parent, token = _best_candidates(scores, logp, 2 * k)  # (A, 2k) each, best first
+        is_eos = token == eos  # (A, 2k)
+        ends = is_eos[:, :k] & top[:, :k].isfinite()  # (A, k)
+        if ends.any():
+            a, j = ends.nonzero(as_tuple=True)  # row-major: best first within a sentence
+            rows = a * k + parent[a, j]  # (n,)
+            for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[rows, 1 : t + 1].tolist()):
+                finished[b].append((logP / gnmt_lp(t + 1, length_penalty), ids + [eos]))
+            n_done += ends.sum(dim=1)
+        pick = torch.sort(is_eos.long(), dim=-1, stable=True).indices[:, :k]  # (A, k)
+        scores = top.gather(1, pick)  # (A, k)
+        rows = (torch.arange(A, device=device).unsqueeze(1) * k + parent.gather(1, pick)).view(-1)  # (A*k,)
+        ys = ys.index_select(0, rows)  # (A*k, max_len+1)
+        ys[:, t + 1] = token.gather(1, pick).view(-1)
+        done = (n_done >= k) | ~scores.isfinite().any(dim=1)  # (A,)
+        if t == max_len - 1:
+            _finish_at_max_len(finished, alive, ys[:, : t + 2], scores, n_done < k, length_penalty, k)
+            return
+        if done.all():
+            return
+        if done.any():  # drop the done sentences' rows: those of the memory, mask and cross entries are alike
+            keep = (~done).nonzero(as_tuple=True)[0]  # (A',)
+            keep_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=device)).view(-1)  # (A'*k,)
+            ys, scores, alive, n_done, rows = ys[keep_rows], scores[keep], alive[keep], n_done[keep], rows[keep_rows]
+            memory = memory.index_select(0, keep_rows)  # (A'*k, S, d_model)
+            mask = None if mask is None else mask.index_select(0, keep_rows)  # (A'*k, 1|S, S)
+            cache = [{name: kv if name == "self" else _rows(kv, keep_rows) for name, kv in c.items()} for c in cache]
+        cache = [{name: _rows(kv, rows) if name == "self" else kv for name, kv in c.items()} for c in cache]
+
+
+def _best_candidates(scores: Tensor, logp: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The n best log P(y w) = log P(y) + log p(w | y) of each sentence, as `_search`'s topk over all k*V
+    finds them: (values, parent row within the sentence, token), each (A, n), best first.
+
+    The vocabulary is cut into `blocks` blocks of `size` tokens, block j holding tokens j, j + blocks, ...
+    (so that the maximum over a block runs along memory). A candidate among the n best lies in one of the n
+    blocks whose best candidate (log P(y) + the block's max) ranks highest: n blocks ranked above its own
+    would hold n better candidates. So the topk runs over the block maxima, then over those n blocks only.
+    """
+    A, k = scores.shape
+    V = logp.size(-1)
+    size = _block_size(V, n)
+    blocks = V // size
+    grid = logp.view(A * k, size, blocks)  # (A*k, size, blocks) token i*blocks + j at [., i, j]
+    bound = (scores.view(A * k, 1) + grid.amax(dim=1)).view(A, k * blocks)  # (A, k*blocks) best per block
+    chosen = bound.topk(n, dim=-1).indices  # (A, n) which (parent, block)
+    parent_rows = torch.arange(A, device=logp.device).unsqueeze(1) * k + chosen // blocks  # (A, n)
+    values = grid[parent_rows.view(-1), :, (chosen % blocks).view(-1)]  # (A*n, size)
+    cand = (scores.view(A * k)[parent_rows.view(-1)].unsqueeze(1) + values).view(A, n * size)  # (A, n*size)
+    top, flat = cand.topk(n, dim=-1)  # (A, n) best first
+    block = chosen.gather(1, flat // size)  # (A, n) which (parent, block)
+    return top, block // blocks, (flat % size) * blocks + block % blocks  # values, parents, tokens (A, n)
+
+
+@functools.cache
+def _block_size(V: int, n: int) -> int:
+    """The divisor of V nearest below sqrt(V / n): blocks and their n chosen ones hold about as many scores."""
+    target = max(1, math.isqrt(V // n))
+    return max(d for d in range(1, target + 1) if V % d == 0)
+
+
+def _rows(kv: tuple[Tensor, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values K[index], V[index] along the batch."""
+    return kv[0].index_select(0, index), kv[1].index_select(0, index)  # (len(index), h, T, d)
+
+
+# %% [markdown]
+# ## 8. Translating many sentences
 #
 # `translate_ids` is what the rest of the project calls: lists of subword ids
 # in, lists of subword ids out, with greedy (`beam_size=1`) or beam search.
@@ -428,12 +528,11 @@ def translate_ids(
             src[r, : len(s)] = torch.tensor(s, dtype=torch.long)
         src = src.to(device)
         max_len = min(limit, S + max_extra)
-        if beam_size > 1:
-            ys = beam_search(
-                model, src, padding_mask(src, PAD), max_len, beam_size=beam_size, length_penalty=length_penalty
-            )
+        mask = padding_mask(src, PAD)  # (B, 1, S)
+        if beam_size > 1:  # the batch is well formed by construction: checked once, above
+            ys = _beam_search(model, src, mask, max_len, beam_size, length_penalty, BOS, EOS, PAD, True)[0]
         else:
-            ys = greedy(model, src, padding_mask(src, PAD), max_len)
+            ys = greedy_decode(model, src, mask, max_len, BOS, EOS, PAD)
         for r, i in enumerate(idx):
             row = ys[r].tolist()
             out[i] = row[: row.index(EOS)] if EOS in row else [t for t in row if t != PAD]
