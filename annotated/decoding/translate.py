@@ -73,6 +73,7 @@ from typing import TextIO
 import torch
 
 from annotated.decoding import casing
+from annotated.decoding.quantize import QUANTIZATIONS, quantize_int8
 from annotated.decoding.search import translate_ids
 from annotated.plumbing.checkpoint import (
     PAPER_LENGTH_PENALTY,
@@ -543,6 +544,12 @@ def build_parser() -> argparse.ArgumentParser:
         "answered in its style; as-typed: translated as it is (default auto)",
     )
     p.add_argument("--device", type=device, default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="int8: the matrix products in int8 on the CPU (annotated/decoding/quantize.py; default: float32)",
+    )
     return p
 
 
@@ -611,9 +618,14 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
     stdout = sys.stdout.buffer if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.quantize and args.device.type != "cpu":
+        _say(stderr, f"{NAME}: error: --quantize {args.quantize} runs on the CPU only: add --device cpu")
+        return 2
     try:
         model, tokenizer, table, alpha = _load(args, stderr)
-    except CheckpointError as e:
+        if args.quantize:
+            model = quantize_int8(model)
+    except (CheckpointError, ValueError) as e:
         _say(stderr, f"{NAME}: error: {e}")
         return 2
     if args.length_penalty is None:  # the model's own, unless the user gave one
