@@ -31,7 +31,9 @@
 # search must *reorder* whenever a prefix changes hands.
 #
 # Every claim below is checked by a doctest here or by a test in
-# `tests/decoding/test_search.py` (test names in parentheses).
+# `tests/decoding/` (`test_search.py`; the fast loop of section 7 in
+# `test_fast_search.py`, int8 in `test_quantize.py`; test names in
+# parentheses).
 
 # %%
 from __future__ import annotations
@@ -393,9 +395,64 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 
 
 # %% [markdown]
-# ## 7. The same search, without the overhead
+# ## 7. What a beam step costs, and the same search with less around it
 #
-# (FAST_COST_PROSE)
+# One step of `_search` on the shipped de -> en model (N = 2, d_model = 128,
+# V = 5,000) with 64 sentences, so `A*k = 256` rows, does two kinds of work.
+# The **products**: the two decoder layers' projections and feed-forward
+# networks (0.46 million multiply-adds per row together), the generator onto the
+# vocabulary (0.64 million per row, the largest single product), and
+# attention over the cached keys and the memory. And **the rest**: a
+# log-softmax over 256 x 5,000 logits, the topk over each sentence's `k * V`
+# candidates, the cache reordered row by row, the prefixes copied, the
+# bookkeeping. For so small a model the rest is more than half: under the
+# torch profiler (`python -m benchmarks.profiling --decode --threads 1`, three
+# searches of the first 64 test sentences, on a 2-core Xeon model 207 shared
+# with other jobs), the products took 40% of the readable loop's time, the
+# topk 10%, `index_select` (reordering) 15%, the additions 6% (mostly the sum
+# `log P(y) + log p(w | y)` over all `k * V` candidates; benchmarks/README.md
+# has the table).
+#
+# `_search_fast` computes the same thing with less of the rest:
+#
+# - **topk over blocks.** Cut the vocabulary into blocks; a block's best
+#   candidate is `log P(y)` plus the block's largest log-probability. A
+#   candidate among a sentence's `n = 2k` best lies in one of the `n` blocks
+#   whose best candidates rank highest (were its block ranked lower, `n`
+#   blocks above it would hold `n` better candidates). So one pass takes the
+#   block maxima, a small topk picks `n` blocks, and only their scores are
+#   summed and ranked: the full sum and the wide topk are gone.
+# - **reorder only what moves.** Within a sentence the cross-attention keys
+#   and values, the memory and the mask are the same for every hypothesis, so
+#   they are re-indexed only when sentences leave the batch; the self-attention
+#   cache follows the beams at every step, as it must.
+# - the prefixes live in one buffer, the finished counts in a tensor.
+#
+# Every kept candidate is the same sum of the same two floats as in `_search`,
+# so the hypotheses and scores are equal bit for bit, on the shipped model and
+# on random ones, beam 1 to 5, with and without length penalty, cut at the
+# length limit or not (`test_fast_loop_equals_readable_loop_on_the_shipped_model`,
+# `test_fast_loop_equals_readable_loop_on_random_models`). `beam_search`
+# chooses it in one place: `FAST_PATH` on (the switch of the main chapter,
+# section 1) and the cache in use; `fast_path(False)` runs the loop above
+# (`test_the_fast_path_switch_chooses_the_loop`). The profile of the fast
+# loop: products 48% of the time, the block maxima and both topks 6% (the
+# readable loop's topk alone: 10%), one search 3.4 s against 3.7 s outside the
+# profiler on that busy machine.
+#
+# **int8.** `--quantize int8` (`annotated/decoding/quantize.py`) runs the
+# encoder's and decoder's products with int8 weights, one scale per output
+# column, and int8 activations scaled per call. Each weight is then off by at
+# most half a step of its column's largest magnitude / 127, and the errors of
+# the 128 or 512 terms of a sum partly cancel: small beside the gaps between the log-probabilities the search
+# ranks, so most translations do not change at all (85% of the 1,000 test
+# sentences for de -> en), and those that do change move BLEU both ways: -0.10
+# on test_2016_flickr and +0.14 on val for de -> en, -0.03 and -0.15 for
+# en -> de (`test_int8_bleu_stays_within_the_margin_of_float32`). The generator
+# stays float32: its logits are what the search ranks. On this CPU int8 is no
+# faster here: the products are under half of a step, and at widths of 128 the
+# quantizing of activations at every call costs about what the int8
+# arithmetic saves (benchmarks/README.md, "Translation").
 
 
 # %%
