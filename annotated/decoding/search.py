@@ -409,7 +409,7 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # torch profiler (`python -m benchmarks.profiling --decode --threads 1`, three
 # searches of the first 64 test sentences, on a 2-core Xeon model 207 shared
 # with other jobs), the products took 40% of the readable loop's time, the
-# topk 10%, `index_select` (reordering) 15%, the additions 6% (mostly the sum
+# topk 11%, `index_select` (reordering) 15%, the additions 5% (mostly the sum
 # `log P(y) + log p(w | y)` over all `k * V` candidates; benchmarks/README.md
 # has the table).
 #
@@ -436,23 +436,28 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # chooses it in one place: `FAST_PATH` on (the switch of the main chapter,
 # section 1) and the cache in use; `fast_path(False)` runs the loop above
 # (`test_the_fast_path_switch_chooses_the_loop`). The profile of the fast
-# loop: products 48% of the time, the block maxima and both topks 6% (the
-# readable loop's topk alone: 10%), one search 3.4 s against 3.7 s outside the
-# profiler on that busy machine.
+# loop: products 48% of the time, the block maxima and both topks 4%, the
+# additions 1%; one search of the 64 sentences took 400 ms against the
+# readable loop's 420 ms outside the profiler, at a load average of about 3.
 #
 # **int8.** `--quantize int8` (`annotated/decoding/quantize.py`) runs the
 # encoder's and decoder's products with int8 weights, one scale per output
 # column, and int8 activations scaled per call. Each weight is then off by at
 # most half a step of its column's largest magnitude / 127, and the errors of
-# the 128 or 512 terms of a sum partly cancel: small beside the gaps between the log-probabilities the search
-# ranks, so most translations do not change at all (85% of the 1,000 test
+# the 128 or 512 terms of a sum partly cancel: small beside the gaps between
+# the log-probabilities the search ranks, so most translations do not change
+# at all (85% of the 1,000 test
 # sentences for de -> en), and those that do change move BLEU both ways: -0.10
 # on test_2016_flickr and +0.14 on val for de -> en, -0.03 and -0.15 for
 # en -> de (`test_int8_bleu_stays_within_the_margin_of_float32`). The generator
-# stays float32: its logits are what the search ranks. On this CPU int8 is no
-# faster here: the products are under half of a step, and at widths of 128 the
-# quantizing of activations at every call costs about what the int8
-# arithmetic saves (benchmarks/README.md, "Translation").
+# stays float32: its logits are what the search ranks. Nor is int8 much
+# faster here: between 0.71x and 1.19x of float32 in the runs of
+# benchmarks/README.md ("Translation"), since the products are about half of
+# a step and at widths of 128 quantizing the activations at every call costs
+# about what the int8 arithmetic saves. One more difference: the activations'
+# scale is taken over the whole batch at each call, so an int8 translation can
+# depend on the sentences batched with it, which a float32 one does not
+# (`test_batched_beam_equals_one_sentence_at_a_time`).
 
 
 # %%
