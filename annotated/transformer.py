@@ -338,12 +338,7 @@ def affine(x: Tensor, W: Tensor, b: Tensor | None = None) -> Tensor:
     >>> x, W, b = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
     >>> bool((affine(x, W, b) - (x @ W + b)).abs().max() < 1e-12)
     True
-
-    A model quantized for translating (`annotated/decoding/quantize.py`) holds an int8 layer in place of W,
-    with b inside it: that layer computes x W + b itself.
     """
-    if isinstance(W, nn.Module):
-        return W(x)  # (..., m)
     if b is None:
         return x @ W  # (..., m)
     return torch.addmm(b, x.reshape(-1, x.size(-1)), W).view(*x.shape[:-1], W.size(-1))  # (..., m)

@@ -67,9 +67,14 @@ class Int8Affine(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.linear(x)  # (..., m)
 
+    def __rmatmul__(self, x: Tensor) -> Tensor:
+        """`x @ layer`: the chapter's `affine(x, W, None)` with this layer as W (it holds b too)."""
+        return self.linear(x)  # (..., m)
+
 
 def _swap(module: nn.Module, weight: str, bias: str) -> None:
-    """Replace the parameters `weight` (n, m) and `bias` of `module` by one Int8Affine under the weight's name."""
+    """Replace the parameters `weight` (n, m) and `bias` of `module` by one Int8Affine under the weight's name,
+    and the bias by None: the chapter's `affine(x, W, None)` is then `x @ W`, which the layer computes."""
     W, b = getattr(module, weight), getattr(module, bias)
     delattr(module, weight)
     setattr(module, bias, None)
