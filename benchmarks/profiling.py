@@ -2,6 +2,7 @@
 
     python -m benchmarks.profiling                       # the cpu size, fp32, torch's threads, 3 steps
     python -m benchmarks.profiling --size base --threads 1 --precision bf16 --steps 5 --rows 25
+    python -m benchmarks.profiling --decode --threads 1        # beam search, not training (below)
 
 The fused SDPA training step of `make bench` (`benchmarks/trainees.py`: forward, label-smoothed loss,
 backward, fused Adam and its schedule) runs twice untimed, then `--steps` times unprofiled and `--steps`
@@ -16,6 +17,11 @@ benchmarks/README.md's measurement). The command therefore prints the minor page
 and the milliseconds per step with and without the profiler (`Profiled`); where the two disagree, the
 table overstates the operators that write fresh memory, and `make bench`'s unprofiled times are what to
 read. benchmarks/README.md says what dominates at the cpu size.
+
+`--decode` profiles translating instead: beam search (beam 4) over the first 64 sentences of
+test_2016_flickr, one batch, with the shipped de -> en model (`--checkpoint` another), through the fast loop
+and through the readable one (`annotated/decoding/search.py`, sections 6 and 7); it prints each loop's
+table and its time split into the matrix products (linear layers and attention) and the rest.
 """
 
 from __future__ import annotations
@@ -43,6 +49,39 @@ def profile_step(size: Size, steps: int = 3, precision: str = "fp32", seed: int 
     [t] = build_trainees(size, cpu, seed, keys=("fused_sdpa",))
     step = make_step(t, t.model, batches, size.train.label_smoothing, lambda: autocast(cpu, precision))
     return profiled(step, steps)
+
+
+PRODUCTS = ("aten::addmm", "aten::mm", "aten::bmm", "quantized::linear_dynamic", "aten::_scaled_dot_product")
+
+
+def profile_decoding(checkpoint: str, steps: int, readable: bool) -> Profiled:
+    """`steps` beam searches over one batch of 64 test sentences under the profiler (after unprofiled ones)."""
+    from unittest import mock
+
+    from annotated.checkpoint import load_checkpoint, model_length_penalty
+    from annotated.decoding import search
+    from annotated.run_folder import RUNS
+    from annotated.shipped import choose_checkpoint
+    from annotated.training.data import load_multi30k
+
+    model, tokenizer, meta = load_checkpoint(choose_checkpoint(checkpoint, RUNS))
+    pairs = load_multi30k("test_2016_flickr", meta.get("src_lang", "de"), meta.get("tgt_lang", "en"))[:64]
+    sources, alpha = [tokenizer.encode(s) for s, _ in pairs], model_length_penalty(meta)
+
+    def step() -> None:
+        with torch.inference_mode():
+            search.translate_ids(model, sources, 4, alpha)
+
+    if not readable:
+        return profiled(step, steps)
+    with mock.patch.object(search, "_search_fast", search._search):
+        return profiled(step, steps)
+
+
+def product_share(averages) -> float:
+    """The share of all self CPU time spent in matrix products (`PRODUCTS`: linear layers and attention)."""
+    total = sum(e.self_cpu_time_total for e in averages) or 1.0
+    return sum(e.self_cpu_time_total for e in averages if e.key.startswith(PRODUCTS)) / total
 
 
 def minor_page_faults() -> int | None:
@@ -124,6 +163,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's choice)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--rows", type=int, default=15, help="operators in the table")
+    p.add_argument("--decode", action="store_true", help="profile beam search on the shipped model instead")
+    p.add_argument("--checkpoint", default="shipped:de-en", help="with --decode: the model (default shipped:de-en)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.rows < 1 or (args.threads is not None and args.threads < 1):
         p.error(f"--steps, --rows and --threads must be >= 1, got {args.steps}, {args.rows}, {args.threads}")
@@ -131,6 +172,18 @@ def main(argv=None) -> None:
         print(f"{p.name}: note: this CPU has no bf16 instructions; PyTorch emulates bf16 here", file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.decode:
+        for name, readable in (("fast loop", False), ("readable loop", True)):
+            result = profile_decoding(args.checkpoint, args.steps, readable)
+            print(result.averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+            top = top_operators(result.averages, 5)
+            print(
+                f"{name}, {torch.get_num_threads()} threads, {args.steps} searches of 64 sentences: matrix products "
+                f"{product_share(result.averages):.0%} of self CPU time; top 5: "
+                + ", ".join(f"{op} {share:.0%} ({calls} calls)" for op, share, calls in top)
+            )
+            print(f"the profiler's cost: {result.summary().replace('a step takes', 'a search takes')}")
+        return
     keep_freed_memory()  # as training on the CPU does
     result = profile_step(SIZES[args.size], args.steps, args.precision)
     print(result.averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))

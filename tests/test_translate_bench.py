@@ -69,16 +69,23 @@ def test_ctranslate2_scores_tokens_as_our_model_does(checkpoint, tmp_path):
 
 def test_every_tool_translates(checkpoint, data_url):
     result = bench.measure(checkpoint, sentences=5, threads=1, rounds=1, data_url=data_url)
-    assert list(result["rows"]) == [
+    rows = result["rows"]
+    assert list(rows) == [
         "translator (stdin)",
         "translate_ids",
+        "translator int8 (stdin)",
+        "translate_ids int8",
         "generate",
         "CTranslate2 float32",
         "CTranslate2 int8",
     ]
-    assert result["rows"]["CTranslate2 float32"]["x CTranslate2 float32"] == 1.0
-    assert all(row["sentences_per_s"] > 0 for row in result["rows"].values())
-    assert "| translate_ids |" in bench.table(result)
+    assert rows["CTranslate2 float32"]["x CTranslate2 float32"] == 1.0
+    assert rows["CTranslate2 int8"]["x CTranslate2 same precision"] == 1.0
+    assert rows["CTranslate2 float32"]["BLEU - own float32"] == rows["translate_ids"]["BLEU - own float32"] == 0
+    for name, own in (("translate_ids int8", "translate_ids"), ("CTranslate2 int8", "CTranslate2 float32")):
+        assert rows[name]["BLEU - own float32"] == round(rows[name]["bleu"] - rows[own]["bleu"], 2)
+    assert all(row["sentences_per_s"] > 0 for row in rows.values())
+    assert "| translate_ids int8 |" in bench.table(result) and "load average" in bench.table(result)
 
 
 @pytest.mark.parametrize(

@@ -31,16 +31,20 @@
 # search must *reorder* whenever a prefix changes hands.
 #
 # Every claim below is checked by a doctest here or by a test in
-# `tests/decoding/test_search.py` (test names in parentheses).
+# `tests/decoding/` (`test_search.py`; the fast loop of section 7 in
+# `test_fast_search.py`, int8 in `test_quantize.py`; test names in
+# parentheses).
 
 # %%
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
 
+import annotated.transformer
 from annotated.checkpoint import PAPER_LENGTH_PENALTY
 from annotated.checks import check_beam, check_decoder_output, check_decoding, check_sources
 from annotated.tokens import BOS, EOS, PAD
@@ -153,14 +157,15 @@ def sequence_logprob(
 # `lp = 1`, the raw log-probability; larger `alpha` favours longer outputs
 # (a negative log-probability divided by a larger number moves towards 0).
 # The `5` makes the penalty grow slowly for the first few tokens; `lp(1) = 1`
-# (doctest of `length_penalty`).
+# (doctest of `gnmt_lp`). The decoders' argument `length_penalty` is this
+# `alpha`.
 
 
 # %%
-def length_penalty(length: int, alpha: float) -> float:
-    """GNMT length penalty ((5 + length) / 6) ** alpha.
+def gnmt_lp(length: int, alpha: float) -> float:
+    """GNMT length penalty lp = ((5 + length) / 6) ** alpha.
 
-    >>> length_penalty(1, 0.6), length_penalty(7, 0.0), length_penalty(25, 0.6) == (30 / 6) ** 0.6
+    >>> gnmt_lp(1, 0.6), gnmt_lp(7, 0.0), gnmt_lp(25, 0.6) == (30 / 6) ** 0.6
     (1.0, 1.0, True)
     """
     # lp(Y) = ((5 + |Y|) / 6)^alpha
@@ -296,10 +301,19 @@ def beam_search(
     """
     check_decoding(model, src, src_mask, max_len)
     check_beam(beam_size, length_penalty)
-    B, k, device = src.size(0), beam_size, src.device
+    out, scores = _beam_search(model, src, src_mask, max_len, beam_size, length_penalty, bos, eos, pad, use_cache)
+    return (out, scores) if return_scores else out
+
+
+def _beam_search(model, src, src_mask, max_len, k, length_penalty, bos, eos, pad, use_cache) -> tuple[Tensor, Tensor]:
+    """`beam_search` on arguments already checked: (best ids (B, L), their scores (B,))."""
+    B, device = src.size(0), src.device
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]  # per sentence: (score, ids)
     if B > 0:
-        _search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished)
+        search = (
+            _search_fast if annotated.transformer.FAST_PATH and use_cache else _search
+        )  # the one place that chooses
+        search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished)
     empty = [b for b, f in enumerate(finished) if not f]
     if empty:
         raise ValueError(
@@ -311,12 +325,10 @@ def beam_search(
     out = torch.full((B, width), pad, dtype=torch.long, device=device)  # (B, L)
     for b, (_, ids) in enumerate(best):
         out[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    if not return_scores:
-        return out
     return out, torch.tensor([score for score, _ in best], dtype=torch.float64, device=device)  # (B,)
 
 
-def _search(model, src, src_mask, max_len, k, alpha, bos, eos, use_cache, finished) -> None:
+def _search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished) -> None:
     """The beam search loop; appends (score, ids) of finished translations to `finished`."""
     B, device = src.size(0), src.device
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # (B*k, S, d_model)
@@ -347,7 +359,7 @@ def _search(model, src, src_mask, max_len, k, alpha, bos, eos, use_cache, finish
             a, j = ends.nonzero(as_tuple=True)  # row-major: best first within a sentence
             rows = a * k + parent[a, j]  # (n,)
             for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[rows, 1:].tolist()):
-                finished[b].append((logP / length_penalty(t + 1, alpha), ids + [eos]))
+                finished[b].append((logP / gnmt_lp(t + 1, length_penalty), ids + [eos]))
         # 3. continue: the best k candidates that do not end in eos (a stable sort keeps their order)
         pick = torch.sort(is_eos.long(), dim=-1, stable=True).indices[:, :k]  # (A, k)
         scores = top.gather(1, pick)  # (A, k)
@@ -357,7 +369,7 @@ def _search(model, src, src_mask, max_len, k, alpha, bos, eos, use_cache, finish
         n_done = torch.tensor([len(finished[b]) for b in alive.tolist()], device=device)  # (A,)
         done = (n_done >= k) | ~scores.isfinite().any(dim=1)  # (A,)
         if t == max_len - 1:
-            _finish_at_max_len(finished, alive, ys, scores, n_done < k, alpha, k)
+            _finish_at_max_len(finished, alive, ys, scores, n_done < k, length_penalty, k)
             return
         if done.all():
             return
@@ -372,7 +384,7 @@ def _search(model, src, src_mask, max_len, k, alpha, bos, eos, use_cache, finish
             cache = reorder_cache(cache, rows)
 
 
-def _finish_at_max_len(finished, alive, ys, scores, short, alpha, k) -> None:
+def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) -> None:
     """At max_len, sentences with fewer than k finished translations rank their live prefixes too."""
     for a in short.nonzero(as_tuple=True)[0].tolist():
         b = alive[a].item()
@@ -380,11 +392,161 @@ def _finish_at_max_len(finished, alive, ys, scores, short, alpha, k) -> None:
             logP = scores[a, j].item()
             if math.isfinite(logP):
                 ids = ys[a * k + j, 1:].tolist()
-                finished[b].append((logP / length_penalty(len(ids), alpha), ids))
+                finished[b].append((logP / gnmt_lp(len(ids), length_penalty), ids))
 
 
 # %% [markdown]
-# ## 7. Translating many sentences
+# ## 7. What a beam step costs, and the same search with less around it
+#
+# One step of `_search` on the shipped de -> en model (N = 2, d_model = 128,
+# V = 5,000) with 64 sentences, so `A*k = 256` rows, does two kinds of work.
+# The **products**: the two decoder layers' projections and feed-forward
+# networks (0.46 million multiply-adds per row together), the generator onto the
+# vocabulary (0.64 million per row, the largest single product), and
+# attention over the cached keys and the memory. And **the rest**: a
+# log-softmax over 256 x 5,000 logits, the topk over each sentence's `k * V`
+# candidates, the cache reordered row by row, the prefixes copied, the
+# bookkeeping. For so small a model the rest is more than half: under the
+# torch profiler (`python -m benchmarks.profiling --decode --threads 1`, three
+# searches of the first 64 test sentences, on a 2-core Xeon model 207 shared
+# with other jobs), the products took 40% of the readable loop's time, the
+# topk 11%, `index_select` (reordering) 15%, the additions 5% (mostly the sum
+# `log P(y) + log p(w | y)` over all `k * V` candidates; benchmarks/README.md
+# has the table).
+#
+# `_search_fast` computes the same thing with less of the rest:
+#
+# - **topk over blocks.** Cut the vocabulary into blocks; a block's best
+#   candidate is `log P(y)` plus the block's largest log-probability. A
+#   candidate among a sentence's `n = 2k` best lies in one of the `n` blocks
+#   whose best candidates rank highest (were its block ranked lower, `n`
+#   blocks above it would hold `n` better candidates). So one pass takes the
+#   block maxima, a small topk picks `n` blocks, and only their scores are
+#   summed and ranked: the full sum and the wide topk are gone.
+# - **reorder only what moves.** Within a sentence the cross-attention keys
+#   and values, the memory and the mask are the same for every hypothesis, so
+#   they are re-indexed only when sentences leave the batch; the self-attention
+#   cache follows the beams at every step, as it must.
+# - the prefixes live in one buffer, the finished counts in a tensor.
+#
+# Every kept candidate is the same sum of the same two floats as in `_search`,
+# so the hypotheses and scores are equal bit for bit, on the shipped model and
+# on random ones, beam 1 to 5, with and without length penalty, cut at the
+# length limit or not (`test_fast_loop_equals_readable_loop_on_the_shipped_model`,
+# `test_fast_loop_equals_readable_loop_on_random_models`). `beam_search`
+# chooses it in one place: `FAST_PATH` on (the switch of the main chapter,
+# section 1) and the cache in use; `fast_path(False)` runs the loop above
+# (`test_the_fast_path_switch_chooses_the_loop`). The profile of the fast
+# loop: products 48% of the time, the block maxima and both topks 4%, the
+# additions 1%; one search of the 64 sentences took 400 ms against the
+# readable loop's 420 ms outside the profiler, at a load average of about 3.
+#
+# **int8.** `--quantize int8` (`annotated/decoding/quantize.py`) runs the
+# encoder's and decoder's products with int8 weights, one scale per output
+# column, and int8 activations scaled per call. Each weight is then off by at
+# most half a step of its column's largest magnitude / 127, and the errors of
+# the 128 or 512 terms of a sum partly cancel: small beside the gaps between
+# the log-probabilities the search ranks, so most translations do not change
+# at all (85% of the 1,000 test
+# sentences for de -> en), and those that do change move BLEU both ways: -0.10
+# on test_2016_flickr and +0.14 on val for de -> en, -0.03 and -0.15 for
+# en -> de (`test_int8_bleu_stays_within_the_margin_of_float32`). The generator
+# stays float32: its logits are what the search ranks. Nor is int8 much
+# faster here: between 0.71x and 1.19x of float32 in the runs of
+# benchmarks/README.md ("Translation"), since the products are about half of
+# a step and at widths of 128 quantizing the activations at every call costs
+# about what the int8 arithmetic saves. One more difference: the activations'
+# scale is taken over the whole batch at each call, so an int8 translation can
+# depend on the sentences batched with it, which a float32 one does not
+# (`test_batched_beam_equals_one_sentence_at_a_time`).
+
+
+# %%
+def _search_fast(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished) -> None:
+    """`_search` with the cache, doing less work per step for the same hypotheses and scores."""
+    B, device = src.size(0), src.device
+    memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # (B*k, S, d_model)
+    mask = None
+    if src_mask is not None:
+        mask = src_mask.expand(B, *src_mask.shape[1:]).repeat_interleave(k, dim=0)  # (B*k, 1|S, S)
+    ys = torch.full((B * k, max_len + 1), bos, dtype=torch.long, device=device)  # (B*k, max_len+1) filled as it goes
+    scores = torch.full((B, k), -math.inf, dtype=_score_dtype(memory.dtype), device=device)  # (B, k) log P
+    scores[:, 0] = 0.0  # only the lone bos is live at first
+    alive = torch.arange(B, device=device)  # (A,) the sentence of each block of k rows
+    n_done = torch.zeros(B, dtype=torch.long, device=device)  # (A,) finished translations per sentence
+    cache = model.new_cache()
+    for t in range(max_len):
+        A = alive.numel()
+        y = model.decode(memory, mask, ys[:, t : t + 1], None, cache=cache, start=t)[:, -1]  # (A*k, d_model)
+        logp = model.generator(y).to(scores.dtype).log_softmax(dim=-1)  # (A*k, V)
+        top, parent, token = _best_candidates(scores, logp, 2 * k)  # (A, 2k) each, best first
+        is_eos = token == eos  # (A, 2k)
+        ends = is_eos[:, :k] & top[:, :k].isfinite()  # (A, k)
+        if ends.any():
+            a, j = ends.nonzero(as_tuple=True)  # row-major: best first within a sentence
+            rows = a * k + parent[a, j]  # (n,)
+            for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[rows, 1 : t + 1].tolist()):
+                finished[b].append((logP / gnmt_lp(t + 1, length_penalty), ids + [eos]))
+            n_done += ends.sum(dim=1)
+        pick = torch.sort(is_eos.long(), dim=-1, stable=True).indices[:, :k]  # (A, k)
+        scores = top.gather(1, pick)  # (A, k)
+        rows = (torch.arange(A, device=device).unsqueeze(1) * k + parent.gather(1, pick)).view(-1)  # (A*k,)
+        ys = ys.index_select(0, rows)  # (A*k, max_len+1)
+        ys[:, t + 1] = token.gather(1, pick).view(-1)
+        done = (n_done >= k) | ~scores.isfinite().any(dim=1)  # (A,)
+        if t == max_len - 1:
+            _finish_at_max_len(finished, alive, ys[:, : t + 2], scores, n_done < k, length_penalty, k)
+            return
+        if done.all():
+            return
+        if done.any():  # drop the done sentences' rows: those of the memory, mask and cross entries are alike
+            keep = (~done).nonzero(as_tuple=True)[0]  # (A',)
+            keep_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=device)).view(-1)  # (A'*k,)
+            ys, scores, alive, n_done, rows = ys[keep_rows], scores[keep], alive[keep], n_done[keep], rows[keep_rows]
+            memory = memory.index_select(0, keep_rows)  # (A'*k, S, d_model)
+            mask = None if mask is None else mask.index_select(0, keep_rows)  # (A'*k, 1|S, S)
+            cache = [{name: kv if name == "self" else _rows(kv, keep_rows) for name, kv in c.items()} for c in cache]
+        cache = [{name: _rows(kv, rows) if name == "self" else kv for name, kv in c.items()} for c in cache]
+
+
+def _best_candidates(scores: Tensor, logp: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The n best log P(y w) = log P(y) + log p(w | y) of each sentence, as `_search`'s topk over all k*V
+    finds them: (values, parent row within the sentence, token), each (A, n), best first.
+
+    The vocabulary is cut into `blocks` blocks of `size` tokens, block j holding tokens j, j + blocks, ...
+    (so that the maximum over a block runs along memory). A candidate among the n best lies in one of the n
+    blocks whose best candidate (log P(y) + the block's max) ranks highest: n blocks ranked above its own
+    would hold n better candidates. So the topk runs over the block maxima, then over those n blocks only.
+    """
+    A, k = scores.shape
+    V = logp.size(-1)
+    size = _block_size(V, n)
+    blocks = V // size
+    grid = logp.view(A * k, size, blocks)  # (A*k, size, blocks) token i*blocks + j at [., i, j]
+    bound = (scores.view(A * k, 1) + grid.amax(dim=1)).view(A, k * blocks)  # (A, k*blocks) best per block
+    chosen = bound.topk(n, dim=-1).indices  # (A, n) which (parent, block)
+    parent_rows = torch.arange(A, device=logp.device).unsqueeze(1) * k + chosen // blocks  # (A, n)
+    values = grid[parent_rows.view(-1), :, (chosen % blocks).view(-1)]  # (A*n, size)
+    cand = (scores.view(A * k)[parent_rows.view(-1)].unsqueeze(1) + values).view(A, n * size)  # (A, n*size)
+    top, flat = cand.topk(n, dim=-1)  # (A, n) best first
+    block = chosen.gather(1, flat // size)  # (A, n) which (parent, block)
+    return top, block // blocks, (flat % size) * blocks + block % blocks  # values, parents, tokens (A, n)
+
+
+@functools.cache
+def _block_size(V: int, n: int) -> int:
+    """The divisor of V nearest below sqrt(V / n): blocks and their n chosen ones hold about as many scores."""
+    target = max(1, math.isqrt(V // n))
+    return max(d for d in range(1, target + 1) if V % d == 0)
+
+
+def _rows(kv: tuple[Tensor, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values K[index], V[index] along the batch."""
+    return kv[0].index_select(0, index), kv[1].index_select(0, index)  # (len(index), h, T, d)
+
+
+# %% [markdown]
+# ## 8. Translating many sentences
 #
 # `translate_ids` is what the rest of the project calls: lists of subword ids
 # in, lists of subword ids out, with greedy (`beam_size=1`) or beam search.
@@ -431,12 +593,11 @@ def translate_ids(
             src[r, : len(s)] = torch.tensor(s, dtype=torch.long)
         src = src.to(device)
         max_len = min(limit, S + max_extra)
-        if beam_size > 1:
-            ys = beam_search(
-                model, src, padding_mask(src, PAD), max_len, beam_size=beam_size, length_penalty=length_penalty
-            )
+        mask = padding_mask(src, PAD)  # (B, 1, S)
+        if beam_size > 1:  # the batch is well formed by construction: checked once, above
+            ys = _beam_search(model, src, mask, max_len, beam_size, length_penalty, BOS, EOS, PAD, True)[0]
         else:
-            ys = greedy(model, src, padding_mask(src, PAD), max_len)
+            ys = greedy_decode(model, src, mask, max_len, BOS, EOS, PAD)
         for r, i in enumerate(idx):
             row = ys[r].tolist()
             out[i] = row[: row.index(EOS)] if EOS in row else [t for t in row if t != PAD]

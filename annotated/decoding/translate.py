@@ -75,6 +75,7 @@ from annotated.checkpoint import (
 )
 from annotated.checks import check_tokenizer
 from annotated.decoding import casing
+from annotated.decoding.quantize import QUANTIZATIONS, quantize_int8
 from annotated.decoding.search import MAX_EXTRA, translate_ids
 from annotated.plumbing.devices import default_device
 from annotated.plumbing.options import Parser, at_least, device, number
@@ -542,6 +543,12 @@ def build_parser() -> argparse.ArgumentParser:
         "answered in its style; as-typed: translated as it is (default auto)",
     )
     p.add_argument("--device", type=device, default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="int8: the matrix products in int8 on the CPU (annotated/decoding/quantize.py; default: float32)",
+    )
     return p
 
 
@@ -610,9 +617,14 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
     stdout = sys.stdout.buffer if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     args.device = default_device(args.device)
+    if args.quantize and args.device.type != "cpu":
+        _say(stderr, f"{NAME}: error: --quantize {args.quantize} runs on the CPU only: add --device cpu")
+        return 2
     try:
         model, tokenizer, table, alpha = _load(args, stderr)
-    except CheckpointError as e:
+        if args.quantize:
+            model = quantize_int8(model)
+    except (CheckpointError, ValueError) as e:
         _say(stderr, f"{NAME}: error: {e}")
         return 2
     if args.length_penalty is None:  # the model's own, unless the user gave one

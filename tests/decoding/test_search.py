@@ -26,8 +26,8 @@ from torch import nn
 
 from annotated.decoding.search import (
     beam_search,
+    gnmt_lp,
     greedy,
-    length_penalty,
     reorder_cache,
     sequence_logprob,
     translate_ids,
@@ -127,7 +127,7 @@ def test_scores_are_teacher_forced_logprob_over_length_penalty(copy_models):
         logp, lengths = sequence_logprob(m, src, mask, out)
         # score(Y) = log P(Y | X) / lp(Y)
         want = torch.tensor(
-            [lp_ / length_penalty(n, alpha) for lp_, n in zip(logp.tolist(), lengths.tolist())], dtype=torch.float64
+            [lp_ / gnmt_lp(n, alpha) for lp_, n in zip(logp.tolist(), lengths.tolist())], dtype=torch.float64
         )
         assert (scores - want).abs().max() <= TOL
 
@@ -162,7 +162,7 @@ def test_wide_beam_is_exhaustive_search(alpha, seed):
         n = len(candidates)
         logp, lengths = sequence_logprob(m, src[b : b + 1].expand(n, -1), mask[b : b + 1].expand(n, -1, -1), ys)
         exact = torch.tensor(
-            [x / length_penalty(k, alpha) for x, k in zip(logp.tolist(), lengths.tolist())], dtype=torch.float64
+            [x / gnmt_lp(k, alpha) for x, k in zip(logp.tolist(), lengths.tolist())], dtype=torch.float64
         )
         best = int(exact.argmax())
         assert out[b, : len(candidates[best])].tolist() == candidates[best]
