@@ -119,6 +119,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
         (
             "training/data",
             "decoding/search",
+            "decoding/quantize",
             "training/loss",
             "training/train",
             "training/distributed",

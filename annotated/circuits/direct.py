@@ -21,10 +21,14 @@
 # models), the first layer's self-attentions read `x = E[t] sqrt(d_model) +
 # PE[pos]` and nothing else (dropout is off when reading). So for encoder and
 # decoder self-attention in layer 0, the score the softmax sees splits
-# exactly into four tables, one per pair of parts:
+# exactly into four tables, one per pair of parts: the token table `T`, the
+# position table `P` and two mixed terms,
 #
-# $$x_a W_{QK} x_b^{\top} + x_b u = \underbrace{e_a W_{QK} e_b^{\top} + e_b u}_{\text{token table}}
-# + \underbrace{p_a W_{QK} p_b^{\top} + p_b u}_{\text{position table}} + e_a W_{QK} p_b^{\top} + p_a W_{QK} e_b^{\top}$$
+# $$T_{ab} = e_a W_{QK} e_b^{\top} + e_b u$$
+#
+# $$P_{ab} = p_a W_{QK} p_b^{\top} + p_b u$$
+#
+# $$x_a W_{QK} x_b^{\top} + x_b u = T_{ab} + P_{ab} + e_a W_{QK} p_b^{\top} + p_a W_{QK} e_b^{\top}$$
 #
 # (`test_the_first_layer_splits_exactly_into_four_tables`). The token table
 # says which *words* the head matches whatever their places; the position
