@@ -25,7 +25,7 @@
 #   `x_a W_QK x_b^T / sqrt(d_k)`, so `W_QK` is the head's whole notion of
 #   "which inputs match"; `W_Q[i]` and `W_K[i]` separately are not even
 #   determined (any invertible `d_k x d_k` matrix `M` gives the same head with
-#   `W_Q M` and `W_K M^{-T}`);
+#   `W_Q M`, `W_K M^{-T}` and the biases `b_Q M`, `b_K M^{-T}`);
 # * the **OV circuit** decides *what* it moves: a key position `b` that the
 #   head attends to with probability `p` adds `p x_b W_OV` to the query
 #   position's output, so `W_OV` maps "what was read" to "what is written".

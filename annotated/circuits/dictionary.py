@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from annotated.circuits.aligner import Links
+from annotated.circuits.aligner import Links, normalize_word
 from annotated.circuits.circuits import HeadCircuit, attention_inputs
 from annotated.circuits.direct import layer_norms_after, through
 from annotated.circuits.metrics import attention_to_word_links, piece_words, precision_at_k
@@ -185,8 +185,6 @@ def ov_dictionary(
     x_kv = means.source(c.site, sources).to(W_gen.dtype)  # (n, d_model)
     written = through(layer_norms_after(model, c.site), c.OV.apply(x_kv))  # (n, d_model)
     best = (written @ W_gen.T).topk(k, dim=-1).indices  # (n, k)
-    from annotated.circuits.aligner import normalize_word
-
     return {w: [normalize_word(labels[starts[i]][1:]) for i in best[j].tolist()] for j, w in enumerate(sources)}
 
 
