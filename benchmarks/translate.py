@@ -141,10 +141,12 @@ def measure(
     int8: bool = True,
 ) -> dict:
     from annotated.checkpoint import load_checkpoint
+    from annotated.plumbing.allocator import keep_freed_memory
     from annotated.training.data import load_multi30k
     from annotated.training.evaluate import score
 
     torch.set_num_threads(threads)
+    keep_freed_memory()  # as the translator does on the CPU; every tool runs under it, in this one process
     _, tokenizer, meta = load_checkpoint(checkpoint)
     pairs = load_multi30k(
         "test_2016_flickr", meta.get("src_lang", "de"), meta.get("tgt_lang", "en"), base_url=data_url

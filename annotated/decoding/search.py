@@ -465,19 +465,18 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 def _search_fast(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished) -> None:
     """`_search` with the cache, doing less work per step for the same hypotheses and scores."""
     B, device = src.size(0), src.device
-    memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # (B*k, S, d_model)
-    mask = None
-    if src_mask is not None:
-        mask = src_mask.expand(B, *src_mask.shape[1:]).repeat_interleave(k, dim=0)  # (B*k, 1|S, S)
+    memory = model.encode(src, src_mask)  # (B, S, d_model) once per sentence: its k beams share it
+    mask = None if src_mask is None else src_mask.expand(B, *src_mask.shape[1:])  # (B, 1|S, S)
+    cross = [layer.cross_attn.keys_values(memory) for layer in model.decoder.layers]  # per layer (B, h, S, d)
+    selves: list = [None] * len(cross)  # per layer: the self-attention keys and values of the beams so far
     ys = torch.full((B * k, max_len + 1), bos, dtype=torch.long, device=device)  # (B*k, max_len+1) filled as it goes
     scores = torch.full((B, k), -math.inf, dtype=_score_dtype(memory.dtype), device=device)  # (B, k) log P
     scores[:, 0] = 0.0  # only the lone bos is live at first
     alive = torch.arange(B, device=device)  # (A,) the sentence of each block of k rows
     n_done = torch.zeros(B, dtype=torch.long, device=device)  # (A,) finished translations per sentence
-    cache = model.new_cache()
     for t in range(max_len):
         A = alive.numel()
-        y = model.decode(memory, mask, ys[:, t : t + 1], None, cache=cache, start=t)[:, -1]  # (A*k, d_model)
+        y = _beam_step(model, ys[:, t : t + 1], t, mask, cross, selves, k)  # (A*k, d_model)
         logp = model.generator(y).to(scores.dtype).log_softmax(dim=-1)  # (A*k, V)
         top, parent, token = _best_candidates(scores, logp, 2 * k)  # (A, 2k) each, best first
         is_eos = token == eos  # (A, 2k)
@@ -499,14 +498,41 @@ def _search_fast(model, src, src_mask, max_len, k, length_penalty, bos, eos, use
             return
         if done.all():
             return
-        if done.any():  # drop the done sentences' rows: those of the memory, mask and cross entries are alike
+        if done.any():  # drop the done sentences: their rows, their memory's keys and values, their mask
             keep = (~done).nonzero(as_tuple=True)[0]  # (A',)
             keep_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=device)).view(-1)  # (A'*k,)
             ys, scores, alive, n_done, rows = ys[keep_rows], scores[keep], alive[keep], n_done[keep], rows[keep_rows]
-            memory = memory.index_select(0, keep_rows)  # (A'*k, S, d_model)
-            mask = None if mask is None else mask.index_select(0, keep_rows)  # (A'*k, 1|S, S)
-            cache = [{name: kv if name == "self" else _rows(kv, keep_rows) for name, kv in c.items()} for c in cache]
-        cache = [{name: _rows(kv, rows) if name == "self" else kv for name, kv in c.items()} for c in cache]
+            cross = [(K.index_select(0, keep), V.index_select(0, keep)) for K, V in cross]  # (A', h, S, d)
+            mask = None if mask is None else mask.index_select(0, keep)  # (A', 1|S, S)
+        selves = [(K.index_select(0, rows), V.index_select(0, rows)) for K, V in selves]  # (A*k, h, t+1, d)
+
+
+def _beam_step(model, tokens: Tensor, t: int, mask: Tensor | None, cross: list, selves: list, k: int) -> Tensor:
+    """`model.decode(...)[:, -1]` of one step, the decoder layer's three sublayers with the beams' caches:
+    tokens (A*k, 1) at position t -> (A*k, d_model)."""
+    y = model.pos(model.tgt_embed(tokens), t)  # (A*k, 1, d_model)
+    for i, layer in enumerate(model.decoder.layers):
+        y = layer.res_self(y, functools.partial(_self_attention, layer.self_attn, selves, i))  # (A*k, 1, d_model)
+        y = layer.res_cross(y, functools.partial(_cross_attention, layer.cross_attn, cross[i], mask, k))
+        y = layer.res_ffn(y, layer.ffn)  # (A*k, 1, d_model)
+    return model.decoder.final_ln(y)[:, -1]  # (A*k, d_model)
+
+
+def _self_attention(attn, selves: list, i: int, z: Tensor) -> Tensor:
+    """Self-attention of the newest position, its keys and values appended to layer i's (selves[i], None at
+    the first step)."""
+    K, V = attn.keys_values(z)  # (A*k, h, 1, d_k), (A*k, h, 1, d_v)
+    if selves[i] is not None:
+        K, V = torch.cat([selves[i][0], K], dim=2), torch.cat([selves[i][1], V], dim=2)  # (A*k, h, t+1, d)
+    selves[i] = (K, V)
+    return attn(z, kv=(K, V))  # (A*k, 1, d_model)
+
+
+def _cross_attention(attn, kv: tuple[Tensor, Tensor], mask: Tensor | None, k: int, z: Tensor) -> Tensor:
+    """Cross-attention with the k beams of a sentence as k queries against its one copy of the memory."""
+    R, T, d_model = z.shape  # (A*k, 1, d_model)
+    out = attn(z.reshape(R // k, k * T, d_model), mask=mask, kv=kv)  # (A, k, d_model)
+    return out.view(R, T, d_model)  # (A*k, 1, d_model)
 
 
 def _best_candidates(scores: Tensor, logp: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -538,11 +564,6 @@ def _block_size(V: int, n: int) -> int:
     """The divisor of V nearest below sqrt(V / n): blocks and their n chosen ones hold about as many scores."""
     target = max(1, math.isqrt(V // n))
     return max(d for d in range(1, target + 1) if V % d == 0)
-
-
-def _rows(kv: tuple[Tensor, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
-    """Keys and values K[index], V[index] along the batch."""
-    return kv[0].index_select(0, index), kv[1].index_select(0, index)  # (len(index), h, T, d)
 
 
 # %% [markdown]

@@ -77,6 +77,7 @@ from annotated.checks import check_tokenizer
 from annotated.decoding import casing
 from annotated.decoding.quantize import QUANTIZATIONS, quantize_int8
 from annotated.decoding.search import MAX_EXTRA, translate_ids
+from annotated.plumbing.allocator import keep_freed_memory
 from annotated.plumbing.devices import default_device
 from annotated.plumbing.options import Parser, at_least, device, number
 from annotated.plumbing.scripts import name_of
@@ -620,6 +621,8 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
     if args.quantize and args.device.type != "cpu":
         _say(stderr, f"{NAME}: error: --quantize {args.quantize} runs on the CPU only: add --device cpu")
         return 2
+    if args.device.type == "cpu":
+        keep_freed_memory()  # a beam step's large tensors reuse the previous step's memory (plumbing/allocator.py)
     try:
         model, tokenizer, table, alpha = _load(args, stderr)
         if args.quantize:
