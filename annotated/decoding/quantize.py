@@ -1,13 +1,17 @@
-"""int8 on the CPU: the model's matrix products with int8 weights and int8 activations, for translating.
+"""int8 on the CPU: the model's larger matrix products with int8 weights and int8 activations, for translating.
 
-`quantize_int8(model)` returns a copy whose encoder and decoder products x W + b (the attention projections
-and the feed-forward network) run as PyTorch's dynamic quantized linear layer
-(`torch.ao.nn.quantized.dynamic.Linear`): W stored in int8 with one scale per output column, x quantized
+`quantize_int8(model)` returns a copy whose larger products x W + b run as PyTorch's dynamic quantized linear
+layer (`torch.ao.nn.quantized.dynamic.Linear`): W stored in int8 with one scale per output column, x quantized
 to int8 at each call from its own range, the product accumulated in int32 and scaled back to float32.
-Embeddings, layer norms, softmax, the generator and the beam search stay in float32. The generator (the
-product onto the 5,000 subwords whose log-probabilities the beam search ranks) stays in float32 because in
-int8 it cost BLEU and no time: with it in int8 too, the shipped en -> de model lost 0.32 BLEU on
-test_2016_flickr (37.19 -> 36.87), and the whole search ran no faster (benchmarks/README.md). The weights are packed for oneDNN,
+
+Which products: those whose weight has at least `MIN_WEIGHTS` = 65,536 entries. Quantizing x costs a pass
+over it at every call, which a small product does not earn back: on the 2-core Xeon (model 207), one thread,
+256 rows (a beam step of 64 sentences), the shipped models' 128 x 128 attention projections took 100 us in
+int8 against 55 to 80 us in float32, while the feed-forward network's 128 x 512 and 512 x 128 products and
+the generator's 128 x 5,000 ran 1.5 to 3 times faster in int8 (`python -m benchmarks.int8_products`, whose
+table benchmarks/README.md keeps). So for the shipped models the feed-forward networks and the generator run
+in int8 and the attention projections stay float32 (for the paper's base model, d_model = 512, every product
+would be in int8). Embeddings, layer norms, softmax and the beam search stay float32. The weights are packed for oneDNN,
 which runs these products on the CPU's int8 instructions (AVX-512 VNNI, AMX); benchmarks/README.md has the
 speed and the BLEU beside float32's.
 
@@ -32,6 +36,7 @@ from torch import Tensor, nn
 from annotated.transformer import EncoderDecoder, FeedForward, FusedAttention
 
 QUANTIZATIONS = ("int8",)
+MIN_WEIGHTS = 1 << 16  # a product with fewer weights stays float32 (above)
 ENGINE = "onednn"  # packs the weights for oneDNN's int8 kernels (faster here than fbgemm's, the "x86" default)
 
 
@@ -74,27 +79,30 @@ class Int8Affine(nn.Module):
 
 def _swap(module: nn.Module, weight: str, bias: str) -> None:
     """Replace the parameters `weight` (n, m) and `bias` of `module` by one Int8Affine under the weight's name,
-    and the bias by None: the chapter's `affine(x, W, None)` is then `x @ W`, which the layer computes."""
+    and the bias by None: the chapter's `affine(x, W, None)` is then `x @ W`, which the layer computes. A
+    weight with fewer than MIN_WEIGHTS entries is left as it is."""
     W, b = getattr(module, weight), getattr(module, bias)
+    if W.numel() < MIN_WEIGHTS:
+        return
     delattr(module, weight)
     setattr(module, bias, None)
     setattr(module, weight, Int8Affine(W.detach(), None if b is None else b.detach()))
 
 
 def quantize_int8(model: EncoderDecoder) -> EncoderDecoder:
-    """A copy of `model` (fused attention, eval mode) whose encoder and decoder products run in int8."""
-    if model.config.attention != "fused":
-        raise ValueError(
-            f"int8 quantization needs the fused attention form, got {model.config.attention!r}: "
-            f"convert the model with annotated.transformer.convert_model(model, 'fused') first"
-        )
+    """A copy of `model` (eval mode) whose products with at least MIN_WEIGHTS weights run in int8, among the
+    fused attention projections, the feed-forward networks and the generator (the per-head form's h products
+    per projection, each h times smaller, stay float32)."""
     quantized = copy.deepcopy(model).eval()
     with _packing_for(ENGINE):
-        for module in quantized.modules():
+        for module in list(quantized.modules()):
             if isinstance(module, FusedAttention):
                 for name in "QKVO":
                     _swap(module, f"W_{name}", f"b_{name}")
             elif isinstance(module, FeedForward):
                 _swap(module, "W_1", "b_1")
                 _swap(module, "W_2", "b_2")
+        W_gen, b = quantized.generator.weight.detach(), quantized.generator.bias.detach()  # (vocab, d_model)
+        if W_gen.numel() >= MIN_WEIGHTS:  # logits = y W_gen^T + b: an Int8Affine of W = W_gen^T (d_model, vocab)
+            setattr(quantized, "generator", Int8Affine(W_gen.t(), b))  # noqa: B010 the attribute is typed Generator
     return quantized

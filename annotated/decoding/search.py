@@ -40,15 +40,17 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 import annotated.transformer
 from annotated.checkpoint import PAPER_LENGTH_PENALTY
 from annotated.checks import check_beam, check_decoder_output, check_decoding, check_sources
 from annotated.tokens import BOS, EOS, PAD
-from annotated.transformer import Cache, EncoderDecoder, greedy_decode, padding_mask, subsequent_mask
+from annotated.transformer import Cache, EncoderDecoder, Generator, greedy_decode, padding_mask, subsequent_mask
 
 # %% [markdown]
 # ## 1. What every decoder checks first
@@ -474,10 +476,11 @@ def _search_fast(model, src, src_mask, max_len, k, length_penalty, bos, eos, use
     scores[:, 0] = 0.0  # only the lone bos is live at first
     alive = torch.arange(B, device=device)  # (A,) the sentence of each block of k rows
     n_done = torch.zeros(B, dtype=torch.long, device=device)  # (A,) finished translations per sentence
+    logits_of = _generator_with_bias_inside(model.generator)
     for t in range(max_len):
         A = alive.numel()
         y = _beam_step(model, ys[:, t : t + 1], t, mask, cross, selves, k)  # (A*k, d_model)
-        logp = model.generator(y).to(scores.dtype).log_softmax(dim=-1)  # (A*k, V)
+        logp = logits_of(y).to(scores.dtype).log_softmax(dim=-1)  # (A*k, V)
         top, parent, token = _best_candidates(scores, logp, 2 * k)  # (A, 2k) each, best first
         is_eos = token == eos  # (A, 2k)
         ends = is_eos[:, :k] & top[:, :k].isfinite()  # (A, k)
@@ -516,6 +519,16 @@ def _beam_step(model, tokens: Tensor, t: int, mask: Tensor | None, cross: list, 
         y = layer.res_cross(y, functools.partial(_cross_attention, layer.cross_attn, cross[i], mask, k))
         y = layer.res_ffn(y, layer.ffn)  # (A*k, 1, d_model)
     return model.decoder.final_ln(y)[:, -1]  # (A*k, d_model)
+
+
+def _generator_with_bias_inside(generator) -> Callable[[Tensor], Tensor]:
+    """The generator's logits y W_gen^T + b as one product [y, 1] [W_gen, b]^T: the bias is one more column of
+    the weight, met by a column of ones (adding it afterwards is one more pass over the (A*k, V) logits). Any
+    other generator (`quantize.py`'s int8 one) is called as it is."""
+    if not isinstance(generator, Generator):
+        return generator
+    W_b = torch.cat([generator.weight, generator.bias[:, None]], dim=1)  # (V, d_model + 1)
+    return lambda y: F.linear(F.pad(y, (0, 1), value=1.0), W_b)  # (A*k, V)
 
 
 def _self_attention(attn, selves: list, i: int, z: Tensor) -> Tensor:

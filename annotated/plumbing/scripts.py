@@ -53,6 +53,7 @@ COMMANDS = {  # module -> the command's name
     "benchmarks.case": "case-bench",
     "benchmarks.padding": "padding-bench",
     "benchmarks.translate": "translate-bench",
+    "benchmarks.int8_products": "int8-bench",
     "benchmarks.circuits": "circuits-bench",
     "benchmarks.annotated_transformer": "annotated-transformer-bench",
     "docs.build": "docs",
