@@ -50,6 +50,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import zipfile
@@ -79,6 +80,8 @@ def save_checkpoint(
     path: os.PathLike | str, model: EncoderDecoder, tokenizer, meta: dict | None = None, **training_state: Any
 ) -> None:
     """Write model, config, tokenizer and metadata (plus any training state) atomically."""
+    if isinstance(training_state.get("casing"), dict):
+        training_state["casing"] = stored_case_table(training_state["casing"])
     state = {
         "format": FORMAT,
         "config": dataclasses.asdict(model.config),
@@ -96,11 +99,24 @@ def read_case_table(path: os.PathLike | str) -> dict | None:
     return case_table_in(read_checkpoint(path), path)
 
 
+def stored_case_table(table: dict) -> str:
+    """The case table as a checkpoint stores it: one JSON text. torch.load's safe unpickler builds a dict of
+    the 17,751 words of a shipped model's table one object at a time, 0.12 s of every load on the 2-core Xeon;
+    one string loads in a millisecond (`test_the_case_table_is_stored_as_one_text_and_read_back_whole`)."""
+    return json.dumps(table, ensure_ascii=False, separators=(",", ":"))
+
+
 def case_table_in(state: dict, path: os.PathLike | str) -> dict | None:
-    """read_case_table() of a checkpoint already read (`state`, from `path`)."""
+    """read_case_table() of a checkpoint already read (`state`, from `path`); the table as JSON text, or as a
+    dict (checkpoints written before the text form)."""
     table = state.get("casing")
     if table is None:
         return None
+    if isinstance(table, str):
+        try:
+            table = json.loads(table)
+        except ValueError:
+            raise CheckpointError(f"checkpoint {path}: its case table is not valid JSON") from None
     if not isinstance(table, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
         raise CheckpointError(f"checkpoint {path}: its case table is not a dict of words")
     return table
@@ -108,7 +124,7 @@ def case_table_in(state: dict, path: os.PathLike | str) -> dict | None:
 
 def add_case_table(path: os.PathLike | str, out: os.PathLike | str, table: dict) -> None:
     """Write a copy of checkpoint `path` to `out` with `table` as its case table."""
-    atomic_torch_save(dict(read_checkpoint(path), casing=table), out)
+    atomic_torch_save(dict(read_checkpoint(path), casing=stored_case_table(table)), out)
 
 
 def with_meta(path: os.PathLike | str, out: os.PathLike | str, **entries) -> None:

@@ -8,8 +8,10 @@ import torch
 
 from annotated.checkpoint import (
     CheckpointError,
+    add_case_table,
     atomic_torch_save,
     load_checkpoint,
+    read_case_table,
     read_checkpoint,
     save_checkpoint,
 )
@@ -29,6 +31,27 @@ def test_round_trip_restores_config_and_parameters(tmp_path):
     assert not back.training
     for (n1, p1), (n2, p2) in zip(m.state_dict().items(), back.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_the_case_table_is_stored_as_one_text_and_read_back_whole(tmp_path):
+    """Written as one JSON string (by save_checkpoint and add_case_table), read back as the same dict; a table
+    stored as a dict (older checkpoints) still reads; a damaged text is refused with the file named."""
+    table = {"hund": "Hund", "über": "über", "new york": "New York"}
+    save_checkpoint(tmp_path / "a.pt", tiny_model(), None, casing=table)
+    assert isinstance(torch.load(tmp_path / "a.pt", weights_only=True)["casing"], str)
+    assert read_case_table(tmp_path / "a.pt") == table
+    add_case_table(tmp_path / "a.pt", tmp_path / "b.pt", {"katze": "Katze"})
+    assert isinstance(torch.load(tmp_path / "b.pt", weights_only=True)["casing"], str)
+    assert read_case_table(tmp_path / "b.pt") == {"katze": "Katze"}
+    state = torch.load(tmp_path / "a.pt", weights_only=True)
+    atomic_torch_save(dict(state, casing=table), tmp_path / "old.pt")
+    assert read_case_table(tmp_path / "old.pt") == table
+    atomic_torch_save(dict(state, casing='{"hund": '), tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match=r"bad\.pt: its case table is not valid JSON"):
+        read_case_table(tmp_path / "bad.pt")
+    atomic_torch_save(dict(state, casing='["Hund"]'), tmp_path / "list.pt")
+    with pytest.raises(CheckpointError, match=r"list\.pt: its case table is not a dict of words"):
+        read_case_table(tmp_path / "list.pt")
 
 
 def test_missing_truncated_and_foreign_files_name_the_file(tmp_path):

@@ -312,9 +312,8 @@ def _beam_search(model, src, src_mask, max_len, k, length_penalty, bos, eos, pad
     B, device = src.size(0), src.device
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]  # per sentence: (score, ids)
     if B > 0:
-        search = (
-            _search_fast if annotated.transformer.FAST_PATH and use_cache else _search
-        )  # the one place that chooses
+        fast = annotated.transformer.FAST_PATH and use_cache and isinstance(model, EncoderDecoder)
+        search = _search_fast if fast else _search  # the one place that chooses
         search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished)
     empty = [b for b, f in enumerate(finished) if not f]
     if empty:

@@ -30,9 +30,11 @@ import torch
 from annotated.checkpoint import (
     FORMAT,
     atomic_torch_save,
+    case_table_in,
     load_checkpoint,
     model_length_penalty,
     read_checkpoint,
+    stored_case_table,
 )
 from annotated.plumbing.files import atomic_write, sha256_of
 from annotated.plumbing.options import Parser, at_least
@@ -83,12 +85,13 @@ def compact_state(state: dict) -> dict:
     if "averaged" in state.get("meta", {}):
         meta["averaged"] = [Path(p).name for p in state["meta"]["averaged"]]
     meta["weights"] = "float16 on disk, float32 when loaded"
+    table = case_table_in(state, "the checkpoint packed")
     return {
         "format": FORMAT,
         "config": state["config"],
         "model": model,
         "tokenizer": state.get("tokenizer"),
-        "casing": state.get("casing"),
+        "casing": None if table is None else stored_case_table(table),
         "meta": meta,
     }
 
