@@ -24,18 +24,26 @@ CTranslate2's Marian loader assumes, so its stock conversion computes our model'
 (`tests/interop/test_ctranslate2.py`). Each row prints sentences per second, corpus BLEU
 (sacreBLEU, cased), its speed as a multiple of CTranslate2 float32's and of CTranslate2's at the same precision
 (float32 rows against float32, int8 rows against int8), and its BLEU minus the same engine's float32 BLEU.
-Timings are the median of `--rounds` rounds in a rotating order, after one warm-up round per tool; the
-machine's load average is printed before and after (other jobs on the machine slow every tool, so read the
-ratios, measured in the same rounds, rather than the sentences per second). Speed is never asserted by a test;
-`tests/test_translate_bench.py` checks that every tool runs and translates.
+Timings are the median of `--rounds` rounds in a rotating order. With `--processes each` (the default)
+every timed run is a fresh process of its own (`--worker`), which translates everything once to warm up and
+then once more, timed: CTranslate2 brings its own copy of the OpenMP runtime, and with two threads the two
+runtimes' thread pools in one process slowed `translate_ids` by about a fifth after CTranslate2 had run
+(0.65-0.70 s against 0.81 s for 300 sentences, de -> en, on the 2-core Xeon). With `--processes one` every
+tool runs in this process, after one warm-up round per tool (quicker; what the tests use). The machine's load
+average is printed before and after (other jobs on the machine slow every tool, so read the ratios, measured
+in the same rounds, rather than the sentences per second). Speed is never asserted by a test;
+`tests/test_translate_bench.py` checks that every tool runs and translates, in both modes.
 """
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from annotated.plumbing.allocator import keep_freed_memory
 from annotated.plumbing.scripts import name_of
 
 NAME = name_of(__file__)
@@ -57,79 +66,106 @@ def convert_ctranslate2(hf_dir: Path, out: Path, quantization: str | None) -> Pa
 
 
 INT8 = ("translator int8 (stdin)", "translate_ids int8")
+NAMES = ("translator (stdin)", "translate_ids", *INT8, "generate", "CTranslate2 float32", "CTranslate2 int8")
 
 
-def tools(
-    checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[str], threads: int, int8: bool = True
-) -> dict:
-    """{name: a function translating every source, returning the texts}."""
-    import ctranslate2
-    from transformers import MarianMTModel
+def prepare(checkpoint: Path, folder: Path) -> None:
+    """The export and its two CTranslate2 conversions, made once in `folder` for every tool and process."""
+    from annotated.interop.folders import export_marian
 
+    hf_dir = export_marian(checkpoint, folder / "hf")
+    for q in (None, "int8"):
+        convert_ctranslate2(hf_dir, folder / f"ct2-{q}", q)
+
+
+def tool(
+    name: str, checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[str], threads: int
+) -> Callable[[], list[str]]:
+    """A function translating every source with tool `name`, returning the texts (from a `prepare`d `folder`)."""
     from annotated.checkpoint import load_checkpoint, model_length_penalty
     from annotated.decoding.quantize import quantize_int8
     from annotated.decoding.search import translate_ids
     from annotated.decoding.translate import main as translator
-    from annotated.interop.agreement import generate_ids
-    from annotated.interop.folders import export_marian
 
     model, tokenizer, meta = load_checkpoint(checkpoint)
-    alpha = model_length_penalty(meta)  # ours: GNMT alpha, the translator's default
-    hf_dir = export_marian(checkpoint, folder / "hf")
-    hf = MarianMTModel.from_pretrained(str(hf_dir), local_files_only=True).float().eval()
-    engines = {
-        q or "float32": ctranslate2.Translator(
-            str(convert_ctranslate2(hf_dir, folder / f"ct2-{q}", q)),
+    if name.startswith("CTranslate2"):
+        import ctranslate2
+
+        engine = ctranslate2.Translator(
+            str(folder / f"ct2-{'int8' if name.endswith('int8') else None}"),
             device="cpu",
             intra_threads=threads,
             inter_threads=1,
         )
-        for q in (None, "int8")
-    }
-    pieces = [tokenizer.pieces(s) for s in sources]
-    piece_id = {p: i for i, p in enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
-    stdin = ("\n".join(texts) + "\n").encode("utf-8")
+        pieces = [tokenizer.pieces(s) for s in sources]
+        piece_id = {p: i for i, p in enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
 
-    def from_stdin(*options: str) -> Callable[[], list[str]]:
-        def run() -> list[str]:
-            out = io.BytesIO()
-            translator(
-                ["--checkpoint", str(checkpoint), "--case", "as-typed", "--beam", "4", "--device", "cpu", *options],
-                stdin=io.BytesIO(stdin),
-                stdout=out,
-                stderr=io.StringIO(),
-            )
-            return out.getvalue().decode("utf-8").splitlines()
-
-        return run
-
-    def ours(m) -> Callable[[], list[str]]:
-        def run() -> list[str]:
-            with torch.inference_mode():
-                return [tokenizer.decode(h) for h in translate_ids(m, sources, 4, alpha)]
-
-        return run
-
-    def generate() -> list[str]:
-        return [tokenizer.decode(h) for h in generate_ids(hf, sources, length_penalty=1.0)]
-
-    def ctranslate(engine) -> Callable[[], list[str]]:
-        def run() -> list[str]:
+        def ctranslate() -> list[str]:
             results = engine.translate_batch(
                 pieces, beam_size=4, max_batch_size=64, batch_type="examples", max_decoding_length=256
             )
             return [tokenizer.decode([piece_id[p] for p in r.hypotheses[0]]) for r in results]
 
-        return run
+        return ctranslate
+    if name == "generate":
+        from transformers import MarianMTModel
 
-    runs = {"translator (stdin)": from_stdin(), "translate_ids": ours(model)}
-    if int8:
-        runs |= {INT8[0]: from_stdin("--quantize", "int8"), INT8[1]: ours(quantize_int8(model))}
-    return runs | {
-        "generate": generate,
-        "CTranslate2 float32": ctranslate(engines["float32"]),
-        "CTranslate2 int8": ctranslate(engines["int8"]),
-    }
+        from annotated.interop.agreement import generate_ids
+
+        hf = MarianMTModel.from_pretrained(str(folder / "hf"), local_files_only=True).float().eval()
+        return lambda: [tokenizer.decode(h) for h in generate_ids(hf, sources, length_penalty=1.0)]
+    if name.startswith("translator"):
+        stdin = ("\n".join(texts) + "\n").encode("utf-8")
+        options = ["--quantize", "int8"] if name in INT8 else []
+
+        def from_stdin() -> list[str]:
+            out = io.BytesIO()
+            argv = ["--checkpoint", str(checkpoint), "--case", "as-typed", "--beam", "4", "--device", "cpu"]
+            translator(argv + options, stdin=io.BytesIO(stdin), stdout=out, stderr=io.StringIO())
+            return out.getvalue().decode("utf-8").splitlines()
+
+        return from_stdin
+    m = quantize_int8(model) if name in INT8 else model
+    alpha = model_length_penalty(meta)  # ours: GNMT alpha, the translator's default
+
+    def ours() -> list[str]:
+        with torch.inference_mode():
+            return [tokenizer.decode(h) for h in translate_ids(m, sources, 4, alpha)]
+
+    return ours
+
+
+def timed(run: Callable[[], list[str]]) -> tuple[float, list[str]]:
+    """(seconds, texts) of one run."""
+    start = time.perf_counter()
+    texts = run()
+    return time.perf_counter() - start, texts
+
+
+def worker(name: str, checkpoint: Path, folder: Path, threads: int) -> None:
+    """One tool in a process of its own: a warm-up run, then one timed run; prints {seconds, texts} as JSON."""
+    torch.set_num_threads(threads)
+    keep_freed_memory()  # as the translator does on the CPU
+    inputs = json.loads((folder / "inputs.json").read_text(encoding="utf-8"))
+    run = tool(name, checkpoint, folder, inputs["sources"], inputs["texts"], threads)
+    _, texts = timed(run)
+    seconds, _ = timed(run)
+    print(json.dumps({"seconds": seconds, "texts": texts}))
+
+
+def in_its_own_process(name: str, checkpoint: Path, folder: Path, threads: int) -> tuple[float, list[str]]:
+    """`worker` run as `python -m benchmarks.translate --worker NAME ...`: (seconds, texts)."""
+    command = [sys.executable, "-m", "benchmarks.translate", "--worker", name, "--checkpoint", str(checkpoint)]
+    command += ["--worker-folder", str(folder), "--threads", str(threads)]
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=root)
+    if done.returncode != 0:
+        raise RuntimeError(f"{NAME}: the {name!r} process failed:\n{done.stderr[-2000:]}")
+    result = json.loads(done.stdout.splitlines()[-1])
+    return result["seconds"], result["texts"]
+
+
+PROCESSES = ("each", "one")
 
 
 def measure(
@@ -139,31 +175,40 @@ def measure(
     rounds: int,
     data_url: str | None = None,
     int8: bool = True,
+    processes: str = "one",
 ) -> dict:
+    """Every tool's speed and BLEU. `processes="one"`: every tool in this process, each warmed up once, then
+    `rounds` rotating rounds; `"each"`: every timed run in a fresh process of its own, after a warm-up there."""
     from annotated.checkpoint import load_checkpoint
-    from annotated.plumbing.allocator import keep_freed_memory
     from annotated.training.data import load_multi30k
     from annotated.training.evaluate import score
 
     torch.set_num_threads(threads)
-    keep_freed_memory()  # as the translator does on the CPU; every tool runs under it, in this one process
+    keep_freed_memory()  # as the translator does on the CPU; every tool runs under it
     _, tokenizer, meta = load_checkpoint(checkpoint)
     pairs = load_multi30k(
         "test_2016_flickr", meta.get("src_lang", "de"), meta.get("tgt_lang", "en"), base_url=data_url
     )[:sentences]
     texts, references = [s for s, _ in pairs], [t for _, t in pairs]
     sources = [tokenizer.encode(s) for s in texts]
+    names = [n for n in NAMES if int8 or n not in INT8]
     load_before = os.getloadavg()
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    outputs: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as folder:
-        runs = tools(checkpoint, Path(folder), sources, texts, threads, int8)
-        names = list(runs)
-        seconds: dict[str, list[float]] = {n: [] for n in names}
-        outputs = {n: runs[n]() for n in names}  # warm-up, and the translations scored
-        for r in range(rounds):
-            for n in names[r % len(names) :] + names[: r % len(names)]:  # a rotating order
-                start = time.perf_counter()
-                runs[n]()
-                seconds[n].append(time.perf_counter() - start)
+        prepare(checkpoint, Path(folder))
+        if processes == "each":
+            (Path(folder) / "inputs.json").write_text(json.dumps({"sources": sources, "texts": texts}))
+            for r in range(rounds):
+                for n in names[r % len(names) :] + names[: r % len(names)]:  # a rotating order
+                    spent, outputs[n] = in_its_own_process(n, checkpoint, Path(folder), threads)
+                    seconds[n].append(spent)
+        else:
+            runs = {n: tool(n, checkpoint, Path(folder), sources, texts, threads) for n in names}
+            outputs = {n: runs[n]() for n in names}  # warm-up, and the translations scored
+            for r in range(rounds):
+                for n in names[r % len(names) :] + names[: r % len(names)]:  # a rotating order
+                    seconds[n].append(timed(runs[n])[0])
     rows = {}
     for n in names:
         rows[n] = {
@@ -183,6 +228,7 @@ def measure(
         "sentences": len(pairs),
         "threads": threads,
         "rounds": rounds,
+        "processes": processes,
         "load average (1 min) before, after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "rows": rows,
     }
@@ -198,13 +244,14 @@ def table(result: dict) -> str:
     lines += ["| --- | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {n} | " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for n, r in result["rows"].items()]
     before, after = result["load average (1 min) before, after"]
-    lines.append(f"\n{result['threads']} thread(s), {result['sentences']} sentences; load average {before} -> {after}")
+    where = "each run in its own process" if result.get("processes") == "each" else "every tool in one process"
+    lines.append(
+        f"\n{result['threads']} thread(s), {result['sentences']} sentences, {where}; load average {before} -> {after}"
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
     from annotated.checkpoint import CheckpointError
     from annotated.plumbing.files import atomic_write
     from annotated.plumbing.options import Parser, at_least
@@ -226,15 +273,27 @@ def main(argv: list[str] | None = None) -> int:
         default="int8",
         help="int8: also time our translator with --quantize int8 (default); none: float32 only",
     )
+    p.add_argument(
+        "--processes",
+        choices=PROCESSES,
+        default="each",
+        help="each (default): every timed run in a fresh process of its own; one: every tool in this process",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
+    p.add_argument("--worker", choices=NAMES, default=None, help=argparse.SUPPRESS)  # one tool's process
+    p.add_argument("--worker-folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker is not None:
+        worker(args.worker, Path(args.checkpoint), args.worker_folder, args.threads)
+        return 0
     try:
         checkpoint = choose_checkpoint(args.checkpoint, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
     except CheckpointError as e:
         p.error(str(e))
     if not checkpoint.is_file():
         p.error(f"--checkpoint {checkpoint}: no such file")
-    result = measure(checkpoint, args.sentences, args.threads, args.rounds, int8=args.quantize == "int8")
+    int8 = args.quantize == "int8"
+    result = measure(checkpoint, args.sentences, args.threads, args.rounds, int8=int8, processes=args.processes)
     print(table(result))
     if args.out is not None:
         atomic_write(args.out, json.dumps(result, indent=1) + "\n")

@@ -3,6 +3,7 @@
 No speed is asserted: the benchmark prints ratios measured in one run.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,18 @@ def test_the_checkpoint_is_chosen_by_the_commands_one_rule(given, message, capsy
     with pytest.raises(SystemExit) as stop:
         bench.main(["--checkpoint", given])
     assert stop.value.code == 2 and capsys.readouterr().err.startswith(message)
+
+
+def test_a_tool_in_its_own_process_translates_as_it_does_here(checkpoint, tmp_path):
+    """`--processes each`: the worker process (`python -m benchmarks.translate --worker ...`) times one run
+    and returns the same translations as the tool run in this process."""
+    from annotated.checkpoint import load_checkpoint
+
+    tokenizer = load_checkpoint(checkpoint)[1]
+    texts = SENTENCES[:3]
+    sources = [tokenizer.encode(s) for s in texts]
+    bench.prepare(checkpoint, tmp_path)
+    (tmp_path / "inputs.json").write_text(json.dumps({"sources": sources, "texts": texts}))
+    seconds, there = bench.in_its_own_process("translate_ids", checkpoint, tmp_path, threads=1)
+    here = bench.tool("translate_ids", checkpoint, tmp_path, sources, texts, threads=1)()
+    assert seconds > 0 and there == here and len(here) == 3
