@@ -111,10 +111,11 @@ def test_a_tool_in_its_own_process_translates_as_it_does_here(checkpoint, tmp_pa
     from annotated.checkpoint import load_checkpoint
 
     tokenizer = load_checkpoint(checkpoint)[1]
-    texts = SENTENCES[:3]
+    texts = SENTENCES[:4]
     sources = [tokenizer.encode(s) for s in texts]
     bench.prepare(checkpoint, tmp_path)
     (tmp_path / "inputs.json").write_text(json.dumps({"sources": sources, "texts": texts}))
     seconds, there = bench.in_its_own_process("translate_ids", checkpoint, tmp_path, threads=1)
     here = bench.tool("translate_ids", checkpoint, tmp_path, sources, texts, threads=1)()
-    assert seconds > 0 and there == here and len(here) == 3
+    assert here != here[::-1]  # a mix-up of order would show
+    assert seconds > 0 and there == here and len(here) == 4
