@@ -138,7 +138,7 @@ NAME = name_of(__file__)
 
 # %%
 MAX_LINE_BYTES = 1 << 16
-WINDOW = 256  # lines read, translated and flushed together from a file or pipe
+WINDOW = 1024  # lines read, translated and flushed together from a file or pipe (section 4)
 
 
 def bounded_lines(stream, limit: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:
@@ -380,6 +380,14 @@ def translate(
 # sending one and waiting for the answer), so a thread reads it into a queue
 # of at most `WINDOW` lines, and each window takes the first line that comes
 # and then those already waiting. A terminal gets windows of one line.
+#
+# Why 1,024 lines: `translate_ids` sorts a window by length before cutting
+# it into batches, and the more lines it sorts, the more alike the lengths
+# within a batch, so the fewer steps a batch runs for its longest sentence.
+# All 1,000 sentences of test_2016_flickr took 3.63 s in one window against
+# 4.46 s in windows of 256 for de -> en, 3.96 s against 4.07 s for en -> de
+# (best of 3, 2-core Xeon, one thread), with the same output. Memory stays
+# bounded: a window is a thousand lines of text.
 
 
 # %%
