@@ -6,12 +6,13 @@ to int8 at each call from its own range, the product accumulated in int32 and sc
 
 Which products: those whose weight has at least `MIN_WEIGHTS` = 65,536 entries. Quantizing x costs a pass
 over it at every call, which a small product does not earn back: on the 2-core Xeon (model 207), one thread,
-256 rows (a beam step of 64 sentences), the shipped models' 128 x 128 attention projections took 100 us in
-int8 against 55 to 80 us in float32, while the feed-forward network's 128 x 512 and 512 x 128 products and
-the generator's 128 x 5,000 ran 1.5 to 3 times faster in int8 (`python -m benchmarks.int8_products`, whose
-table benchmarks/README.md keeps). So for the shipped models the feed-forward networks and the generator run
-in int8 and the attention projections stay float32 (for the paper's base model, d_model = 512, every product
-would be in int8). Embeddings, layer norms, softmax and the beam search stay float32. The weights are packed for oneDNN,
+256 rows (a beam step of 64 sentences), the shipped models' 128 x 128 attention projections took 65 to 101 us
+in int8 against 55 to 80 us in float32 in three runs, while the feed-forward network's 128 x 512 and
+512 x 128 products and the generator's 128 x 5,000 ran 1.5 to 3 times faster in int8 (`python -m
+benchmarks.int8_products`, whose table benchmarks/README.md keeps). So for the shipped models the
+feed-forward networks and the generator run in int8 and the attention projections stay float32 (for the
+paper's base model, d_model = 512, every product would be in int8). Embeddings, layer norms, softmax and the
+beam search stay float32. The weights are packed for oneDNN,
 which runs these products on the CPU's int8 instructions (AVX-512 VNNI, AMX); benchmarks/README.md has the
 speed and the BLEU beside float32's.
 
