@@ -85,7 +85,7 @@ def compact_state(state: dict) -> dict:
     if "averaged" in state.get("meta", {}):
         meta["averaged"] = [Path(p).name for p in state["meta"]["averaged"]]
     meta["weights"] = "float16 on disk, float32 when loaded"
-    table = case_table_in(state, "the checkpoint packed")
+    table = case_table_in(state, "being packed")  # read as any checkpoint reads it, then stored as text
     return {
         "format": FORMAT,
         "config": state["config"],
