@@ -45,6 +45,7 @@ class Tokenizer:
                 f"the sentencepiece model has pad, bos, eos, unk ids {ids}; this project needs "
                 f"{(PAD, BOS, EOS, UNK)}: train it with train_tokenizer()"
             )
+        self._unseen: dict[str, bool] = {}  # character -> spelled unseen; a pure memo of a fixed model
 
     @classmethod
     def from_bytes(cls, model: bytes) -> Tokenizer:
@@ -64,7 +65,7 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """encode() for many texts at once. sentencepiece's list call starts a pool of threads each time (about
         0.3 ms, 5 ms on a busy machine), which pays from about a thousand texts on; fewer are encoded one call
-        each (2 us for a word, 20 us for a caption): the translator checks every character of every line."""
+        each (2 us for a word, 20 us for a caption)."""
         texts = list(texts)
         try:
             if len(texts) >= BATCH_ENCODE_FROM:
@@ -104,6 +105,14 @@ class Tokenizer:
     def spells_unseen(self, ids: Sequence[int] | Tensor) -> bool:
         """Whether `ids` hold `unk` or a byte piece: a character the tokenizer never saw in training."""
         return any(i == UNK or self._sp.is_byte(i) for i in self._check_ids(ids))
+
+    def unseen_characters(self, text: str) -> set[str]:
+        """The characters of `text` (whitespace aside) this tokenizer has no piece for: it spells each one alone
+        in bytes, or unknown. A character's answer never changes, so each is encoded once per tokenizer (the
+        translator asks for every character of every line)."""
+        for c in set(text).difference(self._unseen):
+            self._unseen[c] = not c.isspace() and self.spells_unseen(self.encode(c))
+        return {c for c in set(text) if self._unseen[c]}
 
     def score(self, ids: Sequence[int] | Tensor) -> float:
         """The sum of the pieces' sentencepiece scores (for BPE, higher for pieces merged earlier: more frequent)."""

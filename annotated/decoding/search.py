@@ -434,6 +434,12 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # - **the generator's bias inside its product.** `y W_gen^T + b` is the
 #   product of `[y, 1]` with `[W_gen, b]^T`: one more column of ones instead
 #   of one more pass over the `A*k x V` logits (`_generator_with_bias_inside`).
+# - **one beam at the start.** Before the first step a sentence has one
+#   prefix, the lone bos; the readable loop decodes `k` copies of it (`k - 1`
+#   of them at log P = -inf, never chosen), the fast loop decodes one, and
+#   the first reordering makes its `k` rows (when the vocabulary has at
+#   least `2k` tokens to choose from: 1.02x to 1.03x on all 1,000 test
+#   sentences, de -> en, one thread).
 # - the prefixes live in one buffer, the finished counts in a tensor.
 #
 # The two loops compute the same function with the sums in another order
@@ -497,29 +503,30 @@ def _search_fast(model, src, src_mask, max_len, k, length_penalty, bos, eos, use
     mask = None if src_mask is None else src_mask.expand(B, *src_mask.shape[1:])  # (B, 1|S, S)
     cross = [layer.cross_attn.keys_values(memory) for layer in model.decoder.layers]  # per layer (B, h, S, d)
     selves: list = [None] * len(cross)  # per layer: the self-attention keys and values of the beams so far
-    ys = torch.full((B * k, max_len + 1), bos, dtype=torch.long, device=device)  # (B*k, max_len+1) filled as it goes
-    scores = torch.full((B, k), -math.inf, dtype=_score_dtype(memory.dtype), device=device)  # (B, k) log P
+    w = 1 if 2 * k <= model.config.tgt_vocab else k  # beams per sentence now: the lone bos at first
+    ys = torch.full((B * w, max_len + 1), bos, dtype=torch.long, device=device)  # (B*w, max_len+1) filled as it goes
+    scores = torch.full((B, w), -math.inf, dtype=_score_dtype(memory.dtype), device=device)  # (B, w) log P
     scores[:, 0] = 0.0  # only the lone bos is live at first
     alive = torch.arange(B, device=device)  # (A,) the sentence of each block of k rows
     n_done = torch.zeros(B, dtype=torch.long, device=device)  # (A,) finished translations per sentence
     logits_of = _generator_with_bias_inside(model.generator)
     for t in range(max_len):
         A = alive.numel()
-        y = _beam_step(model, ys[:, t : t + 1], t, mask, cross, selves, k)  # (A*k, d_model)
-        logp = logits_of(y).to(scores.dtype).log_softmax(dim=-1)  # (A*k, V)
+        y = _beam_step(model, ys[:, t : t + 1], t, mask, cross, selves, w)  # (A*w, d_model)
+        logp = logits_of(y).to(scores.dtype).log_softmax(dim=-1)  # (A*w, V)
         top, parent, token = _best_candidates(scores, logp, 2 * k)  # (A, 2k) each, best first
         is_eos = token == eos  # (A, 2k)
         ends = is_eos[:, :k] & top[:, :k].isfinite()  # (A, k)
         if ends.any():
             a, j = ends.nonzero(as_tuple=True)  # row-major: best first within a sentence
-            rows = a * k + parent[a, j]  # (n,)
+            rows = a * w + parent[a, j]  # (n,)
             for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[rows, 1 : t + 1].tolist()):
                 finished[b].append((logP / gnmt_lp(t + 1, length_penalty), ids + [eos]))
             n_done += ends.sum(dim=1)
         pick = torch.sort(is_eos.long(), dim=-1, stable=True).indices[:, :k]  # (A, k)
         scores = top.gather(1, pick)  # (A, k)
-        rows = (torch.arange(A, device=device).unsqueeze(1) * k + parent.gather(1, pick)).view(-1)  # (A*k,)
-        ys = ys.index_select(0, rows)  # (A*k, max_len+1)
+        rows = (torch.arange(A, device=device).unsqueeze(1) * w + parent.gather(1, pick)).view(-1)  # (A*k,)
+        ys, w = ys.index_select(0, rows), k  # (A*k, max_len+1): from here on k beams per sentence
         ys[:, t + 1] = token.gather(1, pick).view(-1)
         done = (n_done >= k) | ~scores.isfinite().any(dim=1)  # (A,)
         if t == max_len - 1:
@@ -536,15 +543,15 @@ def _search_fast(model, src, src_mask, max_len, k, length_penalty, bos, eos, use
         selves = [(K.index_select(0, rows), V.index_select(0, rows)) for K, V in selves]  # (A*k, h, t+1, d)
 
 
-def _beam_step(model, tokens: Tensor, t: int, mask: Tensor | None, cross: list, selves: list, k: int) -> Tensor:
+def _beam_step(model, tokens: Tensor, t: int, mask: Tensor | None, cross: list, selves: list, w: int) -> Tensor:
     """`model.decode(...)[:, -1]` of one step, the decoder layer's three sublayers with the beams' caches:
-    tokens (A*k, 1) at position t -> (A*k, d_model)."""
-    y = model.pos(model.tgt_embed(tokens), t)  # (A*k, 1, d_model)
+    tokens (A*w, 1) at position t, w beams per sentence -> (A*w, d_model)."""
+    y = model.pos(model.tgt_embed(tokens), t)  # (A*w, 1, d_model)
     for i, layer in enumerate(model.decoder.layers):
-        y = layer.res_self(y, functools.partial(_self_attention, layer.self_attn, selves, i))  # (A*k, 1, d_model)
-        y = layer.res_cross(y, functools.partial(_cross_attention, layer.cross_attn, cross[i], mask, k))
-        y = layer.res_ffn(y, layer.ffn)  # (A*k, 1, d_model)
-    return model.decoder.final_ln(y)[:, -1]  # (A*k, d_model)
+        y = layer.res_self(y, functools.partial(_self_attention, layer.self_attn, selves, i))  # (A*w, 1, d_model)
+        y = layer.res_cross(y, functools.partial(_cross_attention, layer.cross_attn, cross[i], mask, w))
+        y = layer.res_ffn(y, layer.ffn)  # (A*w, 1, d_model)
+    return model.decoder.final_ln(y)[:, -1]  # (A*w, d_model)
 
 
 def _generator_with_bias_inside(generator) -> Callable[[Tensor], Tensor]:
@@ -567,11 +574,11 @@ def _self_attention(attn, selves: list, i: int, z: Tensor) -> Tensor:
     return attn(z, kv=(K, V))  # (A*k, 1, d_model)
 
 
-def _cross_attention(attn, kv: tuple[Tensor, Tensor], mask: Tensor | None, k: int, z: Tensor) -> Tensor:
-    """Cross-attention with the k beams of a sentence as k queries against its one copy of the memory."""
-    R, T, d_model = z.shape  # (A*k, 1, d_model)
-    out = attn(z.reshape(R // k, k * T, d_model), mask=mask, kv=kv)  # (A, k, d_model)
-    return out.view(R, T, d_model)  # (A*k, 1, d_model)
+def _cross_attention(attn, kv: tuple[Tensor, Tensor], mask: Tensor | None, w: int, z: Tensor) -> Tensor:
+    """Cross-attention with the w beams of a sentence as w queries against its one copy of the memory."""
+    R, T, d_model = z.shape  # (A*w, 1, d_model)
+    out = attn(z.reshape(R // w, w * T, d_model), mask=mask, kv=kv)  # (A, w, d_model)
+    return out.view(R, T, d_model)  # (A*w, 1, d_model)
 
 
 def _best_candidates(scores: Tensor, logp: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:

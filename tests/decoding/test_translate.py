@@ -373,7 +373,7 @@ def test_a_translation_is_always_one_line(loaded):
     model, tok = loaded
 
     class Spells:  # the real tokenizer, except that decoding yields line breaks
-        encode, spells_unseen = staticmethod(tok.encode), staticmethod(tok.spells_unseen)
+        encode, unseen_characters = staticmethod(tok.encode), staticmethod(tok.unseen_characters)
 
         def decode(self, ids):
             return "a\nb\r\nc\u2028d"

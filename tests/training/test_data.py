@@ -371,6 +371,15 @@ def test_unseen_characters_are_spelled_in_bytes(tokenizer):
     assert tokenizer.pieces(ids) == ["▁", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]  # U+1F600 in UTF-8
 
 
+def test_unseen_characters_are_the_ones_spelled_in_bytes_and_asking_again_answers_the_same(tokenizer):
+    text = "Ein Hund 😀 rennt ☃ über die Wiese.\t😀"
+    spelled_alone = {c for c in set(text) if not c.isspace() and tokenizer.spells_unseen(tokenizer.encode(c))}
+    assert spelled_alone == {"😀", "☃"}
+    assert tokenizer.unseen_characters(text) == spelled_alone  # first asked: each character encoded
+    assert tokenizer.unseen_characters(text) == spelled_alone  # asked again: from the memo
+    assert tokenizer.unseen_characters("Hund") == set() and tokenizer.unseen_characters("") == set()
+
+
 def test_special_ids_and_decode_rules(tokenizer):
     assert tokenizer.pieces([PAD, BOS, EOS, data.UNK]) == ["<pad>", "<s>", "</s>", "<unk>"]
     ids = tokenizer.encode("Ein Hund.")
