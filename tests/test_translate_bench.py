@@ -69,7 +69,7 @@ def test_ctranslate2_scores_tokens_as_our_model_does(checkpoint, tmp_path):
 
 
 def test_every_tool_translates(checkpoint, data_url):
-    result = bench.measure(checkpoint, sentences=5, threads=1, rounds=1, data_url=data_url)
+    result = bench.measure(checkpoint, sentences=5, threads=1, rounds=2, data_url=data_url)
     rows = result["rows"]
     assert list(rows) == [
         "translator (stdin)",
@@ -86,6 +86,9 @@ def test_every_tool_translates(checkpoint, data_url):
     for name, own in (("translate_ids int8", "translate_ids"), ("CTranslate2 int8", "CTranslate2 float32")):
         assert rows[name]["BLEU - own float32"] == round(rows[name]["bleu"] - rows[own]["bleu"], 2)
     assert all(row["sentences_per_s"] > 0 for row in rows.values())
+    for name, row in rows.items():  # each tool's speed is its fastest round's
+        assert len(result["seconds"][name]) == 2
+        assert row["sentences_per_s"] == round(5 / min(result["seconds"][name]), 1)
     assert "| translate_ids int8 |" in bench.table(result) and "load average" in bench.table(result)
 
 
