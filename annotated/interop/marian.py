@@ -454,7 +454,7 @@ def from_marian(
 # 156, 605, 698, 726 and 892, float64), and 3 with `translate_ids`' batches of
 # 64, whose limit is the batch's longest source (156, 435 and 892, in
 # float64 as in float32); with the translator's `max_extra` of 50, none. `test_at_the_length_limit_generate_differs_only_as_stated`
-# checks, in float64 on the first 200 sentences at `max_extra=0`, that every
+# checks, in float64 on sentences 150 to 199 at `max_extra=0`, that every
 # difference is of that kind and that there is one (sentence 156).
 #
 # `tests/interop/test_marian_files.py` goes through folders: the export

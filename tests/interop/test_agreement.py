@@ -31,7 +31,8 @@ def test_a_trained_checkpoint_and_its_export_agree(data_url):
 
 
 def test_at_the_length_limit_generate_differs_only_as_stated(data_url):
-    """max_extra=0 cuts every output at its source's length (one sentence a batch). Where our translation and generate's differ (the case
+    """max_extra=0 cuts every output at its source's length (one sentence a batch), on test sentences 150-199,
+    among which the shipped model meets the case. Where our translation and generate's differ (the case
     section 5 of annotated/interop/marian.py states), generate's is a live prefix cut at the limit, with no eos,
     whose log-probability is higher than that of ours, which is a finished translation. Float64, so that no rounding
     of float32 can make or hide a difference."""
@@ -48,7 +49,7 @@ def test_at_the_length_limit_generate_differs_only_as_stated(data_url):
     checkpoint = choose_checkpoint(os.environ.get("ANNOTATED_CHECKPOINT"), REPO / "runs")
     model, tokenizer, meta = load_checkpoint(checkpoint)
     model = model.double()
-    pairs = load_multi30k("test_2016_flickr", meta["src_lang"], meta["tgt_lang"], base_url=data_url)[:200]
+    pairs = load_multi30k("test_2016_flickr", meta["src_lang"], meta["tgt_lang"], base_url=data_url)[150:200]
     sources = [tokenizer.encode(s)[: model.config.max_len] for s, _ in pairs]
     # one sentence a batch: each output is cut at its own source's length (a batch's limit is its longest source's)
     ours = translate_ids(model, sources, beam_size=4, length_penalty=0.0, max_extra=0, batch_size=1)
@@ -65,5 +66,5 @@ def test_at_the_length_limit_generate_differs_only_as_stated(data_url):
         limit = len(sources[i])
         assert len(ours[i]) < limit and len(theirs[i]) == limit, i  # ours finished (eos at or before the limit)
         assert log_p(sources[i], theirs[i]) > log_p(sources[i], ours[i] + [EOS]), i
-    if checkpoint.name == "de-en.pt":  # the shipped model: the case arises (sentence 156), the test is not vacuous
-        assert 156 in differ
+    if checkpoint.name == "de-en.pt":  # the shipped model: the case arises (test sentence 156), the test is not vacuous
+        assert 156 - 150 in differ
