@@ -130,9 +130,8 @@ def tool(
     m = quantize_int8(model) if name in INT8 else model
     alpha = model_length_penalty(meta)  # ours: GNMT alpha, the translator's default
 
-    def ours() -> list[str]:
-        with torch.inference_mode():
-            return [tokenizer.decode(h) for h in translate_ids(m, sources, 4, alpha)]
+    def ours() -> list[str]:  # as any caller runs it (it enters inference mode itself)
+        return [tokenizer.decode(h) for h in translate_ids(m, sources, 4, alpha)]
 
     return ours
 

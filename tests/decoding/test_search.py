@@ -299,3 +299,20 @@ def test_long_inputs_are_refused_at_the_door_or_cut_as_documented():
         sequence_logprob(m, torch.full((1, 3), 3), None, torch.full((1, 9), 3))
     out = translate_ids(m, [[3] * 20], max_extra=50)  # translate_ids cuts the source to max_len
     assert out == translate_ids(m, [[3] * 8], max_extra=50) and len(out[0]) <= 8
+
+
+def test_translate_ids_searches_in_inference_mode_and_the_model_trains_after_it(monkeypatch):
+    """Section 8: the search runs under `torch.inference_mode` (not only without gradients), and nothing of it
+    reaches the caller: lists come back, and the same model then trains (a backward pass through it works)."""
+    from annotated.decoding import search
+
+    torch.manual_seed(0)
+    model = make_model(src_vocab=13, tgt_vocab=13, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, max_len=16).eval()
+    seen, beam = [], search._beam_search
+    monkeypatch.setattr(search, "_beam_search", lambda *a: seen.append(torch.is_inference_mode_enabled()) or beam(*a))
+    out = translate_ids(model, [[4, 5, 6], [7, 8]], beam_size=2)
+    assert seen == [True] and not torch.is_inference_mode_enabled()
+    assert all(isinstance(ids, list) and all(isinstance(t, int) for t in ids) for ids in out)
+    src, tgt = torch.tensor([[4, 5, 6]]), torch.tensor([[BOS, 4, 5]])
+    model.train()(src, tgt, None, None).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
