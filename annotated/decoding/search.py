@@ -486,10 +486,14 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # translations do not change at all (90% of the 1,000 test sentences for
 # de -> en, 86% for en -> de), and those that do change move BLEU both ways:
 # -0.17 on test_2016_flickr and +0.02 on val for de -> en, -0.15 and -0.05
-# for en -> de (`test_int8_bleu_stays_within_the_margin_of_float32`). A whole
-# search of 300 sentences ran 1.19x (de -> en) and 1.23x (en -> de) faster
-# than in float32 at one thread (benchmarks/README.md, "Translation"): the
-# int8 products are about a third of a step. One more difference: the activations' scale is taken over
+# for en -> de (`test_int8_bleu_stays_within_the_margin_of_float32`). The
+# whole search gains less than the products: 300 sentences ran 1.19x (de ->
+# en) and 1.23x (en -> de) faster than in float32 at one thread in one
+# benchmark, all 1,000 0.99x and 1.06x in a later one (fastest of 5 runs
+# each; benchmarks/README.md, "Translation"). The int8 products are about a
+# third of a step, and oneDNN sets up its int8 kernel anew for each number of
+# rows it has not met, which a search changes whenever sentences finish.
+# One more difference: the activations' scale is taken over
 # the whole batch at each call, so an int8 translation can depend on the
 # sentences batched with it, which a float32 one does not
 # (`test_batched_beam_equals_one_sentence_at_a_time`).
