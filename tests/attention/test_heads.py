@@ -5,12 +5,12 @@ import io
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
 from test_sites import batch, tiny_model
 from torch import nn
 
@@ -20,6 +20,8 @@ from annotated.attention.profiles import attention_sums, head_label, position_pr
 from annotated.sites import KINDS, attention_at, keep_heads, remove_heads, sites
 from annotated.tokens import PAD
 from annotated.transformer import PerHeadAttention
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _Gated(nn.Module):
