@@ -110,9 +110,10 @@ class Tokenizer:
         """The characters of `text` (whitespace aside) this tokenizer has no piece for: it spells each one alone
         in bytes, or unknown. A character's answer never changes, so each is encoded once per tokenizer (the
         translator asks for every character of every line)."""
-        for c in set(text).difference(self._unseen):
+        characters = set(text)
+        for c in characters.difference(self._unseen):
             self._unseen[c] = not c.isspace() and self.spells_unseen(self.encode(c))
-        return {c for c in set(text) if self._unseen[c]}
+        return {c for c in characters if self._unseen[c]}
 
     def score(self, ids: Sequence[int] | Tensor) -> float:
         """The sum of the pieces' sentencepiece scores (for BPE, higher for pieces merged earlier: more frequent)."""

@@ -511,7 +511,7 @@ def _search_fast(model, src, src_mask, max_len, k, length_penalty, bos, eos, use
     ys = torch.full((B * w, max_len + 1), bos, dtype=torch.long, device=device)  # (B*w, max_len+1) filled as it goes
     scores = torch.full((B, w), -math.inf, dtype=_score_dtype(memory.dtype), device=device)  # (B, w) log P
     scores[:, 0] = 0.0  # only the lone bos is live at first
-    alive = torch.arange(B, device=device)  # (A,) the sentence of each block of k rows
+    alive = torch.arange(B, device=device)  # (A,) the sentence of each block of w rows
     n_done = torch.zeros(B, dtype=torch.long, device=device)  # (A,) finished translations per sentence
     logits_of = _generator_with_bias_inside(model.generator)
     for t in range(max_len):
@@ -571,11 +571,11 @@ def _generator_with_bias_inside(generator) -> Callable[[Tensor], Tensor]:
 def _self_attention(attn, selves: list, i: int, z: Tensor) -> Tensor:
     """Self-attention of the newest position, its keys and values appended to layer i's (selves[i], None at
     the first step)."""
-    K, V = attn.keys_values(z)  # (A*k, h, 1, d_k), (A*k, h, 1, d_v)
+    K, V = attn.keys_values(z)  # (A*w, h, 1, d_k), (A*w, h, 1, d_v)
     if selves[i] is not None:
-        K, V = torch.cat([selves[i][0], K], dim=2), torch.cat([selves[i][1], V], dim=2)  # (A*k, h, t+1, d)
+        K, V = torch.cat([selves[i][0], K], dim=2), torch.cat([selves[i][1], V], dim=2)  # (A*w, h, t+1, d)
     selves[i] = (K, V)
-    return attn(z, kv=(K, V))  # (A*k, 1, d_model)
+    return attn(z, kv=(K, V))  # (A*w, 1, d_model)
 
 
 def _cross_attention(attn, kv: tuple[Tensor, Tensor], mask: Tensor | None, w: int, z: Tensor) -> Tensor:
