@@ -562,7 +562,8 @@ class FusedAttention(_Attention):
 # parameter, along which dimension its blocks lie (`W_Q`, `W_K`, `W_V`: side
 # by side, columns; `W_O`: on top of each other, rows; biases: one axis) and
 # how wide a block is. `convert_model` applies them to every attention of a
-# whole model.
+# whole model; `head_blocks` reads one parameter of every head from either
+# form, stacked head by head (`test_head_blocks_are_the_blocks_split_hands_each_head`).
 
 # %%
 # name: (dimension the h blocks lie along, block width: "d_k" or "d_v")
@@ -616,6 +617,18 @@ def split(fused: FusedAttention) -> PerHeadAttention:
     if fused.b_O is not None and per_head.b_O is not None:  # both or neither: the same `bias`
         per_head.b_O.copy_(fused.b_O)
     return per_head
+
+
+def head_blocks(att: _Attention, name: str) -> Tensor | None:
+    """Parameter `name` of every head in either form, head i's block at [i]: (h, d_model, d) for W_Q, W_K,
+    W_V, (h, d_v, d_model) for W_O, (h, d) for b_Q, b_K, b_V; None for the biases of an attention without."""
+    stored = getattr(att, name)
+    if stored is None:
+        return None
+    if isinstance(att, PerHeadAttention):
+        return torch.stack(list(stored))  # (h, ...)
+    dim, width = BLOCKS[name]
+    return torch.stack(stored.split(getattr(att, width), dim))  # (h, ...) block i of the fused matrix at [i]
 
 
 M = TypeVar("M", bound=nn.Module)

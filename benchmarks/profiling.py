@@ -51,7 +51,14 @@ def profile_step(size: Size, steps: int = 3, precision: str = "fp32", seed: int 
     return profiled(step, steps)
 
 
-PRODUCTS = ("aten::addmm", "aten::mm", "aten::bmm", "quantized::linear_dynamic", "aten::_scaled_dot_product")
+PRODUCTS = (
+    "aten::addmm",
+    "aten::mm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "quantized::linear_dynamic",
+    "aten::_scaled_dot_product",
+)
 
 
 def profile_decoding(checkpoint: str, steps: int, readable: bool) -> Profiled:

@@ -18,12 +18,14 @@ from annotated.decoding.search import beam_search, greedy
 from annotated.recording import attend_with_probabilities, record_attention
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import (
+    BLOCKS,
     FusedAttention,
     PerHeadAttention,
     TransformerConfig,
     convert_model,
     fuse,
     greedy_decode,
+    head_blocks,
     make_model,
     padding_mask,
     split,
@@ -376,6 +378,19 @@ def test_fuse_split_round_trip_is_bit_identical(bias):
     again = fuse(back)
     for (n1, a), (n2, b) in zip(fu.named_parameters(), again.named_parameters()):
         assert n1 == n2 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_head_blocks_are_the_blocks_split_hands_each_head(bias):
+    ph, fu = pair(d_model=12, h=4, d_k=2, d_v=5, bias=bias)
+    for name in BLOCKS:
+        if name.startswith("b_") and not bias:
+            assert head_blocks(ph, name) is None and head_blocks(fu, name) is None
+            continue
+        stacked = head_blocks(fu, name)
+        assert torch.equal(stacked, head_blocks(ph, name)) and stacked.size(0) == 4
+        for i in range(4):
+            assert torch.equal(stacked[i], getattr(ph, name)[i])  # head i's own matrix, bit for bit
 
 
 @pytest.mark.parametrize("cls", [PerHeadAttention, FusedAttention])

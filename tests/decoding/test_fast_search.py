@@ -1,8 +1,8 @@
 """The fast beam-search loop (`_search_fast`, annotated/decoding/search.py section 7) against the readable one.
 
-The two loops compute the same function in a different order: the fast one attends from a sentence's k beams
-as k queries of one row (the readable one, k rows of one query each), so the attention's sums round
-differently. Hence: in float64 the same token ids and scores within 1e-12 (rounding at 2.2e-16 per operation,
+The two loops compute the same function in a different order: the fast one attends through the heads'
+circuits, from a sentence's k beams as k queries of one row (the readable one, through keys and values, k rows
+of one query each), so the attention's sums round differently. Hence: in float64 the same token ids and scores within 1e-12 (rounding at 2.2e-16 per operation,
 summed over at most 60 steps of a few thousand operations each); in float32 the same token ids and scores
 within 1e-4, where the largest difference seen in these cases is 4.8e-6 (float32 rounds at 6e-8 per
 operation, 40x coarser than what separates the scores seen here). Equal ids need no rounding margin: a tie
@@ -79,12 +79,19 @@ def test_fast_loop_equals_readable_loop_on_random_models(seed, k, form):
     (`_block_size`), and sentences of several lengths, so sentences leave the batch at different steps."""
     torch.manual_seed(seed)
     V = (7, 24, 60, 97, 128, 300)[seed]
-    m = make_model(src_vocab=V, tgt_vocab=V, N=2, d_model=16, d_ff=32, h=2, dropout=0.0, max_len=32, attention=form)
+    sizes = dict(d_v=5, bias=False) if seed % 2 else {}  # d_v != d_k, and no biases
+    m = make_model(
+        src_vocab=V, tgt_vocab=V, N=2, d_model=16, d_ff=32, h=2, dropout=0.0, max_len=32, attention=form, **sizes
+    )
     m = m.eval()
     with torch.no_grad():
+        for name, p in m.named_parameters():
+            if ".b_" in name:  # the attention's biases, zero when made: b_K's term must cancel, b_V's must not
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(seed))
         m.generator.bias[EOS] += 1.0  # some translations end before the limit
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randint(4, V, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (7,), generator=g)]
+    rows[seed] = [] if seed < 3 else rows[seed]  # a source of padding only: nothing to attend to
     src = padded(rows)
     for alpha in (0.0, 0.6, 1.0):
         for max_len in (3, 12):
@@ -103,3 +110,15 @@ def test_the_fast_path_switch_chooses_the_loop(shipped_and_sources):
         beam_search(model, src[:2], mask, 8)
     with fast_path(False), mock.patch.object(search, "_search_fast", refuse):
         beam_search(model, src[:2], mask, 8)
+
+
+@pytest.mark.parametrize("T", [1, 2, 12, 15, 16, 40])
+def test_the_written_out_softmax_is_torchs(T):
+    """`_softmax` (written out below 16 entries) equals `Tensor.softmax`, masked entries (-inf) included, and
+    a row with nothing to attend to is NaN in both (the caller zeroes it)."""
+    s = torch.randn(5, 3, T, dtype=torch.float64)
+    s[0, 0, 1:] = -torch.inf  # padding after the first key
+    s[1, 2] = -torch.inf
+    got, want = search._softmax(s.clone()), s.softmax(dim=-1)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-15, equal_nan=True)
+    assert got[1, 2].isnan().all() and got[0, 0, 1:].eq(0).all() and got[0, 0, 0] == 1
