@@ -589,7 +589,8 @@ class _Sources(NamedTuple):
 
     def keep(self, keep: Tensor) -> _Sources:
         """The sentences `keep` (A',) only."""
-        return _Sources(*(None if x is None else x.index_select(0, keep) for x in self))
+        pick = lambda x: None if x is None else x.index_select(0, keep)
+        return _Sources(self.memory.index_select(0, keep), pick(self.bias), pick(self.empty))
 
 
 class _Circuits(NamedTuple):
@@ -639,6 +640,7 @@ def _self_attention(attn, c: _Circuits, inputs: list, i: int, rows: Tensor | Non
     t = 0 if inputs[i] is None else inputs[i].size(1)
     X = torch.empty(R, t + 1, d_model, dtype=z.dtype, device=z.device)  # (A*w, t+1, d_model)
     if t:
+        assert rows is not None, "after the first step every row continues one of the step before"
         torch.index_select(inputs[i], 0, rows, out=X[:, :t])  # reordered straight into place: one copy
     X[:, t:] = z
     inputs[i] = X
