@@ -316,3 +316,36 @@ def test_translate_ids_searches_in_inference_mode_and_the_model_trains_after_it(
     src, tgt = torch.tensor([[4, 5, 6]]), torch.tensor([[BOS, 4, 5]])
     model.train()(src, tgt, None, None).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_translate_ids_on_two_threads_runs_two_batches_at_once_and_translates_the_same(monkeypatch):
+    """Section 8: with 2 threads on the CPU, batches run side by side on 2 threads, each with PyTorch set to one
+    thread (and inference mode), PyTorch's thread count is back after, and the translations are those of one
+    thread, in input order."""
+    import threading
+
+    from annotated.decoding import search
+
+    torch.manual_seed(0)
+    model = make_model(src_vocab=40, tgt_vocab=40, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, max_len=16).eval()
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randint(4, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 12, (30,), generator=g)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = translate_ids(model, sources, beam_size=3, batch_size=4)
+        torch.set_num_threads(2)
+        seen, beam, both = [], search._beam_search, threading.Barrier(2, timeout=20)
+
+        def watched(*a):
+            seen.append((threading.get_ident(), torch.get_num_threads(), torch.is_inference_mode_enabled()))
+            if len(seen) <= 2:
+                both.wait()  # the first two batches meet: they run at the same time (one thread alone would time out)
+            return beam(*a)
+
+        monkeypatch.setattr(search, "_beam_search", watched)
+        assert translate_ids(model, sources, beam_size=3, batch_size=4) == alone
+        assert len(seen) == 8 and len({ident for ident, _, _ in seen}) == 2, seen
+        assert all(n == 1 and inference for _, n, inference in seen) and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
