@@ -164,7 +164,10 @@ def head_matrices(att: PerHeadAttention | FusedAttention, i: int) -> dict[str, T
 # residual stream it equals the model's pre-softmax scores within 1e-12 in
 # float64, for every head, both forms (`test_circuit_scores_are_the_models_scores`),
 # and `writes` equals head `i`'s term of `sum_i head_i W_O[i]`
-# (`test_the_ov_circuit_is_what_a_head_writes`).
+# (`test_the_ov_circuit_is_what_a_head_writes`). The fast beam search uses
+# the same two identities forwards: it keeps a layer's inputs instead of keys
+# and values, and attends through `q W_K[i]^T` and `(P X) W_V[i]`
+# (`annotated/decoding/search.py`, section 7).
 
 
 # %%

@@ -492,12 +492,13 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # (`annotated/plumbing/allocator.py`).
 #
 # The profile of the fast loop now (same command, same machine, load about
-# 1): one search of the 64 sentences takes 303 ms against the readable
-# loop's 467 ms outside the profiler (1.54x). The products are half of it:
-# the generator's 18%, the layers' 17%, attention 15%; then the log-softmax
-# over the vocabulary 14% and the self-attention cache's reordering 6%. What
+# 1): one search of the 64 sentences takes 228 ms against the readable
+# loop's 510 ms outside the profiler (2.24x). The products are half of it
+# (51%): the generator's 20%, the layers' 17%, attention's 12%; then the
+# log-softmax over the vocabulary 15%, copies 6%, the block maxima 3%. What
 # is left is no longer bookkeeping but passes over memory that eager PyTorch
-# makes one operator at a time.
+# makes one operator at a time, and the operators themselves: a search of
+# one sentence (4 rows) still takes 1.5 ms a step.
 #
 # **int8.** `--quantize int8` (`annotated/decoding/quantize.py`) runs the
 # products with at least 65,536 weights in int8: for the shipped models the
@@ -509,15 +510,14 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # then off by at most half a step of its column's largest magnitude / 127,
 # and the errors of the 128 or 512 terms of a sum partly cancel: small beside
 # the gaps between the log-probabilities the search ranks, so most
-# translations do not change at all (90% of the 1,000 test sentences for
+# translations do not change at all (89% of the 1,000 test sentences for
 # de -> en, 86% for en -> de), and those that do change move BLEU both ways:
-# -0.17 on test_2016_flickr and +0.02 on val for de -> en, -0.15 and -0.05
+# -0.17 on test_2016_flickr and 0.00 on val for de -> en, -0.17 and -0.05
 # for en -> de (`test_int8_bleu_stays_within_the_margin_of_float32`). The
-# whole search gains less than the products: 300 sentences ran 1.19x (de ->
-# en) and 1.23x (en -> de) faster than in float32 at one thread in one
-# benchmark, all 1,000 0.99x and 1.06x in a later one (fastest of 5 runs
-# each; benchmarks/README.md, "Translation"). The int8 products are about a
-# third of a step, and oneDNN sets up its int8 kernel anew for each number of
+# whole search gains less than the products: all 1,000 sentences ran 1.06x
+# (de -> en) and 1.01x (en -> de) as fast as in float32 at one thread
+# (fastest of 5 runs each; benchmarks/README.md, "Translation"). The int8
+# products are about a third of a step, and oneDNN sets up its int8 kernel anew for each number of
 # rows it has not met, which a search changes whenever sentences finish.
 # One more difference: the activations' scale is taken over
 # the whole batch at each call, so an int8 translation can depend on the

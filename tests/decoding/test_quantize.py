@@ -19,7 +19,7 @@ SENTENCES = 48
 # Corpus BLEU over 48 sentences moves by about one point for each translation that changes. On the 20
 # disjoint slices of 48 sentences of test_2016_flickr, int8 minus float32 BLEU (beam 4, alpha 0.6) ranged
 # from -0.49 to +1.11 for the shipped de -> en model (+0.71 on this first slice) and from -1.14 to +0.94 for
-# en -> de, while over all 1,000 sentences it is -0.17 and -0.15 (benchmarks/README.md, "int8"). A margin of
+# en -> de, while over all 1,000 sentences it is -0.17 and -0.17 (benchmarks/README.md, "int8"). A margin of
 # 3 leaves room for other CPUs' int8 kernels; a broken quantization (a transposed weight) costs far more.
 MARGIN = 3.0
 
