@@ -517,8 +517,9 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # whole search gains less than the products: all 1,000 sentences ran 1.06x
 # (de -> en) and 1.01x (en -> de) as fast as in float32 at one thread
 # (fastest of 5 runs each; benchmarks/README.md, "Translation"). The int8
-# products are about a third of a step, and oneDNN sets up its int8 kernel anew for each number of
-# rows it has not met, which a search changes whenever sentences finish.
+# products are about a third of a step, and oneDNN sets up its int8 kernel
+# anew for each number of rows it has not met, which a search changes
+# whenever sentences finish.
 # One more difference: the activations' scale is taken over
 # the whole batch at each call, so an int8 translation can depend on the
 # sentences batched with it, which a float32 one does not
@@ -733,8 +734,8 @@ def _block_size(V: int, n: int) -> int:
 #
 # **More than one thread.** A beam step is a few hundred operators, most of
 # them too small for PyTorch to share between threads: on two threads the
-# search of the 1,000 test sentences took 2.58 s (de -> en), hardly less than
-# on one. So on the CPU with `n` threads `translate_ids` translates `n`
+# search of the 1,000 test sentences took 2.58 s (de -> en), against 2.89 s
+# on one in an earlier run. So on the CPU with `n` threads `translate_ids` translates `n`
 # batches at once, each on one thread (Python threads: PyTorch lets go of the
 # interpreter inside its operators), and sets PyTorch's thread count to 1
 # while they run, back after: 1.49 s, 1.73x (en -> de 2.83 s -> 1.98 s,
