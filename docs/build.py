@@ -157,6 +157,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
         "Part V. Circuits: what a head's own matrices compute",
         (
             "circuits/circuits",
+            "circuits/fold",
             "circuits/direct",
             "circuits/faithfulness",
             "circuits/dictionary",
