@@ -1,8 +1,8 @@
 """`python -m annotated.circuits.command [--checkpoint PATH] [--head KIND:LAYER:HEAD]` (`make circuits`).
 
 Reads every head's QK and OV circuits from the weights (annotated/circuits/): ranks and singular values, the
-direct path through the vocabulary and the positions, the copying score, the faithfulness of the weights-only
-reading on validation sentences, and for cross-attention the dictionaries in context and the alignment error rate
+direct path through the vocabulary and the positions, the copying score, the faithfulness of the direct path
+on validation sentences (weights only, and through the norms exactly), and for cross-attention the dictionaries in context and the alignment error rate
 against a statistical aligner. One table on stdout; `circuits.json` and `circuits_*.png` beside the checkpoint
 or in `--out`.
 """
@@ -156,18 +156,19 @@ def gather_inputs(model, tokenizer, meta: dict, args, say):
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [
-        f"{'head':<14} {'rank QK':>7} {'faithful rho [95%]':>22} {'argmax':>6} {'positions':>10} "
+        f"{'head':<14} {'rank QK':>7} {'faithful rho [95%]':>22} {'argmax':>6} {'rho LN':>6} {'positions':>10} "
         f"{'copying':>7} {'P@1 QK':>6} {'P@1 OV':>6} {'AER':>5}"
     ]
     for h in report["heads"]:
         f = h.get("faithfulness", {}).get("rho", [float("nan")] * 3)
+        exact_ln = h.get("faithfulness_through_the_norms", {}).get("rho", [float("nan")])[0]  # through the norms
         d = h.get("dictionary")
         p_qk = f"{d['qk_precision'][0]:.2f}" if d else "-"
         p_ov = f"{d['ov_precision'][0]:.2f}" if d else "-"
         a = f"{h['aer']:.2f}" if "aer" in h else "-"
         lines.append(
             f"{h['site'][0]} {h['site'][1]}.{h['head']:<6} {h['qk']['rank']:>7} "
-            f"{f[0]:>8.2f} [{f[1]:.2f}, {f[2]:.2f}] {h.get('faithfulness', {}).get('argmax', [0])[0]:>6.2f} "
+            f"{f[0]:>8.2f} [{f[1]:.2f}, {f[2]:.2f}] {h.get('faithfulness', {}).get('argmax', [0])[0]:>6.2f} {exact_ln:>6.2f} "
             f"{h['positions']['label']:>10} {h['copying_score']:>7.2f} {p_qk:>6} {p_ov:>6} {a:>5}"
         )
     return "\n".join(lines)

@@ -38,15 +38,38 @@
 #
 # **Where it is an approximation.** Deeper layers, and every cross-attention,
 # read a stream that earlier sublayers have written into, through
-# LayerNorms. We follow the embedding through the LayerNorms on its way
-# (`layer_norms_before`): each subtracts the mean and scales each coordinate
-# by its `gamma` (and divides by a positive number, the same for every
-# coordinate, which we leave out: it does not change which keys a query ranks
-# highest, and rank is what the faithfulness table of
-# `annotated/circuits/faithfulness.py` measures). Cross-attention's keys are
-# the encoder's *last* layer, so their direct path runs through the whole
-# encoder. How well these readings predict the real attention is measured,
-# head by head, not assumed.
+# LayerNorms (each `gamma * (z - mean) / sigma + beta`,
+# `annotated/circuits/fold.py`). There are two readings of the embedding's
+# way through them, and the faithfulness table of
+# `annotated/circuits/faithfulness.py` measures both:
+#
+# * **weights only** (`through`, section 1): each LayerNorm's centring and
+#   `gamma`; its division and its `beta` left out. This needs no sentence,
+#   so the tables over the vocabulary and the positions below use it. Both
+#   left-out parts change what the head ranks highest. Each *key* position
+#   has its own divisor `sigma_b` (the size of its stream, sublayers' writes
+#   included), and dividing key `b`'s score by `sigma_b` reorders keys of
+#   different sizes. And `beta`, on the query side, adds `beta W_QK x_b^T`
+#   to the score of key `b`: a term that changes from key to key, so it
+#   does not cancel in the softmax as a term constant along the keys would.
+# * **through the norms, exactly** (`exact_sentence_vectors`, section 3): the
+#   heads of the folded model (`fold_layer_norms`: no LayerNorm has a gain
+#   or a bias, each reader has them in its weights), reading the embeddings
+#   carried through each LayerNorm on their way with that position's own
+#   divisor, taken from the real forward pass (`norm_divisors`), and through
+#   each skip connection's `gamma` and `beta`. Only one thing is still left
+#   out: whatever the earlier sublayers *wrote* (their attention and
+#   feed-forward outputs, biases included), which the direct path leaves out
+#   by definition. The divisors are the real ones, so this reading is no
+#   longer from the weights alone: it borrows one number per position and
+#   per LayerNorm from the sentence. Where the sublayers write nothing it
+#   is the head's real score, to rounding
+#   (`test_the_reading_through_the_norms_is_exact_when_the_sublayers_write_nothing`),
+#   and the weights-only reading is not.
+#
+# Cross-attention's keys are the encoder's *last* layer, so their direct
+# path runs through the whole encoder. How well each reading predicts the
+# real attention is measured, head by head, not assumed.
 #
 # Every table over the vocabulary is computed in chunks of rows and only its
 # `k` best entries are kept: the full table would be `V x V` numbers.
@@ -60,6 +83,7 @@ import torch
 from torch import Tensor, nn
 
 from annotated.circuits.circuits import HeadCircuit
+from annotated.circuits.fold import FoldedResidual
 from annotated.sites import Site
 from annotated.transformer import EncoderDecoder
 
@@ -68,6 +92,12 @@ TOP = 10  # entries kept per row
 
 # %% [markdown]
 # ## 1. The LayerNorms between the embeddings and an attention
+#
+# `norms_before` names them in order: in a post-norm model every sublayer's
+# norm on the way (the whole encoder, for the cross-attention's keys); in a
+# pre-norm one only the site's own, since there the stream itself never
+# passes through a norm (`test_the_norms_are_followed_on_the_way_in_and_out`).
+# `through` is the weights-only reading of them: centring and `gamma`.
 
 
 # %%
@@ -78,28 +108,35 @@ def _norm(residual) -> nn.LayerNorm:
 
 
 def _norm_of(module) -> nn.LayerNorm:
-    """A stack's final norm (a LayerNorm in a pre-norm model)."""
+    """A module that must be a LayerNorm (a residual's, or a stack's final norm in a pre-norm model)."""
     assert isinstance(module, nn.LayerNorm)
     return module
 
 
+def norms_before(model: EncoderDecoder, site: Site, side: str) -> list[str]:
+    """Module names of the LayerNorms the embedding passes through, in order, before reaching `site`'s queries
+    (side "q") or keys ("kv"). Post-norm: every sublayer's norm on the way; pre-norm: the site's own norm only
+    (the encoder's final norm for cross-attention's keys), the stream itself never passing through one."""
+    kind, layer = site
+    N = model.config.N
+    enc_names, dec_names = ("res_attn", "res_ffn"), ("res_self", "res_cross", "res_ffn")
+    if model.config.norm == "pre":
+        if kind == "cross" and side == "kv":
+            return ["encoder.final_ln"]
+        own = {"enc_self": "res_attn", "dec_self": "res_self", "cross": "res_cross"}[kind]
+        return [f"{'encoder' if kind == 'enc_self' else 'decoder'}.layers.{layer}.{own}.ln"]
+    if kind == "cross" and side == "kv":  # the encoder's output: every encoder sublayer
+        return [f"encoder.layers.{l}.{n}.ln" for l in range(N) for n in enc_names]
+    stack, names = ("encoder", enc_names) if kind == "enc_self" else ("decoder", dec_names)
+    out = [f"{stack}.layers.{l}.{n}.ln" for l in range(layer) for n in names]
+    if kind == "cross":  # the decoder layer's own self-attention sublayer comes first
+        out.append(f"decoder.layers.{layer}.res_self.ln")
+    return out
+
+
 def layer_norms_before(model: EncoderDecoder, site: Site, side: str) -> list[nn.LayerNorm]:
     """The LayerNorms the embedding passes through before reaching `site`'s queries (side "q") or keys ("kv")."""
-    kind, layer = site
-    pre = model.config.norm == "pre"
-    enc, dec = model.encoder.layers, model.decoder.layers
-    if kind == "cross" and side == "kv":  # the encoder's output: every encoder sublayer, and its final norm
-        lns = [_norm(r) for lay in enc for r in (lay.res_attn, lay.res_ffn)]
-        return lns + ([_norm_of(model.encoder.final_ln)] if pre else [])
-    stack = enc if kind == "enc_self" else dec
-    names = ("res_attn", "res_ffn") if kind == "enc_self" else ("res_self", "res_cross", "res_ffn")
-    own = {"enc_self": "res_attn", "dec_self": "res_self", "cross": "res_cross"}[kind]
-    lns = [_norm(getattr(lay, n)) for lay in stack[:layer] for n in names]
-    if kind == "cross":  # the decoder layer's own self-attention sublayer comes first
-        lns.append(_norm(stack[layer].res_self))
-    if pre:  # pre-norm: the sublayer normalises its own input
-        lns.append(_norm(getattr(stack[layer], own)))
-    return lns
+    return [_norm_of(model.get_submodule(name)) for name in norms_before(model, site, side)]
 
 
 def through(lns: list[nn.LayerNorm], v: Tensor) -> Tensor:
@@ -154,7 +191,71 @@ def sentence_vectors(model: EncoderDecoder, site: Site, side: str, ids: Tensor) 
 
 
 # %% [markdown]
-# ## 3. Tables, best entries only
+# ## 3. Through the norms exactly: the folded weights and each position's divisor
+#
+# In the folded model every LayerNorm is `z_hat = (z - mean(z) 1) / sigma(z)`,
+# with `sigma` one positive number per position, and every post-norm skip
+# connection adds to `z_hat * gamma + beta` (`annotated/circuits/fold.py`).
+# With each `sigma` known, every step from the embedding to a head's input
+# is affine, and the stream a head reads is the sum of what the embedding,
+# the skips' `beta` and each earlier sublayer contributed, each carried
+# through the same steps. `exact_sentence_vectors` keeps the first two and
+# leaves out the sublayers' writes: starting from `E[t] sqrt(d_model) + PE[pos]`,
+# at each LayerNorm on the way it applies the skip before it (`gamma`,
+# `beta` of the norm before that) and then the centring and division by the
+# `sigma` that LayerNorm had at that position in the real pass
+# (`norm_divisors`, recorded with forward hooks, one `(B, T)` tensor per
+# LayerNorm). The folded heads then read the result as they read their real
+# input, biases and all: `beta` of the norm just before the head sits in the
+# folded `b_Q`, `b_K`, so the key bias `W_K b_Q^T` carries it.
+
+
+# %%
+@torch.no_grad()
+def norm_divisors(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int) -> dict[str, Tensor]:
+    """{LayerNorm's module name: sigma (B, T) of each position}: sqrt(var + eps) of its input in one teacher-forced
+    pass over src (B, S) and tgt (B, T). A folded model's are the original's (its norms see the same inputs)."""
+    from annotated.transformer import padding_mask, target_mask
+
+    seen: dict[str, Tensor] = {}
+
+    def recorder(name: str, ln: nn.LayerNorm):
+        def hook(module, args) -> None:
+            z = args[0]  # (B, T, d_model)
+            seen[name] = (z.var(-1, unbiased=False) + ln.eps).sqrt()  # (B, T)
+
+        return hook
+
+    norms = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
+    handles = [m.register_forward_pre_hook(recorder(n, m)) for n, m in norms]
+    try:
+        src_mask = padding_mask(src, pad)
+        model.decode(model.encode(src, src_mask), src_mask, tgt, target_mask(tgt, pad))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+@torch.no_grad()
+def exact_sentence_vectors(
+    folded: EncoderDecoder, site: Site, side: str, ids: Tensor, divisors: dict[str, Tensor]
+) -> Tensor:
+    """The direct path of sentences ids (B, T) at `site`'s queries or keys in the folded model, (B, T, d_model):
+    the embeddings and positions through each skip and each LayerNorm on the way, with the real `divisors`."""
+    language = SIDES[site[0]][0 if side == "q" else 1]
+    embed = folded.src_embed if language == "src" else folded.tgt_embed
+    x = embed(ids) + folded.pos.pe[: ids.size(1)].to(folded.generator.weight.dtype)  # (B, T, d_model)
+    for name in norms_before(folded, site, side):
+        owner = folded.get_submodule(name.rpartition(".")[0])
+        if isinstance(owner, FoldedResidual):  # post-norm: the skip reads the norm before with its gamma, beta
+            x = owner.skip(x)  # (B, T, d_model)
+        x = (x - x.mean(-1, keepdim=True)) / divisors[name].unsqueeze(-1)  # this norm, this position's sigma
+    return x  # (B, T, d_model)
+
+
+# %% [markdown]
+# ## 4. Tables, best entries only
 #
 # The softmax runs over the keys of one query, so a number added to a whole
 # row changes nothing: every table is **centred per row** (its mean over the
@@ -219,7 +320,7 @@ def preferred_offsets(table: Tensor) -> Tensor:
 
 
 # %% [markdown]
-# ## 4. The OV circuit through the generator: what a head writes, in words
+# ## 5. The OV circuit through the generator: what a head writes, in words
 #
 # When head `i` attends to a key token `t`, it adds `x_t W_OV` (scaled by the
 # weight) to the stream. Read by the generator, whose rows are the target
@@ -247,17 +348,18 @@ def preferred_offsets(table: Tensor) -> Tensor:
 
 # %%
 def layer_norms_after(model: EncoderDecoder, site: Site) -> list[nn.LayerNorm]:
-    """The LayerNorms between `site`'s output and the generator, on the decoder's own stream."""
+    """The LayerNorms between `site`'s output and the generator, on the decoder's own stream (for an encoder head:
+    its own stack's, as far as the memory). Pre-norm: the stack's final norm only."""
     kind, layer = site
-    dec = model.decoder.layers
+    if model.config.norm == "pre":  # the stream meets no other norm
+        return [_norm_of(model.encoder.final_ln if kind == "enc_self" else model.decoder.final_ln)]
     if kind == "enc_self":  # reaches the decoder only through cross-attention: its own stack's norms, then none
         return [_norm(r) for lay in model.encoder.layers[layer:] for r in (lay.res_attn, lay.res_ffn)]
-    pre = model.config.norm == "pre"
+    dec = model.decoder.layers
     names = ("res_self", "res_cross", "res_ffn")
-    start = names.index("res_self" if kind == "dec_self" else "res_cross") + (1 if pre else 0)
+    start = names.index("res_self" if kind == "dec_self" else "res_cross")
     lns = [_norm(getattr(dec[layer], n)) for n in names[start:]]
-    lns += [_norm(getattr(lay, n)) for lay in dec[layer + 1 :] for n in names] if not pre else []
-    return lns + ([_norm_of(model.decoder.final_ln)] if pre else [])
+    return lns + [_norm(getattr(lay, n)) for lay in dec[layer + 1 :] for n in names]
 
 
 @torch.no_grad()

@@ -12,15 +12,29 @@
 # # How much of a head do its weights explain? Faithfulness, measured
 #
 # The direct path of `annotated/circuits/direct.py` predicts, from the
-# weights and the embeddings alone, a score for every query and key of a
-# sentence. The model's real attention is computed from the whole residual
-# stream. For each head we compare the two on validation sentences, query by
-# query, over the keys the query may see:
+# embeddings, a score for every query and key of a sentence. The model's
+# real attention is computed from the whole residual stream. For each head
+# we compare the two on validation sentences, query by query, over the keys
+# the query may see:
 #
-# * **rank correlation** (Spearman's rho): does the weights-only reading
-#   order the keys as the head's attention does? 1 is the same order;
+# * **rank correlation** (Spearman's rho): does the reading order the keys
+#   as the head's attention does? 1 is the same order;
 # * **argmax agreement**: is the key the reading ranks first the one the
 #   head attends to most?
+#
+# Each for both readings of the direct path (`READINGS`):
+#
+# * `weights_only`: the embeddings through each LayerNorm's centring and
+#   `gamma`, read by the model's own heads; its divisions and `beta` left out;
+# * `through_the_norms`: the embeddings through the LayerNorms exactly, each
+#   position with its own divisor from the real pass and each skip with its
+#   `gamma` and `beta`, read by the heads of the folded model
+#   (`annotated/circuits/fold.py`); only what the earlier sublayers wrote is
+#   left out.
+#
+# So the difference between the two columns is the cost of leaving out the
+# LayerNorms' divisions and biases, and what `through_the_norms` still
+# misses is the cost of leaving out the sublayers: each a measured number.
 #
 # The head's attention is the softmax of its scores, which keeps their
 # order, so both are measured against the model's real scores (recorded with
@@ -31,11 +45,18 @@
 #
 # Each is averaged over a sentence's queries, then over sentences, with a
 # 95% bootstrap interval over sentences (`mean_interval` of
-# `annotated/attention/bootstrap.py`). Where the direct path is exact (the
-# first layer's self-attentions of a post-norm model), both are 1 up to
-# rounding (`test_faithfulness_is_one_where_the_direct_path_is_exact`); a
-# head that scores low there needs its context: what earlier layers wrote is
-# what it reads.
+# `annotated/attention/bootstrap.py`). Where the direct path is the head's
+# whole input (the first layer's self-attentions of a post-norm model), both
+# readings are its real scores and score 1. Checking that where the input
+# is the direct path by construction would only check that a tensor equals
+# itself; instead, in a model whose sublayers write nothing (their output
+# weights and biases set to zero, so every head past the first layer reads
+# the embeddings through the norms and nothing else), the reading through
+# the norms, computed from the embeddings and the recorded divisors alone,
+# equals every head's real scores, while the weights-only reading misses
+# (`test_the_reading_through_the_norms_is_exact_when_the_sublayers_write_nothing`).
+# A head that scores low through the norms needs its context: what earlier
+# layers wrote is what it reads.
 
 # %%
 from __future__ import annotations
@@ -49,7 +70,8 @@ from torch import Tensor
 
 from annotated.attention.bootstrap import RESAMPLES, SEED, Change, mean_interval
 from annotated.circuits.circuits import attention_inputs, circuits
-from annotated.circuits.direct import SIDES, sentence_vectors
+from annotated.circuits.direct import SIDES, exact_sentence_vectors, norm_divisors, sentence_vectors
+from annotated.circuits.fold import fold_layer_norms
 from annotated.sites import Site
 from annotated.transformer import EncoderDecoder, padding_mask, target_mask
 
@@ -92,7 +114,47 @@ def argmax_agreement(a: Tensor, b: Tensor, allowed: Tensor) -> Tensor:
 
 
 # %% [markdown]
-# ## 2. Every head, over sentences
+# ## 2. The two readings of one batch
+#
+# `predicted_scores` gives, for each reading, each head's predicted
+# matching scores (the bilinear term and the key bias, what the softmax
+# sees) on one batch; the folded model is built once by the caller.
+
+
+# %%
+READINGS = ("weights_only", "through_the_norms")
+Scores = dict[tuple[Site, int], Tensor]  # (site, head) -> (B, T_q, T_k)
+
+
+@torch.no_grad()
+def predicted_scores(
+    model: EncoderDecoder, folded: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int
+) -> dict[str, Scores]:
+    """{reading: {(site, head): predicted scores (B, T_q, T_k)}} for src (B, S) and the decoder's input tgt (B, T)."""
+    divisors = norm_divisors(model, src, tgt, pad)  # the real pass's
+    ids = {"src": src, "tgt": tgt}
+    out: dict[str, Scores] = {r: {} for r in READINGS}
+    heads = {"weights_only": circuits(model), "through_the_norms": circuits(folded)}
+    for site in heads["weights_only"]:
+        q_side, kv_side = SIDES[site[0]]
+        inputs = {
+            "weights_only": (
+                sentence_vectors(model, site, "q", ids[q_side]),
+                sentence_vectors(model, site, "kv", ids[kv_side]),
+            ),
+            "through_the_norms": (
+                exact_sentence_vectors(folded, site, "q", ids[q_side], divisors),
+                exact_sentence_vectors(folded, site, "kv", ids[kv_side], divisors),
+            ),
+        }
+        for reading in READINGS:
+            for c in heads[reading][site]:
+                out[reading][(site, c.head)] = c.matching(*inputs[reading])  # (B, T_q, T_k)
+    return out
+
+
+# %% [markdown]
+# ## 3. Every head, over sentences
 
 
 # %%
@@ -118,33 +180,35 @@ def faithfulness(
     pad: int,
     resamples: int = RESAMPLES,
     seed: int = SEED,
-) -> dict[tuple[Site, int], Faithfulness]:
-    """For each (site, head): how well the direct path predicts the attention on (src (B, S), tgt (B, T)) batches.
+) -> dict[tuple[Site, int], dict[str, Faithfulness]]:
+    """For each (site, head) and each of `READINGS`: how well that reading of the direct path predicts the
+    attention on (src (B, S), tgt (B, T)) batches.
 
     `tgt` is the decoder's input (BOS first). Each sentence counts once, whatever its length.
     """
     model = model.eval()
+    folded = fold_layer_norms(model)
     heads = circuits(model)
-    per_sentence: dict[tuple[Site, int], tuple[list[float], list[float]]] = {}
+    per_sentence: dict[tuple[str, Site, int], tuple[list[float], list[float]]] = {}
     for src, tgt in batches:
         inputs = attention_inputs(model, src, tgt, pad)
+        predicted = predicted_scores(model, folded, src, tgt, pad)
         for site, cs in heads.items():
-            ids = {"src": src, "tgt": tgt}
-            q_side, kv_side = SIDES[site[0]]
-            x_q = sentence_vectors(model, site, "q", ids[q_side])  # (B, T_q, d_model)
-            x_kv = sentence_vectors(model, site, "kv", ids[kv_side])  # (B, T_k, d_model)
             allowed = _allowed(site[0], src, tgt, pad)
             for c in cs:
-                predicted = c.matching(x_q, x_kv)  # (B, T_q, T_k) from the weights and the embeddings
                 real = c.matching(*inputs[site])  # (B, T_q, T_k) what the head's softmax sees
-                rho, rows = masked_spearman(predicted, real, allowed)
-                agree = argmax_agreement(predicted, real, allowed)
-                lists = per_sentence.setdefault((site, c.head), ([], []))
-                for b in range(src.size(0)):
-                    if rows[b].any():
-                        lists[0].append(float(rho[b][rows[b]].mean()))
-                        lists[1].append(float(agree[b][rows[b]].mean()))
-    return {
-        key: Faithfulness(mean_interval(np.array(r), resamples, seed), mean_interval(np.array(a), resamples, seed))
-        for key, (r, a) in per_sentence.items()
-    }
+                for reading in READINGS:
+                    guess = predicted[reading][(site, c.head)]  # (B, T_q, T_k) from the embeddings
+                    rho, rows = masked_spearman(guess, real, allowed)
+                    agree = argmax_agreement(guess, real, allowed)
+                    lists = per_sentence.setdefault((reading, site, c.head), ([], []))
+                    for b in range(src.size(0)):
+                        if rows[b].any():
+                            lists[0].append(float(rho[b][rows[b]].mean()))
+                            lists[1].append(float(agree[b][rows[b]].mean()))
+    out: dict[tuple[Site, int], dict[str, Faithfulness]] = {}
+    for (reading, site, head), (r, a) in per_sentence.items():
+        out.setdefault((site, head), {})[reading] = Faithfulness(
+            mean_interval(np.array(r), resamples, seed), mean_interval(np.array(a), resamples, seed)
+        )
+    return out

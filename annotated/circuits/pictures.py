@@ -21,8 +21,9 @@
 # * `circuits_positions.png`: every self-attention head's position table
 #   (query position down, key position across, each row centred), the
 #   first layer's exact, the others through the norms;
-# * `circuits_faithfulness.png`: each head's rank correlation between the
-#   weights-only reading and its real scores, with the 95% interval;
+# * `circuits_faithfulness.png`: each head's rank correlation between its
+#   real scores and each reading of the direct path (weights only, pale;
+#   through the norms exactly, full), with the 95% intervals;
 # * `circuits_dictionary.png`: the best cross-attention head's QK dictionary
 #   and OV dictionaries for the most frequent source words of four letters
 #   or more (the shorter ones are mostly articles and prepositions): for
@@ -97,22 +98,42 @@ def positions_figure(heads: list[dict]) -> Figure:
 
 def faithfulness_figure(heads: list[dict]) -> Figure:
     rows = [h for h in heads if "faithfulness" in h]
-    fig = Figure(figsize=(max(6.0, 0.32 * len(rows) + 1.5), 3.4), dpi=90, layout=LAYOUT)
+    fig = Figure(figsize=(max(6.0, 0.42 * len(rows) + 1.5), 3.4), dpi=90, layout=LAYOUT)
     ax = fig.subplots()
     kinds = list(KIND_LABELS)
     colours = matplotlib.colormaps[CMAP](np.linspace(0.15, 0.85, len(kinds)))
+    readings = (
+        ("faithfulness", -0.2, 0.45, "weights only"),
+        ("faithfulness_through_the_norms", 0.2, 1.0, "through the norms"),
+    )
     for x, h in enumerate(rows):
-        value, low, high = h["faithfulness"]["rho"]
         c = colours[kinds.index(h["site"][0])]
-        ax.bar(x, value, color=c, hatch="" if h["exact_direct_path"] else "//", edgecolor="white")
-        ax.errorbar(x, value, yerr=[[value - low], [high - value]], color="black", capsize=2)
+        for field, dx, alpha, label in readings:
+            if field not in h:
+                continue
+            value, low, high = h[field]["rho"]
+            hatch = "" if h["exact_direct_path"] else "//"
+            ax.bar(
+                x + dx,
+                value,
+                width=0.4,
+                color=c,
+                alpha=alpha,
+                hatch=hatch,
+                edgecolor="white",
+                label=label if x == 0 else None,
+            )
+            ax.errorbar(x + dx, value, yerr=[[value - low], [high - value]], color="black", capsize=2)
     ax.set_xticks(
         range(len(rows)), [f"{h['site'][0]} {h['site'][1]}.{h['head']}" for h in rows], rotation=90, fontsize=7
     )
     ax.set_ylim(-0.1, 1.05)
-    ax.set_ylabel("rank correlation, weights vs real scores", fontsize=8)
+    ax.set_ylabel("rank correlation, reading vs real scores", fontsize=8)
+    ax.legend(fontsize=7, loc="lower left")
     ax.set_title(
-        "How much of each head the direct path explains (hatched: an approximation; 95% intervals)", fontsize=9
+        "How much of each head the direct path explains: weights only (pale), through the norms exactly (full);\n"
+        "hatched: the sublayers' writes left out; 95% intervals",
+        fontsize=9,
     )
     return fig
 

@@ -168,11 +168,12 @@ def read_model(model: EncoderDecoder, inputs: Inputs) -> dict[str, Any]:
         for c in tracked([c for cs in heads.values() for c in cs], sum(map(len, heads.values())), "circuits", "head")
     }
     val = [(s, t[:, :-1]) for s, t in inputs.val_batches]
-    for key, f in faithfulness(model, bar(val, "faithfulness"), PAD).items():
-        records[key]["faithfulness"] = {
-            "rho": [f.rho.value, f.rho.low, f.rho.high],
-            "argmax": [f.argmax.value, f.argmax.low, f.argmax.high],
-        }
+    for key, readings in faithfulness(model, bar(val, "faithfulness"), PAD).items():
+        for reading, f in readings.items():  # "faithfulness" (weights only), "faithfulness_through_the_norms"
+            records[key]["faithfulness" if reading == "weights_only" else f"faithfulness_{reading}"] = {
+                "rho": [f.rho.value, f.rho.low, f.rho.high],
+                "argmax": [f.argmax.value, f.argmax.low, f.argmax.high],
+            }
     cross = [s for s in heads if s[0] == "cross"]
     if inputs.lexicon is not None:
         means = mean_inputs(model, inputs.pieces, bar(inputs.train_batches, "dictionaries"), cross)

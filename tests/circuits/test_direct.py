@@ -1,6 +1,7 @@
 """The direct path (annotated/circuits/direct.py) and faithfulness (faithfulness.py): exact where the prose says
 so, and a planted model whose readout finds exactly what was planted."""
 
+import copy
 import math
 
 import numpy as np
@@ -21,10 +22,11 @@ from annotated.circuits.direct import (
     token_vectors,
     top_table,
 )
-from annotated.circuits.faithfulness import argmax_agreement, faithfulness, masked_spearman
+from annotated.circuits.faithfulness import argmax_agreement, faithfulness, masked_spearman, predicted_scores
+from annotated.circuits.fold import fold_layer_norms
 from annotated.sites import attention_at
 from annotated.tokens import BOS, EOS, PAD
-from annotated.transformer import make_model
+from annotated.transformer import FeedForward, FusedAttention, PerHeadAttention, make_model
 
 TOL = 1e-12  # float64 sums of the same products in another order
 
@@ -63,13 +65,19 @@ def test_the_first_layer_splits_exactly_into_four_tables():
 def test_the_norms_are_followed_on_the_way_in_and_out():
     model, _ = _shipped64()
     N = model.config.N
-    from annotated.circuits.direct import layer_norms_before
+    from annotated.circuits.direct import layer_norms_before, norms_before
 
     assert layer_norms_before(model, ("enc_self", 0), "q") == []
     assert len(layer_norms_before(model, ("enc_self", 1), "q")) == 2  # layer 0's two sublayers
     assert len(layer_norms_before(model, ("cross", 0), "kv")) == 2 * N  # the whole encoder
     assert len(layer_norms_before(model, ("cross", 1), "q")) == 3 + 1  # decoder layer 0, then layer 1's self
     assert len(layer_norms_after(model, ("cross", N - 1))) == 2  # its own sublayer's norm and the ffn's
+    pre = make_model(src_vocab=10, tgt_vocab=10, N=2, d_model=8, h=2, d_ff=8, norm="pre")
+    assert norms_before(pre, ("enc_self", 1), "q") == ["encoder.layers.1.res_attn.ln"]  # pre-norm: its own only
+    assert norms_before(pre, ("cross", 1), "q") == ["decoder.layers.1.res_cross.ln"]
+    assert norms_before(pre, ("cross", 0), "kv") == ["encoder.final_ln"]
+    assert layer_norms_after(pre, ("dec_self", 0)) == [pre.decoder.final_ln]
+    assert layer_norms_after(pre, ("enc_self", 0)) == [pre.encoder.final_ln]
     v = torch.randn(5, model.config.d_model, dtype=torch.float64)
     assert through([], v) is v
     ln = model.encoder.layers[0].res_attn.ln  # trained: its gamma is not all ones
@@ -104,14 +112,60 @@ def test_masked_spearman_is_scipys_on_each_row():
     assert agree.min() == 1.0 and argmax_agreement(a, -a, allowed)[0].max() == 0.0
 
 
-def test_faithfulness_is_one_where_the_direct_path_is_exact():
+def _silent(model):
+    """A copy of `model` whose sublayers write nothing: every attention's W_O, b_O and every W_2, b_2 at zero.
+    Each head past the first layer then reads the embeddings through the norms, and nothing else."""
+    silent = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in silent.modules():
+            if isinstance(m, FeedForward):
+                m.W_2.zero_(), m.b_2.zero_()
+            elif isinstance(m, (PerHeadAttention, FusedAttention)):
+                for p in (m.W_O, m.b_O):
+                    p.zero_()
+    return silent
+
+
+def test_the_reading_through_the_norms_is_exact_when_the_sublayers_write_nothing():
+    """The reading through the norms, from the embeddings, the folded weights and the recorded divisors only,
+    gives what each head's softmax sees (its real scores up to a constant per query) when nothing else is
+    written; the weights-only reading does not, past the first layer: the divisions and the betas matter."""
     model, tok = _shipped64()
-    f = faithfulness(model, [_pairs(tok)], PAD, resamples=50)
+    silent = _silent(model)
+    src, tgt = _pairs(tok)
+    real_inputs = attention_inputs(silent, src, tgt, PAD)  # the model's own pass, through hooks
+    predicted = predicted_scores(silent, fold_layer_norms(silent), src, tgt, PAD)
+    centred = lambda s: s - s.mean(-1, keepdim=True)  # the softmax ignores a constant per query
+    missed = {}
+    for site, heads in circuits(silent).items():
+        for c in heads:
+            real = centred(c.scores(*real_inputs[site]))  # (B, T_q, T_k) every score term, centred
+            assert real.abs().max() > 1.0  # scores of real size: the tolerance means something
+            gap = (centred(predicted["through_the_norms"][(site, c.head)]) - real).abs().max()
+            assert gap < TOL, (site, c.head, gap.item())
+            missed[(site, c.head)] = (centred(predicted["weights_only"][(site, c.head)]) - real).abs().max()
+    assert all(missed[(s, h)] < TOL for s, h in missed if exact(silent, s))  # both exact in the first layer
+    assert min(v for (s, _), v in missed.items() if not exact(silent, s)) > 0.1  # and only there
+    f = faithfulness(silent, [(src, tgt)], PAD, resamples=50)
     assert len(f) == 24
-    for (site, head), v in f.items():
-        if exact(model, site):
-            assert v.rho.value > 1 - 1e-9 and v.argmax.value == 1.0, (site, head, v)
-    assert min(v.rho.value for (site, _), v in f.items() if not exact(model, site)) < 0.9  # it can fail
+    for key, readings in f.items():
+        through = readings["through_the_norms"]
+        assert through.rho.value > 1 - 1e-9 and through.argmax.value == 1.0, (key, through)
+    assert min(r["weights_only"].rho.value for r in f.values()) < 0.95  # the weights-only reading is not exact
+
+    torch.manual_seed(0)  # pre-norm: each head reads its own norm of the embeddings, with that norm's divisor
+    pre = _silent(make_model(src_vocab=30, tgt_vocab=30, N=2, d_model=16, d_ff=8, h=2, norm="pre").double().eval())
+    with torch.no_grad():
+        for m in pre.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.3, 2.0), m.bias.normal_()
+    src, tgt = torch.randint(4, 30, (2, 6)), torch.randint(4, 30, (2, 5))
+    real_inputs = attention_inputs(pre, src, tgt, PAD)
+    predicted = predicted_scores(pre, fold_layer_norms(pre), src, tgt, PAD)
+    for site, heads in circuits(pre).items():
+        for c in heads:
+            gap = centred(predicted["through_the_norms"][(site, c.head)]) - centred(c.scores(*real_inputs[site]))
+            assert gap.abs().max() < TOL, (site, c.head)
 
 
 # ---------------------------------------------------------------- a planted model
