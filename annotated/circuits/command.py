@@ -2,7 +2,7 @@
 
 Reads every head's QK and OV circuits from the weights (annotated/circuits/): ranks and singular values, the
 direct path through the vocabulary and the positions, the copying score, the faithfulness of the direct path
-on validation sentences (weights only, and through the norms exactly), and for cross-attention the dictionaries in context and the alignment error rate
+on validation sentences (weights only, and with the LayerNorms exact), and for cross-attention the dictionaries in context and the alignment error rate
 against a statistical aligner. One table on stdout; `circuits.json` and `circuits_*.png` beside the checkpoint
 or in `--out`.
 """
@@ -161,7 +161,7 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     for h in report["heads"]:
         f = h.get("faithfulness", {}).get("rho", [float("nan")] * 3)
-        exact_ln = h.get("faithfulness_through_the_norms", {}).get("rho", [float("nan")])[0]  # through the norms
+        exact_ln = h.get("faithfulness_exact_norms", {}).get("rho", [float("nan")])[0]  # through the norms
         d = h.get("dictionary")
         p_qk = f"{d['qk_precision'][0]:.2f}" if d else "-"
         p_ov = f"{d['ov_precision'][0]:.2f}" if d else "-"

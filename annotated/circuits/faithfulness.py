@@ -26,14 +26,14 @@
 #
 # * `weights_only`: the embeddings through each LayerNorm's centring and
 #   `gamma`, read by the model's own heads; its divisions and `beta` left out;
-# * `through_the_norms`: the embeddings through the LayerNorms exactly, each
+# * `exact_norms`: the embeddings through the LayerNorms exactly, each
 #   position with its own divisor from the real pass and each skip with its
 #   `gamma` and `beta`, read by the heads of the folded model
 #   (`annotated/circuits/fold.py`); only what the earlier sublayers wrote is
 #   left out.
 #
 # So the difference between the two columns is the cost of leaving out the
-# LayerNorms' divisions and biases, and what `through_the_norms` still
+# LayerNorms' divisions and biases, and what `exact_norms` still
 # misses is the cost of leaving out the sublayers: each a measured number.
 #
 # The head's attention is the softmax of its scores, which keeps their
@@ -51,11 +51,11 @@
 # is the direct path by construction would only check that a tensor equals
 # itself; instead, in a model whose sublayers write nothing (their output
 # weights and biases set to zero, so every head past the first layer reads
-# the embeddings through the norms and nothing else), the reading through
-# the norms, computed from the embeddings and the recorded divisors alone,
-# equals every head's real scores, while the weights-only reading misses
-# (`test_the_reading_through_the_norms_is_exact_when_the_sublayers_write_nothing`).
-# A head that scores low through the norms needs its context: what earlier
+# the embeddings through the norms and nothing else), the exact-norms
+# reading, computed from the embeddings and the recorded divisors alone,
+# gives every head's real scores (up to a constant per query), while the weights-only reading misses
+# (`test_the_exact_norms_reading_is_the_heads_input_when_the_sublayers_write_nothing`).
+# A head that scores low with the norms exact needs its context: what earlier
 # layers wrote is what it reads.
 
 # %%
@@ -122,7 +122,7 @@ def argmax_agreement(a: Tensor, b: Tensor, allowed: Tensor) -> Tensor:
 
 
 # %%
-READINGS = ("weights_only", "through_the_norms")
+READINGS = ("weights_only", "exact_norms")
 Scores = dict[tuple[Site, int], Tensor]  # (site, head) -> (B, T_q, T_k)
 
 
@@ -134,7 +134,7 @@ def predicted_scores(
     divisors = norm_divisors(model, src, tgt, pad)  # the real pass's
     ids = {"src": src, "tgt": tgt}
     out: dict[str, Scores] = {r: {} for r in READINGS}
-    heads = {"weights_only": circuits(model), "through_the_norms": circuits(folded)}
+    heads = {"weights_only": circuits(model), "exact_norms": circuits(folded)}
     for site in heads["weights_only"]:
         q_side, kv_side = SIDES[site[0]]
         inputs = {
@@ -142,7 +142,7 @@ def predicted_scores(
                 sentence_vectors(model, site, "q", ids[q_side]),
                 sentence_vectors(model, site, "kv", ids[kv_side]),
             ),
-            "through_the_norms": (
+            "exact_norms": (
                 exact_sentence_vectors(folded, site, "q", ids[q_side], divisors),
                 exact_sentence_vectors(folded, site, "kv", ids[kv_side], divisors),
             ),

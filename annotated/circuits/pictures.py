@@ -23,7 +23,7 @@
 #   first layer's exact, the others through the norms;
 # * `circuits_faithfulness.png`: each head's rank correlation between its
 #   real scores and each reading of the direct path (weights only, pale;
-#   through the norms exactly, full), with the 95% intervals;
+#   with the norms exact, full), with the 95% intervals;
 # * `circuits_dictionary.png`: the best cross-attention head's QK dictionary
 #   and OV dictionaries for the most frequent source words of four letters
 #   or more (the shorter ones are mostly articles and prepositions): for
@@ -104,7 +104,7 @@ def faithfulness_figure(heads: list[dict]) -> Figure:
     colours = matplotlib.colormaps[CMAP](np.linspace(0.15, 0.85, len(kinds)))
     readings = (
         ("faithfulness", -0.2, 0.45, "weights only"),
-        ("faithfulness_through_the_norms", 0.2, 1.0, "through the norms"),
+        ("faithfulness_exact_norms", 0.2, 1.0, "norms exact"),
     )
     for x, h in enumerate(rows):
         c = colours[kinds.index(h["site"][0])]
@@ -131,7 +131,7 @@ def faithfulness_figure(heads: list[dict]) -> Figure:
     ax.set_ylabel("rank correlation, reading vs real scores", fontsize=8)
     ax.legend(fontsize=7, loc="lower left")
     ax.set_title(
-        "How much of each head the direct path explains: weights only (pale), through the norms exactly (full);\n"
+        "How much of each head the direct path explains: weights only (pale), with the norms exact (full);\n"
         "hatched: the sublayers' writes left out; 95% intervals",
         fontsize=9,
     )

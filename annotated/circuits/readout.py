@@ -169,7 +169,7 @@ def read_model(model: EncoderDecoder, inputs: Inputs) -> dict[str, Any]:
     }
     val = [(s, t[:, :-1]) for s, t in inputs.val_batches]
     for key, readings in faithfulness(model, bar(val, "faithfulness"), PAD).items():
-        for reading, f in readings.items():  # "faithfulness" (weights only), "faithfulness_through_the_norms"
+        for reading, f in readings.items():  # "faithfulness" (weights only), "faithfulness_exact_norms"
             records[key]["faithfulness" if reading == "weights_only" else f"faithfulness_{reading}"] = {
                 "rho": [f.rho.value, f.rho.low, f.rho.high],
                 "argmax": [f.argmax.value, f.argmax.low, f.argmax.high],

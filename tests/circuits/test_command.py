@@ -79,7 +79,7 @@ def test_a_pruned_model_is_read_without_its_removed_heads(shipped):
         1,
         2,
     ]
-    assert all("faithfulness" in h and "faithfulness_through_the_norms" in h for h in report["heads"])
+    assert all("faithfulness" in h and "faithfulness_exact_norms" in h for h in report["heads"])
 
 
 def test_an_imported_marian_model_is_read_as_it_computes():

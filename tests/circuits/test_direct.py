@@ -126,8 +126,8 @@ def _silent(model):
     return silent
 
 
-def test_the_reading_through_the_norms_is_exact_when_the_sublayers_write_nothing():
-    """The reading through the norms, from the embeddings, the folded weights and the recorded divisors only,
+def test_the_exact_norms_reading_is_the_heads_input_when_the_sublayers_write_nothing():
+    """The exact-norms reading, from the embeddings, the folded weights and the recorded divisors only,
     gives what each head's softmax sees (its real scores up to a constant per query) when nothing else is
     written; the weights-only reading does not, past the first layer: the divisions and the betas matter."""
     model, tok = _shipped64()
@@ -141,7 +141,7 @@ def test_the_reading_through_the_norms_is_exact_when_the_sublayers_write_nothing
         for c in heads:
             real = centred(c.scores(*real_inputs[site]))  # (B, T_q, T_k) every score term, centred
             assert real.abs().max() > 1.0  # scores of real size: the tolerance means something
-            gap = (centred(predicted["through_the_norms"][(site, c.head)]) - real).abs().max()
+            gap = (centred(predicted["exact_norms"][(site, c.head)]) - real).abs().max()
             assert gap < TOL, (site, c.head, gap.item())
             missed[(site, c.head)] = (centred(predicted["weights_only"][(site, c.head)]) - real).abs().max()
     assert all(missed[(s, h)] < TOL for s, h in missed if exact(silent, s))  # both exact in the first layer
@@ -149,7 +149,7 @@ def test_the_reading_through_the_norms_is_exact_when_the_sublayers_write_nothing
     f = faithfulness(silent, [(src, tgt)], PAD, resamples=50)
     assert len(f) == 24
     for key, readings in f.items():
-        through = readings["through_the_norms"]
+        through = readings["exact_norms"]
         assert through.rho.value > 1 - 1e-9 and through.argmax.value == 1.0, (key, through)
     assert min(r["weights_only"].rho.value for r in f.values()) < 0.95  # the weights-only reading is not exact
 
@@ -164,7 +164,7 @@ def test_the_reading_through_the_norms_is_exact_when_the_sublayers_write_nothing
     predicted = predicted_scores(pre, fold_layer_norms(pre), src, tgt, PAD)
     for site, heads in circuits(pre).items():
         for c in heads:
-            gap = centred(predicted["through_the_norms"][(site, c.head)]) - centred(c.scores(*real_inputs[site]))
+            gap = centred(predicted["exact_norms"][(site, c.head)]) - centred(c.scores(*real_inputs[site]))
             assert gap.abs().max() < TOL, (site, c.head)
 
 
