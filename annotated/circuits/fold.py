@@ -47,9 +47,11 @@
 #
 # The first reader takes `gamma` and `beta` into its weights as above. The
 # second cannot pass them on: the next LayerNorm centres and divides
-# `x + Sublayer(x)`, and the normalisation does not commute with scaling
-# each coordinate by its own `gamma_j` (it commutes with adding a multiple of
-# `1` and with multiplying by one positive number, nothing else). So the skip
+# `x + Sublayer(x)`, taking the mean and the variance over its coordinates,
+# and with each coordinate scaled by its own `gamma_j` those are other
+# numbers: normalising `w * gamma` is not normalising `w` and then scaling.
+# (Adding a multiple of `1` to every position's input changes nothing after
+# the centring, but `beta` and `gamma` are no such thing.) So the skip
 # connection is folded like any reader, with the identity as its weight: it
 # becomes `z_hat * gamma + beta`. The first sublayer of each stack reads the
 # embeddings, which no LayerNorm has touched, and its skip stays the
@@ -75,7 +77,8 @@
 #   `beta W`): `beta` has nowhere else to go.
 #
 # It is the same function: the logits of the shipped de -> en model and of
-# its folded copy agree within 1e-12 in float64 on validation sentences, in
+# its folded copy agree within 1e-12 in float64 on the first 24 validation
+# sentences (the largest difference is 1.6e-14, on logits up to 14.6), in
 # the fused and in the per-head form (`test_the_folded_model_is_the_same_function`).
 # Each LayerNorm receives exactly the input it received before, so each
 # position's divisor `sigma` is the same in both models
