@@ -129,7 +129,7 @@ def faithfulness_figure(heads: list[dict]) -> Figure:
     )
     ax.set_ylim(-0.1, 1.05)
     ax.set_ylabel("rank correlation, reading vs real scores", fontsize=8)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper right")
     ax.set_title(
         "How much of each head the direct path explains: weights only (pale), with the norms exact (full);\n"
         "hatched: the sublayers' writes left out; 95% intervals",
