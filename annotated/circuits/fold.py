@@ -91,8 +91,8 @@
 # is its own sublayer (or, for each stack's final norm, the memory's readers
 # and the generator), and the residual stream never passes through one: the
 # skip connections stay the identity, as in TransformerLens. `fold_layer_norms`
-# folds both kinds (`test_the_folded_model_is_the_same_function` checks a
-# pre-norm model too).
+# folds both kinds, and an attention without biases
+# (`test_folded_post_and_pre_norm_models_are_the_same_functions`).
 
 # %%
 from __future__ import annotations
