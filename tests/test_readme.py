@@ -1,7 +1,7 @@
 """The README is the front door: what it promises a newcomer must be true of the repository.
 
 - it stays short (at most 12 KB; the long material lives in docs/*.md and benchmarks/README.md);
-- its set-up block is what CI runs (`.ci/run` ends in the README's test command);
+- its set-up block is what CI runs (`.ci/run` ends in the README's test command, then `make test-arith`);
 - every `make` target it or the long pages name exists in `make help`;
 - every local file it links to exists, and every test it, the long pages, CONTRIBUTING.md or a module's prose
   cites exists in tests/;
@@ -40,7 +40,9 @@ def test_the_first_commands_are_the_ones_ci_runs():
         for line in (ROOT / ".ci" / "run").read_text().splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]
-    assert ci[-1] == "make test", "CI must run exactly the README's test command, last"
+    assert ci[-2:] == ["make test", "make test-arith"], (
+        "CI must run exactly the README's test command, then the arithmetic check"
+    )
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
