@@ -7,7 +7,9 @@ and scores within 1e-12 (rounding at 2.2e-16 per operation, summed over at most 
 operations each; the largest difference seen in these cases is 1.2e-14); in float32 the same token ids and
 scores within 1e-4, where the largest difference seen in these cases is 7.6e-6 (float32 rounds at 6e-8 per
 operation, 40x coarser than what separates the scores seen here). Equal ids need no rounding margin: a tie
-closer than that between a kept and a dropped candidate would fail the test, and none occurs in these cases.
+closer than that between a kept and a dropped candidate would fail the test, and none occurs in these cases,
+nor under the other kernels `make test-arith` runs them with (ATen's AVX2 and scalar code, MKL's AVX2 and
+compatible paths), whose rounding differs from this CPU's default.
 """
 
 import copy
