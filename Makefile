@@ -19,7 +19,7 @@ endif
 help:
 	@echo "make test         create .venv, install requirements.lock, run the whole test suite"
 	@echo "make test-arith   the float-sensitive tests again under other kernels (ATen's AVX2 and scalar"
-	@echo "                  code, MKL's AVX2 and compatible paths), so a test that holds only on this CPU's"
+	@echo "                  code, MKL's AVX2 and SSE paths), so a test that holds only on this CPU's"
 	@echo "                  kernels fails here (CI runs it after make test; about 2 min)"
 	@echo "make lint         ruff check, ruff format --check (nothing rewritten) and mypy on annotated/, benchmarks/,"
 	@echo "                  docs/ and train_wmt.py (settings in pyproject.toml); CI runs it before the tests"

@@ -9,7 +9,7 @@ scores within 1e-4, where the largest difference seen in these cases is 7.6e-6 (
 operation, 40x coarser than what separates the scores seen here). Equal ids need no rounding margin: a tie
 closer than that between a kept and a dropped candidate would fail the test, and none occurs in these cases,
 nor under the other kernels `make test-arith` runs them with (ATen's AVX2 and scalar code, MKL's AVX2 and
-compatible paths), whose rounding differs from this CPU's default.
+SSE paths), whose rounding differs from this CPU's default.
 """
 
 import copy
