@@ -163,6 +163,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "circuits/dictionary",
             "circuits/aligner",
             "circuits/metrics",
+            "circuits/interventions",
             "circuits/pictures",
             "circuits/page",
             "circuits/command",

@@ -1,0 +1,380 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Roles tested by intervention: what changes when a head's output is replaced
+#
+# Everything so far *reads* a head: its matrices, its attention, its
+# dictionaries. A reading says what the head could do; whether the model
+# *uses* it is another question, and the answer comes from changing the head
+# and watching the output (Meng et al. 2022, Wang et al. 2022: activation
+# patching). Head `i` adds one term to its attention's output,
+# `head_i W_O[i] = P_i X W_OV + (P_i 1) b_V W_O` (`circuits.py`, section 3,
+# `HeadCircuit.writes`). We replace that term, and only it, in three ways:
+#
+# * **zero**: the term is removed, as `annotated/sites.py` removes a head
+#   (`test_zero_ablation_is_removing_the_head`);
+# * **mean**: the term is its mean over every query position of the
+#   validation sentences, one `d_model` vector: the head still writes what it
+#   writes on average, but nothing that depends on this sentence;
+# * **resample**: the term is the same head's output at the same position of
+#   *another* validation sentence, drawn at random among those whose target
+#   is at least as long (so every position has a donor). The sentence with the
+#   longest target has none: past its donor's end its positions take the mean
+#   term, and the record says how many positions that was (`fallback`).
+#
+# Zero ablation also moves the stream's size, which the LayerNorms after the
+# head then divide by; the mean keeps the size and removes the information;
+# resampling keeps the kind of information and makes it wrong for this
+# sentence. A role the three agree on is a role.
+#
+# Two things are measured, per target token of each sentence (teacher
+# forcing), and averaged per token with a paired bootstrap interval over
+# sentences (`annotated/attention/bootstrap.py`, `paired_loss_change`: the
+# same ratio of sums, here of log-probabilities):
+#
+# 1. the change in **log-probability of the reference next token**: how much
+#    the model's translation needs the head;
+# 2. for a cross-attention head, the change in log-probability of the
+#    **aligner's translation of the source word the head attends to**: at each
+#    decoder position, the source word of the head's argmax (in the unchanged
+#    model), its best translation in eflomal's lexicon (`aligner.py`), and the
+#    probability of that word's first piece (the word-initial pieces whose
+#    word it is, cased or not). This is the head's role as its OV dictionary
+#    states it: "reading *Hund* it writes *dog*". Positions where the word is
+#    punctuation, or has no lexicon entry, or whose translation is no single
+#    word-initial piece are left out, and the record says what share was kept.
+#
+# Each is measured beside the same intervention on **another head of the same
+# layer**, chosen at random (seeded), and (2) is always the tested head's
+# behaviour: the word *it* attends to, whatever head is changed. A head that
+# carries the role moves these numbers far more than its neighbour does.
+# `test_ablating_the_planted_head_destroys_its_behaviour` checks the whole
+# measurement on a model built by hand: a head made to translate source token
+# `a` into output token `b`, and another that writes something no output reads.
+
+# %%
+from __future__ import annotations
+
+import inspect
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from annotated.attention.bootstrap import Change, paired_loss_change
+from annotated.circuits.aligner import normalize_word
+from annotated.circuits.circuits import HeadCircuit, circuit
+from annotated.circuits.metrics import piece_words
+from annotated.sites import Site, attention_at
+from annotated.tokens import PAD
+from annotated.transformer import EncoderDecoder, head_mask, padding_mask, target_mask
+
+HOWS = ("zero", "mean", "resample")
+SEED = 0  # the random neighbour head and the resample donors
+WORD_START = "\u2581"  # sentencepiece's mark of a piece that starts a word
+
+# %% [markdown]
+# ## 1. One head's term, computed and replaced inside the model
+#
+# A forward hook on the attention at `site` recomputes head `i`'s term from
+# the attention's own inputs (its circuit's scores, the mask, the softmax,
+# `writes`) and returns the output with that term swapped for the
+# replacement. `replacement(term, batch)` gets the term (B, T_q, d_model) and
+# returns what to write instead.
+
+
+# %%
+def _head_term(c: HeadCircuit, x_q: Tensor, x_kv: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(head c's term (B, T_q, d_model) of the attention output, its probabilities (B, T_q, T_k))."""
+    s = c.scores(x_q, x_kv)  # (B, T_q, T_k)
+    allowed = head_mask(mask, x_q.size(0), x_q.size(1), x_kv.size(1))  # (B, 1, T_q, T_k) or None
+    if allowed is not None:
+        s = s.masked_fill(~allowed[:, 0], torch.finfo(s.dtype).min)
+    p = s.softmax(-1)  # (B, T_q, T_k)
+    if allowed is not None:
+        p = p * allowed[:, 0]  # a fully blocked row writes nothing, as the model's attention
+    return c.writes(p, x_kv), p
+
+
+class _Swap:
+    """A forward hook that replaces head c's term by `replacement(term)`; keeps the last term and probabilities."""
+
+    def __init__(self, c: HeadCircuit, replacement: Callable[[Tensor], Tensor] | None):
+        self.c, self.replacement = c, replacement
+        self.term: Tensor | None = None
+        self.p: Tensor | None = None
+
+    def __call__(self, att, args, kwargs, output: Tensor) -> Tensor:
+        call = inspect.signature(att.forward).bind(*args, **kwargs).arguments
+        if call.get("kv") is not None:
+            raise ValueError("intervene on a teacher-forced pass: the attention got cached keys and values")
+        self.term, self.p = _head_term(self.c, call["x_q"], call["x_kv"], call.get("mask"))
+        if self.replacement is None:
+            return output
+        return output - self.term + self.replacement(self.term)  # (B, T_q, d_model)
+
+
+# %% [markdown]
+# ## 2. A pass over the validation sentences
+#
+# `run_pass` runs the model teacher-forced over `(src, BOS + tgt + EOS)`
+# batches, with hooks on one attention: the first circuit's term replaced (or
+# not), every circuit's term recorded. It returns, per sentence, the
+# log-probabilities of the reference next tokens at every real position, the
+# terms, and what `measure` makes of the first circuit's attention and the
+# log-probabilities. A decoder-side head changes nothing in the encoder, so
+# the encoder's output of each batch is kept (`memory`) and reused.
+
+
+# %%
+@dataclass
+class Pass:
+    """One pass's per-sentence numbers, in batch order."""
+
+    reference: list[Tensor]  # per sentence: (T_n,) log p(reference next token) at each real position
+    terms: list[list[Tensor]]  # per circuit, per sentence: (T_n, d_model) its term at each real query position
+    measured: list[float]  # per sentence: measure(sentence, attention (T_n, S_n), log-probabilities (T_n, V))
+
+
+def _for_batch(replacement: Callable[[Tensor, int], Tensor], number: int) -> Callable[[Tensor], Tensor]:
+    return lambda term: replacement(term, number)
+
+
+@torch.no_grad()
+def run_pass(
+    model: EncoderDecoder,
+    batches: Sequence[tuple[Tensor, Tensor]],
+    heads: Sequence[HeadCircuit],
+    replacement: Callable[[Tensor, int], Tensor] | None = None,
+    measure: Callable[[int, Tensor, Tensor], float] | None = None,
+    memory: dict[int, Tensor] | None = None,
+) -> Pass:
+    """Teacher-forced pass, heads[0]'s term replaced by replacement(term, batch number) (None: unchanged)."""
+    site = heads[0].site
+    out = Pass([], [[] for _ in heads], [])
+    for number, (src, tgt) in enumerate(batches):
+        swaps = [_Swap(heads[0], None if replacement is None else _for_batch(replacement, number))]
+        swaps += [_Swap(c, None) for c in heads[1:]]
+        handles = [attention_at(model, *site).register_forward_hook(w, with_kwargs=True) for w in swaps]
+        try:
+            tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T), (B, T)
+            src_mask = padding_mask(src, PAD)  # (B, 1, S)
+            if memory is not None and site[0] != "enc_self" and number in memory:
+                encoded = memory[number]  # (B, S, d_model) the encoder's output, unchanged by this head
+            else:
+                encoded = model.encode(src, src_mask)
+                if memory is not None:
+                    memory[number] = encoded
+            logits = model.generator(model.decode(encoded, src_mask, tgt_in, target_mask(tgt_in, PAD)))  # (B, T, V)
+        finally:
+            for handle in handles:
+                handle.remove()
+        logp = logits.log_softmax(-1)  # (B, T, V)
+        ref = logp.gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1).double()  # (B, T)
+        for b in range(src.size(0)):
+            T, S = int((tgt_out[b] != PAD).sum()), int((src[b] != PAD).sum())
+            out.reference.append(ref[b, :T])
+            for terms, w in zip(out.terms, swaps):
+                assert w.term is not None
+                terms.append(w.term[b, :S] if site[0] == "enc_self" else w.term[b, :T])
+            if measure is not None:
+                assert swaps[0].p is not None
+                out.measured.append(measure(len(out.reference) - 1, swaps[0].p[b, :T, :S], logp[b, :T]))
+    return out
+
+
+# %% [markdown]
+# ## 3. The three replacements
+#
+# Each is built from the unchanged pass's terms. The mean is over every real
+# query position of every sentence. The donors are drawn once, seeded, and the
+# same donors serve every head, so the head and its neighbour are changed by
+# the same other sentences.
+
+
+# %%
+def donors(lengths: Sequence[int], seed: int = SEED) -> list[int]:
+    """For each sentence, another whose length is at least its own (the longest other one if none).
+
+    >>> d = donors([3, 5, 4, 5])
+    >>> all(d[n] != n and [3, 5, 4, 5][d[n]] >= [3, 5, 4, 5][n] for n in range(4))
+    True
+    """
+    rng = random.Random(seed)
+    out = []
+    for n, length in enumerate(lengths):
+        longer = [m for m, other in enumerate(lengths) if m != n and other >= length]
+        if not longer:
+            longest = max(other for m, other in enumerate(lengths) if m != n)
+            longer = [m for m, other in enumerate(lengths) if m != n and other == longest]
+        out.append(rng.choice(longer))
+    return out
+
+
+def replacements(terms: list[Tensor], batches: Sequence[tuple[Tensor, Tensor]], seed: int = SEED):
+    """{how: replacement(term, batch number)} for zero, mean and resample from one head's unchanged `terms`
+    (one (T_n, d_model) per sentence), and the number of positions the resample fills with the mean."""
+    mean = torch.cat(terms).mean(0)  # (d_model,) over every real position of every sentence
+    lengths = [t.size(0) for t in terms]
+    donor = donors(lengths, seed)
+    starts = np.cumsum([0] + [b[0].size(0) for b in batches])
+    fallback = sum(max(0, lengths[n] - lengths[d]) for n, d in enumerate(donor))
+
+    def zero(term: Tensor, number: int) -> Tensor:
+        return torch.zeros_like(term)
+
+    def average(term: Tensor, number: int) -> Tensor:
+        return mean.to(term.dtype).expand_as(term)
+
+    def resample(term: Tensor, number: int) -> Tensor:
+        out = mean.to(term.dtype).expand_as(term).clone()  # (B, T_q, d_model): the mean past a donor's end
+        for b in range(term.size(0)):
+            other = terms[donor[int(starts[number]) + b]]
+            n = min(other.size(0), term.size(1))
+            out[b, :n] = other[:n].to(term.dtype)
+        return out
+
+    return {"zero": zero, "mean": average, "resample": resample}, fallback
+
+
+# %% [markdown]
+# ## 4. The translation of the attended word
+#
+# For the tested cross head, in the unchanged pass: at each decoder position,
+# the source word its attention's argmax falls in, that word's best
+# translation in the aligner's lexicon, and the ids of the word-initial pieces
+# spelling that translation (`▁dog` and `▁Dog` for *dog*).
+
+
+# %%
+class Translation:
+    """measure() for run_pass: the clean pass finds each position's target, every pass scores them."""
+
+    def __init__(
+        self,
+        batches: Sequence[tuple[Tensor, Tensor]],
+        pieces: Callable[[Sequence[int]], list[str]],
+        lexicon: dict[str, list[tuple[str, float]]],
+        vocab: int,
+    ):
+        self.spelled: dict[str, list[int]] = {}
+        for i, label in enumerate(pieces(list(range(vocab)))):
+            if label.startswith(WORD_START) and len(label) > 1:
+                self.spelled.setdefault(normalize_word(label[1:]), []).append(i)
+        srcs = [s[b][s[b] != PAD].tolist() for s, _ in batches for b in range(s.size(0))]
+        self.words = [piece_words(pieces(ids)) for ids in srcs]
+        self.lexicon = lexicon
+        self.targets: dict[int, list[tuple[int, list[int]]]] = {}  # sentence -> [(position, candidate ids)]
+        self.looked = 0  # positions looked at
+
+    def find(self, n: int, p: Tensor) -> None:
+        """The targets of sentence n from the head's unchanged attention p (T, S)."""
+        number, texts = self.words[n]
+        chosen = []
+        for t, s in enumerate(p.argmax(-1).tolist()):  # the source position each decoder row attends to most
+            self.looked += 1
+            k = number[s]
+            word = texts[k] if k is not None else ""
+            translation = self.lexicon[word][0][0] if word in self.lexicon else None
+            if translation in self.spelled:
+                chosen.append((t, self.spelled[translation]))
+        self.targets[n] = chosen
+
+    def clean(self, n: int, p: Tensor, logp: Tensor) -> float:
+        self.find(n, p)
+        return self(n, p, logp)
+
+    def __call__(self, n: int, p: Tensor, logp: Tensor) -> float:
+        """Sentence n's summed log-probability of its targets' pieces (logsumexp over a word's pieces)."""
+        return sum(float(logp[t, ids].logsumexp(0)) for t, ids in self.targets[n])
+
+    def counts(self) -> np.ndarray:
+        return np.array([len(self.targets[n]) for n in range(len(self.targets))], dtype=np.float64)
+
+
+# %% [markdown]
+# ## 5. A head and its neighbour, three ways
+#
+# `intervene` returns, for the head and for its neighbour, each measure's
+# change per token `[value, low, high]` (95% paired bootstrap interval).
+
+
+# %%
+def _change(clean: np.ndarray, changed: np.ndarray, tokens: np.ndarray) -> list[float]:
+    """Per-token change of summed log-probabilities, changed - clean, with its interval; NaN without tokens."""
+    if tokens.sum() == 0:
+        return [float("nan")] * 3
+    keep = tokens > 0  # a sentence with nothing scored adds nothing to either sum
+    c: Change = paired_loss_change(clean[keep], tokens[keep], changed[keep], tokens[keep])
+    return [c.value, c.low, c.high]
+
+
+def neighbour(model: EncoderDecoder, site: Site, head: int, seed: int = SEED) -> int:
+    """Another head of the same attention, drawn at random (seeded by the site and head)."""
+    h = attention_at(model, *site).h
+    if h < 2:
+        raise ValueError(f"{site[0]} layer {site[1]} has one head: there is no other head to compare with")
+    rng = random.Random(f"{seed}:{site[0]}:{site[1]}:{head}")
+    return rng.choice([i for i in range(h) if i != head])
+
+
+@torch.no_grad()
+def intervene(
+    model: EncoderDecoder,
+    batches: Sequence[tuple[Tensor, Tensor]],
+    site: Site,
+    head: int,
+    pieces: Callable[[Sequence[int]], list[str]] | None = None,
+    lexicon: dict[str, list[tuple[str, float]]] | None = None,
+    hows: Sequence[str] = HOWS,
+) -> dict[str, Any]:
+    """Head `head` of `site` and a random neighbour, each replaced `hows` ways: the changes of section intro's
+    measures. The translation measure needs `pieces` and `lexicon`, and a cross-attention site."""
+    model = model.eval()
+    other = neighbour(model, site, head)
+    att = attention_at(model, *site)
+    tested = {"head": circuit(att, head, site), "neighbour": circuit(att, other, site)}
+    translate = site[0] == "cross" and pieces is not None and lexicon is not None
+    measure = None
+    if translate:
+        assert pieces is not None and lexicon is not None
+        measure = Translation(batches, pieces, lexicon, model.generator.weight.size(0))
+    memory: dict[int, Tensor] = {}
+    clean = run_pass(model, batches, list(tested.values()), measure=measure.clean if measure else None, memory=memory)
+    tokens = np.array([r.numel() for r in clean.reference], dtype=np.float64)
+    base = np.array([float(r.sum()) for r in clean.reference])
+    record: dict[str, Any] = {
+        "site": list(site),
+        "head": head,
+        "neighbour": other,
+        "sentences": len(tokens),
+        "tokens": int(tokens.sum()),
+        "reference": {},
+    }
+    if measure is not None:
+        counted = measure.counts()
+        base_t = np.array(clean.measured)
+        record.update(translation={}, translation_positions=[int(counted.sum()), measure.looked])
+    for (name, c), terms in zip(tested.items(), clean.terms):
+        swaps, fallback = replacements(terms, batches)
+        record.setdefault("fallback", fallback)
+        for how in hows:
+            changed = run_pass(model, batches, [c], swaps[how], measure, memory)
+            after = np.array([float(r.sum()) for r in changed.reference])
+            record["reference"].setdefault(how, {})[name] = _change(base, after, tokens)
+            if measure is not None:
+                after_t = np.array(changed.measured)
+                record["translation"].setdefault(how, {})[name] = _change(base_t, after_t, counted)
+    return record
