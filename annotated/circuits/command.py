@@ -197,6 +197,7 @@ def best_cross_head(report: dict[str, Any]) -> dict | None:
 
 def main(argv: list[str] | None = None) -> int:
     from annotated.checkpoint import CheckpointError, load_checkpoint
+    from annotated.circuits.interventions import format_interventions, role_interventions
     from annotated.circuits.page import write_page
     from annotated.circuits.pictures import dictionary_figure, faithfulness_figure, positions_figure, spectra_figure
     from annotated.circuits.readout import read_model
@@ -224,10 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         "direction": f"{meta['src_lang']}-{meta['tgt_lang']}",
     }
     report.update(read_model(model, inputs))
-    report["seconds"] = round(time.perf_counter() - start, 1)
     best = best_cross_head(report)
     report["best_cross_head"] = None if best is None else [*best["site"], best["head"]]
+    report["interventions"] = role_interventions(model, inputs.val_batches, report, inputs.pieces, inputs.lexicon)
+    report["seconds"] = round(time.perf_counter() - start, 1)
     print(format_table(report), flush=True)
+    print("\n".join(format_interventions(report["interventions"])), flush=True)
     for line in pruned_lines(report, model.config.h):
         print(line, flush=True)
     if args.head is not None:

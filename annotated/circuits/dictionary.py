@@ -36,8 +36,10 @@
 #
 # Both are scored against an independent reference, the lexicon of a
 # statistical aligner run on the same training pairs
-# (`annotated/circuits/aligner.py`), by precision@1 and @5 over the 500 most
-# frequent source words (`annotated/circuits/metrics.py`). And the head's
+# (`annotated/circuits/aligner.py`), by precision@1 and @5 over those of the
+# lexicon's 500 most frequent source words that occur in the pairs read (the
+# record's `coverage` says how many; `annotated/circuits/metrics.py`), with
+# four controls beside the OV dictionary (section 2). And the head's
 # attention itself, on test sentences, is an alignment: its alignment error
 # rate against the aligner's links says how well "where the head looks" is
 # "which word this translates" (Garg et al. 2019).
@@ -56,8 +58,8 @@ import torch
 from torch import Tensor
 
 from annotated.circuits.aligner import Links, normalize_word
-from annotated.circuits.circuits import HeadCircuit, attention_inputs
-from annotated.circuits.direct import layer_norms_after, through
+from annotated.circuits.circuits import Factored, HeadCircuit, attention_inputs
+from annotated.circuits.direct import layer_norms_after, through, token_vectors
 from annotated.circuits.metrics import attention_to_word_links, piece_words, precision_at_k
 from annotated.recording import record_attention
 from annotated.sites import Site
@@ -82,6 +84,7 @@ class WordMeans:
     tgt_sum: dict[Site, Tensor] = field(default_factory=dict)  # (n_tgt, d_model)
     src_count: list[int] = field(default_factory=list)
     tgt_count: list[int] = field(default_factory=list)
+    src_pieces: dict[str, list[int]] = field(default_factory=dict)  # a word's piece ids, as first seen
 
     def source(self, site: Site, words: Sequence[str]) -> Tensor:
         """Mean key inputs (n, d_model) of `words` (each must have occurred)."""
@@ -129,6 +132,9 @@ def mean_inputs(
             number, texts = piece_words(pieces(ids))
             occ = [_number(means.src_words, means.src_count, src_table, t) if t else -1 for t in texts]
             sizes = [number.count(k) for k in range(len(texts))]
+            for w, text in enumerate(texts):
+                if text and text not in means.src_pieces:
+                    means.src_pieces[text] = [i for i, n in zip(ids, number) if n == w]
             for s, k in enumerate(number):
                 if k is not None and occ[k] >= 0:
                     src_rows.append(b * src.size(1) + s)
@@ -173,19 +179,103 @@ def qk_dictionary(c: HeadCircuit, means: WordMeans, sources: Sequence[str], k: i
     return {w: [targets[i] for i in best[:, j].tolist()] for j, w in enumerate(sources)}
 
 
+def _word_pieces(model: EncoderDecoder, pieces) -> tuple[list[int], Tensor]:
+    """The word-starting pieces of the target vocabulary: their ids, and their generator rows (m, d_model)."""
+    labels = pieces(list(range(model.generator.weight.size(0))))
+    starts = [i for i, p in enumerate(labels) if p.startswith(WORD_START) and len(p) > 1]
+    return starts, model.generator.weight.detach()[starts]
+
+
+def spelled_words(model: EncoderDecoder, pieces) -> set[str]:
+    """The words one word-starting piece spells: all an OV dictionary can propose."""
+    labels = pieces(list(range(model.generator.weight.size(0))))
+    return {normalize_word(labels[i][1:]) for i in _word_pieces(model, pieces)[0]}
+
+
+@torch.no_grad()
+def written_words(
+    model: EncoderDecoder, site: Site, written: Tensor, words: Sequence[str], pieces, k: int = 5
+) -> dict[str, list[str]]:
+    """For each of `words`, the k words (word-starting pieces) whose logits its row of `written` (n, d_model),
+    read through the norms after `site` and the generator, raises most."""
+    labels = pieces(list(range(model.generator.weight.size(0))))
+    starts, W_gen = _word_pieces(model, pieces)  # (m, d_model)
+    best = (through(layer_norms_after(model, site), written.to(W_gen.dtype)) @ W_gen.T).topk(k, dim=-1).indices
+    return {w: [normalize_word(labels[starts[i]][1:]) for i in best[j].tolist()] for j, w in enumerate(words)}
+
+
 @torch.no_grad()
 def ov_dictionary(
     model: EncoderDecoder, c: HeadCircuit, means: WordMeans, sources: Sequence[str], pieces, k: int = 5
 ) -> dict[str, list[str]]:
     """For each source word, the k words (word-starting pieces) whose logits its mean value raises most."""
-    vocab = model.generator.weight.size(0)
-    labels = pieces(list(range(vocab)))
-    starts = [i for i, p in enumerate(labels) if p.startswith(WORD_START) and len(p) > 1]
-    W_gen = model.generator.weight.detach()[starts]  # (m, d_model)
-    x_kv = means.source(c.site, sources).to(W_gen.dtype)  # (n, d_model)
-    written = through(layer_norms_after(model, c.site), c.OV.apply(x_kv))  # (n, d_model)
-    best = (written @ W_gen.T).topk(k, dim=-1).indices  # (n, k)
-    return {w: [normalize_word(labels[starts[i]][1:]) for i in best[j].tolist()] for j, w in enumerate(sources)}
+    x_kv = means.source(c.site, sources).to(c.OV.left.dtype)  # (n, d_model)
+    return written_words(model, c.site, c.OV.apply(x_kv), sources, pieces, k)  # x W_OV, through the generator
+
+
+# %% [markdown]
+# ### The OV dictionary's controls
+#
+# A precision means little alone: how much of it is the head's? Four
+# readings of the same words, scored the same way, say (Elhage et al.'s
+# "no head" and random baselines, and the two approximations of this part):
+#
+# * **no head**: the word's mean input at the keys read by the generator
+#   directly (`W_OV` taken out: the identity): what the encoder's output
+#   already says in the target vocabulary;
+# * **random OV**: `W_OV` replaced by a product of two random matrices of
+#   the shapes and Frobenius norms of `W_V[i]` and `W_O[i]` (rank `d_v`): the
+#   precision any map of that rank and size would reach;
+# * **weights only**: the bare embedding of the word's pieces through the
+#   norms before the attention, `W_OV` and the generator: the direct path of
+#   `direct.py`, no context and no encoder layer;
+# * **whole path**: the word alone run through the whole encoder, then
+#   `W_OV` and the generator: the encoder's layers, without a sentence
+#   around the word.
+#
+# The in-context reading is the dictionary itself.
+
+
+# %%
+@torch.no_grad()
+def random_ov(c: HeadCircuit, seed: int = 0) -> Factored:
+    """Random factors with W_V's and W_O's shapes and Frobenius norms."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for m in (c.OV.left, c.OV.right):
+        r = torch.randn(m.shape, generator=g, dtype=torch.float64).to(m.dtype)
+        out.append(r * (m.norm() / r.norm()))
+    return Factored(*out)
+
+
+@torch.no_grad()
+def whole_path_inputs(model: EncoderDecoder, means: WordMeans, words: Sequence[str]) -> Tensor:
+    """Each word alone through the encoder: the mean of its pieces' outputs, (n, d_model)."""
+    ids = [torch.tensor(means.src_pieces[w]) for w in words]
+    src = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=PAD)  # (n, L)
+    memory = model.encode(src, padding_mask(src, PAD))  # (n, L, d_model)
+    real = (src != PAD).unsqueeze(-1).to(memory.dtype)  # (n, L, 1)
+    return (memory * real).sum(1) / real.sum(1)  # (n, d_model)
+
+
+@torch.no_grad()
+def ov_controls(
+    model: EncoderDecoder, c: HeadCircuit, means: WordMeans, sources: Sequence[str], pieces, k: int = 5
+) -> dict[str, dict[str, list[str]]]:
+    """The OV dictionary and its four controls, each a dictionary as `ov_dictionary` returns."""
+    dtype = c.OV.left.dtype
+    x = means.source(c.site, sources).to(dtype)  # (n, d_model) in context
+    direct = torch.stack(
+        [token_vectors(model, c.site, "kv", torch.tensor(means.src_pieces[w])).mean(0) for w in sources]
+    )  # (n, d_model): the bare embeddings through the norms before
+    read = lambda written: written_words(model, c.site, written, sources, pieces, k)
+    return {
+        "in context": read(c.OV.apply(x)),
+        "no head": read(x),
+        "random OV": read(random_ov(c).apply(x)),
+        "weights only": read(c.OV.apply(direct.to(dtype))),
+        "whole path": read(c.OV.apply(whole_path_inputs(model, means, sources).to(dtype))),
+    }
 
 
 # %% [markdown]
@@ -215,6 +305,11 @@ def attention_links(
     return out
 
 
-def dictionary_precision(dictionary: dict[str, list[str]], lexicon, top: int) -> tuple[float, float]:
-    """(precision@1, precision@5) of a dictionary against the aligner's lexicon over its `top` first words."""
-    return precision_at_k(dictionary, lexicon, 1, top), precision_at_k(dictionary, lexicon, 5, top)
+def dictionary_precision(
+    dictionary: dict[str, list[str]], lexicon, top: int, words: Sequence[str] | None = None
+) -> tuple[float, float]:
+    """(precision@1, precision@5) of a dictionary against the aligner's lexicon over `words` (default: the
+    lexicon's `top` first words)."""
+    return precision_at_k(dictionary, lexicon, 1, top, words=words), precision_at_k(
+        dictionary, lexicon, 5, top, words=words
+    )

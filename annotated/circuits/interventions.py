@@ -378,3 +378,64 @@ def intervene(
                 after_t = np.array(changed.measured)
                 record["translation"].setdefault(how, {})[name] = _change(base_t, after_t, counted)
     return record
+
+
+# %% [markdown]
+# ## 6. The roles this part names
+#
+# `make circuits` tests the best cross head (the lowest alignment error rate:
+# the head said to align and translate), and for each position role of
+# `readout.py`'s records that is tested here (`ROLES`: the previous position,
+# the query's own position), the first head that carries the label. Each with
+# its neighbour, the three ways, on the readout's validation sentences.
+
+# %%
+ROLES = ("previous", "self")
+
+
+def role_heads(report: dict[str, Any]) -> list[tuple[str, Site, int]]:
+    """(role, site, head) to test: the best cross head, then the first head with each label of ROLES.
+
+    >>> heads = [{"site": ["enc_self", 1], "head": 0, "positions": {"label": "previous"}},
+    ...          {"site": ["cross", 1], "head": 2, "positions": {"label": "mixed"}}]
+    >>> role_heads({"heads": heads, "best_cross_head": ["cross", 1, 2]})
+    [('aligns and translates', ('cross', 1), 2), ('previous', ('enc_self', 1), 0)]
+    """
+    out: list[tuple[str, Site, int]] = []
+    best = report.get("best_cross_head")
+    if best is not None:
+        out.append(("aligns and translates", (best[0], best[1]), best[2]))
+    for role in ROLES:
+        h = next((h for h in report["heads"] if h["positions"]["label"] == role), None)
+        if h is not None:
+            out.append((role, (h["site"][0], h["site"][1]), h["head"]))
+    return out
+
+
+def role_interventions(
+    model: EncoderDecoder,
+    batches: Sequence[tuple[Tensor, Tensor]],
+    report: dict[str, Any],
+    pieces: Callable[[Sequence[int]], list[str]] | None,
+    lexicon: dict[str, list[tuple[str, float]]] | None,
+) -> list[dict[str, Any]]:
+    """`intervene` on each of `role_heads(report)` whose attention has another head, its role in the record."""
+    return [
+        {"role": role, **intervene(model, batches, site, head, pieces, lexicon)}
+        for role, site, head in role_heads(report)
+        if attention_at(model, *site).h > 1
+    ]
+
+
+def format_interventions(records: list[dict[str, Any]]) -> list[str]:
+    """One line per role, measure and intervention: the head's change [95%] beside its neighbour's."""
+    lines = []
+    for r in records:
+        for measure in ("reference", "translation"):
+            for how, pair in r.get(measure, {}).items():
+                h, n = pair["head"], pair["neighbour"]
+                lines.append(
+                    f"{r['role']:<22} {r['site'][0]} {r['site'][1]}.{r['head']} {measure:<11} {how:<8} "
+                    f"{h[0]:+.3f} [{h[1]:+.3f}, {h[2]:+.3f}]  head {r['neighbour']}: {n[0]:+.3f} [{n[1]:+.3f}, {n[2]:+.3f}]"
+                )
+    return lines

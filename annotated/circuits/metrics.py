@@ -64,11 +64,22 @@ BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")  # sentencepiece's byte-fallback p
 # translations that are a real sense or form of the word and leaves out
 # that noise (`test_precision_at_k_by_hand`).
 #
-# precision@k is the number of correct source words among the lexicon's
-# `top` most frequent source words (500 by default; all of them when the
-# lexicon has fewer), divided by that number. A word the dictionary has no
-# entry for counts as wrong. The dictionary's words must be normalized as
-# the aligner's are (`normalize_word`: a piece `▁Hund` is the word `hund`).
+# precision@k is the number of correct source words among the words scored,
+# divided by their number. The words scored are the lexicon's `top` most
+# frequent source words (500 by default; all of them when the lexicon has
+# fewer), or the `words` given: a dictionary read from a head's mean inputs
+# over some training pairs has no entry for a frequent word that never occurs
+# in those pairs, and scoring it as a miss would measure the sample, not the
+# head. So the readout scores only the words that occur and says how many of
+# the `top` that is (`coverage`). A word the dictionary has no entry for
+# still counts as wrong. The dictionary's words must be normalized as the
+# aligner's are (`normalize_word`: a piece `▁Hund` is the word `hund`).
+#
+# One more limit is the dictionary's, not the lexicon's: an OV dictionary
+# proposes word-initial *pieces*, so a source word whose every accepted
+# translation is spelled by two pieces or more (*skateboarder*) cannot be
+# right at any k. `unmatchable` counts those words, and the readout reports
+# them beside the precision (`test_precision_counts_only_the_words_scored`).
 
 
 # %%
@@ -87,15 +98,31 @@ def precision_at_k(
     k: int,
     top: int = TOP,
     min_share: float = MIN_SHARE,
+    words: Sequence[str] | None = None,
 ) -> float:
-    """Share of the lexicon's `top` most frequent source words whose first `k` dictionary words hold an accepted one."""
+    """Share of the words scored (`words`, else the lexicon's `top` most frequent source words) whose first `k`
+    dictionary words hold an accepted one."""
     if k < 1 or top < 1:
         raise ValueError(f"k and top must be at least 1, got k={k}, top={top}")
-    sources = list(lexicon)[:top]
+    sources = list(lexicon)[:top] if words is None else list(words)
     if not sources:
-        raise ValueError("the lexicon is empty: align some pairs first")
+        raise ValueError("no source words to score: align some pairs first, or give words that occur")
     correct = sum(1 for s in sources if accepted(lexicon[s], min_share) & set(dictionary.get(s, ())[:k]))
     return correct / len(sources)
+
+
+def unmatchable(
+    lexicon: Mapping[str, Sequence[tuple[str, float]]],
+    words: Sequence[str],
+    spelled: set[str],
+    min_share: float = MIN_SHARE,
+) -> list[str]:
+    """The `words` none of whose accepted translations is in `spelled` (the words a single piece spells).
+
+    >>> unmatchable({"hund": [("dog", 1.0)], "skater": [("skateboarder", 0.9)]}, ["hund", "skater"], {"dog"})
+    ['skater']
+    """
+    return [w for w in words if not accepted(lexicon[w], min_share) & spelled]
 
 
 # %% [markdown]

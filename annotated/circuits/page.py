@@ -19,6 +19,20 @@
 # first), and a Content-Security-Policy that lets nothing be fetched and no
 # script run but its own (`content_security_policy`). Open it from disk.
 #
+# * **It opens on the best cross head's dictionary in context** (for a
+#   cross-attention head the panel stands first): its OV and QK
+#   dictionaries, their precision with the words scored and the controls of
+#   `dictionary.py`, and, for a head `make circuits` tested by intervention
+#   (`interventions.py`), what replacing its output does, beside its
+#   neighbour. The weights-only tables follow.
+# * **The copying score** is glossed "1: it writes what it reads" only for
+#   the decoder's self-attention, whose input and output are the target
+#   language. Elsewhere the head reads the source language and is read
+#   through the target's generator, in one shared vocabulary: the page calls
+#   it the shared-vocabulary score, says it is positive when reading a piece
+#   raises that same piece's logit on average, and gives the share of the
+#   tokens read whose top write is the token itself (`reads_itself`); a
+#   cross head, it says, translates.
 # * **The head picker** lists every head of every attention, grouped by kind
 #   and layer as `KIND_LABELS` names them, each with the label of its
 #   position table (`previous`, `self`, `position 0`, `mixed`...), the rank
@@ -83,6 +97,7 @@ def circuits_html(report: dict[str, Any], viewer: str | None = None) -> str:
         "checkpoint": report.get("checkpoint"),
         "direction": report.get("direction"),
         "best_cross_head": report.get("best_cross_head"),
+        "interventions": json_safe(report.get("interventions", []), DIGITS),
         "heads": json_safe(heads, DIGITS),
         "kind_names": KIND_LABELS,
         "word_mark": WORD_MARK,

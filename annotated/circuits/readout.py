@@ -40,8 +40,9 @@ from annotated.circuits.dictionary import (
     attention_links,
     dictionary_precision,
     mean_inputs,
-    ov_dictionary,
+    ov_controls,
     qk_dictionary,
+    spelled_words,
 )
 from annotated.circuits.direct import (
     SIDES,
@@ -55,7 +56,7 @@ from annotated.circuits.direct import (
     top_table,
 )
 from annotated.circuits.faithfulness import faithfulness
-from annotated.circuits.metrics import aer
+from annotated.circuits.metrics import aer, unmatchable
 from annotated.plumbing.progress import tracked
 from annotated.sites import Site
 from annotated.tokens import PAD
@@ -155,6 +156,8 @@ def _head_record(model: EncoderDecoder, c: HeadCircuit, inputs: Inputs) -> dict[
             for j in range(ov.ids.size(0))
         ],
         "copying_score": copying_score(model, c, same, out_ids),
+        # the share of the ROWS tokens read whose top write is that very token: copying, taken literally
+        "reads_itself": float((ov.ids[:, 0] == kv_ids[: ov.ids.size(0)]).double().mean()),
     }
 
 
@@ -177,15 +180,22 @@ def read_model(model: EncoderDecoder, inputs: Inputs) -> dict[str, Any]:
     cross = [s for s in heads if s[0] == "cross"]
     if inputs.lexicon is not None:
         means = mean_inputs(model, inputs.pieces, bar(inputs.train_batches, "dictionaries"), cross)
-        sources = [w for w in inputs.lexicon if w in set(means.src_words)][: inputs.top]
+        top_words = list(inputs.lexicon)[: inputs.top]
+        sources = [w for w in top_words if w in set(means.src_words)]  # only words that occur are scored
+        missing = unmatchable(inputs.lexicon, sources, spelled_words(model, inputs.pieces))
+        score = lambda d: list(dictionary_precision(d, inputs.lexicon, inputs.top, sources))
         for site in cross:
             for c in heads[site]:
                 qk = qk_dictionary(c, means, sources)
-                ov = ov_dictionary(model, c, means, sources, inputs.pieces)
+                controls = ov_controls(model, c, means, sources, inputs.pieces)
+                ov = controls.pop("in context")
                 records[(site, c.head)]["dictionary"] = {
                     "words": len(sources),
-                    "qk_precision": list(dictionary_precision(qk, inputs.lexicon, inputs.top)),
-                    "ov_precision": list(dictionary_precision(ov, inputs.lexicon, inputs.top)),
+                    "coverage": [len(sources), len(top_words)],  # of the lexicon's `top` words, those that occur
+                    "ov_unmatchable": [len(missing), missing],  # no accepted translation is one word-initial piece
+                    "qk_precision": score(qk),
+                    "ov_precision": score(ov),
+                    "ov_controls": {name: score(d) for name, d in controls.items()},
                     "qk": {w: qk[w] for w in sources[:SHOWN_WORDS]},
                     "ov": {w: ov[w] for w in sources[:SHOWN_WORDS]},
                 }

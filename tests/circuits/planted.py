@@ -92,6 +92,7 @@ def planted_means(loud: bool = True) -> WordMeans:
     means.src_words = [f"src{j}" for j in range(5)]
     means.src_sum[site] = torch.stack([e[j] for j in range(5)])
     means.src_count = [1] * 5
+    means.src_pieces = {f"src{j}": [A + j] for j in range(5)}  # one piece each
     means.tgt_words = [f"tgt{PERM[j]}" for j in range(5)]
     queries = [R * e[5 + j] for j in range(5)]
     if loud:

@@ -159,3 +159,15 @@ def test_aer_of_perfect_and_wrong_attention():
     assert aer(perfect, corpus.links) == 0
     assert aer(wrong, corpus.links) == 1
     assert metrics.aer([a | b for a, b in zip(perfect, wrong)], corpus.links) == pytest.approx(1 - 2 / 3)
+
+
+def test_precision_counts_only_the_words_scored():
+    """Given the words that occur, precision is over them alone: a frequent word the pairs never showed is not a
+    miss. And unmatchable names the words none of whose accepted translations a single piece spells."""
+    lexicon = {"ein": [("a", 1.0)], "hund": [("dog", 1.0)], "skater": [("skateboarder", 1.0)]}
+    dictionary = {"ein": ["a"], "hund": ["dog"]}  # "skater" never occurred in the pairs read: no entry
+    assert precision_at_k(dictionary, lexicon, 1) == 2 / 3
+    assert precision_at_k(dictionary, lexicon, 1, words=["ein", "hund"]) == 1.0
+    with pytest.raises(ValueError, match="no source words"):
+        precision_at_k(dictionary, lexicon, 1, words=[])
+    assert metrics.unmatchable(lexicon, list(lexicon), {"a", "dog", "skate"}) == ["skater"]

@@ -7,7 +7,7 @@ import torch
 from planted import PERM, lexicon, pieces, planted_batch, planted_means, planted_model
 
 from annotated.circuits.circuits import circuit, circuits
-from annotated.circuits.dictionary import dictionary_precision, ov_dictionary, qk_dictionary
+from annotated.circuits.dictionary import dictionary_precision, ov_controls, ov_dictionary, qk_dictionary
 from annotated.circuits.interventions import HOWS, donors, intervene, replacements, run_pass
 from annotated.sites import attention_at, remove_heads
 from annotated.tokens import PAD
@@ -38,6 +38,19 @@ def test_the_planted_dictionary_is_lost_through_the_other_circuit():
     means, sources = planted_means(), [f"src{j}" for j in range(5)]
     assert dictionary_precision(ov_dictionary(model, swapped, means, sources, pieces), lexicon(), 5)[0] <= 0.2
     assert dictionary_precision(qk_dictionary(swapped, means, sources), lexicon(), 5)[0] <= 0.2
+
+
+def test_the_ov_dictionarys_controls_on_the_planted_head():
+    """The planted map is in W_OV and reads the bare token: the weights-only path and the word alone through the
+    encoder find it too; without the head (the key input read by the generator directly) it is not found, and
+    a random OV of the same shapes and norms finds what chance does: the generator can say only the five
+    planted words, so a random map is right for one word in five on average (two of five with seed 0)."""
+    model, c = _planted_head()
+    sources = [f"src{j}" for j in range(5)]
+    controls = ov_controls(model, c, planted_means(), sources, pieces)
+    p1 = {name: dictionary_precision(d, lexicon(), 5)[0] for name, d in controls.items()}
+    assert p1["in context"] == p1["weights only"] == p1["whole path"] == 1.0, p1
+    assert p1["no head"] == 0.0 and p1["random OV"] <= 0.4, p1
 
 
 def test_the_qk_dictionary_normalises_over_the_source_words():

@@ -240,11 +240,17 @@ function renderDictionary() {
     $('dictionary').replaceChildren();
     return;
   }
+  const coverage = d.coverage ? ` (the ${d.coverage[0]} of the lexicon's ${d.coverage[1]} most frequent that ` +
+    `occur in the pairs read` + (d.ov_unmatchable ? `; for ${d.ov_unmatchable[0]} of them no accepted ` +
+    `translation is one word-initial piece, so OV cannot be right there` : '') + ')' : '';
+  const controls = d.ov_controls ? ' OV controls, precision@1: ' + Object.entries(d.ov_controls)
+    .map(([name, p]) => `${name} ${fmt(p[0])}`).join(', ') + '.' : '';
   $('dictionary-how').textContent = `For the most frequent source words, averaged over training pairs: ` +
     `what the head writes when it reads the word (OV: precision@1 ${fmt(d.ov_precision[0])}, ` +
-    `@5 ${fmt(d.ov_precision[1])} against the aligner's lexicon over ${d.words} words) and the target words ` +
-    `whose queries pick it (QK: @1 ${fmt(d.qk_precision[0])}, @5 ${fmt(d.qk_precision[1])})` +
-    (typeof r.aer === 'number' ? `; its attention's alignment error rate: ${fmt(r.aer)}.` : '.');
+    `@5 ${fmt(d.ov_precision[1])} against the aligner's lexicon over ${d.words} words${coverage}) and the ` +
+    `target words whose queries pick it (QK: @1 ${fmt(d.qk_precision[0])}, @5 ${fmt(d.qk_precision[1])})` +
+    (typeof r.aer === 'number' ? `; its attention's alignment error rate: ${fmt(r.aer)}.` : '.') + controls +
+    interventionText(r);
   const table = document.createElement('table'); table.className = 'dictionary';
   const head = table.insertRow();
   for (const t of ['source word', 'reads -> writes (OV)', 'queries that pick it (QK)']) {
@@ -259,6 +265,29 @@ function renderDictionary() {
   $('dictionary').replaceChildren(table);
 }
 
+function interventionText(r) {  // the head's replaced output, when `make circuits` tested it
+  const t = (DATA.interventions || []).find(x => x.site[0] === r.site[0] && x.site[1] === r.site[1] &&
+    x.head === r.head);
+  if (!t) return '';
+  const part = (measure, what) => t[measure] ? ` Log-probability of ${what}, change per token when the ` +
+    `head's output is replaced: ` + Object.entries(t[measure]).map(([how, p]) =>
+      `${how} ${fmt(p.head[0], 3)} [${fmt(p.head[1], 3)}, ${fmt(p.head[2], 3)}] (head ${t.neighbour}: ` +
+      `${fmt(p.neighbour[0], 3)})`).join(', ') + '.' : '';
+  return part('translation', 'the translation of the word it attends to') +
+    part('reference', 'the reference next token');
+}
+
+function copyingText(r) {  // the copying score's gloss holds only where input and output are one language
+  const score = fmt(r.copying_score);
+  if (r.site[0] === 'dec_self') return `copying score ${score} (1: it writes what it reads)`;
+  const itself = typeof r.reads_itself === 'number'
+    ? `; its top write is the very token it read for ${(100 * r.reads_itself).toFixed(0)}% of the most ` +
+      `frequent tokens it reads` : '';
+  return `shared-vocabulary score ${score} (it reads the source language and is read in the target's: ` +
+    `positive when reading a piece raises that same piece's logit on average, as names and numbers do` +
+    itself + (r.site[0] === 'cross' ? '; it translates, see its dictionary' : '') + ')';
+}
+
 // ---------------------------------------------------------------- the page
 function renderSummary(r) {
   const [kind, layer] = r.site, f = r.faithfulness;
@@ -266,7 +295,7 @@ function renderSummary(r) {
     `[${fmt(f.rho[1])}, ${fmt(f.rho[2])}], argmax agreement ${fmt(f.argmax[0])} ` +
     `[${fmt(f.argmax[1])}, ${fmt(f.argmax[2])}] (95% intervals)` : 'no faithfulness measured';
   let text = `${DATA.kind_names[kind]}, layer ${layer}, head ${r.head}: positions ${r.positions.label}; ` +
-    `copying score ${fmt(r.copying_score)} (1: it writes what it reads)`;
+    copyingText(r);
   if (kind === 'cross' && typeof r.aer === 'number') text += `; alignment error rate ${fmt(r.aer)}`;
   $('summary').textContent = text;
   $('exactness').textContent = r.exact_direct_path
