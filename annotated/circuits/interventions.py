@@ -439,3 +439,27 @@ def format_interventions(records: list[dict[str, Any]]) -> list[str]:
                     f"{h[0]:+.3f} [{h[1]:+.3f}, {h[2]:+.3f}]  head {r['neighbour']}: {n[0]:+.3f} [{n[1]:+.3f}, {n[2]:+.3f}]"
                 )
     return lines
+
+
+# %% [markdown]
+# ## 7. What it finds in the shipped models
+#
+# From `python -m annotated.circuits.command --checkpoint shipped:de-en`
+# (and `en-de`), on the 200 validation sentences: the best cross head is
+# layer 1, head 2 in both, its random neighbour head 1. Change per token in
+# log-probability, zero ablation, with 95% intervals (mean and resample
+# agree within 0.03 nats on the translation; `docs/circuits.md` has all
+# three and the controls):
+#
+# | measure | de -> en: head 2 | head 1 | en -> de: head 2 | head 1 |
+# | --- | --- | --- | --- | --- |
+# | translation of the attended word | -0.32 [-0.35, -0.29] | -0.04 | -0.45 [-0.49, -0.42] | -0.07 |
+# | reference next token | -0.026 [-0.039, -0.013] | -0.036 | -0.081 [-0.098, -0.066] | -0.074 |
+#
+# The head's role is its dictionary's: taking it out costs the translation
+# of the word it attends to six to eight times what its neighbour costs. The
+# reference translation barely notices, no more than it notices head 1: the
+# layer's four heads write much the same dictionary (their OV precision@1 is
+# 0.82 to 0.86 de -> en), so one head's loss is covered by the other three.
+# A role shown by intervention is what one head does; whether the model
+# *needs* that head is a different, and here negative, answer.
