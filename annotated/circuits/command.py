@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     report["interventions"] = role_interventions(model, inputs.val_batches, report, inputs.pieces, inputs.lexicon)
     report["seconds"] = round(time.perf_counter() - start, 1)
     print(format_table(report), flush=True)
-    print("\n".join(format_interventions(report["interventions"])), flush=True)
+    for line in format_interventions(report["interventions"]):
+        print(line, flush=True)
     for line in pruned_lines(report, model.config.h):
         print(line, flush=True)
     if args.head is not None:
