@@ -11,8 +11,11 @@ in int8 against 55 to 80 us in float32 in three runs, while the feed-forward net
 512 x 128 products and the generator's 128 x 5,000 ran 1.5 to 3 times faster in int8 (`python -m
 benchmarks.int8_products`, whose table benchmarks/README.md keeps). So for the shipped models the
 feed-forward networks and the generator run in int8 and the attention projections stay float32 (for the
-paper's base model, d_model = 512, every product would be in int8). Embeddings, layer norms, softmax and the
-beam search stay float32. The weights are packed for oneDNN,
+paper's base model, d_model = 512, every product is in int8, and from d_model = 256 on the attention
+projections too, which int8 runs faster there: benchmarks/README.md, "int8").
+Embeddings, layer norms, softmax and the beam search stay float32. The fast beam loop (`search.py`, section
+7) reads the heads' circuits of an attention whose projections are int8 from `float_attention`: the weights
+int8 stores, each times its column's scale, in float32, and the biases. The weights are packed for oneDNN,
 which runs these products on the CPU's int8 instructions (AVX-512 VNNI, AMX); benchmarks/README.md has the
 speed and the BLEU beside float32's.
 
@@ -34,7 +37,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from annotated.transformer import EncoderDecoder, FeedForward, FusedAttention
+from annotated.transformer import EncoderDecoder, FeedForward, FusedAttention, _Attention
 
 QUANTIZATIONS = ("int8",)
 MIN_WEIGHTS = 1 << 16  # a product with fewer weights stays float32 (above)
@@ -77,6 +80,10 @@ class Int8Affine(nn.Module):
         """`x @ layer`: the chapter's `affine(x, W, None)` with this layer as W (it holds b too)."""
         return self.linear(x)  # (..., m)
 
+    def dequantized(self) -> tuple[Tensor, Tensor | None]:
+        """(W (n, m), b (m,) or None) in float32: each int8 weight times its column's scale, and the bias."""
+        return self.linear.weight().dequantize().t(), self.linear.bias()  # (n, m), (m,)
+
 
 def _swap(module: nn.Module, weight: str, bias: str) -> None:
     """Replace the parameters `weight` (n, m) and `bias` of `module` by one Int8Affine under the weight's name,
@@ -88,6 +95,26 @@ def _swap(module: nn.Module, weight: str, bias: str) -> None:
     delattr(module, weight)
     setattr(module, bias, None)
     setattr(module, weight, Int8Affine(W.detach(), None if b is None else b.detach()))
+
+
+@torch.no_grad()
+def float_attention(attn: _Attention) -> _Attention:
+    """`attn` itself when none of its projections is int8; else a FusedAttention (eval mode) with each int8
+    projection's `dequantized` weight and bias in place of its W and b: what the fast beam loop reads the
+    heads' circuits from (`head_blocks`), the weights int8 multiplies by without the rounding of the
+    activations."""
+    names = [n for n in "QKVO" if isinstance(getattr(attn, f"W_{n}"), Int8Affine)]
+    if not names:
+        return attn
+    view = FusedAttention(attn.d_model, attn.h, attn.d_k, attn.d_v, attn.bias).eval()
+    for n in "QKVO":
+        W, b = getattr(attn, f"W_{n}"), getattr(attn, f"b_{n}")
+        if n in names:
+            W, b = W.dequantized()
+        getattr(view, f"W_{n}").copy_(W)  # (d_model, h*d_k), ..., (h*d_v, d_model)
+        if b is not None:
+            getattr(view, f"b_{n}").copy_(b)
+    return view
 
 
 def quantize_int8(model: EncoderDecoder) -> EncoderDecoder:

@@ -52,6 +52,7 @@ from torch import Tensor
 import annotated.transformer
 from annotated.checkpoint import PAPER_LENGTH_PENALTY
 from annotated.checks import check_beam, check_decoder_output, check_decoding, check_sources
+from annotated.decoding.quantize import float_attention
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import (
     Cache,
@@ -524,6 +525,24 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # the whole batch at each call, so an int8 translation can depend on the
 # sentences batched with it, which a float32 one does not
 # (`test_batched_beam_equals_one_sentence_at_a_time`).
+#
+# From `d_model = 256` on, the fused form's attention projections reach
+# 65,536 weights too and run in int8, where int8 pays for them as it does
+# for the feed-forward networks (benchmarks/README.md, "int8"). The readable
+# loop projects keys and values through them; the fast loop, which reads
+# each head's `W_K`, `W_V` and `W_O` blocks for its circuits, reads them from
+# `float_attention` (`quantize.py`): the weights int8 stores, each times its
+# column's scale, in float32, with the biases int8 holds inside its layers.
+# Only the activations' rounding then differs between the loops, so in int8
+# they may break a near-tie differently, and each loop's score of its
+# translation is the int8 model's log-probability of it within 0.1 nats per
+# token (`test_each_loop_scores_its_int8_translations_as_the_int8_model_does`).
+# Every option with every other (beam 1 and 4, both loops, float32 and int8,
+# both attention forms, d_model 128 to 512, an imported Marian model with
+# separate vocabularies) translates, and the loops agree exactly in float32
+# (`tests/decoding/test_option_matrix.py`: `test_every_cell_translates`,
+# `test_the_two_loops_translate_the_same_in_float32`,
+# `test_int8_logits_stay_near_float32s_on_its_translations`).
 
 
 # %%
@@ -607,6 +626,7 @@ class _Circuits(NamedTuple):
 
     @staticmethod
     def of(attn) -> _Circuits:
+        attn = float_attention(attn)  # int8 projections (quantize.py): their weights in float32, biases out
         W_K, W_V, W_O, b_V = (head_blocks(attn, name) for name in ("W_K", "W_V", "W_O", "b_V"))
         assert W_K is not None and W_V is not None and W_O is not None
         W_K_T = (W_K.transpose(1, 2) / math.sqrt(attn.d_k)).contiguous()  # (h, d_k, d_model)
