@@ -43,8 +43,9 @@
 # names (GNMT's `((5 + |Y|) / 6)^alpha`, `annotated/decoding/search.py`),
 # which a run trained with `--length-penalty validation`, or
 # `annotated/training/choose_length_penalty.py`, chooses on the validation
-# split and writes in; at the paper's 0.6 for a checkpoint that names none,
-# as the shipped models (`model_length_penalty`,
+# split and writes in, as the shipped models carry theirs (alpha 4 for both,
+# `test_the_shipped_alpha_is_the_one_the_rule_picks_on_validation`); at the
+# paper's 0.6 for a checkpoint that names none (`model_length_penalty`,
 # `annotated/checkpoint.py`; why 0.6 stays the default:
 # `docs/training.md`). `--length-penalty` overrides it.
 # (`tests/decoding/test_translate.py`:

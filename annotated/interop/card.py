@@ -70,6 +70,17 @@ def _score_lines(scores: dict | None) -> list[str]:
     return lines
 
 
+def _alpha_clause(scores: dict | None) -> str:
+    """The model's own alpha, which no `length_penalty` of `generate` expresses, where its scores name one."""
+    alpha = (scores or {}).get("length_penalty")
+    if alpha is None or alpha == 0:
+        return ""
+    return (
+        f" (this model's translator decodes at alpha {alpha:g}, its scores above; no `length_penalty` of `generate` "
+        "ranks as it does, so `generation_config.json` keeps `transformers`' default 1.0)"
+    )
+
+
 def model_card(checkpoint_as_typed: str, checkpoint: Path, meta: dict, shipped_card: dict | None, cfg) -> str:
     """README.md of the export of `checkpoint` (named as the user typed it), its metadata `meta`, the shipped
     model's card where it is one, and our model config `cfg`."""
@@ -129,8 +140,8 @@ def model_card(checkpoint_as_typed: str, checkpoint: Path, meta: dict, shipped_c
         "computes this model's log-probabilities, and its beam search stops by its own rule (when its best "
         "candidate ends), so a few translations differ from this project's.",
         "- `generate` ranks finished translations with `|Y|^length_penalty`, this project's translator with GNMT's "
-        "`((5 + |Y|) / 6)^alpha`; with both off (`length_penalty=0`, alpha 0) the two searches agree but for "
-        "outputs cut at the length limit (section 5 of `annotated/interop/marian.py`).",
+        f"`((5 + |Y|) / 6)^alpha`{_alpha_clause(scores)}; with both off (`length_penalty=0`, alpha 0) the two "
+        "searches agree but for outputs cut at the length limit (section 5 of `annotated/interop/marian.py`).",
         "",
     ]
     return "\n".join(lines)

@@ -11,6 +11,12 @@ steps (each card names the command), each the run's model (`averaged.pt`), packe
                 it scores on test_2016_flickr (BLEU cased and lowercased, chrF, beam 4, as packed), what it was
                 trained on, and the sha256 of de-en.pt
 
+Each checkpoint carries the beam search's length penalty its own rule picks on validation, as a run's does
+(`choose_length_penalty`: the best beam-4 BLEU on Multi30k's validation split over alpha 0.6, 1, 2, 3, 4; alpha
+4 for both), and every command that decodes it uses it; its card's `length_penalty` records the choice and its
+`scores` the test BLEU at that alpha beside the paper's 0.6
+(`tests/shipped/test_shipped_length_penalty.py`: `test_the_shipped_alpha_is_the_one_the_rule_picks_on_validation`).
+
 Both learnt from Multi30k's 29,000 image captions, and they know photo captions: "Ein Hund rennt über die Wiese."
 translates well, everyday language ("Ich habe heute keine Zeit, weil ich arbeiten muss.") is out of their domain.
 

@@ -10,8 +10,9 @@ From a finished run (its `results.json` and its model, `averaged.pt` where the r
   options it differs by), the commit, seed, steps, precision and threads, the machine and CPU, every package's
   version (the run's `results.json` "environment"). What it scores on test_2016_flickr with beam 4 (BLEU cased
   and lowercased, chrF): the packed model is scored again here, on all 1,000 sentences and on the first 50 (the
-  figure `tests/shipped/test_shipped.py` checks), beside the run's own float32 figures. What it was trained on.
-  And the sha256 of the `.pt` file, which loading checks.
+  figure `tests/shipped/test_shipped.py` checks), beside the run's own float32 figures, at the length penalty in
+  the checkpoint (`model_length_penalty`), whose origin the card's `length_penalty` records as the run's
+  `results.json` does. What it was trained on. And the sha256 of the `.pt` file, which loading checks.
 
 Scoring the packed model takes a couple of minutes on a CPU for the `cpu` preset's model. Existing files are
 replaced only with `--force`.
@@ -149,6 +150,25 @@ def scores_of(model, tokenizer, pairs, alpha: float, progress: bool) -> tuple[di
     return dict(keep(full), signatures=full["signature"]), keep(first)
 
 
+def length_penalty_record(results: dict, alpha: float) -> dict:
+    """Where the card's alpha came from, as the run's results.json records it (`"chosen"`, `"chosen_on"`, the
+    validation BLEU of each alpha where it was chosen there), and how to decode as it does with transformers."""
+    record = dict(results.get("length_penalty") or {"chosen": alpha, "chosen_on": "the checkpoint's meta"})
+    record["transformers"] = generate_note(alpha)
+    return record
+
+
+def generate_note(alpha: float) -> str:
+    """What transformers' `generate` can do of GNMT's alpha (annotated/interop/folders.py)."""
+    return (
+        "generate divides by |Y|^length_penalty, this project's translator by GNMT's ((5 + |Y|) / 6)^alpha: no "
+        f"length_penalty of generate ranks as alpha {alpha:g} does. For the same translations outside this project "
+        "decode at 0 on both sides (generate's length_penalty=0.0, make translate ARGS='--length-penalty 0'), where "
+        "the two searches agree but for translations cut at the length limit (section 5 of "
+        "annotated/interop/marian.py)."
+    )
+
+
 def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict, first: dict, command: str) -> dict:
     """The card of a packed model (see the module's docstring)."""
     cfg = config_from_dict(results["train_config"])
@@ -190,6 +210,7 @@ def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict
             "packages": env.get("packages"),
             "train_config": results["train_config"],
         },
+        "length_penalty": length_penalty_record(results, model_length_penalty(state["meta"])),
         "scores": {
             "test_set": results.get("test_set"),
             "beam": BEAM,
