@@ -7,10 +7,10 @@ import pytest
 import torch
 from tiny_box import PAIRS, make_run
 
-from annotated.checkpoint import load_checkpoint, read_checkpoint
+from annotated.checkpoint import load_checkpoint, read_checkpoint, with_meta
 from annotated.training.config import PRESETS, config_dict
 from annotated.training.evaluate import evaluate_bleu
-from annotated.training.pack import PackError, compact_state, main, pack, training_command
+from annotated.training.pack import PackError, compact_state, generate_note, main, pack, training_command
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,27 @@ def test_the_card_scores_are_those_of_the_packed_model_as_loaded(packed):
         k: scores[k] for k in ("bleu", "bleu_lowercase", "chrf")
     }
     assert card["scores"]["test"]["sentences"] == len(PAIRS["de-en"]) and card["scores"]["beam"] == 4
+
+
+def test_the_card_records_the_runs_length_penalty_as_its_results_do(packed, tmp_path):
+    """A run that chose its alpha on validation: the packed model carries it, is scored at it, and the card's
+    `length_penalty` is the run's record with what transformers' generate can do of it. A run with none: 0.6,
+    from the checkpoint's meta."""
+    _, _, card = packed
+    assert card["scores"]["length_penalty"] == 0.6 and card["length_penalty"]["chosen"] == 0.6
+    assert card["length_penalty"]["chosen_on"] == "the checkpoint's meta"
+    run = make_run(tmp_path / "run")
+    record = {"chosen": 3.0, "chosen_on": "validation (20 sentences)", "validation_bleu": {"0.6": 1.0, "3": 2.0}}
+    results = json.loads((run / "results.json").read_text())
+    (run / "results.json").write_text(json.dumps(dict(results, length_penalty=record)))
+    with_meta(run / "best.pt", run / "best.pt", length_penalty=3.0)
+    model_file, card_file = pack(run, tmp_path / "box", pairs=PAIRS["de-en"], say=lambda line: None)
+    card = json.loads(card_file.read_text())
+    assert read_checkpoint(model_file)["meta"]["length_penalty"] == 3.0 == card["scores"]["length_penalty"]
+    assert card["length_penalty"] == dict(record, transformers=generate_note(3.0))
+    assert "alpha 3 does" in card["length_penalty"]["transformers"]
+    model, tok, _ = load_checkpoint(model_file)
+    assert card["scores"]["test"]["bleu"] == evaluate_bleu(model, tok, PAIRS["de-en"], 4, 3.0)[0]["bleu"]
 
 
 def test_packing_again_replaces_nothing_without_force(packed, capsys):
