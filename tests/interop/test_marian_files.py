@@ -200,6 +200,9 @@ def test_the_export_carries_its_model_card(tmp_path):
     assert tokenizer_config["model_max_length"] == shipped["model"]["max_len"] == 256
     generation = json.loads((tmp_path / "x" / "generation_config.json").read_text())
     assert generation["num_beams"] == build_parser().get_default("beam") == 4
+    # the model's alpha, chosen on validation, which generate's |Y|^length_penalty cannot express: named
+    assert f"this model's translator decodes at alpha {shipped['scores']['length_penalty']:g}" in card
+    assert generation["length_penalty"] == 1.0 and "`generation_config.json` keeps `transformers`' default" in card
 
 
 def test_a_long_source_goes_through_generate(checkpoint, tmp_path):
