@@ -78,7 +78,7 @@ test: $(SETUP)
 # products also depend on where a matrix starts in memory. Left out (ARITH_SKIP): what checks learning,
 # statistics, files or exact integers rather than rounding.
 ARITH_TESTS := tests/proof tests/circuits/test_circuits.py tests/circuits/test_direct.py tests/decoding/test_search.py \
-    tests/decoding/test_fast_search.py tests/interop/test_marian.py tests/test_transformer.py tests/test_sites.py \
+    tests/decoding/test_fast_search.py tests/decoding/test_option_matrix.py tests/interop/test_marian.py tests/test_transformer.py tests/test_sites.py \
     tests/test_recording.py tests/attention/test_prune.py annotated/transformer.py
 ARITH_SKIP := copy_task_learns_to_copy or scaling_keeps_score_variance or test_command_writes or block_algebra \
     or tracers_follow or tracers_catch
