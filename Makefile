@@ -13,6 +13,9 @@ else
 PY    := $(PYTHON)
 SETUP :=
 endif
+# RUN: a command run by its target. ANNOTATED_MAKE=<target> tells the command so: a refusal then writes its fix as
+# the make line to type (`make circuits ARGS=--force`, not `add --force`; annotated/door.py).
+RUN    = ANNOTATED_MAKE=$@ $(PY)
 
 .PHONY: help setup lock test test-arith lint format copy train clean equivalence
 
@@ -110,9 +113,9 @@ TRAIN_ARGS := $(if $(PRESET),--preset $(PRESET)) $(ARGS)
 
 train: $(SETUP)
 ifeq ($(NPROC),1)
-	$(PY) train_wmt.py $(TRAIN_ARGS)
+	$(RUN) train_wmt.py $(TRAIN_ARGS)
 else
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train_wmt.py $(TRAIN_ARGS)
+	$(RUN) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train_wmt.py $(TRAIN_ARGS)
 endif
 
 clean:
@@ -129,24 +132,24 @@ TEXT       ?=
 quoted = '$(subst ','\'',$(value $(1)))'
 .PHONY: translate
 translate: $(SETUP)
-	$(PY) -m annotated.decoding.translate $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS) $(if $(value TEXT),$(call quoted,TEXT))
+	$(RUN) -m annotated.decoding.translate $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS) $(if $(value TEXT),$(call quoted,TEXT))
 
 # make equivalence [CHECKPOINT=runs/<run>/best.pt]: the proof suite of annotated/proof/equivalence.py;
 # exits non-zero if any check fails.
 equivalence: $(SETUP)
-	$(PY) -m annotated.proof.equivalence $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT))
+	$(RUN) -m annotated.proof.equivalence $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT))
 
 # `make bench`: training-step and decoding speed against torch.nn.Transformer, and the step as a share of the CPU's peak
 # (benchmarks/bench.py; ARGS='--sizes cpu --quick' etc.); writes benchmarks/results/<device>-<date>.json.
 .PHONY: bench
 bench: $(SETUP)
-	$(PY) -m benchmarks.bench $(ARGS)
+	$(RUN) -m benchmarks.bench $(ARGS)
 
 # `make gpu-report`: bench on CUDA (bf16, eager and compiled), the gpu preset de->en and en->de, a 2-GPU DDP
 # smoke run; writes benchmarks/results/<device>-<date>.json and prints the table (benchmarks/gpu_report.py).
 .PHONY: gpu-report
 gpu-report: $(SETUP)
-	$(PY) -m benchmarks.gpu_report $(ARGS)
+	$(RUN) -m benchmarks.gpu_report $(ARGS)
 
 # make export [CHECKPOINT=shipped:de-en|runs/<run>/averaged.pt] OUT=exported [ARGS=--overwrite] (no CHECKPOINT: the
 # latest run's model, else the shipped de -> en one); make import HF=folder OUT=model.pt [ARGS='--attention per_head
@@ -155,31 +158,31 @@ gpu-report: $(SETUP)
 HF ?=
 OUT ?=
 export: $(SETUP)
-	$(PY) -m annotated.interop.folders export $(call quoted,CHECKPOINT) $(call quoted,OUT) $(ARGS)
+	$(RUN) -m annotated.interop.folders export $(call quoted,CHECKPOINT) $(call quoted,OUT) $(ARGS)
 
 import: $(SETUP)
-	$(PY) -m annotated.interop.folders import $(call quoted,HF) $(call quoted,OUT) $(ARGS)
+	$(RUN) -m annotated.interop.folders import $(call quoted,HF) $(call quoted,OUT) $(ARGS)
 
 # make attention [CHECKPOINT=runs/<run>/best.pt] [ARGS='--n 5' or ARGS='"Ein Hund rennt."']: dump, draw and
 # browse every attention weight (annotated/attention/dump.py); default: best.pt of the latest run, first 3 test
 # sentences; writes attention/ next to the checkpoint (index.json, sentence_*.npz, *.png, viewer.html).
 .PHONY: attention
 attention: $(SETUP)
-	$(PY) -m annotated.attention.dump $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
+	$(RUN) -m annotated.attention.dump $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 # make heads [CHECKPOINT=runs/<run>/best.pt] [ARGS='--prune --max-loss-increase 0.02 --sentences 300']: per head,
 # importance, validation BLEU and loss without it, and its attention by relative position (python -m
 # annotated.attention.heads --help); writes heads.json and pictures beside the checkpoint (--out elsewhere).
 .PHONY: heads
 heads: $(SETUP)
-	$(PY) -m annotated.attention.heads $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
+	$(RUN) -m annotated.attention.heads $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 # make circuits [CHECKPOINT=shipped:en-de] [ARGS='--head cross:1:2 --no-aligner']: every head's circuits
 # (annotated/circuits/, Part V; python -m annotated.circuits.command --help); writes circuits.json, circuits.html
 # and pictures beside the checkpoint (--out elsewhere); docs/circuits.md says how to read them.
 .PHONY: circuits
 circuits: $(SETUP)
-	$(PY) -m annotated.circuits.command $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
+	$(RUN) -m annotated.circuits.command $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 # make docs: annotated/*.py rendered into docs/_build/index.html (math as MathML, figures drawn by the
 # modules' own code; offline). Attention figure from CHECKPOINT=..., else the latest run's model (averaged.pt or
@@ -192,13 +195,13 @@ circuits: $(SETUP)
 # from the book and the viewer of the shipped de->en model (docs/screenshots.py); the tests never write there.
 .PHONY: docs notebook jupyter screenshots
 docs: $(SETUP)
-	$(PY) -m docs.build $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
+	$(RUN) -m docs.build $(if $(value CHECKPOINT),--checkpoint $(call quoted,CHECKPOINT)) $(ARGS)
 
 screenshots: $(SETUP)
-	$(PY) -m docs.screenshots $(ARGS)
+	$(RUN) -m docs.screenshots $(ARGS)
 
 notebook: $(SETUP)
-	$(PY) -m docs.notebook $(ARGS)
+	$(RUN) -m docs.notebook $(ARGS)
 
 jupyter: $(SETUP)
 	$(PY) -m pip install -q -r requirements-notebook.txt

@@ -6,7 +6,7 @@
 # sizes), the parameters, the tokenizer's sentencepiece model (so translations
 # use exactly the subwords the model was trained on), and free-form metadata
 # (languages, step, scores, and the beam search's length penalty the run chose
-# on validation data: `model_length_penalty`, which every tool decodes with
+# on validation data: `model_length_penalty` of `annotated/decoding/settings.py`, which every tool decodes with
 # unless told otherwise). Training adds the optimizer, scheduler and
 # random-number states so `--resume` continues exactly where it stopped.
 #
@@ -30,7 +30,12 @@
 # whose parameters do not fit its own config, raises `CheckpointError` naming
 # the file and what is wrong. The file is read with `weights_only=True`, so
 # it can hold tensors and plain data but no code; one that holds anything
-# else is refused as such (we do not suggest loading it unsafely).
+# else is refused as such (we do not suggest loading it unsafely). A file that
+# is no checkpoint at all is called what it looks like (text, a zip archive of
+# other files, a pickle, other bytes) before torch reads it, and a
+# transformers folder is pointed to `make import`
+# (`test_a_file_that_is_no_checkpoint_is_said_to_be_what_it_looks_like`,
+# `test_a_marian_folder_given_as_a_checkpoint_points_to_make_import`).
 #
 # **A config is data too.** The stored config says how big a model to build,
 # so a crafted one (a vocabulary of ten million, forty layers, `max_len=NaN`)
@@ -53,6 +58,7 @@ import dataclasses
 import json
 import os
 import pickle
+import shlex
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -134,33 +140,42 @@ def with_meta(path: os.PathLike | str, out: os.PathLike | str, **entries) -> Non
     atomic_torch_save(dict(state, meta=dict(state.get("meta") or {}, **entries)), out)
 
 
-PAPER_LENGTH_PENALTY = 0.6  # the paper's alpha (section 6.1), tuned on WMT for its big models
-
-
-def model_length_penalty(meta: dict) -> float:
-    """The beam search's length penalty (GNMT alpha) a checkpoint was scored with: the one its run chose on
-    validation data (meta `length_penalty`), else the paper's 0.6.
-
-    >>> model_length_penalty({"length_penalty": 4.0}), model_length_penalty({})
-    (4.0, 0.6)
-    """
-    alpha = meta.get("length_penalty")
-    if alpha is None:
-        return PAPER_LENGTH_PENALTY
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < float("inf"):
-        raise CheckpointError(f"the checkpoint's length_penalty must be a finite number >= 0, got {alpha!r}")
-    return float(alpha)
-
-
-def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:
-    """The raw checkpoint dict, after checking that it is one of ours."""
+def checkpoint_file(path: os.PathLike | str) -> Path:
+    """`path`, a file; CheckpointError saying what it is instead: a folder (a transformers one points to
+    `make import`) or nothing. Every command's door checks this before anything is loaded."""
     path = Path(path)
     if path.is_dir():
+        if _model_type(path) == "marian":
+            raise CheckpointError(
+                f"{path} is a transformers MarianMTModel folder, not a checkpoint; import it first: "
+                f"make import HF={shlex.quote(str(path))} OUT=model.pt, then use model.pt"
+            )
         raise CheckpointError(
             f"checkpoint {path} is a directory; give the checkpoint file in it (for example {path / 'best.pt'})"
         )
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
+    return path
+
+
+def _model_type(folder: Path) -> str | None:
+    """The `model_type` of a transformers folder's config.json, else None."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
+
+
+def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:
+    """The raw checkpoint dict, after checking that it is one of ours."""
+    path = checkpoint_file(path)
+    looks = _looks_like(path)
+    if looks is not None:  # said before torch reads it (and warns about it)
+        raise CheckpointError(
+            f"{path} is not a checkpoint: it is {looks}; give a .pt file written by training or make import, "
+            f"or shipped:de-en"
+        )
     try:
         damage = _zip_damage(path)
         if damage:
@@ -184,6 +199,38 @@ def read_checkpoint(path: os.PathLike | str, map_location: str = "cpu") -> dict:
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: it has no {' and no '.join(map(repr, missing))} dict")
     return state
+
+
+def _looks_like(path: Path) -> str | None:
+    """What a file torch cannot load looks like (an empty file, text, a zip archive of other files, a pickle,
+    other bytes); None for what torch.save writes, a zip archive with a data.pkl, whole or cut short.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     _ = (Path(d) / "notes.txt").write_text("epoch 3, loss 2.1\\n")
+    ...     _ = (Path(d) / "noise.bin").write_bytes(bytes(range(7, 250, 3)))
+    ...     _looks_like(Path(d) / "notes.txt"), _looks_like(Path(d) / "noise.bin")[:29]
+    ("text (it begins 'epoch 3, loss 2.1')", 'binary data, not a torch file')
+    """
+    with path.open("rb") as f:
+        head = f.read(4096)
+    if not head:
+        return "an empty file"
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+        if any(n.endswith("/data.pkl") for n in names):
+            return None
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        return f"a zip archive of {len(names)} file(s) ({shown}), not one torch.save wrote"
+    if head.startswith(b"PK\x03\x04"):  # a zip's first member, no directory at the end: cut short
+        return None
+    if head[:1] == b"\x80":
+        return "a Python pickle, not the zip archive torch.save writes"
+    text = head.decode("utf-8", errors="replace")
+    if text.count("\ufffd") <= 4 and sum(c.isprintable() or c.isspace() for c in text) >= 0.95 * len(text):
+        return f"text (it begins {text.strip().splitlines()[0][:40] if text.strip() else ''!r})"
+    return f"binary data, not a torch file (it begins {head[:8].hex(' ')})"
 
 
 def _zip_damage(path: Path) -> str | None:

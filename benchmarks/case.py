@@ -23,10 +23,11 @@ import torch
 
 from annotated.checkpoint import CheckpointError, load_checkpoint, read_case_table
 from annotated.decoding import casing
+from annotated.decoding.settings import Decoding
 from annotated.decoding.translate import prepare, translate_prepared
+from annotated.door import Door
 from annotated.plumbing.files import atomic_write
-from annotated.plumbing.options import Parser, at_least
-from annotated.shipped import choose_checkpoint
+from annotated.plumbing.options import at_least
 from annotated.training.data import load_multi30k
 from annotated.training.evaluate import score
 
@@ -84,27 +85,19 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = Parser(
-        command=__file__,
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--checkpoint",
-        help="a checkpoint file or shipped:de-en (default: the latest run's model, runs/latest/averaged.pt or best.pt; "
-        "with no run, the shipped de->en model)",
-    )
+    door = Door(__file__)
+    p = door.parser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    door.checkpoint_options(p, languages=False)
     p.add_argument("--sentences", type=at_least(1), help="only the first n test sentences (default: all)")
-    p.add_argument("--beam", type=at_least(1), default=4, help="beam width (default 4)")
-    p.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    Decoding.add_options(p, "beam")
+    door.output_options(p, type=Path, help="also write the figures as JSON here", force=False)
     args = p.parse_args(argv)
-    if args.out is not None and args.out.exists():
-        p.error(f"--out {args.out} exists; name a new file (nothing is overwritten)")
+    door.keep(args, [args.out], flag="", elsewhere="name a new file")
+    path = door.checkpoint(args)
     try:
-        path = choose_checkpoint(args.checkpoint, say=lambda line: print(f"{p.name}: {line}", file=sys.stderr))
         model, tokenizer, meta = load_checkpoint(path)
     except CheckpointError as e:
-        p.error(str(e))
+        door.fail(str(e))
     model.eval()
     src, tgt = meta.get("src_lang", "de"), meta.get("tgt_lang", "en")
     pairs = load_multi30k("test_2016_flickr", src, tgt)[: args.sentences]

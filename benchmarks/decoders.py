@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from annotated import transformer
-from annotated.checkpoint import PAPER_LENGTH_PENALTY
 from annotated.decoding import search as decoding
+from annotated.decoding.settings import Decoding
 from annotated.tokens import EOS, PAD
 from annotated.transformer import EncoderDecoder, make_model, padding_mask
 from benchmarks.rows import DECODERS, DecodeRow
@@ -58,7 +58,7 @@ def decode_fns(model, batches, steps: int, amp) -> dict:
         "greedy_cached": run(lambda s, m: decoding.greedy(model, s, m, steps, use_cache=True)),
         "greedy_recompute": run(lambda s, m: decoding.greedy(model, s, m, steps, use_cache=False)),
         "beam4_cached": run(
-            lambda s, m: decoding.beam_search(model, s, m, steps, beam_size=4, length_penalty=PAPER_LENGTH_PENALTY)
+            lambda s, m: decoding.beam_search(model, s, m, steps, Decoding.beam, Decoding.length_penalty)
         ),
     }
 

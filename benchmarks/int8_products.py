@@ -18,10 +18,6 @@ import time
 
 import torch
 
-from annotated.plumbing.scripts import name_of
-
-NAME = name_of(__file__)
-
 
 def best_of(f, calls: int = 200, repeats: int = 7) -> float:
     """The best mean time of one call, in microseconds, over `repeats` runs of `calls` calls (after warming up)."""
@@ -64,25 +60,23 @@ def measure(config, rows: int, calls: int = 200) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
     from annotated.checkpoint import CheckpointError, load_checkpoint
-    from annotated.plumbing.options import Parser, at_least
-    from annotated.shipped import choose_checkpoint
+    from annotated.door import Door
+    from annotated.plumbing.options import at_least
 
-    p = Parser(command=__file__, description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--checkpoint", default="shipped:de-en", help="checkpoint file or shipped:NAME (default shipped:de-en)"
+    door = Door(__file__)
+    p = door.parser(description=__doc__.split("\n")[0])
+    door.checkpoint_options(
+        p, languages=False, default="shipped:de-en", help="checkpoint file or shipped:NAME (default shipped:de-en)"
     )
     p.add_argument("--rows", type=at_least(1), default=256)
     p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--calls", type=at_least(1), default=200, help="calls per repeat (default 200)")
     args = p.parse_args(argv)
     try:
-        checkpoint = choose_checkpoint(args.checkpoint, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
-        model = load_checkpoint(checkpoint)[0]
+        model = load_checkpoint(door.checkpoint(args))[0]
     except CheckpointError as e:
-        p.error(str(e))
+        door.fail(str(e))
     torch.set_num_threads(args.threads)
     print("| product | n x m | weights | float32 us | int8 us | float32 / int8 |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")

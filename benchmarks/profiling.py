@@ -27,17 +27,17 @@ table and its time split into the matrix products (linear layers and attention) 
 from __future__ import annotations
 
 import mmap
-import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
+from annotated.door import Door
 from annotated.plumbing.allocator import keep_freed_memory
 from annotated.plumbing.devices import autocast, cpu_has_bf16
-from annotated.plumbing.options import Parser
 from benchmarks.sizes import SIZES, Size, make_batches
 from benchmarks.trainees import build_trainees, make_step
 
@@ -61,23 +61,22 @@ PRODUCTS = (
 )
 
 
-def profile_decoding(checkpoint: str, steps: int, readable: bool) -> Profiled:
+def profile_decoding(checkpoint: Path, steps: int, readable: bool) -> Profiled:
     """`steps` beam searches over one batch of 64 test sentences under the profiler (after unprofiled ones)."""
     from unittest import mock
 
-    from annotated.checkpoint import load_checkpoint, model_length_penalty
+    from annotated.checkpoint import load_checkpoint
     from annotated.decoding import search
-    from annotated.run_folder import RUNS
-    from annotated.shipped import choose_checkpoint
+    from annotated.decoding.settings import Decoding, model_length_penalty
     from annotated.training.data import load_multi30k
 
-    model, tokenizer, meta = load_checkpoint(choose_checkpoint(checkpoint, RUNS))
+    model, tokenizer, meta = load_checkpoint(checkpoint)
     pairs = load_multi30k("test_2016_flickr", meta.get("src_lang", "de"), meta.get("tgt_lang", "en"))[:64]
     sources, alpha = [tokenizer.encode(s) for s, _ in pairs], model_length_penalty(meta)
 
     def step() -> None:
         with torch.inference_mode():
-            search.translate_ids(model, sources, 4, alpha)
+            search.translate_ids(model, sources, Decoding.beam, alpha)
 
     if not readable:
         return profiled(step, steps)
@@ -164,24 +163,28 @@ def top_operators(averages, n: int) -> list[tuple[str, float, int]]:
 
 
 def main(argv=None) -> None:
-    p = Parser(command=__file__, description=__doc__.splitlines()[0])
+    door = Door(__file__)
+    p = door.parser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=list(SIZES), default="cpu")
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after 2 untimed ones)")
     p.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's choice)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--rows", type=int, default=15, help="operators in the table")
     p.add_argument("--decode", action="store_true", help="profile beam search on the shipped model instead")
-    p.add_argument("--checkpoint", default="shipped:de-en", help="with --decode: the model (default shipped:de-en)")
+    door.checkpoint_options(
+        p, languages=False, default="shipped:de-en", help="with --decode: the model (default shipped:de-en)"
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.rows < 1 or (args.threads is not None and args.threads < 1):
         p.error(f"--steps, --rows and --threads must be >= 1, got {args.steps}, {args.rows}, {args.threads}")
     if args.precision == "bf16" and not cpu_has_bf16():
-        print(f"{p.name}: note: this CPU has no bf16 instructions; PyTorch emulates bf16 here", file=sys.stderr)
+        door.say("note: this CPU has no bf16 instructions; PyTorch emulates bf16 here")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.decode:
+        checkpoint = door.checkpoint(args)
         for name, readable in (("fast loop", False), ("readable loop", True)):
-            result = profile_decoding(args.checkpoint, args.steps, readable)
+            result = profile_decoding(checkpoint, args.steps, readable)
             print(result.averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
             top = top_operators(result.averages, 5)
             print(

@@ -84,9 +84,10 @@ def tool(
     name: str, checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[str], threads: int
 ) -> Callable[[], list[str]]:
     """A function translating every source with tool `name`, returning the texts (from a `prepare`d `folder`)."""
-    from annotated.checkpoint import load_checkpoint, model_length_penalty
+    from annotated.checkpoint import load_checkpoint
     from annotated.decoding.quantize import quantize_int8
     from annotated.decoding.search import translate_ids
+    from annotated.decoding.settings import Decoding, model_length_penalty
     from annotated.decoding.translate import main as translator
 
     model, tokenizer, meta = load_checkpoint(checkpoint)
@@ -104,7 +105,7 @@ def tool(
 
         def ctranslate() -> list[str]:
             results = engine.translate_batch(
-                pieces, beam_size=4, max_batch_size=64, batch_type="examples", max_decoding_length=256
+                pieces, beam_size=Decoding.beam, max_batch_size=64, batch_type="examples", max_decoding_length=256
             )
             return [tokenizer.decode([piece_id[p] for p in r.hypotheses[0]]) for r in results]
 
@@ -131,7 +132,7 @@ def tool(
     alpha = model_length_penalty(meta)  # ours: GNMT alpha, the translator's default
 
     def ours() -> list[str]:  # as any caller runs it (it enters inference mode itself)
-        return [tokenizer.decode(h) for h in translate_ids(m, sources, 4, alpha)]
+        return [tokenizer.decode(h) for h in translate_ids(m, sources, Decoding.beam, alpha)]
 
     return ours
 
@@ -255,18 +256,13 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from annotated.checkpoint import CheckpointError
+    from annotated.door import Door
     from annotated.plumbing.files import atomic_write
-    from annotated.plumbing.options import Parser, at_least
-    from annotated.shipped import choose_checkpoint
+    from annotated.plumbing.options import at_least
 
-    p = Parser(command=__file__, description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--checkpoint",
-        default=None,
-        help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model; with no "
-        "run, the shipped de -> en model)",
-    )
+    door = Door(__file__)
+    p = door.parser(description=__doc__.split("\n")[0])
+    door.checkpoint_options(p, languages=False)
     p.add_argument("--sentences", type=at_least(1), default=None, help="the first N test sentences (default all)")
     p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--rounds", type=at_least(1), default=3)
@@ -282,19 +278,15 @@ def main(argv: list[str] | None = None) -> int:
         default="each",
         help="each (default): every timed run in a fresh process of its own; one: every tool in this process",
     )
-    p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
+    door.output_options(p, type=Path, help="also write the result as JSON here", force=False)
     p.add_argument("--worker", choices=NAMES, default=None, help=argparse.SUPPRESS)  # one tool's process
     p.add_argument("--worker-folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    checkpoint = door.checkpoint(args)
     if args.worker is not None:
-        worker(args.worker, Path(args.checkpoint), args.worker_folder, args.threads)
+        worker(args.worker, checkpoint, args.worker_folder, args.threads)
         return 0
-    try:
-        checkpoint = choose_checkpoint(args.checkpoint, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
-    except CheckpointError as e:
-        p.error(str(e))
-    if not checkpoint.is_file():
-        p.error(f"--checkpoint {checkpoint}: no such file")
+    door.keep(args, [args.out], flag="", elsewhere="name a new file")
     int8 = args.quantize == "int8"
     result = measure(checkpoint, args.sentences, args.threads, args.rounds, int8=int8, processes=args.processes)
     print(table(result))

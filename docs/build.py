@@ -73,7 +73,6 @@ import json
 import posixpath
 import re
 import string
-import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -91,9 +90,9 @@ from pygments.lexers import get_lexer_by_name
 from pygments.util import ClassNotFound
 
 from annotated.checkpoint import CheckpointError
+from annotated.door import Door
 from annotated.plumbing.files import atomic_write
-from annotated.plumbing.options import Parser, at_least, writable_dir
-from annotated.plumbing.scripts import name_of
+from annotated.plumbing.options import at_least, writable_dir
 from docs import figures as figs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1335,14 +1334,15 @@ def build_notebook(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = Parser(
-        command=__file__,
+    door = Door(__file__)
+    p = door.parser(
         description="Render annotated/*.py and the guides (docs/*.md, benchmarks/README.md) into "
         "docs/_build/index.html, or convert a chapter to a notebook.",
     )
     p.add_argument("--out", type=writable_dir, default=DEFAULT_OUT, help="output folder (default docs/_build)")
-    p.add_argument(
-        "--checkpoint",
+    door.checkpoint_options(
+        p,
+        languages=False,
         default="auto",
         help="checkpoint for the attention figure: auto (the latest run's model, averaged.pt or best.pt, "
         "else the shipped de->en model, else the copy task), none (copy task), or a path",
@@ -1362,9 +1362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write notebooks instead of the page (default: transformer)",
     )
     args = p.parse_args(argv)
-    if args.checkpoint not in ("auto", "none") and not Path(args.checkpoint).is_file():
-        what = "is a directory" if Path(args.checkpoint).is_dir() else "does not exist"
-        p.error(f"argument --checkpoint: {args.checkpoint} {what}; give a checkpoint file, auto or none")
+    auto = args.checkpoint in ("auto", "none")  # the book's own rule (`build`): the copy task where none is found
+    checkpoint = None if args.checkpoint == "none" else "auto" if auto else door.checkpoint(args)
     import torch
 
     torch.set_num_threads(1)  # the figures' models are tiny: more threads only contend for the cores
@@ -1373,7 +1372,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             for module in args.notebook or ["transformer"]:
                 print(f"wrote {build_notebook(module, args.out, overwrite=args.overwrite)}")
             return 0
-        checkpoint = None if args.checkpoint == "none" else args.checkpoint
         result = build(
             args.out,
             checkpoint=checkpoint,
@@ -1382,7 +1380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=args.overwrite,
         )
     except (DocsError, ValueError) as e:  # a refused --out or checkpoint: 2, like other bad input; else 1
-        print(f"{name_of(__file__)}: error: {e}", file=sys.stderr)
+        door.say(f"error: {e}")
         return 2 if isinstance(e, (OutputError, CheckpointError)) else 1
     for note in result.notes:
         print(f"note: {note}")

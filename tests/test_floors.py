@@ -22,6 +22,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (  # from the ground up
     ("annotated.recording", "annotated.checkpoint"),  # a model on disk (builds models: above the chapter)
     ("annotated.checks", "annotated.run_folder"),  # checks at the door; the run folder's names and rules
     ("annotated.shipped",),  # the box and the rule that picks a command's model
+    ("annotated.door",),  # every command's front door: its checkpoint, its outputs, its name
     ("annotated.decoding",),
     ("annotated.training",),
     ("annotated.attention", "annotated.interop", "annotated.proof"),

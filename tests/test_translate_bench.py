@@ -95,7 +95,7 @@ def test_every_tool_translates(checkpoint, data_url):
 @pytest.mark.parametrize(
     "given, message",
     [
-        ("nothing.pt", "translate-bench: error: --checkpoint nothing.pt: no such file"),
+        ("nothing.pt", "translate-bench: error: checkpoint nothing.pt: no such file"),
         ("shipped:xx-yy", "translate-bench: error: there is no shipped xx->yy model"),
     ],
 )

@@ -57,19 +57,21 @@ import torch
 
 from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figure
 from annotated.attention.viewer import circuits_beside, importance_fits, read_head_importance, viewer_html
-from annotated.checkpoint import PAPER_LENGTH_PENALTY, load_checkpoint, model_length_penalty
+from annotated.checkpoint import load_checkpoint
 from annotated.checks import check_eval_mode, check_id_list, check_tokenizer
-from annotated.decoding.search import MAX_EXTRA, translate_ids
+from annotated.decoding.search import translate_ids
+from annotated.decoding.settings import Decoding, model_length_penalty
+from annotated.door import Door
 from annotated.plumbing.files import json_safe, save_figure, staged_directory
-from annotated.plumbing.options import Parser, at_least, device, writable_dir
-from annotated.plumbing.scripts import name_of, usage_of
+from annotated.plumbing.options import at_least, device, writable_dir
+from annotated.plumbing.scripts import usage_of
 from annotated.recording import record_attention
-from annotated.shipped import choose_checkpoint, outputs_beside, typed_name
+from annotated.shipped import typed_name
 from annotated.sites import KINDS, head_counts
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import EncoderDecoder, padding_mask, subsequent_mask
 
-NAME = name_of(__file__)
+DOOR = Door(__file__)
 
 FORMAT = "annotated-attention-v2"
 OLD_FORMATS = ("annotated-attention-v1",)  # kinds named encoder / decoder_self: read no more, replaced on request
@@ -238,9 +240,9 @@ def encode_sentence(tokenizer, sentence: str, max_len: int, name: str = "sentenc
 def translate_sentence(
     model: EncoderDecoder,
     src_ids: Sequence[int],
-    beam_size: int = 4,
-    length_penalty: float = PAPER_LENGTH_PENALTY,
-    max_extra: int = MAX_EXTRA,
+    beam_size: int = Decoding.beam,
+    length_penalty: float = Decoding.length_penalty,
+    max_extra: int = Decoding.max_extra,
 ) -> list[int]:
     """What `make translate` prints for `src_ids`, as ids y_1 ... y_n (eos kept when the search stopped there)."""
     ids = translate_ids(model, [list(src_ids)], beam_size, length_penalty, max_extra=max_extra)[0]
@@ -249,7 +251,7 @@ def translate_sentence(
 
 
 @torch.no_grad()
-def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: int = MAX_EXTRA) -> list[int]:
+def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: int = Decoding.max_extra) -> list[int]:
     """The model's greedy output ids y_1 ... y_n (eos kept when produced, nothing after it)."""
     from annotated.decoding import search as decoding
 
@@ -469,7 +471,7 @@ def dump_model(
     viewer: bool = True,
     dtype=np.float32,
     progress: bool = False,
-    beam_size: int = 4,
+    beam_size: int = Decoding.beam,
     importance: dict | None = None,
 ) -> Path:
     """Translate `sentences` as the translator does and write their attention dump into `out_dir` (atomically).
@@ -560,7 +562,7 @@ def dump(
     dtype=np.float32,
     device: str | None = None,
     progress: bool = False,
-    beam_size: int = 4,
+    beam_size: int = Decoding.beam,
     say=None,
     name: str | None = None,
 ) -> Path:
@@ -677,35 +679,21 @@ def log_alignment_image(
 
 # %%
 def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(
-        command=__file__,
-        description="Dump, draw and browse every attention weight of a trained translator.",
-    )
+    p = DOOR.parser(description="Dump, draw and browse every attention weight of a trained translator.")
     p.add_argument("sentences", nargs="*", help="source sentences (default: the first --n of test_2016_flickr)")
-    p.add_argument(
-        "--checkpoint",
-        type=Path,
-        help="checkpoint file, or shipped:de-en / shipped:en-de (default: the "
-        "latest run's model, runs/latest/averaged.pt or best.pt; with no run, the shipped model)",
-    )
-    p.add_argument("--src", help="source language of the model to use without --checkpoint (default de)")
-    p.add_argument("--tgt", help="its target language (default en)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        help="output directory (default: attention/ next to the checkpoint; "
-        "runs/shipped-<src>-<tgt>/attention/ for a shipped model)",
+    DOOR.checkpoint_options(p)
+    DOOR.output_options(
+        p,
+        type=Path,  # a folder that exists and is not a dump is refused by `dump`, untouched
+        help="output directory (default: attention/ next to the checkpoint; runs/shipped-<src>-<tgt>/attention/ for a "
+        "shipped model)",
+        force=False,
     )
     p.add_argument("--n", type=at_least(1), default=3, help="how many test sentences when none are given (default 3)")
     p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")
     p.add_argument("--cache-dir", type=writable_dir, help="download cache (default as in training)")
     p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 (default cpu)")
-    p.add_argument(
-        "--beam",
-        type=at_least(1),
-        default=4,
-        help="beam width of the translation, as for make translate (default 4; 1 = greedy)",
-    )
+    Decoding.add_options(p, "beam", beam_help="beam width of the translation, as for make translate; 1 = greedy")
     p.add_argument("--no-pictures", action="store_true", help="skip the PNG files")
     p.add_argument("--no-viewer", action="store_true", help="skip viewer.html")
     return p.parse_args(argv)
@@ -714,13 +702,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        ckpt = choose_checkpoint(
-            args.checkpoint, src=args.src, tgt=args.tgt, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
-        )
+        DOOR.outputs(args, [], DOOR.checkpoint(args), under="attention")  # an earlier dump is replaced
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
         out = dump(
-            ckpt,
+            args.checkpoint,
             args.sentences or None,
-            args.out or outputs_beside(ckpt) / "attention",
+            args.out,
             n=args.n,
             data_url=args.data_url,
             cache_dir=args.cache_dir,
@@ -729,11 +718,11 @@ def main(argv=None) -> int:
             device=args.device,
             progress=sys.stderr.isatty(),
             beam_size=args.beam,
-            say=lambda line: print(f"{NAME}: note: {line}", file=sys.stderr),
-            name=None if args.checkpoint is None else str(args.checkpoint),
+            say=lambda line: DOOR.say(f"note: {line}"),
+            name=args.typed_checkpoint,
         )
     except (ValueError, OSError) as e:  # CheckpointError and the data errors are ValueErrors
-        print(f"{NAME}: error: {e}", file=sys.stderr)
+        DOOR.say(f"error: {e}")
         return 2
     count = len(read_index(out)["sentences"])
     print(

@@ -16,8 +16,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,12 +24,13 @@ import torch
 from annotated.attention.bootstrap import RESAMPLES, SEED, Change, paired_bleu_change, paired_loss_change
 from annotated.attention.importance import ablate, head_importance, normalise_per_attention, sentence_losses
 from annotated.attention.prune import FINETUNE_CHECK_EVERY, FINETUNE_PATIENCE, MAX_LOSS_INCREASE
-from annotated.plumbing.options import Parser, at_least, device, fail, number, writable_dir
-from annotated.plumbing.scripts import name_of
+from annotated.decoding.settings import Decoding
+from annotated.door import Door
+from annotated.plumbing.options import at_least, device, number
 from annotated.shipped import typed_name
 from annotated.sites import KINDS, attention_at, sites
 
-NAME = name_of(__file__)
+DOOR = Door(__file__)
 WINDOW = 4  # offsets -4 ... +4 in the position profiles
 SPEED_ROUNDS = 3  # timings alternate unpruned / pruned this many times (the ratio: the median round's)
 NOISY_BLEU = 1.0  # the command warns when the typical BLEU interval is wider than this
@@ -44,24 +43,9 @@ STOP_RULE = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from annotated.checkpoint import PAPER_LENGTH_PENALTY
-
-    p = Parser(command=__file__, description=__doc__.split("\n\n")[1].replace("\n", " "), epilog=STOP_RULE)
-    p.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=None,
-        help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model, "
-        "runs/latest/averaged.pt or best.pt; with no run, the shipped model for --src/--tgt)",
-    )
-    p.add_argument("--src", default=None, help="source language of the model to use without --checkpoint (default de)")
-    p.add_argument("--tgt", default=None, help="its target language (default en)")
-    p.add_argument(
-        "--out",
-        type=writable_dir,
-        default=None,
-        help="output folder (default: the checkpoint's folder; runs/shipped-<src>-<tgt>/ for a shipped model)",
-    )
+    p = DOOR.parser(description=__doc__.split("\n\n")[1].replace("\n", " "), epilog=STOP_RULE)
+    DOOR.checkpoint_options(p)
+    DOOR.output_options(p)
     p.add_argument(
         "--sentences",
         type=at_least(2),
@@ -93,15 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"{FINETUNE_CHECK_EVERY} steps; stops after {FINETUNE_PATIENCE} checks without a new "
         f"lowest) (default 0)",
     )
-    p.add_argument(
-        "--beam", type=at_least(1), default=4, help="beam width for test BLEU and speed with --prune (default 4)"
-    )
-    p.add_argument(
-        "--length-penalty",
-        type=number(0, None),
-        default=None,
-        help="with --prune: the beam search's GNMT alpha (default: the alpha the model's run chose on "
-        f"validation data, else the paper's {PAPER_LENGTH_PENALTY})",
+    Decoding.add_options(
+        p, "beam", "length_penalty", purpose="with --prune", beam_help="beam width for test BLEU and speed"
     )
     p.add_argument(
         "--test-sentences",
@@ -111,7 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--force", action="store_true", help="overwrite outputs of an earlier run in the output folder")
     return p
 
 
@@ -123,17 +99,7 @@ def outputs(prune: bool) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked before any data or model work: one line and exit 2 (SystemExit) if wrong."""
     args = build_parser().parse_args(argv)
-    from annotated.checkpoint import CheckpointError
-    from annotated.shipped import choose_checkpoint, outputs_beside
-
-    try:
-        args.checkpoint = choose_checkpoint(
-            args.checkpoint, src=args.src, tgt=args.tgt, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
-        )
-    except CheckpointError as e:
-        fail(NAME, str(e))
-    if not args.checkpoint.is_file():
-        fail(NAME, f"--checkpoint {args.checkpoint}: no such file")
+    DOOR.checkpoint(args)
     for flag, value in (
         ("--max-loss-increase", args.max_loss_increase),
         ("--test-sentences", args.test_sentences),
@@ -141,13 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("--length-penalty", args.length_penalty),
     ):
         if value is not None and not args.prune:
-            fail(NAME, f"{flag} only applies with --prune (add --prune, or drop {flag})")
+            DOOR.fail(f"{flag} only applies with --prune ({DOOR.typed('--prune')}, or drop {flag})")
     args.max_loss_increase = MAX_LOSS_INCREASE if args.max_loss_increase is None else args.max_loss_increase
     args.finetune_steps = args.finetune_steps or 0
-    args.out = args.out if args.out is not None else outputs_beside(args.checkpoint)
-    existing = [n for n in outputs(args.prune) if (args.out / n).exists()]
-    if existing and not args.force:
-        fail(NAME, f"{args.out / existing[0]} exists (from an earlier run); add --force to overwrite, or pick --out")
+    DOOR.outputs(args, outputs(args.prune), args.checkpoint)
     args.device = torch.device(args.device)
     return args
 
@@ -518,7 +481,8 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         speed_ratio,
         split_sentences,
     )
-    from annotated.checkpoint import model_length_penalty, read_case_table
+    from annotated.checkpoint import read_case_table
+    from annotated.decoding.settings import model_length_penalty
     from annotated.plumbing.files import save_figure
     from annotated.sites import head_counts
     from annotated.training.evaluate import evaluate_bleu
@@ -764,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
             meta, tokenizer, args.sentences, model.config.max_len, args.prune, args.test_sentences
         )
     except (CheckpointError, DataError) as e:
-        print(f"{NAME}: error: {e}", file=sys.stderr)
+        DOOR.say(f"error: {e}")
         return 2
     model = model.to(args.device)
     report: dict[str, Any] = {

@@ -34,7 +34,8 @@ from annotated.attention.pictures import KIND_LABELS, MASKED, READING, WORD_MARK
 from annotated.sites import KINDS
 
 LINE_MIN = 0.02  # the lines view draws a line for every weight at least this large
-CIRCUITS = ("circuits.html", "../circuits.html")  # the circuits page beside a dump, or beside its folder
+CIRCUITS_PAGE = "circuits.html"  # the page `make circuits` writes (annotated/circuits/page.py)
+CIRCUITS = (CIRCUITS_PAGE, f"../{CIRCUITS_PAGE}")  # the circuits page beside a dump, or beside its folder
 
 
 # %% [markdown]

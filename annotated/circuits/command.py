@@ -19,37 +19,26 @@ from typing import Any
 
 import torch
 
-from annotated.plumbing.options import Parser, at_least, fail, writable_dir
-from annotated.plumbing.scripts import name_of
+from annotated.attention.viewer import CIRCUITS_PAGE
+from annotated.door import Door
+from annotated.plumbing.options import at_least
 from annotated.sites import KINDS
 
-NAME = name_of(__file__)
-OUTPUTS = (
-    "circuits.json",
-    "circuits_spectra.png",
-    "circuits_positions.png",
-    "circuits_faithfulness.png",
-    "circuits_dictionary.png",
-    "circuits.html",
-)
+DOOR = Door(__file__)
+REPORT = "circuits.json"
+FIGURES = ("circuits_spectra.png", "circuits_positions.png", "circuits_faithfulness.png", "circuits_dictionary.png")
+OUTPUTS = (REPORT, *FIGURES, CIRCUITS_PAGE)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(command=__file__, description=__doc__.split("\n\n")[1].replace("\n", " "))
-    p.add_argument(
-        "--checkpoint",
-        default=None,
-        help="a checkpoint, or shipped:de-en / shipped:en-de (default: the latest run, else shipped)",
-    )
-    p.add_argument("--src", default=None, help="source language of the model to use without --checkpoint")
-    p.add_argument("--tgt", default=None, help="its target language")
+    p = DOOR.parser(description=__doc__.split("\n\n")[1].replace("\n", " "))
+    DOOR.checkpoint_options(p)
     p.add_argument("--head", default=None, help="print one head's reading in full: KIND:LAYER:HEAD, e.g. cross:1:2")
     p.add_argument("--sentences", type=at_least(1), default=200, help="validation sentences for faithfulness")
     p.add_argument("--pairs", type=at_least(1), default=4000, help="training pairs for the dictionaries")
     p.add_argument("--no-aligner", action="store_true", help="skip the statistical aligner (no dictionary scores)")
-    p.add_argument("--out", type=writable_dir, default=None, help="output folder (default: beside the checkpoint)")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
-    p.add_argument("--force", action="store_true", help="overwrite outputs of an earlier run in the output folder")
+    DOOR.output_options(p)
     return p
 
 
@@ -58,29 +47,17 @@ def _head_choice(text: str | None) -> tuple[str, int, int] | None:
         return None
     parts = text.split(":")
     if len(parts) != 3 or parts[0] not in KINDS or not parts[1].isdigit() or not parts[2].isdigit():
-        fail(NAME, f"--head {text!r}: write KIND:LAYER:HEAD with KIND one of {', '.join(KINDS)}, e.g. cross:1:2")
+        DOOR.fail(f"--head {text!r}: write KIND:LAYER:HEAD with KIND one of {', '.join(KINDS)}, e.g. cross:1:2")
     return parts[0], int(parts[1]), int(parts[2])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options, checked before any model or data work: one line and exit 2 (SystemExit) if wrong."""
+    """The options, checked before any model or data work: one line and exit 2 (SystemExit) if wrong. The door
+    turns `checkpoint` and `out` into the checkpoint file and the output folder."""
     args = build_parser().parse_args(argv)
-    from annotated.checkpoint import CheckpointError
-    from annotated.shipped import choose_checkpoint, outputs_beside
-
-    try:
-        args.checkpoint = choose_checkpoint(
-            args.checkpoint, "runs", args.src, args.tgt, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr)
-        )
-    except CheckpointError as e:
-        fail(NAME, str(e))
-    if not args.checkpoint.is_file():
-        fail(NAME, f"--checkpoint {args.checkpoint}: no such file")
+    DOOR.checkpoint(args)
     args.head = _head_choice(args.head)
-    args.out = args.out if args.out is not None else outputs_beside(args.checkpoint)
-    existing = [n for n in OUTPUTS if (args.out / n).exists()]
-    if existing and not args.force:
-        fail(NAME, f"{args.out / existing[0]} exists (from an earlier run); add --force to overwrite, or pick --out")
+    DOOR.outputs(args, OUTPUTS, args.checkpoint)
     return args
 
 
@@ -218,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         check_model(model, tokenizer, args.checkpoint, args.head)
         inputs = gather_inputs(model, tokenizer, meta, args, say)
     except (CheckpointError, DataError) as e:
-        print(f"{NAME}: error: {e}", file=sys.stderr)
+        DOOR.say(f"error: {e}")
         return 2
     report: dict[str, Any] = {
         "checkpoint": typed_name(args.checkpoint),
@@ -238,20 +215,19 @@ def main(argv: list[str] | None = None) -> int:
         chosen = next(h for h in report["heads"] if h["site"] == list(args.head[:2]) and h["head"] == args.head[2])
         print(json.dumps(json_safe({k: v for k, v in chosen.items() if k != "positions"}, digits=3), indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write(args.out / "circuits.json", json.dumps(json_safe(report, digits=5), indent=1))
+    atomic_write(args.out / REPORT, json.dumps(json_safe(report, digits=5), indent=1))
+    spectra, positions, faithfulness, dictionary = FIGURES
     figures = {
-        "circuits_spectra.png": spectra_figure(report["heads"]),
-        "circuits_positions.png": positions_figure(report["heads"]),
-        "circuits_faithfulness.png": faithfulness_figure(report["heads"]),
+        spectra: spectra_figure(report["heads"]),
+        positions: positions_figure(report["heads"]),
+        faithfulness: faithfulness_figure(report["heads"]),
     }
     if best is not None and inputs.lexicon is not None:
-        figures["circuits_dictionary.png"] = dictionary_figure(best, inputs.lexicon)
+        figures[dictionary] = dictionary_figure(best, inputs.lexicon)
     for name, fig in figures.items():
         fig.savefig(args.out / name)
     write_page(args.out, report)
-    print(
-        f"wrote {args.out / 'circuits.json'}, circuits.html and {', '.join(figures)} in {args.out} ({report['seconds']} s)"
-    )
+    print(f"wrote {args.out / REPORT}, {CIRCUITS_PAGE} and {', '.join(figures)} in {args.out} ({report['seconds']} s)")
     return 0
 
 

@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from annotated.attention.pictures import KIND_LABELS, MASKED, WORD_MARK, colour_table
-from annotated.attention.viewer import content_security_policy, script_json, viewer_file
+from annotated.attention.viewer import CIRCUITS_PAGE, content_security_policy, script_json, viewer_file
 from annotated.plumbing.files import atomic_write, json_safe
 
 DIGITS = 4  # decimals kept of every number on the page
@@ -135,4 +135,4 @@ def write_page(folder: os.PathLike | str, report: dict[str, Any]) -> Path:
     """Write `circuits.html` of `report` into `folder`, linking the attention viewer found there."""
     folder = Path(folder)
     viewer = next((name for name in VIEWERS if (folder / name).is_file()), None)
-    return atomic_write(folder / "circuits.html", circuits_html(report, viewer))
+    return atomic_write(folder / CIRCUITS_PAGE, circuits_html(report, viewer))

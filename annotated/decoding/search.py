@@ -50,9 +50,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import annotated.transformer
-from annotated.checkpoint import PAPER_LENGTH_PENALTY
 from annotated.checks import check_beam, check_decoder_output, check_decoding, check_sources
 from annotated.decoding.quantize import float_attention
+from annotated.decoding.settings import Decoding
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import (
     Cache,
@@ -300,8 +300,8 @@ def beam_search(
     src: Tensor,
     src_mask: Tensor | None,
     max_len: int,
-    beam_size: int = 4,
-    length_penalty: float = PAPER_LENGTH_PENALTY,
+    beam_size: int = Decoding.beam,
+    length_penalty: float = Decoding.length_penalty,
     bos: int = BOS,
     eos: int = EOS,
     pad: int = PAD,
@@ -767,17 +767,15 @@ def _block_size(V: int, n: int) -> int:
 # Inference mode belongs to a thread, so each batch enters it
 # (`_translate_batch`).
 
+
 # %%
-MAX_EXTRA = 50  # an output may run this many subwords past its source (the paper's "input length + 50", 6.1)
-
-
 def translate_ids(
     model: EncoderDecoder,
     sources: list[list[int]],
-    beam_size: int = 1,
-    length_penalty: float = PAPER_LENGTH_PENALTY,
+    beam_size: int = Decoding.beam,
+    length_penalty: float = Decoding.length_penalty,
     batch_size: int = 64,
-    max_extra: int = MAX_EXTRA,
+    max_extra: int = Decoding.max_extra,
     device: torch.device | None = None,
     progress: bool = False,
 ) -> list[list[int]]:
@@ -787,7 +785,8 @@ def translate_ids(
     all decode through it. Sentences go in batches of similar length (fewer pad positions); a source
     longer than the model's `max_len` is cut to `max_len` (the entry points say so to the user), and an
     output may be at most `min(max_len, S + max_extra)` subwords for a source of `S` (the paper's
-    "input length + 50", section 6.1). `beam_size=1` is greedy. On the CPU with n > 1 threads
+    "input length + 50", section 6.1). The defaults are `Decoding`'s (the translator's, but for the model's own
+    length penalty); `beam_size=1` is greedy. On the CPU with n > 1 threads
     (`torch.get_num_threads()`), n batches are translated side by side, one thread each.
     """
     check_sources(model, sources, batch_size, max_extra)

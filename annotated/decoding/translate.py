@@ -62,31 +62,24 @@ import stat
 import sys
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import TextIO
 
-from annotated.checkpoint import (
-    PAPER_LENGTH_PENALTY,
-    CheckpointError,
-    case_table_in,
-    loaded_from_state,
-    model_length_penalty,
-    read_checkpoint,
-)
+from annotated.checkpoint import CheckpointError, case_table_in, loaded_from_state, read_checkpoint
 from annotated.checks import check_tokenizer
 from annotated.decoding import casing
 from annotated.decoding.quantize import QUANTIZATIONS, quantize_int8
-from annotated.decoding.search import MAX_EXTRA, translate_ids
+from annotated.decoding.search import translate_ids
+from annotated.decoding.settings import Decoding, model_length_penalty
+from annotated.door import Door
 from annotated.plumbing.allocator import keep_freed_memory
 from annotated.plumbing.devices import default_device
-from annotated.plumbing.options import Parser, at_least, device, number
-from annotated.plumbing.scripts import name_of
-from annotated.run_folder import RUNS
-from annotated.shipped import choose_checkpoint, direction_asked
+from annotated.plumbing.options import device
+from annotated.shipped import direction_asked
 from annotated.transformer import EncoderDecoder
 
-NAME = name_of(__file__)
+DOOR = Door(__file__)
+NAME = DOOR.name
 
 # %% [markdown]
 # ## 1. Which checkpoint
@@ -333,9 +326,9 @@ def translate_prepared(
     model: EncoderDecoder,
     tokenizer,
     lines: list[Line],
-    beam_size: int = 4,
-    length_penalty: float = PAPER_LENGTH_PENALTY,
-    max_extra: int = MAX_EXTRA,
+    beam_size: int = Decoding.beam,
+    length_penalty: float = Decoding.length_penalty,
+    max_extra: int = Decoding.max_extra,
 ) -> list[str]:
     """The translation of each prepared line, one line each, in order."""
     sources = [ids for line in lines for ids in line.sources]
@@ -354,9 +347,9 @@ def translate(
     model: EncoderDecoder,
     tokenizer,
     text: str,
-    beam_size: int = 4,
-    length_penalty: float = PAPER_LENGTH_PENALTY,
-    max_extra: int = MAX_EXTRA,
+    beam_size: int = Decoding.beam,
+    length_penalty: float = Decoding.length_penalty,
+    max_extra: int = Decoding.max_extra,
     case: str = "auto",
     table: dict | None = None,
 ) -> tuple[str, str | None]:
@@ -502,8 +495,7 @@ WAITING = f"{NAME}: waiting for sentences, one per line (Ctrl-D to end)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        command=__file__,
+    p = DOOR.parser(
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Translate sentences with a trained checkpoint: the arguments if given,\n"
         "else stdin, one sentence a line, one translation a line.\n\n"
@@ -514,30 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=RULES,
     )
     p.add_argument("sentences", nargs="*", help="sentences to translate (default: read stdin)")
-    p.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=None,
-        help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model, "
-        "runs/latest/averaged.pt or best.pt; with no run, the model shipped for --src/--tgt)",
-    )
-    p.add_argument("--src", default=None, help="source language: picks the run or shipped model (default de)")
-    p.add_argument("--tgt", default=None, help="target language (default en; --src en alone means en -> de)")
-    p.add_argument("--runs-dir", type=Path, default=RUNS, help="where to look without --checkpoint")
-    p.add_argument("--beam", type=at_least(1), default=4, help="beam width; 1 = greedy (default 4)")
-    p.add_argument(
-        "--length-penalty",
-        type=number(0, None),
-        default=None,
-        help="GNMT alpha: score = log P / ((5 + |Y|) / 6)^alpha (default: the alpha the model's run "
-        f"chose on validation data, else the paper's {PAPER_LENGTH_PENALTY})",
-    )
-    p.add_argument(
-        "--max-extra",
-        type=at_least(0),
-        default=MAX_EXTRA,
-        help="output at most source length + this many subwords, capped at max_len (default 50)",
-    )
+    DOOR.checkpoint_options(p, runs=True)
+    Decoding.add_options(p)
     p.add_argument(
         "--case",
         choices=("auto", "as-typed"),
@@ -559,12 +529,10 @@ def _say(stream: TextIO, message: str) -> None:
     print(message, file=stream, flush=True)
 
 
-def _load(args, stderr: TextIO):
-    """(model on the device, tokenizer, case table or None, the model's length penalty); CheckpointError when the
-    checkpoint cannot translate text."""
-    path = choose_checkpoint(
-        args.checkpoint, args.runs_dir, args.src, args.tgt, say=lambda line: _say(stderr, f"{NAME}: {line}")
-    )
+def _load(args):
+    """(model on the device, tokenizer, case table or None, the model's length penalty) of the checkpoint the door
+    chose; CheckpointError when it cannot translate text."""
+    path = args.checkpoint
     state = read_checkpoint(path)  # once: the model, its tokenizer and its case table
     model, tokenizer, meta = loaded_from_state(state, path)
     check_tokenizer(tokenizer, path, "translate text")
@@ -626,7 +594,11 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
     if args.device.type == "cpu":
         keep_freed_memory()  # a beam step's large tensors reuse the previous step's memory (plumbing/allocator.py)
     try:
-        model, tokenizer, table, alpha = _load(args, stderr)
+        replace(DOOR, stderr=stderr).checkpoint(args)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        model, tokenizer, table, alpha = _load(args)
         if args.quantize:
             model = quantize_int8(model)
     except (CheckpointError, ValueError) as e:

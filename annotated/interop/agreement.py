@@ -53,14 +53,12 @@ from pathlib import Path
 
 import torch
 
-from annotated.decoding.search import MAX_EXTRA, translate_ids
+from annotated.decoding.search import translate_ids
+from annotated.decoding.settings import MAX_EXTRA, Decoding
 from annotated.interop.folders import export_marian
 from annotated.interop.marian import export_ids, to_marian
-from annotated.plumbing.scripts import name_of
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import padding_mask, subsequent_mask
-
-NAME = name_of(__file__)
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
@@ -91,7 +89,7 @@ def logit_difference(
     return worst
 
 
-def ctranslate2_ids(folder: Path, tokenizer, sources: list[list[int]], max_extra: int = 50) -> list[list[int]]:
+def ctranslate2_ids(folder: Path, tokenizer, sources: list[list[int]], max_extra: int = MAX_EXTRA) -> list[list[int]]:
     """CTranslate2's beam 4, no length penalty, on the export `folder` converted by the stock converter; output
     lengths at most min(max_len, S + max_extra) as `translate_ids`; our ids without eos, in input order."""
     import ctranslate2
@@ -105,7 +103,7 @@ def ctranslate2_ids(folder: Path, tokenizer, sources: list[list[int]], max_extra
     for ids in sources:  # one call per sentence: each its own length limit
         r = translator.translate_batch(
             [tokenizer.pieces(ids[:limit])],
-            beam_size=4,
+            beam_size=Decoding.beam,
             length_penalty=0.0,
             max_decoding_length=min(limit, len(ids) + max_extra),
         )[0]
@@ -127,7 +125,7 @@ def generate_ids(
         ys = hf.generate(
             input_ids=export_ids(src, start),
             attention_mask=(src != PAD).long(),
-            num_beams=4,
+            num_beams=Decoding.beam,
             do_sample=False,
             early_stopping=True,
             length_penalty=length_penalty,
@@ -153,7 +151,8 @@ def compare(
     (none: the search without penalties only)."""
     from transformers import MarianMTModel
 
-    from annotated.checkpoint import load_checkpoint, model_length_penalty
+    from annotated.checkpoint import load_checkpoint
+    from annotated.decoding.settings import model_length_penalty
     from annotated.training.data import load_multi30k
     from annotated.training.evaluate import score
 
@@ -182,7 +181,7 @@ def compare(
     ours_at: dict[float, list[list[int]]] = {}
     for name, ours_alpha, theirs_lp in settings:
         if ours_alpha not in ours_at:
-            ours_at[ours_alpha] = translate_ids(model, sources, beam_size=4, length_penalty=ours_alpha)
+            ours_at[ours_alpha] = translate_ids(model, sources, Decoding.beam, ours_alpha)
         ours, theirs = ours_at[ours_alpha], generate_ids(hf, sources, theirs_lp)
         bleu = [score([tokenizer.decode(h) for h in hyps], references)["bleu"] for hyps in (ours, theirs)]
         result[name] = {
@@ -210,16 +209,13 @@ def _has_ctranslate2() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     import json
-    import sys
 
-    from annotated.checkpoint import PAPER_LENGTH_PENALTY, CheckpointError
-    from annotated.plumbing.options import Parser, at_least, number
-    from annotated.shipped import choose_checkpoint
+    from annotated.decoding.settings import PAPER_LENGTH_PENALTY
+    from annotated.door import Door
+    from annotated.plumbing.options import at_least, number
 
-    p = Parser(
-        command=__file__,
-        description="A checkpoint against its MarianMTModel export on test_2016_flickr.",
-    )
+    door = Door(__file__)
+    p = door.parser(description="A checkpoint against its MarianMTModel export on test_2016_flickr.")
     p.add_argument("checkpoint", help="checkpoint file, or shipped:de-en / shipped:en-de")
     p.add_argument("--sentences", type=at_least(1), default=1000)
     p.add_argument(
@@ -236,14 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         help="generate's length_penalty, one comparison each (default 1.0)",
     )
     args = p.parse_args(argv)
-    try:
-        checkpoint = choose_checkpoint(args.checkpoint, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
-    except CheckpointError as e:
-        p.error(str(e))
-    if not checkpoint.is_file():
-        p.error(f"checkpoint {checkpoint}: no such file")
+    door.checkpoint(args)
     torch.set_num_threads(1)
-    print(json.dumps(compare(checkpoint, args.sentences, args.alpha, tuple(args.hf_length_penalty)), indent=1))
+    print(json.dumps(compare(args.checkpoint, args.sentences, args.alpha, tuple(args.hf_length_penalty)), indent=1))
     return 0
 
 

@@ -23,16 +23,17 @@
 # %%
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from annotated.interop.marian import from_marian, marian_vocab, to_marian
 from annotated.plumbing.files import staged_directory
-from annotated.plumbing.scripts import name_of, usage_of
+from annotated.plumbing.scripts import usage_of
 from annotated.tokens import BOS, EOS, PAD, UNK
 from annotated.transformer import AttentionForm, TransformerConfig
-
-NAME = name_of(__file__)
 
 # %% [markdown]
 # ## Folders and files
@@ -107,15 +108,13 @@ def vocab_piece(tokenizer, i: int) -> str:
     return tokenizer.pieces([i])[0]
 
 
-def translator_beam() -> int:
-    """The beam `make translate` decodes with (its --beam default)."""
-    from annotated.decoding.translate import build_parser
-
-    return build_parser().get_default("beam")
+GENERATE_LENGTH_PENALTY = 1.0  # transformers' default: generate's |Y|^length_penalty, not our GNMT alpha
 
 
-def generation_config(cfg: TransformerConfig, length_penalty: float = 1.0):
+def generation_config(cfg: TransformerConfig, length_penalty: float = GENERATE_LENGTH_PENALTY):
     from transformers import GenerationConfig
+
+    from annotated.decoding.settings import Decoding
 
     start = marian_vocab(cfg) - 1
     return GenerationConfig(
@@ -123,7 +122,7 @@ def generation_config(cfg: TransformerConfig, length_penalty: float = 1.0):
         bos_token_id=start,
         eos_token_id=EOS,
         pad_token_id=start,
-        num_beams=translator_beam(),
+        num_beams=Decoding.beam,  # the translator's
         early_stopping=True,
         length_penalty=length_penalty,
         max_length=cfg.max_len,
@@ -142,6 +141,24 @@ def _check_target(out: Path, overwrite: bool, kind: str) -> None:
         raise FileExistsError(f"{out} exists and is not a file; choose another output path")
 
 
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """The command's output is its own lines: transformers' progress bars (the shards written, the weights
+    loaded) and MarianTokenizer's hint to install sacremoses (its Moses punctuation normaliser, which the exported folder's
+    sentencepiece models do not need) are kept off the terminal."""
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
+            yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
+
+
 def export_marian(checkpoint: Path, out: Path, overwrite: bool = False, as_typed: str | None = None) -> Path:
     """Write checkpoint `checkpoint` (named `as_typed` on the command line) as a MarianMTModel folder `out`."""
     from annotated.checkpoint import load_checkpoint, read_checkpoint
@@ -153,7 +170,7 @@ def export_marian(checkpoint: Path, out: Path, overwrite: bool = False, as_typed
     hf = to_marian(model, read_checkpoint(checkpoint).get("heads"))
     hf.generation_config = generation_config(model.config)
     shipped = read_card(Path(checkpoint).stem) if is_shipped(Path(checkpoint)) else None
-    with staged_directory(out) as staging:
+    with staged_directory(out) as staging, _quiet_transformers():
         hf.save_pretrained(str(staging))
         if tokenizer is not None:
             _write_tokenizer(tokenizer, staging, marian_vocab(model.config), meta, model.config.max_len)
@@ -258,7 +275,8 @@ def import_marian(
     _check_target(out, overwrite, "file")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} holds no config.json: give a folder written by save_pretrained")
-    hf = MarianMTModel.from_pretrained(str(folder), local_files_only=True).float().eval()
+    with _quiet_transformers():
+        hf = MarianMTModel.from_pretrained(str(folder), local_files_only=True).float().eval()
     model, src_map, tgt_map = from_marian(hf, attention, _unk_of(folder))
     tokenizer = _tokenizer_of(folder, src_map, tgt_map) or _renumbered_tokenizer(folder, src_map, tgt_map)
     meta = {"imported_from": str(folder), "marian_source_ids": src_map, "marian_target_ids": tgt_map}
@@ -286,6 +304,7 @@ IMPORT_USAGE = f"make import HF=folder OUT=model.pt (or {usage_of(__file__)} imp
 
 
 def build_parser():
+    from annotated.door import CHECKPOINT_HELP
     from annotated.plumbing.options import Parser
 
     p = Parser(
@@ -294,15 +313,11 @@ def build_parser():
     )
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="checkpoint -> MarianMTModel folder")
-    e.add_argument(
-        "checkpoint",
-        nargs="?",
-        default=None,
-        help="checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model; with no run, "
-        "the shipped de -> en model)",
-    )
+    e.name = "export"  # its errors start `export: error:`, as make export names it
+    e.add_argument("checkpoint", nargs="?", default=None, help=CHECKPOINT_HELP)
     e.add_argument("out", nargs="?", default=None, help="the folder to write")
     i = sub.add_parser("import", help="MarianMTModel folder -> checkpoint")
+    i.name = "import"
     i.add_argument("hf_dir", nargs="?", default=None, help="a folder written by save_pretrained")
     i.add_argument("out", nargs="?", default=None, help="the checkpoint to write (.pt)")
     i.add_argument("--attention", choices=("fused", "per_head"), default="fused")
@@ -313,23 +328,19 @@ def build_parser():
     return p
 
 
-def _export(args) -> None:
-    import sys
-
-    from annotated.shipped import choose_checkpoint
-
+def _export(args, door) -> None:
     if not args.out:
-        raise ValueError(f"name the folder to write: {EXPORT_USAGE}")
-    checkpoint = choose_checkpoint(args.checkpoint or None, say=lambda line: print(f"{NAME}: {line}", file=sys.stderr))
-    if not Path(checkpoint).is_file():
-        raise FileNotFoundError(f"checkpoint {checkpoint}: no such file; {EXPORT_USAGE}")
-    out = export_marian(Path(checkpoint), Path(args.out), args.overwrite, as_typed=args.checkpoint or None)
+        door.fail(f"name the folder to write: {EXPORT_USAGE}")
+    door.checkpoint(args)
+    door.keep(args, [Path(args.out)], flag="--overwrite", elsewhere="name another folder")
+    out = export_marian(args.checkpoint, Path(args.out), args.overwrite, as_typed=args.typed_checkpoint)
     print(f"wrote {out}: MarianMTModel.from_pretrained({str(out)!r}) loads it")
 
 
-def _import(args) -> None:
+def _import(args, door) -> None:
     if not args.hf_dir or not args.out:
-        raise ValueError(f"name the folder to read and the checkpoint to write: {IMPORT_USAGE}")
+        door.fail(f"name the folder to read and the checkpoint to write: {IMPORT_USAGE}")
+    door.keep(args, [Path(args.out)], flag="--overwrite", elsewhere="name another file")
     out, has_tokenizer = import_marian(
         Path(args.hf_dir), Path(args.out), args.attention, args.overwrite, args.src, args.tgt
     )
@@ -346,13 +357,16 @@ def _import(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from annotated.checkpoint import CheckpointError
-    from annotated.plumbing.options import fail
+    from annotated.door import Door
 
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    door = Door(__file__, name=args.command)  # `make export`, `make import`: each names itself
+    if unknown:
+        door.fail(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        _export(args) if args.command == "export" else _import(args)
+        _export(args, door) if args.command == "export" else _import(args, door)
     except (CheckpointError, ValueError, FileExistsError, FileNotFoundError, OSError) as e:
-        fail(NAME, str(e))
+        door.fail(str(e))
     return 0
 
 

@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import sys
 import textwrap
 from collections.abc import Callable
@@ -87,7 +86,7 @@ from tqdm import tqdm
 
 from annotated import transformer
 from annotated.checks import check_source_and_target
-from annotated.plumbing.options import Parser
+from annotated.door import Door
 from annotated.proof.harness import (
     MHA_MODES,
     TOL,
@@ -972,31 +971,27 @@ def format_report(results: list[CheckResult], identities: list[tuple[str, str, b
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(command=__file__, description="Prove that per-head and fused attention are the same function.")
-    ap.add_argument(
-        "--checkpoint",
-        help="also compare both forms of a trained checkpoint (a .pt file, or "
-        "shipped:de-en / shipped:en-de for a model shipped in the package)",
+    door = Door(__file__)
+    ap = door.parser(description="Prove that per-head and fused attention are the same function.")
+    door.checkpoint_options(
+        ap,
+        languages=False,
+        help="also compare both forms of a trained checkpoint (a .pt file, or shipped:de-en / shipped:en-de for a "
+        "model shipped in the package)",
     )
     ap.add_argument("--examples", type=int, default=300, help="Hypothesis cases for per-head vs fused")
     ap.add_argument("--copy-steps", type=int, default=150, help="training steps of the copy-task model")
     args = ap.parse_args(argv)
     if args.examples < 1 or args.copy_steps < 1:
         ap.error("--examples and --copy-steps must be positive")
-    if args.checkpoint is not None:  # a shipped model by name or path: found and its sha256 checked
-        from annotated.checkpoint import CheckpointError
-        from annotated.shipped import choose_checkpoint
-
-        try:
-            args.checkpoint = str(choose_checkpoint(args.checkpoint))
-        except CheckpointError as e:
-            ap.error(str(e))
-    if args.checkpoint is not None and not os.path.isfile(args.checkpoint):
-        ap.error(f"checkpoint file {args.checkpoint} does not exist")
+    checkpoint = door.given_checkpoint(args)  # a shipped model by name or path: found and its sha256 checked
     # Every tensor here is tiny: one thread is as fast, and is not slowed down by other busy processes.
     torch.set_num_threads(1)
     results, identities = run_checks(
-        args.examples, copy_steps=args.copy_steps, checkpoint=args.checkpoint, progress=True
+        args.examples,
+        copy_steps=args.copy_steps,
+        checkpoint=None if checkpoint is None else str(checkpoint),
+        progress=True,
     )
     print(format_report(results, identities))
     return 0 if all(r.passed for r in results) else 1

@@ -24,27 +24,26 @@ from pathlib import Path
 
 from annotated.checkpoint import CheckpointError, add_case_table, read_checkpoint
 from annotated.decoding.casing import case_table
-from annotated.plumbing.options import Parser
+from annotated.door import Door
 from annotated.training.data import load_multi30k
 
 
 def main(argv=None) -> int:
-    p = Parser(
-        command=__file__,
+    door = Door(__file__)
+    p = door.parser(
         description="Write a copy of a checkpoint with the case table of its Multi30k "
         "training data (for checkpoints trained without one).",
     )
-    p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint to read (left unchanged)")
-    p.add_argument("--out", type=Path, required=True, help="the new checkpoint file (must not exist)")
+    door.checkpoint_options(p, languages=False, required=True, help="the checkpoint to read (left unchanged)")
+    door.output_options(p, type=Path, help="the new checkpoint file (must not exist)", force=False, required=True)
     args = p.parse_args(argv)
-    if args.out.exists():
-        p.error(f"--out {args.out} exists; name a new file (nothing is overwritten)")
+    door.keep(args, [args.out], flag="", elsewhere="name a new file")
     try:
-        meta = read_checkpoint(args.checkpoint).get("meta", {})
+        meta = read_checkpoint(door.checkpoint(args)).get("meta", {})
     except CheckpointError as e:
-        p.error(str(e))
+        door.fail(str(e))
     if "src_lang" not in meta or "tgt_lang" not in meta:
-        p.error(f"{args.checkpoint} names no src_lang/tgt_lang; its training data is unknown")
+        door.fail(f"{args.checkpoint} names no src_lang/tgt_lang; its training data is unknown")
     pairs = load_multi30k("train", meta["src_lang"], meta["tgt_lang"])
     add_case_table(args.checkpoint, args.out, case_table(s for s, _ in pairs))
     print(f"{args.out}: {args.checkpoint} with the case table of Multi30k train.{meta['src_lang']}")

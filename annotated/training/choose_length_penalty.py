@@ -36,25 +36,25 @@ import sys
 from pathlib import Path
 
 from annotated.checkpoint import CheckpointError, load_checkpoint, with_meta
-from annotated.plumbing.options import Parser, at_least
-from annotated.plumbing.scripts import name_of
+from annotated.decoding.settings import Decoding
+from annotated.door import Door
 from annotated.training.data import DataError, load_multi30k
 from annotated.training.evaluate import LENGTH_PENALTIES, choose_length_penalty
 
-NAME = name_of(__file__)
+DOOR = Door(__file__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        command=__file__,
+    p = DOOR.parser(
         description="Write a copy of a checkpoint with the beam search's length penalty (GNMT "
         "alpha) that gives the best BLEU on Multi30k's validation split, of "
         f"{', '.join(f'{a:g}' for a in LENGTH_PENALTIES)}.",
     )
-    p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint to read (left unchanged)")
-    p.add_argument("--out", type=Path, required=True, help="the new checkpoint file")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists (it may be --checkpoint)")
-    p.add_argument("--beam", type=at_least(1), default=4, help="beam width of the choice (default 4, the translator's)")
+    DOOR.checkpoint_options(p, languages=False, required=True, help="the checkpoint to read (left unchanged)")
+    DOOR.output_options(
+        p, type=Path, help="the new checkpoint file (with --force it may be --checkpoint)", required=True
+    )
+    Decoding.add_options(p, "beam", beam_help="beam width of the choice, the translator's")
     p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")
     return p
 
@@ -62,18 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.out.exists() and not args.force:
-        p.error(f"--out {args.out} exists; name a new file, or add --force to replace it")
+    DOOR.keep(args, [args.out], elsewhere="name a new file")
     try:
-        model, tokenizer, meta = load_checkpoint(args.checkpoint)
+        model, tokenizer, meta = load_checkpoint(DOOR.checkpoint(args))
     except CheckpointError as e:
-        p.error(str(e))
+        DOOR.fail(str(e))
     if "src_lang" not in meta or "tgt_lang" not in meta:
-        p.error(f"{args.checkpoint} names no src_lang/tgt_lang; its validation data is unknown")
+        DOOR.fail(f"{args.checkpoint} names no src_lang/tgt_lang; its validation data is unknown")
     try:
         val = load_multi30k("val", meta["src_lang"], meta["tgt_lang"], base_url=args.data_url)
     except DataError as e:
-        p.error(str(e))
+        DOOR.fail(str(e))
     alpha, bleu = choose_length_penalty(model, tokenizer, val, args.beam, progress=sys.stderr.isatty())
     with_meta(args.checkpoint, args.out, length_penalty=alpha)
     table = ", ".join(f"{a:g}: {b:.2f}" for a, b in bleu.items())

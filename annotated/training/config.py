@@ -57,7 +57,7 @@ import math
 from dataclasses import dataclass, field
 from typing import get_args
 
-from annotated.checkpoint import PAPER_LENGTH_PENALTY
+from annotated.decoding.settings import PAPER_LENGTH_PENALTY, Decoding
 from annotated.training.evaluate import LENGTH_PENALTIES
 from annotated.transformer import AttentionForm, Norm, TransformerConfig
 
@@ -97,7 +97,7 @@ class TrainConfig:
     log_every: int = 50  # steps between two reads of the running loss (the only host syncs)
     precision: str = "auto"  # auto, fp32 or bf16 (annotated/plumbing/devices.py)
     # evaluation
-    beam_size: int = 4
+    beam_size: int = Decoding.beam
     length_penalty: float | None = (
         PAPER_LENGTH_PENALTY  # beam search's GNMT alpha (the paper's); None: chosen on validation
     )
@@ -149,7 +149,7 @@ class TrainConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.length_penalty is not None and not 0 <= self.length_penalty < float("inf"):
             raise ValueError(
-                f"length_penalty must be a finite number >= 0 (0: none, 0.6: the paper's) or None "
+                f"length_penalty must be a finite number >= 0 (0: none, {PAPER_LENGTH_PENALTY}: the paper's) or None "
                 f"(chosen on validation), got {self.length_penalty}"
             )
 
@@ -222,7 +222,7 @@ _CPU = TrainConfig(
     warmup=800,
     lr_factor=1.0,
     cooldown=0.3,
-    beam_size=4,
+    beam_size=Decoding.beam,
     length_penalty=None,
     val_bleu_sentences=300,
     average_last=5,
@@ -322,7 +322,7 @@ OPTIONS = {  # setting -> its command-line option, in the order --help lists the
     "beam_size": Option("beam width of the final test translation", whole_from=1),
     "length_penalty": Option(
         "the beam search's GNMT length penalty alpha for the final test translation: a number "
-        ">= 0 (0.6: the paper's), or 'validation': the alpha of "
+        f">= 0 ({PAPER_LENGTH_PENALTY}: the paper's), or 'validation': the alpha of "
         f"{', '.join(f'{a:g}' for a in LENGTH_PENALTIES)} with the best BLEU on the whole "
         "validation split, chosen at the end of the run",
         low=0,

@@ -15,8 +15,8 @@
 # %%
 from __future__ import annotations
 
-from annotated.checkpoint import PAPER_LENGTH_PENALTY
 from annotated.decoding import search as decoding
+from annotated.decoding.settings import PAPER_LENGTH_PENALTY
 
 
 def score(hypotheses: list[str], references: list[str]) -> dict:

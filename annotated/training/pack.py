@@ -33,12 +33,13 @@ from annotated.checkpoint import (
     atomic_torch_save,
     case_table_in,
     load_checkpoint,
-    model_length_penalty,
     read_checkpoint,
     stored_case_table,
 )
+from annotated.decoding.settings import Decoding, model_length_penalty
+from annotated.door import Door
 from annotated.plumbing.files import atomic_write, sha256_of
-from annotated.plumbing.options import Parser, at_least
+from annotated.plumbing.options import at_least
 from annotated.plumbing.provenance import code_commit
 from annotated.plumbing.scripts import name_of, usage_of
 from annotated.run_folder import AVERAGED, run_model
@@ -47,7 +48,7 @@ from annotated.training.config import PRESETS, config_from_dict, options_between
 
 NAME = name_of(__file__)
 MAX_BYTES = 4 << 20  # each shipped model at most 4 MiB
-BEAM = 4  # as `make translate` decodes, at the model's length penalty (model_length_penalty)
+BEAM = Decoding.beam  # as `make translate` decodes, at the model's length penalty (model_length_penalty)
 FIRST = 50  # the sentences the tests translate in one batch
 TRAINED_ON = (
     "Multi30k (Elliott et al., 2016): about 29,000 English descriptions of Flickr photos and their "
@@ -292,10 +293,10 @@ def pack(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(command=__file__, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    door = Door(__file__)
+    p = door.parser(description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     p.add_argument("run_dir", type=Path, help="a finished training run (runs/<run>/ with results.json)")
-    p.add_argument("--out", type=Path, default=FOLDER, help=f"where to write the two files (default {FOLDER})")
-    p.add_argument("--force", action="store_true", help="replace the files of an earlier pack")
+    door.output_options(p, type=Path, help=f"where to write the two files (default {FOLDER})")
     p.add_argument("--command", help="the command that trained the run (default: worked out from its preset)")
     p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
@@ -305,14 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pack(
             args.run_dir,
-            args.out,
+            args.out or FOLDER,
             force=args.force,
             command=args.command,
             data_url=args.data_url,
             progress=sys.stderr.isatty(),
         )
     except (ValueError, OSError, KeyError) as e:  # PackError, CheckpointError, DataError; a results.json without a key
-        print(f"{NAME}: error: {e}", file=sys.stderr)
+        door.say(f"error: {e}")
         return 2
     return 0
 

@@ -6,9 +6,10 @@ import io
 import pytest
 import torch
 
-from annotated.checkpoint import load_checkpoint, model_length_penalty
+from annotated.checkpoint import load_checkpoint
 from annotated.decoding.quantize import MIN_WEIGHTS, Int8Affine, quantize_int8
 from annotated.decoding.search import translate_ids
+from annotated.decoding.settings import model_length_penalty
 from annotated.decoding.translate import main as translator
 from annotated.shipped import shipped_model
 from annotated.training.data import load_multi30k

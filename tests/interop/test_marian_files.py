@@ -58,7 +58,7 @@ def test_nothing_is_overwritten_without_the_flag(checkpoint, tmp_path, capsys):
     (tmp_path / "out" / "mine.txt").write_text("keep")
     with pytest.raises(SystemExit) as stop:
         main(["export", str(checkpoint), str(tmp_path / "out")])
-    assert stop.value.code == 2 and "pass --overwrite" in capsys.readouterr().err
+    assert stop.value.code == 2 and "add --overwrite" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # not a model folder: not replaced even with the flag
         main(["export", str(checkpoint), str(tmp_path / "out"), "--overwrite"])
     assert "not a model folder" in capsys.readouterr().err and (tmp_path / "out" / "mine.txt").read_text() == "keep"
@@ -67,7 +67,7 @@ def test_nothing_is_overwritten_without_the_flag(checkpoint, tmp_path, capsys):
     (tmp_path / "taken.pt").write_text("mine")
     with pytest.raises(SystemExit):
         main(["import", str(tmp_path / "model"), str(tmp_path / "taken.pt")])
-    assert "pass --overwrite" in capsys.readouterr().err and (tmp_path / "taken.pt").read_text() == "mine"
+    assert "add --overwrite" in capsys.readouterr().err and (tmp_path / "taken.pt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out", "taken.pt"]  # no staging left behind
 
 

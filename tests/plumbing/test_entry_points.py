@@ -24,7 +24,7 @@ TARGETS = {
 
 @pytest.mark.parametrize("target, module", TARGETS.items())
 def test_console_scripts_resolve_to_the_commands_main_functions(target, module):
-    assert f"$(PY) {'train_wmt.py' if module == 'train_wmt' else '-m ' + module}" in (ROOT / "Makefile").read_text()
+    assert f"$(RUN) {'train_wmt.py' if module == 'train_wmt' else '-m ' + module}" in (ROOT / "Makefile").read_text()
     name, function = SCRIPTS[f"annotated-{target}"].split(":")
     assert (name, function) == ("annotated.plumbing.scripts", "script")
     scripts = importlib.import_module(name)

@@ -517,7 +517,7 @@ def damage(kind: str, ckpt: Path, out: Path) -> str:
         return f"checkpoint {out} is corrupt: member archive/data/"
     if kind == "not a checkpoint":
         out.write_text("epoch 3, loss 2.1\n")
-        return f"checkpoint {out} is corrupt or not a torch file"
+        return f"{out} is not a checkpoint: it is text (it begins 'epoch 3, loss 2.1')"
     if kind == "a folder":
         out.mkdir()
         return f"checkpoint {out} is a directory"

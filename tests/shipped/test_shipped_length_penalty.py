@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from annotated.checkpoint import model_length_penalty
 from annotated.decoding import search
 from annotated.decoding.search import gnmt_lp, translate_ids
+from annotated.decoding.settings import model_length_penalty
 from annotated.shipped import load_shipped
 from annotated.training.data import load_multi30k
 from annotated.training.evaluate import LENGTH_PENALTIES, choose_length_penalty

@@ -31,4 +31,4 @@ def test_the_command_writes_a_copy_with_the_training_datas_table_and_never_overw
     assert read_case_table(new) == casing.case_table(sources)
     with pytest.raises(SystemExit) as stop:
         add_case_table.main(["--checkpoint", str(old), "--out", str(new)])
-    assert stop.value.code == 2 and "exists; name a new file" in capsys.readouterr().err
+    assert stop.value.code == 2 and "exists and is not overwritten; name a new file" in capsys.readouterr().err

@@ -9,13 +9,8 @@ import pytest
 import torch
 
 import train_wmt
-from annotated.checkpoint import (
-    PAPER_LENGTH_PENALTY,
-    load_checkpoint,
-    model_length_penalty,
-    read_checkpoint,
-    save_checkpoint,
-)
+from annotated.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from annotated.decoding.settings import PAPER_LENGTH_PENALTY, model_length_penalty
 from annotated.training import choose_length_penalty as command
 from annotated.training import evaluate, results, train
 
@@ -171,7 +166,7 @@ def test_the_command_writes_a_copy_with_the_validation_choice_and_never_overwrit
     new_bytes = new.read_bytes()
     with pytest.raises(SystemExit) as stop:
         command.main(["--checkpoint", str(old), "--out", str(new)])
-    assert stop.value.code == 2 and "exists; name a new file, or add --force" in capsys.readouterr().err
+    assert stop.value.code == 2 and "exists; add --force to replace it, or name a new file" in capsys.readouterr().err
     assert new.read_bytes() == new_bytes
     with pytest.raises(SystemExit):
         command.main(["--checkpoint", str(old), "--out", str(old)])

@@ -161,7 +161,7 @@ def test_the_training_command_trains_the_same_settings_again(preset, changes):
 
 def test_the_box_keeps_the_length_penalty_its_run_chose():
     """The packed meta keeps `length_penalty`, so the translator decodes a shipped model at its run's alpha."""
-    from annotated.checkpoint import model_length_penalty
+    from annotated.decoding.settings import model_length_penalty
 
     state = {
         "config": {},
