@@ -294,8 +294,12 @@ def import_marian(
 # The checkpoint is chosen as by every command (`choose_checkpoint`):
 # `shipped:de-en` names a shipped model, and with none given (or an empty
 # `CHECKPOINT=`) the latest run's model, else the shipped de -> en model. A
-# refusal is one line on stderr that names the fix, exit code 2
-# (`test_export_takes_shipped_names_and_says_what_is_missing`).
+# refusal is one line on stderr that names the fix, exit code 2, and starts
+# with `export:` or `import:`, as `make` names the two
+# (`test_export_takes_shipped_names_and_says_what_is_missing`,
+# `test_export_and_import_name_themselves`); what they print is their own
+# lines, none of transformers' progress bars or hints
+# (`test_export_and_import_print_only_their_own_lines`).
 
 
 # %%

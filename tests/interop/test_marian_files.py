@@ -265,3 +265,15 @@ def test_an_exported_folder_gets_the_mode_of_the_umask(checkpoint, tmp_path, uma
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
     modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in (tmp_path / "out").iterdir()}
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+def test_export_and_import_print_only_their_own_lines(checkpoint, tmp_path, capfd):
+    """No third-party output: transformers' progress bars (shards written, weights loaded) and MarianTokenizer's
+    sacremoses hint stay off the terminal; each command prints its one line, on stdout."""
+    assert main(["export", str(checkpoint), str(tmp_path / "out")]) == 0
+    assert main(["import", str(tmp_path / "out"), str(tmp_path / "back.pt")]) == 0
+    out, err = capfd.readouterr()
+    assert err == "" and out.splitlines() == [
+        f"wrote {tmp_path / 'out'}: MarianMTModel.from_pretrained({str(tmp_path / 'out')!r}) loads it",
+        f"wrote {tmp_path / 'back.pt'}",
+    ]
