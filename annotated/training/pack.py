@@ -9,9 +9,9 @@ From a finished run (its `results.json` and its model, `averaged.pt` where the r
 * `<src>-<tgt>.json`: its card. How it was made: the command that trains it again (the run's preset and the
   options it differs by), the commit, seed, steps, precision and threads, the machine and CPU, every package's
   version (the run's `results.json` "environment"). What it scores on test_2016_flickr with beam 4 (BLEU cased
-  and lowercased, chrF): the packed model is scored again here, on all 1,000 sentences and on the first 50 (the
-  figure `tests/shipped/test_shipped.py` checks), beside the run's own float32 figures, at the length penalty in
-  the checkpoint (`model_length_penalty`), whose origin the card's `length_penalty` records as the run's
+  and lowercased, chrF): the packed model is scored again here, on all 1,000 sentences (the figures
+  `tests/shipped/test_shipped.py` checks), beside the run's own float32 figures, at the length penalty in the
+  checkpoint (`model_length_penalty`), whose origin the card's `length_penalty` records as the run's
   `results.json` does. What it was trained on. And the sha256 of the `.pt` file, which loading checks.
 
 Scoring the packed model takes a couple of minutes on a CPU for the `cpu` preset's model. Existing files are
@@ -49,7 +49,6 @@ from annotated.training.config import PRESETS, config_from_dict, options_between
 NAME = name_of(__file__)
 MAX_BYTES = 4 << 20  # each shipped model at most 4 MiB
 BEAM = Decoding.beam  # as `make translate` decodes, at the model's length penalty (model_length_penalty)
-FIRST = 50  # the sentences the tests translate in one batch
 TRAINED_ON = (
     "Multi30k (Elliott et al., 2016): about 29,000 English descriptions of Flickr photos and their "
     "German translations. The model knows photo captions (people, animals, clothes, streets, sports); "
@@ -139,16 +138,15 @@ def training_command(results: dict) -> str:
     return min(commands)[2]
 
 
-def scores_of(model, tokenizer, pairs, alpha: float, progress: bool) -> tuple[dict, dict]:
-    """(beam-4 scores at length penalty `alpha` on all `pairs`, on the first FIRST of them) of `model`."""
+def scores_of(model, tokenizer, pairs, alpha: float, progress: bool) -> dict:
+    """The beam-4 scores of `model` at length penalty `alpha` on all `pairs`, with their signatures."""
     from annotated.training.evaluate import evaluate_bleu
 
     def keep(s: dict) -> dict:
         return {k: s[k] for k in ("bleu", "bleu_lowercase", "chrf", "sentences")}
 
     full, _ = evaluate_bleu(model, tokenizer, pairs, BEAM, alpha, progress=progress)
-    first, _ = evaluate_bleu(model, tokenizer, pairs[:FIRST], BEAM, alpha)
-    return dict(keep(full), signatures=full["signature"]), keep(first)
+    return dict(keep(full), signatures=full["signature"])
 
 
 def length_penalty_record(results: dict, alpha: float) -> dict:
@@ -170,7 +168,7 @@ def generate_note(alpha: float) -> str:
     )
 
 
-def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict, first: dict, command: str) -> dict:
+def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict, command: str) -> dict:
     """The card of a packed model (see the module's docstring)."""
     cfg = config_from_dict(results["train_config"])
     env = results.get("environment", {})
@@ -217,10 +215,9 @@ def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict
             "beam": BEAM,
             "length_penalty": model_length_penalty(state["meta"]),
             "test": {k: v for k, v in test.items() if k != "signatures"},
-            f"first_{FIRST}": first,
             "run_model_float32": run,
             "signatures": test["signatures"],
-            "note": f"test and first_{FIRST}: this packed model as loaded (float16 weights in float32); "
+            "note": "test: this packed model as loaded (float16 weights in float32); "
             "run_model_float32: the run's model before packing, from its results.json",
         },
         "packed": {
@@ -274,8 +271,8 @@ def pack(
             f"{NAME}: scoring the packed {direction} model on {len(pairs)} test sentences, beam {BEAM}, length "
             f"penalty {alpha:g}"
         )
-        test, first = scores_of(model, tokenizer, pairs, alpha, progress)
-        card = make_card(results, source, packed, state, test, first, command)
+        test = scores_of(model, tokenizer, pairs, alpha, progress)
+        card = make_card(results, source, packed, state, test, command)
         atomic_write(targets[0], packed.read_bytes())
     atomic_write(targets[1], json.dumps(card, indent=2, ensure_ascii=False) + "\n")
     run = card["scores"]["run_model_float32"]

@@ -18,7 +18,7 @@ import annotated.shipped as shipped
 from annotated.checkpoint import CheckpointError, load_checkpoint
 from annotated.shipped import choose_checkpoint, shipped_model
 from annotated.training.evaluate import evaluate_bleu
-from annotated.training.pack import FIRST, MAX_BYTES, training_command
+from annotated.training.pack import MAX_BYTES, training_command
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL = ROOT / "annotated" / "shipped"
@@ -235,14 +235,18 @@ def test_each_shipped_file_matches_its_card_and_loads_as_float32(direction):
 
 
 @pytest.mark.parametrize("direction", ["de-en", "en-de"])
-def test_each_shipped_model_translates_50_test_sentences_as_its_card_says(direction, data_url):
-    """Within 1 BLEU: the card was measured with the same model, decoder and sentences, on another machine or
-    torch version a near-tie in the beam may go the other way for a sentence or two."""
+def test_each_shipped_model_scores_on_the_test_set_what_its_card_says(direction, data_url):
+    """All 1,000 sentences, as the card's scores were measured. Within 0.3 BLEU and chrF: the card was measured
+    with the same model, decoder and sentences; on another machine or torch version a near-tie in the beam may go
+    the other way for a few sentences, each worth a few hundredths of a point over 1,000."""
     card = real_card(direction)
     from annotated.training.data import load_multi30k
 
     src, tgt = direction.split("-")
-    pairs = load_multi30k("test_2016_flickr", src, tgt, base_url=data_url)[:FIRST]
+    pairs = load_multi30k("test_2016_flickr", src, tgt, base_url=data_url)
     model, tok, _ = shipped.load_shipped(direction, REAL)
     scores, _hyps = evaluate_bleu(model, tok, pairs, card["scores"]["beam"], card["scores"]["length_penalty"])
-    assert abs(scores["bleu_lowercase"] - card["scores"][f"first_{FIRST}"]["bleu_lowercase"]) <= 1.0
+    stated = card["scores"]["test"]
+    assert stated["sentences"] == len(pairs)
+    for name in ("bleu", "bleu_lowercase", "chrf"):
+        assert abs(scores[name] - stated[name]) <= 0.3, (name, scores[name], stated[name])
