@@ -19,6 +19,7 @@ PAD = 0  # fills a sentence up to the length of the longest in its batch; never 
 BOS = 1  # "beginning of sentence": the first token fed to the decoder
 EOS = 2  # "end of sentence": the decoder's last output
 UNK = 3  # a piece the vocabulary cannot spell (the tokenizer falls back to bytes, so it is never produced)
+SPECIAL_LABELS = {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}  # how dumps, pictures and pages spell the special ids
 
 
 BATCH_ENCODE_FROM = 1000  # texts: from here on sentencepiece's threaded list call is faster than a loop

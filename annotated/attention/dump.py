@@ -68,7 +68,7 @@ from annotated.plumbing.scripts import usage_of
 from annotated.recording import record_attention
 from annotated.shipped import typed_name
 from annotated.sites import KINDS, head_counts
-from annotated.tokens import BOS, EOS, PAD
+from annotated.tokens import BOS, EOS, PAD, SPECIAL_LABELS
 from annotated.transformer import EncoderDecoder, padding_mask, subsequent_mask
 
 DOOR = Door(__file__)
@@ -124,11 +124,10 @@ ROWS_COLS = {
 
 
 def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
-    """Subword strings for `ids`, with the special ids spelled `<pad>`, `<s>`, `</s>`."""
-    specials = {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}
-    plain = [i for i in ids if i not in specials]
+    """Subword strings for `ids`, with the special ids spelled as `SPECIAL_LABELS` spells them."""
+    plain = [i for i in ids if i not in SPECIAL_LABELS]
     pieces = iter(tokenizer.pieces(plain) if plain else [])
-    return [specials[i] if i in specials else next(pieces) for i in ids]
+    return [SPECIAL_LABELS[i] if i in SPECIAL_LABELS else next(pieces) for i in ids]
 
 
 # %% [markdown]

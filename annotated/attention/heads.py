@@ -304,15 +304,15 @@ def examples_figure(model, tokenizer, src_ids: list[int], tgt_ids: list[int], la
 
     from annotated.attention.pictures import _panel, add_colour_bar, label_font_size
     from annotated.attention.profiles import teacher_forced_attention
-    from annotated.tokens import BOS
+    from annotated.tokens import BOS, EOS, SPECIAL_LABELS
 
     device = next(model.parameters()).device
     src = torch.tensor([src_ids], device=device)  # (1, S)
     tgt_in = torch.tensor([[BOS] + tgt_ids], device=device)  # (1, T)
     probs = teacher_forced_attention(model.eval(), src, tgt_in)
     # the pictures' reading: a decoder row is the token predicted there, a key column the token fed in there
-    src_tok, fed = tokenizer.pieces(src_ids), ["<s>"] + tokenizer.pieces(tgt_ids)
-    predicted = tokenizer.pieces(tgt_ids) + ["</s>"]
+    src_tok, fed = tokenizer.pieces(src_ids), [SPECIAL_LABELS[BOS]] + tokenizer.pieces(tgt_ids)
+    predicted = tokenizer.pieces(tgt_ids) + [SPECIAL_LABELS[EOS]]
     axis = {"enc_self": (src_tok, src_tok), "dec_self": (predicted, fed), "cross": (predicted, src_tok)}
     rows, width = sites(model), max(attention_at(model, *s).h for s in sites(model))
     fig = Figure(figsize=(2.6 * width + 1.5, 2.9 * len(rows) + 0.8), layout="constrained")

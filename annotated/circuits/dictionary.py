@@ -63,7 +63,7 @@ from annotated.circuits.direct import layer_norms_after, through, token_vectors
 from annotated.circuits.metrics import attention_to_word_links, piece_words, precision_at_k
 from annotated.recording import record_attention
 from annotated.sites import Site
-from annotated.tokens import BOS, PAD
+from annotated.tokens import BOS, PAD, SPECIAL_LABELS
 from annotated.transformer import EncoderDecoder, padding_mask, target_mask
 
 MIN_COUNT = 5  # a target word's mean query needs this many occurrences: fewer is one context, not a reading
@@ -296,7 +296,7 @@ def attention_links(
         for b in range(src.size(0)):
             src_ids = [i for i in src[b].tolist() if i != PAD]
             y = [i for i in tgt[b, 1:].tolist() if i != PAD][:-1]  # y_1 .. y_n (EOS dropped)
-            src_pieces, tgt_pieces = pieces(src_ids), ["<s>", *pieces(y)]
+            src_pieces, tgt_pieces = pieces(src_ids), [SPECIAL_LABELS[BOS], *pieces(y)]
             for site in sites:
                 p = probs[site][0][b, :, : len(tgt_pieces), : len(src_ids)]  # (h, T, S)
                 for head in range(p.size(0)):

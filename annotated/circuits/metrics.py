@@ -35,10 +35,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from annotated.circuits.aligner import Links, normalize_word
+from annotated.tokens import SPECIAL_LABELS
 
 TOP = 500  # the most frequent source words a dictionary is scored on
 MIN_SHARE = 0.1  # a lexicon translation counts from this share of the source word's links on
-SPECIALS = frozenset({"<pad>", "<s>", "</s>"})  # the labels of PAD, BOS and EOS (attention/dump.py)
+SPECIALS = frozenset(SPECIAL_LABELS.values())  # the labels of PAD, BOS and EOS
 STEPS = ("predicts", "reads")
 BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")  # sentencepiece's byte-fallback pieces
 
