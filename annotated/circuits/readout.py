@@ -68,7 +68,6 @@ SHOWN = 12  # the best token pairs kept per head
 ROWS = 200  # tokens whose best matches and writes are kept per head (the viewer's choice of tokens)
 VIEWED = 8  # entries kept per token
 SHOWN_WORDS = 100  # source words whose dictionary entries are kept in the record
-RTOL = 1e-6  # a singular value counts towards the rank above this share of the largest (Factored.rank's)
 OFFSET_SHARE = 0.5  # a head is "positional" when at least half its queries prefer one offset (or one key)
 
 
@@ -119,7 +118,6 @@ def _ids(inputs: Inputs, site: Site, side: str) -> Tensor:
 
 def weights_record(model: EncoderDecoder, c: HeadCircuit) -> dict[str, Any]:
     """What the weights and the positions alone say of a head: its spectra and its position table."""
-    spectra = {name: f.singular_values() for name, f in (("qk", c.QK), ("ov", c.OV))}
     table = positional_table(model, c, POSITIONS)
     first = 1 if c.site[0] == "dec_self" else 0  # the decoder's first query has no choice
     offsets = preferred_offsets(table)[first:]
@@ -128,8 +126,8 @@ def weights_record(model: EncoderDecoder, c: HeadCircuit) -> dict[str, Any]:
         "head": c.head,
         "exact_direct_path": exact(model, c.site),
         **{
-            name: {"rank": int((sv > RTOL * sv[0]).sum()), "inner": sv.numel(), "singular_values": sv.tolist()}
-            for name, sv in spectra.items()
+            name: {"rank": f.rank(), "inner": f.inner, "singular_values": f.singular_values().tolist()}
+            for name, f in (("qk", c.QK), ("ov", c.OV))
         },
         "key_bias_norm": None if c.key_bias is None else float(c.key_bias.norm()),
         "positions": {"table": table.tolist(), "offsets": offsets.tolist(), "label": position_label(offsets, first)},
