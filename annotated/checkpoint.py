@@ -107,8 +107,9 @@ def read_case_table(path: os.PathLike | str) -> dict | None:
 
 def stored_case_table(table: dict) -> str:
     """The case table as a checkpoint stores it: one JSON text. torch.load's safe unpickler builds a dict of
-    the 17,751 words of a shipped model's table one object at a time, 0.12 s of every load on the 2-core Xeon;
-    one string loads in a millisecond (`test_the_case_table_is_stored_as_one_text_and_read_back_whole`)."""
+    the 17,751 words of a shipped model's table one object at a time, most of the time of every load; one
+    string loads at once (`test_the_case_table_is_stored_as_one_text_and_read_back_whole`; the times:
+    benchmarks/README.md#levers-shared-memory-freed-memory-windows)."""
     return json.dumps(table, ensure_ascii=False, separators=(",", ":"))
 
 

@@ -64,9 +64,9 @@ class Tokenizer:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """encode() for many texts at once. sentencepiece's list call starts a pool of threads each time (about
-        0.3 ms, 5 ms on a busy machine), which pays from about a thousand texts on; fewer are encoded one call
-        each (2 us for a word, 20 us for a caption)."""
+        """encode() for many texts at once. sentencepiece's list call starts a pool of threads each time, which
+        pays from about a thousand texts on; fewer are encoded one call each (benchmarks/README.md,
+        "Translation against CTranslate2 and `generate`", has what the pool costs)."""
         texts = list(texts)
         try:
             if len(texts) >= BATCH_ENCODE_FROM:

@@ -419,13 +419,9 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # attention over the cached keys and the memory. And **the rest**: a
 # log-softmax over 256 x 5,000 logits, the topk over each sentence's `k * V`
 # candidates, the cache reordered row by row, the prefixes copied, the
-# bookkeeping. For so small a model the rest is more than half: under the
-# torch profiler (`python -m benchmarks.profiling --decode --threads 1`, three
-# searches of the first 64 test sentences, on a 2-core Xeon model 207 shared
-# with other jobs), the products took 40% of the readable loop's time, the
-# topk 11%, `index_select` (reordering) 15%, the additions 5% (mostly the sum
-# `log P(y) + log p(w | y)` over all `k * V` candidates; benchmarks/README.md
-# has the table).
+# bookkeeping. For so small a model the rest takes longer than the products,
+# the topk and the reordering above all (the torch profiler's account, and
+# its command: benchmarks/README.md#where-a-beam-search-spends-its-time).
 #
 # `_search_fast` computes the same thing with less of the rest:
 #
@@ -453,11 +449,10 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 #   and then a concatenation. The cross-attention reads the memory the same
 #   way, once per sentence, with a sentence's `k` beams as `k` queries of one
 #   problem: nothing of it to re-index but when sentences leave the batch.
-#   Together 1.13x (de -> en) and 1.14x (en -> de) faster on all 1,000 test
-#   sentences, one thread, the same translations (fastest of 3 alternating
-#   runs in one process). Below 16 scores per row the softmax is written out
-#   (`_softmax`): PyTorch's kernel took 229 us for 1,024 rows of 12 against
-#   44 us for the four passes.
+#   Below 16 scores per row the softmax is written out (`_softmax`):
+#   PyTorch's kernel is slower there than the four passes. Together these
+#   make the search faster with the same translations
+#   (benchmarks/README.md#levers-the-circuits-two-threads).
 # - **the generator's bias inside its product.** `y W_gen^T + b` is the
 #   product of `[y, 1]` with `[W_gen, b]^T`: one more column of ones instead
 #   of one more pass over the `A*k x V` logits (`_generator_with_bias_inside`).
@@ -465,8 +460,8 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 #   prefix, the lone bos; the readable loop decodes `k` copies of it (`k - 1`
 #   of them at log P = -inf, never chosen), the fast loop decodes one, and
 #   the first reordering makes its `k` rows (when the vocabulary has at
-#   least `2k` tokens to choose from: 1.02x to 1.03x on all 1,000 test
-#   sentences, de -> en, one thread).
+#   least `2k` tokens to choose from;
+#   benchmarks/README.md#levers-one-beam-at-the-start-inference-mode).
 # - the prefixes live in one buffer, the finished counts in a tensor.
 #
 # The two loops compute the same function with the sums in another order
@@ -486,27 +481,23 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # **Memory the next step reuses.** A step of 256 rows allocates logits and
 # log-probabilities of 5 MB each, and glibc's `malloc` hands such blocks back
 # to the kernel when they are freed, so the next step page-faults fresh ones
-# in. With malloc's thresholds held at their starting 128 KiB, 300 test
-# sentences took 169,000 page faults and 1.80 s; with freed memory kept, 30
-# faults and 1.26 s (best of 8 alternating runs, 2-core Xeon, one thread). The
-# translator therefore keeps freed memory on the CPU, as training does
-# (`annotated/plumbing/allocator.py`).
+# in. The translator therefore keeps freed memory on the CPU, as training
+# does (`annotated/plumbing/allocator.py`; the page faults and the time it
+# saves: benchmarks/README.md#levers-shared-memory-freed-memory-windows).
 #
-# The profile of the fast loop now (same command, same machine, load about
-# 1): one search of the 64 sentences takes 228 ms against the readable
-# loop's 510 ms outside the profiler (2.24x). The products are half of it
-# (51%): the generator's 20%, the layers' 17%, attention's 12%; then the
-# log-softmax over the vocabulary 15%, copies 6%, the block maxima 3%. What
-# is left is no longer bookkeeping but passes over memory that eager PyTorch
-# makes one operator at a time, and the operators themselves: a search of
-# one sentence (4 rows) still takes 1.5 ms a step.
+# What the fast loop leaves of a step is the products, passes over memory
+# that eager PyTorch makes one operator at a time (the log-softmax over the
+# vocabulary, copies), and the operators themselves, which a search of a
+# single sentence still pays at every step: no longer bookkeeping
+# (benchmarks/README.md#where-a-beam-search-spends-its-time).
 #
 # **int8.** `--quantize int8` (`annotated/decoding/quantize.py`) runs the
 # products with at least 65,536 weights in int8: for the shipped models the
-# feed-forward networks and the generator, whose products int8 makes 1.7 to 2
-# times faster, while the 128 x 128 attention projections, which int8 makes
-# slower (quantizing the activations at each call costs more than it saves
-# there), stay float32 (`python -m benchmarks.int8_products`). Weights get one
+# feed-forward networks and the generator, whose products int8 makes faster,
+# while the 128 x 128 attention projections, which int8 makes slower
+# (quantizing the activations at each call costs more than it saves there),
+# stay float32 (`python -m benchmarks.int8_products`,
+# benchmarks/README.md#which-products-int8-pays-for). Weights get one
 # scale per output column, activations one scale per call. Each weight is
 # then off by at most half a step of its column's largest magnitude / 127,
 # and the errors of the 128 or 512 terms of a sum partly cancel: small beside
@@ -515,12 +506,10 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # de -> en, 86% for en -> de), and those that do change move BLEU both ways:
 # -0.17 on test_2016_flickr and 0.00 on val for de -> en, -0.17 and -0.05
 # for en -> de at alpha 0.6; on test at the models' own alpha 4, -0.14 and
-# -0.06 (`test_int8_bleu_stays_within_the_margin_of_float32`). The
-# whole search gains less than the products: all 1,000 sentences ran 1.06x
-# (de -> en) and 1.01x (en -> de) as fast as in float32 at one thread
-# (fastest of 5 runs each; benchmarks/README.md, "Translation"). The int8
-# products are about a third of a step, and oneDNN sets up its int8 kernel
-# anew for each number of rows it has not met, which a search changes
+# -0.06 (`test_int8_bleu_stays_within_the_margin_of_float32`). The whole
+# search gains less than the products (benchmarks/README.md#the-goals-now):
+# the int8 products are only a part of a step, and oneDNN sets up its int8
+# kernel anew for each number of rows it has not met, which a search changes
 # whenever sentences finish.
 # One more difference: the activations' scale is taken over
 # the whole batch at each call, so an int8 translation can depend on the
@@ -529,8 +518,9 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 #
 # From `d_model = 256` on, the fused form's attention projections reach
 # 65,536 weights too and run in int8, where int8 pays for them as it does
-# for the feed-forward networks (benchmarks/README.md, "int8"). The readable
-# loop projects keys and values through them; the fast loop, which reads
+# for the feed-forward networks
+# (benchmarks/README.md#which-products-int8-pays-for). The readable loop
+# projects keys and values through them; the fast loop, which reads
 # each head's `W_K`, `W_V` and `W_O` blocks for its circuits, reads them from
 # `float_attention` (`quantize.py`): the weights int8 stores, each times its
 # column's scale, in float32, with the biases int8 holds inside its layers.
@@ -746,21 +736,20 @@ def _block_size(V: int, n: int) -> int:
 # in, lists of subword ids out, with greedy (`beam_size=1`) or beam search.
 # It runs under `torch.inference_mode`, not only without gradients: PyTorch
 # then keeps no version counters or view records for the tensors of the
-# search (in 6 alternating runs of the 1,000 test sentences, one thread,
-# de -> en, 1.02x as fast on the median, 1.05x on the fastest run). No tensor
+# search, which makes it a little faster
+# (benchmarks/README.md#levers-one-beam-at-the-start-inference-mode). No tensor
 # leaves it (it returns lists), so nothing of inference mode reaches the
 # caller, and the model trains after it
 # (`test_translate_ids_searches_in_inference_mode_and_the_model_trains_after_it`);
 # `greedy` and `beam_search`, which return tensors, keep `torch.no_grad`.
 #
 # **More than one thread.** A beam step is a few hundred operators, most of
-# them too small for PyTorch to share between threads: on two threads the
-# search of the 1,000 test sentences took 2.58 s (de -> en), against 2.89 s
-# on one in an earlier run. So on the CPU with `n` threads `translate_ids` translates `n`
-# batches at once, each on one thread (Python threads: PyTorch lets go of the
-# interpreter inside its operators), and sets PyTorch's thread count to 1
-# while they run, back after: 1.49 s, 1.73x (en -> de 2.83 s -> 1.98 s,
-# 1.43x; fastest of 3 alternating runs in one process, a 2-core Xeon). Each
+# them too small for PyTorch to share between threads: two threads searched
+# hardly faster than one. So on the CPU with `n` threads `translate_ids`
+# translates `n` batches at once, each on one thread (Python threads: PyTorch
+# lets go of the interpreter inside its operators), and sets PyTorch's
+# thread count to 1 while they run, back after
+# (benchmarks/README.md#levers-the-circuits-two-threads has what it gains). Each
 # batch is searched as it would be alone, so the translations are those of
 # one thread, in input order
 # (`test_translate_ids_on_two_threads_runs_two_batches_at_once_and_translates_the_same`).

@@ -122,9 +122,9 @@ NAME = DOOR.name
 # position in the source says nothing about where it belongs in the target
 # (`test_unseen_characters_are_set_aside_and_put_back_at_the_end`). Which
 # characters are unseen, the tokenizer answers once per character
-# (`Tokenizer.unseen_characters`): preparing the 1,000 test sentences took
-# 0.115 s when every character of every line was encoded, 0.036 s with the
-# answers kept.
+# (`Tokenizer.unseen_characters`), which keeps the preparing of a file from
+# encoding every character of every line again
+# (benchmarks/README.md#levers-one-beam-at-the-start-inference-mode).
 #
 # Standard input is read as bytes and decoded line by line: a text-mode
 # `sys.stdin` would raise on the first bad byte and end the process, losing
@@ -370,11 +370,9 @@ def translate(
 #
 # Why 1,024 lines: `translate_ids` sorts a window by length before cutting
 # it into batches, and the more lines it sorts, the more alike the lengths
-# within a batch, so the fewer steps a batch runs for its longest sentence.
-# All 1,000 sentences of test_2016_flickr took 3.63 s in one window against
-# 4.46 s in windows of 256 for de -> en, 3.96 s against 4.07 s for en -> de
-# (best of 3, 2-core Xeon, one thread), with the same output. Memory stays
-# bounded: a window is a thousand lines of text.
+# within a batch, so the fewer steps a batch runs for its longest sentence
+# (benchmarks/README.md#levers-shared-memory-freed-memory-windows), with the
+# same output. Memory stays bounded: a window is a thousand lines of text.
 
 
 # %%

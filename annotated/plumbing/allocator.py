@@ -12,9 +12,10 @@ keep up to 1 GiB of free heap instead of trimming it, and to grow the heap 256 M
 the memory the previous one freed. The process keeps its peak size until it exits, as PyTorch's CUDA caching
 allocator does on a GPU. Training calls it when it runs on the CPU, and so do the benchmarks of the training
 step (every implementation they compare runs in the same process, under the same allocator). The translator
-calls it too on the CPU: a beam step of 256 rows allocates logits and log-probabilities of 5 MB each, and
-with malloc's thresholds at their starting 128 KiB, 300 test sentences took 169,000 page faults and 1.80 s
-against 30 faults and 1.26 s with freed memory kept (`annotated/decoding/search.py`, section 7).
+calls it too on the CPU: a beam step of 256 rows allocates logits and log-probabilities of 5 MB each, which
+malloc, with its thresholds at their starting 128 KiB, hands back to the kernel and page-faults in again at
+the next step (`annotated/decoding/search.py`, section 7; the faults and the time they cost:
+benchmarks/README.md#levers-shared-memory-freed-memory-windows).
 Elsewhere than glibc it does nothing and says so (`False`).
 """
 
