@@ -732,7 +732,7 @@ class TransformerConfig:
 # In training, dropout zeroes each entry with probability `p` and scales the
 # survivors by `1 / (1 - p)`, so on average it changes nothing; in evaluation
 # it is the identity. PyTorch's CPU dropout draws a random number per entry,
-# which took a fifth of the bfloat16 training step on two cores
+# which was a large share of the bfloat16 training step on two cores
 # (docs/training.md, "The step on real batches").
 # `Dropout` draws 16 random bits per entry instead (one 64-bit draw for four
 # entries) and keeps an entry when its bits, read as a number `u` in
@@ -1159,7 +1159,7 @@ def greedy_decode(
 # the command prints how long each form took. `test_copy_task_learns_to_copy`
 # requires both forms, trained for half as many steps (400, the last 100
 # cooling down), to copy at least 99% of 1000 fresh sequences exactly (both
-# copied 100% on the 2-core Xeon; 800 steps take the suite twice as long).
+# copied 100% on the 2-core Xeon; half the steps keep the suite quick).
 #
 # <!-- figure: rate -->
 

@@ -197,10 +197,8 @@ def grow_diag_final_and(forward: Links, reverse: Links) -> Links:
 # pooled for the final alignment, a null prior of 0.2, and eflomal's
 # iteration schedule: `max(2, round(5000 / sqrt(n)))` sweeps of the last
 # model for `n` sentence pairs, a quarter of that for each of the first two
-# (7, 7 and 29 for Multi30k's 30,000 pairs). On the 2-core Intel Xeon
-# (model 207) shared with other jobs (load average 7 to 10), the 30,000
-# pairs took 70 and 85 s in eflomal, 80 and 103 s in all (reading, hashing,
-# symmetrizing and caching included), in two runs, in at most 350 MiB of memory.
+# (7, 7 and 29 for Multi30k's 30,000 pairs). What aligning them costs in
+# time and memory is in benchmarks/README.md, "Reading the circuits".
 #
 # **Unsupervised, so test pairs go in too.** The aligner learns from the
 # very pairs it aligns; aligning test_2016_flickr together with the 29,000

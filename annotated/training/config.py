@@ -20,21 +20,22 @@
 #   the steps the rate falls linearly towards zero (`train.learning_rate`).
 #   The run's model is the average of the last 5 epoch checkpoints
 #   (`averaged.pt`); the beam search's length penalty is chosen at the end, on
-#   the whole validation split (`choose_length_penalty`), never on test. It
-#   trains on two CPU cores within half an hour (27 min on a Zen 4 in bf16,
-#   both cores, choosing the length penalty and testing included); the shipped
+#   the whole validation split (`choose_length_penalty`), never on test. Its
+#   steps are as many as train on two CPU cores within the goal of half an
+#   hour, choosing the length penalty and testing included; the shipped
 #   models come from this preset as it was before, with 4,200 steps, twice the
 #   paper's peak and the paper's length penalty 0.6 (`docs/training.md` has the
-#   measured runs of both).
+#   measured runs of both, and their times).
 # * `gpu`: the same model with batches of 8192 tokens (3.3 times the data per
 #   step, about 65 epochs in 4,200 steps), twice the paper's peak, the
 #   paper's length penalty and beam 5: the recipe measured on a GPU. A model
 #   this small is bound by kernel launches more than by arithmetic on a GPU,
-#   so a bigger batch costs little per step (an H100 took 27 ms a step); the
-#   whole preset, three seeds each way on an H200, scored 40.96 de -> en and
-#   39.01 en -> de (lowercased means, `docs/training.md`); the step never
-#   waits for the host (`train.py`). `--compile` (CUDA graphs, one per batch shape) was slower
-#   there with the preset's 34 batch shapes, so it stays off.
+#   so a bigger batch costs little per step
+#   (docs/training.md#measured-on-one-h100); the whole preset, three seeds
+#   each way on an H200, scored 40.96 de -> en and 39.01 en -> de
+#   (lowercased means, `docs/training.md`); the step never waits for the
+#   host (`train.py`). `--compile` (CUDA graphs, one per batch shape) was
+#   slower there with the preset's 34 batch shapes, so it stays off.
 # * `smoke`: a few seconds, a few hundred sentences; for the tests. It
 #   computes in fp32 on every machine, so its numbers do not depend on
 #   whether the CPU has bf16 instructions.

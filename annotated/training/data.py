@@ -422,8 +422,7 @@ def case_augmented(pairs: Sequence[tuple[str, str]], share: float, seed: int = 0
 # and repeatedly merges the most frequent adjacent pair into a new symbol
 # until the vocabulary has `vocab_size` entries. (sentencepiece's other
 # model, unigram, translates about as well; BPE is the paper's choice and
-# trains ten times faster here: under a second on the 58,000 training
-# sentences, against about ten.)
+# trains faster: docs/training.md#training-a-translator.)
 #
 # **Joint vocabulary.** One vocabulary for both languages lets the model tie
 # the source embedding, the target embedding and the output layer
