@@ -20,7 +20,7 @@ SENTENCES = 48
 # Corpus BLEU over 48 sentences moves by about one point for each translation that changes. On the 20
 # disjoint slices of 48 sentences of test_2016_flickr, int8 minus float32 BLEU (beam 4, alpha 0.6) ranged
 # from -0.49 to +1.11 for the shipped de -> en model and from -1.14 to +0.94 for en -> de, while over all
-# 1,000 sentences it is -0.17 and -0.17 (benchmarks/README.md, "int8"); at the models' own alpha 4, which
+# 1,000 sentences it is -0.17 and -0.17 (benchmarks/README.md#the-goals-now); at the models' own alpha 4, which
 # the test decodes at, from -1.40 to +1.73 (+0.17 on this first slice) and from -1.79 to +0.77, over all
 # 1,000 sentences -0.14 and -0.06 (2-core Xeon, model 207). A margin of 3 leaves room for other CPUs' int8
 # kernels; a broken quantization (a transposed weight) costs far more.
