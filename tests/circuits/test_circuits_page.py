@@ -7,6 +7,7 @@ import base64
 import copy
 import json
 from collections import Counter
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,12 @@ VOCAB = 40
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 MARKUP = "\u2581</script><!--"  # a piece that must stay data, not markup (script_json)
 ROUNDED = 0.5e-4 + 1e-9  # the page keeps 4 decimals (DIGITS): a shown number is within half a unit of the last
+
+
+def _fixed(x: float) -> str:
+    """`x.toFixed(2)` as the page's JavaScript writes it: the exact binary value rounded half up, where Python's
+    format rounds half to even (0.125 is '0.13' on the page, '0.12' from `f"{0.125:.2f}"`)."""
+    return str(Decimal(x).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP))
 
 
 def piece(i: int) -> str:
@@ -175,7 +182,7 @@ def test_circuits_page_shows_the_chosen_rows(report, tmp_path):
         r = record(report, "cross", 1, 2)
         label = browser.js("document.querySelector('#head option[value=\"cross:1:2\"]').textContent")
         rho, aer, p1 = r["faithfulness"]["rho"][0], r["aer"], r["dictionary"]["ov_precision"][0]
-        assert label == f"head 2: {r['positions']['label']}, rho {rho:.2f}, AER {aer:.2f}, OV P@1 {p1:.2f}"
+        assert label == f"head 2: {r['positions']['label']}, rho {_fixed(rho)}, AER {_fixed(aer)}, OV P@1 {_fixed(p1)}"
         browser.js(
             "(() => { const s = document.getElementById('head'); s.value = 'cross:1:2'; "
             "s.dispatchEvent(new Event('change')); })()"
