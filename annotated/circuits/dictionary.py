@@ -89,7 +89,7 @@ class WordMeans:
     def source(self, site: Site, words: Sequence[str]) -> Tensor:
         """Mean key inputs (n, d_model) of `words` (each must have occurred)."""
         index = {w: i for i, w in enumerate(self.src_words)}
-        rows = torch.tensor([index[w] for w in words])
+        rows = torch.tensor([index[w] for w in words], dtype=torch.long)  # long even when empty
         return self.src_sum[site][rows] / torch.tensor(self.src_count, dtype=torch.float64)[rows, None]
 
     def frequent_targets(self, min_count: int = MIN_COUNT) -> list[str]:
@@ -98,7 +98,7 @@ class WordMeans:
     def target(self, site: Site, words: Sequence[str]) -> Tensor:
         """Mean query inputs (n, d_model) of `words`."""
         index = {w: i for i, w in enumerate(self.tgt_words)}
-        rows = torch.tensor([index[w] for w in words])
+        rows = torch.tensor([index[w] for w in words], dtype=torch.long)  # no word occurs MIN_COUNT times: none
         return self.tgt_sum[site][rows] / torch.tensor(self.tgt_count, dtype=torch.float64)[rows, None]
 
 
