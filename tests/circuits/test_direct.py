@@ -7,12 +7,16 @@ import math
 import numpy as np
 import torch
 
-from annotated.circuits.circuits import attention_inputs, circuits
+from annotated.circuits.circuits import Factored, HeadCircuit, attention_inputs, circuits
 from annotated.circuits.direct import (
+    SIDES,
     best_pairs,
     copying_score,
     exact,
     layer_norms_after,
+    layer_norms_before,
+    norm_divisors,
+    norms_before,
     ov_table,
     position_vectors,
     positional_table,
@@ -251,3 +255,128 @@ def test_copying_score_from_the_small_matrix_is_the_vocabularys():
         lam = torch.linalg.eigvals(written @ model.generator.weight.detach().T)  # the V x V matrix itself
         expected = float(lam.real.sum() / lam.abs().sum())
         assert abs(copying_score(model, c, x, ids) - expected) < 1e-9
+
+
+# ---------------------------------------------------------------- which norm, which table, which keys
+
+
+def test_a_pre_norm_direct_path_passes_each_sublayers_own_norm():
+    """Pre-norm: an attention reads LN(x) of its own sublayer's norm (the encoder's final norm for the
+    cross-attention's keys). In a model whose sublayers write nothing the stream is the embedding everywhere, so
+    the weights-only reading (that norm's centring and gamma) divided by that norm's divisor, plus its beta, is
+    the attention's real input, at every site and both sides: each norm has its own random gain and bias."""
+    torch.manual_seed(0)
+    pre = _silent(make_model(src_vocab=30, tgt_vocab=30, N=2, d_model=16, d_ff=8, h=2, norm="pre").double().eval())
+    with torch.no_grad():
+        for m in pre.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.3, 2.0), m.bias.normal_()
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(4, 30, (2, 6), generator=g), torch.randint(4, 30, (2, 5), generator=g)
+    real = attention_inputs(pre, src, tgt, PAD)
+    divisors = norm_divisors(pre, src, tgt, PAD)
+    ids = {"src": src, "tgt": tgt}
+    for site in real:
+        for k, side in enumerate(("q", "kv")):
+            [name] = norms_before(pre, site, side)
+            ln = pre.get_submodule(name)
+            read = sentence_vectors(pre, site, side, ids[SIDES[site[0]][k]])  # (2, T, d_model)
+            got = read / divisors[name].unsqueeze(-1) + ln.bias
+            assert (got - real[site][k]).abs().max() < TOL, (site, side)
+
+
+def test_token_pairs_are_ranked_on_scores_centred_per_query():
+    """Key b is k_b = 5 e_0 + e_b; query 0 is 10 e_0, which scores every key 50 (no preference: the softmax
+    ignores it), query 1 is 2 e_2, which prefers key 1 by 2. Centred per query, the best pair is (1, 1);
+    ranked on raw scores it would be query 0 with any key."""
+    eye = torch.eye(4, dtype=torch.float64)
+    one = Factored(eye, eye)
+    c = HeadCircuit(("enc_self", 0), 0, one, one, None, None, None, None, scale=1.0)
+    x_kv = 5 * eye[0] + eye[1:]  # (3, 4)
+    x_q = torch.stack([10 * eye[0], 2 * eye[2]])  # (2, 4)
+    top = top_table(c, x_q, x_kv, k=3)
+    assert best_pairs(top, 1)[0][:2] == (1, 1)
+    assert top.values[0].abs().max() < TOL  # query 0's centred row is flat
+    assert abs(top.values[1].sum()) < TOL  # each row centred over its keys
+
+
+def _rotations(forward: bool, d: int, d_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_Q, W_K (d, d_k) that make position m's query match key m + 1 (forward) or m - 1: each sinusoid pair
+    rotated by one position (the planted previous-token head's construction)."""
+    W_Q, W_K = torch.zeros(d, d_k, dtype=torch.float64), torch.zeros(d, d_k, dtype=torch.float64)
+    sign = -1.0 if forward else 1.0
+    for j in range(d_k // 2):
+        w = 10000 ** (-2 * j / d)
+        c, s = math.cos(w), sign * math.sin(w)
+        W_Q[2 * j : 2 * j + 2, 2 * j : 2 * j + 2] = 4 * torch.tensor([[c, s], [-s, c]])
+        W_K[2 * j : 2 * j + 2, 2 * j : 2 * j + 2] = 4 * torch.eye(2)
+    return W_Q, W_K
+
+
+def test_the_decoder_position_table_hides_the_future():
+    """A decoder self-attention head built to prefer the next position: its position table gives every future
+    key -inf and is centred over the keys each query may see, so no preferred offset and no label points
+    forward, though the same reading with the future shown prefers +1 at every query but the last."""
+    from annotated.circuits.readout import weights_record
+
+    model, _, _ = _planted()
+    att = attention_at(model, "dec_self", 0)
+    with torch.no_grad():
+        W_Q, W_K = _rotations(True, att.d_model, att.d_k)
+        att.W_Q[1].copy_(W_Q), att.W_K[1].copy_(W_K)
+    c = circuits(model)[("dec_self", 0)][1]
+    n = 24
+    p = position_vectors(model, c.site, "q", n)
+    shown = c.matching(p, p).argmax(-1) - torch.arange(n)
+    assert shown[:-1].eq(1).all()  # the head wants the next position
+    table = positional_table(model, c, n)
+    future = torch.ones(n, n, dtype=torch.bool).triu(1)
+    assert table[future].eq(float("-inf")).all() and table[~future].isfinite().all()
+    assert max(abs(float(table[a, : a + 1].sum())) for a in range(n)) < 1e-9  # centred over the visible keys
+    assert preferred_offsets(table).max() <= 0
+    positions = weights_record(model, c)["positions"]
+    assert max(positions["offsets"]) <= 0 and positions["label"] != "next" and "+" not in positions["label"]
+
+
+def test_a_decoder_self_attention_heads_writes_pass_its_own_norm_first():
+    """Decoder self-attention head 0 of the planted model made a copier (W_V = W_O = I) and its own sublayer's
+    norm given gain -1: read through that norm its copying score is -1 and its OV table never promotes the
+    token read; the cross-attention copier, whose write meets no such norm, still copies."""
+    model, _, _ = _planted()
+    att = attention_at(model, "dec_self", 0)
+    with torch.no_grad():
+        att.W_V[0].copy_(torch.eye(att.d_model)), att.W_O[0].copy_(torch.eye(att.d_model))
+        model.decoder.layers[0].res_self.ln.weight.fill_(-1.0)
+    ids = torch.arange(4, 40)
+    cs = circuits(model)
+    c = cs[("dec_self", 0)][0]
+    x = token_vectors(model, c.site, "kv", ids)
+    assert copying_score(model, c, x, ids) < -0.9
+    assert not ov_table(model, c, x, ids, k=1).ids[:, 0].eq(ids).any()
+    copier = cs[("cross", 0)][0]
+    assert copying_score(model, copier, token_vectors(model, copier.site, "kv", ids), ids) > 0.9
+
+
+def test_decoder_side_tokens_are_read_through_the_target_table():
+    """Separate source and target tables (of different sizes): where the direct path is the whole input (the
+    first layer's self-attentions) it is the real input, the encoder's from the source table and the decoder's
+    from the target table; the cross-attention reads target tokens at its queries and source tokens at its keys."""
+    torch.manual_seed(0)
+    model = make_model(src_vocab=23, tgt_vocab=19, N=2, d_model=16, d_ff=16, h=2).double().eval()
+    assert model.src_embed is not model.tgt_embed
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(4, 23, (2, 6), generator=g), torch.randint(4, 19, (2, 5), generator=g)
+    real = attention_inputs(model, src, tgt, PAD)
+    for site, ids in ((("enc_self", 0), src), (("dec_self", 0), tgt)):
+        for k, side in enumerate(("q", "kv")):
+            assert (sentence_vectors(model, site, side, ids) - real[site][k]).abs().max() < TOL, (site, side)
+    ids = torch.arange(4, 19)
+    for layer in range(2):
+        site = ("cross", layer)
+        q, kv = layer_norms_before(model, site, "q"), layer_norms_before(model, site, "kv")
+        assert (
+            token_vectors(model, site, "q", ids) - through(q, model.tgt_embed(ids.unsqueeze(0))[0])
+        ).abs().max() < TOL
+        assert (
+            token_vectors(model, site, "kv", ids) - through(kv, model.src_embed(ids.unsqueeze(0))[0])
+        ).abs().max() < TOL
