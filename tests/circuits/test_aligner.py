@@ -116,3 +116,13 @@ def test_lexicon_by_hand():
     with pytest.raises(ValueError, match=r"pair 2 has 2 source and 2 target words, but links \[\(1, 2\)\]"):
         aligner.lexicon(pairs, links[:2] + [{(1, 2)}])
     assert aligner.align([]) == []  # nothing to align: no eflomal run, no cache file
+
+
+def test_align_symmetrizes_with_grow_diag_final_and(tmp_path, monkeypatch):
+    """eflomal's forward links hold a one-to-many link that its reverse links (one target word per source word)
+    cannot: "Spielplatz" is "play ground". grow-diag-final-and keeps it beside the two links both directions
+    share; the intersection would lose it, as it would lose every one-to-many link of Multi30k."""
+    forward, reverse = {(0, 0), (1, 1), (1, 2)}, {(0, 0), (1, 1)}
+    monkeypatch.setattr(aligner, "run_eflomal", lambda pairs, settings=None, show_progress=True: ([forward], [reverse]))
+    links = aligner.align([("Der Spielplatz", "The play ground")], cache_dir=tmp_path)
+    assert links == [{(0, 0), (1, 1), (1, 2)}]
