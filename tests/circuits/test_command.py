@@ -123,3 +123,48 @@ def test_an_imported_marian_model_is_read_as_it_computes():
         real = q @ k.transpose(-1, -2) / att.d_k**0.5
         for c in heads:
             assert (c.scores(x_q, x_kv) - real[:, c.head]).abs().max() < 1e-12
+
+
+def test_the_best_cross_head_is_the_one_with_the_lowest_aer():
+    from annotated.circuits.command import best_cross_head
+
+    heads = [
+        {"site": ["cross", 0], "head": 0, "aer": 0.52},
+        {"site": ["cross", 1], "head": 0, "aer": 0.41},
+        {"site": ["cross", 1], "head": 2, "aer": 0.33},
+        {"site": ["cross", 1], "head": 3, "aer": 0.38},
+        {"site": ["enc_self", 0], "head": 0},  # no AER: not a candidate
+    ]
+    best = best_cross_head({"heads": heads})
+    assert best is not None and (best["site"], best["head"]) == (["cross", 1], 2)
+    assert best_cross_head({"heads": heads[-1:]}) is None  # without the aligner
+
+
+def test_a_test_pair_too_long_for_the_model_is_dropped_with_its_links(monkeypatch):
+    """The second test pair is longer than the model's max_len: it is left out of the test batches, and so are
+    its reference links, so the third sentence is scored against its own links, not the second's."""
+    from types import SimpleNamespace
+
+    from annotated.circuits import aligner
+    from annotated.circuits.command import gather_inputs
+    from annotated.training import data
+
+    train = [("a b", "c d")] * 3
+    test = [("a b", "c d"), ("a " * 9, "c " * 9), ("b a", "d c")]  # 9 words: too long for max_len 6
+    links = [{(0, 0)}, {(8, 8)}, {(0, 1), (1, 0)}]
+    monkeypatch.setattr(data, "load_multi30k", lambda split, src, tgt, *a, **k: train)
+    monkeypatch.setattr(
+        aligner,
+        "multi30k_alignments",
+        lambda src, tgt, *a, **k: {"train": (train, [{(0, 0)}] * 3), "test_2016_flickr": (test, links)},
+    )
+    words = {"a": 4, "b": 5, "c": 6, "d": 7}
+    tokenizer = SimpleNamespace(
+        encode_batch=lambda texts: [[words[w] for w in t.split()] for t in texts],
+        pieces=lambda ids: [f"\u2581{'abcd'[i - 4]}" for i in ids],
+    )
+    model = make_model(src_vocab=8, tgt_vocab=8, N=1, d_model=8, d_ff=8, h=2, max_len=6)
+    args = SimpleNamespace(checkpoint="tiny.pt", sentences=3, pairs=3, no_aligner=False)
+    inputs = gather_inputs(model, tokenizer, {"src_lang": "de", "tgt_lang": "en"}, args, lambda line: None)
+    assert [src.tolist() for src, _ in inputs.test_batches] == [[[4, 5], [5, 4]]]
+    assert inputs.test_links == [links[0], links[2]]
