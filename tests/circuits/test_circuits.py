@@ -171,3 +171,23 @@ def test_a_head_that_does_not_exist_is_refused_by_number():
     att = attention_at(_random_model("fused"), "cross", 0)
     with pytest.raises(IndexError, match=r"head 3 does not exist: this attention has heads 0\.\.2"):
         circuit(att, 3)
+
+
+def test_a_query_whose_keys_are_all_masked_writes_nothing():
+    """A sentence whose source is padding only: every cross-attention query of it has all its keys masked, its
+    row of P is zeros, and each head writes nothing there (not b_V W_O, its constant write whatever it reads),
+    so the attention's output at those rows is b_O alone, as the chapter says a fully masked row gives."""
+    model = _random_model("per_head")
+    src, tgt = _batch()
+    src[2] = PAD  # sentence 2: a source of padding only
+    inputs = attention_inputs(model, src, tgt, PAD)
+    for site in (("cross", 0), ("cross", 1)):
+        att = attention_at(model, *site)
+        x_q, x_kv = inputs[site]
+        out, p = attend_with_probabilities(att, x_q, x_kv, padding_mask(src, PAD))  # p: (B, h, T_q, T_k)
+        assert p[2].abs().max() == 0 and p[:2].sum(-1).sub(1).abs().max() < TOL
+        for c in circuits(model)[site]:
+            assert c.ov_bias is not None and c.ov_bias.abs().max() > 0.1  # a constant write there is to be had
+            written = c.writes(p[:, c.head], x_kv)  # (B, T_q, d_model)
+            assert written[2].abs().max() == 0, (site, c.head)  # zero rows of P times anything: exactly zero
+        assert (out[2] - att.b_O).abs().max() < TOL, site
