@@ -142,7 +142,9 @@ def words(sentence: str) -> list[str]:
 #   set, is added if *both* its words are still unaligned.
 #
 # The result always lies between the intersection and the union
-# (`test_grow_diag_final_and_by_hand`, `test_grow_diag_final_and_lies_between_intersection_and_union`).
+# (`test_grow_diag_final_and_by_hand`, `test_grow_diag_final_and_lies_between_intersection_and_union`),
+# and it is what `align` keeps: the intersection would lose every
+# one-to-many link (`test_align_symmetrizes_with_grow_diag_final_and`).
 
 
 # %%

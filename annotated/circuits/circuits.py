@@ -157,7 +157,8 @@ def head_matrices(att: PerHeadAttention | FusedAttention, i: int) -> dict[str, T
 #
 # On the OV side, `head_i W_O = P (X W_V + 1 b_V) W_O = P X W_OV + (P 1) b_V W_O`,
 # and each row of `P` sums to 1 (a row with every key masked is all zeros,
-# and writes nothing): the head writes `P X W_OV` plus a constant
+# and writes nothing, not even `b_V W_O`:
+# `test_a_query_whose_keys_are_all_masked_writes_nothing`): the head writes `P X W_OV` plus a constant
 # `ov_bias = b_V W_O` whatever it reads. `b_O` belongs to no head.
 #
 # `scores` puts the terms back together; on real inputs from the model's own

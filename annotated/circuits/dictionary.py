@@ -32,7 +32,8 @@
 #   them, as the head computes it: a query with large scores for every key
 #   does not win every column);
 # * **the OV dictionary**: the words whose logits `s`'s mean value, written
-#   through `W_OV`, the norms after the head and the generator, raises most.
+#   through `W_OV`, the norms after the head and the generator, raises most
+#   (`test_the_ov_dictionary_reads_the_write_through_the_norms_after_the_head`).
 #
 # Both are scored against an independent reference, the lexicon of a
 # statistical aligner run on the same training pairs
@@ -46,7 +47,11 @@
 #
 # A target word is tied to the decoder position that *predicts* its first
 # piece (whose input is the previous token), as Garg et al. read alignments;
-# a source word's input is the mean over its pieces.
+# a source word's input is the mean over its pieces
+# (`test_a_words_mean_input_is_its_pieces_mean_at_the_row_that_predicts_it`).
+# A target word needs `MIN_COUNT` occurrences for a mean query; from too few
+# pairs none has one, and the QK dictionary is empty
+# (`test_a_readout_from_too_few_pairs_to_read_a_qk_dictionary_still_works`).
 
 # %%
 from __future__ import annotations
@@ -280,6 +285,11 @@ def ov_controls(
 
 # %% [markdown]
 # ## 3. The attention as an aligner
+#
+# Teacher-forced, the decoder reads `<s> y_1 .. y_n`: its row `p` is
+# labelled with its input, so target word `y_p` is read from row `p - 1`,
+# the row that predicts it (`attention_to_word_links`' default;
+# `test_attention_links_read_each_target_word_from_the_row_that_predicts_it`).
 
 
 # %%

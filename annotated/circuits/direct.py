@@ -98,7 +98,8 @@ TOP = 10  # entries kept per row
 # `norms_before` names them in order: in a post-norm model every sublayer's
 # norm on the way (the whole encoder, for the cross-attention's keys); in a
 # pre-norm one only the site's own, since there the stream itself never
-# passes through a norm (`test_the_norms_are_followed_on_the_way_in_and_out`).
+# passes through a norm (`test_the_norms_are_followed_on_the_way_in_and_out`,
+# `test_a_pre_norm_direct_path_passes_each_sublayers_own_norm`).
 # `through` is the weights-only reading of them: centring and `gamma`.
 
 
@@ -163,7 +164,9 @@ def exact(model: EncoderDecoder, site: Site) -> bool:
 # for the encoder and the cross-attention, from the target for the decoder.
 # Each goes through its own embedding module, so a model that scales its
 # embeddings (ours, by `sqrt(d_model)`) or not (an imported Marian model)
-# is read as it computes.
+# is read as it computes, and a model with separate source and target
+# tables reads each side from its own
+# (`test_decoder_side_tokens_are_read_through_the_target_table`).
 
 # %%
 SIDES = {"enc_self": ("src", "src"), "dec_self": ("tgt", "tgt"), "cross": ("tgt", "src")}  # (queries', keys' tokens)
@@ -262,11 +265,16 @@ def exact_sentence_vectors(
 # The softmax runs over the keys of one query, so a number added to a whole
 # row changes nothing: every table is **centred per row** (its mean over the
 # keys subtracted) before its best entries are taken. `top_table` returns,
-# for each query row, the `k` best keys and their centred scores.
+# for each query row, the `k` best keys and their centred scores, and the
+# token pairs of a head are ranked on those
+# (`test_token_pairs_are_ranked_on_scores_centred_per_query`).
 #
 # The position table of a head is the same reading with positions in
 # place of tokens (`positional_table`, and `preferred_offsets` for each
-# query's best key).
+# query's best key). A decoder query sees only itself and the past: its
+# table gives every later key `-inf` and is centred over the keys it may
+# see, so no preferred offset points forward
+# (`test_the_decoder_position_table_hides_the_future`).
 #
 # <!-- figure: circuit_positions -->
 
@@ -329,8 +337,9 @@ def preferred_offsets(table: Tensor) -> Tensor:
 # vocabulary's output vectors, that write raises the logit of token `w` by
 # `x_t W_OV W_gen[w]^T`: the head's **OV table** says which output tokens it
 # promotes for each token it reads. Between the write and the generator lie
-# the LayerNorms of the rest of the decoder (`layer_norms_after`, centring and
-# gamma as above); for encoder heads, the write reaches the decoder only
+# the LayerNorms of the rest of the decoder, the head's own sublayer's first
+# (`layer_norms_after`, centring and gamma as above;
+# `test_a_decoder_self_attention_heads_writes_pass_its_own_norm_first`); for encoder heads, the write reaches the decoder only
 # through the cross-attention, so their OV table is the most distant
 # reading of all, given for completeness.
 #

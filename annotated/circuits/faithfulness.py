@@ -15,7 +15,11 @@
 # embeddings, a score for every query and key of a sentence. The model's
 # real attention is computed from the whole residual stream. For each head
 # we compare the two on validation sentences, query by query, over the keys
-# the query may see:
+# the query may see (never padding or the future, and only real queries:
+# `test_argmax_agreement_never_counts_a_key_the_query_may_not_see`,
+# `test_the_keys_allowed_are_the_real_past_and_the_queries_the_real_ones`,
+# so a sentence scores the same however its batch is padded:
+# `test_a_sentences_faithfulness_does_not_depend_on_how_its_batch_is_padded`):
 #
 # * **rank correlation** (Spearman's rho): does the reading order the keys
 #   as the head's attention does? 1 is the same order;

@@ -19,7 +19,9 @@
 # first), and a Content-Security-Policy that lets nothing be fetched and no
 # script run but its own (`content_security_policy`). Open it from disk.
 #
-# * **It opens on the best cross head's dictionary in context** (for a
+# * **It opens on the best cross head's dictionary in context** (the head
+#   with the lowest alignment error rate:
+#   `test_the_best_cross_head_is_the_one_with_the_lowest_aer`; for a
 #   cross-attention head the panel stands first): its OV and QK
 #   dictionaries, their precision with the words scored and the controls of
 #   `dictionary.py`, and, for a head `make circuits` tested by intervention

@@ -22,7 +22,9 @@
 # Everything over the vocabulary is restricted to the pieces that occur in
 # the training text of each side (`frequent_pieces`, by frequency), so an
 # English piece never stands among the keys of the German encoder's table,
-# and every table is computed in chunks with only its best entries kept.
+# and every table is computed in chunks with only its best entries kept;
+# the dictionaries are read for the lexicon's first `top` words, its most
+# frequent (`test_the_readout_ranges_over_the_frequent_pieces_and_scores_the_lexicons_first_words`).
 
 # %%
 from __future__ import annotations
