@@ -14,14 +14,14 @@ trained) on the same number of threads, batched as it does best:
   matrix products in int8 (`--quantize int8`, `annotated/decoding/quantize.py`);
 - **generate**: `transformers` `MarianMTModel.generate(num_beams=4, early_stopping=True)` on the export
   (`annotated/interop/marian.py`), on translate_ids' batches;
-- **CTranslate2 float32 / int8**: the export converted by CTranslate2's stock `TransformersConverter` (the code
-  of `ct2-transformers-converter`, nothing patched), and `Translator.translate_batch(beam_size=4,
-  max_batch_size=64)`.
+- **CTranslate2 float32 / int8**: the model in the layout CTranslate2 needs (the export's, for its
+  `ctranslate2/` model: `write_ctranslate2_layout`, `annotated/interop/folders.py`) converted by CTranslate2's
+  stock `TransformersConverter` (the code of `ct2-transformers-converter`, nothing patched), and
+  `Translator.translate_batch(beam_size=4, max_batch_size=64)`.
 
-The export is laid out as OPUS-MT's models are (a `<pad>` row appended as the decoder start, zero, with the
-start vector in the decoder's first positional row: section 1 of `annotated/interop/marian.py`), which is what
-CTranslate2's Marian loader assumes, so its stock conversion computes our model's function
-(`tests/interop/test_ctranslate2.py`). Each row prints sentences per second, corpus BLEU
+That layout is OPUS-MT's (a `<pad>` row appended as the decoder start, zero, with the start vector in the
+decoder's first positional row: section 1 of `annotated/interop/marian.py`), which is what CTranslate2's Marian
+loader assumes, so its stock conversion computes our model's function (`tests/interop/test_ctranslate2.py`). Each row prints sentences per second, corpus BLEU
 (sacreBLEU, cased), its speed as a multiple of CTranslate2 float32's and of CTranslate2's at the same precision
 (float32 rows against float32, int8 rows against int8), and its BLEU minus the same engine's float32 BLEU.
 Timings are the fastest of `--rounds` rounds in a rotating order (every run's time is kept in `--out`'s
@@ -72,12 +72,16 @@ NAMES = ("translator (stdin)", "translate_ids", *INT8, "generate", "CTranslate2 
 
 
 def prepare(checkpoint: Path, folder: Path) -> None:
-    """The export and its two CTranslate2 conversions, made once in `folder` for every tool and process."""
-    from annotated.interop.folders import export_marian
+    """The export and the two CTranslate2 conversions, made once in `folder` for every tool and process."""
+    from annotated.checkpoint import loaded_from_state, read_checkpoint
+    from annotated.interop.folders import export_marian, write_ctranslate2_layout
 
-    hf_dir = export_marian(checkpoint, folder / "hf")
+    export_marian(checkpoint, folder / "hf")
+    state = read_checkpoint(checkpoint)
+    model, tokenizer, meta = loaded_from_state(state, checkpoint)
+    layout = write_ctranslate2_layout(model, state.get("heads"), tokenizer, meta, folder / "ct2-layout")
     for q in (None, "int8"):
-        convert_ctranslate2(hf_dir, folder / f"ct2-{q}", q)
+        convert_ctranslate2(layout, folder / f"ct2-{q}", q)
 
 
 def tool(

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 ctranslate2 = pytest.importorskip("ctranslate2")
 from annotated.checkpoint import save_checkpoint
-from annotated.interop.folders import export_marian
+from annotated.interop.folders import write_ctranslate2_layout
 from annotated.tokens import BOS, EOS, PAD
 from annotated.training.data import train_tokenizer
 from annotated.transformer import make_model, padding_mask, subsequent_mask
@@ -57,7 +57,8 @@ def test_ctranslate2_scores_tokens_as_our_model_does(checkpoint, tmp_path):
     from annotated.checkpoint import load_checkpoint
 
     model, tokenizer, _ = load_checkpoint(checkpoint)
-    converted = bench.convert_ctranslate2(export_marian(checkpoint, tmp_path / "hf"), tmp_path / "ct2", None)
+    layout = write_ctranslate2_layout(model, None, tokenizer, {}, tmp_path / "layout")
+    converted = bench.convert_ctranslate2(layout, tmp_path / "ct2", None)
     engine = ctranslate2.Translator(str(converted), device="cpu", intra_threads=1)
     src, tgt = tokenizer.encode(SENTENCES[0]), tokenizer.encode(SENTENCES[3]) + [EOS]
     theirs = engine.score_batch([tokenizer.pieces(src)], [tokenizer.pieces(tgt[:-1])])[0].log_probs

@@ -21,11 +21,10 @@
 #
 # 1. **logits**, teacher-forced on each source and its reference, in
 #    float64 and in float32: the largest absolute difference over every
-#    position and every token of ours (the export's added start row is
+#    position and every token of ours (the export's added `<pad>` row is
 #    `-inf`). In float32 the folder as `from_pretrained` loads it; in float64
-#    the conversion of our float64 model (`to_marian`), because the folder
-#    stores the first decoder positional row (section 1 of `marian.py`) as a
-#    float32 sum, which our float64 model computes in float64;
+#    the conversion of our float64 model (`to_marian`), the folder being
+#    float32;
 # 2. **translations**, our `translate_ids` (beam 4) against `generate`
 #    (`num_beams=4`, `early_stopping=True`) on the same batches, with the
 #    same output length limit: the share of identical translations and each
@@ -34,9 +33,10 @@
 #    difference is a difference of search), then with our translator's
 #    GNMT `alpha` (the model's own, `model_length_penalty`, unless `--alpha`
 #    names one) against `generate`'s `|Y|^length_penalty`;
-# 3. where `ctranslate2` is installed, **CTranslate2**: the export converted
-#    by its stock converter (`ctranslate2_ids`, the code of
-#    `ct2-transformers-converter`, nothing patched), `translate_batch` with
+# 3. where `ctranslate2` is installed, **CTranslate2**: the export's
+#    `ctranslate2/` model, which CTranslate2's own converter (the code of
+#    `ct2-transformers-converter`, nothing patched) made from the layout it
+#    needs (section 1 of `marian.py`; `ctranslate2_ids`), `translate_batch` with
 #    beam 4 and `length_penalty=0`, the same output length limits, against
 #    our search with `alpha = 0`: the share of identical translations and
 #    each one's corpus BLEU.
@@ -74,14 +74,14 @@ def logit_difference(
 ) -> float:
     """The largest |our logit - Marian's logit| over every sentence, position and token, in `dtype`."""
     model, hf, worst = model.to(dtype), hf.to(dtype), 0.0
-    start, V = hf.config.decoder_start_token_id, model.config.tgt_vocab
+    pad, start, V = hf.config.pad_token_id, hf.config.decoder_start_token_id, model.config.tgt_vocab
     for i in range(0, len(sources), batch_size):
         src, tgt = _padded(sources[i : i + batch_size]), _padded([[BOS] + t for t in targets[i : i + batch_size]])
         ours = model(src, tgt, padding_mask(src, PAD), subsequent_mask(tgt.size(1)))  # (B, T, V)
         theirs = hf(
-            input_ids=export_ids(src, start),
+            input_ids=export_ids(src, pad),
             attention_mask=(src != PAD).long(),
-            decoder_input_ids=export_ids(tgt, start, decoder=True),
+            decoder_input_ids=export_ids(tgt, pad, decoder_start=start),
         ).logits[..., :V]  # (B, T, V)
         real = (tgt != PAD).unsqueeze(-1)  # (B, T, 1) the positions of real target tokens
         worst = max(worst, ((ours - theirs).abs() * real).max().item())
@@ -90,13 +90,14 @@ def logit_difference(
 
 
 def ctranslate2_ids(folder: Path, tokenizer, sources: list[list[int]], max_extra: int = MAX_EXTRA) -> list[list[int]]:
-    """CTranslate2's beam 4, no length penalty, on the export `folder` converted by the stock converter; output
-    lengths at most min(max_len, S + max_extra) as `translate_ids`; our ids without eos, in input order."""
+    """CTranslate2's beam 4, no length penalty, on the export `folder`'s `ctranslate2/` model (made by the stock
+    converter); output lengths at most min(max_len, S + max_extra) as `translate_ids`; our ids without eos, in input
+    order."""
     import ctranslate2
-    from ctranslate2.converters import TransformersConverter
 
-    converted = TransformersConverter(str(folder)).convert(str(folder.parent / "ctranslate2"), force=True)
-    translator = ctranslate2.Translator(converted, device="cpu", intra_threads=torch.get_num_threads())
+    translator = ctranslate2.Translator(
+        str(folder / "ctranslate2"), device="cpu", intra_threads=torch.get_num_threads()
+    )
     limit = json.loads((folder / "config.json").read_text(encoding="utf-8"))["max_position_embeddings"]
     piece_id = {p: i for i, p in enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
     out = []
@@ -116,14 +117,14 @@ def generate_ids(
     hf, sources: list[list[int]], length_penalty: float, batch_size: int = 64, max_extra: int = MAX_EXTRA
 ) -> list[list[int]]:
     """`generate` with beam 4 on `translate_ids`' batches and length limits; our ids without eos, in input order."""
-    limit, start = hf.config.max_position_embeddings, hf.config.decoder_start_token_id
+    limit, pad = hf.config.max_position_embeddings, hf.config.pad_token_id
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list[list[int]] = [[] for _ in sources]
     for k in range(0, len(order), batch_size):
         idx = order[k : k + batch_size]
         src = _padded([sources[i][:limit] for i in idx])
         ys = hf.generate(
-            input_ids=export_ids(src, start),
+            input_ids=export_ids(src, pad),
             attention_mask=(src != PAD).long(),
             num_beams=Decoding.beam,
             do_sample=False,
@@ -135,7 +136,7 @@ def generate_ids(
         )[:, 1:]  # without the decoder start
         for r, i in enumerate(idx):
             row = ys[r].tolist()
-            out[i] = row[: row.index(EOS)] if EOS in row else [t for t in row if t != start]
+            out[i] = row[: row.index(EOS)] if EOS in row else [t for t in row if t != pad]
     return out
 
 

@@ -18,7 +18,10 @@
 # Everything comes from what the checkpoint already records: the shipped
 # models' cards (`annotated/shipped/<direction>.json`), a run's
 # `results.json` beside its checkpoint, and the checkpoint's metadata
-# (`test_the_export_carries_its_model_card`).
+# (`test_the_export_carries_its_model_card`). A card travels, so it holds no
+# absolute path of the machine that wrote it: a path is shown relative to
+# the working folder, else as its last two parts, and a shipped model by its
+# name (`shown_path`; `test_no_card_holds_an_absolute_path`).
 
 # %%
 from __future__ import annotations
@@ -31,6 +34,26 @@ MULTI30K = (
     "translations. The model knows photo captions (people, animals, clothes, streets, sports); everyday language "
     "outside them is out of its domain and comes back as nonsense."
 )
+
+
+def shown_path(path: str) -> str:
+    """`path` as a card shows it: a shipped model by its name, else relative to the working folder, else its last
+    two parts; never absolute.
+
+    >>> shown_path("runs/r1/best.pt"), shown_path("/elsewhere/runs/r1/best.pt")
+    ('runs/r1/best.pt', 'r1/best.pt')
+    """
+    from annotated.shipped import is_shipped
+
+    p = Path(path)
+    if is_shipped(p):
+        return f"shipped:{p.stem}"
+    if not p.is_absolute():
+        return path
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(Path(*p.parts[-2:]))
 
 
 def _scores_of_run(checkpoint: Path) -> dict | None:
@@ -88,7 +111,7 @@ def model_card(checkpoint_as_typed: str, checkpoint: Path, meta: dict, shipped_c
     made = (shipped_card or {}).get("made") or {}
     train = made.get("train_config") or meta.get("train_config")
     trained_on = (shipped_card or {}).get("trained_on") or (
-        MULTI30K if train else f"not recorded (imported from {meta.get('imported_from', 'elsewhere')})"
+        MULTI30K if train else f"not recorded (imported from {shown_path(str(meta.get('imported_from', 'elsewhere')))})"
     )
     scores = (shipped_card or {}).get("scores") or _scores_of_run(checkpoint)
     recipe = [f"- command: `{made['command']}`"] if made.get("command") else []
@@ -111,7 +134,7 @@ def model_card(checkpoint_as_typed: str, checkpoint: Path, meta: dict, shipped_c
         f"# A {src} -> {tgt} Transformer (Vaswani et al., 2017) from `annotated`",
         "",
         f"A post-norm encoder-decoder ({size}), exported as a `MarianMTModel` by "
-        f"`make export CHECKPOINT={checkpoint_as_typed}` (`python -m annotated.interop.folders export`).",
+        f"`make export CHECKPOINT={shown_path(checkpoint_as_typed)}` (`python -m annotated.interop.folders export`).",
         "",
         "## What it learnt from, and what it is not for",
         "",
@@ -127,17 +150,22 @@ def model_card(checkpoint_as_typed: str, checkpoint: Path, meta: dict, shipped_c
         "",
         "## How it was exported, and how to use it",
         "",
-        f"Our ids 0 ... {cfg.tgt_vocab - 1} are the checkpoint's; one row is appended, `<pad>`: Marian's pad and "
-        "decoder start, a zero embedding as in OPUS-MT, never predicted. The start vector of the model (its `bos` "
-        "embedding plus position 0) is the decoder's first positional row, which the folder stores. "
-        "`transformers`' `save_pretrained` leaves Marian's positional tables out, so before saving a loaded copy "
-        "again set `model._keys_to_ignore_on_save = {'model.encoder.embed_positions.weight'}`.",
+        f"Our ids 0 ... {cfg.tgt_vocab - 1} are the checkpoint's; one row is appended, `<pad>`: Marian's pad, a zero "
+        "embedding as in OPUS-MT, never predicted. The decoder starts with `<s>` (id 1, `decoder_start_token_id` "
+        "in `config.json` and `generation_config.json`): its embedding plus Marian's own sinusoid for position 0 is "
+        "the model's first decoder input, so the folder holds only Marian's own tensors, and a copy loaded with "
+        "`from_pretrained`, fine-tuned or not, and saved with `save_pretrained` stays this model. `annotated.json` "
+        "holds this project's translator settings (the length penalty, the recasing table) for `make import`; "
+        "`transformers` ignores it.",
         "",
         "- `transformers`: `MarianMTModel.from_pretrained(folder)`, `MarianTokenizer.from_pretrained(folder)`; "
         "encode with `add_special_tokens=False` (the model was trained on sources without `</s>`) and "
         "`truncation=True` (at most the model's positions).",
-        "- CTranslate2: `ct2-transformers-converter --model folder --output_dir ct2` (the stock converter); it "
-        "computes this model's log-probabilities, and its beam search stops by its own rule (when its best "
+        "- CTranslate2: `ctranslate2.Translator('<folder>/ctranslate2')`, the model converted by CTranslate2's own "
+        "converter from the layout it needs (where `ctranslate2` was installed at export). Do not run "
+        "`ct2-transformers-converter` on this folder itself: it starts a Marian decoder from a zero vector, which "
+        "this model never saw (the `ctranslate2/` model stores its start vector as the first position instead). "
+        "It computes this model's log-probabilities, and its beam search stops by its own rule (when its best "
         "candidate ends), so a few translations differ from this project's.",
         "- `generate` ranks finished translations with `|Y|^length_penalty`, this project's translator with GNMT's "
         f"`((5 + |Y|) / 6)^alpha`{_alpha_clause(scores)}; with both off (`length_penalty=0`, alpha 0) the two "

@@ -33,18 +33,21 @@ from annotated.interop.marian import from_marian, marian_vocab, to_marian
 from annotated.plumbing.files import staged_directory
 from annotated.plumbing.scripts import usage_of
 from annotated.tokens import BOS, EOS, PAD, UNK
-from annotated.transformer import AttentionForm, TransformerConfig
+from annotated.transformer import AttentionForm
 
 # %% [markdown]
 # ## Folders and files
 #
 # An exported folder holds what `save_pretrained` writes (`config.json`,
-# `generation_config.json`, `model.safetensors`, with the decoder's
-# positional table: section 1 of `marian.py`), the tokenizer files of
-# `MarianTokenizer` and a model card, `README.md` (`card.py`). The
+# `generation_config.json`, `model.safetensors`: Marian's own tensors, so a
+# copy loaded and saved again is the same model, section 1 of `marian.py`),
+# the tokenizer files of `MarianTokenizer`, a model card, `README.md`
+# (`card.py`), what our translator needs beyond the model (`annotated.json`,
+# below) and, where `ctranslate2` is installed, the model converted for
+# CTranslate2 (`ctranslate2/`, below). The
 # tokenizer: our sentencepiece model as both `source.spm` and `target.spm`,
 # and `vocab.json`, which maps each piece to its id: ours, the sentencepiece
-# model's own, but for the appended start row, named `<pad>` as in OPUS-MT,
+# model's own, but for the appended pad row, named `<pad>` as in OPUS-MT,
 # so our pad's piece (id 0, never produced from text) is renamed
 # `<annotated-pad>`. `tokenizer_config.json` names the language pair
 # (`source_lang`, `target_lang`) and the model's positions
@@ -61,7 +64,28 @@ from annotated.transformer import AttentionForm, TransformerConfig
 # length penalties differ in form: ours is GNMT's `((5 + |Y|) / 6)^alpha`,
 # `generate` divides by `|Y|^length_penalty`; the two agree only at 0. The
 # export writes `length_penalty=1.0`, `transformers`' default, and section 6
-# of `marian.py` measures what that changes.
+# of `marian.py` measures what that changes. The generation config and
+# `config.json` name the same special ids: the decoder starts with our `bos`
+# (id 1), whose row gives our first decoder input; `<pad>` pads; `</s>` ends
+# (`test_the_generation_config_starts_the_decoder_with_our_first_input`).
+#
+# **`annotated.json`** carries what our translator decodes with beyond the
+# model, which `transformers` ignores and `make import` reads back: the
+# length penalty the checkpoint chose (`model_length_penalty`,
+# `annotated/checkpoint.py`) and its recasing table
+# (`annotated/decoding/casing.py`), so that an export imported back
+# translates as the checkpoint did, byte for byte, recasing included
+# (`test_export_then_import_translates_as_the_checkpoint`).
+#
+# **`ctranslate2/`** is the model for CTranslate2: written in its layout
+# (section 1 of `marian.py`: a zero start row and our first decoder input as
+# the first positional row) to a scratch folder, converted there by
+# CTranslate2's own converter (`TransformersConverter`, the code of
+# `ct2-transformers-converter`), and the result kept; it loads with
+# `ctranslate2.Translator("<folder>/ctranslate2")`
+# (`test_the_exported_ctranslate2_model_gives_our_log_probabilities`). An
+# export of a checkpoint without a tokenizer has none (the converter needs
+# the tokenizer).
 #
 # Nothing is overwritten without `--overwrite`: the folder is written
 # beside its target under a temporary name and renamed into place at the end,
@@ -70,11 +94,11 @@ from annotated.transformer import AttentionForm, TransformerConfig
 
 
 # %%
-OUR_PAD_PIECE = "<annotated-pad>"  # vocab.json's name for our pad (id 0): `<pad>` is the start row's
+OUR_PAD_PIECE = "<annotated-pad>"  # vocab.json's name for our pad (id 0): `<pad>` is the appended row's
 
 
 def export_vocab(tokenizer, size: int) -> dict[str, int]:
-    """vocab.json of the export: our pieces at our ids (pad renamed), unused ids up to the start row, `<pad>` last."""
+    """vocab.json of the export: our pieces at our ids (pad renamed), unused ids up to the appended row, `<pad>` last."""
     names = tokenizer.pieces(range(tokenizer.vocab_size))
     names[PAD] = OUR_PAD_PIECE
     names += [f"<unused-{i}>" for i in range(len(names), size - 1)] + ["<pad>"]
@@ -111,23 +135,89 @@ def vocab_piece(tokenizer, i: int) -> str:
 GENERATE_LENGTH_PENALTY = 1.0  # transformers' default: generate's |Y|^length_penalty, not our GNMT alpha
 
 
-def generation_config(cfg: TransformerConfig, length_penalty: float = GENERATE_LENGTH_PENALTY):
+def generation_config(config, length_penalty: float = GENERATE_LENGTH_PENALTY):
+    """The export's generation config: our translator's search where `generate` has it, and the special ids of the
+    model's MarianConfig `config`."""
     from transformers import GenerationConfig
 
     from annotated.decoding.settings import Decoding
 
-    start = marian_vocab(cfg) - 1
     return GenerationConfig(
-        decoder_start_token_id=start,
-        bos_token_id=start,
-        eos_token_id=EOS,
-        pad_token_id=start,
+        decoder_start_token_id=config.decoder_start_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
         num_beams=Decoding.beam,  # the translator's
         early_stopping=True,
         length_penalty=length_penalty,
-        max_length=cfg.max_len,
+        max_length=config.max_position_embeddings,
         forced_eos_token_id=None,
     )
+
+
+SIDE_FILE = "annotated.json"  # what our translator needs beyond the model; transformers ignores it
+SIDE_FORMAT = "annotated-export-v1"
+
+
+def side_file(meta: dict, table: dict | None) -> str:
+    """annotated.json of an export: the chosen length penalty and the recasing table (None: the checkpoint has none)."""
+    import json
+
+    from annotated.checkpoint import model_length_penalty
+
+    side = {"format": SIDE_FORMAT, "length_penalty": model_length_penalty(meta), "casing": table}
+    return json.dumps(side, ensure_ascii=False, separators=(",", ":"), sort_keys=True) + "\n"
+
+
+def read_side_file(folder: Path) -> tuple[dict, dict | None]:
+    """(meta entries, recasing table or None) from `folder`'s annotated.json; nothing for a folder without one."""
+    import json
+
+    path = folder / SIDE_FILE
+    if not path.is_file():
+        return {}, None
+    try:
+        side = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); export the checkpoint again, or delete it") from None
+    side = side if isinstance(side, dict) else {}
+    alpha, table = side.get("length_penalty"), side.get("casing")
+    good_alpha = isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 <= alpha < float("inf")
+    good_table = table is None or (isinstance(table, dict) and all(isinstance(v, str) for v in table.values()))
+    if not (side.get("format") == SIDE_FORMAT and isinstance(alpha, (int, float)) and good_alpha and good_table):
+        raise ValueError(f"{path} is not an {SIDE_FORMAT} file; export the checkpoint again, or delete it")
+    return {"length_penalty": float(alpha)}, table
+
+
+def write_ctranslate2_layout(model, heads: dict | None, tokenizer, meta: dict, folder: Path) -> Path:
+    """`folder`: `model` in CTranslate2's layout (section 1 of marian.py) as a MarianMTModel folder with its
+    tokenizer, for CTranslate2's converter only (saved again by transformers, it loses its start vector)."""
+    hf = to_marian(model, heads, for_ctranslate2=True)
+    hf.save_pretrained(str(folder))
+    _write_tokenizer(tokenizer, folder, marian_vocab(model.config), meta, model.config.max_len)
+    return folder
+
+
+def _write_ctranslate2(model, heads: dict | None, tokenizer, meta: dict, staging: Path) -> None:
+    """staging/ctranslate2: the model converted by CTranslate2's own converter from its layout, written to a scratch
+    folder that is removed afterwards."""
+    import shutil
+    import tempfile
+
+    from ctranslate2.converters import TransformersConverter
+
+    scratch = Path(tempfile.mkdtemp(dir=staging, prefix=".ctranslate2-layout-"))
+    try:
+        write_ctranslate2_layout(model, heads, tokenizer, meta, scratch)
+        TransformersConverter(str(scratch)).convert(str(staging / "ctranslate2"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _has_ctranslate2() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ctranslate2") is not None
 
 
 def _check_target(out: Path, overwrite: bool, kind: str) -> None:
@@ -161,19 +251,23 @@ def _quiet_transformers() -> Iterator[None]:
 
 def export_marian(checkpoint: Path, out: Path, overwrite: bool = False, as_typed: str | None = None) -> Path:
     """Write checkpoint `checkpoint` (named `as_typed` on the command line) as a MarianMTModel folder `out`."""
-    from annotated.checkpoint import load_checkpoint, read_checkpoint
+    from annotated.checkpoint import case_table_in, loaded_from_state, read_checkpoint
     from annotated.interop.card import model_card
     from annotated.shipped import is_shipped, read_card
 
     _check_target(out, overwrite, "folder")
-    model, tokenizer, meta = load_checkpoint(checkpoint)
-    hf = to_marian(model, read_checkpoint(checkpoint).get("heads"))
-    hf.generation_config = generation_config(model.config)
+    state = read_checkpoint(checkpoint)
+    model, tokenizer, meta = loaded_from_state(state, checkpoint)
+    hf = to_marian(model, state.get("heads"))
+    hf.generation_config = generation_config(hf.config)
     shipped = read_card(Path(checkpoint).stem) if is_shipped(Path(checkpoint)) else None
     with staged_directory(out) as staging, _quiet_transformers():
         hf.save_pretrained(str(staging))
+        (staging / SIDE_FILE).write_text(side_file(meta, case_table_in(state, checkpoint)), encoding="utf-8")
         if tokenizer is not None:
             _write_tokenizer(tokenizer, staging, marian_vocab(model.config), meta, model.config.max_len)
+            if _has_ctranslate2():
+                _write_ctranslate2(model, state.get("heads"), tokenizer, meta, staging)
         card = model_card(as_typed or str(checkpoint), Path(checkpoint), meta, shipped, model.config)
         (staging / "README.md").write_text(card, encoding="utf-8")
     return out
@@ -247,7 +341,8 @@ def _unk_of(folder: Path) -> int | None:
 
 
 def _languages(folder: Path, src: str | None, tgt: str | None) -> dict:
-    """src_lang/tgt_lang: as given, else tokenizer_config.json's source_lang/target_lang; only those known."""
+    """src_lang/tgt_lang: as given (--src/--tgt name the pair even where the folder names one), else
+    tokenizer_config.json's source_lang/target_lang; ValueError where neither names both."""
     import json
 
     try:
@@ -255,7 +350,17 @@ def _languages(folder: Path, src: str | None, tgt: str | None) -> dict:
     except (OSError, ValueError):
         config = {}
     found = {"src_lang": src or config.get("source_lang"), "tgt_lang": tgt or config.get("target_lang")}
-    return {k: v for k, v in found.items() if isinstance(v, str) and v}
+    missing = [
+        flag
+        for flag, k in (("--src", "src_lang"), ("--tgt", "tgt_lang"))
+        if not (found[k] and isinstance(found[k], str))
+    ]
+    if missing:
+        raise ValueError(
+            f"{folder} names no language pair (no source_lang/target_lang in its tokenizer_config.json): name it "
+            f"with {' and '.join(missing)} (make import HF=... OUT=... ARGS='--src de --tgt en')"
+        )
+    return found
 
 
 def import_marian(
@@ -267,7 +372,8 @@ def import_marian(
     tgt: str | None = None,
 ) -> tuple[Path, bool]:
     """Write the MarianMTModel folder `folder` as our checkpoint `out`; returns (out, whether it holds a tokenizer).
-    The language pair: `src`/`tgt` where given, else the folder's tokenizer_config.json."""
+    The language pair: `src`/`tgt` where given, else the folder's tokenizer_config.json (ValueError where neither
+    names it). An export of ours brings back its length penalty and recasing table (annotated.json)."""
     from transformers import MarianMTModel
 
     from annotated.checkpoint import save_checkpoint
@@ -275,13 +381,15 @@ def import_marian(
     _check_target(out, overwrite, "file")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} holds no config.json: give a folder written by save_pretrained")
+    languages = _languages(folder, src, tgt)
+    side_meta, table = read_side_file(folder)
     with _quiet_transformers():
         hf = MarianMTModel.from_pretrained(str(folder), local_files_only=True).float().eval()
     model, src_map, tgt_map = from_marian(hf, attention, _unk_of(folder))
     tokenizer = _tokenizer_of(folder, src_map, tgt_map) or _renumbered_tokenizer(folder, src_map, tgt_map)
     meta = {"imported_from": str(folder), "marian_source_ids": src_map, "marian_target_ids": tgt_map}
-    meta.update(_languages(folder, src, tgt))
-    save_checkpoint(out, model, tokenizer, meta)
+    meta.update(languages, **side_meta)
+    save_checkpoint(out, model, tokenizer, meta, **({"casing": table} if table is not None else {}))
     return out, tokenizer is not None
 
 
@@ -325,7 +433,7 @@ def build_parser():
     i.add_argument("hf_dir", nargs="?", default=None, help="a folder written by save_pretrained")
     i.add_argument("out", nargs="?", default=None, help="the checkpoint to write (.pt)")
     i.add_argument("--attention", choices=("fused", "per_head"), default="fused")
-    i.add_argument("--src", default=None, help="source language, where the folder's tokenizer_config.json names none")
+    i.add_argument("--src", default=None, help="source language (default: the folder's tokenizer_config.json's)")
     i.add_argument("--tgt", default=None, help="target language, likewise")
     for s in (e, i):
         s.add_argument("--overwrite", action="store_true", help="replace an existing output")

@@ -43,7 +43,7 @@
 # | embedding scale | always `sqrt(d_model)` | `scale_embedding` | divide the tables by `sqrt(d_model)` where Marian does not scale |
 # | output bias | `generator.bias` | `final_logits_bias` | copy |
 # | vocabularies | shared or separate, tied or not | `share_encoder_decoder_embeddings`, `tie_word_embeddings` | the same options |
-# | first decoder input | `bos` (id 1) | `decoder_start_token_id` (OPUS-MT: the pad id, a zero row) | export: a `<pad>` row appended, bos's vector in the decoder's first positional row; import: token id map (section 1) |
+# | first decoder input | `bos` (id 1) | `decoder_start_token_id` (OPUS-MT: the pad id, a zero row) | export: the decoder starts with our `bos`, a `<pad>` row appended (CTranslate2: its own layout); import: token id map (section 1) |
 # | norm | post-norm (or pre-norm) | post-norm only | a pre-norm model cannot be exported |
 
 # %%
@@ -89,25 +89,41 @@ FROM_MARIAN_ACTIVATION: dict[str, Activation] = {"relu": "relu", "gelu": "gelu",
 # the decoder from a zero embedding (`start_from_zero_embedding`), whatever
 # the start token. So:
 #
-# - **Export** keeps our ids 0 ... V-1 as they are and appends one row, id
-#   V, named `<pad>`: Marian's pad and decoder start. Its embedding is zero,
-#   its output bias `-inf` (never predicted). Our `bos` vector, `sqrt(d_model)
-#   E[bos] + PE[0]`, cannot come from a zero row, so it goes into the
-#   decoder's first positional row, which Marian adds to the start's zero
-#   embedding: `0 + P[0]` is our first decoder input bit for bit, in
-#   `transformers` and in CTranslate2 (both read the positional table of the
-#   folder; `transformers` fills in the sinusoids only where a folder has no
-#   table, so the export stores the decoder's). Our logits are the export's,
-#   id for id, plus one logit `-inf` that changes no softmax
-#   (`test_export_gives_our_logits`), and CTranslate2, which drops that row,
-#   has our logits exactly. The config records the layout
-#   (`annotated_vocab_sizes`), so import gives our ids back.
-#   One caution for users of the folder: `transformers`' `save_pretrained`
-#   leaves Marian's positional tables out of what it writes, so a model
-#   loaded from the export and saved again starts its decoder from position
-#   0's sinusoid alone (a different function, which import refuses). Before
-#   saving such a model again, set `model._keys_to_ignore_on_save =
-#   {"model.encoder.embed_positions.weight"}`, as the export does.
+# - **Export** keeps our ids 0 ... V-1 as they are and starts Marian's
+#   decoder with our `bos` (`decoder_start_token_id` = 1): Marian's first
+#   decoder input is then `sqrt(d_model) E[bos] + P[0]`, where `P` is its own
+#   sinusoid table, which is ours renumbered (`layout.py`), so it is our first
+#   input `sqrt(d_model) E[bos] + PE[0]` bit for bit, and the folder holds
+#   nothing but Marian's own tensors. One row is appended, id V, named
+#   `<pad>`: Marian's pad, a zero embedding with the output bias `-inf` (never
+#   predicted), as in OPUS-MT. Our logits are the export's, id for id, plus one
+#   logit `-inf` that changes no softmax (`test_export_gives_our_logits`), and
+#   a model loaded from the folder and saved again by `transformers`'
+#   `save_pretrained` is the same model
+#   (`test_the_export_survives_save_pretrained`). The config records the
+#   layout (`annotated_vocab_sizes`), so import gives our ids back.
+#
+#   **CTranslate2 needs another layout.** Its converter
+#   (`ct2-transformers-converter`) starts every Marian decoder from a zero
+#   embedding (`start_from_zero_embedding`), whatever the start token, plus
+#   the positional table's first row, and drops the vocabulary's last entry if
+#   it is `<pad>`. So for CTranslate2 the start vector `sqrt(d_model) E[bos] +
+#   PE[0]` must be the decoder's first *positional* row, stored in the folder,
+#   with a zero start row (`to_marian(..., for_ctranslate2=True)`). That row
+#   cannot survive `save_pretrained`, which leaves Marian's positional tables
+#   out of what it writes, and no one folder serves both: CTranslate2 reads
+#   `0 + P[0]` from the stored table, so `P[0]` must be the start vector;
+#   `transformers` reads `E[start] + P[0]`, so `E[start]` must then be zero;
+#   and after `save_pretrained`, `P[0]` is the sinusoid again. So the
+#   export is the `transformers` layout above, and beside it, where
+#   `ctranslate2` is installed, `ctranslate2/`: the CTranslate2 layout
+#   converted by CTranslate2's own converter, ready for
+#   `ctranslate2.Translator` (`folders.py`). The stock converter run on the
+#   `transformers` folder itself would start from a zero vector, which this
+#   model never saw (`test_the_stock_converter_on_the_transformers_folder_starts_from_zero`).
+#   Exports written before this layout (start row `<pad>`, the start vector
+#   in the stored positional row) still import
+#   (`test_an_export_in_the_older_layout_still_imports`).
 # - **Import** of any other folder maps Marian's pad, decoder start, `eos` and
 #   `unk` to our ids 0, 1, 2, 3 and keeps the other ids in their order after
 #   them (`token_map`). When the decoder start is the pad id (OPUS-MT), it is
@@ -141,9 +157,10 @@ def token_map(pad: int, start: int, eos: int, unk: int | None, vocab: int) -> li
 # `to_marian` builds the `MarianMTModel` in memory: our parameters in the
 # fused form, the residual stream renumbered from our coordinates to
 # Marian's (the inverse of `sinusoid_permutation`), under Marian's names and
-# in its orientation, with the start row of section 1 appended
-# (`_append_start_row`) and our first decoder input in the decoder's first
-# positional row. A model built without attention biases (`bias=False`)
+# in its orientation, with the `<pad>` row of section 1 appended
+# (`_append_start_row`); the decoder starts with our `bos` (or, for
+# CTranslate2, from the zero `<pad>` row with our first decoder input in the
+# decoder's first positional row). A model built without attention biases (`bias=False`)
 # gets zero biases, which Marian always has. Separate vocabularies of
 # different sizes are both filled up to the larger size with rows that are
 # never read (zero embedding, output bias `-inf`), because Marian has one pad
@@ -159,15 +176,16 @@ VOCAB_SIZES_KEY = "annotated_vocab_sizes"  # config.json: [src_vocab, tgt_vocab]
 
 
 def marian_vocab(cfg: TransformerConfig) -> int:
-    """The vocabulary size of the export: the larger of ours, plus the start row (Marian's pad)."""
+    """The vocabulary size of the export: the larger of ours, plus the appended `<pad>` row (Marian's pad)."""
     return max(cfg.src_vocab, cfg.tgt_vocab) + 1
 
 
-def marian_config(cfg: TransformerConfig):
-    """The MarianConfig of the export of a model with our config `cfg`."""
+def marian_config(cfg: TransformerConfig, for_ctranslate2: bool = False):
+    """The MarianConfig of the export of a model with our config `cfg`: the decoder starts with our bos, or for
+    CTranslate2 with the `<pad>` row (section 1)."""
     from transformers import MarianConfig
 
-    start = marian_vocab(cfg) - 1
+    pad = marian_vocab(cfg) - 1
     config = MarianConfig(
         vocab_size=marian_vocab(cfg),
         decoder_vocab_size=marian_vocab(cfg),
@@ -184,10 +202,10 @@ def marian_config(cfg: TransformerConfig):
         attention_dropout=cfg.attention_p,
         activation_dropout=cfg.dropout,  # FeedForward: dropout(activation(x W_1 + b_1)) with p = dropout
         scale_embedding=True,
-        pad_token_id=start,
+        pad_token_id=pad,
         bos_token_id=BOS,
         eos_token_id=EOS,
-        decoder_start_token_id=start,
+        decoder_start_token_id=pad if for_ctranslate2 else BOS,
         forced_eos_token_id=None,
         share_encoder_decoder_embeddings=cfg.share_embeddings,
         tie_word_embeddings=cfg.tie_generator,
@@ -216,8 +234,8 @@ TABLES = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weigh
 
 
 def _append_start_row(hf_state: dict[str, Tensor], rows: int) -> dict[str, Tensor]:
-    """Marian's token tables filled up to `rows` rows with zero rows, the last being the decoder start; the output
-    bias of every added row -inf (never predicted)."""
+    """Marian's token tables filled up to `rows` rows with zero rows, the last being Marian's pad; the output bias of
+    every added row -inf (never predicted)."""
     out = dict(hf_state)
     for name in TABLES:
         t = hf_state[name]  # (V, d_model)
@@ -237,23 +255,27 @@ def first_decoder_input(model: EncoderDecoder) -> Tensor:
     return x0
 
 
-def export_ids(ids: Tensor, start: int, decoder: bool = False) -> Tensor:
-    """Our ids (B, T) as the export's: our pad -> Marian's pad (the start row `start`), and a decoder input's bos at
-    position 0 -> the decoder start. Every other id is the same in both.
+def export_ids(ids: Tensor, pad: int, decoder_start: int | None = None) -> Tensor:
+    """Our ids (B, T) as the export's: our pad -> Marian's pad (the appended row `pad`), and a decoder input's bos at
+    position 0 -> `decoder_start` where given (ours, bos, in the export; the `<pad>` row in CTranslate2's layout).
+    Every other id is the same in both.
 
-    >>> export_ids(torch.tensor([[1, 7, 0]]), start=9, decoder=True).tolist()
+    >>> export_ids(torch.tensor([[1, 7, 0]]), pad=9, decoder_start=1).tolist()  # the export: bos starts
+    [[1, 7, 9]]
+    >>> export_ids(torch.tensor([[1, 7, 0]]), pad=9, decoder_start=9).tolist()  # CTranslate2's layout
     [[9, 7, 9]]
     """
-    out = ids.masked_fill(ids == PAD, start)  # (B, T)
-    if decoder:
-        out[:, 0] = start
+    out = ids.masked_fill(ids == PAD, pad)  # (B, T)
+    if decoder_start is not None:
+        out[:, 0] = decoder_start
     return out
 
 
 @torch.no_grad()
-def to_marian(model: EncoderDecoder, heads: dict | None = None):
-    """A transformers MarianMTModel computing the same function as `model` (same dtype, eval mode), in OPUS-MT's
-    layout: our ids, then the decoder start (section 1)."""
+def to_marian(model: EncoderDecoder, heads: dict | None = None, for_ctranslate2: bool = False):
+    """A transformers MarianMTModel computing the same function as `model` (same dtype, eval mode): our ids, then
+    Marian's pad; the decoder starts with our bos, or with `for_ctranslate2` from the zero pad row with our first
+    decoder input as the decoder's first positional row (section 1)."""
     from transformers import MarianMTModel
 
     check_marian_exportable(model.config, heads)
@@ -264,12 +286,13 @@ def to_marian(model: EncoderDecoder, heads: dict | None = None):
     if cfg.share_embeddings:
         hf_state["model.shared.weight"] = hf_state["model.encoder.embed_tokens.weight"]
     dtype = next(model.parameters()).dtype
-    hf = MarianMTModel(marian_config(cfg)).to(dtype).eval()  # type: ignore[arg-type]  # nn.Module.to(dtype); transformers' stub types only .to(model)
+    hf = MarianMTModel(marian_config(cfg, for_ctranslate2)).to(dtype).eval()  # type: ignore[arg-type]  # nn.Module.to(dtype); transformers' stub types only .to(model)
     for name, t in hf.state_dict().items():
         if "embed_positions" not in name:  # the sinusoids: Marian computes its own table
             t.copy_(hf_state[name])
-    hf.model.decoder.embed_positions.weight[0] = first_decoder_input(model)[to_theirs]
-    hf._keys_to_ignore_on_save = {"model.encoder.embed_positions.weight"}  # keep the decoder's table
+    if for_ctranslate2:
+        hf.model.decoder.embed_positions.weight[0] = first_decoder_input(model)[to_theirs]
+        hf._keys_to_ignore_on_save = {"model.encoder.embed_positions.weight"}  # save the decoder's table
     return hf
 
 
@@ -299,12 +322,15 @@ def to_marian(model: EncoderDecoder, heads: dict | None = None):
 #   read: `relu`, `gelu`, and `silu` or its other name `swish`). Marian has no
 #   pre-norm option, so every imported model is post-norm.
 # - **Positional tables.** Marian's are sinusoids, which ours are too; a folder
-#   whose tables are not (other than the first decoder row of our own export,
-#   section 1) is refused. An export of ours (`annotated_vocab_sizes` in its
-#   config) comes back with our ids: its first rows are our vocabulary, the
-#   start row is dropped, and the first decoder positional row must be our
-#   first decoder input exactly, which fails when the folder was saved again
-#   by `save_pretrained` (section 1); that is refused with the reason.
+#   whose tables are not (other than the first decoder row of an export of
+#   ours in CTranslate2's layout, section 1) is refused. An export of ours
+#   (`annotated_vocab_sizes` in its config) comes back with our ids: its first
+#   rows are our vocabulary, the `<pad>` row is dropped, and Marian's first
+#   decoder input (the start token's row, scaled, plus the first positional
+#   row) must be our first decoder input exactly. It is in every export of
+#   either layout; it is not in a folder of the CTranslate2 layout (or of the
+#   older exports, which had that layout) saved again by `save_pretrained`,
+#   which is refused with the reason.
 
 
 # %%
@@ -344,7 +370,8 @@ def _check_positions(hf, ours_exported: bool) -> None:
 
 
 def _check_start_row(hf, model: EncoderDecoder) -> None:
-    """An export of ours: the decoder's first input in Marian is ours, bit for bit."""
+    """An export of ours: the decoder's first input in Marian (its start token's row, scaled, plus the first
+    positional row) is ours, bit for bit."""
     dec = hf.model.decoder
     start = hf.config.decoder_start_token_id
     theirs = dec.embed_tokens.weight[start] * dec.embed_scale + dec.embed_positions.weight[0]  # (d_model,)
@@ -352,8 +379,8 @@ def _check_start_row(hf, model: EncoderDecoder) -> None:
     if not torch.equal(theirs, ours):
         raise ValueError(
             "this folder is an export of ours, but its first decoder positional row no longer holds the start "
-            "vector (a model saved again by transformers' save_pretrained loses it, see section 1 of "
-            "annotated/interop/marian.py): export the checkpoint again"
+            "vector (a folder in CTranslate2's layout, as older exports were, saved again by transformers' "
+            "save_pretrained loses it, see section 1 of annotated/interop/marian.py): export the checkpoint again"
         )
 
 
@@ -365,7 +392,7 @@ def from_marian(
     (our id -> Marian's id). `unk` is the vocabulary's unk id, where known."""
     config = hf.config
     check_marian_config(config, FROM_MARIAN_ACTIVATION)
-    sizes = getattr(config, VOCAB_SIZES_KEY, None)  # an export of ours: our ids, then the start row
+    sizes = getattr(config, VOCAB_SIZES_KEY, None)  # an export of ours: our ids, then the `<pad>` row
     _check_positions(hf, sizes is not None)
     state = {k: v.detach() for k, v in hf.state_dict().items()}
     state = permute_residual(marian_to_ours(state, config.encoder_layers), sinusoid_permutation(config.d_model))
@@ -426,11 +453,14 @@ def from_marian(
 #   float64 logits within 1e-12 (measured: at most 2.4e-15); `test_an_activation_we_do_not_have_is_refused`
 #   for `gelu_new`, `gelu_fast`, `quick_gelu`, `tanh`, `sigmoid`, `mish`.
 # - `test_export_gives_our_logits`, for three of our shapes (shared and
-#   tied; separate and untied; per-head without attention biases), in
-#   OPUS-MT's layout (section 1): Marian's logits equal ours within 1e-12 in
+#   tied; separate and untied; per-head without attention biases), in both
+#   layouts of section 1: Marian's logits equal ours within 1e-12 in
 #   float64 and 1e-4 in float32 (the measured differences are at most
 #   1.2e-14 and 1.2e-5: two orders of floating-point operations), and the
 #   added rows' logits are `-inf`.
+# - `test_the_export_survives_save_pretrained`, for the same three shapes:
+#   an export loaded, saved with `save_pretrained` and loaded again has the
+#   same tensors, and its float64 logits are ours within 1e-12.
 # - `test_round_trip_is_exact`: export then import gives back every
 #   parameter bit for bit, in either attention form, with our ids.
 # - `test_exported_config_says_what_the_model_does`: the three dropouts.
@@ -464,23 +494,27 @@ def from_marian(
 # `tests/interop/test_marian_files.py` goes through folders: the export
 # loads offline in `MarianMTModel` and `MarianTokenizer`, which cuts text
 # into our ids; importing an export gives back the checkpoint, its
-# tokenizer and its language pair; a folder in OPUS-MT's layout (`</s>` at 0, `<pad>` last, the
+# tokenizer and its language pair (`--src`/`--tgt` name it where given, and
+# a folder that names none is refused without them); a folder in OPUS-MT's layout (`</s>` at 0, `<pad>` last, the
 # vocabulary's ids unlike the sentencepiece model's) imports with a tokenizer
 # that, under the token map, cuts text exactly as `MarianTokenizer` does.
 # The tests of logits and of the symmetry were seen to fail when the
 # conversion was broken on purpose: the renumbering skipped, `W_O` left
 # untransposed, SiLU read as GELU, the `-inf` of the duplicated pad left out,
-# `W_2` left out of the renumbering, the start vector left out of the
-# decoder's first positional row, the added row's output bias 0 instead of
+# `W_2` left out of the renumbering, the export written in CTranslate2's
+# layout (which `save_pretrained` breaks), the added row's output bias 0 instead of
 # `-inf`, an unscaled tied model imported with its generator tied to the
 # divided table, the residual dropout written as `attention_dropout`; and
 # the beam test when `generate` was given one token less than our search.
-# `tests/interop/test_ctranslate2.py` runs CTranslate2's stock
-# `ct2-transformers-converter` on an export: its teacher-forced
-# log-probabilities are ours within 1e-4 in float32
-# (`test_the_stock_converter_gives_our_log_probabilities`; a folder without
-# the stored positional row moves them by 0.2), and its greedy and beam
-# translations are ours (`test_the_stock_converter_translates_as_we_do`).
+# `tests/interop/test_ctranslate2.py` loads the `ctranslate2/` model of an
+# export (CTranslate2's own converter, run by the export on the layout it
+# needs): its teacher-forced log-probabilities are ours within 1e-4 in
+# float32 (`test_the_exported_ctranslate2_model_gives_our_log_probabilities`),
+# and its greedy and beam translations are ours
+# (`test_the_exported_ctranslate2_model_translates_as_we_do`); the stock
+# `ct2-transformers-converter` run on the `transformers` folder itself moves
+# them by more than 0.1
+# (`test_the_stock_converter_on_the_transformers_folder_starts_from_zero`).
 
 # %% [markdown]
 # ## 6. A trained model and its export, on real sentences
@@ -508,8 +542,9 @@ def from_marian(
 # reproduces GNMT's ranking, so the closest setting (0.6) agrees on 95.7% of
 # the sentences, not all; the corpus BLEU differs by 0.04.
 #
-# CTranslate2 on the stock conversion of the same folder, with no length
-# penalty, gives 99.1% of our translations, BLEU 38.34 against our 38.25.
+# CTranslate2 on the stock conversion of the same model (in its layout, the
+# export's `ctranslate2/`), with no length penalty, gives 99.1% of our
+# translations, BLEU 38.34 against our 38.25.
 # It computes our log-probabilities (section 5); the 9 translations that
 # differ come from its search, which stops a sentence when its best
 # candidate ends rather than when `k` translations have finished: in all 9,

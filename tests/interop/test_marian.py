@@ -198,22 +198,49 @@ def our_batch(cfg, seed: int = 2):
 
 # float64: the measured differences are at most 1.2e-14 (two orders of the same floating-point operations), so 1e-12
 # leaves two orders of margin and still catches any slip (a wrong row moves logits by units); float32: about 1e-5
+@pytest.mark.parametrize("for_ctranslate2", [False, True], ids=["transformers layout", "ctranslate2 layout"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("shape", OUR_SHAPES)
-def test_export_gives_our_logits(shape, dtype, tolerance):
-    """OPUS-MT's layout: our ids, then one row, the pad and decoder start, zero and never predicted."""
+def test_export_gives_our_logits(shape, dtype, tolerance, for_ctranslate2):
+    """Our ids, then one row, Marian's pad, zero and never predicted. The decoder starts with our bos; in
+    CTranslate2's layout, from the pad row (section 1 of marian.py)."""
     model = random_ours(shape, dtype=dtype)
-    hf = to_marian(model)
-    cfg, start = model.config, marian_vocab(model.config) - 1
-    assert hf.config.decoder_start_token_id == hf.config.pad_token_id == start
+    hf = to_marian(model, for_ctranslate2=for_ctranslate2)
+    cfg, pad = model.config, marian_vocab(model.config) - 1
+    start = pad if for_ctranslate2 else BOS
+    assert hf.config.pad_token_id == pad and hf.config.decoder_start_token_id == start
     assert next(hf.parameters()).dtype == dtype
-    assert not hf.model.decoder.embed_tokens.weight[start].any()  # what CTranslate2 assumes: a zero start
+    assert not hf.model.decoder.embed_tokens.weight[pad].any()  # OPUS-MT's zero pad row, what CTranslate2 assumes
     src, tgt = our_batch(cfg)
     ours = our_logits(model, src, tgt)  # (B, T, V_tgt)
-    theirs = marian_logits(hf, export_ids(src, start), export_ids(tgt, start, decoder=True))  # (B, T, start + 1)
+    theirs = marian_logits(hf, export_ids(src, pad), export_ids(tgt, pad, decoder_start=start))  # (B, T, pad + 1)
     assert ours.abs().max() > 1.0
     assert (ours - theirs[..., : cfg.tgt_vocab]).abs().max() <= tolerance
     assert torch.isneginf(theirs[..., cfg.tgt_vocab :]).all()  # the added rows: never predicted
+
+
+@pytest.mark.parametrize("shape", OUR_SHAPES)
+def test_the_export_survives_save_pretrained(shape, tmp_path):
+    """from_pretrained -> save_pretrained -> from_pretrained, as a user who fine-tunes the export does: the same
+    tensors and our logits, in float64, for shared and tied, separate and untied, per-head tables. (The export in
+    CTranslate2's layout does not survive it: its start vector lives in a positional row save_pretrained drops.)"""
+    model = random_ours(shape)  # float64
+    to_marian(model).save_pretrained(str(tmp_path / "export"))
+    loaded = MarianMTModel.from_pretrained(str(tmp_path / "export"), dtype=torch.float64).eval()
+    loaded.save_pretrained(str(tmp_path / "again"))
+    again = MarianMTModel.from_pretrained(str(tmp_path / "again"), dtype=torch.float64).eval()
+    first, second = loaded.state_dict(), again.state_dict()
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    cfg, pad = model.config, marian_vocab(model.config) - 1
+    src, tgt = our_batch(cfg)
+    ours = our_logits(model, src, tgt)  # (B, T, V_tgt)
+    theirs = marian_logits(
+        again, export_ids(src, pad), export_ids(tgt, pad, again.generation_config.decoder_start_token_id)
+    )
+    # float64, the same function in two orders of operations (measured at most about 1e-14), as in
+    # test_export_gives_our_logits; the start vector lost, the logits move by units
+    assert (ours - theirs[..., : cfg.tgt_vocab]).abs().max() <= 1e-12
+    assert torch.isneginf(theirs[..., cfg.tgt_vocab :]).all()  # the pad row is still never predicted
 
 
 @pytest.mark.parametrize("shape", OUR_SHAPES)

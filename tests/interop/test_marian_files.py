@@ -28,16 +28,16 @@ def test_export_loads_offline_and_tokenizes_like_ours(checkpoint, sentences, tmp
     tok = MarianTokenizer.from_pretrained(str(tmp_path / "out"), local_files_only=True)
     assert tok("Ein Hund", add_special_tokens=False)["input_ids"] == tokenizer.encode("Ein Hund")
     assert tok.decode(tokenizer.encode("Kinder spielen."), skip_special_tokens=True) == "Kinder spielen."
-    start = hf.config.decoder_start_token_id
-    assert tok.pad_token_id == start == tokenizer.vocab_size  # OPUS-MT's layout: <pad> last, the decoder start
+    pad = hf.config.pad_token_id
+    assert tok.pad_token_id == pad == tokenizer.vocab_size  # OPUS-MT's layout: <pad> last
     src = torch.tensor([tokenizer.encode(s) for s in sentences[:1]])
-    tgt = torch.tensor([[BOS] + tokenizer.encode("A dog")])
+    tgt = torch.tensor([[BOS] + tokenizer.encode("A dog")])  # the export's decoder starts with our bos, as ours
     with torch.no_grad():
         ours = model(src, tgt, padding_mask(src, PAD), subsequent_mask(tgt.size(1)))
-        theirs = hf(input_ids=src, decoder_input_ids=export_ids(tgt, start, decoder=True)).logits
-    # float32, loaded from the folder: the first decoder input is ours bit for bit (the positional row stored), the
-    # rest two orders of the same float32 operations (about 1e-6)
-    assert (ours - theirs[..., :start]).abs().max() <= 1e-4
+        theirs = hf(input_ids=src, decoder_input_ids=export_ids(tgt, pad)).logits
+    # float32, loaded from the folder: the first decoder input is ours bit for bit (our bos row plus Marian's own
+    # sinusoid), the rest two orders of the same float32 operations (about 1e-6)
+    assert (ours - theirs[..., :pad]).abs().max() <= 1e-4
 
 
 def test_import_of_an_export_is_the_checkpoint(checkpoint, sentences, tmp_path):
@@ -146,7 +146,7 @@ def opus_like_folder(tokenizer, folder: Path) -> Path:
 
 def test_an_opus_like_folder_imports_with_its_tokenizer(checkpoint, sentences, tmp_path):
     folder = opus_like_folder(load_checkpoint(checkpoint)[1], tmp_path / "opus")
-    assert main(["import", str(folder), str(tmp_path / "opus.pt")]) == 0
+    assert main(["import", str(folder), str(tmp_path / "opus.pt"), "--src", "de", "--tgt", "en"]) == 0
     model, tokenizer, meta = load_checkpoint(tmp_path / "opus.pt")
     assert tokenizer is not None and tokenizer.vocab_size == model.config.src_vocab
     marian_ids, hf = meta["marian_source_ids"], MarianMTModel.from_pretrained(str(folder), local_files_only=True)
@@ -220,34 +220,91 @@ def test_a_long_source_goes_through_generate(checkpoint, tmp_path):
     assert out.shape[1] <= 64
 
 
-def test_the_language_pair_survives_export_and_import(checkpoint, tmp_path):
+def test_the_language_pair_survives_export_and_import(checkpoint, tmp_path, capsys):
+    """The folder's pair comes back; a folder that names none is refused unless --src and --tgt name it."""
     from annotated.attention.heads import languages_of
 
     main(["export", str(checkpoint), str(tmp_path / "out")])
     assert main(["import", str(tmp_path / "out"), str(tmp_path / "back.pt")]) == 0
     assert languages_of(load_checkpoint(tmp_path / "back.pt")[2]) == ("de", "en")
     config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
-    del config["source_lang"], config["target_lang"]  # a folder that names no pair: --src/--tgt name it
+    del config["source_lang"], config["target_lang"]  # a folder that names no pair
     (tmp_path / "out" / "tokenizer_config.json").write_text(json.dumps(config))
-    main(["import", str(tmp_path / "out"), str(tmp_path / "none.pt")])
-    assert "src_lang" not in load_checkpoint(tmp_path / "none.pt")[2]
+    capsys.readouterr()  # what the export printed
+    for named in ([], ["--src", "en"]):
+        with pytest.raises(SystemExit) as stop:
+            main(["import", str(tmp_path / "out"), str(tmp_path / "none.pt"), *named])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "names no language pair" in err
+        assert ("--src and --tgt" if not named else "with --tgt (") in err
+    assert not (tmp_path / "none.pt").exists()
     main(["import", str(tmp_path / "out"), str(tmp_path / "named.pt"), "--src", "en", "--tgt", "de"])
     assert languages_of(load_checkpoint(tmp_path / "named.pt")[2]) == ("en", "de")
 
 
-def test_an_export_saved_again_by_transformers_is_refused_with_the_reason(checkpoint, tmp_path, capsys):
-    """save_pretrained leaves Marian's positional tables out, and with them the start vector: such a folder
-    computes another function, so import says why instead of reading it; with the export's own setting it keeps it."""
+def test_import_src_tgt_name_the_pair_even_where_the_folder_names_one(checkpoint, tmp_path):
+    """The folder says de -> en; --src/--tgt say otherwise, and they win (one of them alone replaces its side)."""
+    from annotated.attention.heads import languages_of
+
     main(["export", str(checkpoint), str(tmp_path / "out")])
-    hf = MarianMTModel.from_pretrained(str(tmp_path / "out"), local_files_only=True)
-    hf.save_pretrained(str(tmp_path / "again"))
+    assert main(["import", str(tmp_path / "out"), str(tmp_path / "both.pt"), "--src", "en", "--tgt", "de"]) == 0
+    assert languages_of(load_checkpoint(tmp_path / "both.pt")[2]) == ("en", "de")
+    assert main(["import", str(tmp_path / "out"), str(tmp_path / "one.pt"), "--tgt", "fr"]) == 0
+    assert languages_of(load_checkpoint(tmp_path / "one.pt")[2]) == ("de", "fr")
+
+
+def test_the_generation_config_starts_the_decoder_with_our_first_input(checkpoint, tmp_path):
+    """generation_config.json and config.json name the same special ids; the decoder start `generate` uses is the
+    row whose input to Marian's decoder (its embedding, scaled, plus the first position) is our first decoder input,
+    bit for bit; `<pad>` pads and is never predicted."""
+    from annotated.interop.layout import inverse_permutation, sinusoid_permutation
+    from annotated.interop.marian import first_decoder_input
+
+    main(["export", str(checkpoint), str(tmp_path / "out")])
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    assert {k: config[k] for k in ids} == {k: generation[k] for k in ids}
+    hf = MarianMTModel.from_pretrained(str(tmp_path / "out"), local_files_only=True).eval()
+    model, tokenizer, _ = load_checkpoint(checkpoint)
+    dec, start = hf.model.decoder, hf.generation_config.decoder_start_token_id
+    theirs = dec.embed_tokens.weight[start] * dec.embed_scale + dec.embed_positions.weight[0]  # (d_model,)
+    ours = first_decoder_input(model)[inverse_permutation(sinusoid_permutation(model.config.d_model))]
+    assert torch.equal(theirs, ours)
+    vocab = json.loads((tmp_path / "out" / "vocab.json").read_text())
+    assert generation["pad_token_id"] == vocab["<pad>"] == tokenizer.vocab_size and start == BOS
+    assert hf.final_logits_bias[0, vocab["<pad>"]] == -float("inf")
+
+
+def older_layout(checkpoint, folder: Path) -> Path:
+    """An export as it was written before: CTranslate2's layout (the decoder starts from the zero `<pad>` row, the
+    start vector in the stored first decoder positional row)."""
+    from annotated.interop.folders import generation_config
+    from annotated.interop.marian import to_marian
+
+    main(["export", str(checkpoint), str(folder)])
+    hf = to_marian(load_checkpoint(checkpoint)[0], for_ctranslate2=True)
+    hf.generation_config = generation_config(hf.config)
+    for name in ("model.safetensors", "annotated.json"):
+        (folder / name).unlink()
+    hf.save_pretrained(str(folder))
+    return folder
+
+
+def test_an_export_in_the_older_layout_still_imports(checkpoint, tmp_path, capsys):
+    """A folder in the older layout imports as the checkpoint; saved again by save_pretrained, it has lost its
+    start vector (the stored positional row), and import refuses it with the reason and the fix."""
+    folder = older_layout(checkpoint, tmp_path / "old")
+    assert json.loads((folder / "config.json").read_text())["decoder_start_token_id"] != BOS
+    assert main(["import", str(folder), str(tmp_path / "old.pt")]) == 0
+    model, back = load_checkpoint(checkpoint)[0], load_checkpoint(tmp_path / "old.pt")[0]
+    mine = model.state_dict()
+    assert all(torch.equal(t, mine[k]) for k, t in back.state_dict().items())
+    MarianMTModel.from_pretrained(str(folder), local_files_only=True).save_pretrained(str(tmp_path / "again"))
     with pytest.raises(SystemExit) as stop:
-        main(["import", str(tmp_path / "again"), str(tmp_path / "x.pt")])
+        main(["import", str(tmp_path / "again"), str(tmp_path / "x.pt"), "--src", "de", "--tgt", "en"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "no longer holds the start vector" in err and "export the checkpoint again" in err
-    hf._keys_to_ignore_on_save = {"model.encoder.embed_positions.weight"}  # what the card says to do
-    hf.save_pretrained(str(tmp_path / "kept"))
-    assert main(["import", str(tmp_path / "kept"), str(tmp_path / "kept.pt")]) == 0
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
@@ -263,8 +320,9 @@ def test_an_exported_folder_gets_the_mode_of_the_umask(checkpoint, tmp_path, uma
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
-    modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in (tmp_path / "out").iterdir()}
-    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+    everything = list((tmp_path / "out").rglob("*"))  # ctranslate2/ and its files too
+    modes = {str(f): (f.is_dir(), oct(stat.S_IMODE(f.stat().st_mode))) for f in everything}
+    assert set(modes.values()) <= {(False, oct(0o666 & ~umask)), (True, oct(0o777 & ~umask))}, modes
 
 
 def test_export_and_import_print_only_their_own_lines(checkpoint, tmp_path, capfd):
@@ -277,3 +335,69 @@ def test_export_and_import_print_only_their_own_lines(checkpoint, tmp_path, capf
         f"wrote {tmp_path / 'out'}: MarianMTModel.from_pretrained({str(tmp_path / 'out')!r}) loads it",
         f"wrote {tmp_path / 'back.pt'}",
     ]
+
+
+def translated(checkpoint: Path, lines: list[str]) -> bytes:
+    """What `make translate` prints for `lines` on stdin, with `checkpoint`'s own settings."""
+    import io
+
+    from annotated.decoding.translate import main as translator
+
+    out, stdin = io.BytesIO(), io.BytesIO(("\n".join(lines) + "\n").encode("utf-8"))
+    assert translator(["--checkpoint", str(checkpoint), "--device", "cpu"], stdin, out, io.StringIO()) == 0
+    return out.getvalue()
+
+
+def test_export_then_import_translates_as_the_checkpoint(checkpoint, tmp_path, data_url):
+    """annotated.json carries the length penalty the checkpoint chose and its recasing table, so the shipped model
+    exported and imported back translates test sentences byte for byte as the shipped model, lines in capitals
+    (recased by the table) included; a chosen penalty other than the paper's comes back too."""
+    from annotated.checkpoint import model_length_penalty, read_case_table, with_meta
+    from annotated.shipped import choose_checkpoint
+    from annotated.training.data import load_multi30k
+
+    shipped = choose_checkpoint("shipped:de-en")
+    assert main(["export", "shipped:de-en", str(tmp_path / "out")]) == 0
+    assert main(["import", str(tmp_path / "out"), str(tmp_path / "back.pt")]) == 0
+    table = read_case_table(shipped)
+    assert table and read_case_table(tmp_path / "back.pt") == table
+    pairs = load_multi30k("test_2016_flickr", "de", "en", base_url=data_url)[:20]
+    lines = [s for s, _ in pairs] + [s.upper() for s, _ in pairs] + ["ZWEI MÄNNER SPIELEN FUSSBALL IM PARK."]
+    assert translated(tmp_path / "back.pt", lines) == translated(shipped, lines)
+    with_meta(checkpoint, tmp_path / "alpha.pt", length_penalty=1.7)  # not the paper's 0.6, which is the default
+    main(["export", str(tmp_path / "alpha.pt"), str(tmp_path / "alpha")])
+    main(["import", str(tmp_path / "alpha"), str(tmp_path / "alpha-back.pt")])
+    assert model_length_penalty(load_checkpoint(tmp_path / "alpha-back.pt")[2]) == 1.7
+    assert read_case_table(tmp_path / "alpha-back.pt") is None  # the fixture has no table: none comes back
+
+
+def test_no_card_holds_an_absolute_path(checkpoint, tmp_path, monkeypatch):
+    """The card travels: no path of this machine in it, whether the checkpoint was chosen by the commands' rule (no
+    CHECKPOINT: here the shipped model), typed as an absolute path, or imported from an absolute folder."""
+    import re
+
+    monkeypatch.chdir(tmp_path)  # no runs/ here; the fixture's checkpoint lies outside this folder
+    absolute = re.compile(r"(^|[\s`'\"=(])/[^\s/]")
+    assert main(["export", "", "fallback"]) == 0
+    card = (tmp_path / "fallback" / "README.md").read_text(encoding="utf-8")
+    assert "make export CHECKPOINT=shipped:de-en" in card and not absolute.search(card), card
+    assert main(["export", str(checkpoint.resolve()), "typed"]) == 0
+    card = (tmp_path / "typed" / "README.md").read_text(encoding="utf-8")
+    assert f"CHECKPOINT={checkpoint.parent.name}/{checkpoint.name}`" in card and not absolute.search(card), card
+    assert main(["import", str((tmp_path / "typed").resolve()), "back.pt"]) == 0
+    assert main(["export", "back.pt", "again"]) == 0
+    card = (tmp_path / "again" / "README.md").read_text(encoding="utf-8")
+    assert "imported from typed)" in card and not absolute.search(card), card
+
+
+def test_a_damaged_side_file_is_refused_in_one_line(checkpoint, tmp_path, capsys):
+    """annotated.json that is not JSON, or not the export's, is refused naming the file and the fix."""
+    main(["export", str(checkpoint), str(tmp_path / "out")])
+    for text in ("{", json.dumps({"format": "annotated-export-v1", "length_penalty": "0.6", "casing": None})):
+        (tmp_path / "out" / "annotated.json").write_text(text)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            main(["import", str(tmp_path / "out"), str(tmp_path / "x.pt")])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "annotated.json" in err
+        assert "export the checkpoint again, or delete it" in err
