@@ -72,7 +72,7 @@ from annotated.transformer import AttentionForm
 # **`annotated.json`** carries what our translator decodes with beyond the
 # model, which `transformers` ignores and `make import` reads back: the
 # length penalty the checkpoint chose (`model_length_penalty`,
-# `annotated/checkpoint.py`) and its recasing table
+# `annotated/decoding/settings.py`) and its recasing table
 # (`annotated/decoding/casing.py`), so that an export imported back
 # translates as the checkpoint did, byte for byte, recasing included
 # (`test_export_then_import_translates_as_the_checkpoint`).
@@ -163,7 +163,7 @@ def side_file(meta: dict, table: dict | None) -> str:
     """annotated.json of an export: the chosen length penalty and the recasing table (None: the checkpoint has none)."""
     import json
 
-    from annotated.checkpoint import model_length_penalty
+    from annotated.decoding.settings import model_length_penalty
 
     side = {"format": SIDE_FORMAT, "length_penalty": model_length_penalty(meta), "casing": table}
     return json.dumps(side, ensure_ascii=False, separators=(",", ":"), sort_keys=True) + "\n"

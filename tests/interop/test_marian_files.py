@@ -352,7 +352,8 @@ def test_export_then_import_translates_as_the_checkpoint(checkpoint, tmp_path, d
     """annotated.json carries the length penalty the checkpoint chose and its recasing table, so the shipped model
     exported and imported back translates test sentences byte for byte as the shipped model, lines in capitals
     (recased by the table) included; a chosen penalty other than the paper's comes back too."""
-    from annotated.checkpoint import model_length_penalty, read_case_table, with_meta
+    from annotated.checkpoint import read_case_table, with_meta
+    from annotated.decoding.settings import model_length_penalty
     from annotated.shipped import choose_checkpoint
     from annotated.training.data import load_multi30k
 
