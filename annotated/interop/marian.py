@@ -550,6 +550,15 @@ def from_marian(
 # candidate ends rather than when `k` translations have finished: in all 9,
 # its translation (one to four subwords longer) has a higher
 # log-probability under our model than ours.
+#
+# Exported and imported back (`make export`, then `make import` of the
+# folder), each shipped model translates the 1,000 test sentences, and the
+# same sentences in capitals (recased by the table that `annotated.json`
+# carries), byte for byte as before: 2,000 of 2,000 lines for de -> en and
+# for en -> de (the 2-core Intel Xeon model 207;
+# `test_export_then_import_translates_as_the_checkpoint` checks 41 lines).
+# The export loaded with `from_pretrained`, saved with `save_pretrained` and
+# loaded again has the same 91 tensors, bit for bit.
 
 # %% [markdown]
 # ## 7. Looking at an OPUS-MT model's heads
