@@ -558,7 +558,8 @@ def from_marian(
 # for en -> de (the 2-core Intel Xeon model 207;
 # `test_export_then_import_translates_as_the_checkpoint` checks 41 lines).
 # The export loaded with `from_pretrained`, saved with `save_pretrained` and
-# loaded again has the same 91 tensors, bit for bit.
+# loaded again has the same 91 state-dict entries, bit for bit, and
+# translates the first 20 test sentences as before with `generate`.
 
 # %% [markdown]
 # ## 7. Looking at an OPUS-MT model's heads
