@@ -24,9 +24,9 @@ before anything is loaded (`checkpoint_file` of `annotated/checkpoint.py`).
 work unless it was given `--force` (the export's flag is `--overwrite`).
 
 **One line, exit 2.** `fail` prints `<name>: error: <what is wrong and the fix>`; the fix is written as the user
-types it (`typed`): `add --force` at a shell, `make circuits ARGS=--force` under `make`, which sets
-`ANNOTATED_MAKE` to its target for every command it runs (the Makefile's `RUN`; the variables given to make reach
-the command's environment, so the line repeats them). `tests/plumbing/test_door.py`.
+types it (`typed`): `add --force` at a shell, `make circuits ARGS=--force` under `make`. The Makefile's `RUN`
+sets `ANNOTATED_MAKE` to the target for every command it runs, and the variables given to make reach the
+command's environment, so the line repeats them. `tests/plumbing/test_door.py`.
 """
 
 from __future__ import annotations

@@ -117,6 +117,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
         "Part III. Data, training and decoding",
         (
             "training/data",
+            "decoding/settings",
             "decoding/search",
             "decoding/quantize",
             "training/loss",
@@ -176,6 +177,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "plumbing/allocator",
             "checks",
             "checkpoint",
+            "door",
             "plumbing/devices",
             "plumbing/files",
             "plumbing/interrupts",
