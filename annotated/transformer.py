@@ -794,6 +794,20 @@ class FeedForward(nn.Module):
 # `N(0, 1/d_model)`, so after the scaling each component has variance about 1,
 # the same scale as the positional encoding added next.
 #
+# The lookup is `F.embedding(tokens, weight)`: the rows `weight[tokens]`. The
+# two agree going forward and differ in how the backward pass adds up the
+# gradients of a row that several tokens share. Indexing's backward on the
+# CPU (`index_put` with `accumulate=True`) splits the tokens between the
+# threads, which add into the table with atomic additions, in an order the
+# threads' timing decides: two runs of one training step on two threads give
+# table gradients a rounding apart, and the difference spreads to every
+# weight in the steps that follow. `F.embedding`'s backward splits the table's rows between the
+# threads instead, and each adds its rows' gradients in the order of the
+# tokens: the same bits on any number of threads, the sum that indexing
+# makes on one (`test_the_table_gradient_is_the_same_on_two_threads_as_on_one`,
+# `test_a_training_step_adds_no_gradient_with_atomics`,
+# `test_two_processes_train_bit_identical_weights`).
+#
 # Attention by itself ignores order: permuting the keys and values together
 # (the same permutation for both) changes nothing in the result
 # (`test_attention_ignores_the_order_of_keys_and_values`), so position is
@@ -815,7 +829,8 @@ class Embeddings(nn.Module):
         self.d_model = d_model
 
     def forward(self, tokens: Tensor) -> Tensor:
-        return self.weight[tokens] * math.sqrt(self.d_model)  # (B, T, d_model)
+        # weight[tokens], with a backward that adds each row's gradients in the order of the tokens (text above)
+        return F.embedding(tokens, self.weight) * math.sqrt(self.d_model)  # (B, T, d_model)
 
 
 def sinusoidal_encoding(max_len: int, d_model: int) -> Tensor:

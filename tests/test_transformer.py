@@ -509,6 +509,29 @@ def test_embeddings_are_scaled_and_tied():
     assert untied.src_embed is not untied.tgt_embed
 
 
+def test_the_table_gradient_is_the_same_on_two_threads_as_on_one():
+    """`Embeddings` looks its rows up with F.embedding: on two threads its table's gradient is, bit for bit, the
+    sum that indexing (`weight[tokens]`, what it did before) makes on one thread, adding each row's gradients in
+    the order of the tokens; so runs on one thread give the numbers they gave before. The batch is large enough
+    (2,000 tokens x 64 = 128,000 numbers, over PyTorch's 32,768) that both kernels split it between threads."""
+    torch.manual_seed(0)
+    emb = transformer.Embeddings(50, 64)  # 50 rows: each shared by about 40 tokens
+    tokens = torch.randint(0, 50, (40, 50))  # (B, T)
+    upstream = torch.randn(40, 50, 64)  # (B, T, d_model)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        (emb.weight[tokens] * 8.0).backward(upstream)  # sqrt(64)
+        one_thread, emb.weight.grad = emb.weight.grad, None
+        torch.set_num_threads(2)
+        for _ in range(3):
+            emb(tokens).backward(upstream)
+            assert torch.equal(emb.weight.grad, one_thread)
+            emb.weight.grad = None
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_positional_encoding_formula():
     pe = transformer.sinusoidal_encoding(30, 8)
     pos, i = 17, 2

@@ -157,3 +157,40 @@ def test_scoring_real_positions_only_gives_the_same_loss_and_gradients():
     assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-5)
     for every, only_real in zip(*grads):
         torch.testing.assert_close(only_real, every, rtol=0, atol=1e-4 * every.abs().max().item())
+
+
+def accumulating_index_writes(step) -> list[str]:
+    """The calls of `step()` to the CPU kernels PyTorch names nondeterministic: index_put and put_ with
+    accumulate=True (the backward of `weight[tokens]` is one), which on several threads add floats with atomic
+    additions, in the order the threads' timing makes (torch.use_deterministic_algorithms' notes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+    adding = ("index_put", "index_put_", "_index_put_impl_", "put", "put_")  # (self, where, values, accumulate)
+
+    class Calls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.overloadpacket.__name__ in adding and kwargs.get("accumulate", len(args) > 3 and args[3]):
+                seen.append(str(func))
+            return func(*args, **kwargs)
+
+    with Calls():
+        step()
+    return seen
+
+
+def test_a_training_step_adds_no_gradient_with_atomics():
+    """A whole optimizer step (forward, backward, clipping, Adam) on the CPU calls no kernel that adds with
+    atomics: the embedding tables' gradients come from F.embedding's backward, which gives each thread a block
+    of rows and adds each row's gradients in the order of the tokens (annotated/transformer.py, "Embeddings").
+    So two runs of a step on two threads give the same bits, which
+    `test_two_processes_train_bit_identical_weights` checks over whole runs, where the race shows only when the
+    two threads happen to add to one row at once."""
+    model = tiny_model()
+    opt, sched = train.make_optimizer(model, CFG)
+    b = toy_batches()[0]
+    step = lambda: train.train_step(model, opt, sched, [b], b.ntokens, CFG, CPU)
+    assert accumulating_index_writes(step) == []
+    indexed = lambda: model.src_embed.weight[b.src].sum().backward()  # what Embeddings did before
+    assert accumulating_index_writes(indexed) == ["aten.index_put.default"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from annotated.plumbing.devices import cpu_has_bf16
 from annotated.training import train
 from annotated.transformer import rate
 
@@ -258,13 +259,15 @@ def figures(run: Path) -> dict:
     test = {name: {k: v for k, v in scores.items() if k != "checkpoint"} for name, scores in results["test"].items()}
     from annotated.checkpoint import read_checkpoint
 
-    model = read_checkpoint(run / "last.pt")["model"]
+    last = read_checkpoint(run / "last.pt")
+    moments = {f"{i}.{k}": t for i, state in last["optimizer"]["state"].items() for k, t in state.items()}
     return {
         "history": history,
         "test": test,
         "steps": results["steps"],
         "losses": (run / "train_loss.tsv").read_text(),
-        "parameters": {k: t.contiguous().numpy().tobytes() for k, t in model.items()},
+        "parameters": {k: t.contiguous().numpy().tobytes() for k, t in last["model"].items()},
+        "adam": {k: t.contiguous().numpy().tobytes() for k, t in moments.items()},  # exp_avg, exp_avg_sq, step
     }
 
 
@@ -309,16 +312,34 @@ def test_the_case_table_is_built_from_the_training_sources_only(tmp_path):
     assert case_table(targets) != run_data.case_table != case_table(sources + targets)
 
 
-def test_two_processes_train_bit_identical_weights(tmp_path, data_url):
-    """`train_wmt.py` twice, each in a process of its own (one machine, one install, one thread, seed 0): the
-    saved weights are the same bytes, and so is every figure of results.json but the clock's. Nothing of the
-    process (hash seeds, thread pools, allocation addresses) reaches the numbers; what moves a seed's BLEU
-    between two machines is their CPUs' kernels, not the run (docs/training.md, "How far one seed moves")."""
+@pytest.mark.parametrize(
+    "threads, precision, wider",
+    [
+        pytest.param(1, "fp32", [], id="one-thread"),
+        pytest.param(2, "fp32", ["--d-model", "128"], id="two-threads-fp32"),
+        pytest.param(
+            2,
+            "bf16",
+            ["--d-model", "128"],
+            id="two-threads-bf16",
+            marks=pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no bf16 instructions"),
+        ),
+    ],
+)
+def test_two_processes_train_bit_identical_weights(tmp_path, data_url, threads, precision, wider):
+    """`train_wmt.py` twice, each in a process of its own (one machine, one install, seed 0), on one thread and,
+    as `make train` runs on a 2-core machine, on two, in fp32 and (where the CPU has it) bf16: the saved weights
+    are the same bytes, and so is every figure of results.json but the clock's. Nothing of the process (hash
+    seeds, thread pools and their timing, allocation addresses) reaches the numbers; what moves a seed's BLEU
+    between two machines is their CPUs' kernels, not the run (docs/training.md, "How far one seed moves").
+    On two threads the model is the `cpu` preset's width, d_model 128: the smoke width's embedding gradients
+    (under 32,768 numbers a batch) are too small for PyTorch to split them between threads at all, so
+    only the wider runs could show a race between the threads (`test_a_training_step_adds_no_gradient_with_atomics`)."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads)}
     for name in ("a", "b"):
         env["PYTHONHASHSEED"] = {"a": "1", "b": "2"}[name]  # the processes differ in what they may
         subprocess.run(
@@ -334,7 +355,10 @@ def test_two_processes_train_bit_identical_weights(tmp_path, data_url):
                 "--seed",
                 "0",
                 "--threads",
-                "1",
+                str(threads),
+                "--precision",
+                precision,
+                *wider,
                 "--no-progress",
                 "--data-url",
                 data_url,
@@ -352,4 +376,5 @@ def test_two_processes_train_bit_identical_weights(tmp_path, data_url):
     first, second = (figures(tmp_path / name / "run") for name in ("a", "b"))
     assert first["steps"] == 10 and first["parameters"]
     assert first["parameters"] == second["parameters"]  # every weight, bit for bit
+    assert first["adam"] == second["adam"] and first["adam"]  # and every moment of Adam's
     assert first == second
