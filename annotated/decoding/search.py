@@ -286,8 +286,9 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 #
 # **Cache.** With `use_cache=True` each step feeds only the newest token and
 # the cache is reordered with the beams (section 5); with `use_cache=False`
-# each step recomputes the decoder over the whole prefix, which is slower
-# and gives the same tokens (`test_cached_beam_equals_recomputed_beam`).
+# each step recomputes the decoder over the whole prefix
+# (`test_beam_search_without_the_cache_recomputes_the_whole_prefix`), which is
+# slower and gives the same tokens (`test_cached_beam_equals_recomputed_beam`).
 # The cross-attention entries are reordered too: within a sentence they are
 # all equal, so only the dropping of done sentences changes them, but one
 # call for every entry keeps the loop simple.
@@ -450,8 +451,10 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 #   way, once per sentence, with a sentence's `k` beams as `k` queries of one
 #   problem: nothing of it to re-index but when sentences leave the batch.
 #   Below 16 scores per row the softmax is written out (`_softmax`):
-#   PyTorch's kernel is slower there than the four passes. Together these
-#   make the search faster with the same translations
+#   PyTorch's kernel is slower there than the four passes, which subtract
+#   each row's maximum first, as PyTorch's kernel does, so large scores do
+#   not overflow (`test_the_written_out_softmax_subtracts_the_row_maximum`).
+#   Together these make the search faster with the same translations
 #   (benchmarks/README.md#levers-the-circuits-two-threads).
 # - **the generator's bias inside its product.** `y W_gen^T + b` is the
 #   product of `[y, 1]` with `[W_gen, b]^T`: one more column of ones instead

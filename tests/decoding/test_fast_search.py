@@ -125,3 +125,17 @@ def test_the_written_out_softmax_is_torchs(T):
     got, want = search._softmax(s.clone()), s.softmax(dim=-1)
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-15, equal_nan=True)
     assert got[1, 2].isnan().all() and got[0, 0, 1:].eq(0).all() and got[0, 0, 0] == 1
+
+
+@pytest.mark.parametrize("T", [2, 12, 15])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_written_out_softmax_subtracts_the_row_maximum(T, dtype):
+    """Rows of scores near 1,000, -1,000, 100 and -200: exp of them overflows float32 (above 88) and float64
+    (above 709), or is 0 for every entry of a row; with the row's maximum subtracted first, the written-out
+    softmax is torch's (`test_the_written_out_softmax_is_torchs` uses scores near 0, where both forms agree)."""
+    s = torch.randn(4, 3, T, dtype=torch.float64, generator=torch.Generator().manual_seed(T))
+    s = (s + torch.tensor([1000.0, -1000.0, 100.0, -200.0], dtype=torch.float64).view(4, 1, 1)).to(dtype)
+    got, want = search._softmax(s.clone()), s.softmax(dim=-1)
+    assert got.isfinite().all()
+    # a few roundings of at most 6e-8 (float32) per entry, which lies in [0, 1]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)

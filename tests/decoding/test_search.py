@@ -27,6 +27,7 @@ import pytest
 import torch
 from torch import nn
 
+import annotated.transformer
 from annotated.decoding.search import (
     beam_search,
     gnmt_lp,
@@ -89,6 +90,26 @@ def test_cached_beam_equals_recomputed_beam(copy_models, attention, k):
     assert torch.equal(cached, full)
     assert (s_cached - s_full).abs().max() <= TOL
     assert_well_formed(cached, 10)
+
+
+@pytest.mark.parametrize("attention", ["fused", "per_head"])
+def test_beam_search_without_the_cache_recomputes_the_whole_prefix(copy_models, attention, monkeypatch):
+    """`use_cache=False`, with the fast-path switch on: every step runs the model's decoder over the whole
+    prefix, bos first, under the causal mask and with no cache (the fast loop, which always caches, does not
+    run), so `test_cached_beam_equals_recomputed_beam` compares two different computations."""
+    m = copy_models[attention]
+    src, mask = copy_sources()
+    calls, decode = [], m.decode
+
+    def watched(memory, src_mask, tgt, tgt_mask, *, cache=None, start=0):
+        calls.append((tgt.size(1), tgt_mask is not None, cache is None, start))
+        return decode(memory, src_mask, tgt, tgt_mask, cache=cache, start=start)
+
+    monkeypatch.setattr(m, "decode", watched)
+    assert annotated.transformer.FAST_PATH  # the switch that chooses the fast loop is on
+    out = beam_search(m, src, mask, 10, beam_size=2, use_cache=False)
+    assert len(calls) >= out.size(1) >= 2  # a step for each token of the longest translation at least
+    assert calls == [(t + 1, True, True, 0) for t in range(len(calls))]  # (length, causal mask, no cache, start)
 
 
 def test_beams_really_leave_greedys_path(copy_models):
