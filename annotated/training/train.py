@@ -288,7 +288,9 @@ def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.devi
 # * `last.pt`: everything needed to resume (model, optimizer, scheduler,
 #   random-number states, position in the epoch);
 # * `best.pt`: the model with the best validation BLEU so far;
-# * `epoch{n}.pt`: kept only when `average_last` asks for checkpoint averaging.
+# * `epoch{n}.pt`: kept only when `average_last` asks for checkpoint averaging,
+#   for exactly the last `average_last` epochs, which `averaged.pt` averages
+#   (`test_a_run_keeps_and_averages_exactly_its_last_average_last_epochs`).
 #
 # All of them are written atomically (`annotated/plumbing/files.py`). Ctrl-C finishes
 # the current step, writes `last.pt` and stops (a second Ctrl-C stops at

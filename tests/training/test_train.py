@@ -378,3 +378,39 @@ def test_two_processes_train_bit_identical_weights(tmp_path, data_url, threads, 
     assert first["parameters"] == second["parameters"]  # every weight, bit for bit
     assert first["adam"] == second["adam"] and first["adam"]  # and every moment of Adam's
     assert first == second
+
+
+def test_a_run_keeps_and_averages_exactly_its_last_average_last_epochs(tmp_path):
+    """Five epochs of one step each on a few pairs of the user's files, average_last = 3: the run keeps
+    epoch3.pt, epoch4.pt and epoch5.pt, no more and no fewer, and averaged.pt is their element-wise mean, the
+    model the run reports. (One epoch file deleted too many, and the mean would be over two.)"""
+    from annotated.checkpoint import read_checkpoint
+
+    sources = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball.", "Eine Frau liest ein Buch."] * 4
+    targets = ["A dog runs across the meadow.", "Two men play football.", "A woman reads a book."] * 4
+    files = {}
+    for side, lines in (("src", sources), ("tgt", targets)):
+        files[side] = tmp_path / f"pairs.{side}"
+        files[side].write_text("\n".join(lines) + "\n")
+    pair = (files["src"], files["tgt"])
+    cfg = dataclasses.replace(
+        train.PRESETS["smoke"].with_model(vocab_size=300),
+        max_steps=None,
+        epochs=5,
+        max_tokens=4000,  # every pair in one batch: an epoch is one step
+        average_last=3,
+        beam_size=1,
+    )
+    run = tmp_path / "run"
+    results = train.train(
+        cfg, run, progress=False, log=lambda s: None, train_files=pair, val_files=pair, test_files=pair
+    )
+    assert [h["epoch"] for h in results["history"]] == [1, 2, 3, 4, 5] and results["steps"] == 5
+    kept = [run / f"epoch{e}.pt" for e in (3, 4, 5)]
+    assert sorted(run.glob("epoch*.pt")) == kept
+    averaged = read_checkpoint(run / "averaged.pt")
+    assert averaged["meta"]["averaged"] == [str(p) for p in kept]
+    epochs = [read_checkpoint(p)["model"] for p in kept]
+    for name, value in averaged["model"].items():
+        assert torch.equal(value, (sum(e[name].double() for e in epochs) / 3).to(value.dtype)), name
+    assert results["test"]["averaged"]["checkpoint"] == str(run / "averaged.pt")
