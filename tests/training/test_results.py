@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from annotated.checkpoint import read_checkpoint, save_checkpoint
+from annotated.run_folder import epoch_files
 from annotated.training import train
 from annotated.training.results import checkpoints_to_test
 from annotated.transformer import make_model
@@ -34,3 +35,24 @@ def test_averaged_is_the_mean_of_exactly_the_last_epochs(average_last, epochs, t
     assert read_checkpoint(paths["averaged"])["meta"]["averaged"] == [
         str(tmp_path / f"epoch{e}.pt") for e in range(max(1, epochs - average_last + 1), epochs + 1)
     ]
+
+
+def test_epoch_files_are_ordered_by_epoch_not_by_name(tmp_path):
+    """epoch7.pt ... epoch11.pt kept (a run resumed with a smaller average_last leaves more than it averages),
+    average_last 3: averaged.pt is the mean of epochs 9, 10 and 11, listed in that order, with epoch 11's meta.
+    By name, epoch10.pt and epoch11.pt sort before epoch7.pt, and the last three would be epochs 7, 8 and 9."""
+    cfg = dataclasses.replace(train.PRESETS["smoke"], average_last=3)
+    states = {}
+    for epoch in range(7, 12):
+        torch.manual_seed(epoch)
+        model = make_model(src_vocab=11, tgt_vocab=11, N=1, d_model=8, d_ff=16, h=2, dropout=0.0, max_len=16)
+        save_checkpoint(tmp_path / f"epoch{epoch}.pt", model, None, {"epoch": epoch})
+        states[epoch] = model.state_dict()
+    save_checkpoint(tmp_path / "best.pt", model, None, {"epoch": 11})
+    assert epoch_files(tmp_path) == [tmp_path / f"epoch{e}.pt" for e in range(7, 12)]
+    averaged = read_checkpoint(checkpoints_to_test(cfg, tmp_path)["averaged"])
+    assert averaged["meta"]["averaged"] == [str(tmp_path / f"epoch{e}.pt") for e in (9, 10, 11)]
+    assert averaged["meta"]["epoch"] == 11
+    for name, value in averaged["model"].items():
+        mean = (sum(states[e][name].double() for e in (9, 10, 11)) / 3).float()
+        assert torch.equal(value, mean), name
