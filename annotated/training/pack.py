@@ -10,9 +10,10 @@ From a finished run (its `results.json` and its model, `averaged.pt` where the r
   options it differs by), the commit, seed, steps, precision and threads, the machine and CPU, every package's
   version (the run's `results.json` "environment"). What it scores on test_2016_flickr with beam 4 (BLEU cased
   and lowercased, chrF): the packed model is scored again here, on all 1,000 sentences (the figures
-  `tests/shipped/test_shipped.py` checks), beside the run's own float32 figures, at the length penalty in the
-  checkpoint (`model_length_penalty`), whose origin the card's `length_penalty` records as the run's
-  `results.json` does. What it was trained on. And the sha256 of the `.pt` file, which loading checks.
+  `tests/shipped/test_shipped.py` checks), beside the run's own float32 figures for that checkpoint
+  (`test_the_card_of_a_run_that_averaged_gives_averaged_pts_scores`), at the length penalty in the checkpoint
+  (`model_length_penalty`), whose origin the card's `length_penalty` records as the run's `results.json` does.
+  What it was trained on. And the sha256 of the `.pt` file, which loading checks.
 
 Scoring the packed model takes a couple of minutes on a CPU for the `cpu` preset's model. Existing files are
 replaced only with `--force`.

@@ -205,6 +205,23 @@ def test_the_export_carries_its_model_card(tmp_path):
     assert generation["length_penalty"] == 1.0 and "`generation_config.json` keeps `transformers`' default" in card
 
 
+def test_the_export_card_of_a_runs_checkpoint_gives_that_checkpoints_scores(checkpoint, tmp_path):
+    """A run folder with best.pt and averaged.pt, each with its own test scores in results.json (best first, as
+    a run writes them): each one's export carries its own scores, not the other's."""
+    run = tmp_path / "run"
+    run.mkdir()
+    test = {}
+    for name, bleu in (("best", 1.5), ("averaged", 7.5)):
+        shutil.copy(checkpoint, run / f"{name}.pt")
+        beam = {"bleu": bleu, "bleu_lowercase": bleu + 1, "chrf": bleu + 2, "length_penalty": 0.6}
+        test[name] = {"checkpoint": str(run / f"{name}.pt"), "beam": beam}
+    (run / "results.json").write_text(json.dumps({"test_set": "test_2016_flickr", "test": test}))
+    for name, bleu in (("best", 1.5), ("averaged", 7.5)):
+        assert main(["export", str(run / f"{name}.pt"), str(tmp_path / name)]) == 0
+        card = (tmp_path / name / "README.md").read_text(encoding="utf-8")
+        assert f"| bleu | {bleu} |" in card and f"| chrf | {bleu + 2} |" in card, name
+
+
 def test_a_long_source_goes_through_generate(checkpoint, tmp_path):
     """A source of 600 subwords, cut by the tokenizer (truncation=True) to the model's 64 positions, translates
     within the positions the generation config allows."""

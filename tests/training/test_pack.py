@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_box import PAIRS, make_run
 
-from annotated.checkpoint import load_checkpoint, read_checkpoint, with_meta
+from annotated.checkpoint import atomic_torch_save, load_checkpoint, read_checkpoint, with_meta
 from annotated.training.config import PRESETS, config_dict
 from annotated.training.evaluate import evaluate_bleu
 from annotated.training.pack import PackError, compact_state, generate_note, main, pack, training_command
@@ -66,6 +66,32 @@ def test_the_card_names_the_file_its_sha256_how_it_was_made_and_what_it_learnt_f
         "beam": 2,
         "sentences": 20,
     }
+
+
+def test_the_card_of_a_run_that_averaged_gives_averaged_pts_scores(tmp_path):
+    """A run with best.pt and averaged.pt, each with its own test scores in results.json (best first, as a run
+    writes them): the run's model is averaged.pt, and its card names it and gives its float32 scores, not
+    best.pt's."""
+    run = make_run(tmp_path / "run")
+    state = read_checkpoint(run / "best.pt")
+    state["model"] = {k: v / 2 if v.is_floating_point() else v for k, v in state["model"].items()}
+    atomic_torch_save(state, run / "averaged.pt")
+    results = json.loads((run / "results.json").read_text())
+    beam = {"bleu": 7.5, "bleu_lowercase": 8.5, "chrf": 9.5, "beam_size": 2, "sentences": 20}
+    results["test"]["averaged"] = {"checkpoint": str(run / "averaged.pt"), "beam": beam}
+    (run / "results.json").write_text(json.dumps(results))
+    model_file, card_file = pack(run, tmp_path / "box", pairs=PAIRS["de-en"], say=lambda line: None)
+    card = json.loads(card_file.read_text())
+    assert card["made"]["model"].startswith("averaged.pt")
+    assert card["scores"]["run_model_float32"] == {
+        "bleu": 7.5,
+        "bleu_lowercase": 8.5,
+        "chrf": 9.5,
+        "beam": 2,
+        "sentences": 20,
+    }
+    weight = read_checkpoint(model_file)["model"]["src_embed.weight"]
+    assert torch.equal(weight, state["model"]["src_embed.weight"].half())  # averaged.pt's weights were packed
 
 
 def test_the_card_scores_are_those_of_the_packed_model_as_loaded(packed):
