@@ -1,0 +1,434 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Which earlier heads a head reads through: composition
+#
+# Past the first layer a head's query, key and value are read from a stream
+# that earlier heads have written into. Head `A` of an earlier sublayer adds
+# `x W_OV^A` to the stream; head `B` later reads that stream through `W_QK^B`
+# (its queries and keys) and `W_OV^B` (its values). So the part of `B` that
+# reads what `A` wrote is a product of the two heads' circuits, and how much
+# of the two matrices survives that product says how strongly they
+# **compose** (Elhage et al. 2021, "A Mathematical Framework for Transformer
+# Circuits"). With `||M||_F` the Frobenius norm and the row-vector
+# convention of this book (`x W`), the three composition scores are
+#
+# $$Q:\ \frac{\lVert W_{OV}^{A}\, W_{QK}^{B} \rVert_F}{\lVert W_{OV}^{A}\rVert_F\, \lVert W_{QK}^{B}\rVert_F}
+# \qquad K:\ \frac{\lVert W_{OV}^{A}\, {W_{QK}^{B}}^{\top} \rVert_F}{\lVert W_{OV}^{A}\rVert_F\, \lVert W_{QK}^{B}\rVert_F}
+# \qquad V:\ \frac{\lVert W_{OV}^{A}\, W_{OV}^{B} \rVert_F}{\lVert W_{OV}^{A}\rVert_F\, \lVert W_{OV}^{B}\rVert_F}$$
+#
+# * **Q-composition**: `A` writes into what `B` reads as its *query*. The
+#   score of `B` is `x_a W_QK x_b^T`, and `A`'s part of `x_a` is
+#   `y_a W_OV^A`: the product `W_OV^A W_QK^B` is what `B`'s queries see of
+#   `A`.
+# * **K-composition**: `A` writes into `B`'s *keys*: `A`'s part of `x_b`
+#   enters as `x_a W_QK (y_b W_OV^A)^T = x_a (W_QK {W_OV^A}^T) y_b^T`, a
+#   matrix with the Frobenius norm of `W_OV^A {W_QK^B}^T`. The classic case
+#   is an induction head, whose keys are built by a previous-token head.
+# * **V-composition**: `A` writes into `B`'s *values*: `B` moves on what `A`
+#   wrote, `W_OV^A W_OV^B`.
+#
+# Each score lies between 0 and 1, and is 1 only when the two matrices
+# line up completely. These are TransformerLens's `all_composition_scores`
+# (its `FactoredMatrix` keeps each circuit as two factors, as our `Factored`
+# does), here computed from the factors without building a
+# `d_model x d_model` matrix (section 1).
+#
+# **Which pairs can compose in an encoder-decoder.** TransformerLens scores
+# a decoder-only model's layers against later layers. An encoder-decoder has
+# two streams, and the interesting paths cross between them:
+#
+# | earlier head `A` | later head `B` | kinds |
+# | --- | --- | --- |
+# | encoder layer `l` | encoder layer `l' > l` | Q, K, V |
+# | encoder, any layer | cross-attention, any layer (its keys and values are the encoder's output) | K, V |
+# | decoder self or cross, layer `l` | decoder self-attention, layer `l' > l` | Q, K, V |
+# | decoder self, layer `l` | cross-attention, layer `l' >= l` (its queries) | Q |
+# | cross, layer `l` | cross-attention, layer `l' > l` (its queries) | Q |
+#
+# `composition_paths` lists them from the model's own order of sublayers
+# (`test_composition_pairs_are_the_encoder_decoders_paths`).
+#
+# **The LayerNorms on the way.** Between `A`'s write and `B`'s read lie the
+# LayerNorms of every sublayer in between (post-norm: `A`'s own and each one
+# after it; pre-norm: `B`'s own, or the encoder's final norm for the
+# cross-attention's keys). Each one subtracts the mean, multiplies by its gain
+# `gamma` and divides by a positive number per position; the division scales
+# the whole product and `A`'s part alike, so the ratio does not see it. The
+# centring and the gains do change the product, so the score here is that of
+# `A` *as it arrives*: `left = W_OV^A N` with `N` the norms' centring and
+# gains as one `d_model x d_model` matrix (`norms_between`), against `B`'s
+# circuit as it is. The feed-forward sublayers in between are left out: this
+# is the residual stream's direct route from `A` to `B` (Elhage et al.'s
+# "virtual weights"), not everything `A` affects. How much the gains matter
+# is measured: every pair is also scored with the gains left out (centring
+# only), and `make circuits` prints the largest change (a model whose
+# LayerNorms have been folded into the weights has gains of 1, and both
+# scores are then equal). `composition_score` itself takes the two factored
+# matrices, whatever produced them.
+#
+# **Against chance.** Two unrelated matrices still compose a little: two
+# random `r`-dimensional subspaces of `R^d` overlap, and the score of random
+# matrices is about `1 / sqrt(d_model)` (0.088 at `d_model = 128`). So
+# every score is set beside a **baseline**: the same two matrices with their
+# singular values kept (hence their shapes, ranks and norms) and their
+# singular vectors drawn at random (`random_baseline`: its mean and the
+# central 95% of 1,000 draws). A pair stands out when its score lies above
+# its baseline's interval.
+#
+# <!-- figure: circuit_composition -->
+
+# %%
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+from torch import Tensor, nn
+
+from annotated.attention.pictures import CMAP, LAYOUT, MASKED
+from annotated.circuits.circuits import Factored, HeadCircuit, circuits
+from annotated.sites import Site
+from annotated.transformer import EncoderDecoder
+
+SAMPLES = 1000  # random draws of the baseline
+SEED = 0  # the baseline's draws are the same on every run
+KINDS = ("Q", "K", "V")
+
+# %% [markdown]
+# ## 1. The Frobenius norm of a product, from its factors
+#
+# With `M = L R` (`L` is `m x r`, `R` is `r x n`),
+# `||M||_F^2 = trace(M^T M) = trace(R^T L^T L R) = trace((L^T L)(R R^T))`:
+# the sum of the entries of the two `r x r` Gram matrices multiplied entry
+# by entry. And the product of two factored matrices is factored again,
+# `(L_1 R_1)(L_2 R_2) = L_1 (R_1 L_2 R_2)`, with the inner size of the first.
+# So no score needs a `d_model x d_model` matrix, and all are computed in
+# float64 (`test_composition_score_is_the_materialised_ratio`).
+
+
+# %%
+def frobenius(f: Factored) -> float:
+    """||left @ right||_F from the r x r Gram matrices of the factors, in float64."""
+    L, R = f.left.double(), f.right.double()
+    return math.sqrt(max(float(((L.T @ L) * (R @ R.T)).sum()), 0.0))
+
+
+def product(a: Factored, b: Factored) -> Factored:
+    """a @ b, kept factored: L_a (R_a L_b R_b)."""
+    return Factored(a.left, (a.right @ b.left) @ b.right)
+
+
+def composition_score(left: Factored, right: Factored) -> float:
+    """Elhage et al.'s ratio ||left right||_F / (||left||_F ||right||_F), between 0 and 1."""
+    denominator = frobenius(left) * frobenius(right)
+    return frobenius(product(left, right)) / denominator if denominator > 0 else 0.0
+
+
+def reading(c: HeadCircuit, kind: str) -> Factored:
+    """What head c reads an earlier head's write through: its QK for Q, QK^T for K, its OV for V."""
+    if kind == "Q":
+        return c.QK  # W_Q W_K^T: the write enters on the query's side
+    if kind == "K":
+        return Factored(c.QK.right.T, c.QK.left.T)  # W_K W_Q^T: on the key's side
+    if kind == "V":
+        return c.OV
+    raise ValueError(f"composition kind must be one of {KINDS}, got {kind!r}")
+
+
+# %% [markdown]
+# ## 2. The random baseline
+#
+# Write the two matrices by their singular value decompositions,
+# `A = U_A S_A V_A^T` and `B = U_B S_B V_B^T`. Multiplying by matrices with
+# orthonormal columns keeps the Frobenius norm, so
+# `||A B||_F = ||S_A (V_A^T U_B) S_B||_F`: only the overlap
+# `M = V_A^T U_B` (`r_A x r_B`) of `A`'s input space with `B`'s output space
+# matters. With the singular vectors drawn at random, `M` is the top
+# `r_A x r_B` block of a random `d x r_B` matrix with orthonormal columns
+# (the QR decomposition of a Gaussian one). One set of draws serves every
+# pair of the same shape (`test_the_baseline_is_that_of_random_matrices`).
+
+
+# %%
+def random_overlaps(d: int, r_a: int, r_b: int, samples: int = SAMPLES, seed: int = SEED) -> Tensor:
+    """`samples` draws of V_A^T U_B for random orthonormal V_A (d, r_a), U_B (d, r_b): (samples, r_a, r_b)."""
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(samples, d, r_b, generator=g, dtype=torch.float64))  # (samples, d, r_b)
+    return Q[:, :r_a, :]  # (samples, r_a, r_b)
+
+
+def random_baseline(s_a: Tensor, s_b: Tensor, overlaps: Tensor) -> tuple[float, float, float]:
+    """(mean, 2.5%, 97.5%) of the score of matrices with singular values s_a, s_b and random singular vectors."""
+    s_a, s_b = s_a.double(), s_b.double()
+    scores = (s_a[:, None] * overlaps * s_b[None, :]).flatten(1).norm(dim=1) / (s_a.norm() * s_b.norm())
+    low, high = torch.quantile(scores, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return float(scores.mean()), low, high
+
+
+# %% [markdown]
+# ## 3. Which pairs compose, and the norms between them
+#
+# The encoder's stream passes each layer's `res_attn` and `res_ffn`
+# sublayers in turn; the decoder's passes `res_self`, `res_cross`, `res_ffn`.
+# A head writes into its stream at its own sublayer and reads it before its
+# own sublayer (queries, and for self-attention keys and values); a
+# cross-attention reads its keys and values at the encoder's end. `A` can
+# compose with `B` on a side when both lie on the same stream and `A`'s
+# sublayer comes first.
+
+# %%
+OWN = {"enc_self": "res_attn", "dec_self": "res_self", "cross": "res_cross"}  # the sublayer of each kind
+
+
+def _stream(model: EncoderDecoder, kind: str) -> list[tuple[int, str]]:
+    """The sublayers of the stream `kind` writes into, in order: (layer, residual name)."""
+    names = ("res_attn", "res_ffn") if kind == "enc_self" else ("res_self", "res_cross", "res_ffn")
+    return [(l, n) for l in range(model.config.N) for n in names]
+
+
+def _reads(model: EncoderDecoder, site: Site, side: str) -> tuple[str, int]:
+    """(the stream `site` reads on `side` ("q" or "kv"), how many of its sublayers come before the read)."""
+    kind, layer = site
+    if kind == "cross" and side == "kv":
+        return "enc", 2 * model.config.N  # the encoder's output: after all its sublayers
+    stream = "enc" if kind == "enc_self" else "dec"
+    return stream, _stream(model, kind).index((layer, OWN[kind]))
+
+
+def norms_between(model: EncoderDecoder, writer: Site, reader: Site, side: str) -> list[nn.LayerNorm] | None:
+    """The LayerNorms between `writer`'s output and `reader`'s input on `side`, in order; None when the writer's
+    output never reaches that input along the residual stream."""
+    kind, layer = writer
+    stream, read_at = _reads(model, reader, side)
+    if stream != ("enc" if kind == "enc_self" else "dec"):
+        return None
+    order = _stream(model, kind)
+    wrote_at = order.index((layer, OWN[kind]))
+    if wrote_at >= read_at:
+        return None
+    stack = model.encoder if stream == "enc" else model.decoder
+    residual = lambda i: getattr(stack.layers[order[i][0]], order[i][1])
+    if model.config.norm == "post":  # LayerNorm(x + sublayer(x)): the writer's own norm and every later one
+        return [residual(i).ln for i in range(wrote_at, read_at)]
+    if read_at < len(order):  # pre-norm: x + sublayer(LayerNorm(x)): only the reader's own norm
+        return [residual(read_at).ln]
+    final = stack.final_ln
+    assert isinstance(final, nn.LayerNorm)
+    return [final]  # pre-norm cross-attention keys: the encoder's final norm
+
+
+def norm_matrix(lns: list[nn.LayerNorm], d_model: int, gains: bool = True) -> Tensor:
+    """The norms' centring (and gains) as one (d_model, d_model) matrix acting on row vectors, float64."""
+    N = torch.eye(d_model, dtype=torch.float64)
+    for ln in lns:
+        N = N - N.mean(-1, keepdim=True)  # x - mean(x), for each row x
+        if gains and ln.weight is not None:
+            N = N * ln.weight.detach().double()
+    return N
+
+
+def composition_paths(model: EncoderDecoder) -> list[tuple[Site, Site, str]]:
+    """Every (writer site, reader site, kind) that can compose, writers in the order of `sites`."""
+    from annotated.sites import sites
+
+    out = []
+    for writer in sites(model):
+        for reader in sites(model):
+            for kind in KINDS:
+                if norms_between(model, writer, reader, "q" if kind == "Q" else "kv") is not None:
+                    out.append((writer, reader, kind))
+    return out
+
+
+# %% [markdown]
+# ## 4. Every pair of heads
+#
+# For each path and each pair of heads on it, `compositions` records the
+# score through the norms (centring and gains), the score with the gains
+# left out, and the baseline of the score. The pairs that **stand out** are
+# those above their baseline's interval, the most above first
+# (`standing_out`). The planted test builds a two-layer model whose second
+# encoder layer has one head whose keys read what a first-layer
+# previous-token head writes: that pair, and no other, stands out, with the
+# largest K-composition score of the model; every other pair scores at its
+# baseline (`test_a_planted_previous_token_head_is_found_by_k_composition`).
+
+
+# %%
+@dataclass(frozen=True)
+class Composition:
+    """One pair: earlier head `writer` and later head `reader` composing by `kind` (Q, K or V)."""
+
+    writer: tuple[str, int, int]  # (kind, layer, head)
+    reader: tuple[str, int, int]
+    kind: str
+    score: float  # through the norms between: centring and gains
+    without_gains: float  # through their centring only
+    baseline: tuple[float, float, float]  # mean, 2.5%, 97.5% of random matrices with the same singular values
+
+    @property
+    def above(self) -> float:
+        """The score over the baseline's mean: 1 is chance."""
+        return self.score / self.baseline[0]
+
+    @property
+    def stands_out(self) -> bool:
+        return self.score > self.baseline[2]
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "writer": list(self.writer),
+            "reader": list(self.reader),
+            "kind": self.kind,
+            "score": self.score,
+            "without_gains": self.without_gains,
+            "baseline": list(self.baseline),
+        }
+
+
+@torch.no_grad()
+def compositions(model: EncoderDecoder, samples: int = SAMPLES, seed: int = SEED) -> list[Composition]:
+    """Every pair of heads that can compose, with its three numbers; float64 throughout."""
+    heads = circuits(model)
+    d = model.config.d_model
+    overlaps: dict[tuple[int, int], Tensor] = {}
+    readings: dict[tuple[Site, int, str], tuple[Factored, Tensor]] = {}  # each reader's matrix and singular values
+    out = []
+    for writer, reader, kind in composition_paths(model):
+        lns = norms_between(model, writer, reader, "q" if kind == "Q" else "kv")
+        assert lns is not None
+        N, centring = norm_matrix(lns, d), norm_matrix(lns, d, gains=False)
+        for a in heads[writer]:
+            V, O = a.OV.left.double(), a.OV.right.double()
+            left, plain = Factored(V, O @ N), Factored(V, O @ centring)  # W_OV^A as it arrives at the reader
+            s_a = left.singular_values()
+            for b in heads[reader]:
+                if (reader, b.head, kind) not in readings:
+                    right = reading(b, kind)
+                    right = Factored(right.left.double(), right.right.double())
+                    readings[reader, b.head, kind] = right, right.singular_values()
+                right, s_b = readings[reader, b.head, kind]
+                shape = (s_a.numel(), s_b.numel())
+                if shape not in overlaps:
+                    overlaps[shape] = random_overlaps(d, *shape, samples=samples, seed=seed)
+                out.append(
+                    Composition(
+                        writer=(*writer, a.head),
+                        reader=(*reader, b.head),
+                        kind=kind,
+                        score=composition_score(left, right),
+                        without_gains=composition_score(plain, right),
+                        baseline=random_baseline(s_a, s_b, overlaps[shape]),
+                    )
+                )
+    return out
+
+
+def standing_out(pairs: list[Composition], n: int | None = None) -> list[Composition]:
+    """The pairs above their baseline's interval, the highest score over baseline first (the first n)."""
+    found = sorted((p for p in pairs if p.stands_out), key=lambda p: -p.above)
+    return found if n is None else found[:n]
+
+
+def head_name(head: tuple[str, int, int] | list) -> str:
+    """'cross 1.2': kind, layer.head, as the table of `make circuits` names heads.
+
+    >>> head_name(("enc_self", 0, 3))
+    'enc_self 0.3'
+    """
+    return f"{head[0]} {head[1]}.{head[2]}"
+
+
+def reads_through(pairs: list[Composition], reader: tuple[str, int, int], n: int = 3) -> dict[str, list]:
+    """For one reader head, its n best-composing writers of each kind: {kind: [[writer, score, over baseline]]}."""
+    out: dict[str, list] = {}
+    for kind in KINDS:
+        mine = sorted((p for p in pairs if p.reader == tuple(reader) and p.kind == kind), key=lambda p: -p.above)
+        if mine:
+            out[kind] = [[list(p.writer), p.score, p.above] for p in mine[:n]]
+    return out
+
+
+def composition_record(pairs: list[Composition], shown: int = 12) -> dict[str, Any]:
+    """The JSON of `make circuits`: every pair, the ones that stand out, and what the gains change."""
+    changes = [abs(p.score - p.without_gains) for p in pairs]
+    return {
+        "samples": SAMPLES,
+        "pairs": [p.record() for p in pairs],
+        "standing_out": [p.record() for p in standing_out(pairs, shown)],
+        "stand_out_count": len(standing_out(pairs)),
+        "largest_gain_change": max(changes) if changes else 0.0,
+    }
+
+
+def format_composition(record: dict[str, Any]) -> str:
+    """The table of the pairs that stand out, for stdout."""
+    lines = [
+        f"composition: {record['stand_out_count']} of {len(record['pairs'])} pairs above their random baseline's "
+        f"95% interval; the norms' gains move a score by at most {record['largest_gain_change']:.3f}",
+        f"{'writer':<14} {'reader':<14} {'kind':>4} {'score':>6} {'baseline [95%]':>22} {'x chance':>8}",
+    ]
+    for p in record["standing_out"]:
+        mean, low, high = p["baseline"]
+        lines.append(
+            f"{head_name(p['writer']):<14} {head_name(p['reader']):<14} {p['kind']:>4} {p['score']:>6.3f} "
+            f"{mean:>7.3f} [{low:.3f}, {high:.3f}] {p['score'] / mean:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+# %% [markdown]
+# ## 5. The picture
+#
+# `circuits_composition.png`: one panel per kind (Q, K, V), earlier heads
+# down, later heads across, grouped by attention (`enc_self 0`, ...), in the
+# project's one colour map (`CMAP`) on one range for all three panels: the
+# score over its baseline's mean (1 is chance). Pairs that cannot compose
+# that way are grey; a white dot marks a pair above its baseline's interval.
+
+
+# %%
+def composition_figure(record: dict[str, Any]) -> Figure:
+    pairs = record["pairs"]
+    order = lambda h: (h[0] != "enc_self", h[1], h[0] == "cross", h[2])  # encoder, then each decoder layer's two
+    writers = sorted({tuple(p["writer"]) for p in pairs}, key=order)
+    readers = sorted({tuple(p["reader"]) for p in pairs}, key=order)
+    top = max([p["score"] / p["baseline"][0] for p in pairs] + [1.0])
+    fig = Figure(figsize=(4.2 * len(KINDS) + 1.2, 0.22 * len(writers) + 2.4), dpi=90, layout=LAYOUT)
+    axes = fig.subplots(1, len(KINDS), squeeze=False)[0]
+    colours = matplotlib.colormaps[CMAP].with_extremes(bad=MASKED)
+    im = None
+    for ax, kind in zip(axes, KINDS):
+        grid = np.full((len(writers), len(readers)), np.nan)
+        marks = []
+        for p in (p for p in pairs if p["kind"] == kind):
+            r, c = writers.index(tuple(p["writer"])), readers.index(tuple(p["reader"]))
+            grid[r, c] = p["score"] / p["baseline"][0]
+            if p["score"] > p["baseline"][2]:
+                marks.append((c, r))
+        im = ax.imshow(grid, cmap=colours, vmin=0.0, vmax=top, interpolation="nearest", aspect="auto")
+        if marks:
+            ax.scatter(*zip(*marks), s=6, color="white")
+        ax.set_title(f"{kind}-composition", fontsize=9)
+        ax.set_yticks(range(len(writers)), [head_name(h) for h in writers], fontsize=6)
+        ax.set_xticks(range(len(readers)), [head_name(h) for h in readers], fontsize=6, rotation=90)
+        ax.set_xlabel("later head (reads)", fontsize=8)
+    axes[0].set_ylabel("earlier head (writes)", fontsize=8)
+    if im is not None:
+        fig.colorbar(im, ax=axes, shrink=0.8, label="score / random baseline's mean (1: chance)")
+    fig.suptitle("How strongly each pair of heads composes (white dot: above the baseline's 95% interval)", fontsize=10)
+    return fig

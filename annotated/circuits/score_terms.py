@@ -1,0 +1,429 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Where each score comes from, and what the attention does
+#
+# The direct path (`annotated/circuits/direct.py`) reads a head from its
+# weights and the embeddings alone. This page asks the converse question of
+# the head's *real* scores on real sentences: how much of each score comes
+# from the tokens, how much from the positions, and how much from what the
+# sublayers before the head wrote. And it measures, on the same sentences,
+# what the head's attention does (where its argmax falls), so that every
+# role the book gives a head is a measured share, not a reading of the
+# weights.
+#
+# **The residual stream in four parts.** With dropout off, every vector a
+# head reads is, exactly, a sum of four parts:
+#
+# * **token**: the token's embedding (`E[t] sqrt(d_model)`);
+# * **position**: its sinusoid `PE[pos]`;
+# * **norm bias**: the LayerNorms' biases `beta`;
+# * **written**: everything the sublayers before wrote (attentions and
+#   feed-forward networks, their biases included).
+#
+# The parts start as token, position and zero; a sublayer adds its output to
+# *written*; a LayerNorm, `gamma (z - mean(z)) / sigma(z) + beta`, is affine
+# once its divisor `sigma(z) = sqrt(var(z) + eps)` is fixed, and we fix it
+# at the value of the real forward pass, one number per position. So each
+# part goes through the norm's centring, gain and that position's divisor,
+# and `beta` joins *norm bias*. The parts sum to the real input at every
+# sublayer (post-norm or pre-norm), and nothing is approximated.
+#
+# **The score in six terms.** Head `i`'s query is `q_a = x_a W_Q + b_Q` and
+# its key `k_b = x_b W_K + b_K`. Splitting `x_a` and `x_b` into their parts
+# (and counting `b_Q`, `b_K` as a fifth part on each side, the head's own
+# bias) turns the score `q_a k_b^T / sqrt(d_k)` into 25 products, grouped
+# into six terms:
+#
+# | term | the products |
+# | --- | --- |
+# | token x token | the query's token part with the key's token part |
+# | position x position | position with position |
+# | token x position | the query's token with the key's position |
+# | position x token | the query's position with the key's token |
+# | bias | every product with a bias (the norms' or the head's) on one side and no written part |
+# | written | every product with a written part on either side |
+#
+# The six terms add up to the model's own pre-softmax scores, within
+# 1e-12 in float64, for every head of both forms
+# (`test_score_terms_sum_to_the_real_scores`). In the first layer's
+# self-attentions of a post-norm model nothing has been written yet, and the
+# first four terms are the four tables of the direct path.
+#
+# **A term's share of the score.** The softmax sees each query's scores up
+# to a constant, so what matters is how a term makes the scores of one
+# query *differ* across its keys. Centre every term over each query's
+# allowed keys; the centred total `s` is the sum of the centred terms `t_k`,
+# and its variance splits exactly:
+#
+# $$\sum s^2 = \sum_k \sum t_k\, s, \qquad \text{share}_k = \frac{\sum t_k s}{\sum s^2}$$
+#
+# (sums over a sentence's queries and allowed keys). The shares add up to 1;
+# a share can be negative, when a term pulls against the total; a term
+# that is the same for every key of a query (the query's bias with the
+# key's bias, say) has share 0. Each share is computed per sentence, then
+# averaged over sentences with a 95% bootstrap interval
+# (`mean_interval`), as the faithfulness figures are.
+#
+# **What the attention does.** For every query with a choice of keys,
+# where its argmax falls (read from the real scores, whose argmax is the
+# attention's): on the **first** key (the first source piece, or the
+# decoder's `<s>`), on the query's own position (**self**), on the one
+# before (**previous**), on the **last** key (a source sentence's final
+# piece, usually its full stop), and for a cross-attention head, on a piece
+# of the source word the aligner links to the target word being predicted
+# (**aligned**, on the test sentences, where the aligner's links are). A
+# head's measured **role** is the one that takes at least half its queries,
+# else `mixed` (`test_roles_are_read_from_the_real_attention`).
+
+# %%
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from annotated.attention.bootstrap import RESAMPLES, SEED, mean_interval
+from annotated.circuits.circuits import HeadCircuit, circuits
+from annotated.circuits.metrics import piece_words
+from annotated.sites import Site, attention_at, sites
+from annotated.transformer import EncoderDecoder, Residual, padding_mask, target_mask
+
+PARTS = ("token", "position", "norm_bias", "written")  # the residual stream, exactly
+TERMS = ("token x token", "position x position", "token x position", "position x token", "bias", "written")
+ROLES = ("first", "self", "previous", "last", "aligned")
+ROLE_SHARE = 0.5  # a role names a head when it takes at least this share of the queries
+
+# %% [markdown]
+# ## 1. The stream's parts at every attention
+#
+# `stream_parts` runs the model once (dropout off) with forward hooks on
+# every `Residual` sublayer and its LayerNorm: from the residual's input
+# `x`, its output, and the norm's input `z`, the sublayer's output is
+# `z - x` (post-norm, `LayerNorm(x + sublayer(x))`) or `output - x`
+# (pre-norm). The parts are then carried along each stream in the model's
+# own order, and the parts each attention reads are kept: the stream before
+# it (post-norm) or its norm's output (pre-norm) for its queries, and for
+# cross-attention keys the encoder's output.
+
+# %%
+Parts = dict[str, Tensor]  # part name -> (B, T, d_model)
+
+
+def _through_norm(parts: Parts, ln: nn.Module, z: Tensor) -> Parts:
+    """The parts of LayerNorm(z) when `parts` sum to z: each centred, scaled by gamma / sigma(z), beta added."""
+    if not isinstance(ln, nn.LayerNorm):  # the post-norm stacks' final_ln is the identity
+        return parts
+    sigma = (z.var(-1, unbiased=False, keepdim=True) + ln.eps).sqrt()  # (B, T, 1): the real pass's divisor
+    gamma = ln.weight if ln.weight is not None else torch.ones_like(z[0, 0])
+    out = {name: (v - v.mean(-1, keepdim=True)) / sigma * gamma for name, v in parts.items()}
+    if ln.bias is not None:
+        out["norm_bias"] = out["norm_bias"] + ln.bias
+    return out
+
+
+@torch.no_grad()
+def stream_parts(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int) -> dict[Site, tuple[Parts, Parts]]:
+    """For every attention site: (the parts of its queries' input, of its keys' input), each (B, T, d_model)."""
+    pre = model.config.norm == "pre"
+    seen: dict[int, dict[str, Tensor]] = {}
+
+    def watch(module: nn.Module, what: str):
+        def hook(mod, args, output) -> None:
+            seen.setdefault(id(module), {})[what] = args[0]
+            seen[id(module)][what + "_out"] = output
+
+        return hook
+
+    residuals = [
+        (stack, l, name)
+        for stack, names in (("enc", ("res_attn", "res_ffn")), ("dec", ("res_self", "res_cross", "res_ffn")))
+        for l in range(model.config.N)
+        for name in names
+    ]
+    stacks: dict[str, Any] = {"enc": model.encoder, "dec": model.decoder}
+    modules: list[Residual] = [getattr(stacks[s].layers[l], n) for s, l, n in residuals]
+    handles = [m.register_forward_hook(watch(m, "x")) for m in modules]
+    handles += [m.ln.register_forward_hook(watch(m, "z")) for m in modules]
+    finals: list[nn.Module] = [stacks[s].final_ln for s in ("enc", "dec")]
+    handles += [f.register_forward_hook(watch(f, "z")) for f in finals]
+    try:
+        src_mask = padding_mask(src, pad)
+        model.decode(model.encode(src, src_mask), src_mask, tgt, target_mask(tgt, pad))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def start(embed: nn.Module, ids: Tensor) -> Parts:
+        token = embed(ids)  # (B, T, d_model)
+        position = model.pos.pe[: ids.size(1)].to(token.dtype).expand_as(token)
+        return {
+            "token": token,
+            "position": position,
+            "norm_bias": torch.zeros_like(token),
+            "written": torch.zeros_like(token),
+        }
+
+    reads = {"res_attn": "enc_self", "res_self": "dec_self", "res_cross": "cross"}
+    queries: dict[Site, Parts] = {}
+    streams = {"enc": start(model.src_embed, src), "dec": start(model.tgt_embed, tgt)}
+    memory: Parts = {}
+    for (stack, l, name), module in zip(residuals, modules):
+        if stack == "dec" and not memory:  # the encoder is done: its output is every cross-attention's keys
+            final = seen.get(id(model.encoder.final_ln))
+            memory = _through_norm(streams["enc"], model.encoder.final_ln, final["z"]) if final else streams["enc"]
+        parts, record = streams[stack], seen[id(module)]
+        if name in reads:  # what this sublayer's attention reads
+            queries[(reads[name], l)] = _through_norm(parts, module.ln, record["z"]) if pre else parts
+        if pre:  # x + sublayer(LayerNorm(x))
+            parts = {**parts, "written": parts["written"] + (record["x_out"] - record["x"])}
+        else:  # LayerNorm(x + sublayer(x))
+            z = record["z"]
+            parts = _through_norm({**parts, "written": parts["written"] + (z - record["x"])}, module.ln, z)
+        streams[stack] = parts
+    return {site: (queries[site], memory if site[0] == "cross" else queries[site]) for site in sites(model)}
+
+
+# %% [markdown]
+# ## 2. One head's score in six terms
+#
+# Each part is projected once per side (`x W_Q`, `x W_K`, `(B, T, d_k)`),
+# the head's biases join as a fifth part, and the 25 products are summed
+# into the six terms of the table above, scaled by `1 / sqrt(d_k)`.
+
+# %%
+SIDE_PARTS = (*PARTS, "head_bias")
+
+
+def term_of(q_part: str, k_part: str) -> str:
+    """Which of the six terms the product of a query part and a key part belongs to.
+
+    >>> term_of("token", "position"), term_of("head_bias", "token"), term_of("norm_bias", "written")
+    ('token x position', 'bias', 'written')
+    """
+    if "written" in (q_part, k_part):
+        return "written"
+    if q_part in ("token", "position") and k_part in ("token", "position"):
+        return f"{q_part} x {k_part}"
+    return "bias"
+
+
+def score_terms(c: HeadCircuit, W: dict[str, Tensor | None], q_parts: Parts, k_parts: Parts) -> dict[str, Tensor]:
+    """The six terms (B, T_q, T_k) of head c's scores; `W` holds its W_Q, W_K, b_Q, b_K (`head_matrices`)."""
+    W_Q, W_K, b_Q, b_K = W["W_Q"], W["W_K"], W["b_Q"], W["b_K"]
+    assert W_Q is not None and W_K is not None
+    q = {name: v @ W_Q for name, v in q_parts.items()}  # (B, T_q, d_k) per part
+    k = {name: v @ W_K for name, v in k_parts.items()}  # (B, T_k, d_k) per part
+    if b_Q is not None and b_K is not None:
+        q["head_bias"] = b_Q.expand_as(q["token"])
+        k["head_bias"] = b_K.expand_as(k["token"])
+    terms = {name: torch.zeros(()) for name in TERMS}
+    for qn, qv in q.items():
+        for kn, kv in k.items():
+            terms[term_of(qn, kn)] = terms[term_of(qn, kn)] + qv @ kv.transpose(-1, -2)  # (B, T_q, T_k)
+    return {name: t * c.scale for name, t in terms.items()}
+
+
+# %% [markdown]
+# ## 3. Shares of the score, and what the attention does, per sentence
+
+
+# %%
+def allowed_keys(kind: str, src: Tensor, tgt: Tensor, pad: int) -> Tensor:
+    """(B, T_q, T_k): True where a real query may see a key (padding and the decoder's future excluded)."""
+    q = src if kind == "enc_self" else tgt
+    mask = target_mask(tgt, pad) if kind == "dec_self" else padding_mask(src, pad)
+    T_k = tgt.size(1) if kind == "dec_self" else src.size(1)
+    return mask.expand(q.size(0), q.size(1), T_k) & (q != pad).unsqueeze(-1)
+
+
+def variance_shares(terms: dict[str, Tensor], allowed: Tensor) -> dict[str, Tensor]:
+    """Per sentence (B,): each term's share sum(t_k s) / sum(s^2) of the scores centred over allowed keys."""
+    n = allowed.sum(-1, keepdim=True).clamp(min=1)  # (B, T_q, 1)
+    centred = {
+        name: (t - (t * allowed).sum(-1, keepdim=True) / n) * allowed for name, t in terms.items()
+    }  # (B, T_q, T_k), 0 where not allowed
+    total = sum(centred.values())
+    assert isinstance(total, Tensor)
+    energy = (total * total).sum((-1, -2)).clamp(min=1e-300)  # (B,)
+    return {name: (t * total).sum((-1, -2)) / energy for name, t in centred.items()}
+
+
+def argmax_roles(scores: Tensor, allowed: Tensor, kind: str) -> dict[str, Tensor]:
+    """Per sentence (B,): the share of queries whose argmax key is the first, the query itself, the previous
+    position, the last allowed key. Queries counted: those with two keys or more (and for self-attention not the
+    first position, so every role is possible for each); NaN for a role the kind cannot have."""
+    B, T_q, _ = scores.shape  # (B, T_q, T_k)
+    best = scores.masked_fill(~allowed, float("-inf")).argmax(-1)  # (B, T_q)
+    a = torch.arange(T_q).expand(B, T_q)
+    counted = allowed.sum(-1) >= 2
+    if kind != "cross":
+        counted = counted & (a >= 1)
+    last = (allowed.cumsum(-1) == allowed.sum(-1, keepdim=True)).to(torch.int64).argmax(-1)  # (B, T_q)
+    hits = {"first": best == 0, "self": best == a, "previous": best == a - 1, "last": best == last}
+    if kind == "cross":  # query and key positions lie in two sentences
+        hits.pop("self"), hits.pop("previous")
+    if kind == "dec_self":  # a decoder query's last key is itself
+        hits.pop("last")
+    n = counted.sum(-1).clamp(min=1).to(torch.float64)
+    out = {role: (hit & counted).sum(-1) / n for role, hit in hits.items()}
+    return {role: out.get(role, torch.full((B,), float("nan"), dtype=torch.float64)) for role in ROLES[:4]}
+
+
+@dataclass
+class HeadReading:
+    """Per sentence, for one head: each term's share of the score variance, and where the argmax falls."""
+
+    shares: dict[str, list[float]]
+    roles: dict[str, list[float]]
+
+
+@torch.no_grad()
+def read_scores(
+    model: EncoderDecoder, batches: Iterable[tuple[Tensor, Tensor]], pad: int
+) -> dict[tuple[Site, int], HeadReading]:
+    """Every head's per-sentence shares and roles over (src (B, S), tgt (B, T): the decoder's input) batches.
+
+    Computed in float64 on a float64 copy of `model` (the split is then exact to rounding)."""
+    model64 = _double(model)
+    heads = circuits(model64)
+    from annotated.circuits.circuits import head_matrices
+
+    matrices = {(s, c.head): head_matrices(attention_at(model64, *s), c.head) for s, cs in heads.items() for c in cs}
+    out: dict[tuple[Site, int], HeadReading] = {}
+    for src, tgt in batches:
+        parts = stream_parts(model64, src, tgt, pad)
+        for site, cs in heads.items():
+            allowed = allowed_keys(site[0], src, tgt, pad)
+            real = sentences_with_queries(allowed)
+            for c in cs:
+                terms = score_terms(c, matrices[site, c.head], *parts[site])
+                shares = variance_shares(terms, allowed)
+                roles = argmax_roles(sum(terms.values()), allowed, site[0])  # type: ignore[arg-type]
+                reading = out.setdefault((site, c.head), HeadReading({t: [] for t in TERMS}, {r: [] for r in ROLES}))
+                for name, v in shares.items():
+                    reading.shares[name] += v[real].tolist()
+                for name, v in roles.items():
+                    reading.roles[name] += v[real].tolist()
+    return out
+
+
+def sentences_with_queries(allowed: Tensor) -> Tensor:
+    """(B,): the sentences with at least one query that has a choice of keys."""
+    return (allowed.sum(-1) >= 2).any(-1)
+
+
+def _double(model: EncoderDecoder) -> EncoderDecoder:
+    import copy
+
+    return copy.deepcopy(model).double().eval()
+
+
+# %% [markdown]
+# ## 4. On the aligned word: cross-attention on the aligner's test pairs
+#
+# A target word is read at the step that *predicts* its first piece (whose
+# input is the piece before), as the alignment error rate reads it
+# (`annotated/circuits/metrics.py`); its aligned source words are the
+# aligner's links. A head's share is, per sentence, the fraction of the
+# linked target words whose row puts its argmax on a piece of one of them.
+
+
+# %%
+def aligned_share(best: Sequence[int], src_pieces: Sequence[str], y_pieces: Sequence[str], links) -> float | None:
+    """For one pair: the share of the aligner-linked target words whose predicting row's argmax (`best[row]`, a
+    source position) lies on a piece of a source word linked to them; None when no target word is linked.
+    `y_pieces` are y_1 .. y_n: row p reads y_p (row 0 reads <s>) and predicts y_{p+1}, piece p of `y_pieces`.
+
+    >>> src, y = ["▁ein", "▁Hund", "▁."], ["▁a", "▁d", "og"]
+    >>> aligned_share([0, 1, 2], src, y, {(0, 0), (1, 1)}), aligned_share([0, 2, 1], src, y, {(0, 0), (1, 1)})
+    (1.0, 0.5)
+    """
+    src_word, _ = piece_words(src_pieces)
+    tgt_word, texts = piece_words(y_pieces)
+    rows: dict[int, int] = {}  # target word -> the row that predicts its first piece
+    for p, j in enumerate(tgt_word):
+        if j is not None and texts[j] and j not in rows:
+            rows[j] = p
+    linked = {j: {i for i, jj in links if jj == j} for j in rows}
+    linked = {j: words for j, words in linked.items() if words}
+    if not linked:
+        return None
+    return sum(src_word[best[rows[j]]] in words for j, words in linked.items()) / len(linked)
+
+
+@torch.no_grad()
+def aligned_shares(
+    model: EncoderDecoder,
+    pieces: Callable[[Sequence[int]], list[str]],
+    batches: Iterable[tuple[Tensor, Tensor]],
+    links: Sequence[set[tuple[int, int]]],
+    pad: int,
+) -> dict[tuple[Site, int], list[float]]:
+    """Per cross head, per test sentence with linked words: its `aligned_share`. `batches` hold (src, BOS +
+    target + EOS), `links` the aligner's links of each pair, in batch order."""
+    from annotated.circuits.circuits import attention_inputs
+
+    out: dict[tuple[Site, int], list[float]] = {}
+    heads = [c for s, cs in circuits(model).items() if s[0] == "cross" for c in cs]
+    n = 0
+    for src, tgt in batches:
+        inputs = attention_inputs(model, src, tgt[:, :-1], pad)
+        never = ~padding_mask(src, pad)  # (B, 1, S)
+        best = {c: c.matching(*inputs[c.site]).masked_fill(never, float("-inf")).argmax(-1) for c in heads}  # (B, T)
+        for b in range(src.size(0)):
+            src_pieces = pieces([i for i in src[b].tolist() if i != pad])
+            y_pieces = pieces([i for i in tgt[b, 1:].tolist() if i != pad][:-1])  # y_1 .. y_n, EOS dropped
+            for c in heads:
+                share = aligned_share(best[c][b].tolist(), src_pieces, y_pieces, links[n])
+                if share is not None:
+                    out.setdefault((c.site, c.head), []).append(share)
+            n += 1
+    return out
+
+
+# %% [markdown]
+# ## 5. The record of `make circuits`
+
+
+# %%
+def role_label(shares: dict[str, float], share: float = ROLE_SHARE) -> str:
+    """The measured role that takes at least `share` of the queries (the largest), else 'mixed'.
+
+    >>> role_label({"first": 0.7, "self": 0.1, "previous": float("nan")}), role_label({"first": 0.3, "last": 0.4})
+    ('first', 'mixed')
+    """
+    found = {r: v for r, v in shares.items() if v == v and v >= share}
+    return max(found, key=lambda r: found[r]) if found else "mixed"
+
+
+def reading_records(
+    readings: dict[tuple[Site, int], HeadReading],
+    aligned: dict[tuple[Site, int], list[float]] | None = None,
+    resamples: int = RESAMPLES,
+    seed: int = SEED,
+) -> dict[tuple[Site, int], dict]:
+    """Per head, JSON-ready: {"score_terms": {term: [mean, low, high]}, "roles": {role: [...], "label": ...}}."""
+    interval = lambda v: (lambda c: [c.value, c.low, c.high])(mean_interval(np.array(v), resamples, seed))
+    out = {}
+    for key, r in readings.items():
+        roles = {name: interval(v) for name, v in r.roles.items() if v and not np.isnan(v).any()}
+        if aligned is not None and aligned.get(key):
+            roles["aligned"] = interval(aligned[key])
+        out[key] = {
+            "score_terms": {name: interval(v) for name, v in r.shares.items()},
+            "roles": {**roles, "label": role_label({name: v[0] for name, v in roles.items()})},
+        }
+    return out
