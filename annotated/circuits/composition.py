@@ -173,10 +173,24 @@ def random_overlaps(d: int, r_a: int, r_b: int, samples: int = SAMPLES, seed: in
 
 def random_baseline(s_a: Tensor, s_b: Tensor, overlaps: Tensor) -> tuple[float, float, float]:
     """(mean, 2.5%, 97.5%) of the score of matrices with singular values s_a, s_b and random singular vectors."""
-    s_a, s_b = s_a.double(), s_b.double()
-    scores = (s_a[:, None] * overlaps * s_b[None, :]).flatten(1).norm(dim=1) / (s_a.norm() * s_b.norm())
-    low, high = torch.quantile(scores, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return float(scores.mean()), low, high
+    return random_baselines(s_a[None], s_b[None], overlaps)[0]
+
+
+def random_baselines(s_a: Tensor, s_b: Tensor, overlaps: Tensor, chunk: int = 64) -> list[tuple[float, float, float]]:
+    """`random_baseline` of many pairs at once: s_a (P, r_a), s_b (P, r_b), one shared set of overlaps.
+
+    `||S_A M S_B||_F^2 = sum_ij s_i^2 M_ij^2 t_j^2`, so the squared overlaps (N, r_a, r_b) times the squared
+    singular values is one matrix product for all the pairs of a chunk."""
+    N, r_a, r_b = overlaps.shape
+    M2 = (overlaps * overlaps).reshape(N * r_a, r_b)  # (N r_a, r_b)
+    out = []
+    for start in range(0, s_a.size(0), chunk):
+        a2, b2 = s_a[start : start + chunk].double() ** 2, s_b[start : start + chunk].double() ** 2  # (P, r)
+        squared = ((M2 @ b2.T).reshape(N, r_a, -1) * a2.T).sum(1)  # (N, P)
+        scores = squared.sqrt() / (a2.sum(1) * b2.sum(1)).sqrt()  # (N, P)
+        q = torch.quantile(scores, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=0)  # (2, P)
+        out += list(zip(scores.mean(0).tolist(), q[0].tolist(), q[1].tolist()))
+    return out
 
 
 # %% [markdown]
@@ -305,9 +319,8 @@ def compositions(model: EncoderDecoder, samples: int = SAMPLES, seed: int = SEED
     """Every pair of heads that can compose, with its three numbers; float64 throughout."""
     heads = circuits(model)
     d = model.config.d_model
-    overlaps: dict[tuple[int, int], Tensor] = {}
     readings: dict[tuple[Site, int, str], tuple[Factored, Tensor]] = {}  # each reader's matrix and singular values
-    out = []
+    found: list[tuple[tuple, tuple, str, float, float, Tensor, Tensor]] = []
     for writer, reader, kind in composition_paths(model):
         lns = norms_between(model, writer, reader, "q" if kind == "Q" else "kv")
         assert lns is not None
@@ -322,20 +335,19 @@ def compositions(model: EncoderDecoder, samples: int = SAMPLES, seed: int = SEED
                     right = Factored(right.left.double(), right.right.double())
                     readings[reader, b.head, kind] = right, right.singular_values()
                 right, s_b = readings[reader, b.head, kind]
-                shape = (s_a.numel(), s_b.numel())
-                if shape not in overlaps:
-                    overlaps[shape] = random_overlaps(d, *shape, samples=samples, seed=seed)
-                out.append(
-                    Composition(
-                        writer=(*writer, a.head),
-                        reader=(*reader, b.head),
-                        kind=kind,
-                        score=composition_score(left, right),
-                        without_gains=composition_score(plain, right),
-                        baseline=random_baseline(s_a, s_b, overlaps[shape]),
-                    )
-                )
-    return out
+                score, without = composition_score(left, right), composition_score(plain, right)
+                found.append(((*writer, a.head), (*reader, b.head), kind, score, without, s_a, s_b))
+    baselines: dict[int, tuple[float, float, float]] = {}
+    shapes = sorted({(f[5].numel(), f[6].numel()) for f in found})
+    for shape in shapes:  # one set of random overlaps per shape, every pair of that shape at once
+        index = [i for i, f in enumerate(found) if (f[5].numel(), f[6].numel()) == shape]
+        s_a, s_b = torch.stack([found[i][5] for i in index]), torch.stack([found[i][6] for i in index])
+        overlaps = random_overlaps(d, *shape, samples=samples, seed=seed)
+        baselines.update(zip(index, random_baselines(s_a, s_b, overlaps)))
+    return [
+        Composition(writer=w, reader=r, kind=k, score=sc, without_gains=wg, baseline=baselines[i])
+        for i, (w, r, k, sc, wg, _, _) in enumerate(found)
+    ]
 
 
 def standing_out(pairs: list[Composition], n: int | None = None) -> list[Composition]:
@@ -353,13 +365,18 @@ def head_name(head: tuple[str, int, int] | list) -> str:
     return f"{head[0]} {head[1]}.{head[2]}"
 
 
-def reads_through(pairs: list[Composition], reader: tuple[str, int, int], n: int = 3) -> dict[str, list]:
-    """For one reader head, its n best-composing writers of each kind: {kind: [[writer, score, over baseline]]}."""
+def reads_through(pairs: list[dict[str, Any]], reader: list | tuple, n: int = 3) -> dict[str, list]:
+    """For one reader head, its n best-composing writers of each kind from the records of `composition_record`:
+    {kind: [[writer, score, score over the baseline's mean, above its interval]]}, the most above chance first."""
     out: dict[str, list] = {}
     for kind in KINDS:
-        mine = sorted((p for p in pairs if p.reader == tuple(reader) and p.kind == kind), key=lambda p: -p.above)
+        mine = [p for p in pairs if p["reader"] == list(reader) and p["kind"] == kind]
+        mine.sort(key=lambda p: -p["score"] / p["baseline"][0])
         if mine:
-            out[kind] = [[list(p.writer), p.score, p.above] for p in mine[:n]]
+            out[kind] = [
+                [p["writer"], p["score"], p["score"] / p["baseline"][0], p["score"] > p["baseline"][2]]
+                for p in mine[:n]
+            ]
     return out
 
 

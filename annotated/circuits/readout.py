@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from annotated.circuits.circuits import HeadCircuit, circuits
+from annotated.circuits.composition import composition_record, compositions
 from annotated.circuits.dictionary import (
     attention_links,
     dictionary_precision,
@@ -59,6 +60,7 @@ from annotated.circuits.direct import (
 )
 from annotated.circuits.faithfulness import faithfulness
 from annotated.circuits.metrics import aer, unmatchable
+from annotated.circuits.score_terms import aligned_shares, read_scores, reading_records
 from annotated.plumbing.progress import tracked
 from annotated.sites import Site
 from annotated.tokens import PAD
@@ -203,7 +205,15 @@ def read_model(model: EncoderDecoder, inputs: Inputs) -> dict[str, Any]:
         links = attention_links(model, inputs.pieces, bar(inputs.test_batches, "alignments"), cross)
         for key, predicted in links.items():
             records[key]["aer"] = aer(predicted, inputs.test_links)
-    return {"heads": list(records.values())}
+    readings = read_scores(model, bar(val, "score terms"), PAD)
+    aligned = None
+    if inputs.test_links is not None:
+        aligned = aligned_shares(
+            model, inputs.pieces, bar(inputs.test_batches, "aligned words"), inputs.test_links, PAD
+        )
+    for key, reading in reading_records(readings, aligned).items():
+        records[key].update(reading)
+    return {"heads": list(records.values()), "composition": composition_record(compositions(model))}
 
 
 # %% [markdown]

@@ -39,9 +39,9 @@
 #
 # **The score in six terms.** Head `i`'s query is `q_a = x_a W_Q + b_Q` and
 # its key `k_b = x_b W_K + b_K`. Splitting `x_a` and `x_b` into their parts
-# (and counting `b_Q`, `b_K` as a fifth part on each side, the head's own
-# bias) turns the score `q_a k_b^T / sqrt(d_k)` into 25 products, grouped
-# into six terms:
+# (with the head's own biases `b_Q`, `b_K` counted with the norms' biases)
+# turns the score `q_a k_b^T / sqrt(d_k)` into a sum of products of parts,
+# grouped into six terms:
 #
 # | term | the products |
 # | --- | --- |
@@ -71,7 +71,8 @@
 # that is the same for every key of a query (the query's bias with the
 # key's bias, say) has share 0. Each share is computed per sentence, then
 # averaged over sentences with a 95% bootstrap interval
-# (`mean_interval`), as the faithfulness figures are.
+# (`mean_interval`'s, `test_the_record_has_every_term_and_its_interval`), as
+# the faithfulness figures are.
 #
 # **What the attention does.** For every query with a choice of keys,
 # where its argmax falls (read from the real scores, whose argmax is the
@@ -95,7 +96,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from annotated.attention.bootstrap import RESAMPLES, SEED, mean_interval
+from annotated.attention.bootstrap import CONFIDENCE, RESAMPLES, SEED, resample_counts
 from annotated.circuits.circuits import HeadCircuit, circuits
 from annotated.circuits.metrics import piece_words
 from annotated.sites import Site, attention_at, sites
@@ -199,40 +200,42 @@ def stream_parts(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int) -> d
 # %% [markdown]
 # ## 2. One head's score in six terms
 #
-# Each part is projected once per side (`x W_Q`, `x W_K`, `(B, T, d_k)`),
-# the head's biases join as a fifth part, and the 25 products are summed
-# into the six terms of the table above, scaled by `1 / sqrt(d_k)`.
+# Each part is projected once per side (`x W_Q`, `x W_K`, `(B, T, d_k)`);
+# the LayerNorms' bias part and the head's own bias (`b_Q`, `b_K`) are added
+# into one bias part per side. With `t`, `p`, `b`, `w` the token, position,
+# bias and written parts and `f = t + p + b + w` the whole, eight products
+# give the six terms:
+#
+# $$\text{written} = q_f k_w^{\top} + q_w (k_f - k_w)^{\top}, \qquad
+# \text{bias} = q_b (k_t + k_p + k_b)^{\top} + (q_t + q_p) k_b^{\top}$$
+#
+# and `q_t k_t^T`, `q_p k_p^T`, `q_t k_p^T`, `q_p k_t^T`, each scaled by
+# `1 / sqrt(d_k)`: every one of the 16 pairs of parts lands in exactly one
+# term.
+
 
 # %%
-SIDE_PARTS = (*PARTS, "head_bias")
-
-
-def term_of(q_part: str, k_part: str) -> str:
-    """Which of the six terms the product of a query part and a key part belongs to.
-
-    >>> term_of("token", "position"), term_of("head_bias", "token"), term_of("norm_bias", "written")
-    ('token x position', 'bias', 'written')
-    """
-    if "written" in (q_part, k_part):
-        return "written"
-    if q_part in ("token", "position") and k_part in ("token", "position"):
-        return f"{q_part} x {k_part}"
-    return "bias"
-
-
 def score_terms(c: HeadCircuit, W: dict[str, Tensor | None], q_parts: Parts, k_parts: Parts) -> dict[str, Tensor]:
     """The six terms (B, T_q, T_k) of head c's scores; `W` holds its W_Q, W_K, b_Q, b_K (`head_matrices`)."""
     W_Q, W_K, b_Q, b_K = W["W_Q"], W["W_K"], W["b_Q"], W["b_K"]
     assert W_Q is not None and W_K is not None
-    q = {name: v @ W_Q for name, v in q_parts.items()}  # (B, T_q, d_k) per part
-    k = {name: v @ W_K for name, v in k_parts.items()}  # (B, T_k, d_k) per part
-    if b_Q is not None and b_K is not None:
-        q["head_bias"] = b_Q.expand_as(q["token"])
-        k["head_bias"] = b_K.expand_as(k["token"])
-    terms = {name: torch.zeros(()) for name in TERMS}
-    for qn, qv in q.items():
-        for kn, kv in k.items():
-            terms[term_of(qn, kn)] = terms[term_of(qn, kn)] + qv @ kv.transpose(-1, -2)  # (B, T_q, T_k)
+
+    def project(parts: Parts, M: Tensor, bias: Tensor | None) -> dict[str, Tensor]:
+        out = {name: parts[name] @ M for name in ("token", "position", "written")}  # (B, T, d_k) each
+        out["bias"] = parts["norm_bias"] @ M + (bias if bias is not None else 0.0)
+        out["whole"] = out["token"] + out["position"] + out["bias"] + out["written"]
+        return out
+
+    q, k = project(q_parts, W_Q, b_Q), project(k_parts, W_K, b_K)
+    dot = lambda a, b: a @ b.transpose(-1, -2)  # (B, T_q, T_k)
+    terms = {
+        "token x token": dot(q["token"], k["token"]),
+        "position x position": dot(q["position"], k["position"]),
+        "token x position": dot(q["token"], k["position"]),
+        "position x token": dot(q["position"], k["token"]),
+        "bias": dot(q["bias"], k["token"] + k["position"] + k["bias"]) + dot(q["token"] + q["position"], k["bias"]),
+        "written": dot(q["whole"], k["written"]) + dot(q["written"], k["whole"] - k["written"]),
+    }
     return {name: t * c.scale for name, t in terms.items()}
 
 
@@ -416,7 +419,16 @@ def reading_records(
     seed: int = SEED,
 ) -> dict[tuple[Site, int], dict]:
     """Per head, JSON-ready: {"score_terms": {term: [mean, low, high]}, "roles": {role: [...], "label": ...}}."""
-    interval = lambda v: (lambda c: [c.value, c.low, c.high])(mean_interval(np.array(v), resamples, seed))
+    counts: dict[int, np.ndarray] = {}
+
+    def interval(values: list[float]) -> list[float]:  # `mean_interval`, its resample counts drawn once per length
+        v = np.asarray(values, dtype=np.float64)
+        if len(v) not in counts:
+            counts[len(v)] = resample_counts(len(v), resamples, seed)
+        tail = 100 * (1 - CONFIDENCE) / 2
+        low, high = np.percentile(counts[len(v)] @ v / len(v), [tail, 100 - tail])
+        return [float(v.mean()), float(low), float(high)]
+
     out = {}
     for key, r in readings.items():
         roles = {name: interval(v) for name, v in r.roles.items() if v and not np.isnan(v).any()}

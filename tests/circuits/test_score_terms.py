@@ -1,9 +1,11 @@
 """Where each score comes from (annotated/circuits/score_terms.py): the stream's parts and the six terms add up to
 the model's own inputs and scores; shares and roles by hand."""
 
+import numpy as np
 import pytest
 import torch
 
+from annotated.attention.bootstrap import mean_interval
 from annotated.circuits.circuits import attention_inputs, circuits, head_matrices
 from annotated.circuits.score_terms import (
     PARTS,
@@ -151,8 +153,12 @@ def test_the_aligned_word_is_read_at_the_row_that_predicts_it():
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_the_record_has_every_term_and_its_interval(norm):
     model = _random_model("fused", norm)
-    records = reading_records(read_scores(model, [_batch()], PAD), resamples=20)
+    readings = read_scores(model, [_batch(), _batch(2)], PAD)
+    records = reading_records(readings, resamples=20)
     assert len(records) == 18
+    values = readings[(("cross", 1), 2)].shares["written"]
+    c = mean_interval(np.array(values), resamples=20)
+    assert len(values) == 6 and records[(("cross", 1), 2)]["score_terms"]["written"] == [c.value, c.low, c.high]
     for (site, _), r in records.items():
         shares = r["score_terms"]
         assert list(shares) == list(TERMS)
