@@ -5,8 +5,9 @@
 Each direction's readout runs as the user runs it (`python -m annotated.circuits.command --checkpoint
 shipped:NAME`), in a child process of its own, after one untimed run that fills the aligner's cache (a fresh clone
 aligns Multi30k once, about a minute and a half on two cores, then reads the cache). Each row prints the wall time
-of the timed run and the child's peak resident memory, beside the budgets the readout is held to (60 s, 1 GiB on
-two cores), as shares of them. Nothing here is asserted by a test.
+of the timed run and the child's peak resident memory, beside the budgets the whole readout (composition, score
+terms and roles included) is held to (90 s, 1 GiB on two cores), as shares of them. Nothing here is asserted by a
+test.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 
 from annotated.plumbing.options import Parser, at_least
 
-BUDGET_S = 60.0
+BUDGET_S = 90.0
 BUDGET_MIB = 1024.0
 
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         for direction in args.directions:
             run(direction, tmp, args.threads)  # fills the aligner's cache; not timed
         rows = [(d, *run(d, tmp, args.threads)) for d in args.directions]
-    print(f"{'model':<10} {'seconds':>8} {'of 60 s':>8} {'peak MiB':>9} {'of 1 GiB':>9}")
+    print(f"{'model':<10} {'seconds':>8} {'of ' + str(round(BUDGET_S)) + ' s':>8} {'peak MiB':>9} {'of 1 GiB':>9}")
     for direction, seconds, mib in rows:
         print(f"{direction:<10} {seconds:>8.1f} {seconds / BUDGET_S:>8.2f} {mib:>9.0f} {mib / BUDGET_MIB:>9.2f}")
     print(f"load average {os.getloadavg()[0]:.2f} after the runs", flush=True)

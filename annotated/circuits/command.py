@@ -2,9 +2,10 @@
 
 Reads every head's QK and OV circuits from the weights (annotated/circuits/): ranks and singular values, the
 direct path through the vocabulary and the positions, the copying score, the faithfulness of the direct path
-on validation sentences (weights only, and with the LayerNorms exact), and for cross-attention the dictionaries in context and the alignment error rate
-against a statistical aligner. One table on stdout; `circuits.json` and `circuits_*.png` beside the checkpoint
-or in `--out`.
+on validation sentences (weights only, and with the LayerNorms exact), and for cross-attention the dictionaries in
+context and the alignment error rate against a statistical aligner; each head's scores split into their terms and
+where its real attention falls; and which earlier heads each head composes with. Two tables on stdout;
+`circuits.json` and `circuits_*.png` beside the checkpoint or in `--out`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from annotated.sites import KINDS
 
 DOOR = Door(__file__)
 REPORT = "circuits.json"
-FIGURES = ("circuits_spectra.png", "circuits_positions.png", "circuits_faithfulness.png", "circuits_dictionary.png")
+FIGURES = (
+    "circuits_spectra.png",
+    "circuits_positions.png",
+    "circuits_faithfulness.png",
+    "circuits_dictionary.png",
+    "circuits_composition.png",
+)
 OUTPUTS = (REPORT, *FIGURES, CIRCUITS_PAGE)
 
 
@@ -134,6 +141,7 @@ def gather_inputs(model, tokenizer, meta: dict, args, say):
 def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"{'head':<14} {'rank QK':>7} {'faithful rho [95%]':>22} {'argmax':>6} {'rho LN':>6} {'positions':>10} "
+        f"{'role':>8} "
         f"{'copying':>7} {'P@1 QK':>6} {'P@1 OV':>6} {'AER':>5}"
     ]
     for h in report["heads"]:
@@ -146,7 +154,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{h['site'][0]} {h['site'][1]}.{h['head']:<6} {h['qk']['rank']:>7} "
             f"{f[0]:>8.2f} [{f[1]:.2f}, {f[2]:.2f}] {h.get('faithfulness', {}).get('argmax', [0])[0]:>6.2f} {exact_ln:>6.2f} "
-            f"{h['positions']['label']:>10} {h['copying_score']:>7.2f} {p_qk:>6} {p_ov:>6} {a:>5}"
+            f"{h['positions']['label']:>10} {h.get('roles', {}).get('label', '-'):>8} "
+            f"{h['copying_score']:>7.2f} {p_qk:>6} {p_ov:>6} {a:>5}"
         )
     return "\n".join(lines)
 
@@ -174,6 +183,7 @@ def best_cross_head(report: dict[str, Any]) -> dict | None:
 
 def main(argv: list[str] | None = None) -> int:
     from annotated.checkpoint import CheckpointError, load_checkpoint
+    from annotated.circuits.composition import composition_figure, format_composition, reads_through
     from annotated.circuits.interventions import format_interventions, role_interventions
     from annotated.circuits.page import write_page
     from annotated.circuits.pictures import dictionary_figure, faithfulness_figure, positions_figure, spectra_figure
@@ -204,9 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     report.update(read_model(model, inputs))
     best = best_cross_head(report)
     report["best_cross_head"] = None if best is None else [*best["site"], best["head"]]
+    if best is not None:
+        report["composition"]["best_cross_head_reads"] = reads_through(
+            report["composition"]["pairs"], report["best_cross_head"]
+        )
     report["interventions"] = role_interventions(model, inputs.val_batches, report, inputs.pieces, inputs.lexicon)
     report["seconds"] = round(time.perf_counter() - start, 1)
     print(format_table(report), flush=True)
+    print(format_composition(report["composition"]), flush=True)
     for line in format_interventions(report["interventions"]):
         print(line, flush=True)
     for line in pruned_lines(report, model.config.h):
@@ -216,11 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(json_safe({k: v for k, v in chosen.items() if k != "positions"}, digits=3), indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out / REPORT, json.dumps(json_safe(report, digits=5), indent=1))
-    spectra, positions, faithfulness, dictionary = FIGURES
+    spectra, positions, faithfulness, dictionary, composition = FIGURES
     figures = {
         spectra: spectra_figure(report["heads"]),
         positions: positions_figure(report["heads"]),
         faithfulness: faithfulness_figure(report["heads"]),
+        composition: composition_figure(report["composition"]),
     }
     if best is not None and inputs.lexicon is not None:
         figures[dictionary] = dictionary_figure(best, inputs.lexicon)

@@ -7,7 +7,9 @@ import torch
 
 from annotated.circuits.circuits import Factored, circuits
 from annotated.circuits.composition import (
+    composition_figure,
     composition_paths,
+    composition_record,
     composition_score,
     compositions,
     frobenius,
@@ -161,3 +163,19 @@ def test_a_planted_previous_token_head_is_found_by_k_composition():
     # lies near 1.2 times its mean for these sizes: 1.5 is far into its tail, and the planted pair is at 2.8)
     assert abs(sum(others) / len(others) - 1.0) < 0.05 and max(others) < 1.5, (sum(others) / len(others), max(others))
     assert standing_out(pairs)[0] == planted[0]
+
+
+def test_the_composition_picture_has_one_panel_per_kind_and_greys_what_cannot_compose():
+    record = composition_record(compositions(make_model(src_vocab=9, tgt_vocab=9, N=2, d_model=8, d_ff=8, h=2)))
+    fig = composition_figure(record)
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in panels] == ["Q-composition", "K-composition", "V-composition"]
+    # writers: enc 0, enc 1, dec 0, cross 0, dec 1 (2 heads each); readers: enc 1, cross 0, dec 1, cross 1
+    grid = panels[1].get_images()[0].get_array()
+    assert grid.shape == (10, 8)
+    writers = [t.get_text() for t in panels[1].get_yticklabels()]
+    readers = [t.get_text() for t in panels[1].get_xticklabels()]
+    assert writers[:3] == ["enc_self 0.0", "enc_self 0.1", "enc_self 1.0"] and readers[-1] == "cross 1.1"
+    k_pairs = {(w, r) for w in range(10) for r in range(8) if not grid.mask[w, r]}
+    assert len(k_pairs) == sum(p["kind"] == "K" for p in record["pairs"])  # the others grey
+    assert grid.mask[writers.index("dec_self 0.0"), readers.index("cross 0.0")]  # a decoder head never writes keys
