@@ -160,6 +160,8 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "circuits/fold",
             "circuits/direct",
             "circuits/faithfulness",
+            "circuits/score_terms",
+            "circuits/composition",
             "circuits/dictionary",
             "circuits/aligner",
             "circuits/metrics",

@@ -2,8 +2,8 @@
 
 The pictures that need sentences (faithfulness, the dictionaries in context) come from `make circuits`; the book
 shows what the weights say by themselves: every head's singular values, every self-attention head's position
-table, and what the last layer's cross-attention heads write when they read each word of the book's example
-sentence.
+table, what the last layer's cross-attention heads write when they read each word of the book's example
+sentence, and how strongly each pair of heads composes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from matplotlib.figure import Figure as MplFigure
 
 from annotated.attention.pictures import LAYOUT
 from annotated.circuits.circuits import circuits
+from annotated.circuits.composition import composition_figure, composition_record, compositions
 from annotated.circuits.direct import ov_table, token_vectors
 from annotated.circuits.pictures import positions_figure, spectra_figure
 from annotated.circuits.readout import weights_record
@@ -70,3 +71,14 @@ def draw_circuit_writes(ctx) -> tuple[MplFigure, str]:
         "and the generator (the direct path, from the weights alone)."
     )
     return fig, caption
+
+
+def draw_circuit_composition(ctx) -> tuple[MplFigure, str]:
+    shown = ctx.shown_sentence()
+    caption = (
+        f"How strongly each pair of heads composes in {shown.name}: the Q-, K- and V-composition score of every "
+        "earlier head (down) with every later head (across) that reads its stream, over the mean score of random "
+        "matrices with the same singular values (1 is chance); grey where the pair cannot compose that way, a white "
+        "dot where the score lies above the random baseline's 95% interval."
+    )
+    return composition_figure(composition_record(compositions(shown.model.eval()))), caption

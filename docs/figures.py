@@ -695,4 +695,5 @@ FIGURES: tuple[Figure, ...] = (
     Figure("circuit_spectra", "circuits/circuits", C.draw_circuit_spectra),
     Figure("circuit_positions", "circuits/direct", C.draw_circuit_positions),
     Figure("circuit_writes", "circuits/direct", C.draw_circuit_writes),
+    Figure("circuit_composition", "circuits/composition", C.draw_circuit_composition),
 )
