@@ -20,7 +20,10 @@
 #   directions a head really uses of the `d_k` it has;
 # * `circuits_positions.png`: every self-attention head's position table
 #   (query position down, key position across, each row centred), the
-#   first layer's exact, the others through the norms;
+#   first layer's exact, the others through the norms; each title gives the
+#   label the table gives the head (`weights:`) and, beside it, the role
+#   measured on its real attention (`argmax:`, `annotated/circuits/score_terms.py`):
+#   the two can differ, and the second is what the head does;
 # * `circuits_faithfulness.png`: each head's rank correlation between its
 #   real scores and each reading of the direct path (weights only, pale;
 #   with the norms exact, full), with the 95% intervals;
@@ -86,7 +89,11 @@ def positions_figure(heads: list[dict]) -> Figure:
             colours = matplotlib.colormaps[CMAP].with_extremes(bad="#d0d0d0")
             im = ax.imshow(t / bound, cmap=colours, vmin=-1, vmax=1, interpolation="nearest")
             exact = " (exact)" if found[0]["exact_direct_path"] else ""
-            ax.set_title(f"{site[0]} {site[1]}, head {i}{exact}\n{found[0]['positions']['label']}", fontsize=8)
+            role = found[0].get("roles", {}).get("label")  # measured on the real attention, when it was
+            measured = f"; argmax: {role}" if role else ""
+            ax.set_title(
+                f"{site[0]} {site[1]}, head {i}{exact}\nweights: {found[0]['positions']['label']}{measured}", fontsize=8
+            )
             ax.set_xticks([0, 10, 20]), ax.set_yticks([0, 10, 20])
             ax.tick_params(labelsize=7)
     fig.supxlabel("key position", fontsize=9)
