@@ -205,14 +205,14 @@ def read_model(model: EncoderDecoder, inputs: Inputs) -> dict[str, Any]:
         links = attention_links(model, inputs.pieces, bar(inputs.test_batches, "alignments"), cross)
         for key, predicted in links.items():
             records[key]["aer"] = aer(predicted, inputs.test_links)
-    readings = read_scores(model, bar(val, "score terms"), PAD)
+    scored = read_scores(model, bar(val, "score terms"), PAD)
     aligned = None
     if inputs.test_links is not None:
         aligned = aligned_shares(
             model, inputs.pieces, bar(inputs.test_batches, "aligned words"), inputs.test_links, PAD
         )
-    for key, reading in reading_records(readings, aligned).items():
-        records[key].update(reading)
+    for key, measured in reading_records(scored, aligned).items():
+        records[key].update(measured)
     return {"heads": list(records.values()), "composition": composition_record(compositions(model))}
 
 
