@@ -106,6 +106,7 @@ PARTS = ("token", "position", "norm_bias", "written")  # the residual stream, ex
 TERMS = ("token x token", "position x position", "token x position", "position x token", "bias", "written")
 ROLES = ("first", "self", "previous", "last", "aligned")
 ROLE_SHARE = 0.5  # a role names a head when it takes at least this share of the queries
+SENTENCES = 20  # sentences split at once: their parts at every sublayer, in float64, are what a pass keeps
 
 # %% [markdown]
 # ## 1. The stream's parts at every attention
@@ -295,18 +296,20 @@ class HeadReading:
 
 @torch.no_grad()
 def read_scores(
-    model: EncoderDecoder, batches: Iterable[tuple[Tensor, Tensor]], pad: int
+    model: EncoderDecoder, batches: Iterable[tuple[Tensor, Tensor]], pad: int, chunk: int = SENTENCES
 ) -> dict[tuple[Site, int], HeadReading]:
     """Every head's per-sentence shares and roles over (src (B, S), tgt (B, T): the decoder's input) batches.
 
-    Computed in float64 on a float64 copy of `model` (the split is then exact to rounding)."""
+    Computed in float64 on a float64 copy of `model` (the split is then exact to rounding), `chunk` sentences of a
+    batch at a time: every part of every sublayer is kept during a pass, and a smaller pass keeps less."""
     model64 = _double(model)
     heads = circuits(model64)
     from annotated.circuits.circuits import head_matrices
 
     matrices = {(s, c.head): head_matrices(attention_at(model64, *s), c.head) for s, cs in heads.items() for c in cs}
     out: dict[tuple[Site, int], HeadReading] = {}
-    for src, tgt in batches:
+    pieces = ((s[i : i + chunk], t[i : i + chunk]) for s, t in batches for i in range(0, s.size(0), chunk))
+    for src, tgt in pieces:
         parts = stream_parts(model64, src, tgt, pad)
         for site, cs in heads.items():
             allowed = allowed_keys(site[0], src, tgt, pad)

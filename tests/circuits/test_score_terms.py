@@ -166,3 +166,15 @@ def test_the_record_has_every_term_and_its_interval(norm):
         assert all(low <= value <= high for value, low, high in shares.values())
         expected = {"enc_self": {"first", "self", "previous", "last"}, "dec_self": {"first", "self", "previous"}}
         assert set(r["roles"]) - {"label"} == expected.get(site[0], {"first", "last"}), site
+
+
+def test_reading_a_few_sentences_at_a_time_changes_nothing():
+    """read_scores splits batches into chunks to keep less at once; each sentence's shares and roles are its own."""
+    model = _random_model("per_head", "post")
+    whole, one_by_one = read_scores(model, [_batch()], PAD), read_scores(model, [_batch()], PAD, chunk=1)
+    for key, r in whole.items():
+        for name in TERMS:  # another padding width adds the same products in another order: rounding only
+            assert np.allclose(r.shares[name], one_by_one[key].shares[name], rtol=0, atol=1e-12), (key, name)
+        assert r.roles.keys() == one_by_one[key].roles.keys()
+        for name, v in r.roles.items():
+            assert np.array_equal(v, one_by_one[key].roles[name], equal_nan=True), (key, name)
