@@ -175,7 +175,10 @@ def test_the_composition_picture_has_one_panel_per_kind_and_greys_what_cannot_co
     assert grid.shape == (10, 8)
     writers = [t.get_text() for t in panels[1].get_yticklabels()]
     readers = [t.get_text() for t in panels[1].get_xticklabels()]
-    assert writers[:3] == ["enc_self 0.0", "enc_self 0.1", "enc_self 1.0"] and readers[-1] == "cross 1.1"
+    # in the streams' order: the encoder, then each decoder layer's self-attention before its cross-attention
+    names = lambda *sites: [f"{kind} {layer}.{i}" for kind, layer in sites for i in (0, 1)]
+    assert writers == names(("enc_self", 0), ("enc_self", 1), ("dec_self", 0), ("cross", 0), ("dec_self", 1))
+    assert readers == names(("enc_self", 1), ("cross", 0), ("dec_self", 1), ("cross", 1))
     k_pairs = {(w, r) for w in range(10) for r in range(8) if not grid.mask[w, r]}
     assert len(k_pairs) == sum(p["kind"] == "K" for p in record["pairs"])  # the others grey
     assert grid.mask[writers.index("dec_self 0.0"), readers.index("cross 0.0")]  # a decoder head never writes keys
