@@ -195,6 +195,14 @@ CLAIMS: list[tuple[str, Callable[[dict], str]]] = [
         lambda r: f"{_reads(r, 'V')[0][2]:.2f}" if not any(w[3] for w in _reads(r, "V")) else "(one stands out)",
     ),
     (
+        "over the {} of its 500 most frequent German words",
+        lambda r: (
+            str(head(r, "cross", 1, 2)["dictionary"]["coverage"][0])
+            if head(r, "cross", 1, 2)["dictionary"]["coverage"][1] == 500
+            else "(not of 500)"
+        ),
+    ),
+    (
         "OV dictionaries are right at the first guess for {} of them",
         lambda r: percents([h["dictionary"]["ov_precision"][0] for h in heads(r, "cross", (1,))]),
     ),
