@@ -274,6 +274,22 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 # For `1 < k < V^max_len` nothing general holds: a wider beam usually scores
 # better, but it can also prune the prefix greedy follows, and end worse.
 #
+# **n-best.** What the search keeps of a sentence is its list of finished
+# translations, and the answer is the best of them. `nbest_search` returns
+# that list itself, in score order, cut at `n <= k`: the `n` best of the
+# translations the beam finished (with, at `max_len`, the prefixes it ranks
+# beside them), each with its `log P` and its score `log P / lp`. It is no
+# list of the `n` best translations of the model: the beam drops a prefix
+# as soon as `k` others outrank it, so a translation that would rank second
+# may never be finished, and the list holds at least `k` entries only
+# because the search stops once `k` have finished (a sentence may finish
+# more at its last step, and its list may hold fewer when its live prefixes
+# all reach `log P = -inf`). Hence `n` at most `k`: a wider list needs a
+# wider beam. The first entry is `beam_search`'s answer, and the fast loop
+# of section 7 returns the same lists, scores within rounding
+# (`test_the_two_loops_return_the_same_nbest_lists_and_scores`,
+# `test_nbest_above_the_beam_is_refused`).
+#
 # **Batching.** `B` sentences run together as `B * k` rows, row `b*k + j`
 # being hypothesis `j` of sentence `b`. The memory is computed once per
 # sentence and repeated `k` times. At the first step only hypothesis 0 (the
@@ -320,11 +336,47 @@ def beam_search(
     return (out, scores) if return_scores else out
 
 
-def _beam_search(model, src, src_mask, max_len, k, length_penalty, bos, eos, pad, use_cache) -> tuple[Tensor, Tensor]:
-    """`beam_search` on arguments already checked: (best ids (B, L), their scores (B,))."""
-    B, device = src.size(0), src.device
-    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]  # per sentence: (score, ids)
-    if B > 0:
+class Hypothesis(NamedTuple):
+    """One finished hypothesis of a sentence: its ids (eos kept where it ended, in `nbest_search`), its
+    log P(Y | X), and the score the search ranked it by, log P / lp(|Y|)."""
+
+    ids: list[int]
+    log_prob: float
+    score: float
+
+
+@torch.no_grad()
+def nbest_search(
+    model: EncoderDecoder,
+    src: Tensor,
+    src_mask: Tensor | None,
+    max_len: int,
+    beam_size: int = Decoding.beam,
+    length_penalty: float = Decoding.length_penalty,
+    nbest: int = 1,
+    bos: int = BOS,
+    eos: int = EOS,
+    use_cache: bool = True,
+) -> list[list[Hypothesis]]:
+    """(B, S) source ids -> for each sentence its `nbest` best finished hypotheses, best score first (fewer
+    only when the beam finished fewer); `nbest <= beam_size`. The first is `beam_search`'s answer."""
+    check_decoding(model, src, src_mask, max_len)
+    check_beam(beam_size, length_penalty)
+    if not 1 <= nbest <= beam_size:
+        raise ValueError(f"nbest must be between 1 and the beam size {beam_size}, got {nbest}")
+    finished = _finished(model, src, src_mask, max_len, beam_size, length_penalty, bos, eos, use_cache)
+    return [[Hypothesis(ids, logP, score) for score, ids, logP in _ranked(f)[:nbest]] for f in finished]
+
+
+def _ranked(finished: list[tuple[float, list[int], float]]) -> list[tuple[float, list[int], float]]:
+    """A sentence's finished hypotheses, best score first; the first of equal scores first."""
+    return sorted(finished, key=lambda hyp: hyp[0], reverse=True)  # a stable sort, also reversed
+
+
+def _finished(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache) -> list[list[tuple]]:
+    """Each sentence's finished hypotheses (score, ids, log P), as the search finished them; at least one each."""
+    finished: list[list[tuple[float, list[int], float]]] = [[] for _ in range(src.size(0))]
+    if src.size(0) > 0:
         fast = annotated.transformer.FAST_PATH and use_cache and isinstance(model, EncoderDecoder)
         search = _search_fast if fast else _search  # the one place that chooses
         search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished)
@@ -334,16 +386,23 @@ def _beam_search(model, src, src_mask, max_len, k, length_penalty, bos, eos, pad
             f"beam search found no translation with a finite log-probability for sentences "
             f"{empty}: the model's logits are not finite (NaN or inf)"
         )
-    best = [max(f, key=lambda hyp: hyp[0]) for f in finished]  # the first of equal scores wins
-    width = max((len(ids) for _, ids in best), default=0)
+    return finished
+
+
+def _beam_search(model, src, src_mask, max_len, k, length_penalty, bos, eos, pad, use_cache) -> tuple[Tensor, Tensor]:
+    """`beam_search` on arguments already checked: (best ids (B, L), their scores (B,))."""
+    B, device = src.size(0), src.device
+    finished = _finished(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache)
+    best = [_ranked(f)[0] for f in finished]  # the first of equal scores wins
+    width = max((len(ids) for _, ids, _ in best), default=0)
     out = torch.full((B, width), pad, dtype=torch.long, device=device)  # (B, L)
-    for b, (_, ids) in enumerate(best):
+    for b, (_, ids, _) in enumerate(best):
         out[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return out, torch.tensor([score for score, _ in best], dtype=torch.float64, device=device)  # (B,)
+    return out, torch.tensor([score for score, _, _ in best], dtype=torch.float64, device=device)  # (B,)
 
 
 def _search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished) -> None:
-    """The beam search loop; appends (score, ids) of finished translations to `finished`."""
+    """The beam search loop; appends (score, ids, log P) of finished translations to `finished`."""
     B, device = src.size(0), src.device
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # (B*k, S, d_model)
     mask = None
@@ -373,7 +432,7 @@ def _search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cach
             a, j = ends.nonzero(as_tuple=True)  # row-major: best first within a sentence
             rows = a * k + parent[a, j]  # (n,)
             for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[rows, 1:].tolist()):
-                finished[b].append((logP / gnmt_lp(t + 1, length_penalty), ids + [eos]))
+                finished[b].append((logP / gnmt_lp(t + 1, length_penalty), ids + [eos], logP))
         # 3. continue: the best k candidates that do not end in eos (a stable sort keeps their order)
         pick = torch.sort(is_eos.long(), dim=-1, stable=True).indices[:, :k]  # (A, k)
         scores = top.gather(1, pick)  # (A, k)
@@ -406,7 +465,7 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
             logP = scores[a, j].item()
             if math.isfinite(logP):
                 ids = ys[a * k + j, 1:].tolist()
-                finished[b].append((logP / gnmt_lp(len(ids), length_penalty), ids))
+                finished[b].append((logP / gnmt_lp(len(ids), length_penalty), ids, logP))
 
 
 # %% [markdown]
@@ -565,7 +624,7 @@ def _search_fast(model, src, src_mask, max_len, k, length_penalty, bos, eos, use
             a, j = ends.nonzero(as_tuple=True)  # row-major: best first within a sentence
             ended = a * w + parent[a, j]  # (n,)
             for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[ended, 1 : t + 1].tolist()):
-                finished[b].append((logP / gnmt_lp(t + 1, length_penalty), ids + [eos]))
+                finished[b].append((logP / gnmt_lp(t + 1, length_penalty), ids + [eos], logP))
             n_done += ends.sum(dim=1)
         pick = torch.sort(is_eos.long(), dim=-1, stable=True).indices[:, :k]  # (A, k)
         scores = top.gather(1, pick)  # (A, k)
@@ -781,14 +840,38 @@ def translate_ids(
     length penalty); `beam_size=1` is greedy. On the CPU with n > 1 threads
     (`torch.get_num_threads()`), n batches are translated side by side, one thread each.
     """
+    return _translate(model, sources, beam_size, length_penalty, batch_size, max_extra, device, progress, 0)
+
+
+def translate_nbest(
+    model: EncoderDecoder,
+    sources: list[list[int]],
+    beam_size: int = Decoding.beam,
+    length_penalty: float = Decoding.length_penalty,
+    nbest: int = 1,
+    batch_size: int = 64,
+    max_extra: int = Decoding.max_extra,
+    device: torch.device | None = None,
+    progress: bool = False,
+) -> list[list[Hypothesis]]:
+    """`translate_ids` with each sentence's `nbest` best hypotheses (`nbest_search`), ids up to, not including,
+    eos, with their log P and score; the first's ids are `translate_ids`' answer. `beam_size=1` is greedy, its
+    one hypothesis scored by teacher forcing (`sequence_logprob`), score log P / lp(|Y|) as the beam's."""
+    if not 1 <= nbest <= beam_size:
+        raise ValueError(f"nbest must be between 1 and the beam size {beam_size}, got {nbest}")
+    return _translate(model, sources, beam_size, length_penalty, batch_size, max_extra, device, progress, nbest)
+
+
+def _translate(model, sources, beam_size, length_penalty, batch_size, max_extra, device, progress, nbest) -> list:
+    """`translate_ids` (nbest 0) or `translate_nbest` (nbest >= 1)."""
     check_sources(model, sources, batch_size, max_extra)
     check_beam(beam_size, length_penalty)
     device = device or next(model.parameters()).device
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    translate = functools.partial(_translate_batch, model, sources, beam_size, length_penalty, max_extra, device)
+    translate = functools.partial(_translate_batch, model, sources, beam_size, length_penalty, max_extra, device, nbest)
     workers = min(torch.get_num_threads(), len(batches)) if device.type == "cpu" else 1
-    out: list[list[int]] = [[] for _ in sources]
+    out: list = [[] for _ in sources]
     with _side_by_side(workers) as run:
         results = run(translate, batches)
         if progress:
@@ -802,8 +885,9 @@ def translate_ids(
 
 
 @torch.inference_mode()
-def _translate_batch(model, sources, beam_size, length_penalty, max_extra, device, idx: list[int]) -> list[list[int]]:
-    """`translate_ids` of the sources `idx`, one batch (inference mode is per thread: entered here)."""
+def _translate_batch(model, sources, beam_size, length_penalty, max_extra, device, nbest, idx: list[int]) -> list:
+    """`translate_ids` (nbest 0) or `translate_nbest` of the sources `idx`, one batch (inference mode is per
+    thread: entered here)."""
     limit = model.config.max_len
     seqs = [sources[i][:limit] for i in idx]
     S = max(1, max(len(s) for s in seqs))
@@ -813,12 +897,26 @@ def _translate_batch(model, sources, beam_size, length_penalty, max_extra, devic
     src = src.to(device)
     max_len = min(limit, S + max_extra)
     mask = padding_mask(src, PAD)  # (B, 1, S)
+    if nbest and beam_size > 1:
+        finished = _finished(model, src, mask, max_len, beam_size, length_penalty, BOS, EOS, True)
+        return [[_cut(Hypothesis(ids, logP, score)) for score, ids, logP in _ranked(f)[:nbest]] for f in finished]
     if beam_size > 1:  # the batch is well formed by construction: checked once, in translate_ids
         ys = _beam_search(model, src, mask, max_len, beam_size, length_penalty, BOS, EOS, PAD, True)[0]
     else:
         ys = greedy_decode(model, src, mask, max_len, BOS, EOS, PAD)
     rows = [row.tolist() for row in ys]
-    return [row[: row.index(EOS)] if EOS in row else [t for t in row if t != PAD] for row in rows]
+    out = [row[: row.index(EOS)] if EOS in row else [t for t in row if t != PAD] for row in rows]
+    if not nbest:
+        return out
+    logP, lengths = sequence_logprob(model, src, mask, ys)  # (B,) each: greedy's own, by teacher forcing
+    return [
+        [Hypothesis(ids, p, p / gnmt_lp(n, length_penalty))] for ids, p, n in zip(out, logP.tolist(), lengths.tolist())
+    ]
+
+
+def _cut(hyp: Hypothesis) -> Hypothesis:
+    """The hypothesis' ids up to, not including, eos."""
+    return hyp._replace(ids=hyp.ids[: hyp.ids.index(EOS)] if EOS in hyp.ids else hyp.ids)
 
 
 @contextlib.contextmanager

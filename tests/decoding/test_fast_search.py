@@ -139,3 +139,49 @@ def test_the_written_out_softmax_subtracts_the_row_maximum(T, dtype):
     assert got.isfinite().all()
     # a few roundings of at most 6e-8 (float32) per entry, which lies in [0, 1]
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def nbest_both(model, src, mask, max_len, k, alpha, n):
+    """`nbest_search` through the fast loop, then through the readable one."""
+    fast = search.nbest_search(model, src, mask, max_len, k, alpha, nbest=n)
+    with mock.patch.object(search, "_search_fast", search._search):
+        readable = search.nbest_search(model, src, mask, max_len, k, alpha, nbest=n)
+    return fast, readable
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_the_two_loops_return_the_same_nbest_lists_and_scores(seed, k):
+    """In float64: the same hypotheses in the same order, identical ids, and log P and scores within 1e-12
+    (the tolerance of the module's docstring); each list in score order, its first `beam_search`'s answer."""
+    torch.manual_seed(seed)
+    V = (24, 60, 97)[seed]
+    m = make_model(src_vocab=V, tgt_vocab=V, N=2, d_model=16, d_ff=32, h=2, dropout=0.0, max_len=32)
+    m = m.eval().to(torch.float64)
+    with torch.no_grad():
+        m.generator.bias[EOS] += 1.0  # some translations end before the limit
+    g = torch.Generator().manual_seed(seed)
+    src = padded([torch.randint(4, V, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (6,), generator=g)])
+    mask = padding_mask(src, PAD)
+    lengths = set()
+    for alpha in (0.0, 0.6):
+        for max_len in (3, 12):
+            fast, readable = nbest_both(m, src, mask, max_len, k, alpha, k)
+            best, _ = beam_search(m, src, mask, max_len, beam_size=k, length_penalty=alpha, return_scores=True)
+            for b, (f, r) in enumerate(zip(fast, readable)):
+                assert len(f) == len(r) == k  # every sentence here finishes k hypotheses, or is cut with k live
+                assert [h.ids for h in f] == [h.ids for h in r]
+                for hf, hr in zip(f, r):
+                    assert abs(hf.log_prob - hr.log_prob) <= 1e-12 and abs(hf.score - hr.score) <= 1e-12
+                    assert hf.score == pytest.approx(hf.log_prob / search.gnmt_lp(len(hf.ids), alpha), abs=1e-12)
+                assert [h.score for h in f] == sorted((h.score for h in f), reverse=True)
+                assert best[b].tolist() == f[0].ids + [PAD] * (best.size(1) - len(f[0].ids))  # pad after it
+                lengths.update(len(h.ids) for h in f)
+    assert len(lengths) > 1  # hypotheses of several lengths: the length penalty had something to rank
+
+
+def test_nbest_above_the_beam_is_refused():
+    m = make_model(src_vocab=12, tgt_vocab=12, N=1, d_model=8, d_ff=16, h=2, dropout=0.0, max_len=8).eval()
+    src = torch.tensor([[5, 6]])
+    with pytest.raises(ValueError, match="nbest must be between 1 and the beam size 2, got 3"):
+        search.nbest_search(m, src, None, 4, beam_size=2, nbest=3)
