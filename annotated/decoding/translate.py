@@ -55,6 +55,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import queue
 import re
@@ -63,18 +65,21 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TextIO
+from pathlib import Path
+from typing import NamedTuple, TextIO
+
+import torch
 
 from annotated.checkpoint import CheckpointError, case_table_in, loaded_from_state, read_checkpoint
 from annotated.checks import check_tokenizer
 from annotated.decoding import casing
 from annotated.decoding.quantize import QUANTIZATIONS, quantize_int8
-from annotated.decoding.search import translate_ids
+from annotated.decoding.search import translate_ids, translate_nbest
 from annotated.decoding.settings import Decoding, model_length_penalty
 from annotated.door import Door
 from annotated.plumbing.allocator import keep_freed_memory
 from annotated.plumbing.devices import default_device
-from annotated.plumbing.options import device
+from annotated.plumbing.options import at_least, device
 from annotated.shipped import direction_asked
 from annotated.transformer import EncoderDecoder
 
@@ -137,6 +142,7 @@ NAME = DOOR.name
 # %%
 MAX_LINE_BYTES = 1 << 16
 WINDOW = 1024  # lines read, translated and flushed together from a file or pipe (section 4)
+BATCH_SIZE = 64  # sentences searched together (translate_ids' default; --batch-size)
 
 
 def bounded_lines(stream, limit: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:
@@ -319,9 +325,41 @@ def prepare(
 # with spaces and its set-aside characters follow. The output must stay one
 # line per sentence, but byte pieces can spell any character, a line break
 # included: each line break in a translation becomes a space.
+#
+# **n-best and scores.** `translate_prepared_nbest` asks `translate_nbest`
+# instead for each source's `n` best hypotheses with their log-probability
+# `log P(Y | X)` and the score the search ranked them by, `log P / lp(|Y|)`
+# (`annotated/decoding/search.py`, sections 4 and 6: the n best of the
+# beam's finished hypotheses, so `n <= beam`). A line translated in parts
+# has as many hypotheses as its part with the fewest; hypothesis `i` joins
+# the `i`-th of each part, and its log-probability and score are the sums of
+# the parts' (the parts are searched independently, so the sum is the
+# log-probability of the joined translation). A line with nothing to search
+# (empty, too long, only unseen characters, rejected) has one hypothesis,
+# its answer, with no scores. The first hypothesis is the one-best
+# translation, word for word
+# (`test_the_first_of_the_nbest_is_the_translation_and_scores_are_the_searchs`).
 
 
 # %%
+class Answer(NamedTuple):
+    """One hypothesis of a line: its text, its log P(Y | X) and its score log P / lp (None: nothing searched)."""
+
+    text: str
+    log_prob: float | None = None
+    score: float | None = None
+
+
+def _text_of(tokenizer, line: Line, outputs: Iterator[list[int]]) -> str:
+    """The line's answer from the output ids of its parts, in order: parts joined, set-aside characters after
+    their sentence, recased to the input's style, on one line."""
+    words = [
+        word for parts, aside in line.segments for word in [tokenizer.decode(next(outputs)) for _ in parts] + aside
+    ]
+    answer = casing.restore(" ".join(w for w in words if w), line.case)
+    return " ".join(answer.splitlines())  # a line break from byte pieces would shift the output
+
+
 def translate_prepared(
     model: EncoderDecoder,
     tokenizer,
@@ -329,17 +367,43 @@ def translate_prepared(
     beam_size: int = Decoding.beam,
     length_penalty: float = Decoding.length_penalty,
     max_extra: int = Decoding.max_extra,
+    batch_size: int = BATCH_SIZE,
 ) -> list[str]:
     """The translation of each prepared line, one line each, in order."""
     sources = [ids for line in lines for ids in line.sources]
-    outputs = iter(translate_ids(model, sources, beam_size, length_penalty, max_extra=max_extra))
+    outputs = iter(translate_ids(model, sources, beam_size, length_penalty, batch_size=batch_size, max_extra=max_extra))
+    return [_text_of(tokenizer, line, outputs) for line in lines]
+
+
+def translate_prepared_nbest(
+    model: EncoderDecoder,
+    tokenizer,
+    lines: list[Line],
+    beam_size: int = Decoding.beam,
+    length_penalty: float = Decoding.length_penalty,
+    max_extra: int = Decoding.max_extra,
+    nbest: int = 1,
+    batch_size: int = BATCH_SIZE,
+) -> list[list[Answer]]:
+    """The `nbest` best hypotheses of each prepared line, with their scores, best first, in order."""
+    sources = [ids for line in lines for ids in line.sources]
+    found = iter(translate_nbest(model, sources, beam_size, length_penalty, nbest, batch_size, max_extra))
     answers = []
     for line in lines:
-        words = [
-            word for parts, aside in line.segments for word in [tokenizer.decode(next(outputs)) for _ in parts] + aside
-        ]
-        answer = casing.restore(" ".join(w for w in words if w), line.case)
-        answers.append(" ".join(answer.splitlines()))  # a line break from byte pieces would shift the output
+        parts = [next(found) for _ in line.sources]  # each part's hypotheses, best first
+        if not parts:
+            answers.append([Answer(_text_of(tokenizer, line, iter([])))])
+            continue
+        answers.append(
+            [
+                Answer(
+                    _text_of(tokenizer, line, iter([hyps[i].ids for hyps in parts])),
+                    sum(hyps[i].log_prob for hyps in parts),
+                    sum(hyps[i].score for hyps in parts),
+                )
+                for i in range(min(len(hyps) for hyps in parts))
+            ]
+        )
     return answers
 
 
@@ -464,6 +528,27 @@ def arrived_windows(items: Iterable, size: int) -> Iterator[list]:
 # Ctrl-C ends it with `translate: interrupted` and exit code 130, also while
 # torch and the model are still loading (`annotated/plumbing/interrupts.py`);
 # a closed output pipe (`... | head -1`) ends it quietly with 0.
+#
+# **Files, formats, n-best.** `--input FILE` reads the sentences from a file
+# instead of standard input (not together with sentences as arguments), and
+# `--output FILE` writes there instead of standard output; an existing
+# `--output` is refused unless `--force` is given, as the door refuses any
+# output (`annotated/door.py`), and so is an `--output` that is the
+# `--input` (`test_input_and_output_files_and_no_output_overwritten_without_force`,
+# `test_input_with_sentences_or_onto_itself_is_refused`). The default output
+# stays one translation a line. With `--nbest N` or `--scores` each
+# hypothesis is a line `LINE ||| translation`, with `--scores` followed by
+# `||| log P ||| score` (LINE counted from 0, as Moses and Marian number
+# their n-best lists; `-` where nothing was searched). `--format jsonl`
+# writes one JSON object per input line: `line`, `source`, and
+# `hypotheses`, each with `translation`, `log_prob` and `score`
+# (`test_nbest_and_scores_in_text_are_numbered_lines`). `--nbest` above
+# `--beam` is refused: the list is the beam's finished hypotheses
+# (`test_bad_new_options_exit_2_with_one_line_before_loading`).
+# `--batch-size` is how many sentences a search runs together, and
+# `--threads` PyTorch's thread count while the command runs, hence on the
+# CPU how many batches are translated side by side (`translate_ids`)
+# (`test_batch_size_and_threads_reach_the_search_and_threads_are_restored`).
 
 # %%
 RULES = f"""\
@@ -485,6 +570,9 @@ reading stdin: a file or pipe is read {WINDOW} lines at a time, translated in ba
 input order and flushed (a progress bar on a terminal's stderr); typed on a terminal, line by line
 (Ctrl-D ends).
 output length: at most min(max_len, source subwords + --max-extra) subwords.
+output: one translation a line; with --nbest/--scores "LINE ||| translation [||| log P ||| score]"
+lines, LINE from 0; --format jsonl: one JSON object per input line, its line, source and
+hypotheses (translation, log_prob, score each). An existing --output is kept unless --force is given.
 checkpoint missing, corrupt or incompatible, or a bad option: one line on stderr, exit code 2.
 Ctrl-C: "translate: interrupted" on stderr, exit code 130.
 """
@@ -512,6 +600,39 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: a line in capitals, in lower case or caps-locked is recased before translating and "
         "answered in its style; as-typed: translated as it is (default auto)",
+    )
+    p.add_argument("--input", type=Path, default=None, help="read the sentences from this file (default: stdin)")
+    p.add_argument("--output", type=Path, default=None, help="write the translations to this file (default: stdout)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --output file")
+    p.add_argument(
+        "--nbest",
+        type=at_least(1),
+        default=1,
+        help="the N best hypotheses of each sentence, best first: the N best the beam finished, so N <= --beam "
+        "(default 1)",
+    )
+    p.add_argument(
+        "--scores",
+        action="store_true",
+        help="with each hypothesis its log-probability log P(Y|X) and the score the search ranked it by, "
+        "log P / ((5 + |Y|) / 6)^alpha",
+    )
+    p.add_argument(
+        "--format",
+        choices=("text", "jsonl"),
+        default="text",
+        help="text: one translation a line, or with --nbest/--scores 'LINE ||| translation [||| log P ||| score]' "
+        "lines (LINE counted from 0); jsonl: one JSON object per input line, its source and its hypotheses "
+        "with their scores (default text)",
+    )
+    p.add_argument(
+        "--batch-size", type=at_least(1), default=BATCH_SIZE, help=f"sentences searched together (default {BATCH_SIZE})"
+    )
+    p.add_argument(
+        "--threads",
+        type=at_least(1),
+        default=None,
+        help="CPU threads; on the CPU, that many batches are translated side by side (default: PyTorch's)",
     )
     p.add_argument("--device", type=device, default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument(
@@ -557,23 +678,60 @@ def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
     return windows(_numbered([], stdin), WINDOW)
 
 
-def _answer(model, tokenizer, table, window: list, args) -> tuple[list[Line], list[str]]:
-    """Prepared lines and their answers; a window the decoder rejects is answered line by line."""
+def _plain(args) -> bool:
+    """Whether the output is one translation a line and nothing else (the default)."""
+    return args.format == "text" and args.nbest == 1 and not args.scores
+
+
+def _translated(model, tokenizer, lines: list[Line], args) -> list[list[Answer]]:
+    """Each line's hypotheses: the one-best text alone for plain output, else with their scores."""
+    decoding = (args.beam, args.length_penalty, args.max_extra)
+    if _plain(args):
+        return [[Answer(a)] for a in translate_prepared(model, tokenizer, lines, *decoding, args.batch_size)]
+    return translate_prepared_nbest(model, tokenizer, lines, *decoding, args.nbest, args.batch_size)
+
+
+def _answer(model, tokenizer, table, window: list, args) -> tuple[list[Line], list[list[Answer]]]:
+    """Prepared lines and their hypotheses; a window the decoder rejects is answered line by line."""
     prepared = [
         prepare(where, text, note, tokenizer, model.config.max_len, args.case, table) for where, text, note in window
     ]
     try:
-        return prepared, translate_prepared(model, tokenizer, prepared, args.beam, args.length_penalty, args.max_extra)
+        return prepared, _translated(model, tokenizer, prepared, args)
     except ValueError:
         pass
     answers = []
     for line in prepared:
         try:
-            answers += translate_prepared(model, tokenizer, [line], args.beam, args.length_penalty, args.max_extra)
+            answers += _translated(model, tokenizer, [line], args)
         except ValueError as e:  # a clear error about this input: report it, answer empty, go on
             line.notes.append(f"error: {e}; printed an empty line")
-            answers.append("")
+            answers.append([Answer("")])
     return prepared, answers
+
+
+def _number(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6f}"
+
+
+def formatted(index: int, source: str, answers: list[Answer], args) -> str:
+    """The output of input line `index` (from 0) with text `source`, its line end(s) included.
+
+    >>> import argparse
+    >>> args = argparse.Namespace(format="text", nbest=2, scores=True)
+    >>> print(formatted(3, "Ein Hund.", [Answer("A dog.", -1.5, -0.75), Answer("Dog.", -2.0, -1.0)], args), end="")
+    3 ||| A dog. ||| -1.500000 ||| -0.750000
+    3 ||| Dog. ||| -2.000000 ||| -1.000000
+    >>> print(formatted(0, "", [Answer("")], argparse.Namespace(format="jsonl")), end="")
+    {"line": 0, "source": "", "hypotheses": [{"translation": "", "log_prob": null, "score": null}]}
+    """
+    if args.format == "jsonl":
+        hypotheses = [{"translation": a.text, "log_prob": a.log_prob, "score": a.score} for a in answers]
+        return json.dumps({"line": index, "source": source, "hypotheses": hypotheses}, ensure_ascii=False) + "\n"
+    if _plain(args):
+        return answers[0].text + "\n"
+    scores = lambda a: f" ||| {_number(a.log_prob)} ||| {_number(a.score)}" if args.scores else ""
+    return "".join(f"{index} ||| {a.text}{scores(a)}\n" for a in answers)
 
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO | None = None) -> int:
@@ -589,6 +747,16 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
     if args.quantize and args.device.type != "cpu":
         _say(stderr, f"{NAME}: error: --quantize {args.quantize} runs on the CPU only: add --device cpu")
         return 2
+    refused = _refused(args)
+    if refused:
+        _say(stderr, f"{NAME}: error: {refused}")
+        return 2
+    try:
+        replace(DOOR, stderr=stderr).keep(
+            args, [args.output], elsewhere=f"{DOOR.typed('--output', 'NEW')} to write elsewhere"
+        )
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
     if args.device.type == "cpu":
         keep_freed_memory()  # a beam step's large tensors reuse the previous step's memory (plumbing/allocator.py)
     try:
@@ -604,21 +772,54 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
         return 2
     if args.length_penalty is None:  # the model's own, unless the user gave one
         args.length_penalty = alpha
+    with contextlib.ExitStack() as files:
+        if args.threads:
+            files.callback(torch.set_num_threads, torch.get_num_threads())  # as it was, after
+            torch.set_num_threads(args.threads)
+        if args.input is not None:
+            stdin = files.enter_context(open(args.input, "rb"))
+        if args.output is not None:
+            stdout = files.enter_context(open(args.output, "wb"))
+        return _serve(model, tokenizer, table, args, stdin, stdout, stderr)
+
+
+def _refused(args) -> str | None:
+    """What is wrong with the options together, said as the fix; None when nothing is."""
+    if args.nbest > args.beam:
+        return (
+            f"--nbest {args.nbest} is more than --beam {args.beam}: the n best come from the beam's finished "
+            f"hypotheses; add --beam {args.nbest}, or ask for --nbest {args.beam} or fewer"
+        )
+    if args.input is not None and args.sentences:
+        return "sentences given both as arguments and by --input: drop one of them"
+    if args.input is not None and not args.input.is_file():
+        return f"--input {args.input}: no such file; name a file of sentences, one a line"
+    if args.output is not None and args.output.is_dir():
+        return f"--output {args.output} is a folder: name a file, e.g. --output {args.output / 'translations.txt'}"
+    if args.input is not None and args.output is not None and args.output.resolve() == args.input.resolve():
+        return f"--output {args.output} is the --input file: name another one"
+    return None
+
+
+def _serve(model, tokenizer, table, args, stdin, stdout, stderr: TextIO) -> int:
+    """Translate every window of input to `stdout`, notes to `stderr`: the exit code."""
     bar = None
     if not args.sentences and not stdin.isatty() and stderr.isatty():
         from tqdm.auto import tqdm
 
         bar = tqdm(unit=" sentences", desc=NAME, file=stderr, leave=False)
     try:
+        index = 0
         for window in _input_windows(args, stdin, stderr):
             prepared, answers = _answer(model, tokenizer, table, window, args)
-            for line, answer in zip(prepared, answers):
+            for (_, text, _), line, answer in zip(window, prepared, answers):
                 for note in line.notes:
                     if bar is not None:
                         bar.write(f"{line.where}: {note}", file=stderr)
                     else:
                         _say(stderr, f"{line.where}: {note}")
-                stdout.write((answer + "\n").encode("utf-8"))
+                stdout.write(formatted(index, text or "", answer, args).encode("utf-8"))
+                index += 1
             stdout.flush()
             if bar is not None:
                 bar.update(len(window))

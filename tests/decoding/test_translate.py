@@ -9,6 +9,7 @@ give the same text.
 
 import functools
 import io
+import json
 import operator
 import os
 import signal
@@ -28,9 +29,10 @@ from annotated.checkpoint import (
     save_checkpoint,
 )
 from annotated.decoding import casing
-from annotated.decoding.search import translate_ids
+from annotated.decoding.search import gnmt_lp, sequence_logprob, translate_ids, translate_nbest
 from annotated.decoding.translate import main, set_aside_unseen, translate
 from annotated.run_folder import latest_checkpoint
+from annotated.tokens import EOS
 from annotated.training.data import train_tokenizer
 from annotated.transformer import make_model
 
@@ -696,3 +698,153 @@ def test_the_translator_decodes_at_the_models_length_penalty_unless_told(ckpt, t
         alphas.clear()
         code, _, err = run_main("--checkpoint", path, *flag, "Ein Hund rennt.")
         assert code == 0 and alphas == [want], (path.name, flag, alphas, err)
+
+
+# --- the options people script against: n-best, scores, files, JSON lines, batches, threads -------
+
+
+FEW = ["Ein Hund rennt.", "Zwei Männer spielen.", "Eine Frau liest."]  # each within MAX_LEN subwords
+
+
+def hypotheses_of(out: str) -> list[list[tuple[str, float, float]]]:
+    """jsonl output -> per line [(translation, log_prob, score)], checking each object names its line."""
+    objects = [json.loads(line) for line in out.splitlines()]
+    assert [o["line"] for o in objects] == list(range(len(objects)))
+    return [[(h["translation"], h["log_prob"], h["score"]) for h in o["hypotheses"]] for o in objects]
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "int8"]], ids=["float32", "int8"])
+def test_the_first_of_the_nbest_is_the_translation_and_scores_are_the_searchs(ckpt, loaded, beam, quantize):
+    """At beam 1 and 4, float32 and int8: with --nbest (the beam's width) in JSON lines, each line's first
+    hypothesis is the plain output's translation, the hypotheses come best score first, each score is its
+    log P over GNMT's lp of its length, and (float32) each log P is the model's own log-probability of the
+    hypothesis by teacher forcing (`sequence_logprob`), within 1e-4: float32 sums of a few dozen terms, the
+    two computed in a different order (the search's cache and circuits against one pass); the command's
+    figures are those of `translate_nbest` in this process within 1e-5 (float32 rounding: there the sentence
+    is searched alone, in the command with the others of its batch)."""
+    model, tok = loaded
+    plain = run_main("--checkpoint", ckpt, "--beam", beam, *quantize, *FEW)
+    assert plain[0] == 0
+    code, out, err = run_main(
+        "--checkpoint", ckpt, "--beam", beam, "--nbest", beam, "--format", "jsonl", *quantize, *FEW
+    )
+    assert code == 0, err
+    lines = hypotheses_of(out)
+    assert [hyps[0][0] for hyps in lines] == plain[1].splitlines()
+    for sentence, hyps in zip(FEW, lines):
+        assert len(hyps) == beam
+        assert [s for _, _, s in hyps] == sorted((s for _, _, s in hyps), reverse=True)
+        found = translate_nbest(model, [tok.encode(sentence)], beam, 0.6, beam)[0] if not quantize else None
+        for i, (_text, log_prob, score) in enumerate(hyps):
+            if found is None:
+                continue
+            ids = found[i].ids  # the same search in this process, the sentence alone in its batch
+            assert (log_prob, score) == pytest.approx((found[i].log_prob, found[i].score), abs=1e-5)
+            ended = len(ids) < MAX_LEN  # an output of MAX_LEN ids was cut at the limit, without eos
+            assert score == pytest.approx(log_prob / gnmt_lp(len(ids) + ended, 0.6), abs=1e-9)
+            src = torch.tensor([tok.encode(sentence)])
+            ys = torch.tensor([ids + [EOS] * ended])
+            assert log_prob == pytest.approx(sequence_logprob(model, src, None, ys)[0].item(), abs=1e-4)
+
+
+def test_nbest_and_scores_in_text_are_numbered_lines(ckpt):
+    """Text with --nbest/--scores: `LINE ||| translation ||| log P ||| score`, LINE from 0, n lines per
+    input line; the same hypotheses and scores as JSON lines (printed to 6 decimals). An empty line gets one
+    hypothesis, empty, without scores."""
+    args = ("--checkpoint", ckpt, "--beam", "3", "--nbest", "2")
+    code, text, err = run_main(*args, "--scores", FEW[0], " ", FEW[1])
+    assert code == 0, err
+    _, jsonl, _ = run_main(*args, "--format", "jsonl", FEW[0], " ", FEW[1])
+    want = [
+        f"{i} ||| {t} ||| {'-' if p is None else f'{p:.6f}'} ||| {'-' if s is None else f'{s:.6f}'}"
+        for i, hyps in enumerate(hypotheses_of(jsonl))
+        for t, p, s in hyps
+    ]
+    assert text.splitlines() == want
+    assert [line.split(" ||| ")[0] for line in want] == ["0", "0", "1", "2", "2"]
+    assert want[2] == "1 |||  ||| - ||| -"
+    assert json.loads(jsonl.splitlines()[1])["source"] == " "
+    code, text, _ = run_main(*args, FEW[0])  # n-best without scores
+    assert code == 0 and [line.count(" ||| ") for line in text.splitlines()] == [1, 1]
+
+
+def test_a_line_in_parts_joins_its_parts_hypotheses_and_sums_their_scores(loaded):
+    """Hypothesis i of a line split into parts joins the parts' i-th hypotheses; log P and score add up."""
+    from annotated.decoding.translate import prepare, translate_prepared_nbest
+
+    model, tok = loaded
+    two = f"{FEW[0]} {FEW[2]}"
+    max_len = max(len(tok.encode(FEW[0])), len(tok.encode(FEW[2])))
+    line = prepare("text", two, None, tok, max_len, "as-typed")  # one part per sentence
+    assert len(line.sources) == 2
+    parts = translate_nbest(model, line.sources, 2, 0.6, 2)
+    answers = translate_prepared_nbest(model, tok, [line], 2, 0.6, nbest=2)[0]
+    assert len(answers) == 2
+    for i, answer in enumerate(answers):
+        assert answer.text == f"{tok.decode(parts[0][i].ids)} {tok.decode(parts[1][i].ids)}".strip()
+        assert answer.log_prob == pytest.approx(parts[0][i].log_prob + parts[1][i].log_prob, abs=1e-12)
+        assert answer.score == pytest.approx(parts[0][i].score + parts[1][i].score, abs=1e-12)
+
+
+def test_input_and_output_files_and_no_output_overwritten_without_force(ckpt, tmp_path):
+    source, target = tmp_path / "in.de", tmp_path / "out.en"
+    source.write_text("\n".join(FEW) + "\n", encoding="utf-8")
+    _, want, _ = run_main("--checkpoint", ckpt, stdin=source.read_bytes())
+    assert run_main("--checkpoint", ckpt, "--input", source, "--output", target) == (0, "", "")
+    assert target.read_text(encoding="utf-8") == want and len(want.splitlines()) == 3
+    target.write_text("mine\n")
+    code, out, err = run_main("--checkpoint", ckpt, "--input", source, "--output", target)
+    assert code == 2 and out == "" and target.read_text() == "mine\n"
+    assert (
+        err == f"translate: error: {target} exists; add --force to replace it, or add --output NEW to write elsewhere\n"
+    )
+    assert run_main("--checkpoint", ckpt, "--input", source, "--output", target, "--force")[0] == 0
+    assert target.read_text(encoding="utf-8") == want
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--nbest", "5", "--beam", "4"], "--nbest 5 is more than --beam 4: the n best come from the beam's"),
+        (["--nbest", "2", "--beam", "1"], "--nbest 2 is more than --beam 1"),
+        (["--nbest", "0"], "argument --nbest: must be a whole number >= 1, got '0'"),
+        (["--input", "absent.de"], "--input absent.de: no such file; name a file of sentences"),
+        (["--format", "xml"], "argument --format: invalid choice: 'xml'"),
+        (["--batch-size", "0"], "argument --batch-size: must be a whole number >= 1, got '0'"),
+        (["--threads", "0"], "argument --threads: must be a whole number >= 1, got '0'"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_bad_new_options_exit_2_with_one_line_before_loading(option, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main("--checkpoint", tmp_path / "none.pt", *option)
+    err += capsys.readouterr().err
+    assert code == 2 and out == "" and err.startswith(f"translate: error: {message}"), err
+    assert len(err.splitlines()) == 1 and "none.pt" not in err
+
+
+def test_input_with_sentences_or_onto_itself_is_refused(ckpt, tmp_path):
+    source = tmp_path / "in.de"
+    source.write_text(FEW[0] + "\n")
+    code, _, err = run_main("--checkpoint", ckpt, "--input", source, "Ein Hund.")
+    assert code == 2 and err == "translate: error: sentences given both as arguments and by --input: drop one of them\n"
+    code, _, err = run_main("--checkpoint", ckpt, "--input", source, "--output", source, "--force")
+    assert code == 2 and "is the --input file" in err and source.read_text() == FEW[0] + "\n"
+
+
+def test_batch_size_and_threads_reach_the_search_and_threads_are_restored(ckpt, monkeypatch):
+    from annotated.decoding import translate as module
+
+    seen = []
+
+    def recording(model, sources, beam_size, length_penalty, **kwargs):
+        seen.append((kwargs["batch_size"], torch.get_num_threads()))
+        return translate_ids(model, sources, beam_size, length_penalty, **kwargs)
+
+    monkeypatch.setattr(module, "translate_ids", recording)
+    before = torch.get_num_threads()
+    _, want, _ = run_main("--checkpoint", ckpt, *FEW)
+    code, out, _ = run_main("--checkpoint", ckpt, "--batch-size", "1", "--threads", "3", *FEW)
+    assert code == 0 and out == want  # each sentence's search is independent of its batch (float32)
+    assert seen == [(64, before), (1, 3)] and torch.get_num_threads() == before
