@@ -56,8 +56,10 @@ def pharaoh(links) -> str:
 
 @torch.no_grad()
 def head_attention(model: EncoderDecoder, src: list[int], ys: list[int], layer: int, head: int) -> torch.Tensor:
-    """Cross-attention of decoder layer `layer`, head `head` when the decoder reads `bos y_1 ... y_n`
-    (ys without eos) against the source `src`: (n + 1, S), row p the input `bos` (p = 0) or y_p."""
+    """Cross-attention of decoder layer `layer`, head `head` when the decoder reads `bos y_1 ... y_(n-1)`, the
+    inputs that predicted y_1 ... y_n (ys without eos), against the source `src`: (n, S), row p the input
+    `bos` (p = 0) or y_p. (The row y_n would read predicts what follows the translation: not needed, and a
+    translation cut at max_len has no position for it.)"""
     if not 0 <= layer < len(model.decoder.layers) or not 0 <= head < model.config.h:
         raise ValueError(
             f"no cross-attention head {layer},{head}: the model has layers 0 to {len(model.decoder.layers) - 1} "
@@ -65,14 +67,14 @@ def head_attention(model: EncoderDecoder, src: list[int], ys: list[int], layer: 
         )
     device = next(model.parameters()).device
     x = torch.tensor([src], dtype=torch.long, device=device)  # (1, S)
-    y = torch.tensor([[BOS, *ys]], dtype=torch.long, device=device)  # (1, n + 1)
+    y = torch.tensor([[BOS, *ys[:-1]]], dtype=torch.long, device=device)  # (1, n)
     with record_attention(model) as probs:
         model(x, y, None, subsequent_mask(y.size(1)).to(device))
-    return probs[("cross", layer)][0][0, head].double()  # (n + 1, S)
+    return probs[("cross", layer)][0][0, head].double()  # (n, S)
 
 
 def word_links(attention: torch.Tensor, src_pieces: Sequence[str], tgt_pieces: Sequence[str]) -> set[tuple[int, int]]:
-    """(source word, target word) links from one head's attention (n + 1, S) over the target subwords
+    """(source word, target word) links from one head's attention (n, S) over the target subwords
     `tgt_pieces` (n, y_1 ... y_n) and the source subwords (S): y_p's link is row p - 1's most attended source
     subword.
 

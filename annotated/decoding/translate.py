@@ -73,6 +73,7 @@ import torch
 from annotated.checkpoint import CheckpointError, case_table_in, loaded_from_state, read_checkpoint
 from annotated.checks import check_tokenizer
 from annotated.decoding import casing
+from annotated.decoding.alignment import SHIPPED_HEAD, alignment, pharaoh, word_numbers
 from annotated.decoding.quantize import QUANTIZATIONS, quantize_int8
 from annotated.decoding.search import translate_ids, translate_nbest
 from annotated.decoding.settings import Decoding, model_length_penalty
@@ -80,6 +81,7 @@ from annotated.door import Door
 from annotated.plumbing.allocator import keep_freed_memory
 from annotated.plumbing.devices import default_device
 from annotated.plumbing.options import at_least, device
+from annotated.shipped import FOLDER as SHIPPED_DIR
 from annotated.shipped import direction_asked
 from annotated.transformer import EncoderDecoder
 
@@ -343,11 +345,13 @@ def prepare(
 
 # %%
 class Answer(NamedTuple):
-    """One hypothesis of a line: its text, its log P(Y | X) and its score log P / lp (None: nothing searched)."""
+    """One hypothesis of a line: its text, its log P(Y | X), its score log P / lp, and its word alignment (None:
+    nothing searched, or not asked)."""
 
     text: str
     log_prob: float | None = None
     score: float | None = None
+    alignment: str | None = None  # Pharaoh `i-j` word pairs, when asked for
 
 
 def _text_of(tokenizer, line: Line, outputs: Iterator[list[int]]) -> str:
@@ -384,8 +388,10 @@ def translate_prepared_nbest(
     max_extra: int = Decoding.max_extra,
     nbest: int = 1,
     batch_size: int = BATCH_SIZE,
+    alignment_head: tuple[int, int] | None = None,
 ) -> list[list[Answer]]:
-    """The `nbest` best hypotheses of each prepared line, with their scores, best first, in order."""
+    """The `nbest` best hypotheses of each prepared line, with their scores, best first, in order; with an
+    `alignment_head` (layer, head), each with its word alignment read from that cross-attention head."""
     sources = [ids for line in lines for ids in line.sources]
     found = iter(translate_nbest(model, sources, beam_size, length_penalty, nbest, batch_size, max_extra))
     answers = []
@@ -400,6 +406,9 @@ def translate_prepared_nbest(
                     _text_of(tokenizer, line, iter([hyps[i].ids for hyps in parts])),
                     sum(hyps[i].log_prob for hyps in parts),
                     sum(hyps[i].score for hyps in parts),
+                    None
+                    if alignment_head is None
+                    else _aligned(model, tokenizer, line.sources, [hyps[i].ids for hyps in parts], alignment_head),
                 )
                 for i in range(min(len(hyps) for hyps in parts))
             ]
@@ -549,6 +558,21 @@ def arrived_windows(items: Iterable, size: int) -> Iterator[list]:
 # `--threads` PyTorch's thread count while the command runs, hence on the
 # CPU how many batches are translated side by side (`translate_ids`)
 # (`test_batch_size_and_threads_reach_the_search_and_threads_are_restored`).
+#
+# **Word alignments.** `--alignment` adds to each hypothesis its word
+# alignment, Pharaoh `i-j` pairs (source word `i`, target word `j`, from 0,
+# words as sentencepiece's `▁` starts them), read from one cross-attention
+# head by `annotated/decoding/alignment.py`: the head Part V
+# (`annotated/circuits/`, `docs/circuits.md`) names best as a word aligner.
+# `--alignment-head LAYER,HEAD` chooses it; else the checkpoint's meta
+# `alignment_head`; else, for the shipped models, layer 1, head 2, the head
+# `make circuits` names for both (`SHIPPED_HEAD`,
+# `test_the_shipped_models_align_with_the_head_part_v_names`); any other
+# checkpoint is refused in one line naming the option
+# (`test_alignment_reads_the_head_given_or_the_checkpoints_and_is_refused_without_one`,
+# `test_alignment_in_text_with_every_option`). Source words are those of the
+# text translated, after unseen characters are set aside; a line in parts
+# numbers each part's words after the parts before it.
 
 # %%
 RULES = f"""\
@@ -573,6 +597,8 @@ output length: at most min(max_len, source subwords + --max-extra) subwords.
 output: one translation a line; with --nbest/--scores "LINE ||| translation [||| log P ||| score]"
 lines, LINE from 0; --format jsonl: one JSON object per input line, its line, source and
 hypotheses (translation, log_prob, score each). An existing --output is kept unless --force is given.
+--alignment: source-target word pairs "i-j" from the cross-attention head Part V names best
+(docs/circuits.md; --alignment-head LAYER,HEAD for a checkpoint that names none).
 checkpoint missing, corrupt or incompatible, or a bad option: one line on stderr, exit code 2.
 Ctrl-C: "translate: interrupted" on stderr, exit code 130.
 """
@@ -626,6 +652,21 @@ def build_parser() -> argparse.ArgumentParser:
         "with their scores (default text)",
     )
     p.add_argument(
+        "--alignment",
+        action="store_true",
+        help="with each hypothesis its word alignment, source-target pairs 'i-j' (words from 0, as eflomal "
+        "writes them), read from the cross-attention head that aligns best (Part V, docs/circuits.md; "
+        "--alignment-head)",
+    )
+    p.add_argument(
+        "--alignment-head",
+        type=layer_head,
+        default=None,
+        help="LAYER,HEAD of the cross-attention to read alignments from (default: the checkpoint's "
+        f"alignment_head; for the shipped models {SHIPPED_HEAD[0]},{SHIPPED_HEAD[1]}, the head `make circuits` "
+        "names best)",
+    )
+    p.add_argument(
         "--batch-size", type=at_least(1), default=BATCH_SIZE, help=f"sentences searched together (default {BATCH_SIZE})"
     )
     p.add_argument(
@@ -661,6 +702,19 @@ def _load(args):
             f"checkpoint {path} translates {meta['src_lang']} -> {meta.get('tgt_lang')}, not "
             f"{asked.replace('-', ' -> ')}; drop --src/--tgt or pick another --checkpoint"
         )
+    args.alignment_head = _alignment_head(args, meta)
+    if args.alignment and args.alignment_head is None:
+        raise CheckpointError(
+            f"checkpoint {path} names no cross-attention head to align with: add --alignment-head LAYER,HEAD "
+            "(the best_cross_head `make circuits` reports for it)"
+        )
+    if args.alignment:
+        layer, head = args.alignment_head
+        if not (0 <= layer < len(model.decoder.layers) and 0 <= head < model.config.h):
+            raise CheckpointError(
+                f"--alignment-head {layer},{head}: checkpoint {path} has layers 0 to "
+                f"{len(model.decoder.layers) - 1} and heads 0 to {model.config.h - 1}"
+            )
     return model.to(args.device), tokenizer, case_table_in(state, path), model_length_penalty(meta)
 
 
@@ -678,9 +732,23 @@ def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
     return windows(_numbered([], stdin), WINDOW)
 
 
+def _aligned(model, tokenizer, sources: list[list[int]], outputs: list[list[int]], head: tuple[int, int]) -> str:
+    """The Pharaoh pairs of a line's parts: each part's links, its words numbered after the parts before it."""
+    links, before_src, before_tgt = set(), 0, 0
+    for src, ys in zip(sources, outputs):
+        links |= {(i + before_src, j + before_tgt) for i, j in alignment(model, tokenizer, src, ys, head)}
+        before_src += _words_in(tokenizer.pieces(src))
+        before_tgt += _words_in(tokenizer.pieces(ys))
+    return pharaoh(links)
+
+
+def _words_in(pieces: list[str]) -> int:
+    return max((n for n in word_numbers(pieces) if n is not None), default=-1) + 1
+
+
 def _plain(args) -> bool:
     """Whether the output is one translation a line and nothing else (the default)."""
-    return args.format == "text" and args.nbest == 1 and not args.scores
+    return args.format == "text" and args.nbest == 1 and not args.scores and not args.alignment
 
 
 def _translated(model, tokenizer, lines: list[Line], args) -> list[list[Answer]]:
@@ -688,7 +756,9 @@ def _translated(model, tokenizer, lines: list[Line], args) -> list[list[Answer]]
     decoding = (args.beam, args.length_penalty, args.max_extra)
     if _plain(args):
         return [[Answer(a)] for a in translate_prepared(model, tokenizer, lines, *decoding, args.batch_size)]
-    return translate_prepared_nbest(model, tokenizer, lines, *decoding, args.nbest, args.batch_size)
+    return translate_prepared_nbest(
+        model, tokenizer, lines, *decoding, args.nbest, args.batch_size, args.alignment_head if args.alignment else None
+    )
 
 
 def _answer(model, tokenizer, table, window: list, args) -> tuple[list[Line], list[list[Answer]]]:
@@ -727,11 +797,15 @@ def formatted(index: int, source: str, answers: list[Answer], args) -> str:
     """
     if args.format == "jsonl":
         hypotheses = [{"translation": a.text, "log_prob": a.log_prob, "score": a.score} for a in answers]
+        if getattr(args, "alignment", False):
+            for hypothesis, a in zip(hypotheses, answers):
+                hypothesis["alignment"] = a.alignment
         return json.dumps({"line": index, "source": source, "hypotheses": hypotheses}, ensure_ascii=False) + "\n"
     if _plain(args):
         return answers[0].text + "\n"
     scores = lambda a: f" ||| {_number(a.log_prob)} ||| {_number(a.score)}" if args.scores else ""
-    return "".join(f"{index} ||| {a.text}{scores(a)}\n" for a in answers)
+    aligned = lambda a: f" ||| {a.alignment or ''}" if getattr(args, "alignment", False) else ""
+    return "".join(f"{index} ||| {a.text}{scores(a)}{aligned(a)}\n" for a in answers)
 
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO | None = None) -> int:
@@ -781,6 +855,34 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO 
         if args.output is not None:
             stdout = files.enter_context(open(args.output, "wb"))
         return _serve(model, tokenizer, table, args, stdin, stdout, stderr)
+
+
+def layer_head(text: str) -> tuple[int, int]:
+    """`--alignment-head` "1,2" -> (1, 2).
+
+    >>> layer_head("1,2")
+    (1, 2)
+    """
+    try:
+        layer, head = (int(n) for n in text.split(","))
+        if layer < 0 or head < 0:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"write LAYER,HEAD, two whole numbers >= 0, e.g. 1,2; got {text!r}") from None
+    return layer, head
+
+
+def _alignment_head(args, meta: dict) -> tuple[int, int] | None:
+    """The head --alignment reads: --alignment-head, else the checkpoint's `alignment_head`, else for a shipped
+    model the one Part V names (SHIPPED_HEAD); None when there is none."""
+    if args.alignment_head is not None:
+        return args.alignment_head
+    if meta.get("alignment_head") is not None:
+        layer, head = meta["alignment_head"]
+        return int(layer), int(head)
+    if Path(args.checkpoint).resolve().parent == SHIPPED_DIR:
+        return SHIPPED_HEAD
+    return None
 
 
 def _refused(args) -> str | None:

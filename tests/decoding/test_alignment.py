@@ -60,8 +60,8 @@ def test_the_planted_head_aligns_the_known_permutation_and_its_neighbour_does_no
     assert pharaoh(links) == " ".join(f"{PERM[j]}-{j}" for j in range(5))
     other = alignment(m, Pieces, src, ys, (0, 1 - head))
     assert other == {(0, j) for j in range(5)}
-    p = head_attention(m, src, ys, 0, head)  # (6, 5) rows: bos, y_1 .. y_5
-    assert p.shape == (6, 5) and torch.allclose(p.sum(dim=1), torch.ones(6, dtype=torch.float64))
+    p = head_attention(m, src, ys, 0, head)  # (5, 5) rows: bos, y_1 .. y_4
+    assert p.shape == (5, 5) and torch.allclose(p.sum(dim=1), torch.ones(5, dtype=torch.float64))
 
 
 def test_a_word_of_several_subwords_takes_the_union_of_their_links():

@@ -848,3 +848,89 @@ def test_batch_size_and_threads_reach_the_search_and_threads_are_restored(ckpt, 
     code, out, _ = run_main("--checkpoint", ckpt, "--batch-size", "1", "--threads", "3", *FEW)
     assert code == 0 and out == want  # each sentence's search is independent of its batch (float32)
     assert seen == [(64, before), (1, 3)] and torch.get_num_threads() == before
+
+
+# --- word alignments ----------------------------------------------------------
+
+
+def test_alignment_reads_the_head_given_or_the_checkpoints_and_is_refused_without_one(ckpt, loaded, tmp_path):
+    """--alignment-head 0,1, or the checkpoint's meta `alignment_head`: each hypothesis' pairs are those
+    `alignment` reads from that head for its ids (`annotated/decoding/alignment.py`). A checkpoint that names
+    no head, and is not shipped, is refused in one line naming the option to add."""
+    from annotated.checkpoint import with_meta
+    from annotated.decoding.alignment import alignment, pharaoh
+
+    model, tok = loaded
+    named = tmp_path / "named.pt"
+    with_meta(ckpt, named, alignment_head=[0, 1])
+    runs = [
+        run_main(
+            "--checkpoint",
+            ckpt,
+            "--beam",
+            "2",
+            "--nbest",
+            "2",
+            "--alignment",
+            "--alignment-head",
+            "0,1",
+            "--format",
+            "jsonl",
+            *FEW,
+        ),
+        run_main("--checkpoint", named, "--beam", "2", "--nbest", "2", "--alignment", "--format", "jsonl", *FEW),
+    ]
+    assert runs[0] == runs[1] and runs[0][0] == 0
+    for sentence, line in zip(FEW, runs[0][1].splitlines()):
+        hyps = json.loads(line)["hypotheses"]
+        found = translate_nbest(model, [tok.encode(sentence)], 2, 0.6, 2)[0]
+        assert [h["alignment"] for h in hyps] == [
+            pharaoh(alignment(model, tok, tok.encode(sentence), f.ids, (0, 1))) for f in found
+        ]
+        assert all(h["alignment"] for h in hyps)
+    code, out, err = run_main("--checkpoint", ckpt, "--alignment", *FEW)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "names no cross-attention head to align with: add --alignment-head LAYER,HEAD" in err
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "int8"]], ids=["float32", "int8"])
+def test_alignment_in_text_with_every_option(ckpt, beam, quantize):
+    """Text: `LINE ||| translation ||| log P ||| score ||| pairs`; the translation that of the plain output;
+    each pair within the line's source and target words."""
+    _, plain, _ = run_main("--checkpoint", ckpt, "--beam", beam, *quantize, *FEW)
+    code, out, err = run_main(
+        "--checkpoint", ckpt, "--beam", beam, "--scores", "--alignment", "--alignment-head", "0,0", *quantize, *FEW
+    )
+    assert code == 0, err
+    rows = [line.split(" ||| ") for line in out.splitlines()]
+    assert [r[1] for r in rows] == plain.splitlines() and all(len(r) == 5 for r in rows)
+    for (_, text, _, _, pairs), source in zip(rows, FEW):
+        links = [tuple(map(int, pair.split("-"))) for pair in pairs.split()]
+        assert links and all(i < len(source.split()) and j < len(text.split()) for i, j in links)
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--alignment-head", "1"], "argument --alignment-head: write LAYER,HEAD, two whole numbers >= 0, e.g. 1,2"),
+        (["--alignment-head", "0,5"], "--alignment-head 0,5: checkpoint"),
+    ],
+)
+def test_a_bad_alignment_head_is_one_line(ckpt, option, message, capsys):
+    code, out, err = run_main("--checkpoint", ckpt, "--alignment", *option, "Ein Hund.")
+    err += capsys.readouterr().err
+    assert code == 2 and out == "" and err.startswith(f"translate: error: {message}") and len(err.splitlines()) == 1
+
+
+def test_the_shipped_models_align_with_the_head_part_v_names():
+    import argparse
+
+    from annotated.decoding.alignment import SHIPPED_HEAD
+    from annotated.decoding.translate import _alignment_head
+    from annotated.shipped import shipped_model
+
+    for direction in ("de-en", "en-de"):
+        args = argparse.Namespace(alignment_head=None, checkpoint=shipped_model(direction))
+        assert _alignment_head(args, {}) == SHIPPED_HEAD == (1, 2)
+    assert _alignment_head(argparse.Namespace(alignment_head=None, checkpoint="elsewhere/best.pt"), {}) is None
