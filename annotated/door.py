@@ -149,7 +149,12 @@ class Door:
         """--out (by default a folder that can be written) and --force (unless `force=False`)."""
         p.add_argument("--out", type=type, default=None, required=required, help=help)
         if force:
-            p.add_argument("--force", action="store_true", help="overwrite outputs of an earlier run")
+            self.force_option(p)
+
+    def force_option(self, p: argparse.ArgumentParser, help: str = "overwrite outputs of an earlier run") -> None:
+        """--force alone, for a command whose output is a file it names itself (the translator's --output),
+        checked with `keep`."""
+        p.add_argument("--force", action="store_true", help=help)
 
     def outputs(
         self,

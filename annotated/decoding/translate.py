@@ -629,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--input", type=Path, default=None, help="read the sentences from this file (default: stdin)")
     p.add_argument("--output", type=Path, default=None, help="write the translations to this file (default: stdout)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --output file")
+    DOOR.force_option(p, help="overwrite an existing --output file")
     p.add_argument(
         "--nbest",
         type=at_least(1),

@@ -44,8 +44,8 @@ def one_search_for_every_alpha():
                 runs[key] = [[] for _ in range(src.size(0))]
                 loops[loop](model, src, src_mask, max_len, k, 0.0, bos, eos, use_cache, runs[key])
             for mine, found in zip(finished, runs[key]):
-                # the loops append (log P / gnmt_lp(|Y|, alpha), ids); at alpha 0 the score is log P itself
-                mine.extend((logP / gnmt_lp(len(ids), length_penalty), ids) for logP, ids in found)
+                # the loops append (log P / gnmt_lp(|Y|, alpha), ids, log P): rescored at this alpha
+                mine.extend((logP / gnmt_lp(len(ids), length_penalty), ids, logP) for _, ids, logP in found)
 
         return run
 
