@@ -92,9 +92,11 @@ def test_every_reader_uses_the_one_value():
 def test_the_export_asks_generate_for_the_translators_beam():
     pytest.importorskip("transformers")
     from annotated.interop.folders import generation_config
+    from annotated.interop.marian import marian_config
     from annotated.transformer import TransformerConfig
 
-    assert generation_config(TransformerConfig(src_vocab=20, tgt_vocab=20)).num_beams == Decoding.beam
+    marian = marian_config(TransformerConfig(src_vocab=20, tgt_vocab=20))
+    assert generation_config(marian).num_beams == Decoding.beam
 
 
 def test_a_command_reads_its_settings_back_with_the_models_length_penalty():
