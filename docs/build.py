@@ -129,6 +129,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "training/syncs",
             "training/config",
             "training/results",
+            "training/memory",
             "decoding/translate",
             "decoding/casing",
             "training/add_case_table",

@@ -1,4 +1,4 @@
-"""Freed memory stays in the process: glibc's malloc told not to hand large blocks back to the kernel.
+"""Freed memory kept in the process, within a bound, and handed back between phases.
 
 By default glibc's `malloc` serves every block above a threshold (128 KiB, rising to at most 32 MiB as large
 blocks are freed) with a fresh `mmap` and returns it with `munmap` when it is freed, and it trims the top of
@@ -7,16 +7,23 @@ sizes (activations, gradients, the logits over the vocabulary), batch after batc
 kernel maps, zeroes and unmaps fresh pages for the same tensors at every step (`docs/training.md`, "The step
 on real batches", measures what that costs).
 
-`keep_freed_memory()` asks malloc (`mallopt`, through `ctypes`) to serve blocks below 1 GiB from its heap, to
-keep up to 1 GiB of free heap instead of trimming it, and to grow the heap 256 MiB at a time, so a step reuses
-the memory the previous one freed. The process keeps its peak size until it exits, as PyTorch's CUDA caching
-allocator does on a GPU. Training calls it when it runs on the CPU, and so do the benchmarks of the training
-step (every implementation they compare runs in the same process, under the same allocator). The translator
-calls it too on the CPU: a beam step of 256 rows allocates logits and log-probabilities of 5 MB each, which
-malloc, with its thresholds at their starting 128 KiB, hands back to the kernel and page-faults in again at
-the next step (`annotated/decoding/search.py`, section 7; the faults and the time they cost:
+`keep_freed_memory()` asks malloc (`mallopt`, through `ctypes`) to serve blocks below `KEPT_BYTES` (256 MiB)
+from its heap and to keep up to `KEPT_BYTES` of free memory at the top of each heap instead of trimming it,
+so a step reuses the memory the previous one freed. The translator calls it too on the CPU: a beam step of
+256 rows allocates logits and log-probabilities of 5 MB each, which malloc, with its thresholds at their
+starting 128 KiB, hands back to the kernel and page-faults in again at the next step
+(`annotated/decoding/search.py`, section 7; the faults and the time they cost:
 benchmarks/README.md#levers-shared-memory-freed-memory-windows).
-Elsewhere than glibc it does nothing and says so (`False`).
+
+What is kept is bounded twice. At the top of a heap, by `KEPT_BYTES` (malloc's trim threshold), per heap:
+the main one and one per thread that allocates (`M_ARENA_MAX` caps those at `ARENAS`). Inside a heap, tensors
+of changing shapes leave holes that no trim threshold reaches: `release_freed_memory()` (`malloc_trim(0)`)
+hands every free page back to the kernel, and training calls it where a phase ends (after each epoch's
+steps, after its validation, after each test decode), so what one phase left free never stays resident
+through the next. (`benchmarks/README.md`, "Where the memory goes in a CPU run", measures it against the unbounded
+settings this replaced.)
+`resident_bytes()`, `peak_resident_bytes()` and `heap_bytes()` read what the process holds, for the
+training log. Elsewhere than glibc they do nothing and say so (`False`, or None).
 """
 
 from __future__ import annotations
@@ -24,21 +31,83 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+import resource
+import sys
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's <malloc.h>
-SETTINGS = ((M_MMAP_THRESHOLD, 1 << 30), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 256 << 20))
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8  # glibc's <malloc.h>
+KEPT_BYTES = 256 << 20  # the most free memory kept at the top of one heap, and the largest block it serves
+ARENAS = 4  # heaps: the main one, and at most three more for the threads that allocate
+SETTINGS = (
+    (M_MMAP_THRESHOLD, KEPT_BYTES),
+    (M_TRIM_THRESHOLD, KEPT_BYTES),
+    (M_TOP_PAD, 16 << 20),  # the heap grows 16 MiB at a time
+    (M_ARENA_MAX, ARENAS),
+)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, or None where this is no glibc (musl has no mallopt; macOS's libc neither)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Tell glibc's malloc to keep freed memory for reuse (above); True where every setting was taken."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    """Tell glibc's malloc to keep freed memory for reuse, within `KEPT_BYTES` (above); True where every
+    setting was taken."""
+    libc = _libc()
+    return libc is not None and all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)
+
+
+def release_freed_memory() -> bool:
+    """Hand every free page of every heap back to the kernel (`malloc_trim(0)`); True where glibc did."""
+    libc = _libc()
+    if libc is None:
         return False
+    libc.malloc_trim(0)
+    return True
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+        + ("keepcost",)
+    ]
+
+
+def heap_bytes() -> tuple[int, int] | None:
+    """(bytes malloc hands out now, bytes it holds free), over every heap and mapped block (`mallinfo2`,
+    glibc 2.33 and later); None elsewhere. Free bytes may be resident or already handed back."""
+    libc = _libc()
+    info = getattr(libc, "mallinfo2", None)
+    if info is None:
+        return None
+    info.restype = _Mallinfo2
+    m = info()
+    return m.uordblks + m.hblkhd, m.fordblks
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now (`/proc/self/statm`; the peak so far where there is no /proc)."""
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt; macOS's libc neither)
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in SETTINGS)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_resident_bytes()
+
+
+def peak_resident_bytes() -> int:
+    """The most resident memory the process has held (`getrusage`: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

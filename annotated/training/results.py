@@ -45,11 +45,13 @@ from typing import Any
 import torch
 
 from annotated.checkpoint import atomic_torch_save, load_checkpoint, read_checkpoint, with_meta
+from annotated.plumbing.allocator import peak_resident_bytes
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.provenance import environment
 from annotated.run_folder import AVERAGED, BEST, LAST, epoch_files
 from annotated.training.config import TrainConfig, config_dict
 from annotated.training.evaluate import choose_length_penalty, evaluate_bleu
+from annotated.training.memory import MemoryLog
 from annotated.training.runs import average_checkpoints
 
 
@@ -87,11 +89,13 @@ def score_test_set(
     writer=None,
     val_pairs=None,
     started_in: dict | None = None,
+    memory: MemoryLog | None = None,
 ) -> dict:
     """Test BLEU of the best (and averaged) checkpoint, greedy and beam (at the length penalty of the settings,
     or chosen on `val_pairs`); writes results.json and, given a tensorboard writer, the test scores and the
     settings. `started_in`: the environment the training started in (`environment()` then: the code that
-    trained, not the checkout as it is when training ends); else taken now."""
+    trained, not the checkout as it is when training ends); else taken now. `memory`: the run's `MemoryLog`,
+    given a row where each phase here ends, all of them in results.json."""
     test_set = f"{test_files[0]} + {test_files[1]}" if test_files else "test_2016_flickr"  # named by its files
     results: dict[str, Any] = {
         "run_dir": str(run_dir),
@@ -110,14 +114,20 @@ def score_test_set(
     last = read_checkpoint(run_dir / LAST)["run_state"]
     results.update(steps=last["step"], train_s=round(last.get("train_s", 0.0), 1), history=last["history"])
     samples: list = []
+    memory = memory or MemoryLog()
+    step, first_row = last["step"], len(memory.rows)
     tested = checkpoints_to_test(cfg, run_dir)
+    memory.phase_end("averaging", step, writer)
     results["length_penalty"] = length_penalty_of_run(cfg, tested, tokenizer, val_pairs, dev, say, progress)
+    memory.phase_end("length_penalty", step, writer)
     alpha = results["length_penalty"]["chosen"]
     for name, path in tested.items():
         model, _, meta = load_checkpoint(path)
         model.to(dev)
         greedy, hyps = evaluate_bleu(model, tokenizer, test_pairs, 1, 0.0, dev, progress)
+        memory.phase_end(f"test_{name}_greedy", step, writer)
         beam, beam_hyps = evaluate_bleu(model, tokenizer, test_pairs, cfg.beam_size, alpha, dev, progress)
+        memory.phase_end(f"test_{name}_beam", step, writer)
         results["test"][name] = {
             "checkpoint": str(path),
             "epoch": meta.get("epoch"),
@@ -135,11 +145,14 @@ def score_test_set(
                 for (s, r), g, b in list(zip(test_pairs, hyps, beam_hyps))[:5]
             ]
     results["samples"] = samples
+    results["memory"] = memory.rows  # what the process held where each phase ended (training/memory.py)
     atomic_write(run_dir / "results.json", json.dumps(results, indent=2, ensure_ascii=False))
     if writer is not None:
         log_test_scores(writer, cfg, results)
     for s in samples[:3]:
         say(f"  src : {s['source']}\n  ref : {s['reference']}\n  beam: {s['beam']}")
+    peaks = ", ".join(f"{r['phase']} {r['resident_mb']:,}" for r in memory.rows[first_row:])
+    say(f"memory (MB resident where each phase ended): {peaks}; the run's peak {peak_resident_bytes() >> 20:,} MB")
     say(f"results: {run_dir / 'results.json'}; checkpoints: {run_dir}; tensorboard --logdir {run_dir / 'tb'}")
     return results
 

@@ -41,6 +41,7 @@ from annotated.training import data, distributed
 from annotated.training.config import PRESETS, TrainConfig, config_dict  # noqa: F401 train.PRESETS for the callers
 from annotated.training.evaluate import evaluate_bleu
 from annotated.training.loss import label_smoothed_loss
+from annotated.training.memory import MemoryLog
 from annotated.training.results import Arithmetic, score_test_set
 from annotated.training.runs import (
     RunState,
@@ -381,6 +382,7 @@ class Run:
     alignment_image: AlignmentImage | None = None
     t_start: float = field(default_factory=time.perf_counter)
     tally: EpochTally = field(default_factory=EpochTally)
+    memory: MemoryLog = field(default_factory=MemoryLog)  # what the process holds where each phase ends
 
     @property
     def main(self) -> bool:
@@ -453,6 +455,7 @@ def train(
             writer=run.writer,
             val_pairs=run.data.val_pairs,
             started_in=started_in,
+            memory=run.memory,
         )
     finally:
         if run is not None and run.writer is not None:
@@ -716,6 +719,7 @@ def setup(
             f"precision {arithmetic.precision} ({arithmetic.reason}), "
             f"{arithmetic.threads} CPU thread{'' if arithmetic.threads == 1 else 's'}"
         )
+    run.memory.phase_end("data", state.step, run.writer)  # the splits, the tokenizer and the model loaded
     return run, state
 
 
@@ -753,6 +757,7 @@ VALIDATION_TAGS = {
 def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
     """Rank 0: validate, checkpoint and log a finished epoch; a run stopped mid-epoch only saves last.pt."""
     cfg, model, dev, tokenizer = run.cfg, run.learner.model, run.place.dev, run.data.tokenizer
+    trained = run.memory.phase_end("training", state.step, run.writer)  # the epoch's steps (memory.py)
     if not run.main:
         return
     if state.batch_in_epoch:  # interrupted or out of budget mid-epoch: just make it resumable
@@ -768,6 +773,7 @@ def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
             run.alignment_image(run.writer, model, tokenizer, run.data.val_pairs[0][0], state.step)
     set_rng_state(rng)
     model.train()
+    validated = run.memory.phase_end("validation", state.step, run.writer)
     train_loss = run.tally.loss / max(run.tally.tokens, 1)
     record = {
         "epoch": state.epoch,
@@ -804,5 +810,6 @@ def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
         f"epoch {state.epoch:3d} step {state.step:6d}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  "
         f"val BLEU {val['bleu']:5.2f} (greedy, {val['sentences']} sentences)  chrF {val['chrf']:5.2f}"
         f"{'  *best*' if improved else ''}  [train {record['train_s']:.1f} s, {record['tokens_per_s']:,} "
-        f"tok/s; eval {record['eval_s']:.1f} s]"
+        f"tok/s; eval {record['eval_s']:.1f} s]  [memory {trained['resident_mb']:,} MB after the steps, "
+        f"{validated['resident_mb']:,} MB after validation, peak {validated['peak_mb']:,} MB]"
     )
