@@ -52,6 +52,8 @@ COMMANDS = {  # module -> the command's name
     "benchmarks.profiling": "profiling",
     "benchmarks.case": "case-bench",
     "benchmarks.padding": "padding-bench",
+    "benchmarks.allocator": "allocator-bench",
+    "benchmarks.commands_memory": "memory-table",
     "benchmarks.translate": "translate-bench",
     "benchmarks.int8_products": "int8-bench",
     "benchmarks.circuits": "circuits-bench",
