@@ -14,6 +14,7 @@ import pytest
 EPOCHS = 5
 RUN = """
 import dataclasses, sys, torch
+from pathlib import Path
 from annotated.training import train
 torch.set_num_threads(1)
 cfg = dataclasses.replace(train.PRESETS["smoke"], max_steps=14 * int(sys.argv[4]), val_bleu_sentences=8,
