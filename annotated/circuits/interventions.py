@@ -385,29 +385,37 @@ def intervene(
 #
 # `make circuits` tests the best cross head (the lowest alignment error rate:
 # the head said to align and translate), and for each position role of
-# `readout.py`'s records that is tested here (`ROLES`: the previous position,
-# the query's own position), the first head that carries the label. Each with
-# its neighbour, the three ways, on the readout's validation sentences.
+# `ROLES` (the previous position in the encoder, the query's own position in
+# the decoder) the head of that attention whose real argmax falls there most
+# often: the largest measured share of `score_terms.py`'s `roles`, not the
+# position label its weights give, which can name another head (on shipped
+# de -> en the weights call encoder layer 1 head 0 the previous-position head;
+# its argmax looks back for 45% of queries, head 2's for 59%:
+# `test_role_heads_are_chosen_by_the_measured_share`). Each with its
+# neighbour, the three ways, on the readout's validation sentences.
 
 # %%
-ROLES = ("previous", "self")
+ROLES = {"previous": "enc_self", "self": "dec_self"}  # position role -> the attention it is tested in
 
 
 def role_heads(report: dict[str, Any]) -> list[tuple[str, Site, int]]:
-    """(role, site, head) to test: the best cross head, then the first head with each label of ROLES.
+    """(role, site, head) to test: the best cross head, then for each role of ROLES the head of its attention
+    with the largest measured share (the first of equals).
 
-    >>> heads = [{"site": ["enc_self", 1], "head": 0, "positions": {"label": "previous"}},
-    ...          {"site": ["cross", 1], "head": 2, "positions": {"label": "mixed"}}]
+    >>> heads = [{"site": ["enc_self", 1], "head": 0, "roles": {"previous": [0.45, 0.4, 0.5]}},
+    ...          {"site": ["enc_self", 1], "head": 2, "roles": {"previous": [0.59, 0.5, 0.6]}},
+    ...          {"site": ["cross", 1], "head": 2, "roles": {"aligned": [0.75, 0.7, 0.8]}}]
     >>> role_heads({"heads": heads, "best_cross_head": ["cross", 1, 2]})
-    [('aligns and translates', ('cross', 1), 2), ('previous', ('enc_self', 1), 0)]
+    [('aligns and translates', ('cross', 1), 2), ('previous', ('enc_self', 1), 2)]
     """
     out: list[tuple[str, Site, int]] = []
     best = report.get("best_cross_head")
     if best is not None:
         out.append(("aligns and translates", (best[0], best[1]), best[2]))
-    for role in ROLES:
-        h = next((h for h in report["heads"] if h["positions"]["label"] == role), None)
-        if h is not None:
+    for role, kind in ROLES.items():
+        measured = [h for h in report["heads"] if h["site"][0] == kind and role in h.get("roles", {})]
+        if measured:
+            h = max(measured, key=lambda h: h["roles"][role][0])  # max keeps the first of equals
             out.append((role, (h["site"][0], h["site"][1]), h["head"]))
     return out
 

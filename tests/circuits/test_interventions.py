@@ -120,3 +120,30 @@ def test_resampling_takes_another_sentence_of_at_least_the_same_length():
     assert fallback == 1  # sentence 1 (3 positions) from sentence 0 (2): one position takes the mean
     out = swaps["resample"](torch.zeros(2, 3, 2), 0)
     assert out[0, :2].eq(1).all() and out[1, :2].eq(0).all() and out[1, 2].eq(torch.cat(terms).mean(0)).all()
+
+
+def test_role_heads_are_chosen_by_the_measured_share():
+    """On shipped de -> en the weights label encoder layer 1's heads 0 and 2 `previous` (head 0 first), but the
+    real argmax of head 2 looks back more often: the previous-position head tested is head 2, the measured one."""
+    from annotated.circuits.circuits import circuit
+    from annotated.circuits.interventions import role_heads
+    from annotated.circuits.readout import weights_record
+    from annotated.circuits.score_terms import read_scores, reading_records
+    from annotated.shipped import load_shipped
+    from annotated.tokens import BOS
+
+    model, tok, _ = load_shipped("de-en")
+    model = model.double().eval()
+    pad = lambda seqs: torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], True, PAD)
+    src = pad([tok.encode(s) for s in ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park."]])
+    tgt = pad([[BOS, *tok.encode(t)] for t in ["A dog runs across the meadow.", "Two men play soccer in the park."]])
+    measured = reading_records(read_scores(model, [(src, tgt)], PAD), resamples=20)
+    site = ("enc_self", 1)
+    heads = [
+        {**weights_record(model, circuit(attention_at(model, *site), i, site)), **measured[(site, i)]}
+        for i in range(attention_at(model, *site).h)
+    ]
+    by_weights = next(h["head"] for h in heads if h["positions"]["label"] == "previous")
+    shares = [h["roles"]["previous"][0] for h in heads]
+    assert by_weights == 0 and shares[2] > shares[0]  # the two readings disagree here
+    assert role_heads({"heads": heads}) == [("previous", site, 2)]
