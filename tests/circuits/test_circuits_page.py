@@ -90,6 +90,12 @@ def report(model):
     return readout(model)
 
 
+def _role(r: dict) -> str:
+    """The picker's role: measured on the real attention, the weights' position label beside it where they differ."""
+    role, weights = r["roles"]["label"], r["positions"]["label"]
+    return role if role == weights else f"{role} (weights: {weights})"
+
+
 def open_page(page: Path, tmp_path: Path, fragment: str = "", width: int = 1400) -> Chromium:
     if CHROMIUM is None:
         pytest.skip(NO_CHROMIUM)
@@ -182,7 +188,14 @@ def test_circuits_page_shows_the_chosen_rows(report, tmp_path):
         r = record(report, "cross", 1, 2)
         label = browser.js("document.querySelector('#head option[value=\"cross:1:2\"]').textContent")
         rho, aer, p1 = r["faithfulness"]["rho"][0], r["aer"], r["dictionary"]["ov_precision"][0]
-        assert label == f"head 2: {r['positions']['label']}, rho {_fixed(rho)}, AER {_fixed(aer)}, OV P@1 {_fixed(p1)}"
+        assert label == f"head 2: {_role(r)}, rho {_fixed(rho)}, AER {_fixed(aer)}, OV P@1 {_fixed(p1)}"
+        # every head's role in the picker is the measured one, the weights' label beside it where they differ
+        texts = browser.js(
+            "Object.fromEntries([...document.querySelectorAll('#head option')].map(o => [o.value, o.textContent]))"
+        )
+        roles = {f"{h['site'][0]}:{h['site'][1]}:{h['head']}": _role(h) for h in report["heads"]}
+        assert {k: t.split(", rho")[0] for k, t in texts.items()} == {k: f"head {k[-1]}: {v}" for k, v in roles.items()}
+        assert any("(weights: " in v for v in roles.values())  # the tiny model has heads where the two disagree
         browser.js(
             "(() => { const s = document.getElementById('head'); s.value = 'cross:1:2'; "
             "s.dispatchEvent(new Event('change')); })()"

@@ -41,9 +41,16 @@ function prunedNote() {  // the attentions that keep fewer heads than the others
     ' (its heads numbered as the pruned model numbers them)';
 }
 
+// the role measured on the real attention (score_terms.py), the weights' position label beside it where they differ
+function roleLabel(r) {
+  const measured = r.roles ? r.roles.label : null, weights = r.positions.label;
+  if (measured === null) return weights;
+  return measured === weights ? measured : `${measured} (weights: ${weights})`;
+}
+
 function headLabel(r) {
   const rho = r.faithfulness ? r.faithfulness.rho[0] : null;
-  let text = `head ${r.head}: ${r.positions.label}, rho ${fmt(rho)}`;
+  let text = `head ${r.head}: ${roleLabel(r)}, rho ${fmt(rho)}`;
   if (r.site[0] === 'cross') {
     if (typeof r.aer === 'number') text += `, AER ${fmt(r.aer)}`;
     if (r.dictionary) text += `, OV P@1 ${fmt(r.dictionary.ov_precision[0])}`;
