@@ -132,6 +132,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "training/memory",
             "decoding/translate",
             "decoding/casing",
+            "decoding/alignment",
             "training/add_case_table",
             "training/choose_length_penalty",
             "training/pack",

@@ -21,9 +21,11 @@
 # Circuits"). With `||M||_F` the Frobenius norm and the row-vector
 # convention of this book (`x W`), the three composition scores are
 #
-# $$Q:\ \frac{\lVert W_{OV}^{A}\, W_{QK}^{B} \rVert_F}{\lVert W_{OV}^{A}\rVert_F\, \lVert W_{QK}^{B}\rVert_F}
-# \qquad K:\ \frac{\lVert W_{OV}^{A}\, {W_{QK}^{B}}^{\top} \rVert_F}{\lVert W_{OV}^{A}\rVert_F\, \lVert W_{QK}^{B}\rVert_F}
-# \qquad V:\ \frac{\lVert W_{OV}^{A}\, W_{OV}^{B} \rVert_F}{\lVert W_{OV}^{A}\rVert_F\, \lVert W_{OV}^{B}\rVert_F}$$
+# $$Q:\ \frac{\lVert W_{OV}^{A}\, W_{QK}^{B} \rVert_F}{\lVert W_{OV}^{A}\rVert_F\, \lVert W_{QK}^{B}\rVert_F}$$
+#
+# $$K:\ \frac{\lVert W_{OV}^{A}\, {W_{QK}^{B}}^{\top} \rVert_F}{\lVert W_{OV}^{A}\rVert_F\, \lVert W_{QK}^{B}\rVert_F}$$
+#
+# $$V:\ \frac{\lVert W_{OV}^{A}\, W_{OV}^{B} \rVert_F}{\lVert W_{OV}^{A}\rVert_F\, \lVert W_{OV}^{B}\rVert_F}$$
 #
 # * **Q-composition**: `A` writes into what `B` reads as its *query*. The
 #   score of `B` is `x_a W_QK x_b^T`, and `A`'s part of `x_a` is
