@@ -48,3 +48,19 @@ def test_no_committed_file_names_a_folder_of_this_machine():
         if any(folder in line for folder in folders)
     ]
     assert hits == [], f"absolute paths of this machine ({', '.join(folders)}) in committed files:\n" + "\n".join(hits)
+
+
+# The last commit written before the rule below; every later subject keeps to it.
+SUBJECTS_RULE_FROM = "fe8c498"
+
+
+def test_commit_subjects_fit_72_characters():
+    """CONTRIBUTING's habit, checked for every commit after the rule began: a subject of at most 72 characters,
+    the details in the body (so `git log --oneline` and every review tool show whole subjects)."""
+    log = subprocess.run(
+        ["git", "-C", str(REPO), "log", "--format=%h %s", f"{SUBJECTS_RULE_FROM}..HEAD"], capture_output=True, text=True
+    )
+    if log.returncode != 0:
+        pytest.skip(f"commit {SUBJECTS_RULE_FROM} is not in this clone's history (a shallow clone or an archive)")
+    long = [line for line in log.stdout.splitlines() if len(line.split(" ", 1)[1]) > 72]
+    assert not long, "subjects over 72 characters (shorten with git commit --amend):\n" + "\n".join(long)
