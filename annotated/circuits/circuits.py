@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from annotated.sites import Site, attention_at, sites
-from annotated.transformer import BLOCKS, EncoderDecoder, FusedAttention, PerHeadAttention
+from annotated.transformer import BLOCKS, EncoderDecoder, FusedAttention, PerHeadAttention, head_blocks
 
 # %% [markdown]
 # ## 1. A low-rank matrix kept as its factors
@@ -115,9 +115,9 @@ class Factored:
 #
 # The per-head form stores `W_Q[i]` as it is; the fused form stores it as
 # column block `i` of `W_Q` (rows block `i` for `W_O`), exactly the block the
-# `view` in the chapter's section 4 hands to head `i`. `head_matrices` reads
-# both through the chapter's own `BLOCKS` table, so the two forms give the
-# same circuits (`test_circuits_of_the_per_head_and_fused_forms_are_equal`).
+# `view` in the chapter's section 4 hands to head `i`. `head_matrices` takes
+# head `i`'s block of each from the chapter's own `head_blocks`, so the two
+# forms give the same circuits (`test_circuits_of_the_per_head_and_fused_forms_are_equal`).
 
 
 # %%
@@ -125,17 +125,8 @@ def head_matrices(att: PerHeadAttention | FusedAttention, i: int) -> dict[str, T
     """W_Q, W_K, W_V, W_O and b_Q, b_K, b_V of head i (b_* None without biases)."""
     if not 0 <= i < att.h:
         raise IndexError(f"head {i} does not exist: this attention has heads 0..{att.h - 1}")
-    out: dict[str, Tensor | None] = {}
-    for name, (dim, width) in BLOCKS.items():
-        stored = getattr(att, name)
-        if stored is None:
-            out[name] = None
-        elif isinstance(att, PerHeadAttention):
-            out[name] = stored[i].detach()
-        else:
-            d = getattr(att, width)
-            out[name] = stored.detach().narrow(dim, i * d, d)  # block i: what the view gives head i
-    return out
+    blocks = {name: head_blocks(att, name) for name in BLOCKS}  # (h, ...) each, or None
+    return {name: None if b is None else b[i].detach() for name, b in blocks.items()}
 
 
 # %% [markdown]
