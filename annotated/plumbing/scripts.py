@@ -42,7 +42,7 @@ COMMANDS = {  # module -> the command's name
     "annotated.attention.heads": "heads",
     "annotated.circuits.command": "circuits",
     "annotated.proof.equivalence": "equivalence",
-    "annotated.interop.folders": "marian",
+    "annotated.interop.folders": "export-import",  # its subcommands name themselves: export, import
     "annotated.interop.agreement": "agreement",
     "annotated.training.pack": "pack",
     "annotated.training.add_case_table": "add_case_table",
