@@ -130,9 +130,24 @@ def circuits_beside(folder: os.PathLike | str) -> str | None:
     return next((name for name in CIRCUITS if (Path(folder) / name).is_file()), None)
 
 
-def viewer_file(name: str) -> str:
-    """The text of `annotated/attention/web/<name>` (package data)."""
-    return importlib.resources.files("annotated.attention").joinpath("web").joinpath(name).read_text(encoding="utf-8")
+def viewer_file(name: str, package: str = "annotated.attention") -> str:
+    """The text of `<package>/web/<name>` (package data: the viewer's files; the circuits page's, package
+    `annotated.circuits`)."""
+    return importlib.resources.files(package).joinpath("web").joinpath(name).read_text(encoding="utf-8")
+
+
+def page_html(template: str, title, css: str, js: str, footer: str, data, **fields: str) -> str:
+    """A self-contained page: `template` (string.Template) filled with the escaped title and footer, the style, the
+    script with the policy that lets only it run, and `data` as JSON the script reads."""
+    return string.Template(template).substitute(
+        title=html.escape(str(title)),
+        css=css,
+        csp=content_security_policy(js),
+        footer=html.escape(footer),
+        data=script_json(data),
+        js=js,
+        **fields,
+    )
 
 
 def viewer_html(
@@ -198,22 +213,14 @@ def viewer_html(
             )
         )
     )
-    footer = html.escape(
+    footer = (
         f"checkpoint: {index.get('checkpoint')}; {shape}; "
         f"translated as make translate does ({search}); weights rounded to {decimals} decimals"
         f"{opened}; heads and layers count from 0"
     )
-    js = viewer_file("viewer.js")
-    page = string.Template(viewer_file("viewer.html"))
-    return page.substitute(
-        title=html.escape(str(index.get("checkpoint"))),
-        css=viewer_file("viewer.css"),
-        csp=content_security_policy(js),
-        body_class="embedded" if embedded else "",
-        footer=footer,
-        data=script_json(data),
-        js=js,
-    )
+    css, js = viewer_file("viewer.css"), viewer_file("viewer.js")
+    body_class = "embedded" if embedded else ""
+    return page_html(viewer_file("viewer.html"), index.get("checkpoint"), css, js, footer, data, body_class=body_class)
 
 
 # %% [markdown]

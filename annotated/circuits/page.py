@@ -58,15 +58,12 @@
 # %%
 from __future__ import annotations
 
-import html
-import importlib.resources
 import os
-import string
 from pathlib import Path
 from typing import Any
 
 from annotated.attention.pictures import KIND_LABELS, MASKED, WORD_MARK, colour_table
-from annotated.attention.viewer import CIRCUITS_PAGE, content_security_policy, script_json, viewer_file
+from annotated.attention.viewer import CIRCUITS_PAGE, page_html, viewer_file
 from annotated.plumbing.files import atomic_write, json_safe
 
 DIGITS = 4  # decimals kept of every number on the page
@@ -75,7 +72,7 @@ VIEWERS = ("attention/viewer.html", "viewer.html")  # where the attention viewer
 
 def page_file(name: str) -> str:
     """The text of `annotated/circuits/web/<name>` (package data)."""
-    return importlib.resources.files("annotated.circuits").joinpath("web").joinpath(name).read_text(encoding="utf-8")
+    return viewer_file(name, "annotated.circuits")
 
 
 def circuits_html(report: dict[str, Any], viewer: str | None = None) -> str:
@@ -97,19 +94,12 @@ def circuits_html(report: dict[str, Any], viewer: str | None = None) -> str:
         "masked": MASKED,
         "viewer": viewer,
     }
-    js = page_file("circuits.js")
-    footer = html.escape(
+    footer = (
         f"checkpoint: {report.get('checkpoint')} ({report.get('direction')}); numbers rounded to {DIGITS} "
         "decimals; layers and heads count from 0, a pruned model's heads as it numbers them"
     )
-    return string.Template(page_file("circuits.html")).substitute(
-        title=html.escape(str(report.get("checkpoint"))),
-        css=viewer_file("viewer.css") + page_file("circuits.css"),
-        csp=content_security_policy(js),
-        footer=footer,
-        data=script_json(data),
-        js=js,
-    )
+    css, js = viewer_file("viewer.css") + page_file("circuits.css"), page_file("circuits.js")
+    return page_html(page_file("circuits.html"), report.get("checkpoint"), css, js, footer, data)
 
 
 # %% [markdown]
