@@ -72,12 +72,7 @@ FROM_MARIAN_ACTIVATION: dict[str, Activation] = {"relu": "relu", "gelu": "gelu",
 # (id 0), which the masks hide. Marian starts its decoder with
 # `decoder_start_token_id`, which in every OPUS-MT model *is* the pad id, the
 # last row of the vocabulary, and its embedding row is zero: the decoder's
-# first input is the positional vector of position 0 alone. CTranslate2's
-# converter (`ct2-transformers-converter`) counts on exactly that: for a
-# Marian model it drops the vocabulary's last entry if it is `<pad>`, cuts the
-# last row off both embedding tables and the output projection, and starts
-# the decoder from a zero embedding (`start_from_zero_embedding`), whatever
-# the start token. So:
+# first input is the positional vector of position 0 alone. So:
 #
 # - **Export** keeps our ids 0 ... V-1 as they are and starts Marian's
 #   decoder with our `bos` (`decoder_start_token_id` = 1): Marian's first
@@ -94,10 +89,12 @@ FROM_MARIAN_ACTIVATION: dict[str, Activation] = {"relu": "relu", "gelu": "gelu",
 #   layout (`annotated_vocab_sizes`), so import gives our ids back.
 #
 #   **CTranslate2 needs another layout.** Its converter
-#   (`ct2-transformers-converter`) starts every Marian decoder from a zero
-#   embedding (`start_from_zero_embedding`), whatever the start token, plus
-#   the positional table's first row, and drops the vocabulary's last entry if
-#   it is `<pad>`. So for CTranslate2 the start vector `sqrt(d_model) E[bos] +
+#   (`ct2-transformers-converter`) counts on OPUS-MT's zero start row: it
+#   starts every Marian decoder from a zero embedding
+#   (`start_from_zero_embedding`), whatever the start token, plus the
+#   positional table's first row, drops the vocabulary's last entry if it is
+#   `<pad>` and cuts that row off both embedding tables and the output
+#   projection. So for CTranslate2 the start vector `sqrt(d_model) E[bos] +
 #   PE[0]` must be the decoder's first *positional* row, stored in the folder,
 #   with a zero start row (`to_marian(..., for_ctranslate2=True)`). That row
 #   cannot survive `save_pretrained`, which leaves Marian's positional tables
@@ -488,14 +485,6 @@ def from_marian(
 # a folder that names none is refused without them); a folder in OPUS-MT's layout (`</s>` at 0, `<pad>` last, the
 # vocabulary's ids unlike the sentencepiece model's) imports with a tokenizer
 # that, under the token map, cuts text exactly as `MarianTokenizer` does.
-# The tests of logits and of the symmetry were seen to fail when the
-# conversion was broken on purpose: the renumbering skipped, `W_O` left
-# untransposed, SiLU read as GELU, the `-inf` of the duplicated pad left out,
-# `W_2` left out of the renumbering, the export written in CTranslate2's
-# layout (which `save_pretrained` breaks), the added row's output bias 0 instead of
-# `-inf`, an unscaled tied model imported with its generator tied to the
-# divided table, the residual dropout written as `attention_dropout`; and
-# the beam test when `generate` was given one token less than our search.
 # `tests/interop/test_ctranslate2.py` loads the `ctranslate2/` model of an
 # export (CTranslate2's own converter, run by the export on the layout it
 # needs): its teacher-forced log-probabilities are ours within 1e-4 in
