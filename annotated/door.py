@@ -48,6 +48,9 @@ from annotated.shipped import choose_checkpoint, outputs_beside
 
 MAKE_TARGET = "ANNOTATED_MAKE"  # set by the Makefile, for the commands it runs, to its target (`circuits`)
 MAKE_VARIABLES = ("CHECKPOINT", "HF", "OUT", "TEXT")  # the Makefile's variables that build a command line, but ARGS
+NAME_ONE = (
+    "pass --checkpoint PATH"  # the fix the floors below write where no checkpoint is found; `checkpoint` types it
+)
 CHECKPOINT_HELP = (
     "a checkpoint file, or shipped:de-en / shipped:en-de (default: the latest run's model, runs/latest/averaged.pt "
     "or best.pt; with no run, the model shipped for --src/--tgt, default de -> en)"
@@ -84,12 +87,14 @@ class Door:
     def typed(self, *options: str) -> str:
         """How the user adds `options` to this command: `add --force` at a shell; under make, the make line with
         them added to ARGS (`run make circuits CHECKPOINT=shipped:en-de ARGS='--head cross:1:2 --force'`)."""
-        target = os.environ.get(MAKE_TARGET)
-        if not target:
-            return f"add {' '.join(options)}"
+        return self._make_line(options) if os.environ.get(MAKE_TARGET) else f"add {' '.join(options)}"
+
+    def _make_line(self, options: tuple[str, ...] = (), **variables: str) -> str:
+        """The make line that ran this command with `options` added to ARGS and `variables` set."""
         args = " ".join([os.environ.get("ARGS", "").strip(), *options]).strip()
-        given = [f"{v}={shlex.quote(os.environ[v])}" for v in MAKE_VARIABLES if os.environ.get(v)]
-        return f"run make {' '.join([target, *given, f'ARGS={shlex.quote(args)}'])}"
+        given = {v: shlex.quote(os.environ[v]) for v in MAKE_VARIABLES if os.environ.get(v)} | variables
+        line = [os.environ[MAKE_TARGET], *(f"{k}={v}" for k, v in given.items())]
+        return f"run make {' '.join(line + ([f'ARGS={shlex.quote(args)}'] if args else []))}"
 
     # ------------------------------------------------------------------ the checkpoint
 
@@ -128,8 +133,9 @@ class Door:
             )
             args.checkpoint = checkpoint_file(path)
             return args.checkpoint
-        except CheckpointError as e:
-            self.fail(str(e))
+        except CheckpointError as e:  # naming a checkpoint under make: CHECKPOINT=PATH
+            named = self._make_line(CHECKPOINT="PATH") if os.environ.get(MAKE_TARGET) else NAME_ONE
+            self.fail(str(e).replace(NAME_ONE, named))
 
     def given_checkpoint(self, args: argparse.Namespace) -> Path | None:
         """`checkpoint` for a command that uses one only when it is given (None otherwise)."""

@@ -102,6 +102,27 @@ def test_a_fix_is_typed_at_a_shell_and_under_make(monkeypatch):
     assert door.typed("--force") == "run make circuits CHECKPOINT='my runs/x.pt' ARGS='--head cross:1:2 --force'"
 
 
+def test_a_checkpoint_to_name_is_typed_at_a_shell_and_under_make(monkeypatch, capsys):
+    """The floors below write `pass --checkpoint PATH`; under make the door writes the make line with CHECKPOINT."""
+    import argparse
+
+    from annotated.door import MAKE_TARGET, Door
+
+    for name in (MAKE_TARGET, "ARGS", "CHECKPOINT", "OUT", "HF", "TEXT"):
+        monkeypatch.delenv(name, raising=False)
+    door = Door(ROOT / "annotated" / "decoding" / "translate.py")
+    fixes = []
+    for env in ({}, {MAKE_TARGET: "translate", "CHECKPOINT": "shipped:fr-en", "ARGS": "--beam 2"}):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit):
+            door.checkpoint(argparse.Namespace(checkpoint="shipped:fr-en"))
+        err = capsys.readouterr().err
+        assert err.startswith("translate: error: there is no shipped fr->en model") and err.count("\n") == 1
+        fixes.append(err.rstrip().rsplit(" or ", 1)[1])
+    assert fixes == ["pass --checkpoint PATH", "run make translate CHECKPOINT=PATH ARGS='--beam 2'"]
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="no `make` on PATH")
 def test_make_circuits_on_an_earlier_output_says_the_make_line_to_type(tmp_path):
     """The Makefile tells the command it runs under make; the refusal is the make line with ARGS=... --force."""
