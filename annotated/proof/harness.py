@@ -173,21 +173,27 @@ def case_features(case: Case) -> list[str]:
     return f
 
 
-def run_with_grads(att, x_q: Tensor, x_kv: Tensor, mask, G: Tensor, cross: bool):
-    """Forward with probabilities, backward of sum(out * G). Returns (out, probs, input grads)."""
+def run_with_grads(f, x_q: Tensor, x_kv: Tensor, G: Tensor, cross: bool):
+    """(out, weights) = f(q, kv) on leaf copies of the inputs, then backward of sum(out * G).
+    Returns (out, weights, input grads)."""
     q = x_q.clone().requires_grad_()
     kv = x_kv.clone().requires_grad_() if cross else q  # self-attention: one tensor in both roles
-    out, p = attend_with_probabilities(att, q, kv, mask)
+    out, p = f(q, kv)
     (out * G).sum().backward()
     return out, p, [q.grad] + ([kv.grad] if cross else [])
+
+
+def with_probabilities(att, mask):
+    """f(q, kv) = (out, probs) of `att` under `mask`, for `run_with_grads`."""
+    return lambda q, kv: attend_with_probabilities(att, q, kv, mask)
 
 
 def compare_forms(case: Case) -> dict[str, float]:
     """Max abs differences between the two forms on one case: output, probs, grads (inputs, parameters)."""
     ph, fu = case_pair(case)
     x_q, x_kv, mask, G = case_inputs(case)
-    out_a, p_a, gin_a = run_with_grads(ph, x_q, x_kv, mask, G, case.cross)
-    out_b, p_b, gin_b = run_with_grads(fu, x_q, x_kv, mask, G, case.cross)
+    out_a, p_a, gin_a = run_with_grads(with_probabilities(ph, mask), x_q, x_kv, G, case.cross)
+    out_b, p_b, gin_b = run_with_grads(with_probabilities(fu, mask), x_q, x_kv, G, case.cross)
     gpar_a, gpar_b = fused_parameters(ph, grads=True), fused_parameters(fu, grads=True)
     if gpar_a.keys() != gpar_b.keys():
         raise AssertionError(f"parameter names differ: {sorted(gpar_a)} vs {sorted(gpar_b)}")
@@ -372,12 +378,9 @@ def compare_with_torch_mha(case: MhaCase, seed: int = 0) -> dict:
     same = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
     res: dict[str, float] = {"roundtrip": same}
     if train:  # compare gradients too
-        out_o, p_o, gin_o = run_with_grads(ours, x_q, x_kv, ours_mask, G, case.cross)
-        q = x_q.clone().requires_grad_()
-        kv = x_kv.clone().requires_grad_() if case.cross else q
-        out_t, w_t = mha_call(mha, q, kv, attn_mask, kpm, case.need_weights)
-        (out_t * G).sum().backward()
-        gin_t = [q.grad] + ([kv.grad] if case.cross else [])
+        out_o, p_o, gin_o = run_with_grads(with_probabilities(ours, ours_mask), x_q, x_kv, G, case.cross)
+        theirs = lambda q, kv: mha_call(mha, q, kv, attn_mask, kpm, case.need_weights)
+        out_t, w_t, gin_t = run_with_grads(theirs, x_q, x_kv, G, case.cross)
         g_o, g_t = fused_parameters(ours, grads=True), fused_parameters(mha, grads=True)
         res["grad"] = max([max_abs(a, b) for a, b in zip(gin_o, gin_t)] + [max_abs(g_o[n], g_t[n]) for n in g_o])
         res["native kernel ran"] = False
@@ -408,16 +411,13 @@ def compare_paths(case: Case) -> dict[str, float]:
     worst = {"output": 0.0, "grad inputs": 0.0}
     for att in case_pair(case):
         x_q, x_kv, mask, G = case_inputs(case)
-        got: dict[bool, tuple[Tensor, list]] = {}
+        forward = lambda q, kv, att=att, mask=mask: (att(q, kv, mask), None)  # out alone: no probabilities
+        got = {}
         for flag in (True, False):
-            q = x_q.clone().requires_grad_()
-            kv = x_kv.clone().requires_grad_() if case.cross else q
             with fast_path(flag):
-                out = att(q, kv, mask)
-            (out * G).sum().backward()
-            got[flag] = (out, [q.grad] + ([kv.grad] if case.cross else []))
+                got[flag] = run_with_grads(forward, x_q, x_kv, G, case.cross)
         worst["output"] = nanmax([worst["output"], max_scaled(got[True][0], got[False][0])])
         worst["grad inputs"] = nanmax(
-            [worst["grad inputs"]] + [max_scaled(a, b) for a, b in zip(got[True][1], got[False][1])]
+            [worst["grad inputs"]] + [max_scaled(a, b) for a, b in zip(got[True][2], got[False][2])]
         )
     return worst
