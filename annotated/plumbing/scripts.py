@@ -57,6 +57,7 @@ COMMANDS = {  # module -> the command's name
     "benchmarks.translate": "translate-bench",
     "benchmarks.int8_products": "int8-bench",
     "benchmarks.circuits": "circuits-bench",
+    "benchmarks.alignment": "alignment-bench",
     "benchmarks.annotated_transformer": "annotated-transformer-bench",
     "docs.build": "docs",
     "docs.notebook": "notebook",

@@ -250,3 +250,19 @@ def test_each_shipped_model_scores_on_the_test_set_what_its_card_says(direction,
     assert stated["sentences"] == len(pairs)
     for name in ("bleu", "bleu_lowercase", "chrf"):
         assert abs(scores[name] - stated[name]) <= 0.3, (name, scores[name], stated[name])
+
+
+@pytest.mark.parametrize("direction", ["de-en", "en-de"])
+def test_each_shipped_model_carries_the_head_the_circuits_rule_picks(direction, data_url, monkeypatch):
+    """The head `--alignment` reads (the checkpoint's meta `alignment_head`, recorded in its card) is the one `make
+    circuits` names best, `best_cross_head`: the cross head of lowest AER against eflomal's links of the 1,000
+    test_2016_flickr pairs, computed as its readout computes it, on its inputs (`rule`, benchmarks/alignment.py)."""
+    from benchmarks.alignment import rule
+
+    card = real_card(direction)
+    monkeypatch.setenv("MULTI30K_URL", data_url)
+    path = shipped_model(direction, REAL)
+    model, tok, meta = load_checkpoint(path)
+    heads, best, _ = rule(model, tok, meta, path)
+    assert len(heads) == model.config.N * model.config.h  # every cross head ranked
+    assert list(best) == meta["alignment_head"] == card["alignment_head"]["chosen"]
