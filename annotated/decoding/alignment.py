@@ -1,10 +1,10 @@
 """Word alignments read from one cross-attention head: the translator's `--alignment`.
 
 Part V (`annotated/circuits/`, `docs/circuits.md`) scores every cross-attention head as a word aligner against
-eflomal and names the best one (`make circuits`, its report's `best_cross_head`); for both shipped models it is
-layer 1, head 2 (`SHIPPED_HEAD`). This module only reads a given head, so the translator, which sits below
-circuits/, can use it: teacher-force the translation, record the head's attention (`annotated/recording.py`),
-and link each target word to the source word its first subword's row attends to most.
+eflomal and names the best one (`make circuits`, its report's `best_cross_head`): the head the translator reads
+(`annotated/decoding/translate.py`, "Word alignments"). This module only reads a given head, so the translator,
+which sits below circuits/, can use it: teacher-force the translation, record the head's attention
+(`annotated/recording.py`), and link each target word to the source word its first subword's row attends to most.
 
 The rule is Part V's (`attention_to_word_links`, step "predicts", after Garg et al., 2019): target subword
 `y_p` is linked from the row of the decoder input before it (`bos` for the first), the row that predicted it;
@@ -28,7 +28,6 @@ from annotated.recording import record_attention
 from annotated.tokens import BOS, EOS
 from annotated.transformer import EncoderDecoder, subsequent_mask
 
-SHIPPED_HEAD = (1, 2)  # (layer, head) `make circuits` names best for both shipped models (docs/circuits.md)
 SPECIALS = ("<s>", "</s>", "<pad>", "<unk>")
 
 

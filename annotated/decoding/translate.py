@@ -73,7 +73,7 @@ import torch
 from annotated.checkpoint import CheckpointError, case_table_in, loaded_from_state, read_checkpoint
 from annotated.checks import check_tokenizer
 from annotated.decoding import casing
-from annotated.decoding.alignment import SHIPPED_HEAD, alignment, pharaoh, word_numbers
+from annotated.decoding.alignment import alignment, pharaoh, word_numbers
 from annotated.decoding.quantize import QUANTIZATIONS, quantize_int8
 from annotated.decoding.search import translate_ids, translate_nbest
 from annotated.decoding.settings import Decoding, model_length_penalty
@@ -81,7 +81,6 @@ from annotated.door import Door
 from annotated.plumbing.allocator import keep_freed_memory
 from annotated.plumbing.devices import default_device
 from annotated.plumbing.options import at_least, device
-from annotated.shipped import FOLDER as SHIPPED_DIR
 from annotated.shipped import direction_asked
 from annotated.transformer import EncoderDecoder
 
@@ -565,16 +564,19 @@ def arrived_windows(items: Iterable, size: int) -> Iterator[list]:
 # head by `annotated/decoding/alignment.py`: the head Part V
 # (`annotated/circuits/`, `docs/circuits.md`) names best as a word aligner.
 # `--alignment-head LAYER,HEAD` chooses it; else the checkpoint's meta
-# `alignment_head`; else, for the shipped models, layer 1, head 2, the head
-# `make circuits` names for both (`SHIPPED_HEAD`,
-# `test_the_shipped_models_align_with_the_head_part_v_names`); any other
-# checkpoint is refused in one line naming the option
+# `alignment_head`, where the shipped models carry the head `make circuits`
+# names for them (`test_each_shipped_model_carries_the_head_the_circuits_rule_picks`);
+# else the `best_cross_head` of the `circuits.json` that `make circuits`
+# wrote beside the checkpoint after it was saved (a trained or imported
+# model); else `--alignment` is refused in one line naming both
 # (`test_alignment_reads_the_head_given_or_the_checkpoints_and_is_refused_without_one`,
+# `test_alignment_reads_the_head_make_circuits_wrote_beside_the_checkpoint`,
 # `test_alignment_in_text_with_every_option`). Source words are those of the
 # text translated, after unseen characters are set aside; a line in parts
 # numbers each part's words after the parts before it.
 
 # %%
+PART_V = "make docs, docs/_build/index.html#part-5; docs/circuits.md"  # the book's Part V, circuits/
 RULES = f"""\
 input rules (each bad line still gets one output line, and the next line is served):
   empty or whitespace-only line  -> prints an empty line; message on stderr
@@ -597,8 +599,8 @@ output length: at most min(max_len, source subwords + --max-extra) subwords.
 output: one translation a line; with --nbest/--scores "LINE ||| translation [||| log P ||| score]"
 lines, LINE from 0; --format jsonl: one JSON object per input line, its line, source and
 hypotheses (translation, log_prob, score each). An existing --output is kept unless --force is given.
---alignment: source-target word pairs "i-j" from the cross-attention head Part V names best
-(docs/circuits.md; --alignment-head LAYER,HEAD for a checkpoint that names none).
+--alignment: source-target word pairs "i-j" from the cross-attention head `make circuits` names best
+for the checkpoint (the book's Part V: {PART_V}).
 checkpoint missing, corrupt or incompatible, or a bad option: one line on stderr, exit code 2.
 Ctrl-C: "translate: interrupted" on stderr, exit code 130.
 """
@@ -655,16 +657,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--alignment",
         action="store_true",
         help="with each hypothesis its word alignment, source-target pairs 'i-j' (words from 0, as eflomal "
-        "writes them), read from the cross-attention head that aligns best (Part V, docs/circuits.md; "
-        "--alignment-head)",
+        f"writes them), read from the cross-attention head that aligns best (the book's Part V: {PART_V})",
     )
     p.add_argument(
         "--alignment-head",
         type=layer_head,
         default=None,
         help="LAYER,HEAD of the cross-attention to read alignments from (default: the checkpoint's "
-        f"alignment_head; for the shipped models {SHIPPED_HEAD[0]},{SHIPPED_HEAD[1]}, the head `make circuits` "
-        "names best)",
+        "alignment_head, else the best_cross_head of the circuits.json make circuits wrote beside it)",
     )
     p.add_argument(
         "--batch-size", type=at_least(1), default=BATCH_SIZE, help=f"sentences searched together (default {BATCH_SIZE})"
@@ -702,11 +702,10 @@ def _load(args):
             f"checkpoint {path} translates {meta['src_lang']} -> {meta.get('tgt_lang')}, not "
             f"{asked.replace('-', ' -> ')}; drop --src/--tgt or pick another --checkpoint"
         )
-    args.alignment_head = _alignment_head(args, meta)
-    if args.alignment and args.alignment_head is None:
+    if args.alignment and _alignment_head(args, meta) is None:
         raise CheckpointError(
-            f"checkpoint {path} names no cross-attention head to align with: add --alignment-head LAYER,HEAD "
-            "(the best_cross_head `make circuits` reports for it)"
+            f"checkpoint {path} names no cross-attention head to align with: run make circuits CHECKPOINT={path} "
+            "(it names the head that aligns best, beside the checkpoint), or add --alignment-head LAYER,HEAD"
         )
     if args.alignment:
         layer, head = args.alignment_head
@@ -873,16 +872,20 @@ def layer_head(text: str) -> tuple[int, int]:
 
 
 def _alignment_head(args, meta: dict) -> tuple[int, int] | None:
-    """The head --alignment reads: --alignment-head, else the checkpoint's `alignment_head`, else for a shipped
-    model the one Part V names (SHIPPED_HEAD); None when there is none."""
-    if args.alignment_head is not None:
-        return args.alignment_head
-    if meta.get("alignment_head") is not None:
-        layer, head = meta["alignment_head"]
-        return int(layer), int(head)
-    if Path(args.checkpoint).resolve().parent == SHIPPED_DIR:
-        return SHIPPED_HEAD
-    return None
+    """The head --alignment reads, also set as `args.alignment_head`: --alignment-head, else the checkpoint's
+    `alignment_head`, else the best_cross_head of the circuits.json `make circuits` wrote beside this checkpoint
+    after it was saved; None when there is none."""
+    found = args.alignment_head or meta.get("alignment_head")
+    report = Path(args.checkpoint).resolve().parent / "circuits.json"  # where make circuits writes, but for the box
+    try:
+        if found is None and report.stat().st_mtime >= Path(args.checkpoint).stat().st_mtime:
+            read = json.loads(report.read_text(encoding="utf-8"))
+            if Path(read["checkpoint"]).name == Path(args.checkpoint).name:
+                found = (read["best_cross_head"] or [None])[1:]  # ["cross", layer, head], None without the aligner
+    except (OSError, ValueError, KeyError, TypeError):  # no report, or not one make circuits wrote
+        pass
+    args.alignment_head = (int(found[0]), int(found[1])) if found else None
+    return args.alignment_head
 
 
 def _refused(args) -> str | None:

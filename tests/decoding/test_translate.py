@@ -856,7 +856,7 @@ def test_batch_size_and_threads_reach_the_search_and_threads_are_restored(ckpt, 
 def test_alignment_reads_the_head_given_or_the_checkpoints_and_is_refused_without_one(ckpt, loaded, tmp_path):
     """--alignment-head 0,1, or the checkpoint's meta `alignment_head`: each hypothesis' pairs are those
     `alignment` reads from that head for its ids (`annotated/decoding/alignment.py`). A checkpoint that names
-    no head, and is not shipped, is refused in one line naming the option to add."""
+    no head (and has no circuits.json beside it) is refused in one line naming both fixes."""
     from annotated.checkpoint import with_meta
     from annotated.decoding.alignment import alignment, pharaoh
 
@@ -890,7 +890,35 @@ def test_alignment_reads_the_head_given_or_the_checkpoints_and_is_refused_withou
         assert all(h["alignment"] for h in hyps)
     code, out, err = run_main("--checkpoint", ckpt, "--alignment", *FEW)
     assert code == 2 and out == "" and len(err.splitlines()) == 1
-    assert "names no cross-attention head to align with: add --alignment-head LAYER,HEAD" in err
+    assert err == (
+        f"translate: error: checkpoint {ckpt} names no cross-attention head to align with: run make circuits "
+        f"CHECKPOINT={ckpt} (it names the head that aligns best, beside the checkpoint), or add --alignment-head "
+        "LAYER,HEAD\n"
+    )
+
+
+def test_alignment_reads_the_head_make_circuits_wrote_beside_the_checkpoint(ckpt, tmp_path):
+    """The `best_cross_head` of the circuits.json beside the checkpoint, when that report names this checkpoint
+    and was written after it; a report of another checkpoint, an older one, or one without the aligner's head is
+    not read, and the translator refuses as without a report."""
+    import shutil
+
+    model = tmp_path / "imported.pt"
+    shutil.copy(ckpt, model)
+    want = run_main("--checkpoint", model, "--alignment", "--alignment-head", "0,1", "--format", "jsonl", *FEW)
+    assert want[0] == 0
+    report = tmp_path / "circuits.json"
+
+    def aligned(**entries):
+        report.write_text(json.dumps({"checkpoint": "imported.pt", "best_cross_head": ["cross", 0, 1], **entries}))
+        return run_main("--checkpoint", model, "--alignment", "--format", "jsonl", *FEW)
+
+    assert aligned() == want
+    assert aligned(checkpoint="elsewhere/best.pt")[0] == 2
+    assert aligned(best_cross_head=None)[0] == 2  # make circuits --no-aligner ranks no head
+    assert aligned() == want
+    os.utime(report, (0, 0))  # a report older than the checkpoint was not written for it
+    assert run_main("--checkpoint", model, "--alignment", *FEW)[0] == 2
 
 
 @pytest.mark.parametrize("beam", [1, 4])
@@ -923,14 +951,58 @@ def test_a_bad_alignment_head_is_one_line(ckpt, option, message, capsys):
     assert code == 2 and out == "" and err.startswith(f"translate: error: {message}") and len(err.splitlines()) == 1
 
 
-def test_the_shipped_models_align_with_the_head_part_v_names():
-    import argparse
+def test_the_help_links_part_v_of_the_book_for_alignment(capsys):
+    """--alignment's help and the rules below it name the book's Part V by its anchor, which is Part V's."""
+    from docs.build import PARTS
 
-    from annotated.decoding.alignment import SHIPPED_HEAD
-    from annotated.decoding.translate import _alignment_head
-    from annotated.shipped import shipped_model
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.count("the book's Part V: make docs, docs/_build/index.html#part-5; docs/circuits.md") == 2
+    _, title, chapters = next(part for part in PARTS if part[0] == "part-5")
+    assert title.startswith("Part V.") and chapters and all(c.startswith("circuits/") for c in chapters)
 
-    for direction in ("de-en", "en-de"):
-        args = argparse.Namespace(alignment_head=None, checkpoint=shipped_model(direction))
-        assert _alignment_head(args, {}) == SHIPPED_HEAD == (1, 2)
-    assert _alignment_head(argparse.Namespace(alignment_head=None, checkpoint="elsewhere/best.pt"), {}) is None
+
+@pytest.fixture(scope="module")
+def imported(ckpt, loaded, tmp_path_factory):
+    """A Marian model in OPUS-MT's layout with the tiny checkpoint's tokenizer, brought in by `make import`."""
+    pytest.importorskip("transformers")
+    from interop.test_marian_files import opus_like_folder
+
+    from annotated.interop.folders import main as folders
+
+    folder = tmp_path_factory.mktemp("opus")
+    hf = opus_like_folder(loaded[1], folder / "hf")
+    assert folders(["import", str(hf), str(folder / "opus.pt"), "--src", "de", "--tgt", "en"]) == 0
+    return folder / "opus.pt"
+
+
+@pytest.mark.parametrize("beam, nbest", [(4, 3), (1, 1)], ids=["beam 4", "beam 1"])
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "int8"]], ids=["float32", "int8"])
+@pytest.mark.parametrize("model", ["shipped:de-en", "shipped:en-de", "imported"])
+def test_files_nbest_scores_alignment_jsonl_together(model, quantize, beam, nbest, imported, tmp_path):
+    """`--input f --output g --nbest 3 --scores --alignment --format jsonl` (beam 4; --nbest 1 at beam 1) on both
+    shipped models, with the head they carry, and on an imported Marian model, with a head given: one object a
+    line, the best hypothesis the plain output's translation, scores best first, each pair within its words."""
+    checkpoint = [imported, "--alignment-head", "0,3"] if model == "imported" else [model]
+    sentences = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball."]
+    if model == "shipped:en-de":
+        sentences = ["A dog runs across the meadow.", "Two men play football."]
+    source, target = tmp_path / "f", tmp_path / "g"
+    source.write_text("".join(f"{s}\n" for s in sentences), encoding="utf-8")
+    options = ["--device", "cpu", "--beam", beam, *quantize, "--checkpoint", *checkpoint]
+    code, plain, err = run_main(*options, *sentences)
+    assert code == 0, err
+    asked = ["--input", source, "--output", target, "--nbest", nbest, "--scores", "--alignment", "--format", "jsonl"]
+    code, out, err = run_main(*options, *asked)
+    assert code == 0 and out == "", err
+    objects = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]
+    assert [(o["line"], o["source"]) for o in objects] == list(enumerate(sentences))
+    assert [o["hypotheses"][0]["translation"] for o in objects] == plain.splitlines()
+    for o in objects:
+        hyps = o["hypotheses"]
+        assert len(hyps) == nbest and [h["score"] for h in hyps] == sorted((h["score"] for h in hyps), reverse=True)
+        for h in hyps:
+            assert h["log_prob"] <= 0 and set(h) == {"translation", "log_prob", "score", "alignment"}
+            links = [tuple(map(int, pair.split("-"))) for pair in h["alignment"].split()]
+            assert all(i < len(o["source"].split()) and j < len(h["translation"].split()) for i, j in links)
+            assert links or model == "imported"  # a random model may put every row on </s>: no pair
