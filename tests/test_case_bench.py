@@ -2,13 +2,11 @@
 training's evaluation scores; the table's last column is the lowercased difference from the written source."""
 
 import pytest
-import torch
+from tiny import tiny_translator
 
 from annotated.decoding import casing
 from annotated.decoding.search import translate_ids
-from annotated.training.data import train_tokenizer
 from annotated.training.evaluate import score
-from annotated.transformer import make_model
 from benchmarks import case
 
 PAIRS = [
@@ -20,20 +18,7 @@ PAIRS = [
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    tok = train_tokenizer([t for p in PAIRS for t in p] * 6, 300, cache_dir=tmp_path_factory.mktemp("spm"))
-    torch.manual_seed(0)
-    model = make_model(
-        src_vocab=tok.vocab_size,
-        tgt_vocab=tok.vocab_size,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.0,
-        max_len=64,
-        share_embeddings=True,
-        tie_generator=True,
-    ).eval()
+    model, tok = tiny_translator([t for p in PAIRS for t in p] * 6, 300, tmp_path_factory.mktemp("spm"))
     return case.measure(model, tok, PAIRS, beam=2, progress=False), model, tok
 
 

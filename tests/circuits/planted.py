@@ -17,10 +17,10 @@ cross heads, and with head 0 it puts b_j first for source a_j.
 from __future__ import annotations
 
 import torch
+from tiny import blank_model
 
 from annotated.circuits.dictionary import MIN_COUNT, WordMeans
 from annotated.tokens import BOS
-from annotated.transformer import make_model
 
 V = 40  # vocabulary, shared by the two sides
 A = 10  # source tokens A .. A + 4
@@ -49,18 +49,10 @@ def lexicon() -> dict[str, list[tuple[str, float]]]:
 
 
 def planted_model():
-    torch.manual_seed(0)
-    model = make_model(src_vocab=V, tgt_vocab=V, N=1, d_model=D, d_ff=8, h=2, d_k=5, d_v=5, attention="per_head")
-    model = model.double().eval()
+    model = blank_model(V, d_model=D, d_ff=8, h=2, d_k=5, d_v=5, attention="per_head")
     e = torch.eye(D, dtype=torch.float64)
     f = [e[10 + i] - e[15 + i] for i in range(5)]
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.fill_(1.0)
-        model.pos.pe.zero_()
         for j in range(5):
             model.src_embed.weight[A + j] = e[j] / D**0.5  # the embedding scales by sqrt(d_model): e_j
             model.generator.weight[B + PERM[j]] = f[PERM[j]]

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny import padded_batch, random_biases, tiny_model
 
 from annotated.circuits.circuits import Factored, attention_inputs, circuit, circuits
 from annotated.recording import attend_with_probabilities
@@ -12,7 +13,6 @@ from annotated.transformer import (
     attention_explicit,
     convert_model,
     head_mask,
-    make_model,
     padding_mask,
     target_mask,
 )
@@ -24,24 +24,13 @@ TOL = 1e-12
 
 
 def _random_model(form: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = make_model(src_vocab=23, tgt_vocab=19, N=2, d_model=24, d_ff=32, h=3, d_k=5, d_v=7, attention=form)
-    with torch.no_grad():  # biases start at zero: give them values, so every bias term is exercised
-        for name, p in model.named_parameters():
-            if ".b_" in name or name.endswith("b_O"):
-                p.normal_()
-    return model.double().eval()
+    """Two layers of d_model 24, h 3, d_k 5 != d_v 7, vocabularies 23 and 19; every bias random (they start at
+    zero), so every bias term is exercised."""
+    model = tiny_model(23, 19, seed=seed, N=2, d_model=24, h=3, d_k=5, d_v=7, attention=form)
+    return random_biases(model).double()
 
 
-def _batch(seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, 19, (3, 6), generator=g)
-    tgt = torch.randint(4, 19, (3, 5), generator=g)
-    src[0, 4:], tgt[1, 3:] = PAD, PAD  # padding on both sides
-    return src, tgt
-
-
-def _shipped_batch():
+def _shippedpadded_batch():
     from annotated.shipped import load_shipped
 
     model, tok, _ = load_shipped("de-en")
@@ -56,9 +45,9 @@ def _shipped_batch():
 
 
 def _models_and_batches():
-    yield "random per_head", _random_model("per_head"), *_batch()
-    yield "random fused", _random_model("fused"), *_batch()
-    model, src, tgt = _shipped_batch()
+    yield "random per_head", _random_model("per_head"), *padded_batch()
+    yield "random fused", _random_model("fused"), *padded_batch()
+    model, src, tgt = _shippedpadded_batch()
     yield "shipped fused", model, src, tgt
     yield "shipped per_head", convert_model(model, "per_head"), src, tgt
 
@@ -90,7 +79,7 @@ def test_circuit_scores_are_the_models_scores():
 def test_only_the_bilinear_term_and_the_key_bias_reach_the_softmax():
     """softmax(matching) = softmax(scores): the query-only terms and the constant cancel, the key bias does not."""
     model = _random_model("per_head")
-    src, tgt = _batch()
+    src, tgt = padded_batch()
     inputs = attention_inputs(model, src, tgt, PAD)
     c = circuits(model)[("cross", 1)][2]
     x_q, x_kv = inputs[("cross", 1)]
@@ -178,7 +167,7 @@ def test_a_query_whose_keys_are_all_masked_writes_nothing():
     row of P is zeros, and each head writes nothing there (not b_V W_O, its constant write whatever it reads),
     so the attention's output at those rows is b_O alone, as the chapter says a fully masked row gives."""
     model = _random_model("per_head")
-    src, tgt = _batch()
+    src, tgt = padded_batch()
     src[2] = PAD  # sentence 2: a source of padding only
     inputs = attention_inputs(model, src, tgt, PAD)
     for site in (("cross", 0), ("cross", 1)):

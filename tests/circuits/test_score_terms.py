@@ -4,6 +4,7 @@ the model's own inputs and scores; shares and roles by hand."""
 import numpy as np
 import pytest
 import torch
+from tiny import padded_batch, random_biases, tiny_model
 
 from annotated.attention.bootstrap import mean_interval
 from annotated.circuits.circuits import attention_inputs, circuits, head_matrices
@@ -22,7 +23,7 @@ from annotated.circuits.score_terms import (
 )
 from annotated.sites import attention_at
 from annotated.tokens import BOS, EOS, PAD
-from annotated.transformer import convert_model, make_model
+from annotated.transformer import convert_model
 
 # float64 throughout: the parts and terms add the model's own products in another order, so they differ from the
 # model's inputs and scores by rounding only (about 1e-16 relative, scores of size ~10); 1e-12 leaves a factor 100
@@ -31,29 +32,15 @@ TOL = 1e-12
 
 
 def _random_model(form: str, norm: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = make_model(
-        src_vocab=23, tgt_vocab=19, N=2, d_model=24, d_ff=32, h=3, d_k=5, d_v=7, attention=form, norm=norm
-    )
-    with torch.no_grad():  # biases and LayerNorm gains start at 0 and 1: give them values, so every part is exercised
-        for name, p in model.named_parameters():
-            if ".b_" in name or name.endswith("b_O") or ".ln." in name or "final_ln" in name:
-                p.normal_()
-    return model.double().eval()
-
-
-def _batch(seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, 19, (3, 6), generator=g)
-    tgt = torch.randint(4, 19, (3, 5), generator=g)
-    src[0, 4:], tgt[1, 3:] = PAD, PAD  # padding on both sides
-    return src, tgt
+    """test_circuits.py's random model; its LayerNorms' gains and shifts random too, so every part is exercised."""
+    model = tiny_model(23, 19, seed=seed, N=2, d_model=24, h=3, d_k=5, d_v=7, attention=form, norm=norm)
+    return random_biases(model, norms=True).double()
 
 
 def _models_and_batches():
     for norm in ("post", "pre"):
         for form in ("fused", "per_head"):
-            yield f"random {norm} {form}", _random_model(form, norm), *_batch()
+            yield f"random {norm} {form}", _random_model(form, norm), *padded_batch()
     from annotated.shipped import load_shipped
 
     model, tok, _ = load_shipped("de-en")
@@ -91,7 +78,7 @@ def test_score_terms_sum_to_the_real_scores():
 
 def test_shares_of_the_score_sum_to_one_and_ignore_what_is_constant_per_query():
     g = torch.Generator().manual_seed(0)
-    src, tgt = _batch()
+    src, tgt = padded_batch()
     allowed = allowed_keys("dec_self", src, tgt, PAD)
     a, b = (
         torch.randn(3, 5, 5, generator=g, dtype=torch.float64),
@@ -125,8 +112,7 @@ def test_roles_are_read_from_the_real_attention():
 
 
 def test_a_cross_head_that_looks_at_the_first_source_piece_is_aligned_where_the_links_say_so():
-    torch.manual_seed(0)
-    model = make_model(src_vocab=12, tgt_vocab=12, N=1, d_model=8, d_ff=8, h=1).double().eval()
+    model = tiny_model(12, 12, tied=False, d_model=8, d_ff=8, h=1).double()
     with torch.no_grad():  # no query: every score is 0 and the argmax is the first source piece
         model.decoder.layers[0].cross_attn.W_Q.zero_()
         model.decoder.layers[0].cross_attn.b_Q.zero_()
@@ -153,7 +139,7 @@ def test_the_aligned_word_is_read_at_the_row_that_predicts_it():
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_the_record_has_every_term_and_its_interval(norm):
     model = _random_model("fused", norm)
-    readings = read_scores(model, [_batch(), _batch(2)], PAD)
+    readings = read_scores(model, [padded_batch(), padded_batch(2)], PAD)
     records = reading_records(readings, resamples=20)
     assert len(records) == 18
     values = readings[(("cross", 1), 2)].shares["written"]
@@ -171,7 +157,7 @@ def test_the_record_has_every_term_and_its_interval(norm):
 def test_reading_a_few_sentences_at_a_time_changes_nothing():
     """read_scores splits batches into chunks to keep less at once; each sentence's shares and roles are its own."""
     model = _random_model("per_head", "post")
-    whole, one_by_one = read_scores(model, [_batch()], PAD), read_scores(model, [_batch()], PAD, chunk=1)
+    whole, one_by_one = read_scores(model, [padded_batch()], PAD), read_scores(model, [padded_batch()], PAD, chunk=1)
     for key, r in whole.items():
         for name in TERMS:  # another padding width adds the same products in another order: rounding only
             assert np.allclose(r.shares[name], one_by_one[key].shares[name], rtol=0, atol=1e-12), (key, name)

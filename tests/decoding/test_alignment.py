@@ -6,10 +6,10 @@ the decoder input token c_k read source word k, so a known permutation of the so
 
 import pytest
 import torch
+from tiny import blank_model
 
 from annotated.decoding.alignment import alignment, head_attention, pharaoh
 from annotated.tokens import BOS
-from annotated.transformer import make_model
 
 V, A, C, D = 40, 10, 20, 32  # vocabulary; source tokens A..A+4; target tokens C..C+4; d_model
 PERM = [3, 0, 4, 1, 2]
@@ -26,17 +26,9 @@ class Pieces:
 
 def planted(head: int = 1):
     """Decoder layer 0, cross head `head`: input token C + k (and bos, as C + PERM[0]) reads source A + k."""
-    torch.manual_seed(0)
-    m = make_model(src_vocab=V, tgt_vocab=V, N=1, d_model=D, d_ff=8, h=2, d_k=5, d_v=5, attention="per_head")
-    m = m.double().eval()
+    m = blank_model(V, d_model=D, d_ff=8, h=2, d_k=5, d_v=5, attention="per_head")
     e = torch.eye(D, dtype=torch.float64)
     with torch.no_grad():
-        for p in m.parameters():
-            p.zero_()
-        for mod in m.modules():
-            if isinstance(mod, torch.nn.LayerNorm):
-                mod.weight.fill_(1.0)
-        m.pos.pe.zero_()
         for k in range(5):
             m.src_embed.weight[A + k] = e[k] / D**0.5  # the embedding scales by sqrt(d_model): e_k
             m.tgt_embed.weight[C + k] = R * e[5 + k] / D**0.5
