@@ -11,45 +11,22 @@ import torch
 
 pytest.importorskip("transformers")
 ctranslate2 = pytest.importorskip("ctranslate2")
+from tiny import DE_EN, SENTENCES, tiny_translator
+
 from annotated.checkpoint import save_checkpoint
 from annotated.interop.folders import write_ctranslate2_layout
 from annotated.tokens import BOS, EOS, PAD
-from annotated.training.data import train_tokenizer
-from annotated.transformer import make_model, padding_mask, subsequent_mask
+from annotated.transformer import padding_mask, subsequent_mask
 from benchmarks import translate as bench
-
-SENTENCES = [
-    "Ein Hund rennt über die Wiese.",
-    "Zwei Männer spielen Fußball im Park.",
-    "Eine Frau liest ein Buch.",
-    "A dog runs across the meadow.",
-    "Two men play football in the park.",
-    "A woman reads a book.",
-]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("bench")
-    tokenizer = train_tokenizer(SENTENCES * 20, 300, cache_dir=folder)
-    torch.manual_seed(0)
-    model = make_model(
-        src_vocab=tokenizer.vocab_size,
-        tgt_vocab=tokenizer.vocab_size,
-        N=2,
-        d_model=16,
-        d_ff=32,
-        h=4,
-        dropout=0.0,
-        max_len=256,
-        share_embeddings=True,
-        tie_generator=True,
-    )
+    model, tokenizer = tiny_translator(SENTENCES * 20, 300, folder, N=2, h=4, max_len=256, noise=0.3)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
         model.generator.bias[EOS] += 3.0  # translations that end
-    save_checkpoint(folder / "model.pt", model, tokenizer, {"src_lang": "de", "tgt_lang": "en"})
+    save_checkpoint(folder / "model.pt", model, tokenizer, DE_EN)
     return folder / "model.pt"
 
 

@@ -8,14 +8,12 @@ import dataclasses
 import json
 from pathlib import Path
 
-import torch
+from tiny import tiny_translator
 
 from annotated.checkpoint import save_checkpoint
 from annotated.plumbing.provenance import environment
 from annotated.training.config import PRESETS, config_dict
-from annotated.training.data import train_tokenizer
 from annotated.training.pack import pack
-from annotated.transformer import make_model
 
 GERMAN = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Park.", "Eine Frau liest ein Buch."]
 ENGLISH = ["A dog runs across the meadow.", "Two men play football in the park.", "A woman reads a book."]
@@ -27,20 +25,7 @@ def make_run(folder: Path, direction: str = "de-en", seed: int = 0) -> Path:
     table, training state), config.json and results.json."""
     src, tgt = direction.split("-")
     folder.mkdir(parents=True)
-    tok = train_tokenizer((GERMAN + ENGLISH) * 4, 320, cache_dir=folder / "cache")
-    torch.manual_seed(seed)
-    model = make_model(
-        src_vocab=tok.vocab_size,
-        tgt_vocab=tok.vocab_size,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.0,
-        max_len=24,
-        share_embeddings=True,
-        tie_generator=True,
-    )
+    model, tok = tiny_translator((GERMAN + ENGLISH) * 4, 320, folder / "cache", seed=seed, max_len=24)
     settings = config_dict(dataclasses.replace(PRESETS["smoke"], src_lang=src, tgt_lang=tgt, seed=seed))
     meta = {
         "src_lang": src,

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_sites import batch, logits, tiny_model
+from tiny import write_tiny_checkpoint
 
 from annotated.attention.prune import (
     count_parameters,
@@ -252,26 +253,10 @@ def test_finetune_on_held_out_keeps_the_input_when_nothing_beats_it_and_checks_t
 def tiny_checkpoint(tmp_path_factory, data_url, cache):
     """A small untrained model with a real tokenizer, saved as a checkpoint."""
     from annotated.training import data
-    from annotated.transformer import make_model
 
     pairs = data.load_multi30k("train", cache_dir=cache, base_url=data_url)[:300]
-    tok = data.train_tokenizer([s for s, _ in pairs] + [t for _, t in pairs], 400, cache_dir=cache)
-    torch.manual_seed(0)
-    model = make_model(
-        src_vocab=tok.vocab_size,
-        tgt_vocab=tok.vocab_size,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.0,
-        max_len=64,
-        share_embeddings=True,
-        tie_generator=True,
-    )
-    path = tmp_path_factory.mktemp("ckpt") / "best.pt"
-    save_checkpoint(path, model, tok, {"src_lang": "de", "tgt_lang": "en"})
-    return path
+    texts = [s for s, _ in pairs] + [t for _, t in pairs]
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "best.pt", texts, 400, cache_dir=cache)
 
 
 def test_command_writes_table_json_pictures_and_a_pruned_checkpoint(

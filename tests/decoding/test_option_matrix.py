@@ -32,14 +32,14 @@ import math
 
 import pytest
 import torch
+from tiny import DE_EN, jiggle, tiny_model, tiny_translator
 
 from annotated.checkpoint import save_checkpoint
 from annotated.decoding.quantize import Int8Affine, quantize_int8
 from annotated.decoding.search import beam_search, gnmt_lp, sequence_logprob, translate_ids
 from annotated.decoding.translate import main as translator
 from annotated.tokens import BOS, EOS, PAD
-from annotated.training.data import train_tokenizer
-from annotated.transformer import FusedAttention, convert_model, fast_path, make_model, padding_mask, subsequent_mask
+from annotated.transformer import FusedAttention, convert_model, fast_path, padding_mask, subsequent_mask
 
 SHAPES = ("d_model 128", "d_model 256", "d_model 512", "Marian d_model 512")
 FORMS = ("fused", "per_head")
@@ -56,26 +56,12 @@ INT8_SCORE = 0.1  # nats per token (above)
 def _noisy(model, d_model: int):
     """Each matrix entry moved by N(0, 1 / d_model), each vector entry by N(0, 0.25) (the module's docstring);
     Marian's positional tables stay its sinusoids."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "embed_positions" not in name:
-                p.add_(torch.randn_like(p) * (1 / math.sqrt(d_model) if p.dim() > 1 else 0.5))
-    return model.eval()
+    return jiggle(model, 1 / math.sqrt(d_model), 0.5).eval()
 
 
 def ours(d_model: int, seed: int):
-    torch.manual_seed(seed)
-    model = make_model(
-        src_vocab=400,
-        tgt_vocab=512,
-        N=2 if d_model == 128 else 1,
-        d_model=d_model,
-        d_ff=4 * d_model,
-        h=max(4, d_model // 64),
-        dropout=0.0,
-        max_len=64,
-    )
-    return _noisy(model, d_model)
+    shape = dict(N=2 if d_model == 128 else 1, d_model=d_model, d_ff=4 * d_model, h=max(4, d_model // 64))
+    return tiny_model(400, 512, seed=seed, noise=1 / math.sqrt(d_model), vector_noise=0.5, **shape)
 
 
 def imported_marian(seed: int):
@@ -232,13 +218,9 @@ TEXTS = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Pa
 def test_the_translator_quantizes_a_d_model_512_model_with_beam_search(tmp_path, beam):
     """`--quantize int8` on the paper's d_model (every product int8): the translator answers what `translate_ids`
     gives on the int8 model, at beam 1 and beam 4."""
-    tokenizer = train_tokenizer(TEXTS * 20, 320, cache_dir=tmp_path)
-    torch.manual_seed(7)
-    m = make_model(
-        src_vocab=tokenizer.vocab_size, tgt_vocab=tokenizer.vocab_size, N=1, d_model=512, d_ff=1024, h=8, max_len=64
-    )
-    m = _noisy(m, 512)
-    save_checkpoint(tmp_path / "model.pt", m, tokenizer, {"src_lang": "de", "tgt_lang": "en"})
+    shape = dict(d_model=512, d_ff=1024, h=8, tied=False, noise=1 / math.sqrt(512), vector_noise=0.5)
+    m, tokenizer = tiny_translator(TEXTS * 20, 320, tmp_path, seed=7, **shape)
+    save_checkpoint(tmp_path / "model.pt", m, tokenizer, DE_EN)
     want = translate_ids(quantize_int8(m), [tokenizer.encode(TEXTS[0])], beam, ALPHA)[0]
     out, err = io.BytesIO(), io.StringIO()
     argv = ["--checkpoint", str(tmp_path / "model.pt"), "--device", "cpu", "--quantize", "int8", "--case", "as-typed"]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_model, tiny_translator, write_tiny_checkpoint
 
 from annotated.checkpoint import (
     CheckpointError,
@@ -33,7 +34,6 @@ from annotated.decoding.search import gnmt_lp, sequence_logprob, translate_ids, 
 from annotated.decoding.translate import main, set_aside_unseen, translate
 from annotated.run_folder import latest_checkpoint
 from annotated.tokens import EOS
-from annotated.training.data import train_tokenizer
 from annotated.transformer import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,24 +51,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """Path of a tiny checkpoint (model + tokenizer)."""
-    d = tmp_path_factory.mktemp("ckpt")
-    tok = train_tokenizer(TEXTS, 320, cache_dir=d)
-    torch.manual_seed(0)
-    model = make_model(
-        src_vocab=tok.vocab_size,
-        tgt_vocab=tok.vocab_size,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.0,
-        max_len=MAX_LEN,
-        share_embeddings=True,
-        tie_generator=True,
-    )
-    path = d / "best.pt"
-    save_checkpoint(path, model, tok, {"src_lang": "de", "tgt_lang": "en"})
-    return path
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "best.pt", TEXTS, 320, max_len=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -514,15 +497,8 @@ def test_a_line_longer_than_max_len_is_split_at_sentence_ends(loaded, spy):
 @pytest.fixture(scope="module")
 def knows_clauses(tmp_path_factory):
     """A tiny model whose tokenizer has seen ',', ';' and ':' (the fixture's texts have none)."""
-    tok = train_tokenizer(
-        TEXTS + ["Ein Hund rennt, eine Frau liest; ein Hund: eine Frau."] * 4,
-        320,
-        cache_dir=tmp_path_factory.mktemp("clauses"),
-    )
-    torch.manual_seed(0)
-    return make_model(
-        src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, max_len=MAX_LEN
-    ).eval(), tok
+    texts = TEXTS + ["Ein Hund rennt, eine Frau liest; ein Hund: eine Frau."] * 4
+    return tiny_translator(texts, 320, tmp_path_factory.mktemp("clauses"), max_len=MAX_LEN, tied=False)
 
 
 def test_a_sentence_longer_than_max_len_is_split_at_clause_ends(knows_clauses, spy):
@@ -643,10 +619,7 @@ def test_a_sentence_much_longer_than_the_training_sentences_is_translated_in_cla
     from annotated.decoding.translate import LONG_SENTENCE
 
     _, tok = knows_clauses
-    torch.manual_seed(0)
-    model = make_model(
-        src_vocab=tok.vocab_size, tgt_vocab=tok.vocab_size, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, max_len=512
-    ).eval()
+    model = tiny_model(tok.vocab_size, max_len=512, tied=False)
     clauses = [t.rstrip(".") for t in TEXTS[:6] if not t.startswith(("A ", "Two"))] * 5
     text = ", ".join(clauses) + "."
     assert len(text) > LONG_SENTENCE and len(tok.encode(text)) <= 512
