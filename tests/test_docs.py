@@ -602,9 +602,8 @@ def _panels(fig):
 
 def tiny_run(tmp_path, sentence: str) -> Path:
     """runs/r1/best.pt (a 1-layer model with a tokenizer) and a results.json whose first sample is `sentence`."""
-    data = pytest.importorskip(
-        "annotated.training.data", reason="annotated/training/data.py (the tokenizer) not written yet"
-    )
+    from tiny import tiny_translator
+
     from annotated.checkpoint import save_checkpoint
 
     words = [
@@ -646,17 +645,7 @@ def tiny_run(tmp_path, sentence: str) -> Path:
         " ".join(words[i] for i in torch.randint(len(words), (6,), generator=gen)).capitalize() + "."
         for _ in range(300)
     ]
-    tokenizer = data.train_tokenizer(texts, 350, cache_dir=tmp_path / "cache")
-    model = transformer.make_model(
-        src_vocab=tokenizer.vocab_size,
-        tgt_vocab=tokenizer.vocab_size,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=4,
-        max_len=80,
-        dropout=0.0,
-    )
+    model, tokenizer = tiny_translator(texts, 350, tmp_path / "cache", h=4, max_len=80, tied=False)
     run = tmp_path / "runs" / "r1"
     save_checkpoint(run / "best.pt", model, tokenizer, {"src_lang": "de", "tgt_lang": "en"})
     (run / "results.json").write_text(json.dumps({"samples": [{"source": sentence}]}), encoding="utf-8")

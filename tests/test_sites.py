@@ -5,6 +5,7 @@
 from types import SimpleNamespace
 
 import pytest
+import tiny
 import torch
 
 from annotated.sites import (
@@ -19,23 +20,13 @@ from annotated.sites import (
     sites,
 )
 from annotated.tokens import BOS, EOS, PAD
-from annotated.transformer import attention_explicit, convert_model, make_model, padding_mask, target_mask
+from annotated.transformer import attention_explicit, convert_model, padding_mask, target_mask
 
 
 def tiny_model(attention="per_head", dtype=torch.float64, seed=0, N=2, h=3, d_model=12, vocab=17):
     """A small model with every parameter random (biases too, so no block of zeros hides a mistake)."""
-    torch.manual_seed(seed)
-    m = make_model(
-        src_vocab=vocab,
-        tgt_vocab=vocab,
-        N=N,
-        d_model=d_model,
-        d_ff=16,
-        h=h,
-        dropout=0.0,
-        max_len=20,
-        attention=attention,
-    ).to(dtype)
+    shape = dict(N=N, d_model=d_model, d_ff=16, h=h, max_len=20, attention=attention)
+    m = tiny.tiny_model(vocab, seed=seed, tied=False, **shape).to(dtype)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn_like(p) * 0.5)

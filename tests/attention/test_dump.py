@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny
 import torch
 from browser import CHROMIUM, NO_CHROMIUM, Chromium
 
@@ -32,7 +33,7 @@ from annotated.recording import record_attention
 from annotated.shipped import typed_name
 from annotated.sites import head_counts
 from annotated.tokens import BOS, PAD
-from annotated.transformer import convert_model, make_model, padding_mask
+from annotated.transformer import convert_model, padding_mask
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data" / "multi30k"
@@ -71,20 +72,8 @@ def tokenizer(base_url, cache):
 def tiny_model(
     vocab: int, attention: str = "per_head", dtype=torch.float64, seed: int = 0, h: int = 2, max_len: int = MAX_LEN
 ):
-    torch.manual_seed(seed)
-    model = make_model(
-        src_vocab=vocab,
-        tgt_vocab=vocab,
-        N=2,
-        d_model=16,
-        d_ff=32,
-        h=h,
-        max_len=max_len,
-        attention=attention,
-        share_embeddings=True,
-        tie_generator=True,
-    )
-    return model.to(dtype).eval()
+    """tiny.py's model of two layers; dropout 0.1, which a model left in training mode would apply."""
+    return tiny.tiny_model(vocab, seed=seed, N=2, h=h, max_len=max_len, attention=attention, dropout=0.1).to(dtype)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from tiny import jiggle, tiny_model
 from transformers import MarianConfig, MarianMTModel
 
 from annotated.decoding.search import beam_search
@@ -99,23 +100,16 @@ def random_marian(shape: str, seed: int = 0, eos_boost: float = 0.0) -> MarianMT
     """A MarianMTModel in float64 with random weights (the sinusoid tables untouched)."""
     torch.manual_seed(seed)
     hf = MarianMTModel(MarianConfig(max_position_embeddings=64, dropout=0.0, **MARIAN_SHAPES[shape]))
-    hf = hf.double().eval()
+    hf = jiggle(hf.double().eval(), 0.3)
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "embed_positions" not in name:
-                p.add_(torch.randn_like(p) * 0.3)
         hf.final_logits_bias.normal_()
         hf.final_logits_bias[0, hf.config.eos_token_id] += eos_boost  # translations that end before max_len
     return hf
 
 
 def random_ours(shape: str, seed: int = 0, dtype=torch.float64):
-    torch.manual_seed(seed)
-    model = make_model(dropout=0.0, max_len=64, **OUR_SHAPES[shape]).to(dtype).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return model
+    """tiny.py's model of this shape, its weights moved by noise of 0.3 drawn in `dtype`."""
+    return jiggle(tiny_model(seed=seed, **OUR_SHAPES[shape]).to(dtype), 0.3)
 
 
 def marian_batch(config, seed: int = 1):
