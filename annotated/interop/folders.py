@@ -53,9 +53,9 @@ from annotated.transformer import AttentionForm
 # (`early_stopping=True`, our rule, `annotated/decoding/search.py`). The
 # length penalties differ in form: ours is GNMT's `((5 + |Y|) / 6)^alpha`,
 # `generate` divides by `|Y|^length_penalty`; the two agree only at 0. The
-# export writes `length_penalty=1.0`, `transformers`' default, and section 6
-# of `marian.py` measures what that changes. The generation config and
-# `config.json` name the same special ids: the decoder starts with our `bos`
+# export writes `length_penalty=1.0`, `transformers`' default (what that
+# changes: `docs/training.md#exported-and-imported-the-shipped-models`). The
+# generation config and `config.json` name the same special ids: the decoder starts with our `bos`
 # (id 1), whose row gives our first decoder input; `<pad>` pads; `</s>` ends
 # (`test_the_generation_config_starts_the_decoder_with_our_first_input`).
 #

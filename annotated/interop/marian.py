@@ -509,36 +509,9 @@ def from_marian(
 # ratio of their log-probabilities falls between the two penalties' ratios;
 # `agreement.py` counts the translations where the two searches then differ.
 #
-# Measured on the shipped de -> en model, all 1,000 sentences of
-# test_2016_flickr (`python -m annotated.interop.agreement shipped:de-en
-# --hf-length-penalty 0.6 1.0`, one thread of a 2-core Intel Xeon model 207
-# shared with other jobs): largest logit difference 4.7e-14 in float64 (the
-# conversion) and 4.2e-5 in float32 (the folder); with no length penalty on
-# either side the two searches give the same translation for 100% of the
-# sentences (BLEU 38.25 both); with ours at `alpha = 0.6` against
-# `length_penalty=0.6`, 95.7% (BLEU 38.77 against 38.81), against
-# `length_penalty=1.0`, 84.8% (38.77 against 39.32). No `length_penalty`
-# reproduces GNMT's ranking, so the closest setting (0.6) agrees on 95.7% of
-# the sentences, not all; the corpus BLEU differs by 0.04.
-#
-# CTranslate2 on the stock conversion of the same model (in its layout, the
-# export's `ctranslate2/`), with no length penalty, gives 99.1% of our
-# translations, BLEU 38.34 against our 38.25.
-# It computes our log-probabilities (section 5); the 9 translations that
-# differ come from its search, which stops a sentence when its best
-# candidate ends rather than when `k` translations have finished: in all 9,
-# its translation (one to four subwords longer) has a higher
-# log-probability under our model than ours.
-#
-# Exported and imported back (`make export`, then `make import` of the
-# folder), each shipped model translates the 1,000 test sentences, and the
-# same sentences in capitals (recased by the table that `annotated.json`
-# carries), byte for byte as before: 2,000 of 2,000 lines for de -> en and
-# for en -> de (the 2-core Intel Xeon model 207;
-# `test_export_then_import_translates_as_the_checkpoint` checks 41 lines).
-# The export loaded with `from_pretrained`, saved with `save_pretrained` and
-# loaded again has the same 91 state-dict entries, bit for bit, and
-# translates the first 20 test sentences as before with `generate`.
+# What it measured on the shipped models, with CTranslate2 and with export
+# then import (`test_export_then_import_translates_as_the_checkpoint`), is
+# in `docs/training.md#exported-and-imported-the-shipped-models`.
 
 # %% [markdown]
 # ## 7. Looking at an OPUS-MT model's heads
