@@ -84,12 +84,15 @@ class Door:
         self.say(f"error: {message}")
         raise SystemExit(2)
 
-    def typed(self, *options: str) -> str:
-        """How the user adds `options` to this command: `add --force` at a shell; under make, the make line with
-        them added to ARGS (`run make circuits CHECKPOINT=shipped:en-de ARGS='--head cross:1:2 --force'`)."""
-        return self._make_line(options) if os.environ.get(MAKE_TARGET) else f"add {' '.join(options)}"
+    @staticmethod
+    def typed(*options: str) -> str:
+        """How the user adds `options` to the command that runs: `add --force` at a shell; under make, the make
+        line with them added to ARGS (`run make circuits CHECKPOINT=shipped:en-de ARGS='--head cross:1:2 --force'`).
+        Static: the floors above the door that know no command (`training/runs.py`) type their fixes with it."""
+        return Door.make_line(options) if os.environ.get(MAKE_TARGET) else f"add {' '.join(options)}"
 
-    def _make_line(self, options: tuple[str, ...] = (), **variables: str) -> str:
+    @staticmethod
+    def make_line(options: tuple[str, ...] = (), **variables: str) -> str:
         """The make line that ran this command with `options` added to ARGS and `variables` set."""
         args = " ".join([os.environ.get("ARGS", "").strip(), *options]).strip()
         given = {v: shlex.quote(os.environ[v]) for v in MAKE_VARIABLES if os.environ.get(v)} | variables
@@ -134,7 +137,7 @@ class Door:
             args.checkpoint = checkpoint_file(path)
             return args.checkpoint
         except CheckpointError as e:  # naming a checkpoint under make: CHECKPOINT=PATH
-            named = self._make_line(CHECKPOINT="PATH") if os.environ.get(MAKE_TARGET) else NAME_ONE
+            named = self.make_line(CHECKPOINT="PATH") if os.environ.get(MAKE_TARGET) else NAME_ONE
             self.fail(str(e).replace(NAME_ONE, named))
 
     def given_checkpoint(self, args: argparse.Namespace) -> Path | None:

@@ -48,6 +48,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
+from annotated.door import MAKE_TARGET, Door
 from annotated.plumbing.files import atomic_write, sha256_of
 from annotated.tokens import BOS, EOS, PAD, UNK, Tokenizer, TokenizerError
 
@@ -150,9 +151,12 @@ def resolve_base_url(base_url: str | None = None) -> str:
 
 # %%
 def _how_to_fix() -> str:
+    path = "file:///path/to/multi30k/"
+    if os.environ.get(MAKE_TARGET):  # under make: the make line with the variable set
+        return f"{Door.make_line((), **{URL_ENV: path})} (a reachable copy of the Multi30k raw files, or {DEFAULT_URL})"
     return (
         f"set {URL_ENV} (or pass --data-url) to a reachable copy of the Multi30k raw files, "
-        f"e.g. {URL_ENV}=file:///path/to/multi30k/ or the default {DEFAULT_URL}"
+        f"e.g. {URL_ENV}={path} or the default {DEFAULT_URL}"
     )
 
 

@@ -256,7 +256,7 @@ def pack(
     targets = (out / f"{direction}.pt", out / f"{direction}.json")
     existing = [t for t in targets if t.exists()]
     if existing and not force:
-        raise PackError(f"{existing[0]} exists; add --force to replace it")
+        raise PackError(f"{existing[0]} exists; {Door.typed('--force')} to replace it")
     command = command or training_command(results)
     state = compact_state(read_checkpoint(source))
     if pairs is None:

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from annotated.checkpoint import CheckpointError, model_from_state, read_checkpoint
+from annotated.door import Door
 from annotated.plumbing.files import atomic_write
 from annotated.run_folder import LAST, LATEST, RUNS
 from annotated.training.config import TrainConfig, config_from_dict
@@ -83,7 +84,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
             )
     elif (run_dir / LAST).exists():
         raise TrainingError(
-            f"{run_dir} already holds a run (last.pt); pass --resume to continue it or choose another --run-dir"
+            f"{run_dir} already holds a run (last.pt); {Door.typed('--resume')} to continue it or choose another --run-dir"
         )
     elif run_dir.is_dir() and any(run_dir.iterdir()):
         raise TrainingError(

@@ -282,3 +282,25 @@ def test_every_option_sets_a_setting_and_every_choice_is_the_configs():
         if option.whole_from is not None:
             with pytest.raises(SystemExit):
                 train_wmt.parse_args([flag, str(option.whole_from - 1)])
+
+
+def test_a_run_to_resume_is_typed_at_a_shell_and_under_make(tmp_path, monkeypatch):
+    """A --run-dir that holds a run: `add --resume` at a shell; under make, the make line with --resume in ARGS."""
+    from annotated.door import MAKE_TARGET
+    from annotated.run_folder import LAST
+    from annotated.training.runs import check_run_dir
+
+    (tmp_path / LAST).write_bytes(b"")
+    for name in (MAKE_TARGET, "ARGS", "CHECKPOINT", "OUT", "HF", "TEXT"):
+        monkeypatch.delenv(name, raising=False)
+    fixes = []
+    for env in ({}, {MAKE_TARGET: "train", "ARGS": "--preset cpu"}):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(train.TrainingError) as e:
+            check_run_dir(tmp_path, resume=False)
+        fixes.append(str(e.value).split("; ", 1)[1])
+    assert fixes == [
+        "add --resume to continue it or choose another --run-dir",
+        "run make train ARGS='--preset cpu --resume' to continue it or choose another --run-dir",
+    ]
