@@ -18,7 +18,7 @@ not take; a dotted vertical line: the stop. Colours come from the project's one 
 
 from __future__ import annotations
 
-from annotated.attention.pictures import LAYOUT, colour_table
+from annotated.attention.pictures import LAYOUT, colour_table, figure
 
 LOSS, TEST, HELD_OUT = colour_table(5)[0], colour_table(5)[2], colour_table(5)[3]  # dark, mid, light-mid
 
@@ -35,13 +35,9 @@ def curve_figure(
     """`curve`: one dict per model on the path (`heads_removed`, `held_out_loss`, `held_out_bleu`, `test_bleu`,
     `kept`), the unpruned model first; `stop`: heads the saved model lost; `tuned`: the fine-tuned model's
     `held_out_loss` and `test_bleu` (and `finetune_steps`), drawn at the stop, or None."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     if not curve or curve[0]["heads_removed"] != 0:
         raise ValueError("the curve must start with the unpruned model (heads_removed 0)")
-    fig = Figure(figsize=(7.5, 6.5), layout=LAYOUT)
-    FigureCanvasAgg(fig)
+    fig = figure(figsize=(7.5, 6.5), layout=LAYOUT)
     top, bottom = fig.subplots(2, 1, sharex=True)
     x = [p["heads_removed"] for p in curve]
     kept = [p["kept"] for p in curve]

@@ -249,15 +249,12 @@ PANELS = (
 def heat_map(kind: str, report: dict, ranges: dict[str, tuple[float, float]]):
     """One row of (N layers x h heads) panels, one per measure, in the colour range shared by all kinds.
     Hatched: a change whose bootstrap interval contains 0 (not significant)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
-    from annotated.attention.pictures import CMAP
+    from annotated.attention.pictures import CMAP, figure
 
     k = report["kinds"][kind]
-    fig = Figure(figsize=(4.4 * len(PANELS), 1.6 + 0.7 * len(k["importance"])))
-    FigureCanvasAgg(fig)
+    fig = figure(figsize=(4.4 * len(PANELS), 1.6 + 0.7 * len(k["importance"])))
     for ax, (key, title, fmt, bar) in zip(fig.subplots(1, len(PANELS), squeeze=False)[0], PANELS):
         change = key != "importance"
         data = _grid([[v["value"] for v in row] for row in k[key]] if change else k[key])
@@ -299,10 +296,7 @@ def example_sentence(pairs, encoded, max_len: int, shortest: int = 6, longest: i
 def examples_figure(model, tokenizer, src_ids: list[int], tgt_ids: list[int], labels: dict, title: str = ""):
     """A row of small grids per attention, one per head: its attention on one sentence, teacher-forced with
     the reference translation; titles carry each head's label."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from annotated.attention.pictures import _panel, add_colour_bar, label_font_size
+    from annotated.attention.pictures import _panel, add_colour_bar, figure, label_font_size
     from annotated.attention.profiles import teacher_forced_attention
     from annotated.tokens import BOS, EOS, SPECIAL_LABELS
 
@@ -315,8 +309,7 @@ def examples_figure(model, tokenizer, src_ids: list[int], tgt_ids: list[int], la
     predicted = tokenizer.pieces(tgt_ids) + [SPECIAL_LABELS[EOS]]
     axis = {"enc_self": (src_tok, src_tok), "dec_self": (predicted, fed), "cross": (predicted, src_tok)}
     rows, width = sites(model), max(attention_at(model, *s).h for s in sites(model))
-    fig = Figure(figsize=(2.6 * width + 1.5, 2.9 * len(rows) + 0.8), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = figure(figsize=(2.6 * width + 1.5, 2.9 * len(rows) + 0.8), layout="constrained")
     axes = fig.subplots(len(rows), width, squeeze=False)
     font = label_font_size(max(len(src_tok), len(fed)), 2.2)
     im = None
@@ -540,7 +533,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     pruned, steps = (tuning.model, tuning.steps) if tuning else (pruned, 0)
     total = sum(attention_at(model, *s).h for s in sites(model))
     alpha = model_length_penalty(meta) if args.length_penalty is None else args.length_penalty
-    hyps = [beam_bleu(m, tokenizer, test, args.beam, alpha, args.device)[1] for m in (model, pruned)]
+    hyps = [evaluate_bleu(m, tokenizer, test, args.beam, alpha, args.device)[1] for m in (model, pruned)]
     test_change = paired_bleu_change(hyps[0], hyps[1], refs, args.resamples, args.seed)
     b, a = (
         dict(describe(m, h, refs), **timing)
@@ -636,13 +629,6 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         "threads": torch.get_num_threads(),
         "checkpoint": str(args.out / "pruned.pt"),
     }
-
-
-def beam_bleu(model, tokenizer, test, beam: int, alpha: float, device) -> tuple[dict, list[str]]:
-    """(scores, translations) of the test pairs with beam search at length penalty `alpha`."""
-    from annotated.training.evaluate import evaluate_bleu
-
-    return evaluate_bleu(model, tokenizer, test, beam, alpha, device)
 
 
 def describe(model, hyps: list[str], refs: list[str]) -> dict:

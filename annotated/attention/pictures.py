@@ -249,6 +249,13 @@ def alignment_figure(
     return fig
 
 
+def figure(**kwargs) -> Figure:
+    """A `Figure(**kwargs)` with its Agg canvas, drawn without pyplot (`tight_layout` measures text with it)."""
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def figure_rgb(fig: Figure) -> np.ndarray:
     """The figure rendered to an (H, W, 3) uint8 array."""
     canvas = FigureCanvasAgg(fig)

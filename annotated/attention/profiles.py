@@ -30,10 +30,10 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from annotated.attention.pictures import figure
 from annotated.plumbing.progress import tracked
 from annotated.recording import record_attention
 from annotated.sites import KINDS, attention_at, sites
@@ -303,8 +303,7 @@ def inspect_figure(
 ) -> Figure:
     rows = sites(model)
     labels = head_labels(profiles)
-    fig = Figure(figsize=(14, 2.6 * len(rows) + 0.6))
-    FigureCanvasAgg(fig)
+    fig = figure(figsize=(14, 2.6 * len(rows) + 0.6))
     axes = fig.subplots(len(rows), 3, squeeze=False)
     for r, (kind, layer) in enumerate(rows):
         spectra = bilinear_spectra(attention_at(model, kind, layer))
