@@ -118,12 +118,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- data and evaluation
 
 
-def _batches(encoded, indices, max_len: int):
+def _batches(encoded, indices, max_len: int, **order):
+    """Batches of the pairs `encoded[i]`, i in `indices`, that fit the model; `order`: make_batches' shuffle, seed."""
     from annotated.training.data import make_batches, split_long
 
     chosen = [encoded[i] for i in indices]
     kept, _ = split_long(chosen, max_len)  # teacher-forced passes need pairs that fit the model
-    return make_batches([chosen[i] for i in kept], max_tokens=4000)
+    return make_batches([chosen[i] for i in kept], max_tokens=4000, **order)
 
 
 def languages_of(meta: dict) -> tuple[str, str]:
@@ -478,6 +479,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     from annotated.decoding.settings import model_length_penalty
     from annotated.plumbing.files import save_figure
     from annotated.sites import head_counts
+    from annotated.training.data import encode_pairs, load_multi30k
     from annotated.training.evaluate import evaluate_bleu
 
     ranking, held_out = split_sentences(len(val))
@@ -519,10 +521,11 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     if not curve:  # nothing to remove: one head per attention already
         point(model, result.baseline_loss, True)
     pruned, stop = result.model, len(result.removed)
+    train = encode_pairs(load_multi30k("train", *languages_of(meta)), tokenizer) if args.finetune_steps else []
     tuning = (
         finetune_on_held_out(
             pruned,
-            _training_batches(meta, tokenizer, model.config.max_len),
+            _batches(train, range(len(train)), model.config.max_len, shuffle=True, seed=0),
             args.finetune_steps,
             held_out_loss,
             progress=True,
@@ -657,15 +660,6 @@ def time_both(model, pruned, tokenizer, test, beam: int, alpha: float) -> tuple[
         for k in ("before", "after")
     )
     return before, after
-
-
-def _training_batches(meta: dict, tokenizer, max_len: int):
-    from annotated.training.data import encode_pairs, load_multi30k, make_batches, split_long
-
-    train = load_multi30k("train", *languages_of(meta))
-    encoded = encode_pairs(train, tokenizer)
-    kept, _ = split_long(encoded, max_len)
-    return make_batches([encoded[i] for i in kept], max_tokens=4000, shuffle=True, seed=0)
 
 
 def write_pictures(model, tokenizer, report: dict, profiles_for_page, val, encoded, args) -> None:
