@@ -2,15 +2,17 @@
 unbounded ones it replaced, in one process, alternating rounds.
 
     python -m benchmarks.allocator                  # the cpu preset, de -> en, precision auto
-    python -m benchmarks.allocator --threads 1 --rounds 5
+    python -m benchmarks.allocator --threads 1 --rounds 15
 
 `mallopt` can be called at any time, so one process can time the same step (`train.train_step` on the first
 `--batches` batches of a seeded epoch, as `benchmarks/padding.py` does) under each way in turn. Before each
-way's `--steps` timed steps its settings are applied, every free page is handed back (`malloc_trim(0)`, as
-training does where a phase ends) and one untimed step lets the heap grow back, so the timed steps are the
-steady state of an epoch under that way, page faults included. It prints each
+way's window its settings are applied, every free page is handed back (`malloc_trim(0)`, as training does
+where a phase ends) and one untimed step lets the heap grow back; then the window times one step on each of
+the `--batches` batches, so every window of every round times the same batches, the steady state of an epoch
+under that way, page faults included. The ways take turns going first from round to round. It prints each
 way's target tokens per second (the median over the rounds), its speed over the first way's (the median of
-the per-round ratios), its minor page faults per step, and the process's resident memory after its last
+the per-round ratios, and their range and quartiles: on a shared machine the spread is the figure to read
+beside the median), its minor page faults per step, and the process's resident memory after its last
 window. Both ways share one model and optimiser: the state they carry is the same size.
 
 The ways:
@@ -48,7 +50,7 @@ WAYS = {
 }
 
 
-def compare(cfg, encoded, n_batches: int, rounds: int, steps: int, precision: str) -> dict:
+def compare(cfg, encoded, n_batches: int, rounds: int, precision: str) -> dict:
     """Tokens per second, page faults per step and resident memory of the step under each way of `WAYS`."""
     from annotated.training import data
     from benchmarks.padding import stepper
@@ -69,13 +71,14 @@ def compare(cfg, encoded, n_batches: int, rounds: int, steps: int, precision: st
             release_freed_memory()
             step()  # untimed: the heap grows back to what a step needs under these settings
             before, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
-            for _ in range(steps):
+            for _ in range(n_batches):  # each batch once: every window times the same steps
                 step()
-            seconds[name].append((time.perf_counter() - t0) / steps)
-            faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps)
+            seconds[name].append((time.perf_counter() - t0) / n_batches)
+            faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / n_batches)
             resident[name] = resident_bytes()
     tokens = sum(b.ntokens for b in batches) / n_batches
     first = names[0]
+    ratios = {w: [a / b for a, b in zip(seconds[first], t)] for w, t in seconds.items()}  # per round
     return {
         "batches": n_batches,
         "tokens_per_step": tokens,
@@ -83,9 +86,8 @@ def compare(cfg, encoded, n_batches: int, rounds: int, steps: int, precision: st
         "precision": precision,
         "rounds": rounds,
         "tokens_per_second": {w: tokens / statistics.median(t) for w, t in seconds.items()},
-        "speed_over_first": {
-            w: statistics.median(a / b for a, b in zip(seconds[first], t)) for w, t in seconds.items()
-        },
+        "speed_over_first": {w: statistics.median(r) for w, r in ratios.items()},
+        "ratios": ratios,
         "faults_per_step": {w: statistics.median(f) for w, f in faults.items()},
         "resident_mb": {w: resident[w] >> 20 for w in names},
     }
@@ -105,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--src", default="de"), p.add_argument("--tgt", default="en")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     p.add_argument("--threads", type=at_least(1), default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--batches", type=at_least(1), default=24, help="batches of the epoch to cycle (default 24)")
-    p.add_argument("--rounds", type=at_least(1), default=5, help="alternating rounds (default 5)")
-    p.add_argument("--steps", type=at_least(1), default=6, help="timed steps per way and round (default 6)")
+    p.add_argument("--batches", type=at_least(1), default=8, help="batches of the epoch, one window (default 8)")
+    p.add_argument("--rounds", type=at_least(1), default=15, help="alternating rounds (default 15)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dataclasses.replace(PRESETS["cpu"], src_lang=args.src, tgt_lang=args.tgt)
     pairs = data.load_multi30k("train", args.src, args.tgt)
     tokenizer = data.train_tokenizer([s for s, _ in pairs] + [t for _, t in pairs], cfg.vocab_size)
-    r = compare(cfg, data.encode_pairs(pairs, tokenizer), args.batches, args.rounds, args.steps, precision)
+    r = compare(cfg, data.encode_pairs(pairs, tokenizer), args.batches, args.rounds, precision)
     print(
         f"the cpu preset's step, {args.src} -> {args.tgt}, {precision} ({why}), {r['threads']} threads, "
         f"{r['tokens_per_step']:.0f} target tokens a step, median of {args.rounds} rounds:"
@@ -127,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {w:<38} {tps:8,.0f} target tokens/s  {r['speed_over_first'][w]:.2f}x  "
             f"{r['faults_per_step'][w]:9,.0f} page faults a step  {r['resident_mb'][w]:,} MB resident"
+        )
+    for w, rs in list(r["ratios"].items())[1:]:
+        q = statistics.quantiles(rs, n=4) if len(rs) > 1 else rs * 3
+        print(
+            f"  {w} over the first, per round: median {statistics.median(rs):.3f}, quartiles {q[0]:.3f} to "
+            f"{q[2]:.3f}, range {min(rs):.3f} to {max(rs):.3f}; {', '.join(f'{x:.2f}' for x in rs)}"
         )
     return 0
 
