@@ -15,7 +15,8 @@ Multi30k from `$MULTI30K_URL`. Rows:
   every epoch and the whole end of the run: averaging, the length penalty, the 1,000 test sentences);
   `train` (with `--full-train`): the preset's 6,500 steps;
 - `translate`: the 1,000 test sentences (test_2016_flickr, German) on stdin, beam 4;
-- `attention`, `heads`, `circuits`, `equivalence`: the targets as they are, beside the shipped model;
+- `attention`, `heads`, `circuits`, `equivalence`: the targets as they are, beside the shipped model
+  (`circuits-en-de`: `make circuits` of the shipped en -> de model);
 - `heads-prune`: `--prune` with the smallest honest options (`--sentences 100 --test-sentences 100`): the
   pruning search over 100 validation sentences, test BLEU and speed on 100 test sentences;
 - `test` (with `--test`): the whole suite.
@@ -58,6 +59,7 @@ def rows(out: Path) -> dict[str, tuple[list[str], str | None]]:
             None,
         ),
         "circuits": (["circuits", CHECKPOINT, f"ARGS=--out {out}/circuits"], None),
+        "circuits-en-de": (["circuits", "CHECKPOINT=shipped:en-de", f"ARGS=--out {out}/circuits-en-de"], None),
         "equivalence": (["equivalence"], None),
         "test": (["test"], None),
     }
