@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['faults_per_step'][w]:9,.0f} page faults a step  {r['resident_mb'][w]:,} MB resident"
         )
     for w, rs in list(r["ratios"].items())[1:]:
-        q = statistics.quantiles(rs, n=4) if len(rs) > 1 else rs * 3
+        q = statistics.quantiles(rs, n=4, method="inclusive") if len(rs) > 1 else rs * 3
         print(
             f"  {w} over the first, per round: median {statistics.median(rs):.3f}, quartiles {q[0]:.3f} to "
             f"{q[2]:.3f}, range {min(rs):.3f} to {max(rs):.3f}; {', '.join(f'{x:.2f}' for x in rs)}"
