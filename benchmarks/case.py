@@ -49,7 +49,7 @@ def measure(
             for i, (s, _) in enumerate(pairs)
         ]
         with torch.inference_mode():
-            hyps = translate_prepared(model, tokenizer, lines, beam)
+            hyps = [answers[0].text for answers in translate_prepared(model, tokenizer, lines, beam)]
         scores = score(hyps, references)
         scores.pop("signature")
         results.setdefault(variant, {})[mode] = scores

@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import annotated.transformer
 from annotated.checks import check_beam, check_decoder_output, check_decoding, check_sources
 from annotated.decoding.quantize import float_attention
 from annotated.decoding.settings import Decoding
@@ -275,39 +274,46 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 # better, but it can also prune the prefix greedy follows, and end worse.
 #
 # **n-best.** What the search keeps of a sentence is its list of finished
-# translations, and the answer is the best of them. `nbest_search` returns
-# that list itself, in score order, cut at `n <= k`: the `n` best of the
-# translations the beam finished (with, at `max_len`, the prefixes it ranks
-# beside them), each with its `log P` and its score `log P / lp`. It is no
-# list of the `n` best translations of the model: the beam drops a prefix
-# as soon as `k` others outrank it, so a translation that would rank second
-# may never be finished, and the list holds at least `k` entries only
-# because the search stops once `k` have finished (a sentence may finish
-# more at its last step, and its list may hold fewer when its live prefixes
-# all reach `log P = -inf`). Hence `n` at most `k`: a wider list needs a
-# wider beam. The first entry is `beam_search`'s answer, and the fast loop
-# of section 7 returns the same lists, scores within rounding
+# translations, and the answer is the best of them. With `nbest=n`,
+# `beam_search` returns that list itself, in score order, cut at `n <= k`:
+# the `n` best of the translations the beam finished (with, at `max_len`,
+# the prefixes it ranks beside them), each with its `log P` and its score
+# `log P / lp`. It is no list of the `n` best translations of the model:
+# the beam drops a prefix as soon as `k` others outrank it, so a
+# translation that would rank second may never be finished, and the list
+# holds at least `k` entries only because the search stops once `k` have
+# finished (a sentence may finish more at its last step, and its list may
+# hold fewer when its live prefixes all reach `log P = -inf`). Hence `n` at
+# most `k`: a wider list needs a wider beam. The first entry is the
+# one-best answer, and the fast loop of section 7 returns the same lists,
+# scores within rounding
 # (`test_the_two_loops_return_the_same_nbest_lists_and_scores`,
 # `test_nbest_above_the_beam_is_refused`).
 #
 # **Batching.** `B` sentences run together as `B * k` rows, row `b*k + j`
 # being hypothesis `j` of sentence `b`. The memory is computed once per
-# sentence and repeated `k` times. At the first step only hypothesis 0 (the
-# lone `bos`) is live; the others start at `log P = -inf` so the `k` copies
-# of `bos` do not fill the beam with duplicates. A done sentence leaves the
+# sentence. At the first step a sentence has one prefix, the lone `bos`, so
+# the search starts with one row per sentence and the first step's best
+# candidates make its `k` (with fewer than `2k` words in the vocabulary it
+# starts with `k` copies of `bos`, all but one at `log P = -inf`, so that
+# they do not fill the beam with duplicates). A done sentence leaves the
 # batch: its rows are dropped from the prefixes, the memory, the mask and the
 # cache with the same index that reorders the beams. Each sentence's search
 # is independent of the others in the batch
 # (`test_batched_beam_equals_one_sentence_at_a_time`).
 #
-# **Cache.** With `use_cache=True` each step feeds only the newest token and
-# the cache is reordered with the beams (section 5); with `use_cache=False`
-# each step recomputes the decoder over the whole prefix
+# **The loop and its decoder.** `_search` holds these rules, once. What it
+# asks of the model is a decoder's: the logits after each prefix, the best
+# `2k` candidates, and its rows reordered along the beams. `_Decoder` does
+# it with `model.decode`: with `use_cache=True` each step feeds only the
+# newest token and the cache is reordered with the beams (section 5); with
+# `use_cache=False` each step recomputes the decoder over the whole prefix
 # (`test_beam_search_without_the_cache_recomputes_the_whole_prefix`), which is
 # slower and gives the same tokens (`test_cached_beam_equals_recomputed_beam`).
-# The cross-attention entries are reordered too: within a sentence they are
-# all equal, so only the dropping of done sentences changes them, but one
-# call for every entry keeps the loop simple.
+# The memory, the mask and the cross-attention entries are reordered too:
+# within a sentence they are all equal, so only the first step and the
+# dropping of done sentences change them, but one index for every row keeps
+# the decoder simple. Section 7's `_FastDecoder` does the same with less work.
 
 
 # %%
@@ -324,20 +330,38 @@ def beam_search(
     pad: int = PAD,
     use_cache: bool = True,
     return_scores: bool = False,
+    nbest: int = 0,
+    fast: bool = True,
 ):
     """(B, S) source ids -> (B, <= max_len) best ids (bos excluded, eos kept, pad after it).
 
-    `length_penalty` is GNMT's alpha (0 = raw log-probability). With
-    `return_scores`, also returns each translation's score log P / lp, (B,).
+    `length_penalty` is GNMT's alpha (0 = raw log-probability). With `return_scores`, also returns each
+    translation's score log P / lp, (B,). With `nbest` n >= 1 (at most `beam_size`), returns instead each
+    sentence's n best finished hypotheses, best score first (fewer only when the beam finished fewer).
+    `fast`: the fast decoder of section 7, where it runs.
     """
     check_decoding(model, src, src_mask, max_len)
     check_beam(beam_size, length_penalty)
-    out, scores = _beam_search(model, src, src_mask, max_len, beam_size, length_penalty, bos, eos, pad, use_cache)
+    _check_nbest(nbest, beam_size)
+    found = _hypotheses(model, src, src_mask, max_len, beam_size, length_penalty, bos, eos, use_cache, fast)
+    if nbest:
+        return [hyps[:nbest] for hyps in found]
+    best = [hyps[0] for hyps in found]  # the first of equal scores wins
+    width = max((len(h.ids) for h in best), default=0)
+    out = torch.full((len(best), width), pad, dtype=torch.long, device=src.device)  # (B, L)
+    for b, h in enumerate(best):
+        out[b, : len(h.ids)] = torch.tensor(h.ids, dtype=torch.long)
+    scores = torch.tensor([h.score for h in best], dtype=torch.float64, device=src.device)  # (B,)
     return (out, scores) if return_scores else out
 
 
+def _check_nbest(nbest: int, beam_size: int) -> None:
+    if not 0 <= nbest <= beam_size:
+        raise ValueError(f"nbest must be between 1 and the beam size {beam_size}, got {nbest}")
+
+
 class Hypothesis(NamedTuple):
-    """One finished hypothesis of a sentence: its ids (eos kept where it ended, in `nbest_search`), its
+    """One finished hypothesis of a sentence: its ids (eos kept where it ended, in `beam_search`'s lists), its
     log P(Y | X), and the score the search ranked it by, log P / lp(|Y|)."""
 
     ids: list[int]
@@ -345,133 +369,111 @@ class Hypothesis(NamedTuple):
     score: float
 
 
-@torch.no_grad()
-def nbest_search(
-    model: EncoderDecoder,
-    src: Tensor,
-    src_mask: Tensor | None,
-    max_len: int,
-    beam_size: int = Decoding.beam,
-    length_penalty: float = Decoding.length_penalty,
-    nbest: int = 1,
-    bos: int = BOS,
-    eos: int = EOS,
-    use_cache: bool = True,
-) -> list[list[Hypothesis]]:
-    """(B, S) source ids -> for each sentence its `nbest` best finished hypotheses, best score first (fewer
-    only when the beam finished fewer); `nbest <= beam_size`. The first is `beam_search`'s answer."""
-    check_decoding(model, src, src_mask, max_len)
-    check_beam(beam_size, length_penalty)
-    if not 1 <= nbest <= beam_size:
-        raise ValueError(f"nbest must be between 1 and the beam size {beam_size}, got {nbest}")
-    finished = _finished(model, src, src_mask, max_len, beam_size, length_penalty, bos, eos, use_cache)
-    return [[Hypothesis(ids, logP, score) for score, ids, logP in _ranked(f)[:nbest]] for f in finished]
-
-
-def _ranked(finished: list[tuple[float, list[int], float]]) -> list[tuple[float, list[int], float]]:
-    """A sentence's finished hypotheses, best score first; the first of equal scores first."""
-    return sorted(finished, key=lambda hyp: hyp[0], reverse=True)  # a stable sort, also reversed
-
-
-def _finished(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache) -> list[list[tuple]]:
-    """Each sentence's finished hypotheses (score, ids, log P), as the search finished them; at least one each."""
-    finished: list[list[tuple[float, list[int], float]]] = [[] for _ in range(src.size(0))]
+def _hypotheses(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, fast) -> list[list[Hypothesis]]:
+    """Each sentence's finished hypotheses, best score first (the first of equal scores first); at least one."""
+    finished: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
     if src.size(0) > 0:
-        fast = annotated.transformer.FAST_PATH and use_cache and isinstance(model, EncoderDecoder)
-        search = _search_fast if fast else _search  # the one place that chooses
-        search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished)
+        _search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, fast, finished)
     empty = [b for b, f in enumerate(finished) if not f]
     if empty:
         raise ValueError(
             f"beam search found no translation with a finite log-probability for sentences "
             f"{empty}: the model's logits are not finite (NaN or inf)"
         )
-    return finished
+    return [sorted(f, key=lambda h: h.score, reverse=True) for f in finished]  # a stable sort, also reversed
 
 
-def _beam_search(model, src, src_mask, max_len, k, length_penalty, bos, eos, pad, use_cache) -> tuple[Tensor, Tensor]:
-    """`beam_search` on arguments already checked: (best ids (B, L), their scores (B,))."""
+def _search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, fast, finished) -> None:
+    """The beam search loop; appends each finished translation's `Hypothesis` to its sentence's list in `finished`."""
     B, device = src.size(0), src.device
-    finished = _finished(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache)
-    best = [_ranked(f)[0] for f in finished]  # the first of equal scores wins
-    width = max((len(ids) for _, ids, _ in best), default=0)
-    out = torch.full((B, width), pad, dtype=torch.long, device=device)  # (B, L)
-    for b, (_, ids, _) in enumerate(best):
-        out[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return out, torch.tensor([score for score, _, _ in best], dtype=torch.float64, device=device)  # (B,)
-
-
-def _search(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished) -> None:
-    """The beam search loop; appends (score, ids, log P) of finished translations to `finished`."""
-    B, device = src.size(0), src.device
-    memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # (B*k, S, d_model)
-    mask = None
-    if src_mask is not None:
-        mask = src_mask.expand(B, *src_mask.shape[1:]).repeat_interleave(k, dim=0)  # (B*k, 1|S, S)
-    ys = torch.full((B * k, 1), bos, dtype=torch.long, device=device)  # (B*k, 1) prefixes, bos first
-    scores = torch.full((B, k), -math.inf, dtype=_score_dtype(memory.dtype), device=device)  # (B, k) log P
+    memory = model.encode(src, src_mask)  # (B, S, d_model)
+    w = 1 if 2 * k <= model.config.tgt_vocab else k  # rows per sentence now: the lone bos (section 6)
+    decoder: _Decoder | _FastDecoder
+    if fast and use_cache and isinstance(model, EncoderDecoder):  # the one place that chooses (section 7)
+        decoder = _FastDecoder(model, memory, src_mask)
+    else:
+        decoder = _Decoder(model, memory, src_mask, w, use_cache)
+    ys = torch.full((B * w, 1), bos, dtype=torch.long, device=device)  # (B*w, 1) prefixes, bos first
+    scores = torch.full((B, w), -math.inf, dtype=_score_dtype(memory.dtype), device=device)  # (B, w) log P
     scores[:, 0] = 0.0  # only the lone bos is live at first
-    alive = torch.arange(B, device=device)  # (A,) the sentence of each block of k rows
-    cache = model.new_cache() if use_cache else None
+    alive = torch.arange(B, device=device)  # (A,) the sentence of each block of w rows
+    n_done = torch.zeros(B, dtype=torch.long, device=device)  # (A,) finished translations per sentence
     for t in range(max_len):
         A = alive.numel()
-        if use_cache:
-            y = model.decode(memory, mask, ys[:, -1:], None, cache=cache, start=t)[:, -1]  # (A*k, d_model)
-        else:
-            y = model.decode(memory, mask, ys, subsequent_mask(t + 1).to(device))[:, -1]  # (A*k, d_model)
-        logp = model.generator(y).to(scores.dtype).log_softmax(dim=-1)  # (A*k, V)
-        V = logp.size(-1)
-        # 1. expand: log P(y w) = log P(y) + log p(w | y, X)
-        cand = (scores.view(A * k, 1) + logp).view(A, k * V)  # (A, k*V)
-        top, flat = cand.topk(2 * k, dim=-1)  # (A, 2k) best first
-        parent, token = flat // V, flat % V  # (A, 2k) which prefix, which next token
+        logp = decoder(ys).to(scores.dtype).log_softmax(dim=-1)  # (A*w, V) log p(w | y, X)
+        # 1. expand: the best 2k of log P(y w) = log P(y) + log p(w | y, X)
+        top, parent, token = decoder.best(scores, logp, 2 * k)  # (A, 2k) each, best first; parent within a sentence
         is_eos = token == eos  # (A, 2k)
         # 2. finish: eos among the best k, with score log P / lp(t + 1)
         ends = is_eos[:, :k] & top[:, :k].isfinite()  # (A, k)
         if ends.any():
             a, j = ends.nonzero(as_tuple=True)  # row-major: best first within a sentence
-            rows = a * k + parent[a, j]  # (n,)
-            for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[rows, 1:].tolist()):
-                finished[b].append((logP / gnmt_lp(t + 1, length_penalty), ids + [eos], logP))
+            for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[a * w + parent[a, j], 1:].tolist()):
+                finished[b].append(Hypothesis(ids + [eos], logP, logP / gnmt_lp(t + 1, length_penalty)))
+            n_done += ends.sum(dim=1)
         # 3. continue: the best k candidates that do not end in eos (a stable sort keeps their order)
         pick = torch.sort(is_eos.long(), dim=-1, stable=True).indices[:, :k]  # (A, k)
         scores = top.gather(1, pick)  # (A, k)
-        rows = (torch.arange(A, device=device).unsqueeze(1) * k + parent.gather(1, pick)).view(-1)  # (A*k,)
-        ys = torch.cat([ys[rows], token.gather(1, pick).view(-1, 1)], dim=1)  # (A*k, t+2)
-        # which sentences are done: k finished, no live prefix left, or max_len reached
-        n_done = torch.tensor([len(finished[b]) for b in alive.tolist()], device=device)  # (A,)
-        done = (n_done >= k) | ~scores.isfinite().any(dim=1)  # (A,)
-        if t == max_len - 1:
-            _finish_at_max_len(finished, alive, ys, scores, n_done < k, length_penalty, k)
+        rows = (torch.arange(A, device=device).unsqueeze(1) * w + parent.gather(1, pick)).view(-1)  # (A*k,)
+        ys, w = torch.cat([ys[rows], token.gather(1, pick).view(-1, 1)], dim=1), k  # (A*k, t+2): k beams from here
+        if t == max_len - 1:  # sentences with fewer than k finished translations rank their live prefixes too
+            for a, j in (scores.isfinite() & (n_done < k).unsqueeze(1)).nonzero().tolist():
+                logP, ids = scores[a, j].item(), ys[a * k + j, 1:].tolist()
+                finished[int(alive[a])].append(Hypothesis(ids, logP, logP / gnmt_lp(len(ids), length_penalty)))
             return
+        # which sentences are done: k finished, or no live prefix left
+        done = (n_done >= k) | ~scores.isfinite().any(dim=1)  # (A,)
         if done.all():
             return
+        keep = None
         if done.any():  # drop the done sentences' rows along with the reordering
             keep = (~done).nonzero(as_tuple=True)[0]  # (A',)
             keep_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=device)).view(-1)  # (A'*k,)
-            ys, scores, alive = ys[keep_rows], scores[keep], alive[keep]
-            rows = rows[keep_rows]
-            memory = memory.index_select(0, rows)  # (A'*k, S, d_model) beams of a sentence share it
-            mask = None if mask is None else mask.index_select(0, rows)  # (A'*k, 1|S, S)
-        if cache is not None:
-            cache = reorder_cache(cache, rows)
+            ys, scores, alive, n_done, rows = ys[keep_rows], scores[keep], alive[keep], n_done[keep], rows[keep_rows]
+        decoder.reorder(rows, keep)
 
 
-def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) -> None:
-    """At max_len, sentences with fewer than k finished translations rank their live prefixes too."""
-    for a in short.nonzero(as_tuple=True)[0].tolist():
-        b = alive[a].item()
-        for j in range(k):
-            logP = scores[a, j].item()
-            if math.isfinite(logP):
-                ids = ys[a * k + j, 1:].tolist()
-                finished[b].append((logP / gnmt_lp(len(ids), length_penalty), ids, logP))
+class _Decoder:
+    """The readable loop's decoder: `model.decode`, with each row's memory, mask and cache (B*w rows at first)."""
+
+    def __init__(self, model, memory: Tensor, src_mask: Tensor | None, w: int, use_cache: bool):
+        B = memory.size(0)
+        self.model, self.memory = model, memory.repeat_interleave(w, dim=0)  # (B*w, S, d_model)
+        if src_mask is not None:
+            src_mask = src_mask.expand(B, *src_mask.shape[1:]).repeat_interleave(w, dim=0)  # (B*w, 1|S, S)
+        self.mask, self.cache = src_mask, model.new_cache() if use_cache else None
+
+    def __call__(self, ys: Tensor) -> Tensor:
+        """The logits of the token after each prefix of ys (R, t+1), bos first: (R, V)."""
+        model, t = self.model, ys.size(1) - 1
+        if self.cache is not None:  # the newest token, at position t
+            y = model.decode(self.memory, self.mask, ys[:, -1:], None, cache=self.cache, start=t)  # (R, 1, d_model)
+        else:  # the whole prefix
+            y = model.decode(self.memory, self.mask, ys, subsequent_mask(t + 1).to(ys.device))  # (R, t+1, d_model)
+        return model.generator(y[:, -1])  # (R, V)
+
+    @staticmethod
+    def best(scores: Tensor, logp: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The n best candidates log P(y) + log p(w | y) of each sentence among its w*V: (values, parent within
+        the sentence, token), each (A, n), best first."""
+        A, w = scores.shape
+        V = logp.size(-1)
+        top, flat = (scores.view(A * w, 1) + logp).view(A, w * V).topk(n, dim=-1)  # (A, n)
+        return top, flat // V, flat % V
+
+    def reorder(self, rows: Tensor, keep: Tensor | None) -> None:
+        """Row r now continues row rows[r] of the step before (the done sentences' rows left out; `keep`, the
+        sentences still searched, is the fast decoder's)."""
+        self.memory = self.memory.index_select(0, rows)  # (A'*k, S, d_model)
+        self.mask = None if self.mask is None else self.mask.index_select(0, rows)  # (A'*k, 1|S, S)
+        if self.cache is not None:
+            self.cache = reorder_cache(self.cache, rows)
 
 
 # %% [markdown]
 # ## 7. What a beam step costs, and the same search with less around it
 #
-# One step of `_search` on the shipped de -> en model (N = 2, d_model = 128,
+# One step of the readable loop on the shipped de -> en model (N = 2, d_model = 128,
 # V = 5,000) with 64 sentences, so `A*k = 256` rows, does two kinds of work.
 # The **products**: the two decoder layers' projections and feed-forward
 # networks (0.46 million multiply-adds per row together), the generator onto the
@@ -483,7 +485,8 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # the topk and the reordering above all (the torch profiler's account, and
 # its command: benchmarks/README.md#where-a-beam-search-spends-its-time).
 #
-# `_search_fast` computes the same thing with less of the rest:
+# `_FastDecoder` gives `_search` the same steps with less of the rest (the
+# *fast loop*; with `_Decoder`, the *readable loop*):
 #
 # - **topk over blocks.** Cut the vocabulary into blocks; a block's best
 #   candidate is `log P(y)` plus the block's largest log-probability. A
@@ -499,7 +502,7 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 #   for every `b`, which cancels in the softmax. And what the head reads is
 #   `sum_b p_b (x_b W_V[i] + b_V[i]) = (sum_b p_b x_b) W_V[i] + b_V[i]`, the
 #   weights summing to 1. These are Part V's QK and OV circuits
-#   (`annotated/circuits/circuits.py`, section 3) used forwards: the fast loop
+#   (`annotated/circuits/circuits.py`, section 3) used forwards: the decoder
 #   keeps each layer's *inputs* `x_b` of the beams' positions, one cache
 #   instead of keys and values, projects nothing at a step but the newest
 #   query, and gets a beam's scores for all `h` heads from one product of its
@@ -518,13 +521,6 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # - **the generator's bias inside its product.** `y W_gen^T + b` is the
 #   product of `[y, 1]` with `[W_gen, b]^T`: one more column of ones instead
 #   of one more pass over the `A*k x V` logits (`_generator_with_bias_inside`).
-# - **one beam at the start.** Before the first step a sentence has one
-#   prefix, the lone bos; the readable loop decodes `k` copies of it (`k - 1`
-#   of them at log P = -inf, never chosen), the fast loop decodes one, and
-#   the first reordering makes its `k` rows (when the vocabulary has at
-#   least `2k` tokens to choose from;
-#   benchmarks/README.md#levers-one-beam-at-the-start-inference-mode).
-# - the prefixes live in one buffer, the finished counts in a tensor.
 #
 # The two loops compute the same function with the sums in another order
 # (attention through the circuits, the bias inside the product), so they
@@ -534,11 +530,11 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 # in both attention forms, beam 1 to 5, with and without length penalty, cut
 # at the length limit or not
 # (`test_fast_loop_equals_readable_loop_on_the_shipped_model`,
-# `test_fast_loop_equals_readable_loop_on_random_models`). `beam_search`
-# chooses it in one place: `FAST_PATH` on (the switch of the main chapter,
-# section 1), the cache in use, and a model of the main chapter (the loop runs
-# its decoder's layers itself); `fast_path(False)` runs the loop above
-# (`test_the_fast_path_switch_chooses_the_loop`).
+# `test_fast_loop_equals_readable_loop_on_random_models`). `_search` chooses
+# it in one place: `fast=True` (the default of `beam_search` and
+# `translate_ids`), the cache in use, and a model of the main chapter (the
+# decoder runs its layers itself); `fast=False` runs the readable loop
+# (`test_the_fast_setting_chooses_the_decoder`).
 #
 # **Memory the next step reuses.** A step of 256 rows allocates logits and
 # log-probabilities of 5 MB each, and glibc's `malloc` hands such blocks back
@@ -599,50 +595,34 @@ def _finish_at_max_len(finished, alive, ys, scores, short, length_penalty, k) ->
 
 
 # %%
-def _search_fast(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished) -> None:
-    """`_search` with the cache, doing less work per step for the same hypotheses and scores."""
-    B, device = src.size(0), src.device
-    sources = _Sources.of(model.encode(src, src_mask), src_mask)  # the memory once per sentence, (B, S, d_model)
-    circuits = [(_Circuits.of(layer.self_attn), _Circuits.of(layer.cross_attn)) for layer in model.decoder.layers]
-    inputs: list = [None] * len(circuits)  # per layer: the self-attention inputs of the beams so far, (A*w, t, d_model)
-    w = 1 if 2 * k <= model.config.tgt_vocab else k  # beams per sentence now: the lone bos at first
-    ys = torch.full((B * w, max_len + 1), bos, dtype=torch.long, device=device)  # (B*w, max_len+1) filled as it goes
-    scores = torch.full((B, w), -math.inf, dtype=_score_dtype(sources.memory.dtype), device=device)  # (B, w) log P
-    scores[:, 0] = 0.0  # only the lone bos is live at first
-    alive = torch.arange(B, device=device)  # (A,) the sentence of each block of w rows
-    n_done = torch.zeros(B, dtype=torch.long, device=device)  # (A,) finished translations per sentence
-    logits_of = _generator_with_bias_inside(model.generator)
-    rows = None  # (A*w,) the row of the step before that each row continues (None before the first step)
-    for t in range(max_len):
-        A = alive.numel()
-        y = _beam_step(model, ys[:, t : t + 1], t, sources, circuits, inputs, rows, w)  # (A*w, d_model)
-        logp = logits_of(y).to(scores.dtype).log_softmax(dim=-1)  # (A*w, V)
-        top, parent, token = _best_candidates(scores, logp, 2 * k)  # (A, 2k) each, best first
-        is_eos = token == eos  # (A, 2k)
-        ends = is_eos[:, :k] & top[:, :k].isfinite()  # (A, k)
-        if ends.any():
-            a, j = ends.nonzero(as_tuple=True)  # row-major: best first within a sentence
-            ended = a * w + parent[a, j]  # (n,)
-            for b, logP, ids in zip(alive[a].tolist(), top[a, j].tolist(), ys[ended, 1 : t + 1].tolist()):
-                finished[b].append((logP / gnmt_lp(t + 1, length_penalty), ids + [eos], logP))
-            n_done += ends.sum(dim=1)
-        pick = torch.sort(is_eos.long(), dim=-1, stable=True).indices[:, :k]  # (A, k)
-        scores = top.gather(1, pick)  # (A, k)
-        rows = (torch.arange(A, device=device).unsqueeze(1) * w + parent.gather(1, pick)).view(-1)  # (A*k,)
-        ys, w = ys.index_select(0, rows), k  # (A*k, max_len+1): from here on k beams per sentence
-        ys[:, t + 1] = token.gather(1, pick).view(-1)
-        done = (n_done >= k) | ~scores.isfinite().any(dim=1)  # (A,)
-        if t == max_len - 1:
-            _finish_at_max_len(finished, alive, ys[:, : t + 2], scores, n_done < k, length_penalty, k)
-            return
-        if done.all():
-            return
-        if done.any():  # drop the done sentences: their rows and their memory
-            keep = (~done).nonzero(as_tuple=True)[0]  # (A',)
-            keep_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=device)).view(-1)  # (A'*k,)
-            ys, scores, alive, n_done, rows = ys[keep_rows], scores[keep], alive[keep], n_done[keep], rows[keep_rows]
-            sources = sources.keep(keep)
-        # the self-attention inputs follow `rows` at the next step, gathered where they are appended to
+class _FastDecoder:
+    """What `_search` asks of the model, with less work per step: the decoder layers run on the beams' inputs,
+    attention through the circuits, the memory once per sentence."""
+
+    def __init__(self, model, memory: Tensor, src_mask: Tensor | None):
+        self.model, self.sources = model, _Sources.of(memory, src_mask)  # (B, S, d_model) once per sentence
+        self.circuits = [(_Circuits.of(l.self_attn), _Circuits.of(l.cross_attn)) for l in model.decoder.layers]
+        self.inputs: list = [None] * len(self.circuits)  # per layer: the self-attention inputs so far, (R, t, d_model)
+        self.rows: Tensor | None = None  # (R,) the row of the step before that each row continues
+        self.logits, self.best = _generator_with_bias_inside(model.generator), _best_candidates
+
+    def __call__(self, ys: Tensor) -> Tensor:
+        """`_Decoder`'s logits: the decoder layer's three sublayers on the newest tokens, w beams per sentence."""
+        model, inputs, rows, sources = self.model, self.inputs, self.rows, self.sources
+        t, w = ys.size(1) - 1, ys.size(0) // sources.memory.size(0)
+        y = model.pos(model.tgt_embed(ys[:, -1:]), t)  # (A*w, 1, d_model)
+        for i, (layer, (self_c, cross_c)) in enumerate(zip(model.decoder.layers, self.circuits)):
+            y = layer.res_self(y, functools.partial(_self_attention, layer.self_attn, self_c, inputs, i, rows))
+            y = layer.res_cross(y, functools.partial(_cross_attention, layer.cross_attn, cross_c, sources, w))
+            y = layer.res_ffn(y, layer.ffn)  # (A*w, 1, d_model)
+        return self.logits(model.decoder.final_ln(y)[:, -1])  # (A*w, V)
+
+    def reorder(self, rows: Tensor, keep: Tensor | None) -> None:
+        """The self-attention inputs follow `rows` at the next step, gathered where they are appended to; the
+        sentences not in `keep` leave."""
+        self.rows = rows
+        if keep is not None:
+            self.sources = self.sources.keep(keep)
 
 
 class _Sources(NamedTuple):
@@ -685,18 +665,6 @@ class _Circuits(NamedTuple):
         W_K_T = (W_K.transpose(1, 2) / math.sqrt(attn.d_k)).contiguous()  # (h, d_k, d_model)
         b_V = None if b_V is None else b_V.unsqueeze(1)  # (h, 1, d_v)
         return _Circuits(W_K_T, W_V.contiguous(), b_V, W_O.reshape(-1, attn.d_model), attn.b_O)
-
-
-def _beam_step(model, tokens: Tensor, t: int, sources: _Sources, circuits: list, inputs: list, rows, w: int) -> Tensor:
-    """`model.decode(...)[:, -1]` of one step, the decoder layer's three sublayers with the beams' inputs so
-    far: tokens (A*w, 1) at position t, w beams per sentence -> (A*w, d_model)."""
-    y = model.pos(model.tgt_embed(tokens), t)  # (A*w, 1, d_model)
-    for i, layer in enumerate(model.decoder.layers):
-        self_c, cross_c = circuits[i]
-        y = layer.res_self(y, functools.partial(_self_attention, layer.self_attn, self_c, inputs, i, rows))
-        y = layer.res_cross(y, functools.partial(_cross_attention, layer.cross_attn, cross_c, sources, w))
-        y = layer.res_ffn(y, layer.ffn)  # (A*w, 1, d_model)
-    return model.decoder.final_ln(y)[:, -1]  # (A*w, d_model)
 
 
 def _generator_with_bias_inside(generator) -> Callable[[Tensor], Tensor]:
@@ -761,7 +729,7 @@ def _softmax(scores: Tensor) -> Tensor:
 
 
 def _best_candidates(scores: Tensor, logp: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The n best log P(y w) = log P(y) + log p(w | y) of each sentence, as `_search`'s topk over all k*V
+    """The n best log P(y w) = log P(y) + log p(w | y) of each sentence, as `_Decoder.best`'s topk over all k*V
     finds them: (values, parent row within the sentence, token), each (A, n), best first.
 
     The vocabulary is cut into `blocks` blocks of `size` tokens, block j holding tokens j, j + blocks, ...
@@ -829,47 +797,29 @@ def translate_ids(
     max_extra: int = Decoding.max_extra,
     device: torch.device | None = None,
     progress: bool = False,
-) -> list[list[int]]:
-    """Translate subword-id sequences; returns output ids (up to, not including, eos), in input order.
+    nbest: int = 0,
+    fast: bool = True,
+) -> list:
+    """Translate subword-id sequences; returns output ids (up to, not including, eos), in input order. With `nbest`
+    n >= 1 (at most `beam_size`), each sentence's n best `Hypothesis` instead (`beam_search`'s lists), ids so cut.
 
     The one translate helper of the project: training's BLEU, the translator and the attention viewer
     all decode through it. Sentences go in batches of similar length (fewer pad positions); a source
     longer than the model's `max_len` is cut to `max_len` (the entry points say so to the user), and an
     output may be at most `min(max_len, S + max_extra)` subwords for a source of `S` (the paper's
     "input length + 50", section 6.1). The defaults are `Decoding`'s (the translator's, but for the model's own
-    length penalty); `beam_size=1` is greedy. On the CPU with n > 1 threads
+    length penalty); `beam_size=1` is greedy, its one hypothesis scored by teacher forcing (`sequence_logprob`),
+    score log P / lp(|Y|) as the beam's. `fast` as in `beam_search`. On the CPU with n > 1 threads
     (`torch.get_num_threads()`), n batches are translated side by side, one thread each.
     """
-    return _translate(model, sources, beam_size, length_penalty, batch_size, max_extra, device, progress, 0)
-
-
-def translate_nbest(
-    model: EncoderDecoder,
-    sources: list[list[int]],
-    beam_size: int = Decoding.beam,
-    length_penalty: float = Decoding.length_penalty,
-    nbest: int = 1,
-    batch_size: int = 64,
-    max_extra: int = Decoding.max_extra,
-    device: torch.device | None = None,
-    progress: bool = False,
-) -> list[list[Hypothesis]]:
-    """`translate_ids` with each sentence's `nbest` best hypotheses (`nbest_search`), ids up to, not including,
-    eos, with their log P and score; the first's ids are `translate_ids`' answer. `beam_size=1` is greedy, its
-    one hypothesis scored by teacher forcing (`sequence_logprob`), score log P / lp(|Y|) as the beam's."""
-    if not 1 <= nbest <= beam_size:
-        raise ValueError(f"nbest must be between 1 and the beam size {beam_size}, got {nbest}")
-    return _translate(model, sources, beam_size, length_penalty, batch_size, max_extra, device, progress, nbest)
-
-
-def _translate(model, sources, beam_size, length_penalty, batch_size, max_extra, device, progress, nbest) -> list:
-    """`translate_ids` (nbest 0) or `translate_nbest` (nbest >= 1)."""
     check_sources(model, sources, batch_size, max_extra)
     check_beam(beam_size, length_penalty)
+    _check_nbest(nbest, beam_size)
     device = device or next(model.parameters()).device
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    translate = functools.partial(_translate_batch, model, sources, beam_size, length_penalty, max_extra, device, nbest)
+    settings = (beam_size, length_penalty, max_extra, device, nbest, fast)
+    translate = functools.partial(_translate_batch, model, sources, *settings)
     workers = min(torch.get_num_threads(), len(batches)) if device.type == "cpu" else 1
     out: list = [[] for _ in sources]
     with _side_by_side(workers) as run:
@@ -885,9 +835,8 @@ def _translate(model, sources, beam_size, length_penalty, batch_size, max_extra,
 
 
 @torch.inference_mode()
-def _translate_batch(model, sources, beam_size, length_penalty, max_extra, device, nbest, idx: list[int]) -> list:
-    """`translate_ids` (nbest 0) or `translate_nbest` of the sources `idx`, one batch (inference mode is per
-    thread: entered here)."""
+def _translate_batch(model, sources, beam_size, length_penalty, max_extra, device, nbest, fast, idx) -> list:
+    """`translate_ids` of the sources `idx`, one batch (inference mode is per thread: entered here)."""
     limit = model.config.max_len
     seqs = [sources[i][:limit] for i in idx]
     S = max(1, max(len(s) for s in seqs))
@@ -897,15 +846,12 @@ def _translate_batch(model, sources, beam_size, length_penalty, max_extra, devic
     src = src.to(device)
     max_len = min(limit, S + max_extra)
     mask = padding_mask(src, PAD)  # (B, 1, S)
-    if nbest and beam_size > 1:
-        finished = _finished(model, src, mask, max_len, beam_size, length_penalty, BOS, EOS, True)
-        return [[_cut(Hypothesis(ids, logP, score)) for score, ids, logP in _ranked(f)[:nbest]] for f in finished]
     if beam_size > 1:  # the batch is well formed by construction: checked once, in translate_ids
-        ys = _beam_search(model, src, mask, max_len, beam_size, length_penalty, BOS, EOS, PAD, True)[0]
-    else:
-        ys = greedy_decode(model, src, mask, max_len, BOS, EOS, PAD)
-    rows = [row.tolist() for row in ys]
-    out = [row[: row.index(EOS)] if EOS in row else [t for t in row if t != PAD] for row in rows]
+        found = _hypotheses(model, src, mask, max_len, beam_size, length_penalty, BOS, EOS, True, fast)
+        hyps = [[h._replace(ids=_cut(h.ids)) for h in f[: max(nbest, 1)]] for f in found]
+        return hyps if nbest else [f[0].ids for f in hyps]
+    ys = greedy_decode(model, src, mask, max_len, BOS, EOS, PAD)
+    out = [_cut(row) for row in ys.tolist()]
     if not nbest:
         return out
     logP, lengths = sequence_logprob(model, src, mask, ys)  # (B,) each: greedy's own, by teacher forcing
@@ -914,9 +860,9 @@ def _translate_batch(model, sources, beam_size, length_penalty, max_extra, devic
     ]
 
 
-def _cut(hyp: Hypothesis) -> Hypothesis:
-    """The hypothesis' ids up to, not including, eos."""
-    return hyp._replace(ids=hyp.ids[: hyp.ids.index(EOS)] if EOS in hyp.ids else hyp.ids)
+def _cut(ids: list[int]) -> list[int]:
+    """The ids up to, not including, eos; without eos, the pad removed."""
+    return ids[: ids.index(EOS)] if EOS in ids else [t for t in ids if t != PAD]
 
 
 @contextlib.contextmanager

@@ -75,7 +75,7 @@ from annotated.checks import check_tokenizer
 from annotated.decoding import casing
 from annotated.decoding.alignment import alignment, pharaoh, word_numbers
 from annotated.decoding.quantize import QUANTIZATIONS, quantize_int8
-from annotated.decoding.search import translate_ids, translate_nbest
+from annotated.decoding.search import translate_ids
 from annotated.decoding.settings import Decoding, model_length_penalty
 from annotated.door import Door
 from annotated.plumbing.allocator import keep_freed_memory
@@ -327,8 +327,8 @@ def prepare(
 # line per sentence, but byte pieces can spell any character, a line break
 # included: each line break in a translation becomes a space.
 #
-# **n-best and scores.** `translate_prepared_nbest` asks `translate_nbest`
-# instead for each source's `n` best hypotheses with their log-probability
+# **n-best and scores.** With `nbest=n`, `translate_prepared` asks
+# `translate_ids` for each source's `n` best hypotheses with their log-probability
 # `log P(Y | X)` and the score the search ranked them by, `log P / lp(|Y|)`
 # (`annotated/decoding/search.py`, sections 4 and 6: the n best of the
 # beam's finished hypotheses, so `n <= beam`). A line translated in parts
@@ -371,33 +371,22 @@ def translate_prepared(
     length_penalty: float = Decoding.length_penalty,
     max_extra: int = Decoding.max_extra,
     batch_size: int = BATCH_SIZE,
-) -> list[str]:
-    """The translation of each prepared line, one line each, in order."""
-    sources = [ids for line in lines for ids in line.sources]
-    outputs = iter(translate_ids(model, sources, beam_size, length_penalty, batch_size=batch_size, max_extra=max_extra))
-    return [_text_of(tokenizer, line, outputs) for line in lines]
-
-
-def translate_prepared_nbest(
-    model: EncoderDecoder,
-    tokenizer,
-    lines: list[Line],
-    beam_size: int = Decoding.beam,
-    length_penalty: float = Decoding.length_penalty,
-    max_extra: int = Decoding.max_extra,
-    nbest: int = 1,
-    batch_size: int = BATCH_SIZE,
+    nbest: int = 0,
     alignment_head: tuple[int, int] | None = None,
 ) -> list[list[Answer]]:
-    """The `nbest` best hypotheses of each prepared line, with their scores, best first, in order; with an
-    `alignment_head` (layer, head), each with its word alignment read from that cross-attention head."""
+    """The hypotheses of each prepared line, in order: its translation alone (`nbest` 0), or its `nbest` best with
+    their scores, best first, and, with an `alignment_head` (layer, head), each one's word alignment read from
+    that cross-attention head."""
     sources = [ids for line in lines for ids in line.sources]
-    found = iter(translate_nbest(model, sources, beam_size, length_penalty, nbest, batch_size, max_extra))
+    outputs = translate_ids(
+        model, sources, beam_size, length_penalty, batch_size=batch_size, max_extra=max_extra, nbest=nbest
+    )
+    found = iter(outputs)
     answers = []
     for line in lines:
-        parts = [next(found) for _ in line.sources]  # each part's hypotheses, best first
-        if not parts:
-            answers.append([Answer(_text_of(tokenizer, line, iter([])))])
+        parts = [next(found) for _ in line.sources]  # each part's ids, or (nbest) its hypotheses, best first
+        if not (nbest and parts):
+            answers.append([Answer(_text_of(tokenizer, line, iter(parts)))])
             continue
         answers.append(
             [
@@ -427,7 +416,7 @@ def translate(
 ) -> tuple[str, str | None]:
     """One sentence -> (translation on one line, what the input rules did, or None)."""
     line = prepare("text", text, None, tokenizer, model.config.max_len, case, table)
-    answer = translate_prepared(model, tokenizer, [line], beam_size, length_penalty, max_extra)[0]
+    answer = translate_prepared(model, tokenizer, [line], beam_size, length_penalty, max_extra)[0][0].text
     return answer, "; ".join(line.notes) or None
 
 
@@ -752,12 +741,9 @@ def _plain(args) -> bool:
 
 def _translated(model, tokenizer, lines: list[Line], args) -> list[list[Answer]]:
     """Each line's hypotheses: the one-best text alone for plain output, else with their scores."""
-    decoding = (args.beam, args.length_penalty, args.max_extra)
-    if _plain(args):
-        return [[Answer(a)] for a in translate_prepared(model, tokenizer, lines, *decoding, args.batch_size)]
-    return translate_prepared_nbest(
-        model, tokenizer, lines, *decoding, args.nbest, args.batch_size, args.alignment_head if args.alignment else None
-    )
+    decoding = (args.beam, args.length_penalty, args.max_extra, args.batch_size)
+    nbest, head = (0, None) if _plain(args) else (args.nbest, args.alignment_head if args.alignment else None)
+    return translate_prepared(model, tokenizer, lines, *decoding, nbest, head)
 
 
 def _answer(model, tokenizer, table, window: list, args) -> tuple[list[Line], list[list[Answer]]]:

@@ -1,4 +1,4 @@
-"""The fast beam-search loop (`_search_fast`, annotated/decoding/search.py section 7) against the readable one.
+"""The fast beam-search loop (`_FastDecoder`, annotated/decoding/search.py section 7) against the readable one.
 
 The two loops compute the same function in a different order: the fast one attends through the heads'
 circuits, from a sentence's k beams as k queries of one row (the readable one, through keys and values, k
@@ -24,15 +24,15 @@ from annotated.decoding.search import beam_search
 from annotated.shipped import shipped_model
 from annotated.tokens import EOS, PAD
 from annotated.training.data import load_multi30k
-from annotated.transformer import fast_path, make_model, padding_mask
+from annotated.transformer import make_model, padding_mask
 
 
 def both(model, src, mask, max_len, k, alpha):
     """(ids, scores) of beam_search through the fast loop, then through the readable one."""
-    fast = beam_search(model, src, mask, max_len, beam_size=k, length_penalty=alpha, return_scores=True)
-    with mock.patch.object(search, "_search_fast", search._search):
-        readable = beam_search(model, src, mask, max_len, beam_size=k, length_penalty=alpha, return_scores=True)
-    return fast, readable
+    return [
+        beam_search(model, src, mask, max_len, beam_size=k, length_penalty=alpha, return_scores=True, fast=fast)
+        for fast in (True, False)
+    ]
 
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-4}  # on the scores, see above
@@ -101,18 +101,18 @@ def test_fast_loop_equals_readable_loop_on_random_models(seed, k, form):
             assert_same(*both(m, src, padding_mask(src, PAD), max_len, k, alpha))
 
 
-def test_the_fast_path_switch_chooses_the_loop(shipped_and_sources):
-    """`FAST_PATH` on runs `_search_fast` only; off, `_search` only (each other loop would raise)."""
+def test_the_fast_setting_chooses_the_decoder(shipped_and_sources):
+    """`fast=True` (the default) runs `_FastDecoder` only; `fast=False`, `_Decoder` only (the other would raise)."""
     model, src = shipped_and_sources
     mask = padding_mask(src[:2], PAD)
 
     def refuse(*args):
-        raise AssertionError("the other loop ran")
+        raise AssertionError("the other decoder ran")
 
-    with fast_path(True), mock.patch.object(search, "_search", refuse):
+    with mock.patch.object(search, "_Decoder", refuse):
         beam_search(model, src[:2], mask, 8)
-    with fast_path(False), mock.patch.object(search, "_search_fast", refuse):
-        beam_search(model, src[:2], mask, 8)
+    with mock.patch.object(search, "_FastDecoder", refuse):
+        beam_search(model, src[:2], mask, 8, fast=False)
 
 
 @pytest.mark.parametrize("T", [1, 2, 12, 15, 16, 40])
@@ -142,11 +142,8 @@ def test_the_written_out_softmax_subtracts_the_row_maximum(T, dtype):
 
 
 def nbest_both(model, src, mask, max_len, k, alpha, n):
-    """`nbest_search` through the fast loop, then through the readable one."""
-    fast = search.nbest_search(model, src, mask, max_len, k, alpha, nbest=n)
-    with mock.patch.object(search, "_search_fast", search._search):
-        readable = search.nbest_search(model, src, mask, max_len, k, alpha, nbest=n)
-    return fast, readable
+    """`beam_search`'s n-best lists through the fast loop, then through the readable one."""
+    return [beam_search(model, src, mask, max_len, k, alpha, nbest=n, fast=fast) for fast in (True, False)]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -184,4 +181,4 @@ def test_nbest_above_the_beam_is_refused():
     m = make_model(src_vocab=12, tgt_vocab=12, N=1, d_model=8, d_ff=16, h=2, dropout=0.0, max_len=8).eval()
     src = torch.tensor([[5, 6]])
     with pytest.raises(ValueError, match="nbest must be between 1 and the beam size 2, got 3"):
-        search.nbest_search(m, src, None, 4, beam_size=2, nbest=3)
+        beam_search(m, src, None, 4, beam_size=2, nbest=3)

@@ -1,5 +1,5 @@
 """Every option of the translator and of `translate_ids` with every other: beam 1 and 4, the readable and the fast
-loop (`fast_path`), float32 and `--quantize int8`, per-head and fused attention, d_model 128, 256 and 512 (tiny
+loop (`fast`), float32 and `--quantize int8`, per-head and fused attention, d_model 128, 256 and 512 (tiny
 random models of each shape, and one imported from a Marian model with separate source and target vocabularies).
 
 Every cell translates; the two loops give the same translations in float32 (the claim of search.py, section 7:
@@ -39,7 +39,7 @@ from annotated.decoding.quantize import Int8Affine, quantize_int8
 from annotated.decoding.search import beam_search, gnmt_lp, sequence_logprob, translate_ids
 from annotated.decoding.translate import main as translator
 from annotated.tokens import BOS, EOS, PAD
-from annotated.transformer import FusedAttention, convert_model, fast_path, padding_mask, subsequent_mask
+from annotated.transformer import FusedAttention, convert_model, padding_mask, subsequent_mask
 
 SHAPES = ("d_model 128", "d_model 256", "d_model 512", "Marian d_model 512")
 FORMS = ("fused", "per_head")
@@ -122,8 +122,8 @@ def sources(shape: str) -> list[list[int]]:
 
 @functools.cache
 def cell(shape: str, form: str, quantization: str, beam: int, loop: str) -> tuple[tuple[int, ...], ...]:
-    with fast_path(loop == "fast"):
-        out = translate_ids(model(shape, form, quantization), sources(shape), beam, ALPHA, max_extra=MAX_EXTRA)
+    m = model(shape, form, quantization)
+    out = translate_ids(m, sources(shape), beam, ALPHA, max_extra=MAX_EXTRA, fast=loop == "fast")
     return tuple(tuple(ids) for ids in out)
 
 
@@ -203,8 +203,9 @@ def test_each_loop_scores_its_int8_translations_as_the_int8_model_does(shape, fo
     for r, ids in enumerate(rows):
         src[r, : len(ids)] = torch.tensor(ids)
     mask = padding_mask(src, PAD)  # (B, 1, S)
-    with fast_path(loop == "fast"):
-        ids, scores = beam_search(int8, src, mask, src.size(1) + MAX_EXTRA, 4, ALPHA, return_scores=True)
+    ids, scores = beam_search(
+        int8, src, mask, src.size(1) + MAX_EXTRA, 4, ALPHA, return_scores=True, fast=loop == "fast"
+    )
     logp, n = sequence_logprob(int8, src, mask, ids)  # (B,), (B,)
     lp = torch.tensor([gnmt_lp(k, ALPHA) for k in n.tolist()], dtype=torch.float64)
     per_token = ((scores * lp - logp).abs() / n).max().item()

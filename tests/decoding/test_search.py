@@ -27,7 +27,6 @@ import pytest
 import torch
 from torch import nn
 
-import annotated.transformer
 from annotated.decoding.search import (
     beam_search,
     gnmt_lp,
@@ -94,7 +93,7 @@ def test_cached_beam_equals_recomputed_beam(copy_models, attention, k):
 
 @pytest.mark.parametrize("attention", ["fused", "per_head"])
 def test_beam_search_without_the_cache_recomputes_the_whole_prefix(copy_models, attention, monkeypatch):
-    """`use_cache=False`, with the fast-path switch on: every step runs the model's decoder over the whole
+    """`use_cache=False`, with `fast` on: every step runs the model's decoder over the whole
     prefix, bos first, under the causal mask and with no cache (the fast loop, which always caches, does not
     run), so `test_cached_beam_equals_recomputed_beam` compares two different computations."""
     m = copy_models[attention]
@@ -106,8 +105,7 @@ def test_beam_search_without_the_cache_recomputes_the_whole_prefix(copy_models, 
         return decode(memory, src_mask, tgt, tgt_mask, cache=cache, start=start)
 
     monkeypatch.setattr(m, "decode", watched)
-    assert annotated.transformer.FAST_PATH  # the switch that chooses the fast loop is on
-    out = beam_search(m, src, mask, 10, beam_size=2, use_cache=False)
+    out = beam_search(m, src, mask, 10, beam_size=2, use_cache=False, fast=True)
     assert len(calls) >= out.size(1) >= 2  # a step for each token of the longest translation at least
     assert calls == [(t + 1, True, True, 0) for t in range(len(calls))]  # (length, causal mask, no cache, start)
 
@@ -216,7 +214,7 @@ class TableModel(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.config = SimpleNamespace(max_len=8, N=1, src_vocab=6)
+        self.config = SimpleNamespace(max_len=8, N=1, src_vocab=6, tgt_vocab=5)
         self.generator = nn.Identity()
 
     def encode(self, src, src_mask):
@@ -332,8 +330,8 @@ def test_translate_ids_searches_in_inference_mode_and_the_model_trains_after_it(
 
     torch.manual_seed(0)
     model = make_model(src_vocab=13, tgt_vocab=13, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, max_len=16).eval()
-    seen, beam = [], search._beam_search
-    monkeypatch.setattr(search, "_beam_search", lambda *a: seen.append(torch.is_inference_mode_enabled()) or beam(*a))
+    seen, beam = [], search._search
+    monkeypatch.setattr(search, "_search", lambda *a: seen.append(torch.is_inference_mode_enabled()) or beam(*a))
     out = translate_ids(model, [[4, 5, 6], [7, 8]], beam_size=2)
     assert seen == [True] and not torch.is_inference_mode_enabled()
     assert all(isinstance(ids, list) and all(isinstance(t, int) for t in ids) for ids in out)
@@ -359,7 +357,7 @@ def test_translate_ids_on_two_threads_runs_two_batches_at_once_and_translates_th
         torch.set_num_threads(1)
         alone = translate_ids(model, sources, beam_size=3, batch_size=4)
         torch.set_num_threads(2)
-        seen, beam, both = [], search._beam_search, threading.Barrier(2, timeout=20)
+        seen, beam, both = [], search._search, threading.Barrier(2, timeout=20)
 
         def watched(*a):
             seen.append((threading.get_ident(), torch.get_num_threads(), torch.is_inference_mode_enabled()))
@@ -367,7 +365,7 @@ def test_translate_ids_on_two_threads_runs_two_batches_at_once_and_translates_th
                 both.wait()  # the first two batches meet: they run at the same time (one thread alone would time out)
             return beam(*a)
 
-        monkeypatch.setattr(search, "_beam_search", watched)
+        monkeypatch.setattr(search, "_search", watched)
         assert translate_ids(model, sources, beam_size=3, batch_size=4) == alone
         assert len(seen) == 8 and len({ident for ident, _, _ in seen}) == 2, seen
         assert all(n == 1 and inference for _, n, inference in seen) and torch.get_num_threads() == 2

@@ -30,7 +30,7 @@ from annotated.checkpoint import (
     save_checkpoint,
 )
 from annotated.decoding import casing
-from annotated.decoding.search import gnmt_lp, sequence_logprob, translate_ids, translate_nbest
+from annotated.decoding.search import gnmt_lp, sequence_logprob, translate_ids
 from annotated.decoding.translate import main, set_aside_unseen, translate
 from annotated.run_folder import latest_checkpoint
 from annotated.tokens import EOS
@@ -694,7 +694,7 @@ def test_the_first_of_the_nbest_is_the_translation_and_scores_are_the_searchs(ck
     log P over GNMT's lp of its length, and (float32) each log P is the model's own log-probability of the
     hypothesis by teacher forcing (`sequence_logprob`), within 1e-4: float32 sums of a few dozen terms, the
     two computed in a different order (the search's cache and circuits against one pass); the command's
-    figures are those of `translate_nbest` in this process within 1e-5 (float32 rounding: there the sentence
+    figures are those of `translate_ids` in this process within 1e-5 (float32 rounding: there the sentence
     is searched alone, in the command with the others of its batch)."""
     model, tok = loaded
     plain = run_main("--checkpoint", ckpt, "--beam", beam, *quantize, *FEW)
@@ -708,7 +708,7 @@ def test_the_first_of_the_nbest_is_the_translation_and_scores_are_the_searchs(ck
     for sentence, hyps in zip(FEW, lines):
         assert len(hyps) == beam
         assert [s for _, _, s in hyps] == sorted((s for _, _, s in hyps), reverse=True)
-        found = translate_nbest(model, [tok.encode(sentence)], beam, 0.6, beam)[0] if not quantize else None
+        found = translate_ids(model, [tok.encode(sentence)], beam, 0.6, nbest=beam)[0] if not quantize else None
         for i, (_text, log_prob, score) in enumerate(hyps):
             if found is None:
                 continue
@@ -744,15 +744,15 @@ def test_nbest_and_scores_in_text_are_numbered_lines(ckpt):
 
 def test_a_line_in_parts_joins_its_parts_hypotheses_and_sums_their_scores(loaded):
     """Hypothesis i of a line split into parts joins the parts' i-th hypotheses; log P and score add up."""
-    from annotated.decoding.translate import prepare, translate_prepared_nbest
+    from annotated.decoding.translate import prepare, translate_prepared
 
     model, tok = loaded
     two = f"{FEW[0]} {FEW[2]}"
     max_len = max(len(tok.encode(FEW[0])), len(tok.encode(FEW[2])))
     line = prepare("text", two, None, tok, max_len, "as-typed")  # one part per sentence
     assert len(line.sources) == 2
-    parts = translate_nbest(model, line.sources, 2, 0.6, 2)
-    answers = translate_prepared_nbest(model, tok, [line], 2, 0.6, nbest=2)[0]
+    parts = translate_ids(model, line.sources, 2, 0.6, nbest=2)
+    answers = translate_prepared(model, tok, [line], 2, 0.6, nbest=2)[0]
     assert len(answers) == 2
     for i, answer in enumerate(answers):
         assert answer.text == f"{tok.decode(parts[0][i].ids)} {tok.decode(parts[1][i].ids)}".strip()
@@ -856,7 +856,7 @@ def test_alignment_reads_the_head_given_or_the_checkpoints_and_is_refused_withou
     assert runs[0] == runs[1] and runs[0][0] == 0
     for sentence, line in zip(FEW, runs[0][1].splitlines()):
         hyps = json.loads(line)["hypotheses"]
-        found = translate_nbest(model, [tok.encode(sentence)], 2, 0.6, 2)[0]
+        found = translate_ids(model, [tok.encode(sentence)], 2, 0.6, nbest=2)[0]
         assert [h["alignment"] for h in hyps] == [
             pharaoh(alignment(model, tok, tok.encode(sentence), f.ids, (0, 1))) for f in found
         ]

@@ -977,19 +977,11 @@ def test_attention_matches_the_float64_reference(case):
     mask, d_model = case["mask"], case["d_model"]
     assert mask is None or is_broadcast(mask.shape, (x.size(0), x.size(1), x_kv.size(1)))  # the strategy's promise
     x_low, kv_low = x.to(case["dtype"]), x_kv.to(case["dtype"])
-    fast_before = transformer.FAST_PATH
-    transformer.FAST_PATH = case["fast"]
-    try:
+    with transformer.fast_path(case["fast"]):
         call = attend_with_probabilities if case["probabilities"] else lambda m, *args: (m(*args), None)
         out, probs = call(module, x_low, kv_low, mask)
-    finally:
-        transformer.FAST_PATH = fast_before
-    transformer.FAST_PATH, fast_before = False, transformer.FAST_PATH
-    try:
-        # the reference sees the inputs after rounding to the tested dtype
+    with transformer.fast_path(False):  # the reference sees the inputs after rounding to the tested dtype
         ref_out, ref_probs = attend_with_probabilities(reference, x_low.double(), kv_low.double(), mask)
-    finally:
-        transformer.FAST_PATH = fast_before
     B, T_q, T_k = x.size(0), x.size(1), x_kv.size(1)
     assert out.shape == (B, T_q, d_model)
     close_to(out, ref_out, case["dtype"])
@@ -1133,11 +1125,8 @@ def test_model_matches_the_float64_reference(case):
         result = model(src, tgt, src_mask, tgt_mask)
         want = lambda: (reference(src, tgt, src_mask, tgt_mask),)
         shape, n_maps, ra = (B, T_len, VOCAB_TGT), [], False
-    fast_before, transformer.FAST_PATH = transformer.FAST_PATH, False
-    try:
+    with transformer.fast_path(False):
         ref = want()
-    finally:
-        transformer.FAST_PATH = fast_before
     out = result[0] if ra else result
     assert out.shape == shape
     close_to(out, ref[0], dtype)

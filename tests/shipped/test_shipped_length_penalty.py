@@ -6,11 +6,11 @@ Running it as it is translates the 1,014 validation sentences five times per dir
 same function, but with the beam search run once per batch for all five alphas (`one_search_for_every_alpha`):
 
 Why that is the same computation. An alpha enters the beam search at one place only: the score of a finished
-translation, log P / ((5 + |Y|) / 6)^alpha, appended to the sentence's list of finished translations (both loops of
+translation, log P / ((5 + |Y|) / 6)^alpha, appended to the sentence's list of finished translations (the one loop of
 annotated/decoding/search.py; the expansion, the pruning to k prefixes and the stopping rule, k finished, never
 read it). So the search at alpha 0 finds the same finished translations, with score log P / 1.0 = log P exactly,
 and dividing that float by the same `gnmt_lp(|Y|, alpha)` gives, bit for bit, the list the search at alpha would
-have built; `_beam_search` then picks from it as always. `test_one_search_for_every_alpha_translates_as_a_search_per_alpha`
+have built; `_hypotheses` then ranks it as always. `test_one_search_for_every_alpha_translates_as_a_search_per_alpha`
 checks the shortcut against a real search per alpha on 64 validation sentences.
 """
 
@@ -32,26 +32,21 @@ REAL = Path(__file__).resolve().parents[2] / "annotated" / "shipped"
 
 @contextlib.contextmanager
 def one_search_for_every_alpha():
-    """Inside: each beam search loop runs once per distinct batch, at alpha 0, and a later search of the same batch
+    """Inside: the beam search loop runs once per distinct batch, at alpha 0, and a later search of the same batch
     at any alpha gets the finished translations of that run, rescored at its alpha (the module's docstring)."""
     runs: dict = {}
-    loops = {name: getattr(search, name) for name in ("_search", "_search_fast")}
+    loop = search._search
 
-    def once(loop):
-        def run(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, finished):
-            key = (loop, id(model), src.shape, src.numpy().tobytes(), max_len, k)
-            if key not in runs:
-                runs[key] = [[] for _ in range(src.size(0))]
-                loops[loop](model, src, src_mask, max_len, k, 0.0, bos, eos, use_cache, runs[key])
-            for mine, found in zip(finished, runs[key]):
-                # the loops append (log P / gnmt_lp(|Y|, alpha), ids, log P): rescored at this alpha
-                mine.extend((logP / gnmt_lp(len(ids), length_penalty), ids, logP) for _, ids, logP in found)
+    def once(model, src, src_mask, max_len, k, length_penalty, bos, eos, use_cache, fast, finished):
+        key = (fast, id(model), src.shape, src.numpy().tobytes(), max_len, k)
+        if key not in runs:
+            runs[key] = [[] for _ in range(src.size(0))]
+            loop(model, src, src_mask, max_len, k, 0.0, bos, eos, use_cache, fast, runs[key])
+        for mine, found in zip(finished, runs[key]):
+            # the loop appends Hypothesis(ids, log P, log P / gnmt_lp(|Y|, alpha)): rescored at this alpha
+            mine.extend(h._replace(score=h.log_prob / gnmt_lp(len(h.ids), length_penalty)) for h in found)
 
-        return run
-
-    with contextlib.ExitStack() as stack:
-        for name in loops:
-            stack.enter_context(_patched(search, name, once(name)))
+    with _patched(search, "_search", once):
         yield
 
 
