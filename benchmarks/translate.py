@@ -19,6 +19,13 @@ trained) on the same number of threads, batched as it does best:
   stock `TransformersConverter` (the code of `ct2-transformers-converter`, nothing patched), and
   `Translator.translate_batch(beam_size=4, max_batch_size=64)`.
 
+On n > 1 threads each engine runs as it does best with n threads, and the table's "threads" column says how:
+ours translates n batches side by side, one thread each (`search.py` section 8); `generate` uses n PyTorch
+threads; CTranslate2 is timed in both of its configurations, `intra_threads=n, inter_threads=1` (one batch
+at a time on n threads) and `inter_threads=n, intra_threads=1` (n batches side by side, one thread each, as
+ours), in the same rounds, and its row is the faster one's (`configurations`; every configuration's times
+are in `--out`'s JSON).
+
 That layout is OPUS-MT's (a `<pad>` row appended as the decoder start, zero, with the start vector in the
 decoder's first positional row: section 1 of `annotated/interop/marian.py`), which is what CTranslate2's Marian
 loader assumes, so its stock conversion computes our model's function (`tests/interop/test_ctranslate2.py`). Each row prints sentences per second, corpus BLEU
@@ -71,6 +78,26 @@ INT8 = ("translator int8 (stdin)", "translate_ids int8")
 NAMES = ("translator (stdin)", "translate_ids", *INT8, "generate", "CTranslate2 float32", "CTranslate2 int8")
 
 
+def configurations(name: str, threads: int) -> list[int]:
+    """The configurations tool `name` is timed in on `threads` threads, as its `inter` (batches at once, each
+    on threads // inter threads): CTranslate2 both of its own on n > 1 threads, every other tool its one."""
+    return [1, threads] if name.startswith("CTranslate2") and threads > 1 else [1]
+
+
+def threading(name: str, threads: int, inter: int) -> str:
+    """How tool `name` uses `threads` threads in configuration `inter`, in words for the table."""
+    if name.startswith("CTranslate2"):
+        return f"intra_threads={threads // inter}, inter_threads={inter}"
+    if name == "generate" or threads == 1:
+        return f"{threads} PyTorch thread(s)"
+    return f"{threads} batches side by side, 1 thread each"
+
+
+def run_name(name: str, threads: int, inter: int) -> str:
+    """The key of a tool's timed runs in one configuration (the tool's name when it has only one)."""
+    return name if len(configurations(name, threads)) == 1 else f"{name}, {threading(name, threads, inter)}"
+
+
 def prepare(checkpoint: Path, folder: Path) -> None:
     """The export and the two CTranslate2 conversions, made once in `folder` for every tool and process."""
     from annotated.checkpoint import loaded_from_state, read_checkpoint
@@ -85,9 +112,10 @@ def prepare(checkpoint: Path, folder: Path) -> None:
 
 
 def tool(
-    name: str, checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[str], threads: int
+    name: str, checkpoint: Path, folder: Path, sources: list[list[int]], texts: list[str], threads: int, inter: int = 1
 ) -> Callable[[], list[str]]:
-    """A function translating every source with tool `name`, returning the texts (from a `prepare`d `folder`)."""
+    """A function translating every source with tool `name` in configuration `inter` (`configurations`),
+    returning the texts (from a `prepare`d `folder`)."""
     from annotated.checkpoint import load_checkpoint
     from annotated.decoding.quantize import quantize_int8
     from annotated.decoding.search import translate_ids
@@ -101,8 +129,8 @@ def tool(
         engine = ctranslate2.Translator(
             str(folder / f"ct2-{'int8' if name.endswith('int8') else None}"),
             device="cpu",
-            intra_threads=threads,
-            inter_threads=1,
+            intra_threads=threads // inter,
+            inter_threads=inter,  # > 1: translate_batch runs its batches of max_batch_size side by side
         )
         pieces = [tokenizer.pieces(s) for s in sources]
         piece_id = {p: i for i, p in enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
@@ -148,21 +176,23 @@ def timed(run: Callable[[], list[str]]) -> tuple[float, list[str]]:
     return time.perf_counter() - start, texts
 
 
-def worker(name: str, checkpoint: Path, folder: Path, threads: int) -> None:
+def worker(name: str, checkpoint: Path, folder: Path, threads: int, inter: int = 1) -> None:
     """One tool in a process of its own: a warm-up run, then one timed run; prints {seconds, texts} as JSON."""
     torch.set_num_threads(threads)
     keep_freed_memory()  # as the translator does on the CPU
     inputs = json.loads((folder / "inputs.json").read_text(encoding="utf-8"))
-    run = tool(name, checkpoint, folder, inputs["sources"], inputs["texts"], threads)
+    run = tool(name, checkpoint, folder, inputs["sources"], inputs["texts"], threads, inter)
     _, texts = timed(run)
     seconds, _ = timed(run)
     print(json.dumps({"seconds": seconds, "texts": texts}))
 
 
-def in_its_own_process(name: str, checkpoint: Path, folder: Path, threads: int) -> tuple[float, list[str]]:
+def in_its_own_process(
+    name: str, checkpoint: Path, folder: Path, threads: int, inter: int = 1
+) -> tuple[float, list[str]]:
     """`worker` run as `python -m benchmarks.translate --worker NAME ...`: (seconds, texts)."""
     command = [sys.executable, "-m", "benchmarks.translate", "--worker", name, "--checkpoint", str(checkpoint)]
-    command += ["--worker-folder", str(folder), "--threads", str(threads)]
+    command += ["--worker-folder", str(folder), "--threads", str(threads), "--worker-inter", str(inter)]
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=root)
     if done.returncode != 0:
@@ -198,28 +228,37 @@ def measure(
     texts, references = [s for s, _ in pairs], [t for _, t in pairs]
     sources = [tokenizer.encode(s) for s in texts]
     names = [n for n in NAMES if int8 or n not in INT8]
+    runs = [(n, inter) for n in names for inter in configurations(n, threads)]  # every tool in every configuration
     load_before = os.getloadavg()
-    seconds: dict[str, list[float]] = {n: [] for n in names}
+    seconds: dict[str, list[float]] = {run_name(n, threads, i): [] for n, i in runs}
     outputs: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as folder:
         prepare(checkpoint, Path(folder))
         if processes == "each":
             (Path(folder) / "inputs.json").write_text(json.dumps({"sources": sources, "texts": texts}))
             for r in range(rounds):
-                for n in names[r % len(names) :] + names[: r % len(names)]:  # a rotating order
-                    spent, outputs[n] = in_its_own_process(n, checkpoint, Path(folder), threads)
-                    seconds[n].append(spent)
+                for n, i in runs[r % len(runs) :] + runs[: r % len(runs)]:  # a rotating order
+                    spent, outputs[run_name(n, threads, i)] = in_its_own_process(
+                        n, checkpoint, Path(folder), threads, i
+                    )
+                    seconds[run_name(n, threads, i)].append(spent)
         else:
-            runs = {n: tool(n, checkpoint, Path(folder), sources, texts, threads) for n in names}
-            outputs = {n: runs[n]() for n in names}  # warm-up, and the translations scored
+            tools = {
+                run_name(n, threads, i): tool(n, checkpoint, Path(folder), sources, texts, threads, i) for n, i in runs
+            }
+            outputs = {key: run() for key, run in tools.items()}  # warm-up, and the translations scored
             for r in range(rounds):
-                for n in names[r % len(names) :] + names[: r % len(names)]:  # a rotating order
-                    seconds[n].append(timed(runs[n])[0])
+                keys = list(tools)
+                for key in keys[r % len(keys) :] + keys[: r % len(keys)]:  # a rotating order
+                    seconds[key].append(timed(tools[key])[0])
     rows = {}
-    for n in names:
+    for n in names:  # each tool in its fastest configuration
+        inter = min(configurations(n, threads), key=lambda i: min(seconds[run_name(n, threads, i)]))
+        key = run_name(n, threads, inter)
         rows[n] = {
-            "sentences_per_s": round(len(pairs) / min(seconds[n]), 1),
-            "bleu": score(outputs[n], references)["bleu"],
+            "threads": threading(n, threads, inter),
+            "sentences_per_s": round(len(pairs) / min(seconds[key]), 1),
+            "bleu": score(outputs[key], references)["bleu"],
         }
     base = rows["CTranslate2 float32"]["sentences_per_s"]
     for n, row in rows.items():
@@ -241,14 +280,22 @@ def measure(
     }
 
 
-COLUMNS = ("sentences_per_s", "bleu", "BLEU - own float32", "x CTranslate2 float32", "x CTranslate2 same precision")
+COLUMNS = (
+    "threads",
+    "sentences_per_s",
+    "bleu",
+    "BLEU - own float32",
+    "x CTranslate2 float32",
+    "x CTranslate2 same precision",
+)
 
 
 def table(result: dict) -> str:
     lines = [
-        "| tool | sentences/s | BLEU | BLEU - own float32 | x CTranslate2 float32 | x CTranslate2 same precision |"
+        "| tool | threads | sentences/s | BLEU | BLEU - own float32 | x CTranslate2 float32 "
+        "| x CTranslate2 same precision |"
     ]
-    lines += ["| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {n} | " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for n, r in result["rows"].items()]
     before, after = result["load average (1 min) before, after"]
     where = "each run in its own process" if result.get("processes") == "each" else "every tool in one process"
@@ -285,10 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     door.output_options(p, type=Path, help="also write the result as JSON here", force=False)
     p.add_argument("--worker", choices=NAMES, default=None, help=argparse.SUPPRESS)  # one tool's process
     p.add_argument("--worker-folder", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-inter", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     checkpoint = door.checkpoint(args)
     if args.worker is not None:
-        worker(args.worker, checkpoint, args.worker_folder, args.threads)
+        worker(args.worker, checkpoint, args.worker_folder, args.threads, args.worker_inter)
         return 0
     door.keep(args, [args.out], flag="", elsewhere="name a new file")
     int8 = args.quantize == "int8"

@@ -70,6 +70,23 @@ def test_every_tool_translates(checkpoint, data_url):
     assert "| translate_ids int8 |" in bench.table(result) and "load average" in bench.table(result)
 
 
+def test_on_two_threads_ctranslate2_runs_in_its_faster_configuration(checkpoint, data_url):
+    """On n > 1 threads CTranslate2 is timed both as `intra_threads=n` and as `inter_threads=n` (batches side
+    by side, as ours), in the same rounds; its row is the faster configuration's and names it, as every row
+    names how its tool used the threads."""
+    result = bench.measure(checkpoint, sentences=5, threads=2, rounds=2, data_url=data_url, int8=False)
+    rows, seconds = result["rows"], result["seconds"]
+    assert rows["translate_ids"]["threads"] == "2 batches side by side, 1 thread each"
+    assert rows["generate"]["threads"] == "2 PyTorch thread(s)"
+    for name in ("CTranslate2 float32", "CTranslate2 int8"):
+        both = {inter: seconds[f"{name}, intra_threads={2 // inter}, inter_threads={inter}"] for inter in (1, 2)}
+        assert all(len(s) == 2 for s in both.values())
+        faster = min(both, key=lambda inter: min(both[inter]))
+        assert rows[name]["threads"] == f"intra_threads={2 // faster}, inter_threads={faster}"
+        assert rows[name]["sentences_per_s"] == round(5 / min(both[faster]), 1)
+    assert "| CTranslate2 int8 | intra_threads=" in bench.table(result)
+
+
 @pytest.mark.parametrize(
     "given, message",
     [
