@@ -41,7 +41,9 @@ runtimes' thread pools in one process slowed `translate_ids` by about a fifth af
 (0.65-0.70 s against 0.81 s for 300 sentences, de -> en, on the 2-core Xeon). With `--processes one` every
 tool runs in this process, after one warm-up round per tool (quicker; what the tests use). The machine's load
 average is printed before and after (other jobs on the machine slow every tool, so read the ratios, measured
-in the same rounds, rather than the sentences per second). Speed is never asserted by a test;
+in the same rounds, rather than the sentences per second). On a shared machine `--clock cpu --threads 1`
+times each run by its process's CPU time instead of the wall clock: time other jobs take from the process is
+not counted (for one thread only: on n threads the CPU time adds the threads up). Speed is never asserted by a test;
 `tests/test_translate_bench.py` checks that every tool runs and translates, in both modes.
 """
 
@@ -169,30 +171,34 @@ def tool(
     return ours
 
 
-def timed(run: Callable[[], list[str]]) -> tuple[float, list[str]]:
-    """(seconds, texts) of one run."""
-    start = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time, all its threads
+
+
+def timed(run: Callable[[], list[str]], clock: str = "wall") -> tuple[float, list[str]]:
+    """(seconds on `clock`, texts) of one run."""
+    start = CLOCKS[clock]()
     texts = run()
-    return time.perf_counter() - start, texts
+    return CLOCKS[clock]() - start, texts
 
 
-def worker(name: str, checkpoint: Path, folder: Path, threads: int, inter: int = 1) -> None:
+def worker(name: str, checkpoint: Path, folder: Path, threads: int, inter: int = 1, clock: str = "wall") -> None:
     """One tool in a process of its own: a warm-up run, then one timed run; prints {seconds, texts} as JSON."""
     torch.set_num_threads(threads)
     keep_freed_memory()  # as the translator does on the CPU
     inputs = json.loads((folder / "inputs.json").read_text(encoding="utf-8"))
     run = tool(name, checkpoint, folder, inputs["sources"], inputs["texts"], threads, inter)
     _, texts = timed(run)
-    seconds, _ = timed(run)
+    seconds, _ = timed(run, clock)
     print(json.dumps({"seconds": seconds, "texts": texts}))
 
 
 def in_its_own_process(
-    name: str, checkpoint: Path, folder: Path, threads: int, inter: int = 1
+    name: str, checkpoint: Path, folder: Path, threads: int, inter: int = 1, clock: str = "wall"
 ) -> tuple[float, list[str]]:
     """`worker` run as `python -m benchmarks.translate --worker NAME ...`: (seconds, texts)."""
     command = [sys.executable, "-m", "benchmarks.translate", "--worker", name, "--checkpoint", str(checkpoint)]
     command += ["--worker-folder", str(folder), "--threads", str(threads), "--worker-inter", str(inter)]
+    command += ["--clock", clock]
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=root)
     if done.returncode != 0:
@@ -212,6 +218,7 @@ def measure(
     data_url: str | None = None,
     int8: bool = True,
     processes: str = "one",
+    clock: str = "wall",
 ) -> dict:
     """Every tool's speed and BLEU. `processes="one"`: every tool in this process, each warmed up once, then
     `rounds` rotating rounds; `"each"`: every timed run in a fresh process of its own, after a warm-up there."""
@@ -239,7 +246,7 @@ def measure(
             for r in range(rounds):
                 for n, i in runs[r % len(runs) :] + runs[: r % len(runs)]:  # a rotating order
                     spent, outputs[run_name(n, threads, i)] = in_its_own_process(
-                        n, checkpoint, Path(folder), threads, i
+                        n, checkpoint, Path(folder), threads, i, clock
                     )
                     seconds[run_name(n, threads, i)].append(spent)
         else:
@@ -250,7 +257,7 @@ def measure(
             for r in range(rounds):
                 keys = list(tools)
                 for key in keys[r % len(keys) :] + keys[: r % len(keys)]:  # a rotating order
-                    seconds[key].append(timed(tools[key])[0])
+                    seconds[key].append(timed(tools[key], clock)[0])
     rows = {}
     for n in names:  # each tool in its fastest configuration
         inter = min(configurations(n, threads), key=lambda i: min(seconds[run_name(n, threads, i)]))
@@ -274,6 +281,7 @@ def measure(
         "threads": threads,
         "rounds": rounds,
         "processes": processes,
+        "clock": clock,
         "load average (1 min) before, after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "rows": rows,
         "seconds": seconds,
@@ -301,7 +309,8 @@ def table(result: dict) -> str:
     where = "each run in its own process" if result.get("processes") == "each" else "every tool in one process"
     lines.append(
         f"\n{result['threads']} thread(s), {result['sentences']} sentences, {where}, the fastest of "
-        f"{result['rounds']} round(s); load average {before} -> {after}"
+        f"{result['rounds']} round(s), {'CPU time' if result.get('clock') == 'cpu' else 'wall clock'}; "
+        f"load average {before} -> {after}"
     )
     return "\n".join(lines)
 
@@ -329,18 +338,28 @@ def main(argv: list[str] | None = None) -> int:
         default="each",
         help="each (default): every timed run in a fresh process of its own; one: every tool in this process",
     )
+    p.add_argument(
+        "--clock",
+        choices=tuple(CLOCKS),
+        default="wall",
+        help="wall (default), or each run's process CPU time (a shared machine; with --threads 1)",
+    )
     door.output_options(p, type=Path, help="also write the result as JSON here", force=False)
     p.add_argument("--worker", choices=NAMES, default=None, help=argparse.SUPPRESS)  # one tool's process
     p.add_argument("--worker-folder", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-inter", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.clock == "cpu" and args.threads > 1 and args.worker is None:
+        p.error("--clock cpu adds up the CPU time of every thread: use it with --threads 1, or --clock wall")
     checkpoint = door.checkpoint(args)
     if args.worker is not None:
-        worker(args.worker, checkpoint, args.worker_folder, args.threads, args.worker_inter)
+        worker(args.worker, checkpoint, args.worker_folder, args.threads, args.worker_inter, args.clock)
         return 0
     door.keep(args, [args.out], flag="", elsewhere="name a new file")
     int8 = args.quantize == "int8"
-    result = measure(checkpoint, args.sentences, args.threads, args.rounds, int8=int8, processes=args.processes)
+    result = measure(
+        checkpoint, args.sentences, args.threads, args.rounds, int8=int8, processes=args.processes, clock=args.clock
+    )
     print(table(result))
     if args.out is not None:
         atomic_write(args.out, json.dumps(result, indent=1) + "\n")

@@ -4,6 +4,7 @@ No speed is asserted: the benchmark prints ratios measured in one run.
 """
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,25 @@ def test_on_two_threads_ctranslate2_runs_in_its_faster_configuration(checkpoint,
         assert rows[name]["threads"] == f"intra_threads={2 // faster}, inter_threads={faster}"
         assert rows[name]["sentences_per_s"] == round(5 / min(both[faster]), 1)
     assert "| CTranslate2 int8 | intra_threads=" in bench.table(result)
+
+
+def test_the_cpu_clock_times_a_run_by_its_process_cpu_time(monkeypatch):
+    """`--clock cpu` reads `time.process_time` (what other jobs take from the process is not counted), the
+    default clock the wall clock; a run is timed between two readings of its clock."""
+    readings = iter([10.0, 12.5])
+    monkeypatch.setitem(bench.CLOCKS, "cpu", lambda: next(readings))
+    assert bench.timed(lambda: ["a text"], "cpu") == (2.5, ["a text"])
+    monkeypatch.undo()
+    assert bench.CLOCKS["cpu"] is time.process_time and bench.CLOCKS["wall"] is time.perf_counter
+
+
+def test_the_cpu_clock_is_refused_on_more_than_one_thread(capsys):
+    """On n > 1 threads a process's CPU time adds its threads up, which is not how long a run took: refused
+    in one line, before any model or data is loaded."""
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--clock", "cpu", "--threads", "2"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--clock cpu adds up the CPU time of every thread" in err
 
 
 @pytest.mark.parametrize(
