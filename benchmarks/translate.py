@@ -86,7 +86,7 @@ def configurations(name: str, threads: int) -> list[int]:
     return [1, threads] if name.startswith("CTranslate2") and threads > 1 else [1]
 
 
-def threading(name: str, threads: int, inter: int) -> str:
+def thread_use(name: str, threads: int, inter: int) -> str:
     """How tool `name` uses `threads` threads in configuration `inter`, in words for the table."""
     if name.startswith("CTranslate2"):
         return f"intra_threads={threads // inter}, inter_threads={inter}"
@@ -97,7 +97,7 @@ def threading(name: str, threads: int, inter: int) -> str:
 
 def run_name(name: str, threads: int, inter: int) -> str:
     """The key of a tool's timed runs in one configuration (the tool's name when it has only one)."""
-    return name if len(configurations(name, threads)) == 1 else f"{name}, {threading(name, threads, inter)}"
+    return name if len(configurations(name, threads)) == 1 else f"{name}, {thread_use(name, threads, inter)}"
 
 
 def prepare(checkpoint: Path, folder: Path) -> None:
@@ -263,7 +263,7 @@ def measure(
         inter = min(configurations(n, threads), key=lambda i: min(seconds[run_name(n, threads, i)]))
         key = run_name(n, threads, inter)
         rows[n] = {
-            "threads": threading(n, threads, inter),
+            "threads": thread_use(n, threads, inter),
             "sentences_per_s": round(len(pairs) / min(seconds[key]), 1),
             "bleu": score(outputs[key], references)["bleu"],
         }
