@@ -138,9 +138,17 @@ def params(path: Path) -> dict:
     return read_checkpoint(path)["model"]
 
 
+# The key biases: a softmax row is unchanged by adding q . b_K to every score in it, so their gradient is zero in
+# exact arithmetic and only rounding noise in floats, which Adam scales up to steps of the learning rate's size.
+# Their values follow the order of the rounding (the kernels, the threads, the buffers' alignment), not the
+# training, so they are left out of the comparison; every weight that changes a model's output is in it.
+ROUNDING_ONLY = (".b_K",)
+
+
 def assert_same_params(a: Path, b: Path) -> float:
     pa, pb = params(a), params(b)
     assert pa.keys() == pb.keys()
+    pa = {k: v for k, v in pa.items() if not k.endswith(ROUNDING_ONLY)}
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], **TOL, msg=lambda m: f"{k}: {m}")
     return max((pa[k].float() - pb[k].float()).abs().max().item() for k in pa)
