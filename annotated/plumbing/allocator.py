@@ -22,6 +22,11 @@ hands every free page back to the kernel, and training calls it where a phase en
 steps, after its validation, after each test decode), so what one phase left free never stays resident
 through the next. (`benchmarks/README.md`, "Where the memory goes in a CPU run", measures it against the unbounded
 settings this replaced.)
+A bf16 run on the CPU holds one more kind of memory: oneDNN compiles a kernel for each shape of each bf16
+product and keeps up to 1,024 of them, and PyTorch's ideep layer keeps 1,024 more of its own; batches of new
+lengths keep arriving for the whole run, so the two caches fill for hours. `bound_kernel_caches()` caps them
+(`KERNEL_CACHES`) before the first bf16 product (benchmarks/README.md, "bf16 autocast on the CPU", measures
+the growth without the caps and the kernels compiled again with them).
 `resident_bytes()`, `peak_resident_bytes()` and `heap_bytes()` read what the process holds, for the
 training log. Elsewhere than glibc they do nothing and say so (`False`, or None).
 """
@@ -45,6 +50,8 @@ SETTINGS = (
     (M_ARENA_MAX, ARENAS),
 )
 
+KERNEL_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "1"}  # 0 for ideep crashes torch
+
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
@@ -67,6 +74,13 @@ def keep_freed_memory() -> bool:
     setting was taken."""
     libc = _libc()
     return libc is not None and all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)
+
+
+def bound_kernel_caches() -> None:
+    """Cap oneDNN's and ideep's caches of compiled kernels (`KERNEL_CACHES`) where the environment does not set
+    them already; read once, at the first oneDNN product of the process, so call it before that."""
+    for name, value in KERNEL_CACHES.items():
+        os.environ.setdefault(name, value)
 
 
 def release_freed_memory() -> bool:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from annotated.checkpoint import CheckpointError, read_checkpoint, save_checkpoint  # noqa: F401 train.CheckpointError for the callers
 from annotated.decoding import casing
-from annotated.plumbing.allocator import keep_freed_memory
+from annotated.plumbing.allocator import bound_kernel_caches, keep_freed_memory
 from annotated.plumbing.devices import autocast, default_device, resolve_precision
 from annotated.plumbing.files import atomic_write
 from annotated.plumbing.interrupts import StopFlag
@@ -418,6 +418,8 @@ def train(
     rank, world, dev, owns_group = distributed.join(default_device(device))
     if dev.type == "cpu":  # a CPU step's large tensors reuse freed memory instead of faulting pages in
         keep_freed_memory()
+        if precision == "bf16":  # oneDNN compiles a kernel per batch shape: keep few (allocator.py)
+            bound_kernel_caches()
     arithmetic = Arithmetic(precision, reason, torch.get_num_threads())
     started_in = environment()  # the commit and packages that train, whatever the checkout is when it ends
     run_dir, run = Path(run_dir), None
