@@ -54,6 +54,7 @@ COMMANDS = {  # module -> the command's name
     "benchmarks.padding": "padding-bench",
     "benchmarks.allocator": "allocator-bench",
     "benchmarks.commands_memory": "memory-table",
+    "benchmarks.bf16_memory": "bf16-memory-bench",
     "benchmarks.translate": "translate-bench",
     "benchmarks.int8_products": "int8-bench",
     "benchmarks.circuits": "circuits-bench",
