@@ -24,20 +24,11 @@ from matplotlib.figure import Figure
 # (`annotated/sites.py`: `enc_self`, `dec_self`, `cross`); people read them
 # under the labels of `KIND_LABELS`. Every picture, the viewer's included,
 # uses one colour map, `CMAP`, on one fixed range, 0 to 1, with a colour bar
-# saying so, and labels its rows and columns by one rule, `READING`:
-#
-# * **a row is a query, and it sums to 1** (a softmax over the keys);
-# * a **decoder row** (a query of `dec_self` or `cross`) is labelled by the
-#   token the decoder **predicts** at that position;
-# * a **key column** is labelled by the token **fed in** at that position
-#   (a source token, or for `dec_self` the decoder's input: `<s>`, then the
-#   words it has already written);
-# * `▁` marks the start of a word (sentencepiece); a piece without it
-#   continues the word before.
-#
-# So in a `dec_self` picture the row "dog" and the column "dog" are two
-# positions apart by one: the row predicts *dog*, the column is where *dog*
-# was fed back in, one step later. (`test_pictures_follow_the_label_convention`.)
+# saying so, and labels its rows and columns by one rule, `READING`: a row is
+# a query and sums to 1; a decoder row is labelled by the token the decoder
+# **predicts** there, a key column by the token **fed in** there (why:
+# `annotated/attention/dump.py`, section 1); `▁` starts a word
+# (`test_pictures_follow_the_label_convention`).
 
 # %%
 CMAP = "viridis"  # every attention picture: grids, alignments, the viewer's colour table
@@ -85,25 +76,14 @@ def head_colours(n: int) -> list[str]:
 # %% [markdown]
 # ## 2. Pictures
 #
-# Three kinds of PNG per sentence, drawn with matplotlib's Agg canvas (no
-# window, no global backend switch):
-#
-# * `sentence_000_{kind}.png`: a **layer x head grid**, one heatmap per head,
-#   layer 0 at the top. The colour scale is the same for every panel, 0 to 1,
-#   so a bright yellow cell is a weight near one in every panel. Query tokens run
-#   down the left column, key tokens along the bottom row.
-# * In `dec_self` the cells above the diagonal are drawn **grey**: they are
-#   the future positions the causal mask blocks, whose weight is exactly zero.
-# * `sentence_000_alignment.png`: a **Bahdanau-style alignment** of the last
-#   layer's cross-attention averaged over heads, source tokens across the top,
-#   the predicted target tokens down the side, as in Bahdanau et al. (2015),
-#   figure 3. `sentence_000_alignment_heads.png` shows the average and each
-#   head of that layer side by side.
-#
-# The average of `h` rows that each sum to one also sums to one, so the
-# averaged picture reads like a single head. The font of the labels shrinks
-# as sentences grow and column labels are rotated so long sentences stay
-# legible.
+# Drawn with matplotlib's Agg canvas (no window, no global backend switch),
+# per sentence: `sentence_000_{kind}.png`, a **layer x head grid** of
+# heatmaps (`grid_figure`), `dec_self`'s future cells **grey** (the causal
+# mask makes them exactly zero); and `sentence_000_alignment.png`, the last
+# layer's cross-attention averaged over heads as a **Bahdanau-style
+# alignment** (Bahdanau et al., 2015, figure 3), and beside each head in
+# `sentence_000_alignment_heads.png`. The mean of `h` rows that each sum to one
+# sums to one, so the averaged picture reads like a single head.
 
 
 # %%
@@ -152,6 +132,32 @@ def _panel(
     return im
 
 
+def panel_rows(fig: Figure, rows: list, font: float, every_column_labelled: bool = False) -> np.ndarray:
+    """One row of panels per (weights (h, q, k), query tokens, key tokens, kind, a title per head), one panel
+    per head, as many columns as the widest row has heads (a pruned row's missing heads: empty cells), and the
+    one colour bar; row labels on the left column, column labels on the bottom row (or every row). The axes."""
+    width = max(len(weights) for weights, *_ in rows)
+    axes = fig.subplots(len(rows), width, squeeze=False)
+    for r, (weights, queries, keys, kind, titles) in enumerate(rows):
+        for i in range(width):
+            if i >= len(weights):  # pruned away: an empty cell
+                axes[r, i].axis("off")
+                continue
+            im = _panel(
+                axes[r, i],
+                weights[i],
+                queries,
+                keys,
+                causal=kind == "dec_self",
+                row_labels=i == 0,
+                col_labels=every_column_labelled or r == len(rows) - 1,
+                font=font,
+                title=titles[i],
+            )
+    add_colour_bar(fig, im, axes)
+    return axes
+
+
 def add_colour_bar(fig: Figure, im, axes) -> None:
     """The one colour bar: `CMAP` from 0 to 1, labelled `COLOUR_BAR`."""
     bar = fig.colorbar(im, ax=axes, shrink=0.6, label=COLOUR_BAR)
@@ -172,33 +178,14 @@ def caption(kind: str) -> str:
 def grid_figure(arrays: list[np.ndarray], rows: list[str], cols: list[str], kind: str, title: str = "") -> Figure:
     """Layer x head grid of heatmaps for one kind (arrays: per layer (1, h, q, k)); `rows` and `cols` are the
     tokens labelling the queries and the keys, as `READING` says."""
-    if kind not in KIND_LABELS:
-        raise ValueError(f"kind must be one of {tuple(KIND_LABELS)}, got {kind!r}")
     N, h = len(arrays), max(a.shape[1] for a in arrays)  # a pruned model's layers may have fewer heads
     q, k = arrays[0].shape[2:]
     panel_w = float(np.clip(0.13 * k + 0.8, 1.6, 3.6))
     panel_h = float(np.clip(0.13 * q + 0.8, 1.6, 3.6))
     font = min(label_font_size(q, panel_h), label_font_size(k, panel_w))
     fig = Figure(figsize=(max(panel_w * h + 1.8, 7.5), panel_h * N + 1.9), dpi=90, layout=LAYOUT)
-    axes = fig.subplots(N, h, squeeze=False)
-    im = None
-    for layer in range(N):
-        for head in range(h):
-            if head >= arrays[layer].shape[1]:  # pruned away: an empty cell
-                axes[layer][head].axis("off")
-                continue
-            im = _panel(
-                axes[layer][head],
-                arrays[layer][0, head],
-                rows,
-                cols,
-                causal=kind == "dec_self",
-                row_labels=head == 0,
-                col_labels=layer == N - 1,
-                font=font,
-                title=f"layer {layer}, head {head}",
-            )
-    add_colour_bar(fig, im, axes)
+    titles = [[f"layer {layer}, head {i}" for i in range(a.shape[1])] for layer, a in enumerate(arrays)]
+    panel_rows(fig, [(a[0], rows, cols, kind, t) for a, t in zip(arrays, titles)], font)
     fig.suptitle(f"{title}{caption(kind)}\n\u2581 marks the start of a word (sentencepiece)", fontsize=8)
     return fig
 
