@@ -20,15 +20,38 @@ from typing import Any
 
 import numpy as np
 import torch
+from matplotlib.patches import Rectangle
 
-from annotated.attention.bootstrap import RESAMPLES, SEED, Change, paired_bleu_change, paired_loss_change
+from annotated.attention.bootstrap import CONFIDENCE, RESAMPLES, SEED, Change, paired_bleu_change, paired_loss_change
+from annotated.attention.curve import curve_figure
+from annotated.attention.dump import ROWS_COLS, collect_attention, token_labels
 from annotated.attention.importance import ablate, head_importance, normalise_per_attention, sentence_losses
-from annotated.attention.prune import FINETUNE_CHECK_EVERY, FINETUNE_PATIENCE, MAX_LOSS_INCREASE
-from annotated.decoding.settings import Decoding
+from annotated.attention.pictures import CMAP, figure, label_font_size, panel_rows
+from annotated.attention.profiles import bilinear_spectra, head_labels, inspect_figure, position_profiles, profile_rows
+from annotated.attention.prune import (
+    FINETUNE_CHECK_EVERY,
+    FINETUNE_PATIENCE,
+    MAX_LOSS_INCREASE,
+    alternating_speed,
+    count_parameters,
+    finetune_on_held_out,
+    greedy_prune,
+    save_pruned,
+    speed_ratio,
+    split_sentences,
+)
+from annotated.checkpoint import CheckpointError, load_checkpoint, read_case_table
+from annotated.checks import check_tokenizer
+from annotated.decoding.settings import Decoding, model_length_penalty
 from annotated.door import Door
+from annotated.plumbing.files import atomic_write, json_safe, save_figure
 from annotated.plumbing.options import at_least, device, number
 from annotated.shipped import typed_name
-from annotated.sites import KINDS, attention_at, sites
+from annotated.sites import KINDS, attention_at, head_counts, sites
+from annotated.tokens import BOS, EOS
+from annotated.training.data import DataError, encode_pairs, load_multi30k, make_batches, split_long
+from annotated.training.evaluate import evaluate_bleu, score
+from annotated.training.train import evaluate_loss
 
 DOOR = Door(__file__)
 WINDOW = 4  # offsets -4 ... +4 in the position profiles
@@ -120,8 +143,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _batches(encoded, indices, max_len: int, **order):
     """Batches of the pairs `encoded[i]`, i in `indices`, that fit the model; `order`: make_batches' shuffle, seed."""
-    from annotated.training.data import make_batches, split_long
-
     chosen = [encoded[i] for i in indices]
     kept, _ = split_long(chosen, max_len)  # teacher-forced passes need pairs that fit the model
     return make_batches([chosen[i] for i in kept], max_tokens=4000, **order)
@@ -130,8 +151,6 @@ def _batches(encoded, indices, max_len: int, **order):
 def languages_of(meta: dict) -> tuple[str, str]:
     """(src_lang, tgt_lang) of a checkpoint's metadata; CheckpointError naming the fix where it names none (a model
     scored in the wrong direction would look like a model with useless heads)."""
-    from annotated.checkpoint import CheckpointError
-
     src, tgt = meta.get("src_lang"), meta.get("tgt_lang")
     if not (isinstance(src, str) and isinstance(tgt, str)):
         raise CheckpointError(
@@ -143,8 +162,6 @@ def languages_of(meta: dict) -> tuple[str, str]:
 
 
 def _data(meta: dict, tokenizer, n: int, max_len: int, prune: bool, n_test: int | None):
-    from annotated.training.data import encode_pairs, load_multi30k
-
     src, tgt = languages_of(meta)
     every = load_multi30k("val", src, tgt)
     val = every[:n]
@@ -155,31 +172,17 @@ def _data(meta: dict, tokenizer, n: int, max_len: int, prune: bool, n_test: int 
 
 def evaluation(model, tokenizer, pairs, batches, device) -> dict:
     """Greedy translations of `pairs` and per-sentence losses on `batches`: what the bootstrap resamples."""
-    from annotated.training.evaluate import evaluate_bleu
-
     scores, hyps = evaluate_bleu(model, tokenizer, pairs, 1, 0.0, device)
     loss, tokens = sentence_losses(model, batches)
-    return {
-        "bleu": scores["bleu"],
-        "loss": float(loss.sum() / tokens.sum()),
-        "hyps": hyps,
-        "sentence_loss": loss,
-        "sentence_tokens": tokens,
-    }
+    return {"bleu": scores["bleu"], "loss": float(loss.sum() / tokens.sum()), "hyps": hyps, "losses": (loss, tokens)}
 
 
 def changes(base: dict, other: dict, refs: list[str], resamples: int, seed: int) -> dict[str, Change]:
     """BLEU and loss of `other` minus those of `base`, with paired bootstrap intervals."""
+    (loss_a, tokens_a), (loss_b, tokens_b) = base["losses"], other["losses"]
     return {
         "bleu": paired_bleu_change(base["hyps"], other["hyps"], refs, resamples, seed),
-        "loss": paired_loss_change(
-            base["sentence_loss"],
-            base["sentence_tokens"],
-            other["sentence_loss"],
-            other["sentence_tokens"],
-            resamples,
-            seed,
-        ),
+        "loss": paired_loss_change(loss_a, tokens_a, loss_b, tokens_b, resamples, seed),
     }
 
 
@@ -187,9 +190,9 @@ def change_json(c: Change) -> dict:
     return {"value": c.value, "low": c.low, "high": c.high, "significant": c.significant}
 
 
-def format_change(c: Change, fmt: str) -> str:
-    """`-1.20 [-2.31, -0.12]*`: the change, its interval, and `*` when the interval excludes 0."""
-    return f"{c.value:{fmt}} [{c.low:{fmt}}, {c.high:{fmt}}]{'*' if c.significant else ' '}"
+def format_change(c: dict, fmt: str) -> str:
+    """`-1.20 [-2.31, -0.12]*`: a `change_json`, its interval, and `*` when the interval excludes 0."""
+    return f"{c['value']:{fmt}} [{c['low']:{fmt}}, {c['high']:{fmt}}]{'*' if c['significant'] else ' '}"
 
 
 def noisy_advice(widths: list[float], n: int, available: int) -> str | None:
@@ -227,17 +230,14 @@ def _grid(rows: list[list[float]]) -> np.ndarray:
 def measure_ranges(report: dict) -> dict[str, tuple[float, float]]:
     """One colour range per measure over all three kinds: importance from 0, changes symmetric about 0."""
 
-    def values(key, field=None):
-        return [v if field is None else v[field] for k in KINDS for row in report["kinds"][k][key] for v in row]
+    def top(key, field=None) -> float:  # the measure's largest size (1 if all are 0); importance is never negative
+        return (
+            max(abs(v if field is None else v[field]) for k in KINDS for row in report["kinds"][k][key] for v in row)
+            or 1.0
+        )
 
-    top_importance = max(values("importance")) or 1.0
-    top_bleu = max(abs(v) for v in values("bleu_change", "value")) or 1.0
-    top_loss = max(abs(v) for v in values("loss_change", "value")) or 1.0
-    return {
-        "importance": (0.0, top_importance),
-        "bleu_change": (-top_bleu, top_bleu),
-        "loss_change": (-top_loss, top_loss),
-    }
+    importance, bleu, loss = top("importance"), top("bleu_change", "value"), top("loss_change", "value")
+    return {"importance": (0.0, importance), "bleu_change": (-bleu, bleu), "loss_change": (-loss, loss)}
 
 
 PANELS = (
@@ -250,10 +250,6 @@ PANELS = (
 def heat_map(kind: str, report: dict, ranges: dict[str, tuple[float, float]]):
     """One row of (N layers x h heads) panels, one per measure, in the colour range shared by all kinds.
     Hatched: a change whose bootstrap interval contains 0 (not significant)."""
-    from matplotlib.patches import Rectangle
-
-    from annotated.attention.pictures import CMAP, figure
-
     k = report["kinds"][kind]
     fig = figure(figsize=(4.4 * len(PANELS), 1.6 + 0.7 * len(k["importance"])))
     for ax, (key, title, fmt, bar) in zip(fig.subplots(1, len(PANELS), squeeze=False)[0], PANELS):
@@ -296,46 +292,30 @@ def example_sentence(pairs, encoded, max_len: int, shortest: int = 6, longest: i
 @torch.no_grad()
 def examples_figure(model, tokenizer, src_ids: list[int], tgt_ids: list[int], labels: dict, title: str = ""):
     """A row of small grids per attention, one per head: its attention on one sentence, teacher-forced with
-    the reference translation; titles carry each head's label."""
-    from annotated.attention.pictures import _panel, add_colour_bar, figure, label_font_size
-    from annotated.attention.profiles import teacher_forced_attention
-    from annotated.tokens import BOS, EOS, SPECIAL_LABELS
-
-    device = next(model.parameters()).device
-    src = torch.tensor([src_ids], device=device)  # (1, S)
-    tgt_in = torch.tensor([[BOS] + tgt_ids], device=device)  # (1, T)
-    probs = teacher_forced_attention(model.eval(), src, tgt_in)
-    # the pictures' reading: a decoder row is the token predicted there, a key column the token fed in there
-    src_tok, fed = tokenizer.pieces(src_ids), [SPECIAL_LABELS[BOS]] + tokenizer.pieces(tgt_ids)
-    predicted = tokenizer.pieces(tgt_ids) + [SPECIAL_LABELS[EOS]]
-    axis = {"enc_self": (src_tok, src_tok), "dec_self": (predicted, fed), "cross": (predicted, src_tok)}
-    rows, width = sites(model), max(attention_at(model, *s).h for s in sites(model))
+    the reference translation; rows and columns labelled as the dump's (`dump.ROWS_COLS`); titles carry each
+    head's label."""
+    attn = collect_attention(model.eval(), src_ids, tgt_ids + [EOS])  # {kind: per layer (1, h, T_q, T_k)}
+    tokens = {
+        "src_tokens": token_labels(tokenizer, src_ids),
+        "tgt_in_tokens": token_labels(tokenizer, [BOS] + tgt_ids),
+        "tgt_out_tokens": token_labels(tokenizer, tgt_ids + [EOS]),
+    }
+    rows = [
+        (
+            attn[k][l][0],
+            *(tokens[name] for name in ROWS_COLS[k]),
+            k,
+            [f"{k}[{l}] head {i}: {t}" for i, t in enumerate(labels[k][l])],
+        )
+        for k, l in sites(model)
+    ]
+    width = max(attention_at(model, *s).h for s in sites(model))
     fig = figure(figsize=(2.6 * width + 1.5, 2.9 * len(rows) + 0.8), layout="constrained")
-    axes = fig.subplots(len(rows), width, squeeze=False)
-    font = label_font_size(max(len(src_tok), len(fed)), 2.2)
-    im = None
-    for r, site in enumerate(rows):
-        p = probs[site][0].float().cpu().numpy()  # (h, T_q, T_k)
-        queries, keys = axis[site[0]]
-        for i in range(width):
-            if i >= len(p):  # pruned away
-                axes[r, i].axis("off")
-                continue
-            im = _panel(
-                axes[r, i],
-                p[i],
-                queries,
-                keys,
-                causal=site[0] == "dec_self",
-                row_labels=i == 0,
-                col_labels=True,
-                font=font,
-                title=f"{site[0]}[{site[1]}] head {i}: {labels[site[0]][site[1]][i]}",
-            )
-        axes[r, 0].set_ylabel("query", fontsize=7)
+    axes = panel_rows(fig, rows, label_font_size(max(len(src_ids), len(tgt_ids) + 1), 2.2), every_column_labelled=True)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("query", fontsize=7)
     for ax in axes[-1]:
         ax.set_xlabel("key", fontsize=7)
-    add_colour_bar(fig, im, axes)
     fig.suptitle(title or "each head on one validation sentence (teacher-forced with its reference)", fontsize=9)
     return fig
 
@@ -350,13 +330,9 @@ def format_table(report: dict) -> str:
         k = report["kinds"][kind]
         for l, row in enumerate(k["importance"]):
             for i, imp in enumerate(row):
-                b, c = (
-                    Change(**{f: k[key][l][i][f] for f in ("value", "low", "high")})
-                    for key in ("bleu_change", "loss_change")
-                )
                 lines.append(
-                    f"{kind:8s} {l:5d} {i:4d} {imp:10.4f}  {format_change(b, '+6.2f'):24s} "
-                    f"{format_change(c, '+7.3f'):27s} {k['label'][l][i]}"
+                    f"{kind:8s} {l:5d} {i:4d} {imp:10.4f}  {format_change(k['bleu_change'][l][i], '+6.2f'):24s} "
+                    f"{format_change(k['loss_change'][l][i], '+7.3f'):27s} {k['label'][l][i]}"
                 )
     v = report["validation"]
     lines.append(
@@ -409,22 +385,11 @@ def run_log_loss(meta: dict) -> dict | None:
     }
 
 
-def smoothed_loss(model, batches, eps: float, device) -> float:
-    """Label-smoothed loss per target token over `batches`: training's own `evaluate_loss`, the val loss of a
-    run's log
-    (`test_by_default_every_validation_sentence_and_the_label_smoothed_loss_is_the_runs_logged_val_loss`)."""
-    from annotated.training.train import evaluate_loss
-
-    return evaluate_loss(model, batches, eps, device)
-
-
 # ---------------------------------------------------------------- the command
 
 
 def analyse(model, tokenizer, val, batches, args) -> tuple[dict, dict]:
     """(the report's numbers, the attention measures of `position_profiles`)."""
-    from annotated.attention.profiles import bilinear_spectra, head_labels, position_profiles, profile_rows
-
     refs = [t for _, t in val]
     baseline = evaluation(model, tokenizer, val, batches, args.device)
     importance = head_importance(model, batches, progress=True)
@@ -466,22 +431,6 @@ def analyse(model, tokenizer, val, batches, args) -> tuple[dict, dict]:
 
 
 def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> dict:
-    from annotated.attention.curve import curve_figure
-    from annotated.attention.prune import (
-        finetune_on_held_out,
-        greedy_prune,
-        removal_table,
-        save_pruned,
-        speed_ratio,
-        split_sentences,
-    )
-    from annotated.checkpoint import read_case_table
-    from annotated.decoding.settings import model_length_penalty
-    from annotated.plumbing.files import save_figure
-    from annotated.sites import head_counts
-    from annotated.training.data import encode_pairs, load_multi30k
-    from annotated.training.evaluate import evaluate_bleu
-
     ranking, held_out = split_sentences(len(val))
     rank_batches = _batches(encoded, ranking, model.config.max_len)
     held_batches = _batches(encoded, held_out, model.config.max_len)
@@ -491,24 +440,18 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         loss, tokens = sentence_losses(m, held_batches)
         return float(loss.sum() / tokens.sum())
 
-    curve: list[dict] = []  # one point per model on the path: the unpruned one, then one per removal
+    def greedy_bleu(m, pairs) -> float:  # along the path: a greedy decoding per point is what the curve costs
+        return evaluate_bleu(m, tokenizer, pairs, 1, 0.0, args.device)[0]["bleu"]
 
-    def point(m, loss: float, kept: bool) -> None:  # greedy BLEU along the path: a decoding per point is its cost
-        curve.append(
-            {
-                "heads_removed": len(curve),
-                "held_out_loss": loss,
-                "held_out_bleu": evaluate_bleu(m, tokenizer, held_pairs, 1, 0.0, args.device)[0]["bleu"],
-                "test_bleu": evaluate_bleu(m, tokenizer, test, 1, 0.0, args.device)[0]["bleu"],
-                "kept": kept,
-            }
-        )
+    def point(m, loss: float, kept: bool) -> dict:
+        return {
+            "held_out_loss": loss,
+            "held_out_bleu": greedy_bleu(m, held_pairs),
+            "test_bleu": greedy_bleu(m, test),
+            "kept": kept,
+        }
 
-    def on_step(step, m) -> None:
-        if not curve:  # the unpruned model starts the curve
-            point(model, held_out_loss(model), True)
-        point(m, step.held_out_loss, step.kept)
-
+    path: list[dict] = []  # one point per removal, past the stop too
     result = greedy_prune(
         model,
         held_out_loss,
@@ -516,68 +459,52 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         args.max_loss_increase,
         progress=True,
         beyond_stop=True,
-        on_step=on_step,
+        on_step=lambda step, m: path.append(point(m, step.held_out_loss, step.kept)),
     )
-    if not curve:  # nothing to remove: one head per attention already
-        point(model, result.baseline_loss, True)
-    pruned, stop = result.model, len(result.removed)
-    train = encode_pairs(load_multi30k("train", *languages_of(meta)), tokenizer) if args.finetune_steps else []
-    tuning = (
-        finetune_on_held_out(
-            pruned,
-            _batches(train, range(len(train)), model.config.max_len, shuffle=True, seed=0),
-            args.finetune_steps,
-            held_out_loss,
-            progress=True,
-        )
-        if args.finetune_steps
-        else None
-    )
-    pruned, steps = (tuning.model, tuning.steps) if tuning else (pruned, 0)
+    path.insert(0, point(model, result.baseline_loss, True))  # the unpruned model starts the curve
+    curve = [{"heads_removed": i, **p} for i, p in enumerate(path)]
+    pruned, stop, steps, tuning = result.model, len(result.removed), 0, None
+    if args.finetune_steps:
+        train = encode_pairs(load_multi30k("train", *languages_of(meta)), tokenizer)
+        batches = _batches(train, range(len(train)), model.config.max_len, shuffle=True, seed=0)
+        tuning = finetune_on_held_out(pruned, batches, args.finetune_steps, held_out_loss, progress=True)
+        pruned, steps = tuning.model, tuning.steps
     total = sum(attention_at(model, *s).h for s in sites(model))
     alpha = model_length_penalty(meta) if args.length_penalty is None else args.length_penalty
     hyps = [evaluate_bleu(m, tokenizer, test, args.beam, alpha, args.device)[1] for m in (model, pruned)]
-    test_change = paired_bleu_change(hyps[0], hyps[1], refs, args.resamples, args.seed)
-    b, a = (
-        dict(describe(m, h, refs), **timing)
-        for m, h, timing in zip((model, pruned), hyps, time_both(model, pruned, tokenizer, test, args.beam, alpha))
+    test_change = change_json(paired_bleu_change(hyps[0], hyps[1], refs, args.resamples, args.seed))
+    # decoding speed, timed alone: SPEED_ROUNDS alternating rounds of translating the test sources
+    sources = [tokenizer.encode(s) for s, _ in test]
+    speeds = alternating_speed(
+        {"before": model, "after": pruned}, sources, args.beam, alpha, SPEED_ROUNDS, progress=True
     )
+
+    def measured(k: str, m, hyps: list[str]) -> dict:
+        s = score(hyps, refs)
+        return {
+            "test_bleu": s["bleu"],
+            "test_bleu_lowercase": s["bleu_lowercase"],
+            "parameters": count_parameters(m),
+            "heads": sum(attention_at(m, *x).h for x in sites(m)),
+            "sentences_per_second": round(max(speeds[k]), 2),
+            "speeds": [round(x, 3) for x in speeds[k]],
+        }
+
+    b, a = measured("before", model, hyps[0]), measured("after", pruned, hyps[1])
     removed = [f"{r.kind}[{r.layer}].{r.head}" for r in result.removed]
-    save_pruned(
-        args.out / "pruned.pt",
-        pruned,
-        tokenizer,
-        dict(
-            meta,
-            pruned_from=str(args.checkpoint),
-            heads_removed=removed,
-            head_counts=head_counts(pruned),
-            finetune_steps=steps,
-        ),
-        read_case_table(args.checkpoint),
-    )
+    counts = head_counts(pruned)
+    facts = dict(pruned_from=str(args.checkpoint), heads_removed=removed, head_counts=counts, finetune_steps=steps)
+    save_pruned(args.out / "pruned.pt", pruned, tokenizer, dict(meta, **facts), read_case_table(args.checkpoint))
     final_loss = min(loss for _, loss in tuning.checks) if tuning else held_out_loss(pruned)  # measured already
     tuned = (
-        {
-            "finetune_steps": steps,
-            "held_out_loss": final_loss,
-            "test_bleu": evaluate_bleu(pruned, tokenizer, test, 1, 0.0, args.device)[0]["bleu"],
-        }
-        if args.finetune_steps
+        {"finetune_steps": steps, "held_out_loss": final_loss, "test_bleu": greedy_bleu(pruned, test)}
+        if tuning
         else None
     )
-    save_figure(
-        curve_figure(
-            curve,
-            result.baseline_loss,
-            args.max_loss_increase,
-            stop,
-            len(test),
-            tuned,
-            title=typed_name(args.checkpoint),
-        ),
-        args.out / "heads_pruning.png",
+    figure = curve_figure(
+        curve, result.baseline_loss, args.max_loss_increase, stop, len(test), tuned, title=typed_name(args.checkpoint)
     )
+    save_figure(figure, args.out / "heads_pruning.png")
     ratio = speed_ratio(a["speeds"], b["speeds"])
     say(f"pruning: removed {len(removed)} of {total} heads ({len(removed) / total:.0%}): {', '.join(removed) or '-'}")
     say(
@@ -610,7 +537,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         "ranking_sentences": len(ranking),
         "held_out_sentences": len(held_out),
         "baseline_held_out_loss": result.baseline_loss,
-        "steps": removal_table(result),
+        "steps": [dataclasses.asdict(s) for s in result.steps],
         "beyond_stop": [dataclasses.asdict(r) for r in result.beyond],
         "curve": curve,
         "finetune_steps": steps,
@@ -622,7 +549,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         "heads_total": total,
         "before": b,
         "after": a,
-        "test_bleu_change": change_json(test_change),
+        "test_bleu_change": test_change,
         "speed_ratio": ratio,
         "beam": args.beam,
         "length_penalty": alpha,
@@ -634,38 +561,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     }
 
 
-def describe(model, hyps: list[str], refs: list[str]) -> dict:
-    """Test BLEU (cased and lowercased) of `hyps`, and the model's size."""
-    from annotated.attention.prune import count_parameters
-    from annotated.training.evaluate import score
-
-    s = score(hyps, refs)
-    return {
-        "test_bleu": s["bleu"],
-        "test_bleu_lowercase": s["bleu_lowercase"],
-        "parameters": count_parameters(model),
-        "heads": sum(attention_at(model, *x).h for x in sites(model)),
-    }
-
-
-def time_both(model, pruned, tokenizer, test, beam: int, alpha: float) -> tuple[dict, dict]:
-    """Decoding speed of both models, timed alone: SPEED_ROUNDS alternating rounds of translating the test
-    sources, nothing else in between (`prune.alternating_speed`)."""
-    from annotated.attention.prune import alternating_speed
-
-    sources = [tokenizer.encode(s) for s, _ in test]
-    speeds = alternating_speed({"before": model, "after": pruned}, sources, beam, alpha, SPEED_ROUNDS, progress=True)
-    before, after = (
-        {"sentences_per_second": round(max(speeds[k]), 2), "speeds": [round(x, 3) for x in speeds[k]]}
-        for k in ("before", "after")
-    )
-    return before, after
-
-
 def write_pictures(model, tokenizer, report: dict, profiles_for_page, val, encoded, args) -> None:
-    from annotated.attention.profiles import inspect_figure
-    from annotated.plumbing.files import save_figure
-
     ranges = measure_ranges(report)
     for kind in KINDS:
         save_figure(heat_map(kind, report, ranges), args.out / f"heads_{kind}.png")
@@ -675,25 +571,12 @@ def write_pictures(model, tokenizer, report: dict, profiles_for_page, val, encod
     )
     i = example_sentence(val, encoded, model.config.max_len)
     labels = {k: report["kinds"][k]["label"] for k in KINDS}
-    save_figure(
-        examples_figure(
-            model,
-            tokenizer,
-            encoded[i][0],
-            encoded[i][1],
-            labels,
-            title=f"validation sentence {i}: {val[i][0]}  ->  {val[i][1]}",
-        ),
-        args.out / "heads_examples.png",
-    )
+    (src, tgt), (source, reference) = encoded[i], val[i]
+    page = examples_figure(model, tokenizer, src, tgt, labels, f"validation sentence {i}: {source}  ->  {reference}")
+    save_figure(page, args.out / "heads_examples.png")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from annotated.attention.bootstrap import CONFIDENCE
-    from annotated.checkpoint import CheckpointError, load_checkpoint
-    from annotated.plumbing.files import atomic_write, json_safe
-    from annotated.training.data import DataError
-
     try:
         args = parse_args(argv)
     except SystemExit as e:  # --help (0) or a bad option, already reported in one line (2)
@@ -702,8 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         model, tokenizer, meta = load_checkpoint(args.checkpoint)
-        if tokenizer is None:
-            raise CheckpointError(f"checkpoint {args.checkpoint} holds no tokenizer, so it cannot be evaluated")
+        check_tokenizer(tokenizer, args.checkpoint, "be evaluated")
         val, encoded, batches, test, available = _data(
             meta, tokenizer, args.sentences, model.config.max_len, args.prune, args.test_sentences
         )
@@ -728,10 +610,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     numbers, profiles = analyse(model, tokenizer, val, batches, args)
     report.update(numbers)
-    eps = label_smoothing_of(meta)
+    eps = label_smoothing_of(meta)  # the label-smoothed loss of training's `evaluate_loss` is a run's logged val loss
     report["baseline"].update(
         label_smoothing=eps,
-        loss_label_smoothed=None if eps is None else smoothed_loss(model, batches, eps, args.device),
+        loss_label_smoothed=None if eps is None else evaluate_loss(model, batches, eps, args.device),
     )
     print(format_table(report), flush=True)
     widths = [c["high"] - c["low"] for k in KINDS for row in report["kinds"][k]["bleu_change"] for c in row]

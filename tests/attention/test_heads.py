@@ -455,7 +455,7 @@ def test_by_default_every_validation_sentence_and_the_label_smoothed_loss_is_the
 ):
     import re
 
-    from annotated.attention.heads import _data, label_smoothing_of, parse_args, smoothed_loss
+    from annotated.attention.heads import _data, label_smoothing_of, parse_args
     from annotated.checkpoint import load_checkpoint
     from annotated.training import train
 
@@ -476,7 +476,7 @@ def test_by_default_every_validation_sentence_and_the_label_smoothed_loss_is_the
     val, _encoded, batches, _, available = _data(meta, tokenizer, args.sentences, model.config.max_len, False, None)
     assert len(val) == available == 1014  # the whole validation split
     assert label_smoothing_of(meta) == train.PRESETS["smoke"].label_smoothing == 0.1
-    got = smoothed_loss(model, batches, label_smoothing_of(meta), torch.device("cpu"))
+    got = train.evaluate_loss(model, batches, label_smoothing_of(meta), torch.device("cpu"))  # as the command
     # the log prints 3 decimals and the checkpoint keeps 4; the sums differ only in float rounding
     assert got == pytest.approx(logged, abs=5e-4) and got == pytest.approx(meta["val_loss"], abs=1e-4)
     loss, tokens = sentence_losses(model, batches)

@@ -166,7 +166,7 @@ def test_the_command_ranks_on_one_part_and_judges_on_the_other(monkeypatch):
     def spy_search(model, held_out_loss, importance, *args, **kwargs):
         raise StopIteration  # what it was given is all this test needs
 
-    monkeypatch.setattr("annotated.attention.prune.greedy_prune", spy_search)
+    monkeypatch.setattr("annotated.attention.heads.greedy_prune", spy_search)
     monkeypatch.setattr(heads, "_batches", lambda enc, idx, max_len: seen.setdefault(len(seen), list(idx)))
     args = SimpleNamespace(max_loss_increase=0.02, finetune_steps=0)
     with pytest.raises(StopIteration):
@@ -465,7 +465,7 @@ def test_max_loss_increase_reaches_the_pruning_rule(monkeypatch):
         given["max_increase"] = kwargs.get("max_increase", max_increase)
         raise StopIteration
 
-    monkeypatch.setattr("annotated.attention.prune.greedy_prune", spy_search)
+    monkeypatch.setattr("annotated.attention.heads.greedy_prune", spy_search)
     monkeypatch.setattr(heads, "_batches", lambda enc, idx, max_len: list(idx))
     encoded = [([4 + i, 5], [6, 7 + i]) for i in range(9)]
     args = SimpleNamespace(max_loss_increase=0.37, finetune_steps=0)
