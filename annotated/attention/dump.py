@@ -21,11 +21,7 @@
 # | `dec_self` | target positions | target positions (masked) | `(1, h, T, T)` |
 # | `cross` | target positions | source tokens (the encoder output) | `(1, h, T, S)` |
 #
-# The kinds carry the names of `annotated/sites.py` (`KINDS`), in the arrays,
-# the files, the index and the viewer alike; the labels people read
-# ("encoder self-attention", ...) are `KIND_LABELS` of
-# `annotated/attention/pictures.py`.
-#
+# The kinds carry the names of `annotated/sites.py` (`KINDS`) everywhere.
 # `annotated/attention/pictures.py` draws the pictures and explains how to read
 # them; `annotated/attention/viewer.py` makes the page. Every claim that can be checked
 # is checked in `tests/attention/test_dump.py` (test names in parentheses).
@@ -44,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from annotated.attention.pictures import alignment_figure, figure_rgb, grid_figure
 from annotated.attention.viewer import circuits_beside, importance_fits, read_head_importance, viewer_html
@@ -54,6 +51,7 @@ from annotated.decoding.settings import Decoding, model_length_penalty
 from annotated.door import Door
 from annotated.plumbing.files import json_safe, save_figure, staged_directory
 from annotated.plumbing.options import at_least, device, writable_dir
+from annotated.plumbing.progress import tracked
 from annotated.plumbing.scripts import usage_of
 from annotated.recording import record_attention
 from annotated.shipped import typed_name
@@ -174,30 +172,25 @@ def collect_attention(
     device = next(model.parameters()).device
     src = torch.tensor([src_ids], dtype=torch.long, device=device)  # (1, S)
     tgt_in = torch.tensor([[BOS] + tgt_ids[:-1]], dtype=torch.long, device=device)  # (1, T)
-    src_mask = padding_mask(src, PAD)  # (1, 1, S)
-    tgt_mask = subsequent_mask(tgt_in.size(1)).to(device)  # (1, T, T)
+    probs = teacher_forced_attention(model, src, tgt_in, subsequent_mask(tgt_in.size(1)).to(device))
+    wide = torch.float64 if np.dtype(dtype) == np.float64 else torch.float32
+    return {k: [probs[k, l].to("cpu", wide).numpy().astype(dtype, copy=False) for l in range(cfg.N)] for k in KINDS}
+
+
+def teacher_forced_attention(model: EncoderDecoder, src: Tensor, tgt_in: Tensor, tgt_mask: Tensor) -> dict:
+    """{site: (B, h, T_q, T_k)} of one teacher-forced pass: sources `src` (B, S), decoder input `tgt_in` (B, T)."""
+    src_mask = padding_mask(src, PAD)  # (B, 1, S)
     with record_attention(model) as probs:
         model.decode(model.encode(src, src_mask), src_mask, tgt_in, tgt_mask)
-    enc, dec_self, cross = (
-        [probs[kind, l][0] for l in range(cfg.N)]  # (1, h, S, S), (1, h, T, T), (1, h, T, S)
-        for kind in ("enc_self", "dec_self", "cross")
-    )
-    wide = torch.float64 if np.dtype(dtype) == np.float64 else torch.float32
-
-    def to_numpy(probs):
-        return [p.detach().to("cpu", wide).numpy().astype(dtype, copy=False) for p in probs]
-
-    return {"enc_self": to_numpy(enc), "dec_self": to_numpy(dec_self), "cross": to_numpy(cross)}
+    return {site: calls[0] for site, calls in probs.items()}
 
 
 # %% [markdown]
 # ## 3. Translating, and what counts as bad input
 #
 # The translation is the translator's: `translate_ids` of
-# `annotated/decoding/search.py` with `make translate`'s settings (beam search of
-# width 4 at the model's length penalty, `model_length_penalty`: the alpha its
-# run chose on validation data, else the paper's 0.6; `--beam 1` is greedy), at most 50 tokens longer
-# than the source and never longer than the model's positional table, so the
+# `annotated/decoding/search.py` with `make translate`'s settings (`Decoding`,
+# at the model's own length penalty, `model_length_penalty`), so the
 # viewer and the translator show the same sentence
 # (`test_the_dump_translates_as_the_translator_does`). `translate_ids` returns
 # the ids before `eos`; a translation shorter than its limit stopped at `eos`,
@@ -239,34 +232,14 @@ def translate_sentence(
     return ids + [EOS] if len(ids) < limit else ids
 
 
-@torch.no_grad()
-def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: int = Decoding.max_extra) -> list[int]:
-    """The model's greedy output ids y_1 ... y_n (eos kept when produced, nothing after it)."""
-    from annotated.decoding import search as decoding
-
-    device = next(model.parameters()).device
-    src = torch.tensor([list(src_ids)], dtype=torch.long, device=device)  # (1, S)
-    max_len = min(model.config.max_len, len(src_ids) + max_extra)
-    row = decoding.greedy(model, src, padding_mask(src, PAD), max_len)[0].tolist()  # (<= max_len,)
-    return row[: row.index(EOS) + 1] if EOS in row else row  # no eos: no pad either (greedy pads after eos)
-
-
 # %% [markdown]
 # ## 4. On disk: `.npz` arrays, a JSON index, and the bertviz layout
 #
-# A dump directory holds, for sentence `i`:
-#
-# * `sentence_{i:03d}.npz` with arrays `enc_self_layer0 ... enc_self_layer{N-1}`,
-#   `dec_self_layer0 ...`, `cross_layer0 ...`, each `(1, h, q, k)`
-#   (axes: batch of one, head, query, key), `h` that layer's own number of
-#   heads;
-# * PNG pictures (`annotated/attention/pictures.py`);
-#
-# and once: `index.json` (the tokens and ids on both sides of every sentence,
-# the shapes of every layer's array, the row/column token lists of each kind,
-# the layer and head order, the number of heads of every kind and layer
-# (`head_counts`; `heads` is the config's `h`, the most any attention has), the
-# checkpoint path and its model config, the translations) and
+# A dump directory holds, for sentence `i`, `sentence_{i:03d}.npz` with one
+# `(1, h, q, k)` array per kind and layer (`array_name`; axes: batch of one,
+# head, query, key) and its PNG pictures; and once, `index.json` (`dump_model`
+# lists what it records: every sentence's tokens, ids and shapes, `rows_cols`,
+# the head order and `head_counts`, the checkpoint and its config) and
 # `viewer.html` (`annotated/attention/viewer.py`).
 #
 # Head `i` is the model's head `i`: `W_Q[i]` of `PerHeadAttention`, column
@@ -282,29 +255,18 @@ def translate_greedy(model: EncoderDecoder, src_ids: Sequence[int], max_extra: i
 # viewer offers each layer only its own heads
 # (`test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads`).
 #
-# **bertviz.** `head_view` and `model_view` of bertviz take, per kind, a
-# sequence with one tensor per layer of shape `(1, h, q, k)`, plus
-# `encoder_tokens` and `decoder_tokens` (the decoder's *input* tokens). That is
-# exactly how the arrays are stored, so `bertviz_args` is a rearrangement:
-#
-# ```python
-# from bertviz import head_view                                   # pip install bertviz
-# attn, entry = load_sentence("runs/latest/attention", 0)
-# head_view(**bertviz_args(attn, entry))
-# ```
-#
-# (`test_bertviz_layout` checks the shapes, the order and the token counts the
-# way bertviz's own checks do, without installing it.) bertviz stacks the
-# layers of a kind into one tensor, so it needs the same number of heads in
-# every layer: for a pruned model whose layers differ, `bertviz_args` says so
-# instead of handing bertviz arrays it cannot stack.
+# **bertviz.** `head_view` and `model_view` of bertviz take, per kind, one
+# `(1, h, q, k)` tensor per layer, exactly the arrays of a sentence file
+# (`load_sentence`, then `torch.from_numpy`), with `encoder_tokens` the
+# `src_tokens` and `decoder_tokens` the decoder's *input*, `tgt_in_tokens`
+# (`test_bertviz_layout` checks this the way bertviz's own checks do). bertviz
+# stacks a kind's layers, so a pruned model whose layers differ in head count
+# is for `viewer.html` only.
 
 
 # %%
 def array_name(kind: str, layer: int) -> str:
     """`enc_self_layer0`, `cross_layer5`, ...: the name of one layer's array in a sentence file."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     return f"{kind}_layer{layer}"
 
 
@@ -336,47 +298,17 @@ def read_index(out_dir: os.PathLike | str) -> dict:
     return index
 
 
-def bertviz_args(attn: dict, entry: dict | None = None) -> dict:
-    """Keyword arguments for bertviz's `head_view(**...)` / `model_view(**...)`.
-
-    Per kind a tuple of per-layer torch tensors (1, h, q, k), under bertviz's
-    names; with an index `entry`, also `encoder_tokens` and `decoder_tokens`.
-    ValueError when the layers of a kind have different numbers of heads (bertviz stacks them).
-    """
-    for kind in KINDS:
-        counts = [np.shape(a)[1] for a in attn[kind]]
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"bertviz needs the same number of heads in every layer, but the {kind} layers have "
-                f"{counts} heads (a pruned model); show it with viewer.html instead"
-            )
-    out: dict[str, object] = {
-        "encoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["enc_self"]),
-        "decoder_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["dec_self"]),
-        "cross_attention": tuple(torch.from_numpy(np.asarray(a)) for a in attn["cross"]),
-    }
-    if entry is not None:
-        out.update(encoder_tokens=list(entry["src_tokens"]), decoder_tokens=list(entry["tgt_in_tokens"]))
-    return out
-
-
 # %% [markdown]
 # ## 5. Writing a dump, all or nothing
 #
-# A dump is written into a fresh temporary directory next to the target and
-# renamed into place only when every file is complete; an error on the way
-# removes the temporary directory, so a reader never finds half a dump.
-#
-# The target may be missing, an empty directory, or **one of our dumps**,
-# which is replaced (renamed aside, then deleted). A dump is recognised
-# positively: its `index.json` carries our format marker, and every entry of
-# the directory is a plain file that the index names and that has the name of
-# a dump's file (`index.json`, `viewer.html`, `sentence_000.npz`, its
-# pictures). A dump of the previous format (`annotated-attention-v1`) is one
-# of ours too: it cannot be read any more, and `make attention` replaces
-# it. Anything else, a
-# file, a link, a folder holding one file of the user's, is refused with one
-# line before anything is computed, and left untouched.
+# A dump is written into a temporary directory and renamed into place when
+# every file is complete (`staged_directory` of `annotated/plumbing/files.py`),
+# so a reader never finds half a dump. The target may be missing, empty, or
+# **one of our dumps**, which is replaced: its `index.json` carries our format
+# marker (or the previous one, v1, which `make attention` replaces), and every
+# entry of the directory is a plain file that the index names, with the name
+# of a dump's file. Anything else, a file, a link, a folder holding one file of
+# the user's, is refused with one line before anything is computed, and left untouched.
 # (`test_failed_dump_leaves_nothing`, `test_out_dir_that_is_not_our_dump_is_refused_untouched`.)
 
 # %%
@@ -500,11 +432,7 @@ def dump_model(
             f"(heads per layer: {index['head_counts']})"
         )
     all_arrays = []
-    items = list(enumerate(zip(sentences, sources)))
-    if progress:
-        from tqdm.auto import tqdm
-
-        items = tqdm(items, desc="attention", leave=False)
+    items = tracked(enumerate(zip(sentences, sources)), len(sentences), "attention", "sentence", progress)
     with staged_directory(out_dir, check_output_dir) as tmp:
         for i, (sentence, src_ids) in items:
             tgt_ids = translate_sentence(model, src_ids, beam_size, alpha)
@@ -546,14 +474,12 @@ def dump(
     data_url: str | None = None,
     cache_dir: os.PathLike | str | None = None,
     references: Sequence[str | None] | None = None,
-    pictures: bool = True,
-    viewer: bool = True,
     dtype=np.float32,
     device: str | None = None,
-    progress: bool = False,
     beam_size: int = Decoding.beam,
     say=None,
     name: str | None = None,
+    **options,
 ) -> Path:
     """Load a checkpoint and write the attention dump of `sentences` into `out_dir`; returns `out_dir`.
 
@@ -563,8 +489,9 @@ def dump(
     model runs in float64 too (exact comparisons). Each head's importance comes from
     `heads.json` beside the checkpoint when there is one for this model (`say` gets a
     line when one is there but does not fit). `name`: the checkpoint as the user typed it, which the index and
-    the viewer's caption show (default `typed_name`: never an absolute path of this machine). Raises
-    CheckpointError for an unusable checkpoint, ValueError for bad sentences, before writing anything.
+    the viewer's caption show (default `typed_name`: never an absolute path of this machine); `options`:
+    `dump_model`'s `pictures`, `viewer`, `progress`. Raises CheckpointError for an unusable checkpoint,
+    ValueError for bad sentences, before writing anything.
     """
     checkpoint = Path(checkpoint_path).resolve()
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent / "attention"
@@ -573,7 +500,16 @@ def dump(
     check_tokenizer(tokenizer, checkpoint_path, "turn sentences into ids")
     model = model.to(device or "cpu", torch.float64 if np.dtype(dtype) == np.float64 else torch.float32)
     if sentences is None:
-        sentences, references = flickr_test_sentences(meta, n, data_url, cache_dir)
+        from annotated.training.data import load_multi30k
+
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"the number of test sentences must be at least 1, got {n!r}")
+        if not meta.get("src_lang") or not meta.get("tgt_lang"):
+            raise ValueError("the checkpoint's metadata names no src_lang/tgt_lang; give the sentences explicitly")
+        pairs = load_multi30k(
+            "test_2016_flickr", meta["src_lang"], meta["tgt_lang"], cache_dir=cache_dir, base_url=data_url
+        )
+        sentences, references = [s for s, _ in pairs[:n]], [t for _, t in pairs[:n]]
     importance, note = read_head_importance(checkpoint, model.config, head_counts(model))
     if note and say:
         say(note)
@@ -585,28 +521,11 @@ def dump(
         checkpoint=name if name is not None else typed_name(checkpoint),
         meta=meta,
         references=references,
-        pictures=pictures,
-        viewer=viewer,
         dtype=dtype,
-        progress=progress,
         beam_size=beam_size,
         importance=importance,
+        **options,
     )
-
-
-def flickr_test_sentences(
-    meta: dict, n: int, data_url: str | None = None, cache_dir: os.PathLike | str | None = None
-) -> tuple[list[str], list[str]]:
-    """(sources, references): the first `n` pairs of test_2016_flickr in the checkpoint's languages."""
-    from annotated.training.data import load_multi30k
-
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"the number of test sentences must be at least 1, got {n!r}")
-    src, tgt = meta.get("src_lang"), meta.get("tgt_lang")
-    if not src or not tgt:
-        raise ValueError("the checkpoint's metadata names no src_lang/tgt_lang; give the sentences explicitly")
-    pairs = load_multi30k("test_2016_flickr", src, tgt, cache_dir=cache_dir, base_url=data_url)[:n]
-    return [s for s, _ in pairs], [t for _, t in pairs]
 
 
 # %% [markdown]
@@ -629,7 +548,7 @@ def log_alignment_image(
     model.eval()
     try:
         src_ids = encode_sentence(tokenizer, src_sentence, model.config.max_len, name="alignment sentence")
-        tgt_ids = translate_greedy(model, src_ids)
+        tgt_ids = translate_sentence(model, src_ids, beam_size=1)  # greedy
         attn = collect_attention(model, src_ids, tgt_ids)
         last = model.config.N - 1
         fig = alignment_figure(
@@ -648,22 +567,17 @@ def log_alignment_image(
 # %% [markdown]
 # ## 7. The command line
 #
-# `python -m annotated.attention.dump [--checkpoint PATH] [--out DIR] [--n 3] [--beam 4] [sentence ...]`
-# (also `make attention ARGS='...'`). Without `--checkpoint` it takes the
-# model of the most recent training run (`runs/latest/averaged.pt`, else
-# `best.pt`), found by `latest_checkpoint` (`annotated/run_folder.py`), as the translator finds it;
-# with no run, the model shipped in the package (`annotated/shipped/`; `--src`/`--tgt` pick the direction,
-# default de -> en), whose dump goes to `runs/shipped-<src>-<tgt>/attention/`;
-# without sentences, the first `--n` sentences of Multi30k's
-# `test_2016_flickr` in the checkpoint's source language (downloaded as in
-# training; `$MULTI30K_URL` or `--data-url` choose the mirror), with their
-# reference translations in the index. The dump goes to `--out`, by default
-# `attention/` next to the checkpoint. Bad input (a missing or incompatible
-# checkpoint, an empty sentence, a sentence longer than the model's
-# `max_len`, an `--out` that is not one of our dumps, an option out of range:
-# `--n 0`, `--device tpu`, an unwritable `--cache-dir`) prints one line on
-# stderr and exits with status 2, writing nothing. From Python the same defaults are `dump(checkpoint)`; after a
-# training run, `dump(run_dir / "best.pt")` writes `run_dir/attention/`.
+# `python -m annotated.attention.dump [--checkpoint PATH] [--out DIR] [--n 3] [sentence ...]`
+# (also `make attention ARGS='...'`) chooses its checkpoint as every command
+# does (`annotated/door.py`); a shipped model's dump goes to
+# `runs/shipped-<src>-<tgt>/attention/`, any other's by default to `attention/`
+# next to the checkpoint. Without sentences it dumps the first `--n` of
+# Multi30k's `test_2016_flickr` in the checkpoint's source language, with their
+# references in the index. Bad input (a missing or incompatible checkpoint, a
+# sentence of section 3, an `--out` that is not one of our dumps, an option out
+# of range) prints one line on stderr and exits with status 2, writing
+# nothing. From Python: `dump(checkpoint)`; after a training run,
+# `dump(run_dir / "best.pt")` writes `run_dir/attention/`.
 
 
 # %%

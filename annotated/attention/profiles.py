@@ -33,23 +33,23 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from annotated.attention.dump import teacher_forced_attention
 from annotated.attention.pictures import figure
 from annotated.plumbing.progress import tracked
-from annotated.recording import record_attention
 from annotated.sites import KINDS, attention_at, sites
 from annotated.tokens import PAD
-from annotated.transformer import EncoderDecoder, FusedAttention, padding_mask, split, target_mask
+from annotated.transformer import EncoderDecoder, head_blocks, target_mask
 
 # %% [markdown]
 # ## 1. Singular values of the bilinear form and of the value-output map
 #
-# We compute them in float64 from the per-head blocks (a fused attention is
-# split first, which copies numbers only). Values beyond `d_k` (or `d_v`)
-# are zero up to rounding, which is the rank bound; we keep the first `d_k`
-# (`d_v`):
+# We compute them in float64 from the per-head blocks (`head_blocks`, either
+# form). Values beyond `d_k` (or `d_v`) are zero up to rounding, which is the
+# rank bound; we keep the first `d_k` (`d_v`):
 #
-# >>> att = split(FusedAttention(d_model=16, h=4)).double()
-# >>> s = torch.linalg.svdvals(att.W_Q[0] @ att.W_K[0].T)  # all 16 singular values
+# >>> from annotated.transformer import FusedAttention
+# >>> att = FusedAttention(d_model=16, h=4).double()
+# >>> s = torch.linalg.svdvals(head_blocks(att, "W_Q")[0] @ head_blocks(att, "W_K")[0].T)  # all 16 singular values
 # >>> bool(s[att.d_k:].abs().max() < 1e-12 * s[0]), tuple(bilinear_spectra(att)["qk"].shape)
 # (True, (4, 4))
 
@@ -58,16 +58,11 @@ from annotated.transformer import EncoderDecoder, FusedAttention, padding_mask, 
 @torch.no_grad()
 def bilinear_spectra(att) -> dict[str, Tensor]:
     """{"qk": (h, d_k) singular values of W_Q[i] W_K[i]^T, "vo": (h, d_v) of W_V[i] W_O[i]}."""
-    per_head = split(att) if isinstance(att, FusedAttention) else att
-    qk = [
-        torch.linalg.svdvals(W_Q.double() @ W_K.double().T)[: att.d_k]  # (d_k,)
-        for W_Q, W_K in zip(per_head.W_Q, per_head.W_K)
-    ]
-    vo = [
-        torch.linalg.svdvals(W_V.double() @ W_O.double())[: att.d_v]  # (d_v,)
-        for W_V, W_O in zip(per_head.W_V, per_head.W_O)
-    ]
-    return {"qk": torch.stack(qk).cpu(), "vo": torch.stack(vo).cpu()}  # (h, d_k), (h, d_v)
+    W_Q, W_K, W_V, W_O = (head_blocks(att, name) for name in ("W_Q", "W_K", "W_V", "W_O"))  # head i's block at [i]
+    assert W_Q is not None and W_K is not None and W_V is not None and W_O is not None  # weights are never None
+    qk = torch.linalg.svdvals(W_Q.double() @ W_K.double().transpose(1, 2))[:, : att.d_k]  # (h, d_k)
+    vo = torch.linalg.svdvals(W_V.double() @ W_O.double())[:, : att.d_v]  # (h, d_v)
+    return {"qk": qk.cpu(), "vo": vo.cpu()}
 
 
 # %% [markdown]
@@ -163,15 +158,6 @@ def summarise(sums: dict[str, Tensor]) -> dict[str, np.ndarray]:
     return out
 
 
-def teacher_forced_attention(model: EncoderDecoder, src: Tensor, tgt_in: Tensor) -> dict:
-    """{site: (B, h, T_q, T_k)} of one teacher-forced pass."""
-    src_mask = padding_mask(src, PAD)  # (B, 1, S)
-    with record_attention(model) as probs:
-        memory = model.encode(src, src_mask)
-        model.decode(memory, src_mask, tgt_in, target_mask(tgt_in, PAD))
-    return {site: calls[0] for site, calls in probs.items()}
-
-
 @torch.no_grad()
 def position_profiles(
     model: EncoderDecoder, batches: Iterable, window: int = 4, progress: bool = False
@@ -184,7 +170,7 @@ def position_profiles(
     for b in tracked(batches, len(batches), "attention measures", "batch", progress):
         src, tgt_in = b.src.to(device), b.tgt[:, :-1].to(device)  # (B, S), (B, T)
         src_len, tgt_len = (src != PAD).sum(-1), (tgt_in != PAD).sum(-1)  # (B,), (B,)
-        for (kind, layer), p in teacher_forced_attention(model, src, tgt_in).items():
+        for (kind, layer), p in teacher_forced_attention(model, src, tgt_in, target_mask(tgt_in, PAD)).items():
             batch_sums = attention_sums(p, kind, src_len, tgt_len, window)
             old = sums.get((kind, layer))
             sums[(kind, layer)] = batch_sums if old is None else {k: old[k] + v for k, v in batch_sums.items()}
@@ -207,16 +193,10 @@ def profile_rows(measures: dict[str, np.ndarray]) -> np.ndarray:
 # "positional": a head that spreads its weight evenly over a 14-token
 # sentence puts 0.07 on the previous token, and 0.07 on every other. So a
 # head gets a label only when a measure clears uniform attention's value by
-# a stated amount, tried in this order:
-#
-# | label | when |
-# | --- | --- |
-# | `diffuse` | mean normalised entropy `>= DIFFUSE_ENTROPY` (0.9) |
-# | `aligns to the last source token` | weight on the last source token `>=` uniform's `+ MARGIN` (0.25) |
-# | `aligns to <s>` / `aligns to the first source token` | weight on the first key `>=` uniform's `+ MARGIN` |
-# | `monotonic alignment` | cross-attention: diagonal share `>= MONOTONIC_SHARE` (0.6) |
-# | `positional (offset k)` | the offset whose weight exceeds uniform's most, by `>= MARGIN` |
-# | `mixed` | none of these |
+# a stated amount. `head_label` tries the rules in order (`diffuse`, the last
+# source token, the first key, `monotonic alignment` for cross-attention,
+# `positional (offset k)`, else `mixed`); docs/heads.md#labels tabulates them
+# with their constants.
 #
 # `positional (offset -1)` is Voita et al.'s (ACL 2019) positional head
 # looking at the previous token. `tests/attention/test_heads.py` builds heads
@@ -231,7 +211,7 @@ MONOTONIC_SHARE = 0.6
 
 
 def head_label(measures: dict[str, np.ndarray], head: int, kind: str) -> str:
-    """The label of head `head` of one attention from its `summarise` measures (rules in the table above).
+    """The label of head `head` of one attention from its `summarise` measures, by the first rule that holds.
 
     >>> m = {"entropy": np.array([0.95]), "offsets": np.array([[0.07, 0.07, 0.07]]),
     ...      "uniform_offsets": np.array([0.07, 0.07, 0.0]), "first": np.array([0.07]), "uniform_first": 0.07}
@@ -264,13 +244,10 @@ def head_labels(profiles: dict[str, list[dict[str, np.ndarray]]]) -> dict[str, l
 # %% [markdown]
 # ## 4. One page
 #
-# One row per attention (`enc_self`, `dec_self`, `cross`, layer by layer),
-# three panels per row: the singular values of `W_Q[i] W_K[i]^T` and those
-# of `W_V[i] W_O[i]`, each divided by the head's largest (so the panels
-# compare how many directions each head uses, not its scale; the largest
-# value itself is in the legend), and the mean attention by key offset next
-# to uniform attention's (dashed; one line per head, the point at the right
-# edge is the last source token).
+# One row per attention, three panels: the two spectra of section 1, each
+# divided by the head's largest (the panels compare how many directions a
+# head uses, not its scale), and the mean attention by key offset next to
+# uniform attention's (dashed).
 
 
 # %%
