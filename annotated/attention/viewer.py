@@ -2,9 +2,7 @@
 # # The attention viewer: one offline page to browse a dump
 #
 # `python -m annotated.attention.dump` (`annotated/attention/dump.py`) writes
-# `viewer.html` beside each dump. This module makes that page from the dump's
-# index and arrays; the page itself, its script and its style are plain files
-# in `annotated/attention/web/`.
+# `viewer.html` beside each dump; this module makes it from the dump's index and arrays.
 
 # %%
 from __future__ import annotations
@@ -31,49 +29,30 @@ CIRCUITS = (CIRCUITS_PAGE, f"../{CIRCUITS_PAGE}")  # the circuits page beside a 
 # %% [markdown]
 # ## The page
 #
-# `viewer.html` is one self-contained file: the data is inlined as JSON, the
-# page, its script and its style are the plain files
-# `annotated/attention/web/viewer.{html,js,css}` (read with `importlib.resources`),
-# copied into the page; nothing is fetched (no CDN, no fonts, no images), and
-# the page's Content-Security-Policy says so: no source at all except its
-# own script, allowed by its SHA-256 hash (so no injected script and no
-# inline event handler could run). Open it from disk in any browser.
+# `viewer.html` is one self-contained file: the data inlined as JSON, the
+# files of `annotated/attention/web/` copied in; nothing is fetched, and the
+# page's Content-Security-Policy says so: no source at all but its own
+# script, allowed by its SHA-256 hash, so no injected script could run.
 #
 # Above the views: a view, a kind, a layer, a head (or the mean over heads)
-# and a sentence, on one line where they fit and on more on a narrow screen
-# (`test_the_controls_wrap_on_a_narrow_screen`); the caption says how to
-# read the picture of the chosen kind in the words of `caption`
-# (`annotated/attention/pictures.py`): a row is a query and sums to 1, a
-# decoder row is labelled by the token the decoder predicts there, a key
-# column by the token fed in there, `▁` starts a word; the model view, which
-# shows every kind, gives the whole rule, `READING`. The colour bar is the
-# pictures' colour map `CMAP`, sampled into a table of 64 colours when the
-# page is written, from 0 to 1, shown where colours are weights (not in the
-# lines view); the grey swatch of the causal mask only where the mask
-# blanks cells (the decoder's self-attention, and the model view). Heads
-# and layers are counted from 0, as in the code. The **arrow keys** move
-# between heads (left, right; "mean" comes before head 0) and layers (up,
-# down), except while a menu has the focus: then they are the menu's.
+# and a sentence, wrapping on a narrow screen
+# (`test_the_controls_wrap_on_a_narrow_screen`); the **arrow keys** move
+# between heads and layers. The caption is `caption`'s reading of the kind
+# (`annotated/attention/pictures.py`; the model view gives the whole rule,
+# `READING`), the colour bar the pictures' `CMAP` from 0 to 1, the grey swatch
+# only where the causal mask blanks cells. Heads and layers count from 0.
 #
 # * **Head view** (`view=head`): the chosen matrix as a heatmap as wide as
-#   the page, every row and column labelled by its token. Hovering a row
-#   shades the column labels by its weights; hovering a column label shades
-#   the row labels by how much each query takes from it.
-# * **Lines view** (`view=lines`), bertviz's head view: the query tokens in
-#   a column on the left, the key tokens on the right, and a line from query
-#   to key for every weight of at least `LINE_MIN`, its opacity the weight,
-#   its colour its head's; all heads of the layer are overlaid, and clicking
-#   a head's colour swatch shows or hides it (a double click shows it
-#   alone). Hovering a token keeps only its own lines.
-# * **Model view** (`view=model`), as in bertviz's model view: the three
-#   kinds one under the other, each a layer x head grid of small heatmaps
-#   (one square per weight, the same colours), token labels beside and
-#   under the grid where they fit (at least 8 pixels a token). Clicking a
-#   thumbnail opens that head in the head view. When
-#   `python -m annotated.attention.heads` has written `heads.json` beside
-#   the checkpoint, each head's importance score (Michel et al., 2019: how
-#   much the loss depends on the head) is written under its thumbnail and
-#   beside the zoomed head.
+#   the page, every row and column labelled; hovering a row or a column
+#   shades the other axis's labels by its weights.
+# * **Lines view** (`view=lines`), bertviz's head view: query tokens on the
+#   left, key tokens on the right, a line for every weight of at least
+#   `LINE_MIN`, its opacity the weight, its colour its head's; a head's
+#   swatch shows or hides it, and hovering a token keeps only its lines.
+# * **Model view** (`view=model`), as bertviz's: the three kinds, each a layer
+#   x head grid of small heatmaps; a click opens that head in the head view.
+#   When `python -m annotated.attention.heads` has written `heads.json`
+#   beside the checkpoint, each head's importance is written under it.
 #
 # The state is kept in the address
 # (`#s=0&kind=cross&layer=1&head=mean&view=head`) so a view can be
@@ -81,26 +60,19 @@ CIRCUITS = (CIRCUITS_PAGE, f"../{CIRCUITS_PAGE}")  # the circuits page beside a 
 # `test_lines_view_draws_one_path_per_weight_above_the_threshold`,
 # `test_model_view_in_headless_chromium`, `test_arrow_keys_move_between_heads_and_layers`.)
 #
-# A pruned model (`annotated/attention/prune.py`) may keep a different number of heads
-# in every attention. The page reads each kind's and layer's count from the
-# index (`head_counts`): the head menu offers the chosen layer's heads only,
-# and in the model view a layer's row holds exactly its heads' thumbnails,
-# the row header saying how many when the layers differ.
-# (`test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads`.)
+# A pruned model's layers (dump.py, section 4) each show their own heads, from
+# the index's `head_counts`: the head menu offers the chosen layer's heads, a
+# model-view row holds exactly its thumbnails.
 #
-# **The circuits of a head.** When `python -m annotated.circuits.command`
-# (`make circuits`) has written `circuits.html` beside the dump or in the
-# folder above it (its default place: the dump is `attention/` of the
-# checkpoint's output folder), the heading links to it, opened on the head
-# shown (head 0 for the mean); the circuits page links back the same way
-# (`annotated/circuits/page.py`). Whichever page is written second finds the
-# other. (`test_the_viewer_links_the_circuits_page_beside_it`.)
+# **The circuits of a head.** When `make circuits` has written
+# `circuits.html` beside the dump or in the folder above it, the heading links
+# to it, opened on the head shown; the circuits page links back
+# (`annotated/circuits/page.py`), so whichever page is written second finds
+# the other (`test_the_viewer_links_the_circuits_page_beside_it`).
 #
 # **Inside another page.** `viewer_html(..., embedded=True, start="kind=cross&view=lines")`
-# gives the same page without its heading and footer, opening on `start`:
-# a file for an `<iframe>` (its own CSP travels with it). After each
-# drawing it tells the page around it its height (`postMessage`), so that
-# a frame can be as tall as the view it shows (the book's is).
+# gives the page without heading and footer, opening on `start`, for an
+# `<iframe>`; it tells the page around it its height (`postMessage`).
 #
 # The sentences are data, and data must not become markup. Inside a
 # `<script>` element the HTML parser looks only for `</script` and, after a
@@ -167,8 +139,6 @@ def viewer_html(
     circuits page (`circuits.html`) relative to this one, linked from the heading on the chosen head."""
     sentences = []
     kinds = index["kinds"]
-    if list(kinds) != list(KINDS):
-        raise ValueError(f"the index names the kinds {kinds}, not {list(KINDS)}: re-run make attention")
     counts = index.get("head_counts") or {k: [index["heads"]] * index["layers"] for k in kinds}
     for entry, attn in zip(index["sentences"], arrays):
         keep = ("source", "translation", "reference", "src_tokens", "tgt_in_tokens", "tgt_out_tokens")
@@ -204,15 +174,10 @@ def viewer_html(
             f"{index['layers']} layers, pruned to " + ", ".join(f"{k} {counts[k]}" for k in kinds) + " heads per layer"
         )
     )
-    opened = (
-        ""
-        if start is not None or not data["start"]
-        else (
-            "; opens on the cross-attention head that aligns best, {}".format(
-                data["start"].split("&", 2)[2].replace("&view=head", "").replace("&", ", ").replace("=", " ")
-            )
-        )
-    )
+    opened = ""
+    if start is None and data["start"]:  # "s=0&kind=cross&layer=L&head=H&view=head"
+        layer, head = (part.split("=")[1] for part in data["start"].split("&")[2:4])
+        opened = f"; opens on the cross-attention head that aligns best, layer {layer}, head {head}"
     footer = (
         f"checkpoint: {index.get('checkpoint')}; {shape}; "
         f"translated as make translate does ({search}); weights rounded to {decimals} decimals"
@@ -277,14 +242,11 @@ def content_security_policy(script: str) -> str:
 # %% [markdown]
 # ## Each head's importance
 #
-# `python -m annotated.attention.heads` (`annotated/attention/heads.py`) writes `heads.json`
-# beside the checkpoint it scored, with Michel et al.'s importance of every
-# head of every kind. The viewer shows those scores when the file is there
-# and fits the model: the same number of layers, one finite number for each
-# head of each layer (of a pruned model too: its own heads, numbered as in
-# the dump), and, when the file names the checkpoint it scored, this
-# checkpoint. A file that does not fit (say the scores of the model before
-# pruning) is left out, and the command says why in one line.
+# `make heads` writes `heads.json` beside the checkpoint it scored, with
+# Michel et al.'s importance of every head. The viewer shows those scores
+# when the file names this checkpoint and holds one finite score per head of
+# this model (a pruned one's own heads); a file that does not fit (say the
+# scores of the model before pruning) is left out, with one line saying why.
 
 
 # %%
