@@ -51,10 +51,6 @@ class Change:
         """False when the interval contains 0: the data do not tell the change from no change."""
         return not self.low <= 0.0 <= self.high
 
-    @property
-    def width(self) -> float:
-        return self.high - self.low
-
 
 def resample_counts(n: int, resamples: int = RESAMPLES, seed: int = SEED) -> np.ndarray:
     """(resamples, n): how often each of the `n` sentences is drawn in each resample of `n` draws.

@@ -45,14 +45,10 @@ def curve_figure(
     def series(ax, key, shift, colour, label):
         ys = [p[key] - shift for p in curve]
         ax.plot(x, ys, color=colour, lw=1.2, label=label)
-        ax.scatter([a for a, k in zip(x, kept) if k], [y for y, k in zip(ys, kept) if k], color=colour, zorder=3)
-        ax.scatter(
-            [a for a, k in zip(x, kept) if not k],
-            [y for y, k in zip(ys, kept) if not k],
-            facecolors="white",
-            edgecolors=colour,
-            zorder=3,
-        )
+        for filled in (True, False):  # filled: kept by the stop rule; open: past the stop
+            chosen = [i for i, k in enumerate(kept) if k == filled]
+            face = colour if filled else "white"
+            ax.scatter([x[i] for i in chosen], [ys[i] for i in chosen], facecolors=face, edgecolors=colour, zorder=3)
 
     series(top, "held_out_loss", 0.0, LOSS, "held-out validation loss")
     top.axhline(
@@ -62,24 +58,10 @@ def curve_figure(
     series(bottom, "held_out_bleu", curve[0]["held_out_bleu"], HELD_OUT, "held-out validation sentences")
     bottom.axhline(0.0, color="0.5", lw=0.8)
     if tuned is not None:
-        top.scatter(
-            [stop],
-            [tuned["held_out_loss"]],
-            marker="*",
-            s=120,
-            color=LOSS,
-            zorder=4,
-            label=f"after {tuned['finetune_steps']} fine-tuning steps",
-        )
-        bottom.scatter(
-            [stop],
-            [tuned["test_bleu"] - curve[0]["test_bleu"]],
-            marker="*",
-            s=120,
-            color=TEST,
-            zorder=4,
-            label=f"test, after {tuned['finetune_steps']} fine-tuning steps",
-        )
+        after = f"after {tuned['finetune_steps']} fine-tuning steps"
+        top.scatter([stop], [tuned["held_out_loss"]], marker="*", s=120, color=LOSS, zorder=4, label=after)
+        change = tuned["test_bleu"] - curve[0]["test_bleu"]
+        bottom.scatter([stop], [change], marker="*", s=120, color=TEST, zorder=4, label=f"test, {after}")
     for ax in (top, bottom):
         ax.axvline(stop, color="0.3", ls=":", lw=1.0)
         ax.legend(fontsize=7, loc="best")

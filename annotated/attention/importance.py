@@ -11,18 +11,10 @@
 # that many can go with little loss of BLEU; they ranked heads by a
 # gradient-based importance score. Voita et al. (ACL 2019) found a few
 # specialised heads doing most of the work. Here both experiments run on the
-# model you trained, on a CPU:
-#
-# * **ablation**: validation BLEU and loss with one head removed (this file);
-# * **importance**: Michel et al.'s score, from one backward pass per
-#   sentence (this file);
-# * **pruning**: remove heads for real, so the model gets smaller and faster
-#   (`annotated/attention/prune.py`);
-# * **inspection**: what each head's matrices and attention look like
-#   (`annotated/attention/profiles.py`).
-#
-# `python -m annotated.attention.heads --checkpoint PATH` (or `make heads`) runs them all
-# (`annotated/attention/heads.py`). Tests: `tests/attention/test_heads.py`.
+# model you trained, on a CPU: this file scores and ablates each head,
+# `annotated/attention/prune.py` removes heads for real, and
+# `annotated/attention/profiles.py` inspects them; `make heads`
+# (`annotated/attention/heads.py`) runs them all. Tests: `tests/attention/test_heads.py`.
 
 # %%
 from __future__ import annotations
@@ -103,10 +95,8 @@ def head_importance(model: EncoderDecoder, batches: Iterable, progress: bool = F
     if n == 0:
         raise ValueError("head_importance needs at least one sentence")
     scores: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
-    k = 0
-    for (kind, _), Ws in W_O:
-        scores[kind].append((total[k : k + len(Ws)] / n).tolist())
-        k += len(Ws)
+    for ((kind, _), _), layer in zip(W_O, (total / n).split([len(Ws) for _, Ws in W_O])):
+        scores[kind].append(layer.tolist())  # each site's heads, in the order of `sites`
     return scores
 
 
@@ -127,16 +117,11 @@ def normalise_per_attention(scores: dict[str, list[list[float]]]) -> dict[str, l
 # ## 5. Ablation: the model without one head at a time
 #
 # The score above is a first-order estimate; ablation measures. For every
-# site and head, `ablate` builds the model without that head (`annotated/sites.py`) and
-# hands it to `evaluate`, which returns the numbers to keep (in the command:
-# the translations of the validation sentences and each sentence's loss, from
-# which `annotated/attention/bootstrap.py` computes the changes of BLEU and
-# loss with their intervals). With `h` heads in each of the `3N` attentions
-# that is `3Nh` evaluations, `24` for the `cpu` preset (`N = 2`, `h = 4`).
-#
-# Each sentence's loss is its summed cross-entropy over its target tokens,
-# with the number of tokens beside it, so that a resample of sentences can
-# recompute the loss per token (`sentence_losses`).
+# head, `ablate` builds the model without it (`annotated/sites.py`) and hands
+# it to `evaluate`: `3Nh` evaluations, `24` for the `cpu` preset (`N = 2`,
+# `h = 4`). The command keeps the translations and each sentence's summed loss
+# and token count (`sentence_losses`), so that `annotated/attention/bootstrap.py`
+# can resample sentences for the intervals of the changes.
 
 
 # %%

@@ -13,7 +13,7 @@
 # %%
 from __future__ import annotations
 
-import dataclasses
+import copy
 import os
 import time
 from collections.abc import Callable
@@ -23,6 +23,7 @@ import torch
 
 from annotated.checkpoint import save_checkpoint
 from annotated.plumbing.progress import progress as progress_bar
+from annotated.plumbing.progress import tracked
 from annotated.sites import attention_at, head_counts, remove_heads, sites
 from annotated.transformer import EncoderDecoder, convert_model
 
@@ -31,47 +32,32 @@ from annotated.transformer import EncoderDecoder, convert_model
 #
 # Michel et al. prune iteratively: score the heads, remove the least
 # important, score again on the smaller model, and so on. They divide each
-# layer's scores by their L2 norm before comparing heads of different layers.
-# We rank by the scores themselves: with only `h = 4` heads per attention,
-# the normalisation gives every attention scores of about `0.5` whether its
-# heads matter or not. Both are in `heads.json`.
+# layer's scores by their L2 norm before comparing heads of different layers;
+# we rank by the scores themselves, since with only `h = 4` heads per
+# attention the normalisation gives every attention scores of about `0.5`
+# whether its heads matter or not (`heads.json` has both).
 #
 # A search that ranks heads and decides when to stop on the same sentences
 # fits those sentences: each removal it keeps is one that happened to cost
 # little *there*. So the validation sentences are split in two
-# (`split_sentences`: even positions rank, odd positions decide), and
+# (`split_sentences`): the importance is computed on the **ranking** half,
+# and each removal is judged by the loss of the **held-out** half, which
+# moves smoothly with the model and needs no decoding. **The stop rule**,
+# fixed before the search: remove the least important head, rescore, and
+# stop at the first removal that raises the held-out loss more than
+# `max_increase` above the unpruned model's, keeping the model from before
+# it; every attention keeps at least one head (the attention modules need
+# `h >= 1`). The honest figure is then the test BLEU of the final model, on
+# data the search never saw (docs/heads.md#pruning-and-its-stop-rule).
 #
-# * the importance scores are computed on the **ranking** sentences only;
-# * each removal is judged by the validation loss (cross-entropy per target
-#   token, no label smoothing) on the **held-out** sentences, which the
-#   ranking never saw. Loss, unlike BLEU, moves smoothly with the model and
-#   costs one teacher-forced pass instead of a decoding.
-#
-# **The stop rule**, fixed before the search starts: remove one head at a
-# time, the least important first, recomputing the scores after each
-# removal; stop at the first removal after which the held-out loss exceeds
-# the unpruned model's held-out loss by more than `max_increase` (nats per
-# token; the default 0.02 is a 2% rise in perplexity, `exp(0.02) = 1.020`),
-# and keep the model from just before it. One path, in the order the scores
-# give, with one stopping point. Every attention keeps at least one head: an
-# attention with none would be the constant `b_O`, which the attention
-# modules cannot represent (they need `h >= 1`).
-#
-# The held-out sentences still choose where the path stops, so they too are
-# fitted a little. The honest figure is the test BLEU of the final model,
-# measured once on data the search never saw (the command does, with its
-# bootstrap interval).
-#
-# The path itself does not depend on the threshold: the scores alone choose
-# which head goes next. So the search can go on past the stop
-# (`beyond_stop=True`), removing heads until every attention has one, without
-# changing what it keeps: the removals after the stop are recorded apart
-# (`PruneResult.beyond`), and `on_step` sees every model on the path. That is
-# the curve the command draws, held-out loss and BLEU against heads removed
+# The scores alone choose which head goes next, so the search can go on past
+# the stop (`beyond_stop=True`) to one head per attention without changing
+# what it keeps: those removals are recorded apart (`PruneResult.beyond`), and
+# `on_step` sees every model on the path, the curve the command draws
 # (`test_going_beyond_the_stop_keeps_the_same_model_and_follows_the_same_path`).
 
 # %%
-MAX_LOSS_INCREASE = 0.02
+MAX_LOSS_INCREASE = 0.02  # nats per token: a 2% rise in perplexity, exp(0.02) = 1.020
 
 
 def split_sentences(n: int) -> tuple[list[int], list[int]]:
@@ -166,17 +152,13 @@ def greedy_prune(
 # %% [markdown]
 # ## 2. A pruned checkpoint
 #
-# The model configuration has one `h` for every attention, and a pruned model
-# breaks that rule. The smallest honest record of the difference is the list
-# of head counts itself: the checkpoint keeps the unpruned configuration,
-# and a top-level entry `"heads"` holds `{kind: [h of layer 0, layer 1,
-# ...]}`. The project's one loader, `checkpoint.load_checkpoint`, checks the
-# configuration and those counts, builds the model, gives each attention its
-# number of heads (`set_head_counts`), and only then loads the parameters,
-# strictly, so every block must fit. So the translator, `make attention` and
-# `make equivalence` take a pruned checkpoint like any other. The attention modules
-# themselves never needed a global `h`: `fuse`, `split`, decoding and the
-# key/value cache all read each module's own `h`.
+# The model configuration has one `h` for every attention; a pruned model's
+# checkpoint keeps the unpruned configuration and adds the head counts,
+# `"heads": {kind: [h of layer 0, layer 1, ...]}`, which the project's one
+# loader, `checkpoint.load_checkpoint`, checks and applies before it loads the
+# parameters strictly (docs/heads.md#pruned-checkpoints). The attention modules
+# never needed a global `h`: `fuse`, `split`, decoding and the key/value cache
+# all read each module's own `h`.
 
 
 # %%
@@ -203,18 +185,13 @@ def save_pruned(
 # The heads that remain were trained to work beside the removed ones. A few
 # steps of training let them take over (Michel et al. do not fine-tune;
 # Voita et al. prune while training). `finetune` runs training's own step,
-# `train_step` of `annotated/training/train.py` (label smoothing 0.1,
-# gradient norm clipped to 1, the paper's Adam betas and epsilon), with a
-# constant learning rate `FINETUNE_LR` (the warm-up schedule of a run from
-# scratch would start near zero), over the given batches in turn. Zero steps
-# return the model untouched (`test_finetune_zero_steps_changes_nothing`).
-#
-# **How long**, chosen on held-out data like the stop rule: the held-out
-# loss is measured before fine-tuning and every `FINETUNE_CHECK_EVERY`
-# steps, and the model kept is the one with the lowest; fine-tuning ends at
-# the step budget or after `FINETUNE_PATIENCE` checks in a row without a new
-# lowest (`finetune_on_held_out`). A budget that is too long then costs time,
-# not quality, and no test sentence is involved
+# `train_step` of `annotated/training/train.py`, at a constant learning rate
+# `FINETUNE_LR` (a run's warm-up would start near zero); zero steps return the
+# model untouched (`test_finetune_zero_steps_changes_nothing`). How long is
+# chosen on the held-out sentences, like the stop: `finetune_on_held_out`
+# keeps the model of lowest held-out loss, checked every
+# `FINETUNE_CHECK_EVERY` steps, and stops after `FINETUNE_PATIENCE` checks
+# without a new lowest, so a long budget costs time, not quality
 # (`test_finetune_on_held_out_keeps_the_lowest_held_out_loss_and_stops_after_its_patience`).
 
 # %%
@@ -234,13 +211,9 @@ def finetune(
 ) -> EncoderDecoder:
     """A copy of `model` after `steps` training steps on `batches` (cycled); `model` itself is not changed.
     `on_check(steps done, model)` runs every `check_every` steps and after the last; True ends training there."""
-    import copy
-
     from annotated.training.config import TrainConfig
     from annotated.training.train import train_step
 
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
     if steps == 0:
         return model
     if not batches:
@@ -256,20 +229,14 @@ def finetune(
         fused=next(tuned.parameters()).dtype in (torch.float16, torch.bfloat16, torch.float32),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # constant
-    bar = progress_bar(steps, "fine-tuning", "step") if progress else None
-    for step in range(steps):
-        b = batches[step % len(batches)]
+    for done in tracked(range(1, steps + 1), steps, "fine-tuning", "step", progress):
+        b = batches[(done - 1) % len(batches)]
         train_step(tuned, opt, sched, [b], b.ntokens, settings, device)
-        if bar is not None:
-            bar.update(1)
-        done = step + 1
         if on_check is not None and (done % check_every == 0 or done == steps):
             stop = on_check(done, tuned)
             tuned.train()  # the check may have evaluated it
             if stop:
                 break
-    if bar is not None:
-        bar.close()
     return tuned.eval()
 
 
@@ -292,10 +259,6 @@ def finetune_on_held_out(
 ) -> Finetuned:
     """Fine-tune for at most `max_steps`, keeping the model whose held-out loss is lowest (checked every
     `check_every` steps); stop after `patience` checks in a row without a new lowest."""
-    import copy
-
-    if check_every < 1 or patience < 1:
-        raise ValueError(f"check_every and patience must be >= 1, got {check_every} and {patience}")
     checks = [(0, held_out_loss(model))]
     best = Finetuned(model, 0, checks)
 
@@ -313,13 +276,15 @@ def finetune_on_held_out(
 # %% [markdown]
 # ## 4. Speed
 #
-# Decoding speed is measured as sentences translated per second over a whole
-# test set, with the project's one decoder (`translate_ids`), timed with
-# `time.perf_counter`. On a shared or busy machine such figures move from
-# run to run, and other work slows a timing down but never speeds it up. The
-# command therefore times the unpruned and the pruned model in the same
-# process, on the same sentences, alternately for a few rounds, and keeps the
-# fastest round of each.
+# Decoding speed is sentences per second over the test set, with the
+# project's one decoder (`translate_ids`). Other work on a machine slows a
+# timing down but never speeds it up, and two models timed alternately see the
+# same slow spells, so the ratio *within a round* is steadier than either
+# speed: `alternating_speed` translates the same sources with each model in
+# turn, `rounds` times, the order swapping every round, with nothing else
+# between the timings; the command keeps each model's fastest round and the
+# median of the per-round ratios
+# (`test_alternating_speed_times_each_model_in_every_round_in_turn`).
 #
 # How much faster can a model with fewer heads decode? When decoding with the
 # key/value cache, each generated token passes through every decoder layer's
@@ -342,14 +307,6 @@ def finetune_on_held_out(
 # of so small a model, and the number of PyTorch calls per step, each with a
 # cost of its own, does not change at all (a fused attention with 3 heads
 # makes as many calls as one with 4).
-
-# Timed alternately, the two models see the same slow spells of the machine,
-# so the ratio of the two times *within a round* is steadier than either
-# speed: `alternating_speed` translates the same sources with each model in
-# turn, `rounds` times, the order swapping every round, and nothing else
-# happens between the timings (the translations it scores come from a run of
-# their own). The ratio it reports is the median over the rounds of the
-# per-round ratios (`test_alternating_speed_times_each_model_in_every_round_in_turn`).
 
 
 # %%
@@ -374,10 +331,6 @@ def alternating_speed(
 ) -> dict[str, list[float]]:
     """{name: [sentences per second in each round]}: every model translates `sources` once per round, in an
     order that is reversed every other round."""
-    from annotated.plumbing.progress import tracked
-
-    if rounds < 1 or not models:
-        raise ValueError(f"timing needs at least one round and one model, got {rounds} rounds, {len(models)} models")
     names = list(models)
     speeds: dict[str, list[float]] = {name: [] for name in models}
     for r in tracked(range(rounds), rounds, "timing", "round", progress):
@@ -397,8 +350,3 @@ def speed_ratio(fast: list[float], base: list[float]) -> float:
     if len(fast) != len(base) or not fast:
         raise ValueError(f"need one speed per round for both models, got {len(fast)} and {len(base)}")
     return statistics.median(f / b for f, b in zip(fast, base))
-
-
-def removal_table(result: PruneResult) -> list[dict]:
-    """The steps of a search as JSON-ready rows."""
-    return [dataclasses.asdict(s) for s in result.steps]
