@@ -1,19 +1,10 @@
 """The pruning curve (`heads_pruning.png`): heads removed against held-out validation loss and BLEU.
 
-Greedy pruning removes heads in the order the importance scores give, whatever the threshold
-(`annotated/attention/prune.py`, section 1), so one path serves every stop rule. The command follows it to one
-head per attention and draws, against the number of heads removed:
-
-* top: the held-out validation loss (cross-entropy per target token, no label smoothing) and the stop rule's
-  ceiling, the unpruned model's loss plus `--max-loss-increase`;
-* bottom: the change of greedy BLEU from the unpruned model, on the test set and on the held-out validation
-  sentences (greedy: one decoding per point and set is what the curve costs; the command reports the final
-  model's test BLEU with beam search too).
-
-Filled markers: removals the stop rule keeps; open markers: the path past the stop, which the saved model does
-not take; a dotted vertical line: the stop. Colours come from the project's one colour map
-(`annotated/attention/pictures.py`, `CMAP`), and every axis names its quantity and unit.
-`test_the_pruning_curve_marks_the_stop_and_draws_every_point_of_the_path`.
+Greedy pruning's path is the same whatever the threshold (`annotated/attention/prune.py`, section 1), so the
+command follows it to one head per attention and draws the held-out loss with the stop rule's ceiling (top) and
+the change of greedy BLEU on the test and held-out sentences (bottom): filled markers are removals the stop rule
+keeps, open ones the path past the stop, a dotted line the stop; colours from `CMAP`
+(docs/heads.md#pruning-and-its-stop-rule; `test_the_pruning_curve_marks_the_stop_and_draws_every_point_of_the_path`).
 """
 
 from __future__ import annotations

@@ -86,22 +86,16 @@ OLD_FORMATS = ("annotated-attention-v1",)  # kinds named encoder / decoder_self:
 #
 # A row is a query; a decoder row is labelled by the token the decoder
 # predicts there, a key column by the token fed in there (`READING` of
-# `annotated/attention/pictures.py`). So the rows and columns of each kind are:
-#
-# * `enc_self`: rows and columns `src_tokens`.
-# * `dec_self`: rows `tgt_out_tokens`, columns `tgt_in_tokens`. Row `t`
-#   reads `tgt_in_tokens[t]` and predicts `tgt_out_tokens[t]`, so the
-#   diagonal cell, "a position looking at itself", sits where row *dog*
-#   meets the column of the token before *dog*.
-# * `cross`: rows `tgt_out_tokens`, columns `src_tokens`. Labelling row `t`
-#   by what it predicts gives the classic alignment picture of Bahdanau et
-#   al. (2015): "to write *dog*, the model looked at *Hund*".
-#
-# `index.json` records this table (`rows_cols`: kind -> [row tokens, column
-# tokens]) and every sentence's three token lists, so any reader labels the
-# arrays correctly; bertviz, which labels decoder positions by their input,
-# gets `tgt_in_tokens` (section 4). (`test_dump_files_and_index` checks that
-# every array's shape matches its two token lists.)
+# `annotated/attention/pictures.py`), which gives each kind's rows and
+# columns, `ROWS_COLS` below. In `dec_self`, row `t` reads `tgt_in_tokens[t]`
+# and predicts `tgt_out_tokens[t]`, so the diagonal cell, "a position looking
+# at itself", sits where row *dog* meets the column of the token before *dog*;
+# in `cross`, labelling row `t` by what it predicts gives the classic
+# alignment picture of Bahdanau et al. (2015): "to write *dog*, the model
+# looked at *Hund*". `index.json` records `ROWS_COLS` (`rows_cols`) and every
+# sentence's three token lists, so any reader labels the arrays correctly
+# (`test_dump_files_and_index` checks that every array's shape matches its two
+# token lists).
 
 # %%
 ROWS_COLS = {

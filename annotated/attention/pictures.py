@@ -1,11 +1,9 @@
 # %% [markdown]
 # # Drawing attention: heatmap grids, alignments, and how to read them
 #
-# The pictures of an attention dump (`annotated/attention/dump.py`): for one
-# sentence, every weight of one kind of attention as a layer x head grid, and
-# the cross-attention of one layer as an alignment. The arrays come in the
-# dump's layout, one `(1, h, q, k)` array per layer. Every claim below is
-# checked in `tests/attention/test_dump.py`.
+# The pictures of an attention dump (`annotated/attention/dump.py`), from its
+# arrays, one `(1, h, q, k)` per layer. Every claim below is checked in
+# `tests/attention/test_dump.py`.
 
 # %%
 from __future__ import annotations
