@@ -125,10 +125,10 @@ def compile_speedups(rows: list[TrainRow]) -> list[dict]:
 
 def host_syncs_per_step(size: Size, st: Settings) -> dict:
     """Synchronising operators per step of the real training step (`train.train_step`), counted over
-    `st.sync_steps` steps with `annotated.training.syncs.SyncCounter` (after one uncounted step)."""
+    `st.sync_steps` steps with `benchmarks.syncs.SyncCounter` (after one uncounted step)."""
     from annotated.training.data import Batch
-    from annotated.training.syncs import SyncCounter
     from annotated.training.train import Meter, train_step
+    from benchmarks.syncs import SyncCounter
 
     torch.manual_seed(st.seed)
     model = make_model(size.model_config()).to(st.device).train()

@@ -126,7 +126,6 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "run_folder",
             "training/runs",
             "training/evaluate",
-            "training/syncs",
             "training/config",
             "training/results",
             "training/memory",

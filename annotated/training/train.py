@@ -160,7 +160,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
 #   the model.
 #
 # `tests/training/test_train_syncs.py` counts the synchronising operators a run of
-# steps dispatches (`annotated/training/syncs.py`): none between two reads.
+# steps dispatches (`benchmarks/syncs.py`): none between two reads.
 
 
 # %%

@@ -1,6 +1,7 @@
 """The training step never waits for the host: counted sync operators, log rows, skipped non-finite steps."""
 
 import dataclasses
+import doctest
 import math
 from pathlib import Path
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from annotated.training import data, train
-from annotated.training.syncs import SyncCounter
 from annotated.transformer import make_model
+from benchmarks import syncs
+from benchmarks.syncs import SyncCounter
 
 SMOKE = dataclasses.replace(train.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2)
 
@@ -65,6 +67,12 @@ def test_steps_between_log_points_dispatch_no_sync(log_every):
     counter, _rows = run_steps(batches, log_every)
     assert counter.total <= math.ceil(len(batches) / log_every), counter.counts
     assert counter.total == 0, counter.counts
+
+
+def test_the_counter_counts_a_read_and_a_boolean_index():
+    """benchmarks/syncs.py's doctest: a queued sum no sync, .item() one, a boolean index one."""
+    failures, tried = doctest.testmod(syncs)
+    assert tried > 0 and failures == 0
 
 
 def test_the_counter_sees_a_sync_in_the_step():
