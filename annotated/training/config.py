@@ -13,32 +13,24 @@
 # wall time: the same command gives the same model on an idle and on a busy
 # machine, on a CPU or a GPU. `max_minutes` stays available as an optional cap.
 #
-# * `cpu`: 2 + 2 layers, `d_model` 128, a joint vocabulary of 5,000 subwords,
-#   batches of 2500 tokens, 6,500 steps (about 31 epochs of Multi30k) with
-#   800 warm-up steps to the peak of the paper's learning-rate formula
-#   (`lr_factor` 1), the paper's decay, then a cooldown: over the last 30% of
-#   the steps the rate falls linearly towards zero (`train.learning_rate`).
-#   The run's model is the average of the last 5 epoch checkpoints
-#   (`averaged.pt`); the beam search's length penalty is chosen at the end, on
-#   the whole validation split (`choose_length_penalty`), never on test. Its
-#   steps are as many as train on two CPU cores within the goal of half an
-#   hour, choosing the length penalty and testing included; the shipped
-#   models come from this preset as it was before, with 4,200 steps, twice the
-#   paper's peak and the paper's length penalty 0.6 (`docs/training.md` has the
-#   measured runs of both, and their times).
-# * `gpu`: the same model with batches of 8192 tokens (3.3 times the data per
-#   step, about 65 epochs in 4,200 steps), twice the paper's peak, the
-#   paper's length penalty and beam 5: the recipe measured on a GPU. A model
-#   this small is bound by kernel launches more than by arithmetic on a GPU,
-#   so a bigger batch costs little per step
-#   (docs/training.md#measured-on-one-h100); the whole preset, three seeds
-#   each way on an H200, scored 40.96 de -> en and 39.01 en -> de
-#   (lowercased means, `docs/training.md`); the step never waits for the
-#   host (`train.py`). `--compile` (CUDA graphs, one per batch shape) was
-#   slower there with the preset's 34 batch shapes, so it stays off.
+# * `cpu`: a small model (2 + 2 layers, `d_model` 128) trained for as many
+#   steps as two CPU cores train in half an hour, testing included; over the
+#   last 30% of them the learning rate falls linearly towards zero
+#   (`train.learning_rate`). The run's model is the average of the last 5
+#   epoch checkpoints (`averaged.pt`); the beam search's length penalty is
+#   chosen at the end on the validation split (`choose_length_penalty`),
+#   never on test.
+# * `gpu`: the same model with 3.3 times the data per step (a model this
+#   small is bound by kernel launches on a GPU, so a bigger batch costs little
+#   per step), twice the paper's peak rate, the paper's length penalty and
+#   beam 5. `--compile` stays off: with the preset's 34 batch shapes it was
+#   slower.
 # * `smoke`: a few seconds, a few hundred sentences; for the tests. It
 #   computes in fp32 on every machine, so its numbers do not depend on
 #   whether the CPU has bf16 instructions.
+#
+# The presets' figures and their measured runs are in
+# `docs/training.md#presets`.
 #
 # Every setting a user may change from `train_wmt.py`'s command line is in
 # `OPTIONS`: its option, what it means and the values it takes. The command
@@ -221,9 +213,7 @@ _CPU = TrainConfig(
     epochs=None,
     max_steps=6500,
     warmup=800,
-    lr_factor=1.0,
     cooldown=0.3,
-    beam_size=Decoding.beam,
     length_penalty=None,
     val_bleu_sentences=300,
     average_last=5,
@@ -270,17 +260,6 @@ class Option:
     none_word: str | None = None  # a word that sets the setting to None (beside a number)
 
 
-MODEL_OPTIONS = (
-    "N",
-    "d_model",
-    "d_ff",
-    "h",
-    "dropout",
-    "attention_dropout",
-    "attention",
-    "norm",
-    "vocab_size",
-)  # set in cfg.model
 OPTIONS = {  # setting -> its command-line option, in the order --help lists them
     "src_lang": Option(f"source language: {', '.join(LANGUAGES)}", flag="--src"),
     "tgt_lang": Option("target language", flag="--tgt"),
@@ -338,6 +317,7 @@ OPTIONS = {  # setting -> its command-line option, in the order --help lists the
     ),
     "compile": Option("torch.compile the model (CUDA graphs on a GPU)", switch=True),
 }
+MODEL_OPTIONS = tuple(name for name in OPTIONS if name in MODEL_FIELDS or name == "vocab_size")  # set in cfg.model
 
 
 def flag(name: str) -> str:
