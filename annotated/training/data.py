@@ -22,7 +22,7 @@
 # unreachable mirror, a file in the wrong encoding, two files of different
 # lengths, a sentence too long for the model) ends in a `DataError` that names
 # the file, the line or the setting to change, and leaves nothing
-# half-written in the cache. The last section lists them. The claims are
+# half-written in the cache (`docs/faults.md` lists them). The claims are
 # checked in `tests/training/test_data.py` (test names given in brackets).
 
 # %%
@@ -130,13 +130,11 @@ def resolve_base_url(base_url: str | None = None) -> str:
 #
 # `fetch` is the only function that writes into the download cache, and it
 # follows one rule: **a file appears in the cache only complete and
-# verified.** The bytes stream into a temporary file in the cache directory
-# (hashed on the way), the gzip stream is decompressed to its end (a
-# truncated download fails here with a message that says so), the sha256 is
-# compared with the pinned one, and only then `os.replace` moves the file to
-# its name. `os.replace` within one directory is atomic: another process, or
-# the same one after a crash, sees the old state or the new one, never half a
-# file. On any failure, Ctrl-C included, the temporary file is removed.
+# verified.** The bytes stream, hashed on the way, into `atomic_write`'s
+# temporary file (`annotated/plumbing/files.py`); the gzip stream is
+# decompressed to its end (a truncated download fails here with a message
+# that says so) and the sha256 compared with the pinned one before the file
+# takes its name. On any failure, Ctrl-C included, nothing is cached.
 #
 # A file already in the cache is hashed again before use (a few milliseconds
 # for these sizes); if it no longer matches (a disk error, a hand edit) it is
@@ -580,14 +578,11 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: PathLike |
 # the paper did (about 25,000 source and 25,000 target tokens per batch), and
 # let the number of sentences vary: many short ones or a few long ones.
 #
-# For a batch of sentence pairs the tensors are
-#
-# - `src` `(B, S)`: source ids padded with `pad=0` (at least one column);
-# - `tgt` `(B, T)`: `bos y_1 ... y_n eos`, padded with 0. The decoder reads
-#   `tgt[:, :-1]` and predicts `tgt[:, 1:]`, so `ntokens`, the number of
-#   tokens predicted, counts the non-pad entries of `tgt[:, 1:]`;
-# - `index` `(B,)`: where each row came from in the list given to
-#   `make_batches`, to put translations back in order.
+# A `Batch` holds `src` `(B, S)` and `tgt` `(B, T)` = `bos y_1 ... y_n eos`,
+# padded with `pad=0`, and each row's `index` in the list given to
+# `make_batches` (to put translations back in order). The decoder reads
+# `tgt[:, :-1]` and predicts `tgt[:, 1:]`, whose non-pad entries `ntokens`
+# counts.
 #
 # **Few shapes.** `make_batches` pads every batch a little further, so that
 # `S` and the decoder's `T - 1` columns are multiples of `pad_to = 8` (never
@@ -595,8 +590,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: PathLike |
 # Padding is masked out of attention and loss, so it changes no result; it
 # costs a few columns and buys two things: a compiled model
 # (`torch.compile`, CUDA graphs) sees a few widths instead of one per
-# sentence length (the `gpu` preset: 5 target widths, yet 34 batch shapes,
-# the row counts differing; `docs/training.md`), and matrix shapes that are multiples of 8 suit the GPU's
+# sentence length, and matrix shapes that are multiples of 8 suit the GPU's
 # tensor cores. `collate` alone pads to the longest row (`pad_to=1`), and so
 # does training on the CPU (`train.columns_multiple`), which gains neither.
 #
@@ -653,14 +647,6 @@ class Batch:
 
     def __len__(self) -> int:
         return self.src.size(0)
-
-    def to(self, device, non_blocking: bool = False) -> Batch:
-        return Batch(
-            self.src.to(device, non_blocking=non_blocking),
-            self.tgt.to(device, non_blocking=non_blocking),
-            self.index,
-            self.real.to(device, non_blocking=non_blocking),
-        )
 
     def pin_memory(self) -> Batch:
         """The same batch in page-locked host memory (needs CUDA), so that `to(cuda, non_blocking=True)` is
@@ -869,22 +855,3 @@ def split_long(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: 
         (kept if len(x) <= max_len and len(y) + 1 <= max_len else long).append(i)
     return kept, long
 
-
-# %% [markdown]
-# ## What happens when
-#
-# | situation | what happens |
-# | --- | --- |
-# | unreachable mirror, or no such file there | `DataError`: file, URL, reason, "set `MULTI30K_URL`"; nothing cached |
-# | the download is cut short | `DataError` "not a complete gzip file"; nothing cached |
-# | the file differs from the pinned one | `DataError` with both sha256; nothing cached |
-# | a cached file was damaged since | warning, downloaded again |
-# | a user's file is not UTF-8 | `DataError`: file, line number, offending byte |
-# | the two files differ in length | `DataError`: both files and both counts |
-# | an empty line on either side | `DataError` naming file and line (or `empty="skip"` / `"keep"`) |
-# | `vocab_size` does not fit the data | `DataError` with the largest / smallest possible size |
-# | a tokenizer cache file is damaged | warning, trained again |
-# | a character never seen in training | spelled as UTF-8 byte pieces; decoded back exactly |
-# | an example wider than `max_tokens` | a batch of its own, reported by a `DataWarning` |
-# | a pair longer than the model's `max_len` | training: left out, reported; evaluation: source truncated, counted |
-# | batches not divisible among processes | the largest batches are split; too few examples: `DataError` |
