@@ -1,18 +1,14 @@
 # %% [markdown]
 # # A length penalty for an older checkpoint
 #
-# A run trained with `--length-penalty validation` (the `cpu` preset's
-# default) chooses its beam search's length penalty on the validation split at
-# its end (`annotated/training/results.py`) and writes it into its
-# checkpoints' meta, where the translator and the other tools find it
-# (`model_length_penalty`, `annotated/checkpoint.py`). A checkpoint
-# trained with a fixed alpha (such as the `gpu` preset's 0.6) names none and
-# decodes at the paper's 0.6. This command makes the same choice for it: it
-# translates Multi30k's **validation** split (never the test set) in the
-# checkpoint's languages at each alpha of `LENGTH_PENALTIES`
-# (`choose_length_penalty`, `annotated/training/evaluate.py`) and writes a
-# copy of the checkpoint with the winner in its meta. It never overwrites a
-# file without `--force` (`tests/training/test_length_penalty.py`).
+# A run that chose its length penalty on validation
+# (`annotated/training/results.py`) stores it in its checkpoints' meta; a
+# checkpoint trained with a fixed alpha (the `gpu` preset's 0.6) names none.
+# This command makes the run's choice for it (`choose_length_penalty` of
+# `annotated/training/evaluate.py`, on Multi30k's validation split in the
+# checkpoint's languages) and writes a copy of the checkpoint with the winner
+# in its meta, never overwriting a file without `--force`
+# (`tests/training/test_length_penalty.py`).
 #
 # ```sh
 # python -m annotated.training.choose_length_penalty --checkpoint runs/<run>/averaged.pt --out runs/<run>/averaged-lp.pt

@@ -33,44 +33,16 @@
 #   `test_ddp_run_equals_single_process_with_accumulation`). Averaging the
 #   batches' own means instead would weigh a token of a short batch more than
 #   one of a long batch.
-# * **Effective batch and learning rate.** A step consumes `W * accum`
-#   batches of at most `max_tokens` tokens each, and the learning-rate
-#   schedule counts steps. Keep `W * accum` fixed and the recipe is
-#   unchanged: 4 GPUs with `accum = 1` train like 1 GPU with `accum = 4`, only
-#   faster. With `W` times larger steps and nothing else changed, an epoch has
-#   `W` times fewer steps, so the warm-up lasts `W` times more examples;
-#   nothing is rescaled automatically.
-# * **Rank 0 alone** logs, writes tensorboard, evaluates BLEU and writes the
-#   checkpoints, from the unwrapped model (no DDP `module.` prefix), so a
-#   checkpoint of a `W`-process run is an ordinary one: it loads, translates
-#   and resumes in a single process, and the other way round.
-# * **Agreement.** A collective operation waits until every rank has entered
-#   it, so a rank that leaves the loop alone leaves the others waiting
-#   forever. The ranks need no message to agree on a skipped step: the
-#   all-reduced gradient, hence its norm and the decision to skip, is the same
-#   on every rank. They agree on everything else at the log points (every
-#   `log_every` steps and each epoch end), in the one all-reduce that also
-#   sums the losses for the log (`sum_over_ranks`): each rank's stop requests
-#   (Ctrl-C or SIGTERM, which torchrun forwards to all workers; the time
-#   limit) and whether any step was non-finite. All ranks stop at the same log
-#   point if any asks (`test_ctrl_c_on_one_rank_stops_all_ranks_at_one_step_and_saves`);
-#   so under torchrun a Ctrl-C takes effect at the next log point, in one
-#   process at the end of the current step. At an epoch end the others wait in
-#   the same kind of all-reduce while rank 0 evaluates (the process group's
-#   timeout, 30 minutes, bounds that wait). After the last step all ranks
-#   leave the process group together, and rank 0 scores the test set alone. A
-#   rank that fails (an error on rank 0 is sent to the others,
-#   `test_failure_on_rank_0_stops_every_rank`) exits, and torchrun then ends
-#   the other workers.
-# * **Resume.** `last.pt` stores `batch_in_epoch` per rank and the world size.
-#   Resumed with another number of processes, the run keeps the number of
-#   batches done over all ranks, `batch_in_epoch * W_old // W_new`. When no
-#   batch had to be split for either world size (the epoch's length buckets
-#   are a multiple of both), the epoch's batch list is the same and this is
-#   exact; otherwise the other split and shuffle may repeat or skip a few
-#   examples of that one epoch. Rank 0's random state is restored on every
-#   rank (`test_distributed_checkpoint_resumes_in_one_process`,
-#   `test_single_process_checkpoint_resumes_under_torchrun_with_accumulation`).
+#
+# Rank 0 alone logs, evaluates BLEU and writes the checkpoints, from the
+# unwrapped model (no DDP `module.` prefix), so a checkpoint of a `W`-process
+# run is an ordinary one. A collective operation waits until every rank has
+# entered it, so a rank that left the loop alone would leave the others
+# waiting forever: the ranks agree on stopping (Ctrl-C, SIGTERM, the time
+# limit) and on a non-finite step at the log points, in the one all-reduce
+# that also sums the losses for the log (`sum_over_ranks`). The effective
+# batch and learning rate, how the processes stay in step, and resuming with
+# another number of processes: `docs/distributed.md`.
 
 # %%
 from __future__ import annotations

@@ -13,22 +13,16 @@
 # two files.
 #
 # **The length penalty.** The beam search's alpha
-# (`TrainConfig.length_penalty`) is a fixed number (the `gpu` preset: the
-# paper's 0.6) or None, as in the `cpu` preset and with `--length-penalty
-# validation`; then it is chosen here: `choose_length_penalty`
-# (`annotated/training/evaluate.py`) translates the whole validation split
+# (`TrainConfig.length_penalty`) is a fixed number (the `gpu` preset's 0.6,
+# recorded as `"chosen_on": "the settings"`) or None (the `cpu` preset,
+# `--length-penalty validation`): then `choose_length_penalty`
+# (`annotated/training/evaluate.py`) picks it on the whole validation split
 # with the run's model (`averaged.pt` when there is one, else the best
-# checkpoint) at each alpha of `LENGTH_PENALTIES` and keeps the one with the
-# highest validation BLEU, never looking at the test set. Every tested
-# checkpoint's beam test BLEU is then computed at that alpha, `results.json`
-# says where it came from (`"length_penalty": {"chosen": ..., "chosen_on":
-# "validation (1014 sentences)", "validation_bleu": {...}}`), and the alpha is
-# written into the tested checkpoints' meta, so the translator and the other
-# tools decode with it by default (`model_length_penalty`,
-# `annotated/checkpoint.py`). A number given as the setting (the
-# `gpu` preset's 0.6, or `--length-penalty 2`) is used as it is and recorded as
-# `"chosen_on": "the settings"`. (`tests/training/test_length_penalty.py`:
-# `test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_with_it`.)
+# checkpoint). Every tested checkpoint's beam test BLEU is computed at that
+# alpha, `results.json` says where it came from, and the alpha is written
+# into the tested checkpoints' meta, so that the other tools decode with it
+# (`model_length_penalty`, `annotated/checkpoint.py`;
+# `test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_with_it`).
 #
 # Tensorboard gets the test scores and the settings (its HPARAMS
 # tab), so runs with different settings can be compared side by side.

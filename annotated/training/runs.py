@@ -23,16 +23,9 @@
 # `train_loss.tsv` back to the checkpoint's step: rows written after the last
 # save by a killed run would otherwise appear twice (`truncate_log`).
 #
-# **Which checkpoint.** The folder's names (`runs/`, `latest`, `last.pt`,
-# `best.pt`, `averaged.pt`), a run's model (`run_model`: `averaged.pt`
-# where there is one, else `best.pt`) and the latest run
-# (`latest_checkpoint`) are `annotated/run_folder.py`'s, which this file,
-# the box (`annotated/shipped/`) and every command read. Without
-# `--checkpoint` the translator, `make attention` and `make heads` take the
-# model of the latest run, else, with no run, the trained model shipped in
-# the package for the direction asked (`choose_checkpoint` of
-# `annotated/shipped/`, which says on stderr which model it took), else
-# they stop with an error that says how to get a checkpoint.
+# **Which checkpoint.** The folder's names, a run's model (`run_model`) and
+# the latest run are `annotated/run_folder.py`'s; which model a command uses
+# without `--checkpoint` is `choose_checkpoint`'s (`annotated/shipped/`).
 
 # %%
 from __future__ import annotations

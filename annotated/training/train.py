@@ -61,30 +61,20 @@ from annotated.transformer import EncoderDecoder, cooled_rate, make_model, paddi
 #
 # Every setting of a run is one `TrainConfig` (`annotated/training/config.py`,
 # with the presets `cpu`, `gpu` and `smoke`); its `model` is the first
-# chapter's `TransformerConfig`.
-#
-# **Arithmetic.** `precision` is `auto`, `fp32` or `bf16`
-# (`annotated/plumbing/devices.py`): `auto` runs the forward and backward
-# passes under bf16 autocast on CUDA and on a CPU with bf16 instructions
-# (avx512_bf16 or AMX), fp32 elsewhere. Under autocast the matrix products run
-# in bf16; the parameters, their gradients, Adam's moments and the loss
-# (`label_smoothed_loss` takes the log-softmax in fp32) stay fp32; on the CPU
-# a bf16 step's loss lies within 2^-9 of the fp32 step's
+# chapter's `TransformerConfig`. Its `precision` chooses fp32 or bf16
+# autocast by the rule of `annotated/plumbing/devices.py`; under autocast the
+# parameters, their gradients, Adam's moments and the loss stay fp32, and on
+# the CPU a bf16 step's loss lies within 2^-9 of the fp32 step's
 # (`test_a_bf16_step_on_the_cpu_gives_the_fp32_loss_to_bf16_rounding`). The
 # run log and `results.json` say which precision the run used and why.
-
-# %% [markdown]
-# ## Label smoothing
-#
-# The loss is the paper's label-smoothed cross-entropy (section 5.4),
-# `label_smoothed_loss`, in a chapter of its own: `annotated/training/loss.py`.
 
 # %% [markdown]
 # ## One optimisation step
 #
 # A batch holds `src` (B, S) and `tgt` (B, T) = `bos y_1 ... y_n eos pad...`.
-# Teacher forcing feeds `tgt[:, :-1]` and predicts `tgt[:, 1:]`. The loss is
-# summed over predicted tokens and divided by their number, so long and short
+# Teacher forcing feeds `tgt[:, :-1]` and predicts `tgt[:, 1:]`. The loss,
+# the paper's label-smoothed cross-entropy (section 5.4, in a chapter of its
+# own: `annotated/training/loss.py`), is summed over predicted tokens and divided by their number, so long and short
 # batches weigh each token equally. Only those tokens' positions are projected
 # onto the vocabulary (`Batch.real`, their flat indices, made on the host with
 # the batch), not the padding. The learning rate follows `rate()` from
