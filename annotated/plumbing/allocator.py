@@ -1,34 +1,24 @@
 """Freed memory kept in the process, within a bound, and handed back between phases.
 
-By default glibc's `malloc` serves every block above a threshold (128 KiB, rising to at most 32 MiB as large
-blocks are freed) with a fresh `mmap` and returns it with `munmap` when it is freed, and it trims the top of
-its heap whenever more than 128 KiB there is free. A CPU training step allocates and frees tensors of many
-sizes (activations, gradients, the logits over the vocabulary), batch after batch of a new shape, so the
-kernel maps, zeroes and unmaps fresh pages for the same tensors at every step (`docs/training.md`, "The step
-on real batches", measures what that costs).
-
-`keep_freed_memory()` asks malloc (`mallopt`, through `ctypes`) to serve blocks below `KEPT_BYTES` (256 MiB)
-from its heap and to keep up to `KEPT_BYTES` of free memory at the top of each heap instead of trimming it,
-so a step reuses the memory the previous one freed. The translator calls it too on the CPU: a beam step of
-256 rows allocates logits and log-probabilities of 5 MB each, which malloc, with its thresholds at their
-starting 128 KiB, hands back to the kernel and page-faults in again at the next step
-(`annotated/decoding/search.py`, section 7; the faults and the time they cost:
+By default glibc's `malloc` serves every block above a threshold (128 KiB at first) with a fresh `mmap`, returns
+it with `munmap` when it is freed, and trims the top of its heap whenever more than 128 KiB there is free. A CPU
+training step, or a beam step of the translator, allocates and frees tensors of many sizes, step after step, so
+the kernel maps, zeroes and unmaps fresh pages for the same tensors at every step (what that costs:
 benchmarks/README.md#levers-shared-memory-freed-memory-windows).
 
-What is kept is bounded twice. At the top of a heap, by `KEPT_BYTES` (malloc's trim threshold), per heap:
-the main one and one per thread that allocates (`M_ARENA_MAX` caps those at `ARENAS`). Inside a heap, tensors
-of changing shapes leave holes that no trim threshold reaches: `release_freed_memory()` (`malloc_trim(0)`)
-hands every free page back to the kernel, and training calls it where a phase ends (after each epoch's
-steps, after its validation, after each test decode), so what one phase left free never stays resident
-through the next. (`benchmarks/README.md`, "Where the memory goes in a CPU run", measures it against the unbounded
-settings this replaced.)
+`keep_freed_memory()` asks malloc (`mallopt`, through `ctypes`) to serve blocks below `KEPT_BYTES` from its heap
+and to keep up to `KEPT_BYTES` free at the top of each heap (at most `ARENAS` heaps) instead of trimming it, so a
+step reuses the memory the previous one freed; training and the translator call it on the CPU. Inside a heap,
+tensors of changing shapes leave holes that no trim threshold reaches: `release_freed_memory()` (`malloc_trim(0)`)
+hands every free page back to the kernel, and training calls it where a phase ends, so what one phase left free
+never stays resident through the next (`benchmarks/README.md`, "Where the memory goes in a CPU run").
+
 A bf16 run on the CPU holds one more kind of memory: oneDNN compiles a kernel for each shape of each bf16
 product and keeps up to 1,024 of them, and PyTorch's ideep layer keeps 1,024 more of its own; batches of new
 lengths keep arriving for the whole run, so the two caches fill for hours. `bound_kernel_caches()` caps them
-(`KERNEL_CACHES`) before the first bf16 product (benchmarks/README.md, "bf16 autocast on the CPU", measures
-the growth without the caps and the kernels compiled again with them).
-`resident_bytes()`, `peak_resident_bytes()` and `heap_bytes()` read what the process holds, for the
-training log. Elsewhere than glibc they do nothing and say so (`False`, or None).
+(`KERNEL_CACHES`) before the first bf16 product (benchmarks/README.md, "bf16 autocast on the CPU").
+`resident_bytes()`, `peak_resident_bytes()` and `heap_bytes()` read what the process holds, for the training
+log. Elsewhere than glibc they do nothing and say so (`False`, or None).
 """
 
 from __future__ import annotations

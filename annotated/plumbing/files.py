@@ -1,7 +1,5 @@
-"""Files written whole or not at all: the project's one atomic write, its one permission policy, and the
-two writers built on them that every command shares: `save_figure` (a matplotlib figure as PNG) and
-`json_safe` (any result made fit for `json.dumps`). A folder is published whole or not at all by
-`staged_directory`.
+"""Files written whole or not at all: the project's one atomic write (`atomic_write`; a folder:
+`staged_directory`), its one permission policy, and what every command shares: `save_figure`, `json_safe`.
 
 Every file the project writes for the user (checkpoints, cached data and tokenizers, results, attention
 dumps, pages, benchmark results) goes through `atomic_write`: the bytes go to a temporary file in the same
@@ -12,11 +10,9 @@ middle leaves the old file as it was.
 **Permissions.** `tempfile.mkstemp` makes private files (0o600); before the rename the file gets the mode
 a plain `open(path, "w")` would have given it, 0o666 less the umask (`new_file_mode`).
 
-**Folders.** `staged_directory` yields a new temporary folder beside the target; only when the block succeeds does
-the folder take the target's name (one rename; an old target is moved aside first and then removed), with the
-mode a plain `mkdir` would have given it, 0o777 less the umask, and its files that of `open`, 0o666 less the
-umask: `tempfile.mkdtemp` makes the folder 0o700 and safetensors its files 0o600, which would leave an exported
-model or an attention dump unreadable to the user's group whatever the umask says
+**Folders.** A folder published by `staged_directory` gets the modes `mkdir` and `open` would have given it:
+`tempfile.mkdtemp` makes it 0o700 and safetensors its files 0o600, which would leave an exported model or an
+attention dump unreadable to the user's group whatever the umask says
 (`test_a_published_folder_gets_the_mode_of_the_umask`, `test_an_exported_folder_gets_the_mode_of_the_umask`).
 
 **Leftovers of a killed write.** A Ctrl-C or an exception removes the temporary file; a process killed
@@ -60,7 +56,7 @@ def new_file_mode(base: int = 0o666) -> int:
     return base & ~mask
 
 
-def atomic_write(path: os.PathLike | str, content: Content, *, fsync: bool = True) -> Path:
+def atomic_write(path: os.PathLike | str, content: Content) -> Path:
     """Write `content` (bytes, text as UTF-8, or a function that writes to a binary file) to `path`
     via a locked temporary file in the same directory and an atomic rename. Returns the path.
 
@@ -80,8 +76,7 @@ def atomic_write(path: os.PathLike | str, content: Content, *, fsync: bool = Tru
             else:
                 f.write(content.encode("utf-8") if isinstance(content, str) else content)
             f.flush()
-            if fsync:
-                os.fsync(f.fileno())
+            os.fsync(f.fileno())
             os.chmod(tmp, new_file_mode())
             os.replace(tmp, path)  # still locked, so no cleaner can take it for a leftover
     except BaseException:

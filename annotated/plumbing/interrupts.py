@@ -2,42 +2,25 @@
 
 `quiet_ctrl_c_while_starting(name)` before the heavy imports, `run_command(main, name)` for the work. No command
 calls them itself: `annotated/plumbing/scripts.py` does, for every command (the `python -m` modules, `train_wmt.py`,
-the console scripts), with the name it gives each command there.
-`test_every_command_follows_the_one_ctrl_c_protocol` reads every file with a main guard that the tree holds,
-but the chapter's demo and the bench's memory probe (`NOT_COMMANDS`).
+the console scripts), with the name it gives each command there
+(`test_every_command_follows_the_one_ctrl_c_protocol`; what each command does: `docs/faults.md`).
 
-A Ctrl-C prints one line on stderr, `<name>: interrupted` (after a line break where the command was
-working: a progress bar may be open), and exits with code 130 (the shell's code for
-"stopped by Ctrl-C"), without a traceback. While a module is being imported (torch and its extensions
-load for a second or more) it exits at once: nothing has been computed or written yet, and a
-KeyboardInterrupt raised inside an extension's start-up ends in a traceback or an abort. That holds for
-the imports at the top of a command (`quiet_ctrl_c_while_starting`) and for those `main()` does itself
-(`run_command`'s handler checks whether an import is under way). An import that `main()` makes after it
-has begun writing exits at once too: no file it writes is left half-written (every write is atomic), but a
-temporary file or staging folder it had begun can remain beside its target. Anywhere else in `main()` the Ctrl-C
-raises KeyboardInterrupt, so that `finally` blocks and atomic writes clean up, but only where the exception can
-reach `main()`'s caller in order. A signal handler runs at whatever bytecode is next, and not every place can
-pass an exception on: inside a garbage-collector callback (hypothesis registers one), a `__del__` or a weakref
-callback Python prints it as "Exception ignored in" with a traceback and drops it, and the command goes on;
-raised in code run by `exec` or `eval` of a string it marks the interpreter so that `python -m` ends killed by
-SIGINT (return code -2) whatever `sys.exit` says; and a library interrupted between taking a lock and the
-`try` that releases it (tqdm's two write locks) can hang the exit. So the handler raises KeyboardInterrupt only
-at a line of the project's own code with none of those places below it on the stack (`can_be_caught_at`);
-anywhere else it has it raised at the next such line, when the library returns to our code or calls it (a
-trace function, `sys.settrace` until then, this thread only). `sys.unraisablehook` does the same for a
-KeyboardInterrupt that a library dropped after all, and prints nothing. A second Ctrl-C raises at once
-wherever it can pass on, library code included (for a library that runs long without calling our code).
-A Ctrl-C that lands while
-PyTorch's C++ code is calling back into Python can reach the caller as another error (the
-KeyboardInterrupt is turned into a RuntimeError on the way out), and `ctrl_c_requested()` tells such an
-error from a real one, so that it is not reported as a failed check. A `main()` that reports the
-interruption itself returns 130, and `run_command` adds no second line.
+A Ctrl-C prints one line on stderr, `<name>: interrupted`, and exits with code 130 (the shell's code for "stopped by
+Ctrl-C"), without a traceback. While a module is being imported (torch and its extensions load for a second or
+more), at the top of a command or inside `main()` (`importing`), it exits at once: a KeyboardInterrupt raised inside
+an extension's start-up ends in a traceback or an abort, and every write is atomic (a temporary file begun can remain
+beside its target). Anywhere else in `main()` it raises KeyboardInterrupt, so that `finally` blocks and atomic
+writes clean up, but only at a line of the project's own code from where the exception reaches `main()`'s caller in
+order (`can_be_caught_at`): inside a garbage-collector callback, a `__del__` or a weakref callback Python would
+print it and drop it, after code run by `exec` of a string `python -m` would end killed by SIGINT, and a library
+interrupted between a lock and the `try` that releases it can hang the exit. Elsewhere it is raised at the next
+such line (a trace function, this thread only, until then), and `sys.unraisablehook` does the same for one that a
+library dropped after all. A second Ctrl-C raises at once wherever it can pass on. A Ctrl-C that PyTorch's C++ code
+turns into another error still counts as one (`ctrl_c_requested()`). A `main()` that reports the interruption
+itself returns 130, and `run_command` adds no second line.
 
 Training is the one command that stops in order: the first Ctrl-C (or SIGTERM) asks it to stop after the
 current step and save (`StopFlag`), a second one stops at once.
-
-Options that make no sense are refused by `annotated/plumbing/options.py` (one line on
-stderr naming the option and what it takes, exit code 2, before any work).
 """
 
 import functools

@@ -86,15 +86,11 @@ def number(low: float | None, high: float | None, *, above: bool = False) -> Cal
             value = math.nan
         too_low = low is not None and (value <= low if above else value < low)
         if not math.isfinite(value) or too_low or (high is not None and value > high):
-            bounds = " and ".join(
-                b
-                for b in (
-                    f"{'>' if above else '>='} {low:g}" if low is not None else "",
-                    f"<= {high:g}" if high is not None else "",
-                )
-                if b
+            bounds = [f"{'>' if above else '>='} {low:g}"] if low is not None else []
+            bounds += [f"<= {high:g}"] if high is not None else []
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {' and '.join(bounds)}".rstrip() + f", got {text!r}"
             )
-            raise argparse.ArgumentTypeError(f"must be a finite number{' ' + bounds if bounds else ''}, got {text!r}")
         return value
 
     return parse
