@@ -1,38 +1,22 @@
 """The translators in the box: a trained de -> en and en -> de model, shipped inside the package.
 
-A fresh clone (or `pip install`) can translate, draw attention and study heads before anything is trained:
-this folder holds one model per direction, trained with the `cpu` preset's model and its earlier recipe of 4,200
-steps (each card names the command), each the run's model (`averaged.pt`), packed by
-`python -m annotated.training.pack RUN_DIR` (`annotated/training/pack.py`):
+A fresh clone (or `pip install`) can translate, draw attention and study heads before anything is trained: this
+folder holds one model per direction, each the model (`averaged.pt`) of a run of the `cpu` preset's model and its
+earlier recipe of 4,200 steps, packed by `python -m annotated.training.pack RUN_DIR` into `de-en.pt` (float16
+weights, loaded as float32) and its card `de-en.json` (`annotated/training/pack.py` says what they hold). Both
+learnt from Multi30k's 29,000 image captions: "Ein Hund rennt über die Wiese." translates well, everyday language
+("Ich habe heute keine Zeit, weil ich arbeiten muss.") is out of their domain.
 
-    de-en.pt    the checkpoint, in the format of `annotated/checkpoint.py` (config, tokenizer, case table,
-                metadata) with its weights stored as float16; loaded as float32
-    de-en.json  its card: how it was made (command, commit, seed, steps, precision, package versions, machine), what
-                it scores on test_2016_flickr (BLEU cased and lowercased, chrF, beam 4, as packed), what it was
-                trained on, and the sha256 of de-en.pt
-
-Each checkpoint carries the beam search's length penalty its own rule picks on validation, as a run's does
-(`choose_length_penalty`: the best beam-4 BLEU on Multi30k's validation split over alpha 0.6, 1, 2, 3, 4; alpha
-4 for both), and every command that decodes it uses it; its card's `length_penalty` records the choice and its
-`scores` the test BLEU at that alpha beside the paper's 0.6
+Each checkpoint carries the length penalty that a run's own rule picks on validation (`choose_length_penalty`;
+alpha 4 for both), and every command that decodes it uses it; its card records the choice
 (`tests/shipped/test_shipped_length_penalty.py`: `test_the_shipped_alpha_is_the_one_the_rule_picks_on_validation`).
-
-Both learnt from Multi30k's 29,000 image captions, and they know photo captions: "Ein Hund rennt über die Wiese."
-translates well, everyday language ("Ich habe heute keine Zeit, weil ich arbeiten muss.") is out of their domain.
 
 **Checked on load.** A model file is used only if its sha256 is the one its card names (`shipped_model`); one
 that differs is refused, with how to get the right one back.
 
-**Which model a command uses** (`choose_checkpoint`, the one rule of every command that needs a model:
-`make translate`, `make attention`, `make heads`):
-
-1. `--checkpoint PATH` when given (`shipped:de-en` names a model of the box, checked as above);
-2. else the latest training run under `runs/` (`latest_run` of `annotated/run_folder.py`), of the
-   direction asked when one is asked (`--src`/`--tgt`), else whatever its direction;
-3. else the shipped model of the direction asked (default de -> en), said in one line on stderr.
-
-The box is read-only: outputs that a command writes beside its checkpoint go to `runs/shipped-<direction>/`
-instead (`outputs_beside`).
+**Which model a command uses** is `choose_checkpoint`'s rule, the one of every command that needs a model. The box
+is read-only: outputs that a command writes beside its checkpoint go to `runs/shipped-<direction>/` instead
+(`outputs_beside`).
 """
 
 from __future__ import annotations
