@@ -17,7 +17,6 @@
 # %%
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from annotated.training.evaluate import LENGTH_PENALTIES, choose_length_penalty
 DOOR = Door(__file__)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv=None) -> int:
     p = DOOR.parser(
         description="Write a copy of a checkpoint with the beam search's length penalty (GNMT "
         "alpha) that gives the best BLEU on Multi30k's validation split, of "
@@ -42,11 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     Decoding.add_options(p, "beam", beam_help="beam width of the choice, the translator's")
     p.add_argument("--data-url", help="base URL of the Multi30k files (default $MULTI30K_URL, else GitHub)")
-    return p
-
-
-def main(argv=None) -> int:
-    p = build_parser()
     args = p.parse_args(argv)
     DOOR.keep(args, [args.out], elsewhere="name a new file")
     try:

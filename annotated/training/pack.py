@@ -6,17 +6,14 @@ From a finished run (its `results.json` and its model, `averaged.pt` where the r
 * `<src>-<tgt>.pt`: the checkpoint with every weight stored as float16 (half the bytes; the loader copies them
   into the float32 model), tied weights stored once, the tokenizer and the case table kept, no training state,
   no paths of the machine it was trained on;
-* `<src>-<tgt>.json`: its card. How it was made: the command that trains it again (the run's preset and the
-  options it differs by), the commit, seed, steps, precision and threads, the machine and CPU, every package's
-  version (the run's `results.json` "environment"). What it scores on test_2016_flickr with beam 4 (BLEU cased
-  and lowercased, chrF): the packed model is scored again here, on all 1,000 sentences (the figures
+* `<src>-<tgt>.json`: its card: how it was made (the command that trains it again, the commit, seed, steps,
+  precision, threads, machine and every package's version, from the run's `results.json`), what it was trained
+  on, the sha256 of the `.pt` file (which loading checks), and what the packed model, scored again here, scores on
+  all of test_2016_flickr with beam 4 at the checkpoint's length penalty (`model_length_penalty`; the figures
   `tests/shipped/test_shipped.py` checks), beside the run's own float32 figures for that checkpoint
-  (`test_the_card_of_a_run_that_averaged_gives_averaged_pts_scores`), at the length penalty in the checkpoint
-  (`model_length_penalty`), whose origin the card's `length_penalty` records as the run's `results.json` does.
-  What it was trained on. And the sha256 of the `.pt` file, which loading checks.
+  (`test_the_card_of_a_run_that_averaged_gives_averaged_pts_scores`).
 
-Scoring the packed model takes a couple of minutes on a CPU for the `cpu` preset's model. Existing files are
-replaced only with `--force`.
+Existing files are replaced only with `--force`.
 """
 
 from __future__ import annotations
@@ -115,22 +112,11 @@ def training_command(results: dict) -> str:
             )
         except ValueError:
             continue
-        command = [
-            "python train_wmt.py --preset",
-            preset,
-            "--src",
-            cfg.src_lang,
-            "--tgt",
-            cfg.tgt_lang,
-            *words,
-            "--seed",
-            str(cfg.seed),
-            "--precision",
-            results["precision"],
-            "--threads",
-            str(results["threads"]),
-        ]
-        commands.append((len(words), preset != default, " ".join(command)))
+        command = " ".join(
+            ["python train_wmt.py --preset", preset, "--src", cfg.src_lang, "--tgt", cfg.tgt_lang, *words]
+            + ["--seed", str(cfg.seed), "--precision", results["precision"], "--threads", str(results["threads"])]
+        )
+        commands.append((len(words), preset != default, command))
     if not commands:
         raise PackError(
             "the run's settings differ from every preset's in something no option of train_wmt.py "
@@ -143,19 +129,8 @@ def scores_of(model, tokenizer, pairs, alpha: float, progress: bool) -> dict:
     """The beam-4 scores of `model` at length penalty `alpha` on all `pairs`, with their signatures."""
     from annotated.training.evaluate import evaluate_bleu
 
-    def keep(s: dict) -> dict:
-        return {k: s[k] for k in ("bleu", "bleu_lowercase", "chrf", "sentences")}
-
     full, _ = evaluate_bleu(model, tokenizer, pairs, BEAM, alpha, progress=progress)
-    return dict(keep(full), signatures=full["signature"])
-
-
-def length_penalty_record(results: dict, alpha: float) -> dict:
-    """Where the card's alpha came from, as the run's results.json records it (`"chosen"`, `"chosen_on"`, the
-    validation BLEU of each alpha where it was chosen there), and how to decode as it does with transformers."""
-    record = dict(results.get("length_penalty") or {"chosen": alpha, "chosen_on": "the checkpoint's meta"})
-    record["transformers"] = generate_note(alpha)
-    return record
+    return {k: full[k] for k in ("bleu", "bleu_lowercase", "chrf", "sentences")} | {"signatures": full["signature"]}
 
 
 def generate_note(alpha: float) -> str:
@@ -174,6 +149,7 @@ def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict
     cfg = config_from_dict(results["train_config"])
     env = results.get("environment", {})
     run_scores = next((s for n, s in results["test"].items() if Path(s["checkpoint"]).name == source.name), None)
+    alpha = model_length_penalty(state["meta"])
     run = (
         None
         if run_scores is None
@@ -210,11 +186,14 @@ def make_card(results: dict, source: Path, packed: Path, state: dict, test: dict
             "packages": env.get("packages"),
             "train_config": results["train_config"],
         },
-        "length_penalty": length_penalty_record(results, model_length_penalty(state["meta"])),
+        "length_penalty": {  # as the run's results.json records it, and how to decode so with transformers
+            **(results.get("length_penalty") or {"chosen": alpha, "chosen_on": "the checkpoint's meta"}),
+            "transformers": generate_note(alpha),
+        },
         "scores": {
             "test_set": results.get("test_set"),
             "beam": BEAM,
-            "length_penalty": model_length_penalty(state["meta"]),
+            "length_penalty": alpha,
             "test": {k: v for k, v in test.items() if k != "signatures"},
             "run_model_float32": run,
             "signatures": test["signatures"],
