@@ -23,20 +23,13 @@ def score(hypotheses: list[str], references: list[str]) -> dict:
     """sacreBLEU cased and lowercased BLEU, and chrF, with their signatures."""
     import sacrebleu
 
-    bleu = sacrebleu.metrics.BLEU()
-    bleu_lc = sacrebleu.metrics.BLEU(lowercase=True)
-    chrf = sacrebleu.metrics.CHRF()
-    b, bl, c = (m.corpus_score(hypotheses, [references]) for m in (bleu, bleu_lc, chrf))
-    return {
-        "bleu": round(b.score, 2),
-        "bleu_lowercase": round(bl.score, 2),
-        "chrf": round(c.score, 2),
-        "signature": {
-            "bleu": str(bleu.get_signature()),
-            "bleu_lowercase": str(bleu_lc.get_signature()),
-            "chrf": str(chrf.get_signature()),
-        },
+    metrics = {
+        "bleu": sacrebleu.metrics.BLEU(),
+        "bleu_lowercase": sacrebleu.metrics.BLEU(lowercase=True),
+        "chrf": sacrebleu.metrics.CHRF(),
     }
+    scores = {name: round(m.corpus_score(hypotheses, [references]).score, 2) for name, m in metrics.items()}
+    return scores | {"signature": {name: str(m.get_signature()) for name, m in metrics.items()}}
 
 
 def evaluate_bleu(

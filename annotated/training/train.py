@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
@@ -195,24 +196,6 @@ def train_step(
     return loss_sum, tokens, gnorm, found_inf
 
 
-@dataclass(frozen=True)
-class Reading:
-    """What a read of the running sums gives: sums over the steps since the last read (over all ranks), the
-    first skipped step's number (counted from the previous read, 1 = its first step), loss and gradient norm,
-    and how many ranks asked to stop or ran out of time."""
-
-    loss: float
-    tokens: float
-    grad_norm: float  # summed over the steps (the same on every rank: from the all-reduced gradient)
-    steps: float
-    skipped: float
-    first_skipped_step: float
-    first_skipped_loss: float
-    first_skipped_grad_norm: float
-    ranks_stopping: float
-    ranks_out_of_time: float
-
-
 class Meter:
     """Running sums on the device between two reads: loss, tokens, gradient norms, steps, skipped steps, and the
     step number, loss and gradient norm of the first skipped one."""
@@ -239,15 +222,16 @@ class Meter:
         self.sums[:n] += summed
         self.sums[n:] = torch.where(first, first_skipped, self.sums[n:])
 
-    def read(self, world: int, stopping: bool, out_of_time: bool) -> Reading:
-        """The sums over all ranks, and how many ranks are stopping or out of time; then zero. The one sync."""
+    def read(self, world: int, stopping: bool, out_of_time: bool) -> SimpleNamespace:
+        """The sums since the last read over all ranks (the first skipped step's number counted from the previous
+        read, 1 = its first step), and how many ranks are stopping or out of time; then zero. The one sync."""
         flags = torch.tensor([float(stopping), float(out_of_time)], dtype=torch.float64)  # (2,)
         values = distributed.sum_over_ranks(torch.cat([self.sums, flags.to(self.sums.device)]), world)
         out = dict(zip(self.FIELDS + ("ranks_stopping", "ranks_out_of_time"), values.cpu().tolist()))
         self.sums.zero_()
         for name in self.SAME_ON_EVERY_RANK:
             out[name] /= world
-        return Reading(**out)
+        return SimpleNamespace(**out)
 
 
 # %% [markdown]
@@ -283,14 +267,10 @@ def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.devi
 #   for exactly the last `average_last` epochs, which `averaged.pt` averages
 #   (`test_a_run_keeps_and_averages_exactly_its_last_average_last_epochs`).
 #
-# All of them are written atomically (`annotated/plumbing/files.py`). Ctrl-C finishes
-# the current step, writes `last.pt` and stops (a second Ctrl-C stops at
-# once); `--resume` continues from there, first cutting `train_loss.tsv`
-# back to the checkpoint's step. A non-finite step stops the run at the next
-# read, without writing a checkpoint.
-#
-# The run folder, its logs and the checkpoints' bookkeeping are the next
-# chapter's (`annotated/training/runs.py`); translating and scoring, `annotated/training/evaluate.py`;
+# Ctrl-C finishes the current step, writes `last.pt` and stops (a second
+# Ctrl-C stops at once); `--resume` continues from there. The run folder, its
+# logs, resuming and the checkpoints' bookkeeping are the next chapter's
+# (`annotated/training/runs.py`); translating and scoring, `annotated/training/evaluate.py`;
 # the test scores and `results.json` at the end, `annotated/training/results.py`.
 #
 # With several processes (`torchrun`), each rank trains on its own share of
@@ -784,17 +764,10 @@ def end_of_epoch(run: Run, state: RunState, train_s: float) -> None:
         run.writer.add_scalar(tag, record[key], state.step)
     run.writer.flush()
     improved = val["bleu"] > state.best_bleu
-    if improved:
-        state.best_bleu = val["bleu"]
-        save_checkpoint(run.run_dir / BEST, model, tokenizer, dict(run.meta, **record), casing=run.data.case_table)
+    state.best_bleu = max(state.best_bleu, val["bleu"])
+    for name in ([BEST] if improved else []) + ([epoch_file(state.epoch)] if cfg.average_last else []):
+        save_checkpoint(run.run_dir / name, model, tokenizer, dict(run.meta, **record), casing=run.data.case_table)
     if cfg.average_last:
-        save_checkpoint(
-            run.run_dir / epoch_file(state.epoch),
-            model,
-            tokenizer,
-            dict(run.meta, **record),
-            casing=run.data.case_table,
-        )
         with contextlib.suppress(FileNotFoundError):
             (run.run_dir / epoch_file(state.epoch - cfg.average_last)).unlink()
     save_resumable(run, state)
