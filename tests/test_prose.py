@@ -128,7 +128,6 @@ TIMINGS = (
 # Durations that are settings of the code, not measurements: (file, the words around them).
 SETTINGS = (
     ("annotated/decoding/translate.py", "back in this code every 0.2 s"),  # next_item's timeout
-    ("annotated/training/distributed.py", "timeout, 30 minutes, bounds"),  # the process group's timeout
     ("annotated/training/config.py", "within the goal of half an hour"),  # the cpu preset's budget
 )
 

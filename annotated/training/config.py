@@ -13,9 +13,9 @@
 # wall time: the same command gives the same model on an idle and on a busy
 # machine, on a CPU or a GPU. `max_minutes` stays available as an optional cap.
 #
-# * `cpu`: a small model (2 + 2 layers, `d_model` 128) trained for as many
-#   steps as two CPU cores train in half an hour, testing included; over the
-#   last 30% of them the learning rate falls linearly towards zero
+# * `cpu`: a small model (2 + 2 layers, `d_model` 128), its steps as many as
+#   two CPU cores train within the goal of half an hour, testing included;
+#   over the last 30% of them the learning rate falls linearly towards zero
 #   (`train.learning_rate`). The run's model is the average of the last 5
 #   epoch checkpoints (`averaged.pt`); the beam search's length penalty is
 #   chosen at the end on the validation split (`choose_length_penalty`),
@@ -127,8 +127,6 @@ class TrainConfig:
             raise ValueError("a run needs a budget: max_steps (or epochs)")
         if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
             raise ValueError(f"max_minutes must be a positive number (or None), got {self.max_minutes}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.warmup < 1 or not self.lr_factor > 0:
             raise ValueError(
                 f"warmup must be >= 1 and lr_factor > 0, got warmup={self.warmup}, lr_factor={self.lr_factor}"

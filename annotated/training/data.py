@@ -3,20 +3,12 @@
 #
 # The first chapter (`annotated/transformer.py`) built a model that maps
 # token ids to token ids. This chapter gets it real sentences to learn from,
-# in four steps:
-#
-# 1. **Getting the files**: the Multi30k corpus (Elliott et al., 2016), a set
-#    of image captions in English, German, French and Czech, one caption a
-#    line, the same line number in each language being a translation. We
-#    download each file once, check it against a pinned sha256 and cache it.
-# 2. **Reading parallel text**: Multi30k or any pair of plain text files the
-#    user brings, strictly UTF-8, line `i` of the source with line `i` of the
-#    target.
-# 3. **Subwords**: a sentencepiece BPE vocabulary shared by both languages,
-#    trained on the training split only.
-# 4. **Batches**: sentences of similar length grouped so that each batch
-#    holds about the same number of tokens, and shared between processes when
-#    training on several GPUs.
+# in four steps: getting the files of the Multi30k corpus (Elliott et al.,
+# 2016: image captions in English, German, French and Czech, one a line, the
+# same line number in each language being a translation), reading parallel
+# text (Multi30k's, or any pair of files the user brings), a subword
+# vocabulary shared by both languages, and batches of about the same number
+# of tokens, shared between processes when training on several GPUs.
 #
 # Every way this can go wrong that we can foresee (a damaged download, an
 # unreachable mirror, a file in the wrong encoding, two files of different
@@ -494,7 +486,7 @@ SPM_SETTINGS: dict[str, Any] = dict(
 SPM_SEED = 0
 
 
-def tokenizer_cache_key(texts: Sequence[str], vocab_size: int, settings: dict | None = None) -> str:
+def tokenizer_cache_key(texts: Sequence[str], vocab_size: int) -> str:
     """sha256 over the sentencepiece version, the settings, vocab_size and the texts."""
     import sentencepiece as spm
 
@@ -503,7 +495,7 @@ def tokenizer_cache_key(texts: Sequence[str], vocab_size: int, settings: dict | 
         json.dumps(
             {
                 "sentencepiece": spm.__version__,
-                "settings": settings or SPM_SETTINGS,
+                "settings": SPM_SETTINGS,
                 "seed": SPM_SEED,
                 "vocab_size": vocab_size,
             },
@@ -854,4 +846,3 @@ def split_long(encoded: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: 
     for i, (x, y) in enumerate(encoded):
         (kept if len(x) <= max_len and len(y) + 1 <= max_len else long).append(i)
     return kept, long
-

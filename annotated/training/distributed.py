@@ -9,10 +9,8 @@
 #
 # * **Same data.** Rank 0 reads the data and trains the tokenizer; the others
 #   receive both from it (`from_rank0`), so every rank batches the same
-#   examples with the same vocabulary (and no other machine needs the data).
-#   Every rank builds the epoch's batches from the same seed and keeps every
-#   `W`-th one (`data.make_batches`), which also gives every rank the same
-#   number of batches.
+#   examples with the same vocabulary (and no other machine needs the data),
+#   each keeping its share of the epoch's batches (`data.make_batches`).
 # * **One step.** Each rank runs forward and backward on its own `accum`
 #   batches; DistributedDataParallel (DDP) averages the gradients over the
 #   ranks, and every rank applies the same Adam update to its identical copy

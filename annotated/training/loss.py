@@ -13,9 +13,7 @@
 # definition as `F.cross_entropy(..., label_smoothing=eps)`
 # (`test_label_smoothing_matches_formula`). The log-softmax is taken in fp32
 # whatever the logits' precision (bf16 under autocast). Autograd takes the
-# gradient, `p - q` per position; writing that gradient out by hand (one
-# pass over the saved log-probabilities) made the training step no faster
-# (`docs/training.md`, "The step on real batches").
+# gradient, `p - q` per position.
 #
 # <!-- figure: label_smoothing -->
 
