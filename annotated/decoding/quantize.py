@@ -2,28 +2,20 @@
 
 `quantize_int8(model)` returns a copy whose larger products x W + b run as PyTorch's dynamic quantized linear
 layer (`torch.ao.nn.quantized.dynamic.Linear`): W stored in int8 with one scale per output column, x quantized
-to int8 at each call from its own range, the product accumulated in int32 and scaled back to float32.
+to int8 at each call from its own range, the product accumulated in int32 and scaled back to float32. The
+weights are packed for oneDNN, which runs these products on the CPU's int8 instructions (AVX-512 VNNI, AMX).
 
-Which products: those whose weight has at least `MIN_WEIGHTS` = 65,536 entries. Quantizing x costs a pass
-over it at every call, which a small product does not earn back: at 256 rows (a beam step of 64 sentences),
-the shipped models' 128 x 128 attention projections run slower in int8 than in float32, while the feed-forward
-network's 128 x 512 and 512 x 128 products and the generator's 128 x 5,000 run faster (`python -m
-benchmarks.int8_products`; its table is in benchmarks/README.md#which-products-int8-pays-for). So for the
-shipped models the feed-forward networks and the generator run in int8 and the attention projections stay
-float32 (for the paper's base model, d_model = 512, every product is in int8, and from d_model = 256 on the
-attention projections too, which int8 runs faster there: the same section).
-Embeddings, layer norms, softmax and the beam search stay float32. The fast beam loop (`search.py`, section
-7) reads the heads' circuits of an attention whose projections are int8 from `float_attention`: the weights
-int8 stores, each times its column's scale, in float32, and the biases. The weights are packed for oneDNN,
-which runs these products on the CPU's int8 instructions (AVX-512 VNNI, AMX); benchmarks/README.md has the
-speed and the BLEU beside float32's.
+Which products: those whose weight has at least `MIN_WEIGHTS` = 65,536 entries. Quantizing x costs a pass over
+it at every call, which a small product does not earn back: for the shipped models (d_model = 128) the
+feed-forward networks and the generator run in int8 and the 128 x 128 attention projections stay float32; from
+d_model = 256 on, the attention projections too (`python -m benchmarks.int8_products`,
+benchmarks/README.md#which-products-int8-pays-for). Embeddings, layer norms, softmax and the beam search stay
+float32. The fast beam loop (`search.py`, section 7) reads an int8 attention's circuits from `float_attention`.
 
-Why this API: PyTorch 2.13 marks `torch.ao.quantization`'s eager mode as deprecated in favour of torchao's
-`quantize_`, but torchao's int8 dynamic-activation layer ran the generator's product slower than float32 in
-eager mode, where oneDNN's dynamic linear ran it faster than float32
-(benchmarks/README.md#levers-the-first-fast-loop-and-int8); torchao's CPU speed comes from `torch.compile`,
-which a translator started per command would pay for at every start. So this uses the dynamic linear layer that ships in torch itself (no dependency), and
-silences its deprecation warnings only around the calls that build it.
+Why this API: `torch.ao.quantization`'s eager mode is deprecated in favour of torchao's `quantize_`, whose CPU
+speed comes from `torch.compile`, which a translator started per command would pay for at every start
+(benchmarks/README.md#levers-the-first-fast-loop-and-int8). So this uses the dynamic linear layer that ships in
+torch itself (no dependency), and silences its deprecation warnings only around the calls that build it.
 """
 
 from __future__ import annotations

@@ -273,20 +273,15 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 # For `1 < k < V^max_len` nothing general holds: a wider beam usually scores
 # better, but it can also prune the prefix greedy follows, and end worse.
 #
-# **n-best.** What the search keeps of a sentence is its list of finished
-# translations, and the answer is the best of them. With `nbest=n`,
-# `beam_search` returns that list itself, in score order, cut at `n <= k`:
-# the `n` best of the translations the beam finished (with, at `max_len`,
-# the prefixes it ranks beside them), each with its `log P` and its score
-# `log P / lp`. It is no list of the `n` best translations of the model:
-# the beam drops a prefix as soon as `k` others outrank it, so a
-# translation that would rank second may never be finished, and the list
-# holds at least `k` entries only because the search stops once `k` have
-# finished (a sentence may finish more at its last step, and its list may
-# hold fewer when its live prefixes all reach `log P = -inf`). Hence `n` at
-# most `k`: a wider list needs a wider beam. The first entry is the
-# one-best answer, and the fast loop of section 7 returns the same lists,
-# scores within rounding
+# **n-best.** With `nbest=n`, `beam_search` returns each sentence's list of
+# finished translations itself (with, at `max_len`, the prefixes it ranks
+# beside them), in score order, cut at `n <= k`, each with its `log P` and
+# its score `log P / lp`; the first entry is the answer. It is no list of the
+# model's `n` best translations: the beam drops a prefix as soon as `k`
+# others outrank it, so a translation that would rank second may never
+# finish, and the list holds `k` entries only because the search stops once
+# `k` have finished. Hence `n` at most `k`: a wider list needs a wider beam.
+# The fast loop of section 7 returns the same lists, scores within rounding
 # (`test_the_two_loops_return_the_same_nbest_lists_and_scores`,
 # `test_nbest_above_the_beam_is_refused`).
 #
@@ -471,20 +466,15 @@ class _Decoder:
 
 
 # %% [markdown]
-# ## 7. What a beam step costs, and the same search with less around it
+# ## 7. The same search with less around it
 #
-# One step of the readable loop on the shipped de -> en model (N = 2, d_model = 128,
-# V = 5,000) with 64 sentences, so `A*k = 256` rows, does two kinds of work.
-# The **products**: the two decoder layers' projections and feed-forward
-# networks (0.46 million multiply-adds per row together), the generator onto the
-# vocabulary (0.64 million per row, the largest single product), and
-# attention over the cached keys and the memory. And **the rest**: a
-# log-softmax over 256 x 5,000 logits, the topk over each sentence's `k * V`
-# candidates, the cache reordered row by row, the prefixes copied, the
-# bookkeeping. For so small a model the rest takes longer than the products,
-# the topk and the reordering above all (the torch profiler's account, and
-# its command: benchmarks/README.md#where-a-beam-search-spends-its-time).
-#
+# A beam step does two kinds of work: the **products** (the decoder layers,
+# the generator onto the vocabulary, attention) and **the rest** (a
+# log-softmax over the `A*k x V` logits, the topk over each sentence's
+# `k * V` candidates, the cache reordered row by row, the prefixes copied).
+# For a model as small as the shipped ones the rest takes longer than the
+# products, the topk and the reordering above all
+# (benchmarks/README.md#where-a-beam-search-spends-its-time).
 # `_FastDecoder` gives `_search` the same steps with less of the rest (the
 # *fast loop*; with `_Decoder`, the *readable loop*):
 #
@@ -505,90 +495,52 @@ class _Decoder:
 #   (`annotated/circuits/circuits.py`, section 3) used forwards: the decoder
 #   keeps each layer's *inputs* `x_b` of the beams' positions, one cache
 #   instead of keys and values, projects nothing at a step but the newest
-#   query, and gets a beam's scores for all `h` heads from one product of its
-#   `h x d_model` matrix `q W_K[i]^T` with its `d_model x t` inputs, instead of
-#   `h` small ones (`_attend`). The cache is gathered along the chosen beams
-#   where the next step appends to it: one copy into place, not a reordering
-#   and then a concatenation. The cross-attention reads the memory the same
-#   way, once per sentence, with a sentence's `k` beams as `k` queries of one
-#   problem: nothing of it to re-index but when sentences leave the batch.
-#   Below 16 scores per row the softmax is written out (`_softmax`):
-#   PyTorch's kernel is slower there than the four passes, which subtract
-#   each row's maximum first, as PyTorch's kernel does, so large scores do
-#   not overflow (`test_the_written_out_softmax_subtracts_the_row_maximum`).
-#   Together these make the search faster with the same translations
-#   (benchmarks/README.md#levers-the-circuits-two-threads).
+#   query, and gets a beam's scores for all `h` heads from one product
+#   (`_attend`). The cache is gathered along the chosen beams where the next
+#   step appends to it: one copy into place. The cross-attention reads the
+#   memory once per sentence, a sentence's `k` beams as `k` queries of one
+#   problem. Below 16 scores per row the softmax is written out (`_softmax`:
+#   PyTorch's kernel is slower there), subtracting each row's maximum first,
+#   as PyTorch's kernel does, so large scores do not overflow
+#   (`test_the_written_out_softmax_subtracts_the_row_maximum`;
+#   benchmarks/README.md#levers-the-circuits-two-threads).
 # - **the generator's bias inside its product.** `y W_gen^T + b` is the
 #   product of `[y, 1]` with `[W_gen, b]^T`: one more column of ones instead
 #   of one more pass over the `A*k x V` logits (`_generator_with_bias_inside`).
 #
-# The two loops compute the same function with the sums in another order
-# (attention through the circuits, the bias inside the product), so they
-# round differently: in float64 they return the same hypotheses with scores
-# within 1e-12, in float32 the same hypotheses with scores within 1e-4 (the
-# largest difference seen is 7.6e-6), on the shipped model and on random ones
-# in both attention forms, beam 1 to 5, with and without length penalty, cut
-# at the length limit or not
+# The two loops compute the same function with the sums in another order, so
+# they round differently: in float64 they return the same hypotheses with
+# scores within 1e-12, in float32 the same hypotheses with scores within 1e-4,
+# on the shipped model and on random ones in both attention forms, beam 1 to
+# 5, with and without length penalty, cut at the length limit or not
 # (`test_fast_loop_equals_readable_loop_on_the_shipped_model`,
 # `test_fast_loop_equals_readable_loop_on_random_models`). `_search` chooses
 # it in one place: `fast=True` (the default of `beam_search` and
 # `translate_ids`), the cache in use, and a model of the main chapter (the
 # decoder runs its layers itself); `fast=False` runs the readable loop
-# (`test_the_fast_setting_chooses_the_decoder`).
+# (`test_the_fast_setting_chooses_the_decoder`). The translator keeps freed
+# memory on the CPU, so each step's logits reuse the pages of the step
+# before (`annotated/plumbing/allocator.py`;
+# benchmarks/README.md#levers-shared-memory-freed-memory-windows).
 #
-# **Memory the next step reuses.** A step of 256 rows allocates logits and
-# log-probabilities of 5 MB each, and glibc's `malloc` hands such blocks back
-# to the kernel when they are freed, so the next step page-faults fresh ones
-# in. The translator therefore keeps freed memory on the CPU, as training
-# does (`annotated/plumbing/allocator.py`; the page faults and the time it
-# saves: benchmarks/README.md#levers-shared-memory-freed-memory-windows).
-#
-# What the fast loop leaves of a step is the products, passes over memory
-# that eager PyTorch makes one operator at a time (the log-softmax over the
-# vocabulary, copies), and the operators themselves, which a search of a
-# single sentence still pays at every step: no longer bookkeeping
-# (benchmarks/README.md#where-a-beam-search-spends-its-time).
-#
-# **int8.** `--quantize int8` (`annotated/decoding/quantize.py`) runs the
-# products with at least 65,536 weights in int8: for the shipped models the
-# feed-forward networks and the generator, whose products int8 makes faster,
-# while the 128 x 128 attention projections, which int8 makes slower
-# (quantizing the activations at each call costs more than it saves there),
-# stay float32 (`python -m benchmarks.int8_products`,
-# benchmarks/README.md#which-products-int8-pays-for). Weights get one
-# scale per output column, activations one scale per call. Each weight is
-# then off by at most half a step of its column's largest magnitude / 127,
-# and the errors of the 128 or 512 terms of a sum partly cancel: small beside
-# the gaps between the log-probabilities the search ranks, so most
-# translations do not change at all (89% of the 1,000 test sentences for
-# de -> en, 86% for en -> de), and those that do change move BLEU both ways:
-# -0.17 on test_2016_flickr and 0.00 on val for de -> en, -0.17 and -0.05
-# for en -> de at alpha 0.6; on test at the models' own alpha 4, -0.14 and
-# -0.06 (`test_int8_bleu_stays_within_the_margin_of_float32`). The whole
-# search gains less than the products (benchmarks/README.md#the-goals-now):
-# the int8 products are only a part of a step, and oneDNN sets up its int8
-# kernel anew for each number of rows it has not met, which a search changes
-# whenever sentences finish.
-# One more difference: the activations' scale is taken over
-# the whole batch at each call, so an int8 translation can depend on the
-# sentences batched with it, which a float32 one does not
-# (`test_batched_beam_equals_one_sentence_at_a_time`).
-#
-# From `d_model = 256` on, the fused form's attention projections reach
-# 65,536 weights too and run in int8, where int8 pays for them as it does
-# for the feed-forward networks
-# (benchmarks/README.md#which-products-int8-pays-for). The readable loop
-# projects keys and values through them; the fast loop, which reads
-# each head's `W_K`, `W_V` and `W_O` blocks for its circuits, reads them from
-# `float_attention` (`quantize.py`): the weights int8 stores, each times its
-# column's scale, in float32, with the biases int8 holds inside its layers.
-# Only the activations' rounding then differs between the loops, so in int8
-# they may break a near-tie differently, and each loop's score of its
-# translation is the int8 model's log-probability of it within 0.1 nats per
-# token (`test_each_loop_scores_its_int8_translations_as_the_int8_model_does`).
+# **int8.** `--quantize int8` runs the larger products in int8
+# (`annotated/decoding/quantize.py` says which, and why). Each weight is then
+# off by at most half a step of its column's largest magnitude / 127, small
+# beside the gaps between the log-probabilities the search ranks: most
+# translations do not change, and BLEU stays within a margin of float32's
+# (`test_int8_bleu_stays_within_the_margin_of_float32`; the figures:
+# benchmarks/README.md#two-rounds-before). The activations' scale is taken
+# over the whole batch at each call, so an int8 translation can depend on
+# the sentences batched with it, which a float32 one does not
+# (`test_batched_beam_equals_one_sentence_at_a_time`). The fast loop reads
+# an int8 attention's circuits from `float_attention` (`quantize.py`), so
+# only the activations' rounding differs between the loops: in int8 they
+# may break a near-tie differently, and each loop's score of its translation
+# is the int8 model's log-probability of it within 0.1 nats per token
+# (`test_each_loop_scores_its_int8_translations_as_the_int8_model_does`).
 # Every option with every other (beam 1 and 4, both loops, float32 and int8,
-# both attention forms, d_model 128 to 512, an imported Marian model with
-# separate vocabularies) translates, and the loops agree exactly in float32
+# both attention forms, d_model 128 to 512, an imported Marian model)
+# translates, and the loops agree exactly in float32
 # (`tests/decoding/test_option_matrix.py`: `test_every_cell_translates`,
 # `test_the_two_loops_translate_the_same_in_float32`,
 # `test_int8_logits_stay_near_float32s_on_its_translations`).
@@ -720,8 +672,7 @@ def _attend(attn, c: _Circuits, z: Tensor, X: Tensor, bias: Tensor | None, empty
 
 
 def _softmax(scores: Tensor) -> Tensor:
-    """Softmax over the last dimension. Below 16 entries it is written out: there PyTorch's kernel took 3 to 6
-    times as long as these four passes (1,024 rows of 2 to 15 entries, one thread; section 7)."""
+    """Softmax over the last dimension, written out below 16 entries, where PyTorch's kernel is slower (section 7)."""
     if scores.size(-1) >= 16:
         return scores.softmax(dim=-1)
     e = (scores - scores.amax(dim=-1, keepdim=True)).exp_()
