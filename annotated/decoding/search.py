@@ -342,12 +342,21 @@ def beam_search(
     if nbest:
         return [hyps[:nbest] for hyps in found]
     best = [hyps[0] for hyps in found]  # the first of equal scores wins
-    width = max((len(h.ids) for h in best), default=0)
-    out = torch.full((len(best), width), pad, dtype=torch.long, device=src.device)  # (B, L)
-    for b, h in enumerate(best):
-        out[b, : len(h.ids)] = torch.tensor(h.ids, dtype=torch.long)
+    out = padded([h.ids for h in best], pad).to(src.device)  # (B, L)
     scores = torch.tensor([h.score for h in best], dtype=torch.float64, device=src.device)  # (B,)
     return (out, scores) if return_scores else out
+
+
+def padded(rows: list[list[int]], pad: int = PAD, width: int = 0) -> Tensor:
+    """The id lists as one (B, T) tensor, each filled up with `pad`; T the longest one's length, at least `width`.
+
+    >>> padded([[5, 6], [7]]).tolist()
+    [[5, 6], [7, 0]]
+    """
+    out = torch.full((len(rows), max([width, *map(len, rows)])), pad, dtype=torch.long)  # (B, T)
+    for r, ids in enumerate(rows):
+        out[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out
 
 
 def _check_nbest(nbest: int, beam_size: int) -> None:
@@ -790,11 +799,8 @@ def _translate_batch(model, sources, beam_size, length_penalty, max_extra, devic
     """`translate_ids` of the sources `idx`, one batch (inference mode is per thread: entered here)."""
     limit = model.config.max_len
     seqs = [sources[i][:limit] for i in idx]
-    S = max(1, max(len(s) for s in seqs))
-    src = torch.full((len(seqs), S), PAD, dtype=torch.long)  # (B, S)
-    for r, s in enumerate(seqs):
-        src[r, : len(s)] = torch.tensor(s, dtype=torch.long)
-    src = src.to(device)
+    src = padded(seqs, width=1).to(device)  # (B, S)
+    S = src.size(1)
     max_len = min(limit, S + max_extra)
     mask = padding_mask(src, PAD)  # (B, 1, S)
     if beam_size > 1:  # the batch is well formed by construction: checked once, in translate_ids

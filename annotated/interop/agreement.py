@@ -43,19 +43,12 @@ from pathlib import Path
 
 import torch
 
-from annotated.decoding.search import translate_ids
+from annotated.decoding.search import padded, translate_ids
 from annotated.decoding.settings import MAX_EXTRA, Decoding
-from annotated.interop.folders import export_marian
+from annotated.interop.folders import export_marian, has_ctranslate2
 from annotated.interop.marian import export_ids, to_marian
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import padding_mask, subsequent_mask
-
-
-def _padded(rows: list[list[int]]) -> torch.Tensor:
-    out = torch.full((len(rows), max(map(len, rows))), PAD, dtype=torch.long)  # (B, T)
-    for r, ids in enumerate(rows):
-        out[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return out
 
 
 @torch.no_grad()
@@ -66,7 +59,7 @@ def logit_difference(
     model, hf, worst = model.to(dtype), hf.to(dtype), 0.0
     pad, start, V = hf.config.pad_token_id, hf.config.decoder_start_token_id, model.config.tgt_vocab
     for i in range(0, len(sources), batch_size):
-        src, tgt = _padded(sources[i : i + batch_size]), _padded([[BOS] + t for t in targets[i : i + batch_size]])
+        src, tgt = padded(sources[i : i + batch_size]), padded([[BOS] + t for t in targets[i : i + batch_size]])
         ours = model(src, tgt, padding_mask(src, PAD), subsequent_mask(tgt.size(1)))  # (B, T, V)
         theirs = hf(
             input_ids=export_ids(src, pad),
@@ -112,7 +105,7 @@ def generate_ids(
     out: list[list[int]] = [[] for _ in sources]
     for k in range(0, len(order), batch_size):
         idx = order[k : k + batch_size]
-        src = _padded([sources[i][:limit] for i in idx])
+        src = padded([sources[i][:limit] for i in idx])
         ys = hf.generate(
             input_ids=export_ids(src, pad),
             attention_mask=(src != PAD).long(),
@@ -157,7 +150,7 @@ def compare(
     with tempfile.TemporaryDirectory() as folder:
         export_marian(checkpoint, Path(folder) / "export")
         hf = MarianMTModel.from_pretrained(str(Path(folder) / "export"), local_files_only=True).float().eval()
-        ct2 = ctranslate2_ids(Path(folder) / "export", tokenizer, sources) if _has_ctranslate2() else None
+        ct2 = ctranslate2_ids(Path(folder) / "export", tokenizer, sources) if has_ctranslate2() else None
     result = {
         "sentences": len(pairs),
         "max_abs_logit_difference": {
@@ -192,15 +185,7 @@ def compare(
     return result
 
 
-def _has_ctranslate2() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("ctranslate2") is not None
-
-
 def main(argv: list[str] | None = None) -> int:
-    import json
-
     from annotated.decoding.settings import PAPER_LENGTH_PENALTY
     from annotated.door import Door
     from annotated.plumbing.options import at_least, number

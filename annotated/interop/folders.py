@@ -14,15 +14,25 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
+import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from annotated.checkpoint import CheckpointError, case_table_in, loaded_from_state, read_checkpoint, save_checkpoint
+from annotated.decoding.settings import Decoding, model_length_penalty
+from annotated.door import CHECKPOINT_HELP, Door
+from annotated.interop.card import model_card
 from annotated.interop.marian import from_marian, marian_vocab, to_marian
 from annotated.plumbing.files import staged_directory
+from annotated.plumbing.options import Parser
 from annotated.plumbing.scripts import usage_of
-from annotated.tokens import BOS, EOS, PAD, UNK
+from annotated.shipped import is_shipped, read_card
+from annotated.tokens import BOS, EOS, PAD, UNK, Tokenizer, TokenizerError
 from annotated.transformer import AttentionForm
 
 # %% [markdown]
@@ -97,8 +107,6 @@ def export_vocab(tokenizer, size: int) -> dict[str, int]:
 
 def _write_tokenizer(tokenizer, folder: Path, size: int, meta: dict, max_len: int) -> None:
     """source.spm, target.spm, vocab.json and MarianTokenizer's own config, for our tokenizer."""
-    import json
-
     from transformers import MarianTokenizer
 
     for name in ("source.spm", "target.spm"):
@@ -130,8 +138,6 @@ def generation_config(config, length_penalty: float = GENERATE_LENGTH_PENALTY):
     model's MarianConfig `config`."""
     from transformers import GenerationConfig
 
-    from annotated.decoding.settings import Decoding
-
     return GenerationConfig(
         decoder_start_token_id=config.decoder_start_token_id,
         bos_token_id=config.bos_token_id,
@@ -151,18 +157,12 @@ SIDE_FORMAT = "annotated-export-v1"
 
 def side_file(meta: dict, table: dict | None) -> str:
     """annotated.json of an export: the chosen length penalty and the recasing table (None: the checkpoint has none)."""
-    import json
-
-    from annotated.decoding.settings import model_length_penalty
-
     side = {"format": SIDE_FORMAT, "length_penalty": model_length_penalty(meta), "casing": table}
     return json.dumps(side, ensure_ascii=False, separators=(",", ":"), sort_keys=True) + "\n"
 
 
 def read_side_file(folder: Path) -> tuple[dict, dict | None]:
     """(meta entries, recasing table or None) from `folder`'s annotated.json; nothing for a folder without one."""
-    import json
-
     path = folder / SIDE_FILE
     if not path.is_file():
         return {}, None
@@ -191,9 +191,6 @@ def write_ctranslate2_layout(model, heads: dict | None, tokenizer, meta: dict, f
 def _write_ctranslate2(model, heads: dict | None, tokenizer, meta: dict, staging: Path) -> None:
     """staging/ctranslate2: the model converted by CTranslate2's own converter from its layout, written to a scratch
     folder that is removed afterwards."""
-    import shutil
-    import tempfile
-
     from ctranslate2.converters import TransformersConverter
 
     scratch = Path(tempfile.mkdtemp(dir=staging, prefix=".ctranslate2-layout-"))
@@ -204,9 +201,7 @@ def _write_ctranslate2(model, heads: dict | None, tokenizer, meta: dict, staging
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _has_ctranslate2() -> bool:
-    import importlib.util
-
+def has_ctranslate2() -> bool:
     return importlib.util.find_spec("ctranslate2") is not None
 
 
@@ -241,10 +236,6 @@ def _quiet_transformers() -> Iterator[None]:
 
 def export_marian(checkpoint: Path, out: Path, overwrite: bool = False, as_typed: str | None = None) -> Path:
     """Write checkpoint `checkpoint` (named `as_typed` on the command line) as a MarianMTModel folder `out`."""
-    from annotated.checkpoint import case_table_in, loaded_from_state, read_checkpoint
-    from annotated.interop.card import model_card
-    from annotated.shipped import is_shipped, read_card
-
     _check_target(out, overwrite, "folder")
     state = read_checkpoint(checkpoint)
     model, tokenizer, meta = loaded_from_state(state, checkpoint)
@@ -256,7 +247,7 @@ def export_marian(checkpoint: Path, out: Path, overwrite: bool = False, as_typed
         (staging / SIDE_FILE).write_text(side_file(meta, case_table_in(state, checkpoint)), encoding="utf-8")
         if tokenizer is not None:
             _write_tokenizer(tokenizer, staging, marian_vocab(model.config), meta, model.config.max_len)
-            if _has_ctranslate2():
+            if has_ctranslate2():
                 _write_ctranslate2(model, state.get("heads"), tokenizer, meta, staging)
         card = model_card(as_typed or str(checkpoint), Path(checkpoint), meta, shipped, model.config)
         (staging / "README.md").write_text(card, encoding="utf-8")
@@ -265,10 +256,6 @@ def export_marian(checkpoint: Path, out: Path, overwrite: bool = False, as_typed
 
 def _tokenizer_of(folder: Path, src_map: list[int], tgt_map: list[int]):
     """Our Tokenizer for a Marian folder whose sentencepiece model has our ids (an export of ours), else None."""
-    import json
-
-    from annotated.tokens import Tokenizer, TokenizerError
-
     files = [folder / n for n in ("source.spm", "target.spm", "vocab.json")]
     if not all(f.is_file() for f in files) or files[0].read_bytes() != files[1].read_bytes():
         return None
@@ -284,13 +271,9 @@ def _tokenizer_of(folder: Path, src_map: list[int], tgt_map: list[int]):
 def _renumbered_tokenizer(folder: Path, src_map: list[int], tgt_map: list[int]):
     """Our Tokenizer for a Marian folder with one vocabulary (OPUS-MT's layout): its source sentencepiece model
     with the pieces renumbered to our ids, or None where that cannot be done."""
-    import json
-
     from sentencepiece import sentencepiece_model_pb2
 
     pb: Any = sentencepiece_model_pb2  # generated protobuf classes: no types for mypy to read
-
-    from annotated.tokens import Tokenizer, TokenizerError
 
     spm, vocab_file = folder / "source.spm", folder / "vocab.json"
     if src_map != tgt_map or not (spm.is_file() and vocab_file.is_file()):
@@ -324,8 +307,6 @@ def _renumbered_tokenizer(folder: Path, src_map: list[int], tgt_map: list[int]):
 
 
 def _unk_of(folder: Path) -> int | None:
-    import json
-
     vocab = folder / "vocab.json"
     return json.loads(vocab.read_text(encoding="utf-8")).get("<unk>") if vocab.is_file() else None
 
@@ -333,8 +314,6 @@ def _unk_of(folder: Path) -> int | None:
 def _languages(folder: Path, src: str | None, tgt: str | None) -> dict:
     """src_lang/tgt_lang: as given (--src/--tgt name the pair even where the folder names one), else
     tokenizer_config.json's source_lang/target_lang; ValueError where neither names both."""
-    import json
-
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -365,8 +344,6 @@ def import_marian(
     The language pair: `src`/`tgt` where given, else the folder's tokenizer_config.json (ValueError where neither
     names it). An export of ours brings back its length penalty and recasing table (annotated.json)."""
     from transformers import MarianMTModel
-
-    from annotated.checkpoint import save_checkpoint
 
     _check_target(out, overwrite, "file")
     if not (folder / "config.json").is_file():
@@ -406,9 +383,6 @@ IMPORT_USAGE = f"make import HF=folder OUT=model.pt (or {usage_of(__file__)} imp
 
 
 def build_parser():
-    from annotated.door import CHECKPOINT_HELP
-    from annotated.plumbing.options import Parser
-
     p = Parser(
         command=__file__,
         description="Export a checkpoint as a transformers MarianMTModel folder, or import one.",
@@ -458,9 +432,6 @@ def _import(args, door) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from annotated.checkpoint import CheckpointError
-    from annotated.door import Door
-
     args, unknown = build_parser().parse_known_args(argv)
     door = Door(__file__, name=args.command)  # `make export`, `make import`: each names itself
     if unknown:
