@@ -10,19 +10,16 @@ Three settings, and the only place their defaults are written:
 - `max_extra`, 50: an output may run this many subwords past its source (the paper's "input length + 50", 6.1),
   never past the model's positional table.
 
-A command adds the options it offers with `add_options` (`--beam`, `--length-penalty`, `--max-extra`) and reads
-them back with `from_args`, which fills in the model's own length penalty where none was given.
+A command adds the options it offers with `add_options` (`--beam`, `--length-penalty`, `--max-extra`); an
+unset `--length-penalty` is the model's own (`model_length_penalty`).
 
->>> Decoding(), Decoding().greedy
-(Decoding(beam=4, length_penalty=0.6, max_extra=50), False)
->>> Decoding.for_model({"length_penalty": 1.2}).length_penalty, model_length_penalty({})
-(1.2, 0.6)
+>>> Decoding(), model_length_penalty({})
+(Decoding(beam=4, length_penalty=0.6, max_extra=50), 0.6)
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 
 from annotated.checkpoint import CheckpointError
@@ -37,15 +34,6 @@ class Decoding:
     beam: int = 4
     length_penalty: float = 0.6
     max_extra: int = 50
-
-    @property
-    def greedy(self) -> bool:
-        return self.beam == 1
-
-    @classmethod
-    def for_model(cls, meta: dict, **given) -> Decoding:
-        """The defaults with the model's own length penalty (`model_length_penalty` of its meta), then `given`."""
-        return cls(**{"length_penalty": model_length_penalty(meta), **given})
 
     @staticmethod
     def add_options(p: argparse.ArgumentParser, *options: str, purpose: str = "", beam_help: str = "") -> None:
@@ -76,15 +64,6 @@ class Decoding:
                 help=f"{prefix}output at most source length + this many subwords, capped at max_len "
                 f"(default {Decoding.max_extra})",
             )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, meta: dict) -> Decoding:
-        """The settings of the options `add_options` added (the others at their defaults); no --length-penalty:
-        the model's own."""
-        given = {
-            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None
-        }
-        return cls.for_model(meta, **given)
 
 
 PAPER_LENGTH_PENALTY = Decoding.length_penalty  # the paper's alpha (section 6.1), tuned on WMT for its big models
