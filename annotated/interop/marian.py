@@ -14,7 +14,8 @@
 # model and ours. `export` writes a folder that `MarianMTModel.from_pretrained`
 # and `MarianTokenizer.from_pretrained` load with no network; `import` reads
 # any such folder (saved with `save_pretrained`) into one of our checkpoints,
-# fused or per-head, which then works with every command of the project.
+# fused or per-head, which then works with every command of the project
+# (the heads of an OPUS-MT translator: `docs/training.md#an-opus-mt-models-heads`).
 # This file converts models in memory; `folders.py` writes and reads the
 # folders and checkpoints, and holds the command.
 #
@@ -420,80 +421,40 @@ def from_marian(
 #
 # `tests/interop/test_marian.py` builds every model from a config with
 # random weights (transformers' initialisation scaled up, so that logits
-# spread over several units and any slip shows), nothing downloaded:
+# spread over several units and any slip shows), nothing downloaded.
+# Marian's sinusoid table, renumbered by `sinusoid_permutation`, is ours bit
+# for bit (`test_sinusoid_tables_differ_by_the_permutation`). Import gives
+# Marian's float64 logits within 1e-9 under the token map, for three Marian
+# shapes (`test_import_gives_marian_logits`), and within 1e-12 for every
+# activation spelling, with and without embedding scaling, tied and untied
+# (`test_every_activation_spelling_and_table_option_imports_as_the_same_function`;
+# the others are refused: `test_an_activation_we_do_not_have_is_refused`).
+# Export gives our logits within 1e-12 in float64 and 1e-4 in float32, in
+# both layouts of section 1, the added rows' logits `-inf`
+# (`test_export_gives_our_logits`), and survives `save_pretrained`
+# (`test_the_export_survives_save_pretrained`); export then import gives back
+# every parameter bit for bit (`test_round_trip_is_exact`). The theorem of
+# `layout.py` holds with a random permutation, and a wrong one is caught
+# (`test_permuting_the_residual_stream_is_a_symmetry`,
+# `test_a_wrong_permutation_is_caught`). `tests/interop/test_marian_files.py`
+# goes through folders and tokenizers, `tests/interop/test_ctranslate2.py`
+# through the export's `ctranslate2/` model, which gives our log-probabilities
+# and translations
+# (`test_the_exported_ctranslate2_model_gives_our_log_probabilities`,
+# `test_the_exported_ctranslate2_model_translates_as_we_do`).
 #
-# - `test_sinusoid_tables_differ_by_the_permutation`: Marian's table,
-#   renumbered by `sinusoid_permutation`, is ours, bit for bit: both compute
-#   the sines in float64 and round them to float32, which hides a last-bit
-#   difference between numpy's and PyTorch's `sin` unless a value lies that
-#   close to a float32 rounding boundary (none does in these tables, under
-#   each kernel choice of `make test-arith` too).
-# - `test_import_gives_marian_logits`, for three Marian shapes (OPUS-MT's id
-#   layout with SiLU; separate source and target vocabularies with GELU;
-#   ReLU without embedding scaling and with an untied output projection, 1 to
-#   3 layers, 3 to 8 heads, d_model 16 to 32): our logits equal Marian's in
-#   float64 within 1e-9 under the token map, and the probabilities too.
-# - `test_every_activation_spelling_and_table_option_imports_as_the_same_function`:
-#   each spelling (`relu`, `gelu`, `silu`, `swish`), with and without
-#   embedding scaling, tied and untied (the unscaled tied model is the one
-#   whose generator must stay Marian's undivided table), gives Marian's
-#   float64 logits within 1e-12 (measured: at most 2.4e-15); `test_an_activation_we_do_not_have_is_refused`
-#   for `gelu_new`, `gelu_fast`, `quick_gelu`, `tanh`, `sigmoid`, `mish`.
-# - `test_export_gives_our_logits`, for three of our shapes (shared and
-#   tied; separate and untied; per-head without attention biases), in both
-#   layouts of section 1: Marian's logits equal ours within 1e-12 in
-#   float64 and 1e-4 in float32 (the measured differences are at most
-#   1.2e-14 and 1.2e-5: two orders of floating-point operations), and the
-#   added rows' logits are `-inf`.
-# - `test_the_export_survives_save_pretrained`, for the same three shapes:
-#   an export loaded, saved with `save_pretrained` and loaded again has the
-#   same tensors, and its float64 logits are ours within 1e-12.
-# - `test_round_trip_is_exact`: export then import gives back every
-#   parameter bit for bit, in either attention form, with our ids.
-# - `test_exported_config_says_what_the_model_does`: the three dropouts.
-# - `test_permuting_the_residual_stream_is_a_symmetry` (the theorem of
-#   `layout.py`, with a random permutation) and
-#   `test_a_wrong_permutation_is_caught` (none, or two coordinates swapped:
-#   the logits move by more than 1e-2).
-# - `test_beam_search_equals_generate`: our `beam_search` and `generate`
-#   with `num_beams=4`, `early_stopping=True` and no length penalty give the
-#   same token ids, for sentences that end on their own and sentences cut at
-#   the length limit (but for the one case below).
-#
-# **Where the two searches differ: the last step at the length limit.** At
-# the last step `generate` ranks the `k` best candidates of that step,
-# finished or not, together with the translations finished before. Our
-# search ranks the live prefixes only when fewer than `k` translations have
-# finished (`_finish_at_max_len` in `annotated/decoding/search.py`). So when
-# the last step itself brings the `k`-th finished translation, a live prefix
-# (cut at the limit, no `eos`) that scores higher than every finished
-# translation is kept by `generate` and dropped by ours, which returns the
-# best finished one. Everywhere else the rule is the same. On the 1,000
-# test_2016_flickr sentences and the shipped de -> en model, with
-# `max_extra=0` this changes 5 translations when each sentence is its own
-# batch, so that each output is cut at its own source's length (sentences
-# 156, 605, 698, 726 and 892, float64), and 3 with `translate_ids`' batches of
-# 64, whose limit is the batch's longest source (156, 435 and 892, in
-# float64 as in float32); with the translator's `max_extra` of 50, none. `test_at_the_length_limit_generate_differs_only_as_stated`
-# checks, in float64 on sentences 150 to 199 at `max_extra=0`, that every
-# difference is of that kind and that there is one (sentence 156).
-#
-# `tests/interop/test_marian_files.py` goes through folders: the export
-# loads offline in `MarianMTModel` and `MarianTokenizer`, which cuts text
-# into our ids; importing an export gives back the checkpoint, its
-# tokenizer and its language pair (`--src`/`--tgt` name it where given, and
-# a folder that names none is refused without them); a folder in OPUS-MT's layout (`</s>` at 0, `<pad>` last, the
-# vocabulary's ids unlike the sentencepiece model's) imports with a tokenizer
-# that, under the token map, cuts text exactly as `MarianTokenizer` does.
-# `tests/interop/test_ctranslate2.py` loads the `ctranslate2/` model of an
-# export (CTranslate2's own converter, run by the export on the layout it
-# needs): its teacher-forced log-probabilities are ours within 1e-4 in
-# float32 (`test_the_exported_ctranslate2_model_gives_our_log_probabilities`),
-# and its greedy and beam translations are ours
-# (`test_the_exported_ctranslate2_model_translates_as_we_do`); the stock
-# `ct2-transformers-converter` run on the `transformers` folder itself moves
-# them by more than 0.1
-# (`test_the_stock_converter_on_the_transformers_folder_starts_from_zero`).
+# Our `beam_search` and `generate` with `num_beams=4`, `early_stopping=True`
+# and no length penalty give the same token ids
+# (`test_beam_search_equals_generate`) but in one case. **At the length
+# limit**, `generate` ranks the `k` best candidates of the last step,
+# finished or not, with the translations finished before; our search ranks
+# the live prefixes only when fewer than `k` translations have finished
+# (`annotated/decoding/search.py`, section 6). So when the last step itself
+# brings the `k`-th finished translation, a live prefix cut at the limit that
+# scores higher than every finished translation is kept by `generate` and
+# dropped by ours. Every difference is of that kind
+# (`test_at_the_length_limit_generate_differs_only_as_stated`; how often:
+# `docs/training.md#exported-and-imported-the-shipped-models`).
 
 # %% [markdown]
 # ## 6. A trained model and its export, on real sentences
@@ -512,34 +473,3 @@ def from_marian(
 # What it measured on the shipped models, with CTranslate2 and with export
 # then import (`test_export_then_import_translates_as_the_checkpoint`), is
 # in `docs/training.md#exported-and-imported-the-shipped-models`.
-
-# %% [markdown]
-# ## 7. Looking at an OPUS-MT model's heads
-#
-# The conversion reads any `MarianMTModel` folder, so the per-head tools work
-# on the OPUS-MT translators. On a machine with internet:
-#
-# ```python
-# from transformers import MarianMTModel, MarianTokenizer
-# name = "Helsinki-NLP/opus-mt-de-en"
-# MarianMTModel.from_pretrained(name).save_pretrained("opus-mt-de-en")
-# MarianTokenizer.from_pretrained(name).save_pretrained("opus-mt-de-en")
-# ```
-#
-# then copy the folder here and run
-#
-# ```sh
-# make import HF=opus-mt-de-en OUT=opus-mt-de-en.pt ARGS='--attention per_head'
-# make heads CHECKPOINT=opus-mt-de-en.pt        # 6 layers x 3 attentions x 8 heads
-# make attention CHECKPOINT=opus-mt-de-en.pt
-# make translate CHECKPOINT=opus-mt-de-en.pt TEXT='Ein Hund rennt über die Wiese.'
-# ```
-#
-# Three differences from `generate` remain in such use, none of them in the
-# conversion: OPUS-MT was trained with `</s>` at the end of every source,
-# which our translator does not add; `MarianTokenizer` normalises
-# punctuation with `sacremoses` where that is installed, and ours does not;
-# and the imported tokenizer cuts text with the *source* sentencepiece model
-# (OPUS-MT has one per language, over one vocabulary), giving the pieces
-# only the target model knows a score so low that a source is never cut
-# into them, so that decoding spells them as the target model would.
