@@ -20,34 +20,20 @@
 #
 # With sentences on the command line it translates them and prints one line
 # per sentence. Without, it reads standard input, one sentence a line, and
-# prints one translation a line. Output line `i` always answers input line
-# `i`: a bad line gets an (empty) answer too, and the reason goes to
-# standard error. How it reads depends on what standard input is:
+# prints one translation a line: a file or a pipe in windows of lines, a
+# terminal line by line (section 4). Output line `i` always answers input
+# line `i`: a bad line gets an (empty) answer too, and the reason goes to
+# standard error.
 #
-# - **a file or a pipe**: it reads a window of at most `WINDOW` lines,
-#   translates them together (`translate_ids` sorts them by length and
-#   decodes many sentences per batch), prints their translations in input
-#   order and flushes. Memory is bounded whatever the input's length. From a
-#   pipe it takes the lines that have arrived, so a program that sends one
-#   line and waits for its answer gets it. On a terminal, standard error
-#   shows a progress bar.
-# - **a terminal** (someone typing): line by line, each answer as soon as
-#   the line is typed, after one line on standard error saying that it is
-#   waiting for sentences, one per line, and that Ctrl-D ends.
-#
-# Everything the model needs comes from the checkpoint (see
-# `annotated/checkpoint.py`): the config, the parameters, and the
-# sentencepiece model the training data was cut with, so the translator
-# splits words into exactly the subwords the model knows. The beam search's
-# length penalty too: the translator decodes at the alpha the checkpoint
-# names (GNMT's `((5 + |Y|) / 6)^alpha`, `annotated/decoding/search.py`),
-# which a run trained with `--length-penalty validation`, or
-# `annotated/training/choose_length_penalty.py`, chooses on the validation
-# split and writes in, as the shipped models carry theirs (alpha 4 for both,
-# `test_the_shipped_alpha_is_the_one_the_rule_picks_on_validation`); at the
-# paper's 0.6 for a checkpoint that names none (`model_length_penalty`,
-# `annotated/checkpoint.py`; why 0.6 stays the default:
-# `docs/training.md`). `--length-penalty` overrides it.
+# Everything the model needs comes from the checkpoint
+# (`annotated/checkpoint.py`): the config, the parameters, the sentencepiece
+# model the training data was cut with, so the translator splits words into
+# exactly the subwords the model knows, and the length penalty its run chose
+# on validation (`model_length_penalty`, `annotated/decoding/settings.py`;
+# the shipped models carry theirs,
+# `test_the_shipped_alpha_is_the_one_the_rule_picks_on_validation`), else the
+# paper's 0.6 (why it stays the default: `docs/training.md`).
+# `--length-penalty` overrides it.
 # (`tests/decoding/test_translate.py`:
 # `test_the_translator_decodes_at_the_models_length_penalty_unless_told`.)
 
@@ -90,53 +76,43 @@ NAME = DOOR.name
 # %% [markdown]
 # ## 1. Which checkpoint
 #
-# `--checkpoint PATH`, or else the model of the latest training run, found
-# by `latest_checkpoint` (`annotated/run_folder.py`):
-# `runs/latest/averaged.pt` where the run averaged its last
-# epochs, else `runs/latest/best.pt`; else that of the run whose `best.pt`
-# was written last; else, with no run at all, the trained model shipped in
-# the package for the direction asked (`--src`/`--tgt`, default de -> en),
-# said in one line on stderr (`choose_checkpoint` of `annotated/shipped/`).
-# The shipped models learnt from Multi30k's image captions: they translate
-# photo captions, not everyday language.
+# `--checkpoint PATH`, or else the door's rule (`annotated/door.py`): the
+# latest training run's model, else the model shipped for the direction asked
+# (`--src`/`--tgt`, default de -> en), said in one line on stderr. The
+# shipped models learnt from Multi30k's image captions: they translate photo
+# captions, not everyday language.
 
 # %% [markdown]
 # ## 2. From text to subword ids, and the input rules
 #
 # A line of text becomes the model's source by sentencepiece alone: no `bos`,
 # no `eos`, exactly as training and evaluation encode sources. Some input
-# cannot be used as it stands; each case has one rule, and the process goes
-# on with the next line:
+# cannot be used as it stands; each case has one rule, which `--help` prints
+# (`RULES`), and a note on stderr that names the line (`prepare`); a bad
+# line gets an empty answer, and the process goes on with the next line. A
+# sentence of more than `LONG_SENTENCE` characters is split at clause ends
+# even within `max_len` (`clauses_within`): a model that never saw a longer
+# sentence tends to end one after its first clauses, losing the rest.
 #
-# | input | what happens |
-# | --- | --- |
-# | empty, or only whitespace | an empty output line; on stderr `line N: empty input, printed an empty line` |
-# | longer than `MAX_LINE_BYTES` (64 KiB) | an empty output line; on stderr `line N: longer than 65536 bytes, printed an empty line` |
-# | more subwords than the model's `max_len` | split at sentence ends (`.`, `!`, `?`, `…`), a part still too long at clause ends (`,`, `;`, `:`), then between words; each part is translated and the translations are joined in order; on stderr `line N: K subwords, more than the model's max_len=M; translated in P parts` |
-# | a sentence of more than `LONG_SENTENCE` (200) characters, though within `max_len` | split at clause ends into runs of whole clauses of at most 200 characters (99.9% of Multi30k's training sentences are shorter): a model that never saw a longer sentence tends to end one after its first clauses, and the rest would be lost without a word; on stderr `line N: C characters, longer than the sentences the model learned from (200); translated in P parts` |
-# | in capitals (`EIN MANN FÄHRT.`), all lower case, or caps-locked (`eIN mANN`) | recased first (`annotated/decoding/casing.py`), translated, and answered in capitals or lower case (caps lock: as usual); on stderr `line N: in capitals: translated as 'Ein Mann fährt.'`; `--case as-typed` turns this off |
-# | characters never seen in training (emoji, symbols, other scripts) | set aside: the rest of the sentence is translated, and they are put back at the end of the translation, in their order (each run of such characters stays together; in a line split into sentences, at the end of their sentence's translation); a line of nothing else is printed as typed, and on stderr `line N: only characters never seen in training ('🙂'): nothing translated, printed as typed` |
-# | bytes that are not UTF-8 (stdin) | each undecodable byte becomes U+FFFD, itself an unseen character; on stderr `line N: not valid UTF-8, undecodable bytes replaced by U+FFFD` |
-# | anything else the decoder rejects with a `ValueError` | an empty output line; on stderr `line N: error: ...` |
-#
-# **Unseen characters.** The tokenizer could spell them as UTF-8 byte pieces
-# (its byte fallback, `annotated/training/data.py`), but the model never saw
-# those pieces in a sentence: what it makes of them is anyone's guess, and
-# one emoji can change the whole translation. Setting them aside makes the
-# rule predictable: a sentence with an emoji translates exactly as the
-# sentence without it, and the emoji is kept, at the end, since an untrained
-# position in the source says nothing about where it belongs in the target
+# **Unseen characters** (emoji, symbols, other scripts) are set aside. The
+# tokenizer could spell them as UTF-8 byte pieces (its byte fallback,
+# `annotated/training/data.py`), but the model never saw those pieces in a
+# sentence: what it makes of them is anyone's guess, and one emoji can change
+# the whole translation. Setting them aside makes the rule predictable: a
+# sentence with an emoji translates exactly as the sentence without it, and
+# the emoji is kept, each run of them in order at the end of its sentence's
+# translation, since an untrained position in the source says nothing about
+# where it belongs in the target
 # (`test_unseen_characters_are_set_aside_and_put_back_at_the_end`). Which
 # characters are unseen, the tokenizer answers once per character
-# (`Tokenizer.unseen_characters`), which keeps the preparing of a file from
-# encoding every character of every line again
-# (benchmarks/README.md#levers-one-beam-at-the-start-inference-mode).
+# (`Tokenizer.unseen_characters`).
 #
 # Standard input is read as bytes and decoded line by line: a text-mode
 # `sys.stdin` would raise on the first bad byte and end the process, losing
-# every later line. It is read at most `MAX_LINE_BYTES + 2` bytes at a time,
-# so a line of 50 MB costs no more memory than a short one: the rest of a
-# line that long is read and dropped in pieces of that size
+# every later line (a bad byte becomes U+FFFD, itself an unseen character).
+# It is read at most `MAX_LINE_BYTES + 2` bytes at a time, so a line of 50 MB
+# costs no more memory than a short one: the rest of a line that long is
+# read and dropped in pieces of that size
 # (`test_a_huge_line_is_never_held_in_memory`). Lines are counted from 1; a
 # sentence on the command line is "argument N".
 
@@ -144,6 +120,34 @@ NAME = DOOR.name
 MAX_LINE_BYTES = 1 << 16
 WINDOW = 1024  # lines read, translated and flushed together from a file or pipe (section 4)
 BATCH_SIZE = 64  # sentences searched together (translate_ids' default; --batch-size)
+PART_V = "make docs, docs/_build/index.html#part-5; docs/circuits.md"  # the book's Part V, circuits/
+RULES = f"""\
+input rules (each bad line still gets one output line, and the next line is served):
+  empty or whitespace-only line  -> prints an empty line; message on stderr
+  line longer than 65536 bytes   -> prints an empty line; message on stderr (memory stays flat)
+  more subwords than max_len     -> split at sentence ends, then clause ends, then between words;
+                                    the parts are translated and joined in order; note on stderr
+  characters unseen in training  -> (emoji, symbols, other scripts) set aside; the rest is translated
+                                    and they are put back at the end of the translation, in order;
+                                    a line of nothing else is printed as typed; note on stderr
+  all capitals / all lower case  -> recased (each word in its most frequent casing in the training data,
+                                    the checkpoint's case table), translated, and answered in capitals /
+                                    lower case; caps lock (eIN mANN) is swapped back; note on stderr
+                                    (--case as-typed: translated as typed)
+  non-UTF-8 bytes on stdin       -> replaced by U+FFFD; warning on stderr naming the line
+  any other error for one line   -> prints an empty line; the error on stderr
+reading stdin: a file or pipe is read {WINDOW} lines at a time, translated in batches, answered in
+input order and flushed (a progress bar on a terminal's stderr); typed on a terminal, line by line
+(Ctrl-D ends).
+output length: at most min(max_len, source subwords + --max-extra) subwords.
+output: one translation a line; with --nbest/--scores "LINE ||| translation [||| log P ||| score]"
+lines, LINE from 0; --format jsonl: one JSON object per input line, its line, source and
+hypotheses (translation, log_prob, score each). An existing --output is kept unless --force is given.
+--alignment: source-target word pairs "i-j" from the cross-attention head `make circuits` names best
+for the checkpoint (the book's Part V: {PART_V}).
+checkpoint missing, corrupt or incompatible, or a bad option: one line on stderr, exit code 2.
+Ctrl-C: "translate: interrupted" on stderr, exit code 130.
+"""
 
 
 def bounded_lines(stream, limit: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:
@@ -427,7 +431,9 @@ def translate(
 # lines at a time. A pipe may deliver its lines slowly (another program
 # sending one and waiting for the answer), so a thread reads it into a queue
 # of at most `WINDOW` lines, and each window takes the first line that comes
-# and then those already waiting. A terminal gets windows of one line.
+# and then those already waiting; a progress bar on a terminal's stderr
+# follows them. Typed on a terminal, a window is one line, answered at once,
+# after one line on stderr that says it waits (`WAITING`; Ctrl-D ends).
 #
 # Why 1,024 lines: `translate_ids` sorts a window by length before cutting
 # it into batches, and the more lines it sorts, the more alike the lengths
@@ -518,46 +524,34 @@ def arrived_windows(items: Iterable, size: int) -> Iterator[list]:
 #
 # Expected failures end the process with one line on stderr and exit code 2,
 # without a traceback: a missing, corrupt or incompatible checkpoint (the
-# message names the file), a checkpoint without a tokenizer, or an option
-# that makes no sense (`--beam 0`, a negative or non-finite
-# `--length-penalty`, `--device tpu`, `--device cuda` without CUDA), which is
-# refused by `annotated/plumbing/options.py` before the checkpoint is even opened.
-# Ctrl-C ends it with `translate: interrupted` and exit code 130, also while
-# torch and the model are still loading (`annotated/plumbing/interrupts.py`);
-# a closed output pipe (`... | head -1`) ends it quietly with 0.
+# message names the file), a checkpoint without a tokenizer, or options that
+# make no sense, alone (`annotated/plumbing/options.py`) or together
+# (`_refused`), refused before the checkpoint is even opened. Ctrl-C ends it
+# with `translate: interrupted` and exit code 130, also while torch and the
+# model are still loading (`annotated/plumbing/interrupts.py`); a closed
+# output pipe (`... | head -1`) ends it quietly with 0.
 #
-# **Files, formats, n-best.** `--input FILE` reads the sentences from a file
-# instead of standard input (not together with sentences as arguments), and
-# `--output FILE` writes there instead of standard output; an existing
-# `--output` is refused unless `--force` is given, as the door refuses any
-# output (`annotated/door.py`), and so is an `--output` that is the
-# `--input` (`test_input_and_output_files_and_no_output_overwritten_without_force`,
-# `test_input_with_sentences_or_onto_itself_is_refused`). The default output
-# stays one translation a line. With `--nbest N` or `--scores` each
-# hypothesis is a line `LINE ||| translation`, with `--scores` followed by
-# `||| log P ||| score` (LINE counted from 0, as Moses and Marian number
-# their n-best lists; `-` where nothing was searched). `--format jsonl`
-# writes one JSON object per input line: `line`, `source`, and
-# `hypotheses`, each with `translation`, `log_prob` and `score`
-# (`test_nbest_and_scores_in_text_are_numbered_lines`). `--nbest` above
-# `--beam` is refused: the list is the beam's finished hypotheses
-# (`test_bad_new_options_exit_2_with_one_line_before_loading`).
-# `--batch-size` is how many sentences a search runs together, and
-# `--threads` PyTorch's thread count while the command runs, hence on the
-# CPU how many batches are translated side by side (`translate_ids`)
+# The options the help describes: `--input`/`--output` files, an existing
+# `--output` kept unless `--force` is given, as the door keeps any output
+# (`test_input_and_output_files_and_no_output_overwritten_without_force`,
+# `test_input_with_sentences_or_onto_itself_is_refused`); n-best lists and
+# scores as `LINE ||| translation ||| log P ||| score` lines (LINE from 0,
+# as Moses and Marian number their n-best lists) or JSON lines (`formatted`,
+# `test_nbest_and_scores_in_text_are_numbered_lines`,
+# `test_bad_new_options_exit_2_with_one_line_before_loading`); `--batch-size`
+# and `--threads`
 # (`test_batch_size_and_threads_reach_the_search_and_threads_are_restored`).
 #
 # **Word alignments.** `--alignment` adds to each hypothesis its word
-# alignment, Pharaoh `i-j` pairs (source word `i`, target word `j`, from 0,
-# words as sentencepiece's `▁` starts them), read from one cross-attention
-# head by `annotated/decoding/alignment.py`: the head Part V
-# (`annotated/circuits/`, `docs/circuits.md`) names best as a word aligner.
-# `--alignment-head LAYER,HEAD` chooses it; else the checkpoint's meta
-# `alignment_head`, where the shipped models carry the head `make circuits`
-# names for them (`test_each_shipped_model_carries_the_head_the_circuits_rule_picks`);
-# else the `best_cross_head` of the `circuits.json` that `make circuits`
-# wrote beside the checkpoint after it was saved (a trained or imported
-# model); else `--alignment` is refused in one line naming both
+# alignment, read from one cross-attention head by
+# `annotated/decoding/alignment.py`: the head Part V (`annotated/circuits/`,
+# `docs/circuits.md`) names best as a word aligner. `--alignment-head
+# LAYER,HEAD` chooses it; else the checkpoint's meta `alignment_head`, where
+# the shipped models carry the head `make circuits` names for them
+# (`test_each_shipped_model_carries_the_head_the_circuits_rule_picks`); else
+# the `best_cross_head` of the `circuits.json` that `make circuits` wrote
+# beside the checkpoint after it was saved (`_alignment_head`); else
+# `--alignment` is refused in one line naming both
 # (`test_alignment_reads_the_head_given_or_the_checkpoints_and_is_refused_without_one`,
 # `test_alignment_reads_the_head_make_circuits_wrote_beside_the_checkpoint`,
 # `test_alignment_in_text_with_every_option`). Source words are those of the
@@ -565,34 +559,6 @@ def arrived_windows(items: Iterable, size: int) -> Iterator[list]:
 # numbers each part's words after the parts before it.
 
 # %%
-PART_V = "make docs, docs/_build/index.html#part-5; docs/circuits.md"  # the book's Part V, circuits/
-RULES = f"""\
-input rules (each bad line still gets one output line, and the next line is served):
-  empty or whitespace-only line  -> prints an empty line; message on stderr
-  line longer than 65536 bytes   -> prints an empty line; message on stderr (memory stays flat)
-  more subwords than max_len     -> split at sentence ends, then clause ends, then between words;
-                                    the parts are translated and joined in order; note on stderr
-  characters unseen in training  -> (emoji, symbols, other scripts) set aside; the rest is translated
-                                    and they are put back at the end of the translation, in order;
-                                    a line of nothing else is printed as typed; note on stderr
-  all capitals / all lower case  -> recased (each word in its most frequent casing in the training data,
-                                    the checkpoint's case table), translated, and answered in capitals /
-                                    lower case; caps lock (eIN mANN) is swapped back; note on stderr
-                                    (--case as-typed: translated as typed)
-  non-UTF-8 bytes on stdin       -> replaced by U+FFFD; warning on stderr naming the line
-  any other error for one line   -> prints an empty line; the error on stderr
-reading stdin: a file or pipe is read {WINDOW} lines at a time, translated in batches, answered in
-input order and flushed (a progress bar on a terminal's stderr); typed on a terminal, line by line
-(Ctrl-D ends).
-output length: at most min(max_len, source subwords + --max-extra) subwords.
-output: one translation a line; with --nbest/--scores "LINE ||| translation [||| log P ||| score]"
-lines, LINE from 0; --format jsonl: one JSON object per input line, its line, source and
-hypotheses (translation, log_prob, score each). An existing --output is kept unless --force is given.
---alignment: source-target word pairs "i-j" from the cross-attention head `make circuits` names best
-for the checkpoint (the book's Part V: {PART_V}).
-checkpoint missing, corrupt or incompatible, or a bad option: one line on stderr, exit code 2.
-Ctrl-C: "translate: interrupted" on stderr, exit code 130.
-"""
 CASE_NOTES = {"upper": "in capitals", "lower": "all lower case", "inverted": "caps lock"}
 WAITING = f"{NAME}: waiting for sentences, one per line (Ctrl-D to end)"
 
@@ -795,40 +761,30 @@ def formatted(index: int, source: str, answers: list[Answer], args) -> str:
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr: TextIO | None = None) -> int:
     """Run the translator; `stdin`/`stdout` are binary streams (default: the process's)."""
-    try:
+    stderr = sys.stderr if stderr is None else stderr
+    door = replace(DOOR, stderr=stderr)
+    try:  # --help (0), or a refusal: one line on stderr (2)
         args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help (0) or a bad option (2, its one line already on stderr)
+        args.device = default_device(args.device)
+        if args.quantize and args.device.type != "cpu":
+            door.fail(f"--quantize {args.quantize} runs on the CPU only: add --device cpu")
+        refused = _refused(args)
+        if refused:
+            door.fail(refused)
+        door.keep(args, [args.output], elsewhere=f"{DOOR.typed('--output', 'NEW')} to write elsewhere")
+        if args.device.type == "cpu":
+            keep_freed_memory()  # a beam step's large tensors reuse the previous step's memory (plumbing/allocator.py)
+        door.checkpoint(args)
+        try:
+            model, tokenizer, table, alpha = _load(args)
+            if args.quantize:
+                model = quantize_int8(model)
+        except (CheckpointError, ValueError) as e:
+            door.fail(str(e))
+    except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     stdin = sys.stdin.buffer if stdin is None else stdin
     stdout = sys.stdout.buffer if stdout is None else stdout
-    stderr = sys.stderr if stderr is None else stderr
-    args.device = default_device(args.device)
-    if args.quantize and args.device.type != "cpu":
-        _say(stderr, f"{NAME}: error: --quantize {args.quantize} runs on the CPU only: add --device cpu")
-        return 2
-    refused = _refused(args)
-    if refused:
-        _say(stderr, f"{NAME}: error: {refused}")
-        return 2
-    try:
-        replace(DOOR, stderr=stderr).keep(
-            args, [args.output], elsewhere=f"{DOOR.typed('--output', 'NEW')} to write elsewhere"
-        )
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
-    if args.device.type == "cpu":
-        keep_freed_memory()  # a beam step's large tensors reuse the previous step's memory (plumbing/allocator.py)
-    try:
-        replace(DOOR, stderr=stderr).checkpoint(args)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
-    try:
-        model, tokenizer, table, alpha = _load(args)
-        if args.quantize:
-            model = quantize_int8(model)
-    except (CheckpointError, ValueError) as e:
-        _say(stderr, f"{NAME}: error: {e}")
-        return 2
     if args.length_penalty is None:  # the model's own, unless the user gave one
         args.length_penalty = alpha
     with contextlib.ExitStack() as files:
