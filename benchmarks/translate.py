@@ -147,7 +147,7 @@ def tool(
     if name == "generate":
         from transformers import MarianMTModel
 
-        from annotated.interop.agreement import generate_ids
+        from benchmarks.agreement import generate_ids
 
         hf = MarianMTModel.from_pretrained(str(folder / "hf"), local_files_only=True).float().eval()
         return lambda: [tokenizer.decode(h) for h in generate_ids(hf, sources, length_penalty=1.0)]

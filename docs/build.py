@@ -109,7 +109,6 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # (id, title, modules: 
             "interop/marian",
             "interop/folders",
             "interop/card",
-            "interop/agreement",
         ),
     ),
     (

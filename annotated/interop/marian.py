@@ -459,17 +459,13 @@ def from_marian(
 # %% [markdown]
 # ## 6. A trained model and its export, on real sentences
 #
-# `annotated/interop/agreement.py` exports a checkpoint, loads it back with
-# `from_pretrained` and compares on test_2016_flickr: logits in float64 and
-# float32, and translations with and without length penalties
-# (`tests/interop/test_agreement.py` runs it on a trained checkpoint).
-#
 # The length penalties are the one setting that cannot be matched: GNMT's
 # `((5 + |Y|) / 6)^alpha` against `|Y|^length_penalty`. They rank two
 # finished translations of lengths `m < n` the same way except when the
-# ratio of their log-probabilities falls between the two penalties' ratios;
-# `agreement.py` counts the translations where the two searches then differ.
-#
-# What it measured on the shipped models, with CTranslate2 and with export
-# then import (`test_export_then_import_translates_as_the_checkpoint`), is
-# in `docs/training.md#exported-and-imported-the-shipped-models`.
+# ratio of their log-probabilities falls between the two penalties' ratios.
+# `python -m benchmarks.agreement` compares a checkpoint and its export on
+# test_2016_flickr, logits and translations with and without length
+# penalties; what it measured on the shipped models, with CTranslate2 and
+# with export then import
+# (`test_export_then_import_translates_as_the_checkpoint`), is in
+# `docs/training.md#exported-and-imported-the-shipped-models`.

@@ -43,7 +43,6 @@ COMMANDS = {  # module -> the command's name
     "annotated.circuits.command": "circuits",
     "annotated.proof.equivalence": "equivalence",
     "annotated.interop.folders": "export-import",  # its subcommands name themselves: export, import
-    "annotated.interop.agreement": "agreement",
     "annotated.training.pack": "pack",
     "annotated.training.add_case_table": "add_case_table",
     "annotated.training.choose_length_penalty": "choose_length_penalty",
@@ -59,6 +58,7 @@ COMMANDS = {  # module -> the command's name
     "benchmarks.int8_products": "int8-bench",
     "benchmarks.circuits": "circuits-bench",
     "benchmarks.alignment": "alignment-bench",
+    "benchmarks.agreement": "agreement",
     "benchmarks.annotated_transformer": "annotated-transformer-bench",
     "docs.build": "docs",
     "docs.notebook": "notebook",

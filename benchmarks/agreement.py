@@ -1,40 +1,29 @@
-# %% [markdown]
-# # A trained model and its export, on real sentences
-#
-# ```sh
-# python -m annotated.interop.agreement runs/<run>/averaged.pt [--sentences 1000] [--hf-length-penalty 0.6 1.0]
-# ```
-#
-# exports the checkpoint into a temporary folder, loads it back with
-# `MarianMTModel.from_pretrained`, and compares on test_2016_flickr (the
-# checkpoint's languages):
-#
-# 1. **logits**, teacher-forced on each source and its reference, in
-#    float64 and in float32: the largest absolute difference over every
-#    position and every token of ours (the export's added `<pad>` row is
-#    `-inf`). In float32 the folder as `from_pretrained` loads it; in float64
-#    the conversion of our float64 model (`to_marian`), the folder being
-#    float32;
-# 2. **translations**, our `translate_ids` (beam 4) against `generate`
-#    (`num_beams=4`, `early_stopping=True`) on the same batches, with the
-#    same output length limit: the share of identical translations and each
-#    one's corpus BLEU. First with no length penalty on either side (`alpha =
-#    0` and `length_penalty=0`, where the two formulas agree, so any
-#    difference is a difference of search), then with our translator's
-#    GNMT `alpha` (the model's own, `model_length_penalty`, unless `--alpha`
-#    names one) against `generate`'s `|Y|^length_penalty`;
-# 3. where `ctranslate2` is installed, **CTranslate2**: the export's
-#    `ctranslate2/` model, which CTranslate2's own converter (the code of
-#    `ct2-transformers-converter`, nothing patched) made from the layout it
-#    needs (section 1 of `marian.py`; `ctranslate2_ids`), `translate_batch` with
-#    beam 4 and `length_penalty=0`, the same output length limits, against
-#    our search with `alpha = 0`: the share of identical translations and
-#    each one's corpus BLEU.
-#
-# `tests/interop/test_agreement.py` runs it on a trained checkpoint where
-# there is one.
+"""A trained model and its MarianMTModel export, on real sentences.
 
-# %%
+    python -m benchmarks.agreement runs/<run>/averaged.pt [--sentences 1000] [--hf-length-penalty 0.6 1.0]
+
+exports the checkpoint into a temporary folder, loads it back with `MarianMTModel.from_pretrained`, and compares
+on test_2016_flickr (the checkpoint's languages):
+
+1. **logits**, teacher-forced on each source and its reference, in float64 and in float32: the largest absolute
+   difference over every position and every token of ours (the export's added `<pad>` row is `-inf`). In float32
+   the folder as `from_pretrained` loads it; in float64 the conversion of our float64 model (`to_marian`), the
+   folder being float32;
+2. **translations**, our `translate_ids` (beam 4) against `generate` (`num_beams=4`, `early_stopping=True`) on the
+   same batches, with the same output length limit: the share of identical translations and each one's corpus
+   BLEU. First with no length penalty on either side (`alpha = 0` and `length_penalty=0`, where the two formulas
+   agree, so any difference is a difference of search), then with our translator's GNMT `alpha` (the model's own,
+   `model_length_penalty`, unless `--alpha` names one) against `generate`'s `|Y|^length_penalty`;
+3. where `ctranslate2` is installed, **CTranslate2**: the export's `ctranslate2/` model, which CTranslate2's own
+   converter (the code of `ct2-transformers-converter`, nothing patched) made from the layout it needs (section 1
+   of `annotated/interop/marian.py`; `ctranslate2_ids`), `translate_batch` with beam 4 and `length_penalty=0`, the
+   same output length limits, against our search with `alpha = 0`: the share of identical translations and each
+   one's corpus BLEU.
+
+Its figures for the shipped models are in docs/training.md#exported-and-imported-the-shipped-models;
+`tests/test_agreement_bench.py` runs it on a trained checkpoint.
+"""
+
 from __future__ import annotations
 
 import json

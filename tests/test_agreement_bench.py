@@ -1,4 +1,4 @@
-"""A trained checkpoint and its MarianMTModel export on real test sentences (annotated/interop/agreement.py).
+"""A trained checkpoint and its MarianMTModel export on real test sentences (benchmarks/agreement.py).
 
 Runs on $ANNOTATED_CHECKPOINT, else on the latest run's model under runs/, else on the shipped de -> en model
 (`annotated/shipped/`, the commands' own rule): never skipped.
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
-from annotated.interop.agreement import compare
 from annotated.shipped import choose_checkpoint
+from benchmarks.agreement import compare
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_trained_checkpoint_and_its_export_agree(data_url):
@@ -40,11 +40,11 @@ def test_at_the_length_limit_generate_differs_only_as_stated(data_url):
 
     from annotated.checkpoint import load_checkpoint
     from annotated.decoding.search import translate_ids
-    from annotated.interop.agreement import generate_ids
     from annotated.interop.marian import to_marian
     from annotated.tokens import BOS, EOS, PAD
     from annotated.training.data import load_multi30k
     from annotated.transformer import padding_mask, subsequent_mask
+    from benchmarks.agreement import generate_ids
 
     checkpoint = choose_checkpoint(os.environ.get("ANNOTATED_CHECKPOINT"), REPO / "runs")
     model, tokenizer, meta = load_checkpoint(checkpoint)
