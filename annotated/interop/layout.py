@@ -99,25 +99,12 @@ def inverse_permutation(perm: Tensor) -> Tensor:
 # moves the logits by far more than rounding (`test_a_wrong_permutation_is_caught`).
 
 # %%
-# the d_model axis of each kind of parameter (fused form); the others (b_Q, b_K, b_V, b_1,
+# the d_model axis of each kind of parameter (fused form): rows (0) of what reads the residual stream (P^T W) and of
+# the vectors in it (b P), columns (1) of what writes to it (W P) and of the tables; the others (b_Q, b_K, b_V, b_1,
 # generator.bias) live in head or hidden space or over the vocabulary and are not renumbered
-RESIDUAL_AXIS = {
-    "W_Q": 0,
-    "W_K": 0,
-    "W_V": 0,
-    "W_1": 0,  # read:  P^T W (rows)
-    "W_O": 1,
-    "W_2": 1,  # write: W P (columns)
-    "b_O": 0,
-    "b_2": 0,
-    "ln.weight": 0,
-    "ln.bias": 0,
-    "final_ln.weight": 0,
-    "final_ln.bias": 0,
-    "src_embed.weight": 1,
-    "tgt_embed.weight": 1,
-    "generator.weight": 1,
-}  # tables: columns
+READ_OR_IN = ("W_Q", "W_K", "W_V", "W_1", "b_O", "b_2", "ln.weight", "ln.bias", "final_ln.weight", "final_ln.bias")
+WRITE_OR_TABLE = ("W_O", "W_2", "src_embed.weight", "tgt_embed.weight", "generator.weight")
+RESIDUAL_AXIS = dict.fromkeys(READ_OR_IN, 0) | dict.fromkeys(WRITE_OR_TABLE, 1)
 
 
 def residual_axis(name: str) -> int | None:
