@@ -21,24 +21,17 @@
 # **Recasing** (`recase`) gives each word the casing it has most often in
 # the training data's source sentences, not counting the first word of a
 # sentence (`case_table`; training stores this table in every checkpoint,
-# beside the tokenizer). A word the table lacks, or a checkpoint without a
-# table, falls back on the tokenizer: lower (`ein`), capitalised (`Mann`)
-# or, for a line typed in capitals, capitals (`USA`), whichever form has no
-# character the tokenizer never saw (spelled in byte pieces) and is spelled
-# with the fewest subwords, since a frequent word of the training data is
-# one piece in the casing it was seen in and takes several in a casing it
-# rarely had. Capitals spell "ß" as "SS", so a word with "ss" also tries "ß"
-# in its place (`FUSSBALL` -> `Fußball`), which must then take strictly
-# fewer subwords. Between forms of as many subwords, the one whose subwords
-# were merged earlier (sentencepiece's piece scores, higher for more
-# frequent pieces) wins, and then the lower form. The first letter of the
-# line becomes a capital. The table is the better guide: the vocabulary is
-# shared by both languages, so by the tokenizer alone the German `Shirt`
-# loses to the English `shirt`.
-#
-# `python -m annotated.training.add_case_table --checkpoint OLD --out NEW`
-# writes a copy of a checkpoint trained before the table existed, with the
-# table of its Multi30k training data.
+# beside the tokenizer; `python -m annotated.training.add_case_table` adds it
+# to an older one). The table is the better guide: the vocabulary is shared
+# by both languages, so by the tokenizer alone the German `Shirt` loses to
+# the English `shirt`. A word the table lacks falls back on the tokenizer:
+# lower (`ein`), capitalised (`Mann`) or, for a line typed in capitals,
+# capitals (`USA`), whichever form spells no unseen character and takes the
+# fewest subwords (a frequent word is one piece in the casing it was seen
+# in); capitals spell "ß" as "SS", so a word with "ss" also tries "ß"
+# (`FUSSBALL` -> `Fußball`), which must then take strictly fewer. Ties go to
+# the form whose subwords sentencepiece scores higher, then to the lower
+# one. The first letter of the line becomes a capital.
 #
 # What it is worth on `test_2016_flickr` (the whole source in capitals, in
 # lower case, or caps-locked) is measured by `benchmarks/case.py` and given

@@ -67,22 +67,22 @@ from annotated.transformer import (
 # ## 1. What every decoder checks first
 #
 # Decoding runs the model many times, so a bad argument should fail before the
-# first step, with a message that names it. Two rules deserve a word:
+# first step, with a message that names it: `check_decoding` of
+# `annotated/checks.py`, the door every entry point of this file goes through
+# before any model work (`test_bad_arguments_are_named`). Three rules
+# deserve a word:
 #
-# - **eval mode.** In training mode dropout is active and every decoder call
-#   draws new noise: the output is random, and cached decoding no longer equals
-#   recomputation. Decoding a model in training mode is almost always a
-#   forgotten `model.eval()`, so it is an error, not a silent guess.
+# - **eval mode.** In training mode dropout draws new noise at every decoder
+#   call: the output is random, and cached decoding no longer equals
+#   recomputation. Decoding in training mode is almost always a forgotten
+#   `model.eval()`, so it is an error, not a silent guess.
 # - **length.** The decoder input at the last step holds `bos` and
 #   `max_len - 1` generated tokens, at positions `0 ... max_len - 1`, so
 #   `max_len` may not exceed the model's positional table (`config.max_len`);
 #   nor may the source.
 # - **token ids.** Every source id must index the embedding table. The model
 #   itself does not check (a range check reads the ids back to the host, a
-#   stall on a GPU at every training step), so the decoders check once, here,
-#   with `check_decoding` from `annotated/checks.py`, the door every
-#   entry point of this file goes through before any model work
-#   (`test_bad_arguments_are_named`).
+#   stall on a GPU at every training step), so the decoders check once.
 
 
 # %%
@@ -726,24 +726,21 @@ def _block_size(V: int, n: int) -> int:
 # in, lists of subword ids out, with greedy (`beam_size=1`) or beam search.
 # It runs under `torch.inference_mode`, not only without gradients: PyTorch
 # then keeps no version counters or view records for the tensors of the
-# search, which makes it a little faster
-# (benchmarks/README.md#levers-one-beam-at-the-start-inference-mode). No tensor
-# leaves it (it returns lists), so nothing of inference mode reaches the
-# caller, and the model trains after it
-# (`test_translate_ids_searches_in_inference_mode_and_the_model_trains_after_it`);
-# `greedy` and `beam_search`, which return tensors, keep `torch.no_grad`.
+# search (benchmarks/README.md#levers-one-beam-at-the-start-inference-mode).
+# No tensor leaves it, so nothing of inference mode reaches the caller, and
+# the model trains after it
+# (`test_translate_ids_searches_in_inference_mode_and_the_model_trains_after_it`).
 #
 # **More than one thread.** A beam step is a few hundred operators, most of
-# them too small for PyTorch to share between threads: two threads searched
-# hardly faster than one. So on the CPU with `n` threads `translate_ids`
-# translates `n` batches at once, each on one thread (Python threads: PyTorch
-# lets go of the interpreter inside its operators), and sets PyTorch's
-# thread count to 1 while they run, back after
-# (benchmarks/README.md#levers-the-circuits-two-threads has what it gains). Each
-# batch is searched as it would be alone, so the translations are those of
-# one thread, in input order
-# (`test_translate_ids_on_two_threads_runs_two_batches_at_once_and_translates_the_same`).
-# Inference mode belongs to a thread, so each batch enters it
+# them too small for PyTorch to share between threads. So on the CPU with
+# `n` threads `translate_ids` translates `n` batches at once, each on one
+# thread (Python threads: PyTorch lets go of the interpreter inside its
+# operators), with PyTorch's thread count 1 while they run
+# (benchmarks/README.md#levers-the-circuits-two-threads). Each batch is
+# searched as it would be alone, so the translations are those of one
+# thread, in input order
+# (`test_translate_ids_on_two_threads_runs_two_batches_at_once_and_translates_the_same`);
+# inference mode belongs to a thread, so each batch enters it
 # (`_translate_batch`).
 
 
