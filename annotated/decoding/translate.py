@@ -217,8 +217,7 @@ def sentences_that_fit(text: str, tokenizer, max_len: int) -> list[tuple[list[li
 
 def clauses_within(sentence: str, limit: int = LONG_SENTENCE) -> list[str]:
     """A sentence longer than `limit` characters as runs of whole clauses (cut after `,` `;` `:`) of at most
-    `limit` characters each (a clause longer than that stays whole); a shorter sentence as it is. A model
-    trained on sentences up to about `limit` characters tends to end a much longer one after its first clauses.
+    `limit` characters each (a clause longer than that stays whole); a shorter sentence as it is (section 2).
 
     >>> clauses_within("Ein Hund rennt, eine Frau liest; ein Mann schläft.", limit=20)
     ['Ein Hund rennt,', 'eine Frau liest;', 'ein Mann schläft.']
@@ -321,26 +320,19 @@ def prepare(
 # %% [markdown]
 # ## 3. Translating, many lines at once
 #
-# The sources go through `translate_ids` (`annotated/decoding/search.py`):
-# beam search, or greedy for `--beam 1`, many sentences per batch, sorted by
-# length. The output may be at most `min(max_len, S + max_extra)` subwords
-# for a source of `S` subwords: the Transformer paper's "input length + 50"
-# (section 6.1), capped by the model's positional table. The ids up to `eos`
-# are turned back into text by sentencepiece; the parts of a line are joined
-# with spaces and its set-aside characters follow. The output must stay one
-# line per sentence, but byte pieces can spell any character, a line break
-# included: each line break in a translation becomes a space.
+# The sources go through `translate_ids` (`annotated/decoding/search.py`,
+# section 8), an output at most `min(max_len, S + max_extra)` subwords for a
+# source of `S`. The ids up to `eos` are turned back into text by
+# sentencepiece; the parts of a line are joined with spaces and its
+# set-aside characters follow. Byte pieces can spell a line break, and the
+# output must stay one line per sentence: each becomes a space.
 #
-# **n-best and scores.** With `nbest=n`, `translate_prepared` asks
-# `translate_ids` for each source's `n` best hypotheses with their log-probability
-# `log P(Y | X)` and the score the search ranked them by, `log P / lp(|Y|)`
-# (`annotated/decoding/search.py`, sections 4 and 6: the n best of the
-# beam's finished hypotheses, so `n <= beam`). A line translated in parts
-# has as many hypotheses as its part with the fewest; hypothesis `i` joins
-# the `i`-th of each part, and its log-probability and score are the sums of
-# the parts' (the parts are searched independently, so the sum is the
-# log-probability of the joined translation). A line with nothing to search
-# (empty, too long, only unseen characters, rejected) has one hypothesis,
+# **n-best and scores.** With `nbest=n`, each source's `n` best hypotheses
+# come with `log P(Y | X)` and their score `log P / lp(|Y|)` (search.py,
+# sections 4 and 6). A line translated in parts has as many hypotheses as its
+# part with the fewest; hypothesis `i` joins the `i`-th of each part, and its
+# log-probability and score are the sums of the parts' (the parts are
+# searched independently). A line with nothing to search has one hypothesis,
 # its answer, with no scores. The first hypothesis is the one-best
 # translation, word for word
 # (`test_the_first_of_the_nbest_is_the_translation_and_scores_are_the_searchs`).
@@ -543,20 +535,17 @@ def arrived_windows(items: Iterable, size: int) -> Iterator[list]:
 # (`test_batch_size_and_threads_reach_the_search_and_threads_are_restored`).
 #
 # **Word alignments.** `--alignment` adds to each hypothesis its word
-# alignment, read from one cross-attention head by
-# `annotated/decoding/alignment.py`: the head Part V (`annotated/circuits/`,
-# `docs/circuits.md`) names best as a word aligner. `--alignment-head
-# LAYER,HEAD` chooses it; else the checkpoint's meta `alignment_head`, where
-# the shipped models carry the head `make circuits` names for them
-# (`test_each_shipped_model_carries_the_head_the_circuits_rule_picks`); else
-# the `best_cross_head` of the `circuits.json` that `make circuits` wrote
-# beside the checkpoint after it was saved (`_alignment_head`); else
-# `--alignment` is refused in one line naming both
+# alignment, read by `annotated/decoding/alignment.py` from the
+# cross-attention head Part V names best as a word aligner: the one
+# `--alignment-head` gives, else the checkpoint's (the shipped models carry
+# theirs, `test_each_shipped_model_carries_the_head_the_circuits_rule_picks`),
+# else the one `make circuits` wrote beside it (`_alignment_head`); without
+# one, `--alignment` is refused
 # (`test_alignment_reads_the_head_given_or_the_checkpoints_and_is_refused_without_one`,
 # `test_alignment_reads_the_head_make_circuits_wrote_beside_the_checkpoint`,
-# `test_alignment_in_text_with_every_option`). Source words are those of the
-# text translated, after unseen characters are set aside; a line in parts
-# numbers each part's words after the parts before it.
+# `test_alignment_in_text_with_every_option`). A line in parts numbers each
+# part's words after the parts before it (`_aligned`).
+
 
 # %%
 CASE_NOTES = {"upper": "in capitals", "lower": "all lower case", "inverted": "caps lock"}
@@ -640,10 +629,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _say(stream: TextIO, message: str) -> None:
-    print(message, file=stream, flush=True)
-
-
 def _load(args):
     """(model on the device, tokenizer, case table or None, the model's length penalty) of the checkpoint the door
     chose; CheckpointError when it cannot translate text."""
@@ -657,12 +642,13 @@ def _load(args):
             f"checkpoint {path} translates {meta['src_lang']} -> {meta.get('tgt_lang')}, not "
             f"{asked.replace('-', ' -> ')}; drop --src/--tgt or pick another --checkpoint"
         )
-    if args.alignment and _alignment_head(args, meta) is None:
-        raise CheckpointError(
-            f"checkpoint {path} names no cross-attention head to align with: run make circuits CHECKPOINT={path} "
-            "(it names the head that aligns best, beside the checkpoint), or add --alignment-head LAYER,HEAD"
-        )
     if args.alignment:
+        if _alignment_head(args, meta) is None:
+            raise CheckpointError(
+                f"checkpoint {path} names no cross-attention head to align with: run make circuits "
+                f"CHECKPOINT={path} (it names the head that aligns best, beside the checkpoint), or add "
+                "--alignment-head LAYER,HEAD"
+            )
         layer, head = args.alignment_head
         if not (0 <= layer < len(model.decoder.layers) and 0 <= head < model.config.h):
             raise CheckpointError(
@@ -678,7 +664,7 @@ def _input_windows(args, stdin, stderr: TextIO) -> Iterator[list]:
     if args.sentences:
         return windows(_numbered(args.sentences, stdin), WINDOW)
     if stdin.isatty():
-        _say(stderr, WAITING)
+        print(WAITING, file=stderr, flush=True)
         return windows(_numbered([], stdin), 1)
     if _is_pipe(stdin):  # the reading thread gets its own reader: one it may still hold when the process ends
         own = open(os.dup(stdin.fileno()), "rb", buffering=MAX_LINE_BYTES + 2)  # noqa: SIM115 the thread holds it
@@ -864,7 +850,7 @@ def _serve(model, tokenizer, table, args, stdin, stdout, stderr: TextIO) -> int:
                     if bar is not None:
                         bar.write(f"{line.where}: {note}", file=stderr)
                     else:
-                        _say(stderr, f"{line.where}: {note}")
+                        print(f"{line.where}: {note}", file=stderr, flush=True)
                 stdout.write(formatted(index, text or "", answer, args).encode("utf-8"))
                 index += 1
             stdout.flush()

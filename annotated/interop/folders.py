@@ -58,15 +58,11 @@ from annotated.transformer import AttentionForm
 # what ours sees, encode with `tokenizer(text, add_special_tokens=False)`.
 #
 # The generation config asks for our translator's search where
-# `transformers` has it: the translator's beam (`--beam`'s default), stop a
-# sentence when that many translations have finished
-# (`early_stopping=True`, our rule, `annotated/decoding/search.py`). The
-# length penalties differ in form: ours is GNMT's `((5 + |Y|) / 6)^alpha`,
-# `generate` divides by `|Y|^length_penalty`; the two agree only at 0. The
-# export writes `length_penalty=1.0`, `transformers`' default (what that
-# changes: `docs/training.md#exported-and-imported-the-shipped-models`). The
-# generation config and `config.json` name the same special ids: the decoder starts with our `bos`
-# (id 1), whose row gives our first decoder input; `<pad>` pads; `</s>` ends
+# `transformers` has it: the translator's beam, `early_stopping=True` (our
+# rule), and `transformers`' default `length_penalty=1.0`, since no setting
+# of `generate`'s `|Y|^length_penalty` ranks as GNMT's alpha does (section 6
+# of `marian.py`). It and `config.json` name the same special ids: the
+# decoder starts with our `bos` (id 1), `<pad>` pads, `</s>` ends
 # (`test_the_generation_config_starts_the_decoder_with_our_first_input`).
 #
 # **`annotated.json`** carries what our translator decodes with beyond the
@@ -119,15 +115,11 @@ def _write_tokenizer(tokenizer, folder: Path, size: int, meta: dict, max_len: in
         str(folder / "vocab.json"),
         source_lang=meta.get("src_lang"),
         target_lang=meta.get("tgt_lang"),
-        unk_token=vocab_piece(tokenizer, UNK),
-        eos_token=vocab_piece(tokenizer, EOS),
+        unk_token=tokenizer.pieces([UNK])[0],
+        eos_token=tokenizer.pieces([EOS])[0],
         pad_token="<pad>",
         model_max_length=max_len,
     ).save_pretrained(str(folder))
-
-
-def vocab_piece(tokenizer, i: int) -> str:
-    return tokenizer.pieces([i])[0]
 
 
 GENERATE_LENGTH_PENALTY = 1.0  # transformers' default: generate's |Y|^length_penalty, not our GNMT alpha

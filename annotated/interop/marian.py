@@ -91,24 +91,18 @@ FROM_MARIAN_ACTIVATION: dict[str, Activation] = {"relu": "relu", "gelu": "gelu",
 #
 #   **CTranslate2 needs another layout.** Its converter
 #   (`ct2-transformers-converter`) counts on OPUS-MT's zero start row: it
-#   starts every Marian decoder from a zero embedding
-#   (`start_from_zero_embedding`), whatever the start token, plus the
-#   positional table's first row, drops the vocabulary's last entry if it is
-#   `<pad>` and cuts that row off both embedding tables and the output
-#   projection. So for CTranslate2 the start vector `sqrt(d_model) E[bos] +
-#   PE[0]` must be the decoder's first *positional* row, stored in the folder,
-#   with a zero start row (`to_marian(..., for_ctranslate2=True)`). That row
-#   cannot survive `save_pretrained`, which leaves Marian's positional tables
-#   out of what it writes, and no one folder serves both: CTranslate2 reads
-#   `0 + P[0]` from the stored table, so `P[0]` must be the start vector;
-#   `transformers` reads `E[start] + P[0]`, so `E[start]` must then be zero;
-#   and after `save_pretrained`, `P[0]` is the sinusoid again. So the
-#   export is the `transformers` layout above, and beside it, where
-#   `ctranslate2` is installed, `ctranslate2/`: the CTranslate2 layout
-#   converted by CTranslate2's own converter, ready for
-#   `ctranslate2.Translator` (`folders.py`). The stock converter run on the
-#   `transformers` folder itself would start from a zero vector, which this
-#   model never saw (`test_the_stock_converter_on_the_transformers_folder_starts_from_zero`).
+#   starts every Marian decoder from a zero embedding plus the positional
+#   table's first row, and cuts a last `<pad>` entry off the vocabulary. So
+#   for CTranslate2 the start vector `sqrt(d_model) E[bos] + PE[0]` must be
+#   the decoder's first *positional* row, stored in the folder, with a zero
+#   start row (`to_marian(..., for_ctranslate2=True)`). No one folder serves
+#   both (`transformers` reads `E[start] + P[0]`, and `save_pretrained` does
+#   not write the positional tables), so the export is the `transformers`
+#   layout above and beside it, where `ctranslate2` is installed,
+#   `ctranslate2/`: the CTranslate2 layout converted by CTranslate2's own
+#   converter (`folders.py`). The stock converter run on the `transformers`
+#   folder itself would start from a zero vector, which this model never saw
+#   (`test_the_stock_converter_on_the_transformers_folder_starts_from_zero`).
 #   Exports written before this layout (start row `<pad>`, the start vector
 #   in the stored positional row) still import
 #   (`test_an_export_in_the_older_layout_still_imports`).
