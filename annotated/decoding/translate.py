@@ -43,13 +43,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import operator
 import os
 import queue
 import re
 import stat
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple, TextIO
@@ -95,26 +96,20 @@ NAME = DOOR.name
 # sentence tends to end one after its first clauses, losing the rest.
 #
 # **Unseen characters** (emoji, symbols, other scripts) are set aside. The
-# tokenizer could spell them as UTF-8 byte pieces (its byte fallback,
-# `annotated/training/data.py`), but the model never saw those pieces in a
-# sentence: what it makes of them is anyone's guess, and one emoji can change
-# the whole translation. Setting them aside makes the rule predictable: a
-# sentence with an emoji translates exactly as the sentence without it, and
-# the emoji is kept, each run of them in order at the end of its sentence's
-# translation, since an untrained position in the source says nothing about
-# where it belongs in the target
-# (`test_unseen_characters_are_set_aside_and_put_back_at_the_end`). Which
-# characters are unseen, the tokenizer answers once per character
-# (`Tokenizer.unseen_characters`).
+# tokenizer could spell them in UTF-8 byte pieces, but the model never saw
+# those in a sentence, and one emoji could change the whole translation. Set
+# aside, a sentence with an emoji translates exactly as the sentence without
+# it, and the emoji is kept, each run in order at the end of its sentence's
+# translation: an untrained position in the source says nothing about where
+# it belongs in the target
+# (`test_unseen_characters_are_set_aside_and_put_back_at_the_end`).
 #
-# Standard input is read as bytes and decoded line by line: a text-mode
-# `sys.stdin` would raise on the first bad byte and end the process, losing
-# every later line (a bad byte becomes U+FFFD, itself an unseen character).
-# It is read at most `MAX_LINE_BYTES + 2` bytes at a time, so a line of 50 MB
-# costs no more memory than a short one: the rest of a line that long is
-# read and dropped in pieces of that size
-# (`test_a_huge_line_is_never_held_in_memory`). Lines are counted from 1; a
-# sentence on the command line is "argument N".
+# Standard input is read as bytes and decoded line by line (a bad byte
+# becomes U+FFFD, itself unseen): a text-mode `sys.stdin` would raise on the
+# first bad byte and lose every later line. It is read at most
+# `MAX_LINE_BYTES + 2` bytes at a time, so a line of 50 MB costs no more
+# memory than a short one (`test_a_huge_line_is_never_held_in_memory`).
+# Lines are counted from 1; a sentence on the command line is "argument N".
 
 # %%
 MAX_LINE_BYTES = 1 << 16
@@ -140,11 +135,6 @@ reading stdin: a file or pipe is read {WINDOW} lines at a time, translated in ba
 input order and flushed (a progress bar on a terminal's stderr); typed on a terminal, line by line
 (Ctrl-D ends).
 output length: at most min(max_len, source subwords + --max-extra) subwords.
-output: one translation a line; with --nbest/--scores "LINE ||| translation [||| log P ||| score]"
-lines, LINE from 0; --format jsonl: one JSON object per input line, its line, source and
-hypotheses (translation, log_prob, score each). An existing --output is kept unless --force is given.
---alignment: source-target word pairs "i-j" from the cross-attention head `make circuits` names best
-for the checkpoint (the book's Part V: {PART_V}).
 checkpoint missing, corrupt or incompatible, or a bad option: one line on stderr, exit code 2.
 Ctrl-C: "translate: interrupted" on stderr, exit code 130.
 """
@@ -191,9 +181,8 @@ def set_aside_unseen(text: str, tokenizer) -> tuple[str, list[str]]:
     unseen = tokenizer.unseen_characters(text)
     if not unseen:
         return text, []
-    runs = re.findall("[" + re.escape("".join(sorted(unseen))) + "]+", text)
-    kept = re.sub("[" + re.escape("".join(sorted(unseen))) + "]+", " ", text)
-    return " ".join(kept.split()), runs
+    runs = "[" + re.escape("".join(sorted(unseen))) + "]+"
+    return " ".join(re.sub(runs, " ", text).split()), re.findall(runs, text)
 
 
 SENTENCE_END = re.compile(r"(?<=[.!?…])\s+")
@@ -226,13 +215,7 @@ def clauses_within(sentence: str, limit: int = LONG_SENTENCE) -> list[str]:
     """
     if len(sentence) <= limit:
         return [sentence]
-    runs: list[str] = []
-    for clause in (c for c in CLAUSE_END.split(sentence) if c):
-        if runs and len(runs[-1]) + 1 + len(clause) <= limit:
-            runs[-1] += " " + clause
-        else:
-            runs.append(clause)
-    return runs
+    return _packed([c for c in CLAUSE_END.split(sentence) if c], limit, lambda a, b: f"{a} {b}")
 
 
 def parts_that_fit(text: str, tokenizer, max_len: int) -> list[list[int]]:
@@ -250,14 +233,14 @@ def parts_that_fit(text: str, tokenizer, max_len: int) -> list[list[int]]:
     return [ids[i : i + max_len] for i in range(0, len(ids), max_len)]
 
 
-def _packed(parts: list[list[int]], max_len: int) -> list[list[int]]:
-    """Consecutive parts joined while the result has at most `max_len` ids."""
-    packed: list[list[int]] = []
-    for ids in parts:
-        if packed and len(packed[-1]) + len(ids) <= max_len:
-            packed[-1] = packed[-1] + ids
+def _packed(parts: list, limit: int, join: Callable = operator.add) -> list:
+    """Consecutive parts (id lists, or clauses with `join`) joined while the result is at most `limit` long."""
+    packed: list = []
+    for part in parts:
+        if packed and len(join(packed[-1], part)) <= limit:
+            packed[-1] = join(packed[-1], part)
         else:
-            packed.append(ids)
+            packed.append(part)
     return packed
 
 
