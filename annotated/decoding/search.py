@@ -301,14 +301,12 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 # asks of the model is a decoder's: the logits after each prefix, the best
 # `2k` candidates, and its rows reordered along the beams. `_Decoder` does
 # it with `model.decode`: with `use_cache=True` each step feeds only the
-# newest token and the cache is reordered with the beams (section 5); with
+# newest token and the cache, the memory and the mask are reordered with the
+# beams (section 5; one index for every row keeps it simple); with
 # `use_cache=False` each step recomputes the decoder over the whole prefix
-# (`test_beam_search_without_the_cache_recomputes_the_whole_prefix`), which is
-# slower and gives the same tokens (`test_cached_beam_equals_recomputed_beam`).
-# The memory, the mask and the cross-attention entries are reordered too:
-# within a sentence they are all equal, so only the first step and the
-# dropping of done sentences change them, but one index for every row keeps
-# the decoder simple. Section 7's `_FastDecoder` does the same with less work.
+# (`test_beam_search_without_the_cache_recomputes_the_whole_prefix`), with
+# the same tokens (`test_cached_beam_equals_recomputed_beam`). Section 7's
+# `_FastDecoder` does the same with less work.
 
 
 # %%

@@ -39,23 +39,19 @@ from annotated.transformer import AttentionForm
 # ## Folders and files
 #
 # An exported folder holds what `save_pretrained` writes (`config.json`,
-# `generation_config.json`, `model.safetensors`: Marian's own tensors, so a
-# copy loaded and saved again is the same model, section 1 of `marian.py`),
-# the tokenizer files of `MarianTokenizer`, a model card, `README.md`
-# (`card.py`), what our translator needs beyond the model (`annotated.json`,
-# below) and, where `ctranslate2` is installed, the model converted for
-# CTranslate2 (`ctranslate2/`, below). The
-# tokenizer: our sentencepiece model as both `source.spm` and `target.spm`,
-# and `vocab.json`, which maps each piece to its id: ours, the sentencepiece
-# model's own, but for the appended pad row, named `<pad>` as in OPUS-MT,
-# so our pad's piece (id 0, never produced from text) is renamed
-# `<annotated-pad>`. `tokenizer_config.json` names the language pair
-# (`source_lang`, `target_lang`) and the model's positions
-# (`model_max_length`), so that `truncation=True` cuts a long source to what
-# the model can read (`test_a_long_source_goes_through_generate`). One
-# difference in use: `MarianTokenizer` appends `</s>` to every source, and
-# our models were trained on sources without it. To give the exported model
-# what ours sees, encode with `tokenizer(text, add_special_tokens=False)`.
+# `generation_config.json`, `model.safetensors`: Marian's own tensors,
+# section 1 of `marian.py`), the tokenizer files of `MarianTokenizer`, a
+# model card, `README.md` (`card.py`), `annotated.json` and, where
+# `ctranslate2` is installed, `ctranslate2/` (both below). The tokenizer is
+# our sentencepiece model as both `source.spm` and `target.spm`, and
+# `vocab.json` maps each piece to our id, the appended pad row named `<pad>`
+# as in OPUS-MT (so our own pad's piece, id 0, never produced from text,
+# becomes `<annotated-pad>`). `tokenizer_config.json` names the language pair
+# and the model's positions (`model_max_length`), so that `truncation=True`
+# cuts a long source to what the model can read
+# (`test_a_long_source_goes_through_generate`). `MarianTokenizer` appends
+# `</s>` to every source, and our models were trained without it: encode with
+# `tokenizer(text, add_special_tokens=False)`.
 #
 # The generation config asks for our translator's search where
 # `transformers` has it: the translator's beam, `early_stopping=True` (our
@@ -74,14 +70,12 @@ from annotated.transformer import AttentionForm
 # (`test_export_then_import_translates_as_the_checkpoint`).
 #
 # **`ctranslate2/`** is the model for CTranslate2: written in its layout
-# (section 1 of `marian.py`: a zero start row and our first decoder input as
-# the first positional row) to a scratch folder, converted there by
+# (section 1 of `marian.py`) to a scratch folder and converted there by
 # CTranslate2's own converter (`TransformersConverter`, the code of
-# `ct2-transformers-converter`), and the result kept; it loads with
+# `ct2-transformers-converter`); it loads with
 # `ctranslate2.Translator("<folder>/ctranslate2")`
-# (`test_the_exported_ctranslate2_model_gives_our_log_probabilities`). An
-# export of a checkpoint without a tokenizer has none (the converter needs
-# the tokenizer).
+# (`test_the_exported_ctranslate2_model_gives_our_log_probabilities`). A
+# checkpoint without a tokenizer exports none (the converter needs it).
 #
 # Nothing is overwritten without `--overwrite`: the folder is written
 # beside its target under a temporary name and renamed into place at the end,

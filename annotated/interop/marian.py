@@ -137,20 +137,18 @@ def token_map(pad: int, start: int, eos: int, unk: int | None, vocab: int) -> li
 # ## 2. Export
 #
 # `to_marian` builds the `MarianMTModel` in memory: our parameters in the
-# fused form, the residual stream renumbered from our coordinates to
-# Marian's (the inverse of `sinusoid_permutation`), under Marian's names and
-# in its orientation, with the `<pad>` row of section 1 appended
-# (`_append_start_row`); the decoder starts with our `bos` (or, for
-# CTranslate2, from the zero `<pad>` row with our first decoder input in the
-# decoder's first positional row). A model built without attention biases (`bias=False`)
-# gets zero biases, which Marian always has. Separate vocabularies of
-# different sizes are both filled up to the larger size with rows that are
-# never read (zero embedding, output bias `-inf`), because Marian has one pad
-# id for both. The config says what ours says (`marian_config`):
-# `scale_embedding` is always on, because our embeddings are always scaled
-# by `sqrt(d_model)`; `dropout` is our residual dropout, `attention_dropout`
-# our dropout on the attention weights, `activation_dropout` the dropout our
-# feed-forward network applies after its activation, which is `dropout`
+# fused form, the residual stream renumbered to Marian's coordinates (the
+# inverse of `sinusoid_permutation`), under Marian's names and in its
+# orientation, with the `<pad>` row of section 1 appended
+# (`_append_start_row`). A model without attention biases gets zero biases,
+# which Marian always has. Separate vocabularies of different sizes are both
+# filled up to the larger size with rows never read (zero embedding, output
+# bias `-inf`): Marian has one pad id for both. The config says what ours
+# says (`marian_config`): `scale_embedding` always on, as our embeddings are
+# always scaled by `sqrt(d_model)`; `dropout`, `attention_dropout` and
+# `activation_dropout` our residual dropout, our dropout on the attention
+# weights, and the dropout our feed-forward network applies after its
+# activation, which is `dropout`
 # (`test_exported_config_says_what_the_model_does`).
 
 # %%
@@ -405,35 +403,21 @@ def from_marian(
 # %% [markdown]
 # ## 4. Folders and files
 #
-# `annotated/interop/folders.py` writes and reads the folders: `export_marian`
-# saves the model with `save_pretrained` beside `MarianTokenizer`'s files for
-# our sentencepiece model, `import_marian` reads any folder
-# `from_pretrained` reads, with its tokenizer where there is one.
+# `folders.py` writes and reads them: `export_marian`, `import_marian`.
 
 # %% [markdown]
 # ## 5. What the tests establish
 #
-# `tests/interop/test_marian.py` builds every model from a config with
-# random weights (transformers' initialisation scaled up, so that logits
-# spread over several units and any slip shows), nothing downloaded.
-# Marian's sinusoid table, renumbered by `sinusoid_permutation`, is ours bit
-# for bit (`test_sinusoid_tables_differ_by_the_permutation`). Import gives
-# Marian's float64 logits within 1e-9 under the token map, for three Marian
-# shapes (`test_import_gives_marian_logits`), and within 1e-12 for every
-# activation spelling, with and without embedding scaling, tied and untied
-# (`test_every_activation_spelling_and_table_option_imports_as_the_same_function`;
-# the others are refused: `test_an_activation_we_do_not_have_is_refused`).
-# Export gives our logits within 1e-12 in float64 and 1e-4 in float32, in
-# both layouts of section 1, the added rows' logits `-inf`
-# (`test_export_gives_our_logits`), and survives `save_pretrained`
-# (`test_the_export_survives_save_pretrained`); export then import gives back
-# every parameter bit for bit (`test_round_trip_is_exact`). The theorem of
-# `layout.py` holds with a random permutation, and a wrong one is caught
-# (`test_permuting_the_residual_stream_is_a_symmetry`,
-# `test_a_wrong_permutation_is_caught`). `tests/interop/test_marian_files.py`
-# goes through folders and tokenizers, `tests/interop/test_ctranslate2.py`
-# through the export's `ctranslate2/` model, which gives our log-probabilities
-# and translations
+# The tests cited above build every model from a config with random weights
+# (transformers' initialisation scaled up, so that logits spread over several
+# units and any slip shows), nothing downloaded: our logits are Marian's
+# within 1e-9 in float64 after import (within 1e-12 for every activation
+# spelling and table option,
+# `test_every_activation_spelling_and_table_option_imports_as_the_same_function`;
+# the others are refused, `test_an_activation_we_do_not_have_is_refused`),
+# within 1e-12 in float64 and 1e-4 in float32 after export; export then import
+# gives back every parameter bit for bit (`test_round_trip_is_exact`). The
+# export's `ctranslate2/` model gives our log-probabilities and translations
 # (`test_the_exported_ctranslate2_model_gives_our_log_probabilities`,
 # `test_the_exported_ctranslate2_model_translates_as_we_do`).
 #
