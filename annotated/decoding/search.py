@@ -188,14 +188,11 @@ def gnmt_lp(length: int, alpha: float) -> float:
 # %% [markdown]
 # ## 5. The key/value cache, and reordering it
 #
-# The main chapter's decoder can run *incrementally*: `model.new_cache()`
-# gives a list with one dict per decoder layer, and each call
-# `model.decode(memory, src_mask, y_t, None, cache=cache, start=t)` feeds only
-# the newest token, appends its keys and values to `cache[layer]["self"]`,
-# and computes the cross-attention keys and values of the memory once, into
-# `cache[layer]["cross"]`. Whatever the attention form, an entry is a pair
-# (keys, values) of tensors `(B, h, T, d_k)` and `(B, h, T, d_v)`: **the batch
-# is dim 0 of every tensor**.
+# The main chapter's decoder runs *incrementally*: with `cache=model.new_cache()`
+# each call of `model.decode` feeds only the newest token and appends its
+# keys and values to the cache, one dict per layer, whose entries are pairs
+# (keys, values) of tensors `(B, h, T, d_k)` and `(B, h, T, d_v)`: **the
+# batch is dim 0 of every tensor**.
 #
 # Beam search runs `B * k` rows, one per hypothesis. After each step the new
 # `k` best prefixes of a sentence may descend from any of its old ones: row
@@ -250,11 +247,10 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 # `max_len` tokens, beside them (as greedy returns such a prefix too). The
 # answer is the finished translation with the best score. The rule is cheap
 # and works well on trained models, but it proves nothing: a live prefix
-# could still grow into a better translation, and a beam can even fill with
-# `k` unlikely short translations while a likely prefix is still growing (on
-# random, untrained models this is common). The stricter rule "stop when no
-# live prefix can beat the best finished one" needs, for `alpha > 0`, the
-# bound `log P(prefix) / lp(max_len)`, which is loose, so the search would run
+# could still grow into a better translation (on random, untrained models a
+# beam often fills with `k` unlikely short ones). The stricter rule "stop
+# when no live prefix can beat the best finished one" needs, for
+# `alpha > 0`, the loose bound `log P(prefix) / lp(max_len)`, so it would run
 # to `max_len` almost every time. What the standard rule does make exact:
 #
 # - **`k = 1` is greedy decoding, for every `alpha`.** With one prefix, step
@@ -758,14 +754,11 @@ def translate_ids(
     """Translate subword-id sequences; returns output ids (up to, not including, eos), in input order. With `nbest`
     n >= 1 (at most `beam_size`), each sentence's n best `Hypothesis` instead (`beam_search`'s lists), ids so cut.
 
-    The one translate helper of the project: training's BLEU, the translator and the attention viewer
-    all decode through it. Sentences go in batches of similar length (fewer pad positions); a source
-    longer than the model's `max_len` is cut to `max_len` (the entry points say so to the user), and an
-    output may be at most `min(max_len, S + max_extra)` subwords for a source of `S` (the paper's
-    "input length + 50", section 6.1). The defaults are `Decoding`'s (the translator's, but for the model's own
-    length penalty); `beam_size=1` is greedy, its one hypothesis scored by teacher forcing (`sequence_logprob`),
-    score log P / lp(|Y|) as the beam's. `fast` as in `beam_search`. On the CPU with n > 1 threads
-    (`torch.get_num_threads()`), n batches are translated side by side, one thread each.
+    Training's BLEU, the translator and the attention viewer all decode through it. Sentences go in batches of
+    similar length; a source longer than the model's `max_len` is cut to it, and an output is at most
+    `min(max_len, S + max_extra)` subwords for a source of `S` (the paper's "input length + 50", section 6.1).
+    `beam_size=1` is greedy, its one hypothesis scored by teacher forcing (`sequence_logprob`). `fast` as in
+    `beam_search`.
     """
     check_sources(model, sources, batch_size, max_extra)
     check_beam(beam_size, length_penalty)

@@ -4,9 +4,8 @@ the shipped models' cards and the export's `generation_config.json` read.
 Three settings, and the only place their defaults are written:
 
 - `beam`, 4: the beam search's width (`annotated/decoding/search.py`); 1 is greedy decoding.
-- `length_penalty`, 0.6: GNMT's alpha, score = log P / ((5 + |Y|) / 6)^alpha, the paper's value (section 6.1,
-  tuned on WMT for its big models); a model whose run chose its own on validation data decodes with that one
-  (`model_length_penalty`), unless told otherwise.
+- `length_penalty`, 0.6: GNMT's alpha, score = log P / ((5 + |Y|) / 6)^alpha, the paper's value (section 6.1); a
+  model whose run chose its own on validation data decodes with that one (`model_length_penalty`).
 - `max_extra`, 50: an output may run this many subwords past its source (the paper's "input length + 50", 6.1),
   never past the model's positional table.
 

@@ -403,18 +403,15 @@ def translate(
 # ## 4. Reading: windows of lines
 #
 # Command-line sentences and a file on standard input are read `WINDOW`
-# lines at a time. A pipe may deliver its lines slowly (another program
-# sending one and waiting for the answer), so a thread reads it into a queue
-# of at most `WINDOW` lines, and each window takes the first line that comes
-# and then those already waiting; a progress bar on a terminal's stderr
-# follows them. Typed on a terminal, a window is one line, answered at once,
-# after one line on stderr that says it waits (`WAITING`; Ctrl-D ends).
-#
-# Why 1,024 lines: `translate_ids` sorts a window by length before cutting
-# it into batches, and the more lines it sorts, the more alike the lengths
-# within a batch, so the fewer steps a batch runs for its longest sentence
-# (benchmarks/README.md#levers-shared-memory-freed-memory-windows), with the
-# same output. Memory stays bounded: a window is a thousand lines of text.
+# lines at a time. A pipe may deliver its lines slowly (a program sending one
+# and waiting for the answer), so a thread reads it into a queue, and each
+# window takes the first line that comes and then those already waiting. A
+# terminal gets windows of one line, after one line on stderr that says it
+# waits (`WAITING`); a progress bar on a terminal's stderr follows a file.
+# The more lines `translate_ids` sorts by length, the more alike the lengths
+# within a batch, and the fewer steps a batch runs for its longest sentence
+# (benchmarks/README.md#levers-shared-memory-freed-memory-windows); memory
+# stays bounded by a window's lines.
 
 
 # %%

@@ -1,19 +1,15 @@
 # %% [markdown]
 # # The model card of an exported folder
 #
-# An exported folder goes where the checkpoint's own files do not follow
-# (a model hub, another machine), so it carries its card as `README.md`:
-# what the model learnt from and what it is not for, how it was trained, its
-# test scores with their sacreBLEU signatures, and how the folder was made.
-# Everything comes from what the checkpoint already records: the shipped
-# models' cards (`annotated/shipped/<direction>.json`), a run's
-# `results.json` beside its checkpoint (the scores it records for that
-# checkpoint, `averaged.pt`'s or `best.pt`'s:
-# `test_the_export_card_of_a_runs_checkpoint_gives_that_checkpoints_scores`),
-# and the checkpoint's metadata (`test_the_export_carries_its_model_card`). A
-# card travels, so it holds no absolute path of the machine that wrote it: a
-# path is shown relative to the working folder, else as its last two parts,
-# and a shipped model by its name (`shown_path`;
+# An exported folder goes where the checkpoint's own files do not follow, so
+# it carries its card as `README.md`: what the model learnt from and what it
+# is not for, how it was trained, its test scores with their sacreBLEU
+# signatures, and how the folder was made, all from what the checkpoint
+# already records: the shipped models' cards, a run's `results.json` beside
+# its checkpoint
+# (`test_the_export_card_of_a_runs_checkpoint_gives_that_checkpoints_scores`),
+# and its metadata (`test_the_export_carries_its_model_card`). A card holds
+# no absolute path of the machine that wrote it (`shown_path`;
 # `test_no_card_holds_an_absolute_path`).
 
 # %%

@@ -349,14 +349,10 @@ def import_marian(
 # %% [markdown]
 # ## The command
 #
-# `export [CHECKPOINT] DIR` and `import HF_DIR OUT.pt` (`--attention per_head`
-# stores the imported model head by head; `--src`/`--tgt` name its language
-# pair where the folder does not; `--overwrite` replaces an earlier output).
-# The checkpoint is chosen as by every command (`choose_checkpoint`):
-# `shipped:de-en` names a shipped model, and with none given (or an empty
-# `CHECKPOINT=`) the latest run's model, else the shipped de -> en model. A
-# refusal is one line on stderr that names the fix, exit code 2, and starts
-# with `export:` or `import:`, as `make` names the two
+# `export [CHECKPOINT] DIR` and `import HF_DIR OUT.pt`; the checkpoint is
+# chosen by the door, as for every command (`annotated/door.py`). A refusal
+# is one line on stderr that names the fix, exit code 2, and starts with
+# `export:` or `import:`, as `make` names the two
 # (`test_export_takes_shipped_names_and_says_what_is_missing`,
 # `test_export_and_import_name_themselves`); what they print is their own
 # lines, none of transformers' progress bars or hints

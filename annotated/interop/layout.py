@@ -2,20 +2,16 @@
 # # Where Marian keeps what we keep: names, orientation, coordinates
 #
 # `annotated/interop/marian.py` moves weights between our model and Hugging
-# Face's `MarianMTModel`. Three things differ, and this file handles each as
-# a pure function on dicts of tensors, so that the conversion is a sequence
-# of copies, transposes and index selections: no arithmetic, exact in every
-# dtype.
+# Face's `MarianMTModel`. Three things differ, each handled here by a pure
+# function on dicts of tensors, so that the conversion is copies, transposes
+# and index selections, exact in every dtype:
 #
-# 1. **Names.** `name_pairs(N)` lists, parameter by parameter, our name, the
-#    Marian name and whether the two are transposes of each other.
-# 2. **Orientation.** `nn.Linear` stores `weight` as `(out, in)` and computes
-#    `x @ weight.T`; the chapter stores `W` as `(in, out)` and computes
-#    `x @ W` (the paper's orientation). So `W_Q = q_proj.weight.T`, and so on.
-# 3. **Coordinates of the residual stream.** Both models add sinusoids to the
-#    embeddings, but lay them out differently (below); `permute_residual`
-#    renumbers the `d_model` coordinates of every parameter that reads from
-#    or writes to the residual stream.
+# 1. **Names**: `name_pairs(N)`, our name and Marian's, parameter by parameter.
+# 2. **Orientation**: `nn.Linear` stores `weight` as `(out, in)` and computes
+#    `x @ weight.T`; the chapter's `W` is `(in, out)`, `x @ W` (the paper's).
+# 3. **Coordinates of the residual stream**: both models add sinusoids to the
+#    embeddings, laid out differently (below); `permute_residual` renumbers
+#    the `d_model` coordinates of every parameter that reads or writes it.
 
 # %%
 from __future__ import annotations

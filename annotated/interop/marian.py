@@ -302,15 +302,12 @@ def to_marian(model: EncoderDecoder, heads: dict | None = None, for_ctranslate2:
 #   read: `relu`, `gelu`, and `silu` or its other name `swish`). Marian has no
 #   pre-norm option, so every imported model is post-norm.
 # - **Positional tables.** Marian's are sinusoids, which ours are too; a folder
-#   whose tables are not (other than the first decoder row of an export of
-#   ours in CTranslate2's layout, section 1) is refused. An export of ours
-#   (`annotated_vocab_sizes` in its config) comes back with our ids: its first
-#   rows are our vocabulary, the `<pad>` row is dropped, and Marian's first
-#   decoder input (the start token's row, scaled, plus the first positional
-#   row) must be our first decoder input exactly. It is in every export of
-#   either layout; it is not in a folder of the CTranslate2 layout (or of the
-#   older exports, which had that layout) saved again by `save_pretrained`,
-#   which is refused with the reason.
+#   whose tables are not (but for the first decoder row of an export of ours
+#   in CTranslate2's layout, section 1) is refused. An export of ours
+#   (`annotated_vocab_sizes` in its config) comes back with our ids, the
+#   `<pad>` row dropped, and its first decoder input must be ours exactly,
+#   which a folder of the CTranslate2 layout saved again by `save_pretrained`
+#   is not: it is refused with the reason.
 
 
 # %%
