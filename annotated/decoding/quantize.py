@@ -67,9 +67,7 @@ class Int8Affine(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.linear(x)  # (..., m)
 
-    def __rmatmul__(self, x: Tensor) -> Tensor:
-        """`x @ layer`: the chapter's `affine(x, W, None)` with this layer as W (it holds b too)."""
-        return self.linear(x)  # (..., m)
+    __rmatmul__ = forward  # `x @ layer`: the chapter's `affine(x, W, None)` with this layer as W (it holds b too)
 
     def dequantized(self) -> tuple[Tensor, Tensor | None]:
         """(W (n, m), b (m,) or None) in float32: each int8 weight times its column's scale, and the bias."""

@@ -623,9 +623,8 @@ class _Circuits(NamedTuple):
 
 
 def _generator_with_bias_inside(generator) -> Callable[[Tensor], Tensor]:
-    """The generator's logits y W_gen^T + b as one product [y, 1] [W_gen, b]^T: the bias is one more column of
-    the weight, met by a column of ones (adding it afterwards is one more pass over the (A*k, V) logits). Any
-    other generator (`quantize.py`'s int8 one) is called as it is."""
+    """The generator's logits y W_gen^T + b as one product [y, 1] [W_gen, b]^T (section 7); any other generator
+    (`quantize.py`'s int8 one) is called as it is."""
     if not isinstance(generator, Generator):
         return generator
     W_b = torch.cat([generator.weight, generator.bias[:, None]], dim=1)  # (V, d_model + 1)
@@ -684,13 +683,8 @@ def _softmax(scores: Tensor) -> Tensor:
 
 def _best_candidates(scores: Tensor, logp: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
     """The n best log P(y w) = log P(y) + log p(w | y) of each sentence, as `_Decoder.best`'s topk over all k*V
-    finds them: (values, parent row within the sentence, token), each (A, n), best first.
-
-    The vocabulary is cut into `blocks` blocks of `size` tokens, block j holding tokens j, j + blocks, ...
-    (so that the maximum over a block runs along memory). A candidate among the n best lies in one of the n
-    blocks whose best candidate (log P(y) + the block's max) ranks highest: n blocks ranked above its own
-    would hold n better candidates. So the topk runs over the block maxima, then over those n blocks only.
-    """
+    finds them: (values, parent row within the sentence, token), each (A, n), best first. The topk over blocks of
+    section 7: block j holds tokens j, j + blocks, ... (so that the maximum over a block runs along memory)."""
     A, k = scores.shape
     V = logp.size(-1)
     size = _block_size(V, n)

@@ -305,11 +305,7 @@ def _languages(folder: Path, src: str | None, tgt: str | None) -> dict:
     except (OSError, ValueError):
         config = {}
     found = {"src_lang": src or config.get("source_lang"), "tgt_lang": tgt or config.get("target_lang")}
-    missing = [
-        flag
-        for flag, k in (("--src", "src_lang"), ("--tgt", "tgt_lang"))
-        if not (found[k] and isinstance(found[k], str))
-    ]
+    missing = [f"--{k.removesuffix('_lang')}" for k, v in found.items() if not (v and isinstance(v, str))]
     if missing:
         raise ValueError(
             f"{folder} names no language pair (no source_lang/target_lang in its tokenizer_config.json): name it "

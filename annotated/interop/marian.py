@@ -2,10 +2,8 @@
 # # Into the ecosystem: our model as a Hugging Face `MarianMTModel`, and back
 #
 # ```sh
-# python -m annotated.interop.folders export runs/<run>/averaged.pt exported/   # a transformers model folder
-# python -m annotated.interop.folders import exported/ imported.pt              # any MarianMTModel folder
-# make export CHECKPOINT=runs/<run>/averaged.pt OUT=exported/
-# make import HF=opus-mt-de-en/ OUT=opus-mt-de-en.pt
+# make export CHECKPOINT=runs/<run>/averaged.pt OUT=exported/   # a transformers model folder
+# make import HF=opus-mt-de-en/ OUT=opus-mt-de-en.pt            # any MarianMTModel folder
 # ```
 #
 # `MarianMTModel` is the `transformers` class of the OPUS-MT translators and
@@ -16,8 +14,7 @@
 # any such folder (saved with `save_pretrained`) into one of our checkpoints,
 # fused or per-head, which then works with every command of the project
 # (the heads of an OPUS-MT translator: `docs/training.md#an-opus-mt-models-heads`).
-# This file converts models in memory; `folders.py` writes and reads the
-# folders and checkpoints, and holds the command.
+# This file converts models in memory; `folders.py` holds the command.
 #
 # Each conversion copies, transposes and renumbers numbers and never
 # computes new ones (one exception below: a Marian model without embedding
@@ -285,17 +282,15 @@ def to_marian(model: EncoderDecoder, heads: dict | None = None, for_ctranslate2:
 #
 # - **`scale_embedding=False`.** Our embeddings always multiply by
 #   `sqrt(d_model)`, so the imported tables are Marian's divided by it (the
-#   one place where a conversion computes: the product with `sqrt(d_model)`
-#   gives Marian's number back up to one rounding, about 1e-16 relative in
-#   float64). The generator must then keep Marian's undivided table, so it
-#   gets its own copy (`tie_generator=False`).
-# - **Which tables are one.** `share_encoder_decoder_embeddings` and
-#   `tie_word_embeddings` say which tables Marian ties, but in `transformers`
-#   5 `tie_word_embeddings=False` unties the encoder's and decoder's tables
-#   too, whatever the other flag says. So the import looks at the numbers:
-#   our `share_embeddings` holds where the encoder's and decoder's tables are
-#   equal, our `tie_generator` where the decoder's table equals the output
-#   projection's.
+#   one place where a conversion computes: one rounding, about 1e-16 relative
+#   in float64), and the generator keeps Marian's undivided table as a copy
+#   of its own (`tie_generator=False`).
+# - **Which tables are one.** In `transformers` 5 `tie_word_embeddings=False`
+#   unties the encoder's and decoder's tables too, whatever
+#   `share_encoder_decoder_embeddings` says, so the import looks at the
+#   numbers: our `share_embeddings` holds where the encoder's and decoder's
+#   tables are equal, our `tie_generator` where the decoder's table equals the
+#   output projection's.
 # - **Different encoder and decoder sizes** (layers, widths, heads) do not fit
 #   our one config and are refused by `check_marian_config`, as are
 #   activations we do not have (`FROM_MARIAN_ACTIVATION` lists the spellings
