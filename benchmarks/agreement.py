@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from annotated.decoding.search import padded, translate_ids
-from annotated.decoding.settings import MAX_EXTRA, Decoding
+from annotated.decoding.settings import Decoding
 from annotated.interop.folders import export_marian, has_ctranslate2
 from annotated.interop.marian import export_ids, to_marian
 from annotated.tokens import BOS, EOS, PAD
@@ -61,7 +61,9 @@ def logit_difference(
     return worst
 
 
-def ctranslate2_ids(folder: Path, tokenizer, sources: list[list[int]], max_extra: int = MAX_EXTRA) -> list[list[int]]:
+def ctranslate2_ids(
+    folder: Path, tokenizer, sources: list[list[int]], max_extra: int = Decoding.max_extra
+) -> list[list[int]]:
     """CTranslate2's beam 4, no length penalty, on the export `folder`'s `ctranslate2/` model (made by the stock
     converter); output lengths at most min(max_len, S + max_extra) as `translate_ids`; our ids without eos, in input
     order."""
@@ -86,7 +88,7 @@ def ctranslate2_ids(folder: Path, tokenizer, sources: list[list[int]], max_extra
 
 @torch.no_grad()
 def generate_ids(
-    hf, sources: list[list[int]], length_penalty: float, batch_size: int = 64, max_extra: int = MAX_EXTRA
+    hf, sources: list[list[int]], length_penalty: float, batch_size: int = 64, max_extra: int = Decoding.max_extra
 ) -> list[list[int]]:
     """`generate` with beam 4 on `translate_ids`' batches and length limits; our ids without eos, in input order."""
     limit, pad = hf.config.max_position_embeddings, hf.config.pad_token_id

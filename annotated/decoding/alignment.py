@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import torch
 
 from annotated.recording import record_attention
-from annotated.tokens import BOS, EOS
+from annotated.tokens import BOS, EOS, SPECIAL_LABELS
 from annotated.transformer import EncoderDecoder, subsequent_mask
 
-SPECIALS = ("<s>", "</s>", "<pad>", "<unk>")
+SPECIALS = (*SPECIAL_LABELS.values(), "<unk>")  # pieces that belong to no word
 
 
 def word_numbers(pieces: Sequence[str]) -> list[int | None]:

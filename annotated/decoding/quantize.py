@@ -113,12 +113,9 @@ def quantize_int8(model: EncoderDecoder) -> EncoderDecoder:
     quantized = copy.deepcopy(model).eval()
     with _packing_for(ENGINE):
         for module in list(quantized.modules()):
-            if isinstance(module, FusedAttention):
-                for name in "QKVO":
-                    _swap(module, f"W_{name}", f"b_{name}")
-            elif isinstance(module, FeedForward):
-                _swap(module, "W_1", "b_1")
-                _swap(module, "W_2", "b_2")
+            products = "QKVO" if isinstance(module, FusedAttention) else "12" if isinstance(module, FeedForward) else ""
+            for name in products:
+                _swap(module, f"W_{name}", f"b_{name}")
         W_gen, b = quantized.generator.weight.detach(), quantized.generator.bias.detach()  # (vocab, d_model)
         if W_gen.numel() >= MIN_WEIGHTS:  # logits = y W_gen^T + b: an Int8Affine of W = W_gen^T (d_model, vocab)
             setattr(quantized, "generator", Int8Affine(W_gen.t(), b))  # noqa: B010 the attribute is typed Generator

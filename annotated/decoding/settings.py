@@ -66,7 +66,6 @@ class Decoding:
 
 
 PAPER_LENGTH_PENALTY = Decoding.length_penalty  # the paper's alpha (section 6.1), tuned on WMT for its big models
-MAX_EXTRA = Decoding.max_extra  # an output may run this many subwords past its source (the paper's "input length + 50")
 
 
 def model_length_penalty(meta: dict) -> float:

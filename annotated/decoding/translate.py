@@ -495,12 +495,11 @@ def arrived_windows(items: Iterable, size: int) -> Iterator[list]:
 # ## 5. The command line
 #
 # Expected failures end the process with one line on stderr and exit code 2,
-# without a traceback: a missing, corrupt or incompatible checkpoint (the
-# message names the file), a checkpoint without a tokenizer, or options that
-# make no sense, alone (`annotated/plumbing/options.py`) or together
-# (`_refused`), refused before the checkpoint is even opened. Ctrl-C ends it
-# with `translate: interrupted` and exit code 130, also while torch and the
-# model are still loading (`annotated/plumbing/interrupts.py`); a closed
+# without a traceback: a missing, corrupt or incompatible checkpoint, one
+# without a tokenizer, or options that make no sense, alone
+# (`annotated/plumbing/options.py`) or together (`_refused`), refused before
+# the checkpoint is opened. Ctrl-C ends it with exit code 130, also while
+# torch is still loading (`annotated/plumbing/interrupts.py`); a closed
 # output pipe (`... | head -1`) ends it quietly with 0.
 #
 # The options the help describes: `--input`/`--output` files, an existing
