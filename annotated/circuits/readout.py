@@ -1,20 +1,11 @@
 # %% [markdown]
 # # The whole readout of one model
 #
-# `read_model` runs every reading of this part on one checkpoint and returns
-# one JSON-ready record per head: the circuits' ranks and singular values,
-# the direct path's best token pairs, the preferred offsets of its position
-# table, the OV table of the most frequent tokens and the copying score, the
-# faithfulness of the weights-only reading, and for cross-attention heads the
-# two dictionaries and the alignment error rate. `make circuits`
-# (`annotated/circuits/command.py`) writes it as `circuits.json` and draws it.
-#
-# Everything over the vocabulary is restricted to the pieces that occur in
-# the training text of each side (`frequent_pieces`, by frequency), so an
-# English piece never stands among the keys of the German encoder's table,
-# and every table is computed in chunks with only its best entries kept;
-# the dictionaries are read for the lexicon's first `top` words, its most
-# frequent (`test_the_readout_ranges_over_the_frequent_pieces_and_scores_the_lexicons_first_words`).
+# `read_model` runs every reading of this part and returns one JSON-ready
+# record per head, which `make circuits` writes as `circuits.json` and draws.
+# Tables over the vocabulary range over the pieces that occur in each side's
+# training text (`frequent_pieces`), in chunks with their best entries kept
+# (`test_the_readout_ranges_over_the_frequent_pieces_and_scores_the_lexicons_first_words`).
 
 # %%
 from __future__ import annotations
@@ -209,68 +200,7 @@ def read_model(model: EncoderDecoder, inputs: Inputs) -> dict[str, Any]:
 # %% [markdown]
 # ## The answer, in this model's own terms
 #
-# Part I asked what queries, keys and values *are*. For the shipped
-# de -> en model, `make circuits` answers with its own weights and its own
-# attention. The numbers below are from `python -m
-# annotated.circuits.command --checkpoint shipped:de-en`, on 200 validation
-# sentences, 4,000 training pairs and the 1,000 sentences of
-# test_2016_flickr, and each is checked against the JSON that command
-# writes (`test_the_answer_quotes_the_readout_of_the_shipped_model`):
-#
-# * **A query and a key are two halves of one bilinear form**, `W_QK`, of
-#   rank at most `d_k = 32`, and every head here uses all 32 directions. In
-#   the first layer that form reads the embeddings and the sinusoids
-#   directly, so each real score is a token table, a position table and two
-#   mixed ones (`annotated/circuits/score_terms.py`). Of the variance of the
-#   first encoder layer's scores, the query's position against the key's
-#   token carries 56% to 66%, the two tokens 21% to 31%, the two positions
-#   1% to 4%. On the real attention, the first encoder layer's heads put
-#   their argmax on the first source piece for 66% to 71% of queries (on
-#   the previous position for 8% to 9%), and the first decoder layer's heads
-#   on `<s>` for 65% to 93% and on the token being read for 1% to 8%. There
-#   the weights-only reading is the head (rank correlation 1.00).
-# * **Deeper, a query is the stream, not the word.** What the sublayers
-#   before wrote carries 52% to 55% of the second encoder layer's score
-#   variance, 57% to 76% of the first cross layer's and 95% to 99% of the
-#   second decoder and cross layers'. The direct path through the norms
-#   follows the second encoder layer's heads partly (rank correlation 0.72
-#   to 0.74 weights only, 0.68 to 0.77 with the norms exact,
-#   `annotated/circuits/fold.py`), the first cross layer about as well (0.64
-#   to 0.68; 0.57 to 0.64) and the second decoder and cross layers poorly
-#   (0.24 to 0.37; 0.13 to 0.45). Two heads of
-#   the second encoder layer look one position back: head 2 for 59% of its
-#   queries, head 0 for 45%.
-# * **A head reads through the heads before it.** Composition
-#   (`annotated/circuits/composition.py`) measures how much of an earlier
-#   head's write a later head's circuits take in, against random matrices
-#   with the same singular values (chance's 95% intervals end 1.05 to 1.10
-#   times their means). The strongest pairs of the model run from the
-#   previous-position head of the second encoder layer, head 2, into the
-#   keys of all four second-layer cross heads, at 1.33 to 1.56 times chance.
-#   The best cross head (layer 1, head 2) reads its keys through encoder
-#   layer 1's heads 2, 0 and 1 (1.33, 1.26 and 1.24 times chance), its
-#   queries through the first cross layer's head 0 and the second decoder
-#   layer's head 0 (1.23 and 1.22 times), and its values through no head
-#   more than chance (at most 1.03 times): the keys it searches are built by
-#   a head that looks one word back, while what it moves is the encoder's
-#   stream as a whole.
-# * **A value is what a head copies, and `W_OV` is a dictionary.** Read
-#   through the generator, the second cross-attention layer's OV circuits
-#   translate: when a head reads *Mann* it raises *man*, *Frau* raises
-#   *woman*, *zwei* raises *two*. Against the aligner's lexicon, over the
-#   491 of its 500 most frequent German words that occur in the pairs read,
-#   the four heads' OV dictionaries are right at the first guess for 82% to
-#   86% of them (92% to 95% within five), and
-#   their copying scores are 0.66 to 0.93. Their QK dictionaries, the target
-#   words whose queries pick a source word, are right at the first guess for
-#   14% to 17% (39% to 44% within five): *where* to look is decided by
-#   context much more than *what* to write.
-# * **The attention is an alignment**, as Garg et al. found: at the step
-#   that predicts each word, the second cross layer's heads put their argmax
-#   on a source word the aligner links to it for 65% to 75% of the linked
-#   words, an alignment error rate of 0.33 to 0.42 against the aligner's
-#   links; the best head is layer 1, head 2 (0.33). The first cross layer
-#   aligns far worse (0.52 to 0.92; on a linked word for 8% to 53%), and its
-#   OV dictionaries are empty (precision@1 at most 0.01). With two layers,
-#   Garg et al.'s penultimate layer is the first one, and here the last
-#   layer aligns best.
+# Part I asked what queries, keys and values *are*; for the shipped de -> en
+# model `make circuits` answers with its own weights and attention in
+# docs/circuits.md#the-answer-in-this-models-own-terms, each figure checked
+# against its JSON (`test_the_answer_quotes_the_readout_of_the_shipped_model`).

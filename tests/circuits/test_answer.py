@@ -1,5 +1,6 @@
-"""Part V's "The answer, in this model's own terms" (annotated/circuits/readout.py) quotes the readout of the shipped
-de -> en model: every figure in it is checked against the circuits.json that `make circuits` writes.
+"""Part V's "The answer, in this model's own terms" (docs/circuits.md, cited by annotated/circuits/readout.py)
+quotes the readout of the shipped de -> en model: every figure in it is checked against the circuits.json that
+`make circuits` writes.
 
 The readout runs once for this file, as `make circuits CHECKPOINT=shipped:de-en` runs it (its defaults: 200
 validation sentences, 4,000 training pairs, the 1,000 test pairs), into a temporary folder. It needs Multi30k
@@ -29,14 +30,14 @@ FIGURE = r"((?:\d[\d.]*%?|to|and|head|,| )+?)"  # what a claim's figure may look
 
 
 def answer_text() -> str:
-    """The paragraph's markdown, comment marks removed and whitespace collapsed to single spaces."""
-    lines = (ROOT / "annotated" / "circuits" / "readout.py").read_text(encoding="utf-8").splitlines()
-    start = next(i for i, line in enumerate(lines) if line == "# " + HEADING)
+    """The section's markdown, up to the next heading, whitespace collapsed to single spaces."""
+    lines = (ROOT / "docs" / "circuits.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index(HEADING)
     body = []
     for line in lines[start + 1 :]:
-        if not line.startswith("#") or line.startswith("# %%"):
+        if line.startswith("## "):
             break
-        body.append(line[2:] if line.startswith("# ") else "")
+        body.append(line)
     return " ".join(" ".join(body).split())
 
 
