@@ -1,45 +1,17 @@
 # %% [markdown]
 # # An independent reference: word alignments from a statistical aligner
 #
-# To say that a cross-attention head *aligns* words, or that its QK circuit
-# is a *dictionary*, we need something to compare it with that owes nothing
-# to the model. Garg et al. (EMNLP 2019, "Jointly Learning to Align and
-# Translate with Transformer Models") read word alignments off the
-# cross-attention of a Transformer trained only to translate (the argmax of
-# the attention at the step that predicts each target token) and measured
-# their alignment error rate against human alignments and against a
-# statistical aligner, GIZA++: the penultimate layer aligned best, still
-# behind GIZA++, and training one of its heads on the statistical aligner's
-# links made the model align better than GIZA++. We score every
-# cross-attention head in the same way, on Multi30k, which has no human
-# alignments: a statistical aligner's links stand in for them.
-#
-# The aligner is **eflomal** (Östling and Tiedemann 2016; the `eflomal`
-# package, version 2.0.0): a Bayesian IBM model 1, then HMM, then HMM with
-# fertility, estimated by collapsed Gibbs sampling, in C. It is the
-# maintained successor of efmaral, more accurate than fast_align at a
-# fraction of GIZA++'s cost, and it installs from the package index. Each
-# run aligns both ways: *forward*, each target word to at most one source
-# word, and *reverse*, each source word to at most one target word. We
-# combine the two with **grow-diag-final-and** (Koehn et al. 2005), the
-# symmetrization eflomal's README applies (with fast_align's `atools`), and
-# keep the result as the reference.
-#
-# Four choices, each explained in its section below:
-#
-# 1. **Words** are the space-separated words of the sentence, lowercased,
-#    with punctuation stripped from their edges. They are exactly the words
-#    the model's sentencepiece pieces form (one `▁`-piece to the next), so
-#    an attention-derived alignment and the aligner's share word numbers.
-# 2. **Symmetrization**: grow-diag-final-and.
-# 3. **The run**: eflomal's own defaults (model 3, three samplers, null
-#    prior 0.2, its iteration schedule), training and test pairs together.
-# 4. **The cache**: the links of Multi30k's training pairs and
-#    test_2016_flickr are computed once and kept in the data cache, keyed by
-#    the texts and the settings.
-#
-# Then section 5 reads the aligner's **lexicon** off the training links:
-# for each source word, its target words ranked by `p(t | s)`.
+# To say that a cross-attention head *aligns* words, or is a *dictionary*, we
+# need a reference that owes nothing to the model. Garg et al. (EMNLP 2019)
+# read word alignments off a translator's cross-attention (the argmax at the
+# step that predicts each target token) and scored them against human
+# alignments and GIZA++; Multi30k has none, so a statistical aligner's links
+# stand in: **eflomal** (Östling and Tiedemann 2016, the `eflomal` package
+# 2.0.0: IBM model 1, HMM, HMM with fertility, by collapsed Gibbs sampling,
+# more accurate than fast_align at a fraction of GIZA++'s cost), aligning both
+# ways, the two combined with **grow-diag-final-and** (Koehn et al. 2005) as
+# its README does. Below: the words (1), the symmetrization (2), the run
+# (3), the cache (4), and the **lexicon** read off the training links (5).
 
 # %%
 from __future__ import annotations
@@ -72,20 +44,12 @@ class AlignerError(RuntimeError):
 # %% [markdown]
 # ## 1. Words
 #
-# sacreBLEU's `13a` tokenizer splits punctuation off words (`Büsche.` becomes
-# `Büsche .`, `T-Shirt` becomes `T - Shirt`). We use a simpler rule on
-# purpose: a **word** is what lies between spaces (U+0020, the only
-# character the project's sentencepiece turns into `▁`), so that word `k` of
-# a sentence is also the `k`-th `▁`-word of its pieces, and an alignment
-# read from the attention needs no map of character offsets to be compared
-# with the aligner's. For the aligner each word is *normalized*: lowercased
-# (so `Ein` at the start of a sentence and `ein` inside it are one word),
-# punctuation (Unicode categories `P*`) stripped from both ends
-# (`young,` is `young`, `"Hallo"` is `hallo`; `T-Shirt`'s inner hyphen
-# stays), and any other whitespace inside (Multi30k's German has a few tabs
-# and no-break spaces) removed. A word that is only punctuation normalizes to
-# `""`: it keeps its number but is not aligned at all, neither by eflomal
-# nor from the attention (`test_words_keep_numbers_and_drop_punctuation`).
+# A **word** is what lies between spaces (U+0020, the only character the
+# project's sentencepiece turns into `▁`), so word `k` is also the `k`-th
+# `▁`-word of the pieces. For the aligner it is *normalized*: lowercased,
+# punctuation (Unicode `P*`) stripped from both ends, inner whitespace
+# removed; a punctuation-only word normalizes to `""`, keeps its number and
+# is never aligned (`test_words_keep_numbers_and_drop_punctuation`).
 
 
 # %%
@@ -116,26 +80,15 @@ def words(sentence: str) -> list[str]:
 # %% [markdown]
 # ## 2. Symmetrization: grow-diag-final-and
 #
-# The forward links let a source word take many target words but give each
-# target word one source word at most; the reverse links the other way
-# round. Their **intersection** is precise but misses every one-to-many
-# link; their **union** finds those and much noise. grow-diag-final-and
-# starts from the intersection and adds links of the union in two passes
-# (Koehn, Axelrod, Mayne, Callison-Burch, Osborne and Talbot, IWSLT 2005; the
-# procedure of Moses' `symal` and fast_align's `atools`):
-#
-# - **grow-diag**: while anything changes, for each link `(i, j)` already
-#   kept (in order of `i`, then `j`), look at its eight neighbours
-#   `(i ± 1, j)`, `(i, j ± 1)`, `(i ± 1, j ± 1)`; a neighbour in the union is
-#   added if its source word *or* its target word is still unaligned;
-# - **final-and**: then each link of the forward set, then of the reverse
-#   set, is added if *both* its words are still unaligned.
-#
-# The result always lies between the intersection and the union
-# (`test_grow_diag_final_and_by_hand`, `test_grow_diag_final_and_lies_between_intersection_and_union`),
-# and it is what `align` keeps: the intersection would lose every
-# one-to-many link (`test_align_symmetrizes_with_grow_diag_final_and`).
-
+# The forward links give each target word at most one source word, the
+# reverse links the other way round. grow-diag-final-and (Moses' `symal`,
+# fast_align's `atools`) starts from their intersection; **grow-diag** adds,
+# while anything changes, each union link next to a kept one (eight
+# neighbours) whose source or target word is still unaligned; **final-and**
+# adds each forward, then reverse, link whose two words are both unaligned
+# (`test_grow_diag_final_and_by_hand`,
+# `test_grow_diag_final_and_lies_between_intersection_and_union`,
+# `test_align_symmetrizes_with_grow_diag_final_and`).
 
 # %%
 NEIGHBOURS = ((-1, 0), (0, -1), (1, 0), (0, 1), (-1, -1), (-1, 1), (1, -1), (1, 1))
@@ -176,34 +129,13 @@ def grow_diag_final_and(forward: Links, reverse: Links) -> Links:
 # %% [markdown]
 # ## 3. Running eflomal
 #
-# We use eflomal as its README describes. `eflomal.Aligner.prepare_files`
-# turns the sentences (one a line, words separated by spaces) into the
-# binary's input files; then the `eflomal` binary that the package installs
-# aligns both directions and writes the links, one line a sentence,
-# `i-j` for source word `i` and target word `j` (both files in source-target
-# order). We call the binary ourselves, with the same arguments that
-# `Aligner.align` would pass, only to read its progress lines (one for each
-# of the three models and the final pass, in each direction) into a progress
-# bar. The settings are `Aligner`'s defaults: model 3 (IBM model 1, then
-# HMM, then HMM with fertility), three independent samplers whose counts are
-# pooled for the final alignment, a null prior of 0.2, and eflomal's
-# iteration schedule: `max(2, round(5000 / sqrt(n)))` sweeps of the last
-# model for `n` sentence pairs, a quarter of that for each of the first two
-# (7, 7 and 29 for Multi30k's 30,000 pairs). What aligning them costs in
-# time and memory is in benchmarks/README.md, "Reading the circuits".
-#
-# **Unsupervised, so test pairs go in too.** The aligner learns from the
-# very pairs it aligns; aligning test_2016_flickr together with the 29,000
-# training pairs gives its 1,000 pairs the statistics of all 30,000, the
-# usual practice for statistical aligners.
-#
-# **Not bit-reproducible.** eflomal seeds its sampler from the system's
-# randomness and has no seed option, so two runs differ in a few links.
-# This is what the cache (section 4) is for: once computed, the reference of
-# a data set stays fixed.
-#
-# Punctuation-only words are left out of eflomal's input; their numbers are
-# put back afterwards (`test_aligner_recovers_a_known_dictionary`).
+# As its README describes, with `Aligner`'s default settings; we call the
+# binary ourselves only to show its progress (what it costs:
+# benchmarks/README.md, "Reading the circuits"). Unsupervised, it aligns
+# test_2016_flickr with the training pairs. Its sampler is seeded from the
+# system, so two runs differ in a few links: the cache keeps a reference
+# fixed. Punctuation-only words are left out of its input, their numbers put
+# back after (`test_aligner_recovers_a_known_dictionary`).
 
 # %%
 SETTINGS: dict[str, Any] = {
@@ -308,21 +240,11 @@ def run_eflomal(
 # %% [markdown]
 # ## 4. The cache
 #
-# `align` returns the symmetrized links of each pair and keeps them in
-# `<cache_dir>/alignments/<key>.json.gz` (`cache_dir` defaults to the data
-# cache, `$ANNOTATED_CACHE` or `~/.cache/annotated`, as for downloads and
-# tokenizers). The key is the sha256 of the eflomal version, the settings
-# and every sentence of every pair, so different data or settings never
-# read another's links, and the same ones never run eflomal again
-# (`test_align_caches_by_texts_and_settings`). The file is written
-# atomically; one that does not read back is computed again.
-#
-# eflomal aligns both directions in every run, and grow-diag-final-and
-# combines them by the same rules whichever language is called the source
-# (only the order in which links are visited differs). So
-# `multi30k_alignments` aligns each language pair once, in alphabetical
-# order of the languages, and transposes the links for the other direction:
-# de->en and en->de are scored against one and the same set of links
+# `align` keeps the links in `<cache_dir>/alignments/<key>.json.gz`, keyed by
+# the sha256 of the eflomal version, the settings and every sentence
+# (`test_align_caches_by_texts_and_settings`). grow-diag-final-and treats
+# both languages alike, so `multi30k_alignments` aligns each language pair
+# once and transposes the links for the other direction
 # (`test_multi30k_directions_share_one_run`).
 
 
@@ -406,17 +328,12 @@ def multi30k_alignments(
 # %% [markdown]
 # ## 5. The lexicon
 #
-# Counting the links of the training pairs gives, for each source word `s`
-# and target word `t`, `c(s, t)`: how often they were linked. The lexicon
-# ranks each source word's target words by
-#
-# `p(t | s) = c(s, t) / sum_t' c(s, t')`,
-#
-# the share of `s`'s links that go to `t` (ties broken alphabetically, so
-# the order is fixed). Its keys come in order of the source word's
-# frequency in the training text (ties alphabetically), most frequent first:
-# "the 500 most frequent source words" are its first 500 keys. A source
-# word that was never linked has no entry (`test_lexicon_by_hand`).
+# Counting the training pairs' links gives `c(s, t)`, how often source word
+# `s` and target word `t` were linked; the lexicon ranks each source word's
+# target words by `p(t | s) = c(s, t) / sum_t' c(s, t')` (ties
+# alphabetically), and its keys come most frequent source word first, so "the
+# 500 most frequent source words" are its first 500 keys
+# (`test_lexicon_by_hand`).
 
 
 # %%

@@ -1,20 +1,13 @@
 # %% [markdown]
 # # Scoring a head against the aligner: precision@k, AER, and subwords to words
 #
-# Three measures compare what a cross-attention head does with the
-# reference of `aligner.py` (eflomal's links of Multi30k and their lexicon):
-#
-# 1. **precision@k** of a *dictionary* read from a head (for each source
-#    word, target words ranked best first) against the aligner's lexicon;
-# 2. the **alignment error rate** of an alignment read from a head's
-#    attention against the aligner's links;
-# 3. the **conversion** of a head's attention over subword pieces into word
-#    links, which (2) needs.
-#
-# All three work on words as `aligner.words` defines them (split at spaces,
-# lowercased, punctuation stripped from the edges; a punctuation-only word
-# is never linked), so a head's numbers and the aligner's refer to the same
-# words.
+# Three measures compare a cross-attention head with the reference of
+# `aligner.py`: the **precision@k** of a dictionary read from the head
+# against the aligner's lexicon, the **alignment error rate** of its
+# attention against the aligner's links, and the **conversion** of attention
+# over subword pieces into word links, which the second needs. All three
+# work on `aligner.words`' words, so the head's numbers and the aligner's
+# refer to the same words.
 
 # %%
 from __future__ import annotations
@@ -36,41 +29,20 @@ BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")  # sentencepiece's byte-fallback p
 # %% [markdown]
 # ## 1. precision@k of a dictionary
 #
-# A head's dictionary proposes, for a source word `s`, a ranked list of
-# target words. It is **correct at k** when one of its first `k` words is
-# an accepted translation of `s`. The accepted translations of `s` are the
-# lexicon's best translation and every other target word that takes at
-# least `min_share` (10% by default) of `s`'s links:
+# A dictionary's ranked target words for source word `s` are **correct at k**
+# when one of the first `k` is an accepted translation:
 #
-# `accepted(s) = {t_1(s)} ∪ {t : p(t | s) >= min_share}`.
+# `accepted(s) = {t_1(s)} ∪ {t : p(t | s) >= min_share}`,
 #
-# Why not the lexicon's top-1 alone: a German word has several right
-# English words. *spielt* is *playing* in "A boy is playing" and *plays* in
-# "A boy plays", *rot* is *red* whatever the noun's gender, and which of
-# them the aligner ranks first depends on the corpus's habits, not on what
-# the word means; a head that says *plays* for *spielt* has the right word.
-# Why not every linked word: the aligner also links a word to its
-# neighbours now and then (*Hund* to *brown* in "brauner Hund"), links that
-# are each a small share of the word's links. A share of 10% keeps the
-# translations that are a real sense or form of the word and leaves out
-# that noise (`test_precision_at_k_by_hand`).
-#
-# precision@k is the number of correct source words among the words scored,
-# divided by their number. The words scored are the lexicon's `top` most
-# frequent source words (500 by default; all of them when the lexicon has
-# fewer), or the `words` given: a dictionary read from a head's mean inputs
-# over some training pairs has no entry for a frequent word that never occurs
-# in those pairs, and scoring it as a miss would measure the sample, not the
-# head. So the readout scores only the words that occur and says how many of
-# the `top` that is (`coverage`). A word the dictionary has no entry for
-# still counts as wrong. The dictionary's words must be normalized as the
-# aligner's are (`normalize_word`: a piece `▁Hund` is the word `hund`).
-#
-# One more limit is the dictionary's, not the lexicon's: an OV dictionary
-# proposes word-initial *pieces*, so a source word whose every accepted
-# translation is spelled by two pieces or more (*skateboarder*) cannot be
-# right at any k. `unmatchable` counts those words, and the readout reports
-# them beside the precision (`test_precision_counts_only_the_words_scored`).
+# the lexicon's best and every word with at least 10% of `s`'s links: a word
+# has several right translations (*spielt*: *playing*, *plays*), and the
+# aligner's stray links to neighbours (*Hund* to *brown*) are each a small
+# share (`test_precision_at_k_by_hand`). precision@k is the share of correct
+# words among those scored: the lexicon's `top` first words, or the `words`
+# given (the readout gives those that occur in the pairs it read, and says
+# how many: `coverage`). An OV dictionary proposes word-initial *pieces*, so
+# a word whose every accepted translation takes two pieces cannot be right
+# (`unmatchable`; `test_precision_counts_only_the_words_scored`).
 
 
 # %%
@@ -119,18 +91,11 @@ def unmatchable(
 # %% [markdown]
 # ## 2. Alignment error rate
 #
-# Och and Ney (2003) score a predicted link set `A` against *sure* links `S`
-# and *possible* links `P ⊇ S` (links annotators were unsure of):
-#
-# `AER = 1 - (|A ∩ S| + |A ∩ P|) / (|A| + |S|)`.
-#
-# The counts are summed over all sentences before the ratio, as in Och and
-# Ney (a corpus measure, not a mean of sentence scores). Our reference is
-# one set of links, the aligner's, so **S = P = the aligner's links**, and
-# AER is then `1 - 2|A ∩ S| / (|A| + |S|)`, one minus the F1 of `A` against
-# `S`: 0 when `A` is exactly the reference, 1 when they share no link
-# (`test_aer_by_hand`, `test_aer_of_perfect_and_wrong_attention`). With
-# human alignments, `possible` takes the extra links.
+# Och and Ney (2003): `AER = 1 - (|A ∩ S| + |A ∩ P|) / (|A| + |S|)` for
+# predicted links `A`, *sure* links `S` and *possible* links `P ⊇ S`, the
+# counts summed over the corpus before the ratio. Our reference is the
+# aligner's links, **S = P**, so AER is one minus the F1 of `A` against `S`
+# (`test_aer_by_hand`, `test_aer_of_perfect_and_wrong_attention`).
 
 
 # %%
@@ -160,46 +125,20 @@ def aer(predicted: Sequence[Links], sure: Sequence[Links], possible: Sequence[Li
 # %% [markdown]
 # ## 3. From a head's attention over pieces to word links
 #
-# A head's attention is a matrix over subword pieces: one row for each
-# decoder position, one column for each source position. Three steps make it
-# word links.
-#
-# **Words from pieces.** Sentencepiece marks a piece that follows a space
-# with `▁`, so a word is the pieces from one `▁`-piece up to the next (a
-# piece without `▁` at the very start opens a word too). Word `k` is thus
-# the `k`-th space-separated word of the sentence, the same numbering as
-# `aligner.words`. The special pieces `<s>`, `</s>` and `<pad>` belong to no
-# word. The tokenizer writes ` .` as a lone `▁` then `.`, so a lone `▁` opens
-# the word of the pieces after it; when another `▁`-piece follows at once
-# (two spaces in a row) it is no word at all. Byte pieces (`<0xE2>`, sentencepiece's spelling of
-# a character its vocabulary lacks) are read as the bytes they stand for. A word whose text is only punctuation (`.` , `-`)
-# is kept in the numbering but never linked (`test_words_from_pieces`; the
-# shipped tokenizer's words are `aligner.words` on every sentence of
-# test_2016_flickr, both languages:
-# `test_piece_words_match_aligner_words_on_multi30k`,
+# **Words from pieces**: a word runs from one `▁`-piece to the next, so word
+# `k` is `aligner.words`' word `k`; special pieces belong to no word, a lone
+# `▁` opens the word after it (and is no word before another `▁`-piece), byte
+# pieces (`<0xE2>`) are read as their bytes, and a punctuation-only word is
+# never linked (`test_words_from_pieces`,
 # `test_piece_words_match_aligner_words_on_the_shipped_tokenizer`).
-#
-# **Which row speaks for a target piece.** The decoder reads `<s> y_1 ...
-# y_n` and predicts `y_1 ... y_n </s>`; row `p` is the position whose input
-# is piece `p` of that row of labels. Garg et al. align target token `y_p`
-# with the attention of the step that *predicts* it, whose input is the
-# previous token: row `p - 1`. That is the default, `step="predicts"`. The
-# other reading, `step="reads"`, takes the row whose input is `y_p`, row
-# `p`. Under "predicts" the last row (which predicts `</s>`) is not used,
-# under "reads" the first (which reads `<s>`) (`test_step_predicts_or_reads`).
-#
-# **Argmax, then union.** Each target piece links to the source piece its
-# row attends to most (the first of equal maxima). When that is a special
-# piece (a source that ends in `</s>`, as an imported MarianMT model's does,
-# gives heads a place to put their weight when nothing fits) or a
-# punctuation-only word (the final `.` plays that part in this project's
-# sources), the target piece links to nothing, as an aligner leaves a word
-# unaligned. A target word links to **every** source word one
-# of its pieces links to (the union, not the majority): the usual
-# conversion from subword to word alignments (Zenkel et al. 2019, Garg et al.
-# 2019), and right for compounds, where *Spiel|haus*'s two pieces may point
-# at *play* and *house*. Punctuation-only target words get no links
-# (`test_attention_to_word_links_by_hand`).
+# **The row of a target piece**: Garg et al. align `y_p` with the step that
+# *predicts* it, row `p - 1` (`step="predicts"`); `step="reads"` takes row
+# `p` (`test_step_predicts_or_reads`). **Argmax, then union**: each target
+# piece links to the source piece its row attends to most (nothing, when that
+# is a special piece or punctuation, where heads put their weight when nothing
+# fits), and a target word to every source word one of its pieces links to,
+# as for compounds (Zenkel et al. 2019, Garg et al. 2019;
+# `test_attention_to_word_links_by_hand`).
 
 
 # %%

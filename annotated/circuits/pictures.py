@@ -1,26 +1,13 @@
 # %% [markdown]
 # # Pictures of the circuits
 #
-# Four pictures, drawn from `circuits.json`'s records, in the project's one
-# colour map (`CMAP`) and head colours (`head_colours`) of
-# `annotated/attention/pictures.py`:
-#
-# * `circuits_spectra.png`: per attention, the singular values of each
-#   head's `W_QK` (solid) and `W_OV` (dashed), largest first: how many
-#   directions a head really uses of the `d_k` it has;
-# * `circuits_positions.png`: every self-attention head's position table
-#   (query position down, key position across, each row centred), the
-#   first layer's exact, the others through the norms; each title gives the
-#   label the table gives the head (`weights:`) and, beside it, the role
-#   measured on its real attention (`argmax:`, `annotated/circuits/score_terms.py`):
-#   the two can differ, and the second is what the head does;
-# * `circuits_faithfulness.png`: each head's rank correlation between its
-#   real scores and each reading of the direct path (weights only, pale;
-#   with the norms exact, full), with the 95% intervals;
-# * `circuits_dictionary.png`: the best cross-attention head's QK dictionary
-#   and OV dictionaries for the most frequent source words of four letters
-#   or more (the shorter ones are mostly articles and prepositions): for
-#   each, its first four target words, the aligner's translation in bold.
+# Drawn from `circuits.json` in the colours of `annotated/attention/pictures.py`:
+# each head's singular values (`circuits_spectra.png`, `W_QK` solid, `W_OV`
+# dashed), every self-attention head's position table titled with the label
+# its weights give and the role measured on its attention
+# (`circuits_positions.png`), each head's faithfulness (both readings, with
+# intervals), and the best cross head's dictionaries, the aligner's
+# translation in bold (`circuits_dictionary.png`).
 
 # %%
 from __future__ import annotations
