@@ -1,60 +1,52 @@
 # %% [markdown]
 # # What a head's own matrices compute: the QK and OV circuits
 #
-# The chapter asked what queries, keys and values *are*, and answered with
-# shapes: `W_Q[i]`, `W_K[i]` are `d_model x d_k`, `W_V[i]` is `d_model x d_v`,
-# `W_O[i]` is `d_v x d_model`. This part reads them as what they compute.
-# Head `i` uses its four matrices in two products only (Elhage et al. 2021, "A
-# Mathematical Framework for Transformer Circuits"):
+# The chapter gave queries, keys and values as shapes; this part reads them
+# as what they compute. Head `i` uses its four matrices in two products only
+# (Elhage et al. 2021, "A Mathematical Framework for Transformer Circuits"):
 #
 # $$W_{QK}^{(i)} = W_Q^{(i)}\, {W_K^{(i)}}^{\top} \in \mathbb{R}^{d_{model} \times d_{model}},
 # \qquad W_{OV}^{(i)} = W_V^{(i)}\, W_O^{(i)} \in \mathbb{R}^{d_{model} \times d_{model}}$$
 #
-# * the **QK circuit** decides *where* the head looks: the score of query
-#   position `a` for key position `b` is the bilinear form
-#   `x_a W_QK x_b^T / sqrt(d_k)`, so `W_QK` is the head's whole notion of
-#   "which inputs match"; `W_Q[i]` and `W_K[i]` separately are not even
-#   determined (any invertible `d_k x d_k` matrix `M` gives the same head with
-#   `W_Q M`, `W_K M^{-T}` and the biases `b_Q M`, `b_K M^{-T}`);
-# * the **OV circuit** decides *what* it moves: a key position `b` that the
-#   head attends to with probability `p` adds `p x_b W_OV` to the query
-#   position's output, so `W_OV` maps "what was read" to "what is written".
-#
-# Both are `d_model x d_model` but of rank at most `d_k` (or `d_v`): a product
-# through `d_k` columns. So we never build them: a `Factored` matrix keeps the
-# two factors and computes what we need from them (products with vectors, the
-# singular values from two QR decompositions and a `d_k x d_k` SVD), as
-# TransformerLens's `FactoredMatrix` does. Tests: `tests/circuits/test_circuits.py`.
+# the **QK circuit** decides *where* the head looks (the score of query `a`
+# for key `b` is `x_a W_QK x_b^T / sqrt(d_k)`, and `W_Q[i]`, `W_K[i]` alone
+# are not even determined: `W_Q M`, `W_K M^{-T}` give the same head), the
+# **OV circuit** *what* it moves (a key attended with probability `p` adds
+# `p x_b W_OV`). Both are of rank at most `d_k` (or `d_v`), so we never build
+# them: a `Factored` matrix keeps the two factors, as TransformerLens's
+# `FactoredMatrix` does.
 
 # %%
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from annotated.sites import Site, attention_at, sites
-from annotated.transformer import BLOCKS, EncoderDecoder, FusedAttention, PerHeadAttention, head_blocks
+from annotated.transformer import (
+    BLOCKS,
+    EncoderDecoder,
+    FusedAttention,
+    PerHeadAttention,
+    head_blocks,
+    padding_mask,
+    target_mask,
+)
 
 # %% [markdown]
 # ## 1. A low-rank matrix kept as its factors
 #
-# `Factored(left, right)` stands for `left @ right`, `(m x r) @ (r x n)`. Its
-# singular values are those of the small `r x r` core: with `left = Q_L R_L`
-# and `right^T = Q_R R_R` (reduced QR decompositions, `Q_L` and `Q_R` with
-# orthonormal columns), `left @ right = Q_L (R_L R_R^T) Q_R^T`, and
-# multiplying by matrices with orthonormal columns on both sides keeps the
-# singular values. So the rank is at most `r`, whatever `m` and `n` are
-# (`test_a_circuit_has_rank_at_most_d_k`, and the singular values equal
-# those of the materialised product: `test_factored_singular_values_are_the_products`).
-#
-# <!-- figure: circuit_spectra -->
-#
-# In the shipped models every head uses all of its `d_k = 32` directions
-# (no singular value is negligible), but not evenly: a few carry most of the
-# first layer's QK circuits, while the cross-attention heads spread theirs.
+# `Factored(left, right)` stands for `left @ right`, `(m x r) @ (r x n)`.
+# With reduced QR decompositions `left = Q_L R_L` and `right^T = Q_R R_R`,
+# `left @ right = Q_L (R_L R_R^T) Q_R^T`, and the orthonormal factors keep
+# the singular values: they are those of the small `r x r` core
+# (`test_a_circuit_has_rank_at_most_d_k`,
+# `test_factored_singular_values_are_the_products`). In the shipped models
+# every head uses all of its `d_k = 32` directions, but not evenly.
 #
 # <!-- figure: circuit_spectra -->
 
@@ -66,10 +58,6 @@ class Factored:
 
     left: Tensor  # (m, r)
     right: Tensor  # (r, n)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.left.size(0), self.right.size(1)
 
     @property
     def inner(self) -> int:
@@ -87,10 +75,6 @@ class Factored:
         s = self.singular_values()
         return int((s > rtol * s[0]).sum()) if s.numel() and s[0] > 0 else 0
 
-    def materialise(self) -> Tensor:
-        """The m x n matrix itself: for tests and small sizes only."""
-        return self.left @ self.right  # (m, n)
-
     def bilinear(self, x_a: Tensor, x_b: Tensor) -> Tensor:
         """x_a (.., T_a, m) (left @ right) x_b^T, x_b (.., T_b, n): (.., T_a, T_b), through the r inner columns."""
         return (x_a @ self.left) @ (x_b @ self.right.T).transpose(-1, -2)  # (.., T_a, T_b)
@@ -103,11 +87,9 @@ class Factored:
 # %% [markdown]
 # ## 2. Head `i`'s matrices, from either form
 #
-# The per-head form stores `W_Q[i]` as it is; the fused form stores it as
-# column block `i` of `W_Q` (rows block `i` for `W_O`), exactly the block the
-# `view` in the chapter's section 4 hands to head `i`. `head_matrices` takes
-# head `i`'s block of each from the chapter's own `head_blocks`, so the two
-# forms give the same circuits (`test_circuits_of_the_per_head_and_fused_forms_are_equal`).
+# `head_matrices` takes head `i`'s block of each matrix from the chapter's own
+# `head_blocks`, so the per-head and the fused form give the same circuits
+# (`test_circuits_of_the_per_head_and_fused_forms_are_equal`).
 
 
 # %%
@@ -122,34 +104,21 @@ def head_matrices(att: PerHeadAttention | FusedAttention, i: int) -> dict[str, T
 # %% [markdown]
 # ## 3. The circuits, biases included, term by term
 #
-# With biases, head `i`'s query and key at positions `a` and `b` are
-# `q_a = x_a W_Q + b_Q` and `k_b = x_b W_K + b_K`, and the score expands into
-# four terms:
+# With biases, `q_a = x_a W_Q + b_Q` and `k_b = x_b W_K + b_K`, and
 #
 # $$q_a k_b^{\top} = x_a W_{QK} x_b^{\top} + x_b\, (W_K b_Q^{\top}) + x_a\, (W_Q b_K^{\top}) + b_Q b_K^{\top}$$
 #
-# The softmax runs over the keys `b` for one query `a`, and adding the same
-# number to every key's score changes nothing. The last two terms do not
-# depend on `b`: **they cancel in the softmax**. What the head's attention
-# depends on is the bilinear term and the **key bias** `x_b u`, with
-# `u = W_K b_Q^T` (a `d_model` vector): a preference for some keys whatever
-# the query. So `key_bias` is part of the QK circuit and `query_bias`,
-# `constant` are kept only to reproduce the raw scores exactly.
-#
-# On the OV side, `head_i W_O = P (X W_V + 1 b_V) W_O = P X W_OV + (P 1) b_V W_O`,
-# and each row of `P` sums to 1 (a row with every key masked is all zeros,
-# and writes nothing, not even `b_V W_O`:
-# `test_a_query_whose_keys_are_all_masked_writes_nothing`): the head writes `P X W_OV` plus a constant
-# `ov_bias = b_V W_O` whatever it reads. `b_O` belongs to no head.
-#
-# `scores` puts the terms back together; on real inputs from the model's own
-# residual stream it equals the model's pre-softmax scores within 1e-12 in
-# float64, for every head, both forms (`test_circuit_scores_are_the_models_scores`),
-# and `writes` equals head `i`'s term of `sum_i head_i W_O[i]`
-# (`test_the_ov_circuit_is_what_a_head_writes`). The fast beam search uses
-# the same two identities forwards: it keeps a layer's inputs instead of keys
-# and values, and attends through `q W_K[i]^T` and `(P X) W_V[i]`
-# (`annotated/decoding/search.py`, section 7).
+# The softmax runs over the keys `b` of one query, so the last two terms
+# **cancel in it**: the attention depends on the bilinear term and the **key
+# bias** `x_b u`, `u = W_K b_Q^T`, a preference for some keys whatever the
+# query (`matching`); the other two only reproduce the raw scores (`scores`).
+# A head writes `P X W_OV` plus `ov_bias = b_V W_O` (each row of `P` sums to
+# 1, or to 0 when every key is masked, and then it writes nothing:
+# `test_a_query_whose_keys_are_all_masked_writes_nothing`); `b_O` belongs to
+# no head. On the model's own inputs `scores` is its pre-softmax scores within
+# 1e-12 in float64, both forms (`test_circuit_scores_are_the_models_scores`),
+# and `writes` head `i`'s term of the output
+# (`test_the_ov_circuit_is_what_a_head_writes`).
 
 
 # %%
@@ -215,30 +184,45 @@ def circuit(att: PerHeadAttention | FusedAttention, i: int, site: Site = ("", 0)
     )
 
 
+def attentions(model: EncoderDecoder) -> dict[Site, PerHeadAttention | FusedAttention]:
+    """Every attention of `model` by site, in the order of `sites`: the one place this part finds them."""
+    return {site: attention_at(model, *site) for site in sites(model)}
+
+
 def circuits(model: EncoderDecoder) -> dict[Site, list[HeadCircuit]]:
     """Every head's circuits, by site, in the order of `sites` (a pruned attention has only its kept heads)."""
-    return {
-        site: [circuit(attention_at(model, *site), i, site) for i in range(attention_at(model, *site).h)]
-        for site in sites(model)
-    }
+    return {site: [circuit(att, i, site) for i in range(att.h)] for site, att in attentions(model).items()}
 
 
 # %% [markdown]
 # ## 4. The inputs each attention reads
 #
-# To check the circuits against the model, and to read them in context, we
-# need what each attention receives: the residual stream `x_q` at the
-# queries and `x_kv` at the keys (for cross-attention, the encoder's output).
-# `attention_inputs` records them with forward hooks during one teacher-forced
-# pass, the way `annotated/recording.py` records probabilities: the chapter
-# knows nothing of it.
+# To check the circuits against the model, and to read them in context,
+# `attention_inputs` records what each attention receives (`x_q` at the
+# queries, `x_kv` at the keys) with forward hooks, the way
+# `annotated/recording.py` records probabilities. Every pass of this part
+# that hooks the model runs through `teacher_forced` (encoder and decoder
+# only), which removes the hooks after it.
 
 
 # %%
+@torch.no_grad()
+def teacher_forced(
+    model: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int, handles: Iterable = (), memory: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The encoder's output (B, S, d_model) (`memory`, when given, in its place) and the decoder's (B, T, d_model)
+    for src (B, S) and the decoder's input tgt (B, T); the hooks of `handles` are removed after the pass."""
+    try:
+        src_mask = padding_mask(src, pad)
+        memory = model.encode(src, src_mask) if memory is None else memory
+        return memory, model.decode(memory, src_mask, tgt, target_mask(tgt, pad))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def attention_inputs(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int) -> dict[Site, tuple[Tensor, Tensor]]:
     """(x_q (B, T_q, d_model), x_kv (B, T_k, d_model)) of every attention in one pass over src (B, S), tgt (B, T)."""
-    from annotated.transformer import padding_mask, target_mask
-
     seen: dict[Site, tuple[Tensor, Tensor]] = {}
 
     def recorder(site: Site):
@@ -249,12 +233,14 @@ def attention_inputs(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int) 
 
         return hook
 
-    handles = [attention_at(model, *s).register_forward_pre_hook(recorder(s), with_kwargs=True) for s in sites(model)]
-    try:
-        with torch.no_grad():  # encoder and decoder only: the generator reads no attention
-            src_mask = padding_mask(src, pad)
-            model.decode(model.encode(src, src_mask), src_mask, tgt, target_mask(tgt, pad))
-    finally:
-        for handle in handles:
-            handle.remove()
+    atts = attentions(model).items()
+    teacher_forced(model, src, tgt, pad, [a.register_forward_pre_hook(recorder(s), with_kwargs=True) for s, a in atts])
     return seen
+
+
+def allowed_keys(kind: str, src: Tensor, tgt: Tensor, pad: int) -> Tensor:
+    """(B, T_q, T_k): True where a real query of attention `kind` may see a key (no padding, no decoder future)."""
+    q = src if kind == "enc_self" else tgt
+    mask = target_mask(tgt, pad) if kind == "dec_self" else padding_mask(src, pad)
+    T_k = tgt.size(1) if kind == "dec_self" else src.size(1)
+    return mask.expand(q.size(0), q.size(1), T_k) & (q != pad).unsqueeze(-1)

@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_model(model, tokenizer, checkpoint: Path, head: tuple[str, int, int] | None) -> None:
     """The checks that need the loaded model: a tokenizer, and the head asked for."""
     from annotated.checkpoint import CheckpointError
-    from annotated.sites import attention_at
+    from annotated.circuits.circuits import attentions
 
     if tokenizer is None:
         raise CheckpointError(
@@ -83,7 +83,7 @@ def check_model(model, tokenizer, checkpoint: Path, head: tuple[str, int, int] |
         kind, layer, i = head
         if layer >= cfg.N:
             raise CheckpointError(f"--head {kind}:{layer}:{i}: the model has layers 0..{cfg.N - 1}")
-        h = attention_at(model, kind, layer).h
+        h = attentions(model)[(kind, layer)].h
         if i >= h:
             why = (
                 f"pruning kept {h} of its {cfg.h} heads (renumbered 0..{h - 1}); a removed head has no circuit"

@@ -1,15 +1,10 @@
 # %% [markdown]
 # # Which earlier heads a head reads through: composition
 #
-# Past the first layer a head's query, key and value are read from a stream
-# that earlier heads have written into. Head `A` of an earlier sublayer adds
-# `x W_OV^A` to the stream; head `B` later reads that stream through `W_QK^B`
-# (its queries and keys) and `W_OV^B` (its values). So the part of `B` that
-# reads what `A` wrote is a product of the two heads' circuits, and how much
-# of the two matrices survives that product says how strongly they
-# **compose** (Elhage et al. 2021, "A Mathematical Framework for Transformer
-# Circuits"). With `||M||_F` the Frobenius norm and the row-vector
-# convention of this book (`x W`), the three composition scores are
+# Head `A` adds `x W_OV^A` to the stream; a later head `B` reads it through
+# `W_QK^B` and `W_OV^B`, so the part of `B` that reads `A` is a product of the
+# two circuits, and how much of the two survives it says how strongly they
+# **compose** (Elhage et al. 2021; TransformerLens's `all_composition_scores`):
 #
 # $$Q:\ \frac{\lVert W_{OV}^{A}\, W_{QK}^{B} \rVert_F}{\lVert W_{OV}^{A}\rVert_F\, \lVert W_{QK}^{B}\rVert_F}$$
 #
@@ -17,64 +12,18 @@
 #
 # $$V:\ \frac{\lVert W_{OV}^{A}\, W_{OV}^{B} \rVert_F}{\lVert W_{OV}^{A}\rVert_F\, \lVert W_{OV}^{B}\rVert_F}$$
 #
-# * **Q-composition**: `A` writes into what `B` reads as its *query*. The
-#   score of `B` is `x_a W_QK x_b^T`, and `A`'s part of `x_a` is
-#   `y_a W_OV^A`: the product `W_OV^A W_QK^B` is what `B`'s queries see of
-#   `A`.
-# * **K-composition**: `A` writes into `B`'s *keys*: `A`'s part of `x_b`
-#   enters as `x_a W_QK (y_b W_OV^A)^T = x_a (W_QK {W_OV^A}^T) y_b^T`, a
-#   matrix with the Frobenius norm of `W_OV^A {W_QK^B}^T`. The classic case
-#   is an induction head, whose keys are built by a previous-token head.
-# * **V-composition**: `A` writes into `B`'s *values*: `B` moves on what `A`
-#   wrote, `W_OV^A W_OV^B`.
-#
-# Each score lies between 0 and 1, and is 1 only when the two matrices
-# line up completely. These are TransformerLens's `all_composition_scores`
-# (its `FactoredMatrix` keeps each circuit as two factors, as our `Factored`
-# does), here computed from the factors without building a
-# `d_model x d_model` matrix (section 1).
-#
-# **Which pairs can compose in an encoder-decoder.** TransformerLens scores
-# a decoder-only model's layers against later layers. An encoder-decoder has
-# two streams, and the interesting paths cross between them:
-#
-# | earlier head `A` | later head `B` | kinds |
-# | --- | --- | --- |
-# | encoder layer `l` | encoder layer `l' > l` | Q, K, V |
-# | encoder, any layer | cross-attention, any layer (its keys and values are the encoder's output) | K, V |
-# | decoder self or cross, layer `l` | decoder self-attention, layer `l' > l` | Q, K, V |
-# | decoder self, layer `l` | cross-attention, layer `l' >= l` (its queries) | Q |
-# | cross, layer `l` | cross-attention, layer `l' > l` (its queries) | Q |
-#
-# `composition_paths` lists them from the model's own order of sublayers
-# (`test_composition_pairs_are_the_encoder_decoders_paths`).
-#
-# **The LayerNorms on the way.** Between `A`'s write and `B`'s read lie the
-# LayerNorms of every sublayer in between (post-norm: `A`'s own and each one
-# after it; pre-norm: `B`'s own, or the encoder's final norm for the
-# cross-attention's keys). Each one subtracts the mean, multiplies by its gain
-# `gamma` and divides by a positive number per position; the division scales
-# the whole product and `A`'s part alike, so the ratio does not see it. The
-# centring and the gains do change the product, so the score here is that of
-# `A` *as it arrives*: `left = W_OV^A N` with `N` the norms' centring and
-# gains as one `d_model x d_model` matrix (`norms_between`), against `B`'s
-# circuit as it is. The feed-forward sublayers in between are left out: this
-# is the residual stream's direct route from `A` to `B` (Elhage et al.'s
-# "virtual weights"), not everything `A` affects. How much the gains matter
-# is measured: every pair is also scored with the gains left out (centring
-# only), and `make circuits` prints the largest change (a model whose
-# LayerNorms have been folded into the weights has gains of 1, and both
-# scores are then equal). `composition_score` itself takes the two factored
-# matrices, whatever produced them.
-#
-# **Against chance.** Two unrelated matrices still compose a little: two
-# random `r`-dimensional subspaces of `R^d` overlap, and the score of random
-# matrices is about `1 / sqrt(d_model)` (0.088 at `d_model = 128`). So
-# every score is set beside a **baseline**: the same two matrices with their
-# singular values kept (hence their shapes, ranks and norms) and their
-# singular vectors drawn at random (`random_baseline`: its mean and the
-# central 95% of 1,000 draws). A pair stands out when its score lies above
-# its baseline's interval.
+# for `A` writing into `B`'s queries, keys (as a previous-token head builds
+# an induction head's keys) or values, each between 0 and 1. Encoder heads
+# compose with later encoder heads and with every cross-attention's keys and
+# values; decoder heads with later decoder heads and with the queries of
+# cross-attention at or after their layer (`composition_paths`;
+# `test_composition_pairs_are_the_encoder_decoders_paths`). The LayerNorms
+# between (`norms_between`) divide by one number per position, which the
+# ratio does not see, but their centring and gains change the product: `A`
+# is scored *as it arrives*, `W_OV^A N` with `N` those as one matrix, and
+# also without the gains. Random matrices compose too, about
+# `1 / sqrt(d_model)`, so each score stands beside a **baseline** (section
+# 2), and a pair stands out above its baseline's 95% interval.
 #
 # <!-- figure: circuit_composition -->
 
@@ -93,6 +42,7 @@ from torch import Tensor, nn
 
 from annotated.attention.pictures import CMAP, LAYOUT, MASKED
 from annotated.circuits.circuits import Factored, HeadCircuit, circuits
+from annotated.circuits.direct import layer_norms, norms_on_the_way, point
 from annotated.sites import Site
 from annotated.transformer import EncoderDecoder
 
@@ -103,13 +53,11 @@ KINDS = ("Q", "K", "V")
 # %% [markdown]
 # ## 1. The Frobenius norm of a product, from its factors
 #
-# With `M = L R` (`L` is `m x r`, `R` is `r x n`),
-# `||M||_F^2 = trace(M^T M) = trace(R^T L^T L R) = trace((L^T L)(R R^T))`:
-# the sum of the entries of the two `r x r` Gram matrices multiplied entry
-# by entry. And the product of two factored matrices is factored again,
-# `(L_1 R_1)(L_2 R_2) = L_1 (R_1 L_2 R_2)`, with the inner size of the first.
-# So no score needs a `d_model x d_model` matrix, and all are computed in
-# float64 (`test_composition_score_is_the_materialised_ratio`).
+# With `M = L R`, `||M||_F^2 = trace((L^T L)(R R^T))`: the two `r x r` Gram
+# matrices multiplied entry by entry and summed; and `(L_1 R_1)(L_2 R_2) =
+# L_1 (R_1 L_2 R_2)` is factored again. So no score needs a
+# `d_model x d_model` matrix, and all are in float64
+# (`test_composition_score_is_the_materialised_ratio`).
 
 
 # %%
@@ -144,15 +92,12 @@ def reading(c: HeadCircuit, kind: str) -> Factored:
 # %% [markdown]
 # ## 2. The random baseline
 #
-# Write the two matrices by their singular value decompositions,
-# `A = U_A S_A V_A^T` and `B = U_B S_B V_B^T`. Multiplying by matrices with
-# orthonormal columns keeps the Frobenius norm, so
-# `||A B||_F = ||S_A (V_A^T U_B) S_B||_F`: only the overlap
-# `M = V_A^T U_B` (`r_A x r_B`) of `A`'s input space with `B`'s output space
-# matters. With the singular vectors drawn at random, `M` is the top
-# `r_A x r_B` block of a random `d x r_B` matrix with orthonormal columns
-# (the QR decomposition of a Gaussian one). One set of draws serves every
-# pair of the same shape (`test_the_baseline_is_that_of_random_matrices`).
+# With `A = U_A S_A V_A^T` and `B = U_B S_B V_B^T`,
+# `||A B||_F = ||S_A (V_A^T U_B) S_B||_F`: only the overlap `V_A^T U_B` of
+# `A`'s input space with `B`'s output space matters, and with random singular
+# vectors it is the top `r_A x r_B` block of a random `d x r_B` matrix with
+# orthonormal columns. One set of draws serves every pair of a shape
+# (`test_the_baseline_is_that_of_random_matrices`).
 
 
 # %%
@@ -163,13 +108,9 @@ def random_overlaps(d: int, r_a: int, r_b: int, samples: int = SAMPLES, seed: in
     return Q[:, :r_a, :]  # (samples, r_a, r_b)
 
 
-def random_baseline(s_a: Tensor, s_b: Tensor, overlaps: Tensor) -> tuple[float, float, float]:
-    """(mean, 2.5%, 97.5%) of the score of matrices with singular values s_a, s_b and random singular vectors."""
-    return random_baselines(s_a[None], s_b[None], overlaps)[0]
-
-
 def random_baselines(s_a: Tensor, s_b: Tensor, overlaps: Tensor, chunk: int = 64) -> list[tuple[float, float, float]]:
-    """`random_baseline` of many pairs at once: s_a (P, r_a), s_b (P, r_b), one shared set of overlaps.
+    """(mean, 2.5%, 97.5%) of the score of matrices with singular values s_a (P, r_a), s_b (P, r_b) and random
+    singular vectors, for P pairs at once, from one shared set of overlaps.
 
     `||S_A M S_B||_F^2 = sum_ij s_i^2 M_ij^2 t_j^2`, so the squared overlaps (N, r_a, r_b) times the squared
     singular values is one matrix product for all the pairs of a chunk."""
@@ -188,53 +129,20 @@ def random_baselines(s_a: Tensor, s_b: Tensor, overlaps: Tensor, chunk: int = 64
 # %% [markdown]
 # ## 3. Which pairs compose, and the norms between them
 #
-# The encoder's stream passes each layer's `res_attn` and `res_ffn`
-# sublayers in turn; the decoder's passes `res_self`, `res_cross`, `res_ffn`.
-# A head writes into its stream at its own sublayer and reads it before its
-# own sublayer (queries, and for self-attention keys and values); a
-# cross-attention reads its keys and values at the encoder's end. `A` can
-# compose with `B` on a side when both lie on the same stream and `A`'s
-# sublayer comes first.
+# A head writes into its stream at its own sublayer and reads it just before
+# (`direct.py`, section 1: `point`); `A` can compose with `B` on a side when
+# both lie on the same stream and `A`'s sublayer comes first.
+
 
 # %%
-OWN = {"enc_self": "res_attn", "dec_self": "res_self", "cross": "res_cross"}  # the sublayer of each kind
-
-
-def _stream(model: EncoderDecoder, kind: str) -> list[tuple[int, str]]:
-    """The sublayers of the stream `kind` writes into, in order: (layer, residual name)."""
-    names = ("res_attn", "res_ffn") if kind == "enc_self" else ("res_self", "res_cross", "res_ffn")
-    return [(l, n) for l in range(model.config.N) for n in names]
-
-
-def _reads(model: EncoderDecoder, site: Site, side: str) -> tuple[str, int]:
-    """(the stream `site` reads on `side` ("q" or "kv"), how many of its sublayers come before the read)."""
-    kind, layer = site
-    if kind == "cross" and side == "kv":
-        return "enc", 2 * model.config.N  # the encoder's output: after all its sublayers
-    stream = "enc" if kind == "enc_self" else "dec"
-    return stream, _stream(model, kind).index((layer, OWN[kind]))
-
-
 def norms_between(model: EncoderDecoder, writer: Site, reader: Site, side: str) -> list[nn.LayerNorm] | None:
-    """The LayerNorms between `writer`'s output and `reader`'s input on `side`, in order; None when the writer's
-    output never reaches that input along the residual stream."""
-    kind, layer = writer
-    stream, read_at = _reads(model, reader, side)
-    if stream != ("enc" if kind == "enc_self" else "dec"):
+    """The LayerNorms between `writer`'s output and `reader`'s input on `side` ("q" or "kv"), in order; None when
+    the writer's output never reaches that input along the residual stream."""
+    stack, wrote_at = point(model, writer)
+    read_stack, read_at = point(model, reader, side)
+    if read_stack != stack or wrote_at >= read_at:
         return None
-    order = _stream(model, kind)
-    wrote_at = order.index((layer, OWN[kind]))
-    if wrote_at >= read_at:
-        return None
-    stack = model.encoder if stream == "enc" else model.decoder
-    residual = lambda i: getattr(stack.layers[order[i][0]], order[i][1])
-    if model.config.norm == "post":  # LayerNorm(x + sublayer(x)): the writer's own norm and every later one
-        return [residual(i).ln for i in range(wrote_at, read_at)]
-    if read_at < len(order):  # pre-norm: x + sublayer(LayerNorm(x)): only the reader's own norm
-        return [residual(read_at).ln]
-    final = stack.final_ln
-    assert isinstance(final, nn.LayerNorm)
-    return [final]  # pre-norm cross-attention keys: the encoder's final norm
+    return layer_norms(model, norms_on_the_way(model, stack, wrote_at, read_at))
 
 
 def norm_matrix(lns: list[nn.LayerNorm], d_model: int, gains: bool = True) -> Tensor:
@@ -263,15 +171,12 @@ def composition_paths(model: EncoderDecoder) -> list[tuple[Site, Site, str]]:
 # %% [markdown]
 # ## 4. Every pair of heads
 #
-# For each path and each pair of heads on it, `compositions` records the
-# score through the norms (centring and gains), the score with the gains
-# left out, and the baseline of the score. The pairs that **stand out** are
-# those above their baseline's interval, the most above first
-# (`standing_out`). The planted test builds a two-layer model whose second
-# encoder layer has one head whose keys read what a first-layer
-# previous-token head writes: that pair, and no other, stands out, with the
-# largest K-composition score of the model; every other pair scores at its
-# baseline (`test_a_planted_previous_token_head_is_found_by_k_composition`).
+# `compositions` scores every pair on every path, through the norms and
+# without their gains, beside its baseline; the pairs that **stand out** lie
+# above their baseline's interval (`standing_out`). In a two-layer model with
+# a planted previous-token head feeding a second-layer head's keys, that pair
+# and no other stands out
+# (`test_a_planted_previous_token_head_is_found_by_k_composition`).
 
 
 # %%
@@ -403,11 +308,10 @@ def format_composition(record: dict[str, Any]) -> str:
 # %% [markdown]
 # ## 5. The picture
 #
-# `circuits_composition.png`: one panel per kind (Q, K, V), earlier heads
-# down, later heads across, grouped by attention (`enc_self 0`, ...), in the
-# project's one colour map (`CMAP`) on one range for all three panels: the
-# score over its baseline's mean (1 is chance). Pairs that cannot compose
-# that way are grey; a white dot marks a pair above its baseline's interval.
+# `circuits_composition.png`: one panel per kind, earlier heads down, later
+# heads across, the score over its baseline's mean in the project's colour
+# map (`CMAP`); grey where a pair cannot compose, a white dot above the
+# baseline's interval.
 
 
 # %%

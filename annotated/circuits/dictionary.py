@@ -1,47 +1,23 @@
 # %% [markdown]
 # # The cross-attention as a dictionary and as an aligner
 #
-# A cross-attention head's queries come from the target sentence and its
-# keys from the source, so its QK circuit is a table between two
-# vocabularies: if the queries made while writing *dog* match the keys of
-# *Hund*, the head has learned an entry of a dictionary. Its OV circuit is
-# a second one: what it writes when it reads *Hund*.
-#
-# Read through the bare embeddings (`annotated/circuits/direct.py`) the
-# cross-attention is only an approximation, since its keys are the encoder's
-# last layer. So here we read it **in context**: over training pairs, the
-# mean input at the keys of each source word and at the query that predicts
-# each target word, both as the model computes them. Because queries, keys
-# and values are affine in their inputs, the mean key of a word is the key
-# of its mean input, and one `d_model` vector per word and layer holds all
-# heads' readings.
-#
-# * **the QK dictionary** of a head: for a source word `s`, the target
-#   words whose mean query gives `s` the highest attention weight when the
-#   keys are the mean keys of the 500 source words scored (the softmax over
-#   them, as the head computes it: a query with large scores for every key
-#   does not win every column);
-# * **the OV dictionary**: the words whose logits `s`'s mean value, written
-#   through `W_OV`, the norms after the head and the generator, raises most
-#   (`test_the_ov_dictionary_reads_the_write_through_the_norms_after_the_head`).
-#
-# Both are scored against an independent reference, the lexicon of a
-# statistical aligner run on the same training pairs
-# (`annotated/circuits/aligner.py`), by precision@1 and @5 over those of the
-# lexicon's 500 most frequent source words that occur in the pairs read (the
-# record's `coverage` says how many; `annotated/circuits/metrics.py`), with
-# four controls beside the OV dictionary (section 2). And the head's
-# attention itself, on test sentences, is an alignment: its alignment error
-# rate against the aligner's links says how well "where the head looks" is
-# "which word this translates" (Garg et al. 2019).
-#
-# A target word is tied to the decoder position that *predicts* its first
-# piece (whose input is the previous token), as Garg et al. read alignments;
-# a source word's input is the mean over its pieces
-# (`test_a_words_mean_input_is_its_pieces_mean_at_the_row_that_predicts_it`).
-# A target word needs `MIN_COUNT` occurrences for a mean query; from too few
-# pairs none has one, and the QK dictionary is empty
-# (`test_a_readout_from_too_few_pairs_to_read_a_qk_dictionary_still_works`).
+# A cross-attention head's QK circuit is a table between two vocabularies
+# (the queries made while writing *dog* match the keys of *Hund*), its OV
+# circuit a second one (what it writes reading *Hund*). Its keys are the
+# encoder's last layer, so we read it **in context**: over training pairs,
+# the mean input at the keys of each source word (over its pieces) and at the
+# query that predicts each target word
+# (`test_a_words_mean_input_is_its_pieces_mean_at_the_row_that_predicts_it`);
+# queries, keys and values are affine, so one mean per word serves every
+# head. The **QK dictionary** of source word `s`: the target words whose mean
+# query gives `s` the most weight among the words scored (each needing
+# `MIN_COUNT` occurrences:
+# `test_a_readout_from_too_few_pairs_to_read_a_qk_dictionary_still_works`);
+# the **OV dictionary**: the words whose logits `s`'s mean value, through
+# `W_OV`, the norms after the head and the generator, raises most
+# (`test_the_ov_dictionary_reads_the_write_through_the_norms_after_the_head`).
+# Both are scored against the aligner's lexicon (`metrics.py`), with four
+# controls (section 2), and the attention against the aligner's links.
 
 # %%
 from __future__ import annotations
@@ -53,13 +29,13 @@ import torch
 from torch import Tensor
 
 from annotated.circuits.aligner import Links, normalize_word
-from annotated.circuits.circuits import Factored, HeadCircuit, attention_inputs
+from annotated.circuits.circuits import Factored, HeadCircuit, attention_inputs, teacher_forced
 from annotated.circuits.direct import layer_norms_after, through, token_vectors
 from annotated.circuits.metrics import attention_to_word_links, piece_words, precision_at_k
 from annotated.recording import record_attention
 from annotated.sites import Site
 from annotated.tokens import BOS, PAD, SPECIAL_LABELS
-from annotated.transformer import EncoderDecoder, padding_mask, target_mask
+from annotated.transformer import EncoderDecoder, padding_mask
 
 MIN_COUNT = 5  # a target word's mean query needs this many occurrences: fewer is one context, not a reading
 WORD_START = "\u2581"  # sentencepiece's mark of a piece that starts a word
@@ -83,18 +59,20 @@ class WordMeans:
 
     def source(self, site: Site, words: Sequence[str]) -> Tensor:
         """Mean key inputs (n, d_model) of `words` (each must have occurred)."""
-        index = {w: i for i, w in enumerate(self.src_words)}
-        rows = torch.tensor([index[w] for w in words], dtype=torch.long)  # long even when empty
-        return self.src_sum[site][rows] / torch.tensor(self.src_count, dtype=torch.float64)[rows, None]
+        return _means(self.src_sum[site], self.src_count, self.src_words, words)
 
     def frequent_targets(self, min_count: int = MIN_COUNT) -> list[str]:
         return [w for w, n in zip(self.tgt_words, self.tgt_count) if n >= min_count]
 
     def target(self, site: Site, words: Sequence[str]) -> Tensor:
         """Mean query inputs (n, d_model) of `words`."""
-        index = {w: i for i, w in enumerate(self.tgt_words)}
-        rows = torch.tensor([index[w] for w in words], dtype=torch.long)  # no word occurs MIN_COUNT times: none
-        return self.tgt_sum[site][rows] / torch.tensor(self.tgt_count, dtype=torch.float64)[rows, None]
+        return _means(self.tgt_sum[site], self.tgt_count, self.tgt_words, words)
+
+
+def _means(sums: Tensor, counts: list[int], known: list[str], words: Sequence[str]) -> Tensor:
+    index = {w: i for i, w in enumerate(known)}
+    rows = torch.tensor([index[w] for w in words], dtype=torch.long)  # long even when no word is asked for
+    return sums[rows] / torch.tensor(counts, dtype=torch.float64)[rows, None]  # (n, d_model)
 
 
 def _number(words: list[str], counts: list[int], table: dict[str, int], text: str) -> int:
@@ -174,17 +152,16 @@ def qk_dictionary(c: HeadCircuit, means: WordMeans, sources: Sequence[str], k: i
     return {w: [targets[i] for i in best[:, j].tolist()] for j, w in enumerate(sources)}
 
 
-def _word_pieces(model: EncoderDecoder, pieces) -> tuple[list[int], Tensor]:
-    """The word-starting pieces of the target vocabulary: their ids, and their generator rows (m, d_model)."""
-    labels = pieces(list(range(model.generator.weight.size(0))))
+def word_starts(pieces, vocab: int) -> tuple[list[int], list[str]]:
+    """The word-starting pieces of a vocabulary of `vocab` ids: their ids, and the word each spells."""
+    labels = pieces(list(range(vocab)))
     starts = [i for i, p in enumerate(labels) if p.startswith(WORD_START) and len(p) > 1]
-    return starts, model.generator.weight.detach()[starts]
+    return starts, [normalize_word(labels[i][1:]) for i in starts]
 
 
 def spelled_words(model: EncoderDecoder, pieces) -> set[str]:
     """The words one word-starting piece spells: all an OV dictionary can propose."""
-    labels = pieces(list(range(model.generator.weight.size(0))))
-    return {normalize_word(labels[i][1:]) for i in _word_pieces(model, pieces)[0]}
+    return set(word_starts(pieces, model.generator.weight.size(0))[1])
 
 
 @torch.no_grad()
@@ -193,42 +170,22 @@ def written_words(
 ) -> dict[str, list[str]]:
     """For each of `words`, the k words (word-starting pieces) whose logits its row of `written` (n, d_model),
     read through the norms after `site` and the generator, raises most."""
-    labels = pieces(list(range(model.generator.weight.size(0))))
-    starts, W_gen = _word_pieces(model, pieces)  # (m, d_model)
+    starts, spelled = word_starts(pieces, model.generator.weight.size(0))
+    W_gen = model.generator.weight.detach()[starts]  # (m, d_model)
     best = (through(layer_norms_after(model, site), written.to(W_gen.dtype)) @ W_gen.T).topk(k, dim=-1).indices
-    return {w: [normalize_word(labels[starts[i]][1:]) for i in best[j].tolist()] for j, w in enumerate(words)}
-
-
-@torch.no_grad()
-def ov_dictionary(
-    model: EncoderDecoder, c: HeadCircuit, means: WordMeans, sources: Sequence[str], pieces, k: int = 5
-) -> dict[str, list[str]]:
-    """For each source word, the k words (word-starting pieces) whose logits its mean value raises most."""
-    x_kv = means.source(c.site, sources).to(c.OV.left.dtype)  # (n, d_model)
-    return written_words(model, c.site, c.OV.apply(x_kv), sources, pieces, k)  # x W_OV, through the generator
+    return {w: [spelled[i] for i in best[j].tolist()] for j, w in enumerate(words)}
 
 
 # %% [markdown]
 # ### The OV dictionary's controls
 #
-# A precision means little alone: how much of it is the head's? Four
-# readings of the same words, scored the same way, say (Elhage et al.'s
-# "no head" and random baselines, and the two approximations of this part):
-#
-# * **no head**: the word's mean input at the keys read by the generator
-#   directly (`W_OV` taken out: the identity): what the encoder's output
-#   already says in the target vocabulary;
-# * **random OV**: `W_OV` replaced by a product of two random matrices of
-#   the shapes and Frobenius norms of `W_V[i]` and `W_O[i]` (rank `d_v`): the
-#   precision any map of that rank and size would reach;
-# * **weights only**: the bare embedding of the word's pieces through the
-#   norms before the attention, `W_OV` and the generator: the direct path of
-#   `direct.py`, no context and no encoder layer;
-# * **whole path**: the word alone run through the whole encoder, then
-#   `W_OV` and the generator: the encoder's layers, without a sentence
-#   around the word.
-#
-# The in-context reading is the dictionary itself.
+# How much of the precision is the head's? Four readings of the same words,
+# scored the same way: **no head** (the word's mean key input read by the
+# generator directly: what the encoder's output already says), **random OV**
+# (`W_OV` replaced by random factors of `W_V[i]`'s and `W_O[i]`'s shapes and
+# norms), **weights only** (the bare embeddings of the word's pieces through
+# the norms before the attention: `direct.py`'s direct path) and **whole
+# path** (the word alone through the whole encoder).
 
 
 # %%
@@ -257,7 +214,8 @@ def whole_path_inputs(model: EncoderDecoder, means: WordMeans, words: Sequence[s
 def ov_controls(
     model: EncoderDecoder, c: HeadCircuit, means: WordMeans, sources: Sequence[str], pieces, k: int = 5
 ) -> dict[str, dict[str, list[str]]]:
-    """The OV dictionary and its four controls, each a dictionary as `ov_dictionary` returns."""
+    """The OV dictionary and its four controls, each {source word: the k words (word-starting pieces)
+    whose logits its reading raises most}; "in context" is the OV dictionary."""
     dtype = c.OV.left.dtype
     x = means.source(c.site, sources).to(dtype)  # (n, d_model) in context
     direct = torch.stack(
@@ -276,10 +234,8 @@ def ov_controls(
 # %% [markdown]
 # ## 3. The attention as an aligner
 #
-# Teacher-forced, the decoder reads `<s> y_1 .. y_n`: its row `p` is
-# labelled with its input, so target word `y_p` is read from row `p - 1`,
-# the row that predicts it (`attention_to_word_links`' default;
-# `test_attention_links_read_each_target_word_from_the_row_that_predicts_it`).
+# Target word `y_p` is read from row `p - 1`, the row that predicts it
+# (`test_attention_links_read_each_target_word_from_the_row_that_predicts_it`).
 
 
 # %%
@@ -292,7 +248,7 @@ def attention_links(
     for src, tgt in batches:
         tgt_in = tgt[:, :-1]
         with record_attention(model) as probs:
-            model(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD))
+            teacher_forced(model, src, tgt_in, PAD)
         for b in range(src.size(0)):
             src_ids = [i for i in src[b].tolist() if i != PAD]
             y = [i for i in tgt[b, 1:].tolist() if i != PAD][:-1]  # y_1 .. y_n (EOS dropped)

@@ -1,18 +1,15 @@
 # %% [markdown]
 # # Reading a circuit through the vocabulary: the direct path
 #
-# `W_QK` is a `d_model x d_model` bilinear form; to say what it *matches*, we
-# feed it the vectors the model actually puts in the residual stream: a
-# token's embedding and a position's sinusoid. This is Elhage et al.'s
-# **direct path**: what the head computes from the embeddings alone, leaving
-# out whatever the sublayers before it added.
+# To say what `W_QK` *matches*, we feed it what the model puts in the
+# residual stream, a token's embedding and a position's sinusoid: Elhage et
+# al.'s **direct path**, the head computed from the embeddings alone.
 #
-# **Where it is exact.** With the paper's post-norm layers (the shipped
-# models), the first layer's self-attentions read `x = E[t] sqrt(d_model) +
-# PE[pos]` and nothing else (dropout is off when reading). So for encoder and
-# decoder self-attention in layer 0, the score the softmax sees splits
-# exactly into four tables, one per pair of parts: the token table `T`, the
-# position table `P` and two mixed terms,
+# **Where it is exact.** In post-norm layers (the shipped models) the first
+# layer's self-attentions read `x = E[t] sqrt(d_model) + PE[pos]` and nothing
+# else, so the score the softmax sees splits exactly into a token table `T`,
+# a position table `P` and two mixed terms
+# (`test_the_first_layer_splits_exactly_into_four_tables`),
 #
 # $$T_{ab} = e_a W_{QK} e_b^{\top} + e_b u$$
 #
@@ -20,62 +17,32 @@
 #
 # $$x_a W_{QK} x_b^{\top} + x_b u = T_{ab} + P_{ab} + e_a W_{QK} p_b^{\top} + p_a W_{QK} e_b^{\top}$$
 #
-# (`test_the_first_layer_splits_exactly_into_four_tables`). The token table
-# says which *words* the head matches whatever their places; the position
-# table says which *places* it matches whatever the words: a head whose
-# position table peaks one step back is a previous-token head, read off the
-# weights before it has seen a sentence.
+# which *words* the head matches whatever their places, and which *places*
+# whatever the words (a position table peaking one step back is a
+# previous-token head).
 #
-# **Where it is an approximation.** Deeper layers, and every cross-attention,
-# read a stream that earlier sublayers have written into, through
-# LayerNorms (each `gamma * (z - mean) / sigma + beta`,
-# `annotated/circuits/fold.py`). There are two readings of the embedding's
-# way through them, and the faithfulness table of
-# `annotated/circuits/faithfulness.py` measures both:
-#
-# * **weights only** (`through`, section 1): each LayerNorm's centring and
-#   `gamma`; its division and its `beta` left out. This needs no sentence,
-#   so the tables over the vocabulary and the positions below use it. Both
-#   left-out parts change what the head ranks highest. Each *key* position
-#   has its own divisor `sigma_b` (the size of its stream, sublayers' writes
-#   included), and dividing key `b`'s score by `sigma_b` reorders keys of
-#   different sizes. And `beta`, on the query side, adds `beta W_QK x_b^T`
-#   to the score of key `b`: a term that changes from key to key, so it
-#   does not cancel in the softmax as a term constant along the keys would.
-# * **with the norms exact** (`exact_sentence_vectors`, section 3): the
-#   heads of the folded model (`fold_layer_norms`: no LayerNorm has a gain
-#   or a bias, each reader has them in its weights), reading the embeddings
-#   carried through each LayerNorm on their way with that position's own
-#   divisor, taken from the real forward pass (`norm_divisors`), and through
-#   each skip connection's `gamma` and `beta`. Only one thing is still left
-#   out: whatever the earlier sublayers *wrote* (their attention and
-#   feed-forward outputs, biases included), which the direct path leaves out
-#   by definition. The divisors are the real ones, so this reading is no
-#   longer from the weights alone: it borrows one number per position and
-#   per LayerNorm from the sentence. Where the sublayers write nothing it
-#   gives what the head's softmax sees (its real scores up to one constant
-#   per query) within 1e-12 in float64, at every head of the shipped
-#   de -> en model, and the weights-only reading does not past the first
-#   layer
-#   (`test_the_exact_norms_reading_is_the_heads_input_when_the_sublayers_write_nothing`).
-#
-# Cross-attention's keys are the encoder's *last* layer, so their direct
-# path runs through the whole encoder. How well each reading predicts the
-# real attention is measured, head by head, not assumed.
-#
-# Every table over the vocabulary is computed in chunks of rows and only its
-# `k` best entries are kept: the full table would be `V x V` numbers.
+# **Where it is an approximation.** Deeper layers and every cross-attention
+# read a stream that earlier sublayers wrote into, through LayerNorms, read
+# here twice (`faithfulness.py` measures both): **weights only** (`through`:
+# each norm's centring and `gamma`, its division and `beta` left out; no
+# sentence needed, so the tables below use it) and **with the norms exact**
+# (`exact_sentence_vectors`: the folded heads, each position divided by its
+# own divisor from the real pass). The exact reading leaves out only what the
+# sublayers *wrote*: where they write nothing it is what the softmax sees
+# within 1e-12 in float64, and the weights-only reading is not
+# (`test_the_exact_norms_reading_is_the_heads_input_when_the_sublayers_write_nothing`).
 
 # %%
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
-from annotated.circuits.circuits import HeadCircuit
-from annotated.circuits.fold import FoldedResidual
+from annotated.circuits.circuits import HeadCircuit, teacher_forced
+from annotated.circuits.fold import FoldedResidual, sublayers
 from annotated.sites import Site
 from annotated.transformer import EncoderDecoder
 
@@ -83,53 +50,62 @@ CHUNK = 1024  # rows of a vocabulary table computed at once: CHUNK x V floats (2
 TOP = 10  # entries kept per row
 
 # %% [markdown]
-# ## 1. The LayerNorms between the embeddings and an attention
+# ## 1. The LayerNorms on the way
 #
-# `norms_before` names them in order: in a post-norm model every sublayer's
-# norm on the way (the whole encoder, for the cross-attention's keys); in a
-# pre-norm one only the site's own, since there the stream itself never
-# passes through a norm (`test_the_norms_are_followed_on_the_way_in_and_out`,
+# Each stack's stream passes its sublayers in order (`fold.py`'s `STREAMS`); an attention
+# reads the stream just before its own sublayer (`OWN`) and writes into it
+# there, and cross-attention's keys read the encoder's end. `norms_on_the_way`
+# names the LayerNorms between the sublayer where a vector enters a stream
+# and the one that reads it: post-norm (`LayerNorm(x + sublayer(x))`), each
+# sublayer's own on the way; pre-norm (`x + sublayer(LayerNorm(x))`), only the
+# reader's own (the stack's final norm at its end), since the stream itself
+# never passes one. Its three uses: `norms_before` (from the embeddings to an
+# attention), `layer_norms_after` (from a head's write to the generator, or
+# to the memory) and `norms_between` (`composition.py`: from one head's write
+# to another's read) (`test_the_norms_are_followed_on_the_way_in_and_out`,
 # `test_a_pre_norm_direct_path_passes_each_sublayers_own_norm`).
 # `through` is the weights-only reading of them: centring and `gamma`.
 
 
 # %%
-def _norm(residual) -> nn.LayerNorm:
-    """The LayerNorm of a `Residual` sublayer wrapper."""
-    assert isinstance(residual.ln, nn.LayerNorm)
-    return residual.ln
+OWN = {"enc_self": ("encoder", "res_attn"), "dec_self": ("decoder", "res_self"), "cross": ("decoder", "res_cross")}
 
 
-def _norm_of(module) -> nn.LayerNorm:
-    """A module that must be a LayerNorm (a residual's, or a stack's final norm in a pre-norm model)."""
-    assert isinstance(module, nn.LayerNorm)
-    return module
+def point(model: EncoderDecoder, site: Site, side: str = "q") -> tuple[str, int]:
+    """(the stack, the index of the sublayer) where `site` reads its queries (side "q", also where it writes) or
+    keys ("kv"); cross-attention's keys read the encoder's end, index len(sublayers)."""
+    kind, layer = site
+    if kind == "cross" and side == "kv":
+        return "encoder", len(sublayers(model, "encoder"))
+    stack, own = OWN[kind]
+    return stack, sublayers(model, stack).index(f"{stack}.layers.{layer}.{own}")
+
+
+def norms_on_the_way(model: EncoderDecoder, stack: str, start: int, end: int) -> list[str]:
+    """Module names of the LayerNorms between sublayer `start` of `stack`'s stream and sublayer `end`, which reads
+    it (`end` = len(sublayers): the stack's output)."""
+    order = sublayers(model, stack)
+    if model.config.norm == "pre":
+        return [f"{order[end]}.ln" if end < len(order) else f"{stack}.final_ln"]
+    return [f"{order[i]}.ln" for i in range(start, end)]
+
+
+def layer_norms(model: EncoderDecoder, names: list[str]) -> list[nn.LayerNorm]:
+    """The modules of `names`, each a LayerNorm."""
+    lns = [model.get_submodule(name) for name in names]
+    assert all(isinstance(ln, nn.LayerNorm) for ln in lns), names
+    return cast(list[nn.LayerNorm], lns)
 
 
 def norms_before(model: EncoderDecoder, site: Site, side: str) -> list[str]:
-    """Module names of the LayerNorms the embedding passes through, in order, before reaching `site`'s queries
-    (side "q") or keys ("kv"). Post-norm: every sublayer's norm on the way; pre-norm: the site's own norm only
-    (the encoder's final norm for cross-attention's keys), the stream itself never passing through one."""
-    kind, layer = site
-    N = model.config.N
-    enc_names, dec_names = ("res_attn", "res_ffn"), ("res_self", "res_cross", "res_ffn")
-    if model.config.norm == "pre":
-        if kind == "cross" and side == "kv":
-            return ["encoder.final_ln"]
-        own = {"enc_self": "res_attn", "dec_self": "res_self", "cross": "res_cross"}[kind]
-        return [f"{'encoder' if kind == 'enc_self' else 'decoder'}.layers.{layer}.{own}.ln"]
-    if kind == "cross" and side == "kv":  # the encoder's output: every encoder sublayer
-        return [f"encoder.layers.{l}.{n}.ln" for l in range(N) for n in enc_names]
-    stack, names = ("encoder", enc_names) if kind == "enc_self" else ("decoder", dec_names)
-    out = [f"{stack}.layers.{l}.{n}.ln" for l in range(layer) for n in names]
-    if kind == "cross":  # the decoder layer's own self-attention sublayer comes first
-        out.append(f"decoder.layers.{layer}.res_self.ln")
-    return out
+    """Module names of the LayerNorms the embedding passes, in order, before `site`'s queries ("q") or keys ("kv")."""
+    stack, end = point(model, site, side)
+    return norms_on_the_way(model, stack, 0, end)
 
 
 def layer_norms_before(model: EncoderDecoder, site: Site, side: str) -> list[nn.LayerNorm]:
     """The LayerNorms the embedding passes through before reaching `site`'s queries (side "q") or keys ("kv")."""
-    return [_norm_of(model.get_submodule(name)) for name in norms_before(model, site, side)]
+    return layer_norms(model, norms_before(model, site, side))
 
 
 def through(lns: list[nn.LayerNorm], v: Tensor) -> Tensor:
@@ -149,25 +125,25 @@ def exact(model: EncoderDecoder, site: Site) -> bool:
 # %% [markdown]
 # ## 2. The direct-path inputs: tokens and positions
 #
-# Queries of encoder self-attention come from source tokens; those of
-# decoder self- and cross-attention from target tokens; keys from the source
-# for the encoder and the cross-attention, from the target for the decoder.
-# Each goes through its own embedding module, so a model that scales its
-# embeddings (ours, by `sqrt(d_model)`) or not (an imported Marian model)
-# is read as it computes, and a model with separate source and target
-# tables reads each side from its own
+# Each side reads its own tokens (`SIDES`) through its own embedding module,
+# so a model that scales its embeddings (ours, by `sqrt(d_model)`) or not
+# (an imported Marian model), or has separate source and target tables, is
+# read as it computes
 # (`test_decoder_side_tokens_are_read_through_the_target_table`).
 
 # %%
 SIDES = {"enc_self": ("src", "src"), "dec_self": ("tgt", "tgt"), "cross": ("tgt", "src")}  # (queries', keys' tokens)
 
 
+def embedding(model: EncoderDecoder, site: Site, side: str) -> nn.Module:
+    """The embedding of the tokens `site` reads at its queries ("q") or keys ("kv")."""
+    return model.src_embed if SIDES[site[0]][0 if side == "q" else 1] == "src" else model.tgt_embed
+
+
 @torch.no_grad()
 def token_vectors(model: EncoderDecoder, site: Site, side: str, ids: Tensor) -> Tensor:
     """Direct-path vectors (n, d_model) of tokens `ids` (n,) at the queries ("q") or keys ("kv") of `site`."""
-    language = SIDES[site[0]][0 if side == "q" else 1]
-    embed = model.src_embed if language == "src" else model.tgt_embed
-    return through(layer_norms_before(model, site, side), embed(ids.unsqueeze(0))[0])  # (n, d_model)
+    return through(layer_norms_before(model, site, side), embedding(model, site, side)(ids[None])[0])  # (n, d_model)
 
 
 @torch.no_grad()
@@ -179,30 +155,22 @@ def position_vectors(model: EncoderDecoder, site: Site, side: str, n: int) -> Te
 @torch.no_grad()
 def sentence_vectors(model: EncoderDecoder, site: Site, side: str, ids: Tensor) -> Tensor:
     """Direct-path vectors of a tokenised sentence ids (B, T): tokens plus positions, (B, T, d_model)."""
-    language = SIDES[site[0]][0 if side == "q" else 1]
-    embed = model.src_embed if language == "src" else model.tgt_embed
-    x = embed(ids) + model.pos.pe[: ids.size(1)].to(model.generator.weight.dtype)  # (B, T, d_model)
-    return through(layer_norms_before(model, site, side), x)
+    x = embedding(model, site, side)(ids) + model.pos.pe[: ids.size(1)].to(model.generator.weight.dtype)
+    return through(layer_norms_before(model, site, side), x)  # (B, T, d_model)
 
 
 # %% [markdown]
 # ## 3. With the norms exact: the folded weights and each position's divisor
 #
-# In the folded model every LayerNorm is `z_hat = (z - mean(z) 1) / sigma(z)`,
-# with `sigma` one positive number per position, and every post-norm skip
-# connection adds to `z_hat * gamma + beta` (`annotated/circuits/fold.py`).
-# With each `sigma` known, every step from the embedding to a head's input
-# is affine, and the stream a head reads is the sum of what the embedding,
-# the skips' `beta` and each earlier sublayer contributed, each carried
-# through the same steps. `exact_sentence_vectors` keeps the first two and
-# leaves out the sublayers' writes: starting from `E[t] sqrt(d_model) + PE[pos]`,
-# at each LayerNorm on the way it applies the skip before it (`gamma`,
-# `beta` of the norm before that) and then the centring and division by the
-# `sigma` that LayerNorm had at that position in the real pass
-# (`norm_divisors`, recorded with forward hooks, one `(B, T)` tensor per
-# LayerNorm). The folded heads then read the result as they read their real
-# input, biases and all: `beta` of the norm just before the head sits in the
-# folded `b_Q`, `b_K`, so the key bias `W_K b_Q^T` carries it.
+# In the folded model (`annotated/circuits/fold.py`) a LayerNorm only centres
+# and divides by `sigma`, one number per position, and a post-norm skip adds
+# to `z_hat * gamma + beta`. With each `sigma` known, every step from the
+# embedding to a head's input is affine. `exact_sentence_vectors` carries
+# `E[t] sqrt(d_model) + PE[pos]` through each skip and each LayerNorm on the
+# way, dividing by the `sigma` that LayerNorm had at that position in the
+# real pass (`norm_divisors`, recorded with forward hooks); the folded heads
+# read the result as they read their real input, the last norm's `beta`
+# being in their folded `b_Q`, `b_K`.
 
 
 # %%
@@ -210,8 +178,6 @@ def sentence_vectors(model: EncoderDecoder, site: Site, side: str, ids: Tensor) 
 def norm_divisors(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int) -> dict[str, Tensor]:
     """{LayerNorm's module name: sigma (B, T) of each position}: sqrt(var + eps) of its input in one teacher-forced
     pass over src (B, S) and tgt (B, T). A folded model's are the original's (its norms see the same inputs)."""
-    from annotated.transformer import padding_mask, target_mask
-
     seen: dict[str, Tensor] = {}
 
     def recorder(name: str, ln: nn.LayerNorm):
@@ -222,13 +188,7 @@ def norm_divisors(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int) -> 
         return hook
 
     norms = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
-    handles = [m.register_forward_pre_hook(recorder(n, m)) for n, m in norms]
-    try:
-        src_mask = padding_mask(src, pad)
-        model.decode(model.encode(src, src_mask), src_mask, tgt, target_mask(tgt, pad))
-    finally:
-        for handle in handles:
-            handle.remove()
+    teacher_forced(model, src, tgt, pad, [m.register_forward_pre_hook(recorder(n, m)) for n, m in norms])
     return seen
 
 
@@ -238,9 +198,7 @@ def exact_sentence_vectors(
 ) -> Tensor:
     """The direct path of sentences ids (B, T) at `site`'s queries or keys in the folded model, (B, T, d_model):
     the embeddings and positions through each skip and each LayerNorm on the way, with the real `divisors`."""
-    language = SIDES[site[0]][0 if side == "q" else 1]
-    embed = folded.src_embed if language == "src" else folded.tgt_embed
-    x = embed(ids) + folded.pos.pe[: ids.size(1)].to(folded.generator.weight.dtype)  # (B, T, d_model)
+    x = embedding(folded, site, side)(ids) + folded.pos.pe[: ids.size(1)].to(folded.generator.weight.dtype)
     for name in norms_before(folded, site, side):
         owner = folded.get_submodule(name.rpartition(".")[0])
         if isinstance(owner, FoldedResidual):  # post-norm: the skip reads the norm before with its gamma, beta
@@ -252,18 +210,12 @@ def exact_sentence_vectors(
 # %% [markdown]
 # ## 4. Tables, best entries only
 #
-# The softmax runs over the keys of one query, so a number added to a whole
-# row changes nothing: every table is **centred per row** (its mean over the
-# keys subtracted) before its best entries are taken. `top_table` returns,
-# for each query row, the `k` best keys and their centred scores, and the
-# token pairs of a head are ranked on those
-# (`test_token_pairs_are_ranked_on_scores_centred_per_query`).
-#
-# The position table of a head is the same reading with positions in
-# place of tokens (`positional_table`, and `preferred_offsets` for each
-# query's best key). A decoder query sees only itself and the past: its
-# table gives every later key `-inf` and is centred over the keys it may
-# see, so no preferred offset points forward
+# A number added to a whole row changes nothing in the softmax, so every
+# table is **centred per row** before its best entries are taken
+# (`top_table`; `test_token_pairs_are_ranked_on_scores_centred_per_query`).
+# The position table is the same reading with positions in place of tokens
+# (`positional_table`, `preferred_offsets`); a decoder query's table gives
+# every later key `-inf` and is centred over the keys it may see
 # (`test_the_decoder_position_table_hides_the_future`).
 #
 # <!-- figure: circuit_positions -->
@@ -322,45 +274,29 @@ def preferred_offsets(table: Tensor) -> Tensor:
 # %% [markdown]
 # ## 5. The OV circuit through the generator: what a head writes, in words
 #
-# When head `i` attends to a key token `t`, it adds `x_t W_OV` (scaled by the
-# weight) to the stream. Read by the generator, whose rows are the target
-# vocabulary's output vectors, that write raises the logit of token `w` by
-# `x_t W_OV W_gen[w]^T`: the head's **OV table** says which output tokens it
-# promotes for each token it reads. Between the write and the generator lie
-# the LayerNorms of the rest of the decoder, the head's own sublayer's first
-# (`layer_norms_after`, centring and gamma as above;
-# `test_a_decoder_self_attention_heads_writes_pass_its_own_norm_first`); for encoder heads, the write reaches the decoder only
-# through the cross-attention, so their OV table is the most distant
-# reading of all, given for completeness.
+# A head attending to key token `t` adds `x_t W_OV` to the stream; read by
+# the generator, that raises the logit of token `w` by `x_t W_OV W_gen[w]^T`,
+# through the LayerNorms after the head (`layer_norms_after`;
+# `test_a_decoder_self_attention_heads_writes_pass_its_own_norm_first`). The
+# **OV table** lists the output tokens each read token promotes; an encoder
+# head's write reaches the decoder only through the cross-attention, so its
+# table is the most distant reading, given for completeness.
 #
-# Elhage et al.'s **copying score** summarises a whole OV table in one
-# number: with `M = E W_OV W_gen^T` (vocabulary x vocabulary), a head that
-# copies (reading token `t` raises the logit of `t`) has eigenvalues of `M`
-# with positive real parts, so `sum(lambda) / sum(|lambda|)` is near `+1`; one
-# that suppresses what it reads is near `-1`. `M`'s non-zero eigenvalues are
-# those of the `d_v x d_v` matrix `W_O W_gen^T E W_V` (for any `A (m x r)`
-# and `B (r x m)`, `AB` and `BA` share their non-zero eigenvalues), which is
-# how we compute them (`test_copying_score_from_the_small_matrix_is_the_vocabularys`).
-# Copying across a vocabulary shared by two languages means the head moves a
-# piece unchanged, as names and numbers are.
+# Elhage et al.'s **copying score** sums a whole OV table up: with
+# `M = E W_OV W_gen^T`, `sum(lambda) / sum(|lambda|)` over `M`'s eigenvalues
+# is near `+1` for a head that raises what it reads, near `-1` for one that
+# suppresses it. `M`'s non-zero eigenvalues are those of the `d_v x d_v`
+# matrix `W_O W_gen^T E W_V` (`AB` and `BA` share theirs), which is how we
+# compute them (`test_copying_score_from_the_small_matrix_is_the_vocabularys`).
 #
 # <!-- figure: circuit_writes -->
 
 
 # %%
 def layer_norms_after(model: EncoderDecoder, site: Site) -> list[nn.LayerNorm]:
-    """The LayerNorms between `site`'s output and the generator, on the decoder's own stream (for an encoder head:
-    its own stack's, as far as the memory). Pre-norm: the stack's final norm only."""
-    kind, layer = site
-    if model.config.norm == "pre":  # the stream meets no other norm
-        return [_norm_of(model.encoder.final_ln if kind == "enc_self" else model.decoder.final_ln)]
-    if kind == "enc_self":  # reaches the decoder only through cross-attention: its own stack's norms, then none
-        return [_norm(r) for lay in model.encoder.layers[layer:] for r in (lay.res_attn, lay.res_ffn)]
-    dec = model.decoder.layers
-    names = ("res_self", "res_cross", "res_ffn")
-    start = names.index("res_self" if kind == "dec_self" else "res_cross")
-    lns = [_norm(getattr(dec[layer], n)) for n in names[start:]]
-    return lns + [_norm(getattr(lay, n)) for lay in dec[layer + 1 :] for n in names]
+    """The LayerNorms between `site`'s output and the generator (for an encoder head: the memory)."""
+    stack, start = point(model, site)
+    return layer_norms(model, norms_on_the_way(model, stack, start, len(sublayers(model, stack))))
 
 
 @torch.no_grad()

@@ -1,56 +1,21 @@
 # %% [markdown]
 # # How much of a head do its weights explain? Faithfulness, measured
 #
-# The direct path of `annotated/circuits/direct.py` predicts, from the
-# embeddings, a score for every query and key of a sentence. The model's
-# real attention is computed from the whole residual stream. For each head
-# we compare the two on validation sentences, query by query, over the keys
-# the query may see (never padding or the future, and only real queries:
+# For each head we compare the direct path's predicted scores with the
+# model's real scores (recorded with `attention_inputs`; the softmax keeps
+# their order, and far-off keys' probabilities underflow to tied zeros in
+# float32) on validation sentences, query by query, over the keys the query
+# may see (`allowed_keys`;
 # `test_argmax_agreement_never_counts_a_key_the_query_may_not_see`,
-# `test_the_keys_allowed_are_the_real_past_and_the_queries_the_real_ones`,
-# so a sentence scores the same however its batch is padded:
 # `test_a_sentences_faithfulness_does_not_depend_on_how_its_batch_is_padded`):
-#
-# * **rank correlation** (Spearman's rho): does the reading order the keys
-#   as the head's attention does? 1 is the same order;
-# * **argmax agreement**: is the key the reading ranks first the one the
-#   head attends to most?
-#
-# Each for both readings of the direct path (`READINGS`):
-#
-# * `weights_only`: the embeddings through each LayerNorm's centring and
-#   `gamma`, read by the model's own heads; its divisions and `beta` left out;
-# * `exact_norms`: the embeddings through the LayerNorms exactly, each
-#   position with its own divisor from the real pass and each skip with its
-#   `gamma` and `beta`, read by the heads of the folded model
-#   (`annotated/circuits/fold.py`); only what the earlier sublayers wrote is
-#   left out.
-#
-# So the difference between the two columns is the cost of leaving out the
-# LayerNorms' divisions and biases, and what `exact_norms` still
-# misses is the cost of leaving out the sublayers: each a measured number.
-#
-# The head's attention is the softmax of its scores, which keeps their
-# order, so both are measured against the model's real scores (recorded with
-# `attention_inputs`, equal to the model's by
-# `test_circuit_scores_are_the_models_scores`) rather than its probabilities:
-# in float32 the weights of far-off keys underflow to exact zeros, and ties
-# among them would count as disagreement.
-#
-# Each is averaged over a sentence's queries, then over sentences, with a
-# 95% bootstrap interval over sentences (`mean_interval` of
-# `annotated/attention/bootstrap.py`). Where the direct path is the head's
-# whole input (the first layer's self-attentions of a post-norm model), both
-# readings are its real scores and score 1. Checking that where the input
-# is the direct path by construction would only check that a tensor equals
-# itself; instead, in a model whose sublayers write nothing (their output
-# weights and biases set to zero, so every head past the first layer reads
-# the embeddings through the norms and nothing else), the exact-norms
-# reading, computed from the embeddings and the recorded divisors alone,
-# gives every head's real scores (up to a constant per query), while the weights-only reading misses
+# **rank correlation** (Spearman's rho: does the reading order the keys as
+# the head does?) and **argmax agreement** (is its first key the head's?),
+# for both readings (`READINGS`). The gap between the two is what the
+# weights-only shortcuts through the LayerNorms cost; what the exact reading
+# misses is what the sublayers wrote
 # (`test_the_exact_norms_reading_is_the_heads_input_when_the_sublayers_write_nothing`).
-# A head that scores low with the norms exact needs its context: what earlier
-# layers wrote is what it reads.
+# Each is averaged over a sentence's queries, then over sentences, with a
+# 95% bootstrap interval (`mean_interval`).
 
 # %%
 from __future__ import annotations
@@ -63,11 +28,11 @@ import torch
 from torch import Tensor
 
 from annotated.attention.bootstrap import RESAMPLES, SEED, Change, mean_interval
-from annotated.circuits.circuits import attention_inputs, circuits
+from annotated.circuits.circuits import allowed_keys, attention_inputs, circuits
 from annotated.circuits.direct import SIDES, exact_sentence_vectors, norm_divisors, sentence_vectors
 from annotated.circuits.fold import fold_layer_norms
 from annotated.sites import Site
-from annotated.transformer import EncoderDecoder, padding_mask, target_mask
+from annotated.transformer import EncoderDecoder
 
 # %% [markdown]
 # ## 1. Rank correlation over the keys a query may see
@@ -160,13 +125,6 @@ class Faithfulness:
     argmax: Change
 
 
-def _allowed(kind: str, src: Tensor, tgt: Tensor, pad: int) -> Tensor:
-    mask = {"enc_self": padding_mask(src, pad), "cross": padding_mask(src, pad), "dec_self": target_mask(tgt, pad)}
-    q = src if kind == "enc_self" else tgt
-    T_k = src.size(1) if kind != "dec_self" else tgt.size(1)
-    return mask[kind].expand(q.size(0), q.size(1), T_k) & (q != pad).unsqueeze(-1)  # (B, T_q, T_k)
-
-
 @torch.no_grad()
 def faithfulness(
     model: EncoderDecoder,
@@ -188,7 +146,7 @@ def faithfulness(
         inputs = attention_inputs(model, src, tgt, pad)
         predicted = predicted_scores(model, folded, src, tgt, pad)
         for site, cs in heads.items():
-            allowed = _allowed(site[0], src, tgt, pad)
+            allowed = allowed_keys(site[0], src, tgt, pad)
             for c in cs:
                 real = c.matching(*inputs[site])  # (B, T_q, T_k) what the head's softmax sees
                 for reading in READINGS:

@@ -6,82 +6,26 @@
 # $$\mathrm{LN}(z) = \gamma \odot \hat z + \beta, \qquad
 # \hat z = \frac{z - \bar z\, \mathbf 1}{\sigma(z)}, \qquad \sigma(z) = \sqrt{\mathrm{var}(z) + \epsilon}$$
 #
-# two parts of different kinds: the **normalisation** `z -> z_hat` (centre,
-# then divide by one positive number per position, `sigma`) and the
-# **affine map** `z_hat -> gamma * z_hat + beta`, the same for every position.
-# The affine map is linear, and so is everything that reads a LayerNorm's
-# output, up to its bias. So it can be moved into the readers: a reader with
-# weight `W` (`d_model x m`, a row vector `x` maps to `x W + b`) computes
+# a **normalisation** (one positive divisor per position) and an **affine
+# map**, the same for every position, which can move into every reader of
+# the output (as TransformerLens's `fold_ln` does for pre-norm models):
 #
 # $$(\gamma \odot \hat z + \beta)\, W + b = \hat z\, (\mathrm{diag}(\gamma)\, W) + (\beta W + b)$$
 #
-# that is, a reader of `z_hat` with its rows scaled by `gamma` and its bias
-# moved by `beta W`. The generator, which stores its weight as `vocab x
-# d_model`, scales its columns instead and moves its bias by `W_gen beta`.
-# TransformerLens does this for its pre-norm language models (`fold_ln`).
-#
-# ## Where each LayerNorm's output goes (post-norm)
-#
-# The shipped models are the paper's post-norm ones:
-# `x <- LN(x + Sublayer(x))` (the chapter's `Residual`). So a LayerNorm's
-# output is the residual stream itself, and it has exactly two readers:
-#
-# 1. **the next sublayer**: an encoder layer's self-attention's `W_Q`, `W_K`,
-#    `W_V` (one input for all three), a decoder layer's cross-attention's
-#    `W_Q`, or a feed-forward network's `W_1`; after the encoder's last
-#    sublayer, the encoder's output (the memory) is read by *every* decoder
-#    layer's cross-attention, through `W_K` and `W_V`; after the decoder's last
-#    sublayer, by the generator;
-# 2. **the next residual connection**, which adds the sublayer's output to
-#    it: `x + Sublayer(x)` reads `x` through the identity.
-#
-# The first reader takes `gamma` and `beta` into its weights as above. The
-# second cannot pass them on: the next LayerNorm centres and divides
-# `x + Sublayer(x)`, taking the mean and the variance over its coordinates,
-# and with each coordinate scaled by its own `gamma_j` those are other
-# numbers: normalising `w * gamma` is not normalising `w` and then scaling.
-# (Adding a multiple of `1` to every position's input changes nothing after
-# the centring, but `beta` and `gamma` are no such thing.) So the skip
-# connection is folded like any reader, with the identity as its weight: it
-# becomes `z_hat * gamma + beta`. The first sublayer of each stack reads the
-# embeddings, which no LayerNorm has touched, and its skip stays the
-# identity.
-#
-# ## The folded model
-#
-# `fold_layer_norms(model)` returns a copy of a model in which
-#
-# * every LayerNorm has **no gain and no bias** (`elementwise_affine=False`):
-#   it centres and divides, nothing else, so every sublayer, the memory and
-#   the generator read the normalised `z_hat`, one centred vector of mean
-#   square `var / (var + epsilon)`, just below 1, per position;
-# * every reader of a LayerNorm has `gamma` and `beta` folded in: attention
-#   projections (in either form: a per-head `W_Q[i]` is a column block of the
-#   fused `W_Q`, and scaling rows acts on every block alike), `W_1` and `b_1`,
-#   the generator (untied from the embedding table, which the first layer
-#   still reads unscaled);
-# * every residual connection after the first of each stack is a
-#   `FoldedResidual`, whose skip is `z_hat * gamma + beta` with the
-#   `gamma`, `beta` of the LayerNorm before it;
-# * an attention built without biases gets them (at zero, then moved by
-#   `beta W`): `beta` has nowhere else to go.
-#
-# It is the same function: the logits of the shipped de -> en model and of
-# its folded copy agree within 1e-12 in float64 on the first 24 validation
-# sentences (the largest difference is 1.6e-14, on logits up to 14.6), in
-# the fused and in the per-head form (`test_the_folded_model_is_the_same_function`).
-# Each LayerNorm receives exactly the input it received before, so each
-# position's divisor `sigma` is the same in both models
-# (`test_the_folded_norms_see_the_same_inputs`): the one thing of the
-# LayerNorms that is not linear, one positive number per position, is all
-# that is left of them. `annotated/circuits/direct.py` reads the heads
-# through the folded weights with each position's own divisor.
-#
-# In a pre-norm model (`x <- x + Sublayer(LN(x))`) a LayerNorm's only reader
-# is its own sublayer (or, for each stack's final norm, the memory's readers
-# and the generator), and the residual stream never passes through one: the
-# skip connections stay the identity, as in TransformerLens. `fold_layer_norms`
-# folds both kinds, and an attention without biases
+# In post-norm layers (the shipped models) a LayerNorm's output is the
+# stream itself, read by the next sublayer and by the next skip connection,
+# which cannot pass `gamma`, `beta` on (normalising `w * gamma` is not
+# normalising `w`, then scaling): the skip is folded too, with the identity
+# as its weight, into `z_hat * gamma + beta`. `fold_layer_norms(model)`
+# returns a copy whose LayerNorms have **no gain and no bias**, every reader
+# (attention projections in either form, `W_1`, the generator, untied) with
+# them folded in, each later skip a `FoldedResidual`, and an attention without
+# biases given them. It is the same function, within 1e-12 in float64 on the
+# shipped de -> en model, both forms
+# (`test_the_folded_model_is_the_same_function`), and each LayerNorm sees the
+# same input (`test_the_folded_norms_see_the_same_inputs`): one divisor per
+# position is all that is left of the LayerNorms. Pre-norm, a LayerNorm's
+# only reader is its own sublayer and the skips stay the identity
 # (`test_folded_post_and_pre_norm_models_are_the_same_functions`).
 
 # %%
@@ -118,52 +62,46 @@ Attention = PerHeadAttention | FusedAttention
 
 # %%
 Readers = dict[str, list[tuple[str, str]]]
+STREAMS = {"encoder": ("res_attn", "res_ffn"), "decoder": ("res_self", "res_cross", "res_ffn")}  # sublayers in order
+READS = {"res_attn": ("self_attn", "QKV"), "res_self": ("self_attn", "QKV"), "res_cross": ("cross_attn", "Q")}
+
+
+def sublayers(model: EncoderDecoder, stack: str) -> list[str]:
+    """Module names of the residual sublayers of `stack` ("encoder" or "decoder"), in the stream's order."""
+    return [f"{stack}.layers.{l}.{name}" for l in range(model.config.N) for name in STREAMS[stack]]
+
+
+def _reader(sublayer: str) -> tuple[str, str]:
+    """The module that reads a residual sublayer's input, and through what."""
+    layer, _, name = sublayer.rpartition(".")
+    module, how = READS.get(name, ("ffn", "FFN"))
+    return f"{layer}.{module}", how
 
 
 def norm_readers(model: EncoderDecoder) -> Readers:
     """{LayerNorm's module name: [(reader's module name, what it reads through)]}, in the model's order."""
-    N = model.config.N
-    enc = lambda l, name: f"encoder.layers.{l}.{name}"
-    dec = lambda l, name: f"decoder.layers.{l}.{name}"
-    memory = [(dec(l, "cross_attn"), "KV") for l in range(N)]  # the encoder's output: every cross-attention
+    memory = [(f"decoder.layers.{l}.cross_attn", "KV") for l in range(model.config.N)]  # the encoder's output
+    ends = {"encoder": memory, "decoder": [("generator", "generator")]}
     out: Readers = {}
-    if model.config.norm == "post":  # the norm's output is the stream: the next sublayer and the next skip
-        for l in range(N):
-            last = l == N - 1
-            out[enc(l, "res_attn.ln")] = [(enc(l, "ffn"), "FFN"), (enc(l, "res_ffn"), "skip")]
-            out[enc(l, "res_ffn.ln")] = (
-                memory if last else [(enc(l + 1, "self_attn"), "QKV"), (enc(l + 1, "res_attn"), "skip")]
-            )
-        for l in range(N):
-            last = l == N - 1
-            out[dec(l, "res_self.ln")] = [(dec(l, "cross_attn"), "Q"), (dec(l, "res_cross"), "skip")]
-            out[dec(l, "res_cross.ln")] = [(dec(l, "ffn"), "FFN"), (dec(l, "res_ffn"), "skip")]
-            out[dec(l, "res_ffn.ln")] = (
-                [("generator", "generator")]
-                if last
-                else [(dec(l + 1, "self_attn"), "QKV"), (dec(l + 1, "res_self"), "skip")]
-            )
-        return out
-    for l in range(N):  # pre-norm: each norm feeds its own sublayer only
-        out[enc(l, "res_attn.ln")] = [(enc(l, "self_attn"), "QKV")]
-        out[enc(l, "res_ffn.ln")] = [(enc(l, "ffn"), "FFN")]
-    out["encoder.final_ln"] = memory
-    for l in range(N):
-        out[dec(l, "res_self.ln")] = [(dec(l, "self_attn"), "QKV")]
-        out[dec(l, "res_cross.ln")] = [(dec(l, "cross_attn"), "Q")]
-        out[dec(l, "res_ffn.ln")] = [(dec(l, "ffn"), "FFN")]
-    out["decoder.final_ln"] = [("generator", "generator")]
+    for stack in STREAMS:
+        order = sublayers(model, stack)
+        for i, residual in enumerate(order):
+            if model.config.norm == "pre":  # each norm feeds its own sublayer only
+                out[f"{residual}.ln"] = [_reader(residual)]
+            else:  # the norm's output is the stream: the next sublayer and the next skip
+                nxt = order[i + 1] if i + 1 < len(order) else None
+                out[f"{residual}.ln"] = [_reader(nxt), (nxt, "skip")] if nxt else ends[stack]
+        if model.config.norm == "pre":
+            out[f"{stack}.final_ln"] = ends[stack]
     return out
 
 
 # %% [markdown]
 # ## 2. The skip connection that carries a gain and a bias
 #
-# `FoldedResidual` is the chapter's post-norm `Residual` whose input is the
-# previous LayerNorm's `z_hat`: it adds the sublayer's output to
-# `z_hat * gamma + beta`, which is the stream the original model added it
-# to, then normalises. With `gain` and `bias` left `None` it is the
-# chapter's `Residual` (the first sublayer of a stack).
+# `FoldedResidual` is the chapter's post-norm `Residual` reading the previous
+# LayerNorm's `z_hat`: it adds the sublayer's output to `z_hat * gamma +
+# beta`, the stream the original model added it to, then normalises.
 
 
 # %%
@@ -194,11 +132,9 @@ class FoldedResidual(Residual):
 # %% [markdown]
 # ## 3. Folding one LayerNorm into its readers
 #
-# For a weight `W` read as `x W + b`: first `b <- b + beta W` (with the
-# unscaled `W`), then `W <- diag(gamma) W`. An attention's `W_Q`, `W_K`,
-# `W_V` are such weights in both forms (a `ParameterList` of per-head blocks,
-# or one fused matrix); `W_O` reads the heads, not the stream, and is left
-# alone.
+# For a weight `W` read as `x W + b`: first `b <- b + beta W`, then
+# `W <- diag(gamma) W`, for an attention's `W_Q`, `W_K`, `W_V` in both forms;
+# `W_O` reads the heads, not the stream.
 
 
 # %%
@@ -259,10 +195,6 @@ def _fold_reader(model: EncoderDecoder, name: str, how: str, gamma: Tensor, beta
 
 # %% [markdown]
 # ## 4. The whole model
-#
-# Gains and biases are read from the copy before any is replaced; each
-# LayerNorm is then swapped for one with no gain and no bias and the same
-# `epsilon`.
 
 
 # %%

@@ -1,54 +1,28 @@
 # %% [markdown]
 # # Roles tested by intervention: what changes when a head's output is replaced
 #
-# Everything so far *reads* a head: its matrices, its attention, its
-# dictionaries. A reading says what the head could do; whether the model
-# *uses* it is another question, and the answer comes from changing the head
-# and watching the output (Meng et al. 2022, Wang et al. 2022: activation
-# patching). Head `i` adds one term to its attention's output,
-# `head_i W_O[i] = P_i X W_OV + (P_i 1) b_V W_O` (`circuits.py`, section 3,
-# `HeadCircuit.writes`). We replace that term, and only it, in three ways:
+# A reading says what a head could do; whether the model *uses* it comes from
+# changing the head and watching the output (Meng et al. 2022, Wang et al.
+# 2022: activation patching). Head `i`'s term of its attention's output,
+# `P_i X W_OV + (P_i 1) b_V W_O` (`HeadCircuit.writes`), is replaced three
+# ways: **zero** (removed, as `annotated/sites.py` removes a head:
+# `test_zero_ablation_is_removing_the_head`; this also moves the stream's
+# size, which the LayerNorms divide by), **mean** (its mean over the
+# validation positions: the size kept, the information gone) and
+# **resample** (the same head's output at the same position of another
+# sentence at least as long: right kind, wrong sentence; positions past the
+# longest sentence's donor take the mean, counted as `fallback`). A role the
+# three agree on is a role.
 #
-# * **zero**: the term is removed, as `annotated/sites.py` removes a head
-#   (`test_zero_ablation_is_removing_the_head`);
-# * **mean**: the term is its mean over every query position of the
-#   validation sentences, one `d_model` vector: the head still writes what it
-#   writes on average, but nothing that depends on this sentence;
-# * **resample**: the term is the same head's output at the same position of
-#   *another* validation sentence, drawn at random among those whose target
-#   is at least as long (so every position has a donor). The sentence with the
-#   longest target has none: past its donor's end its positions take the mean
-#   term, and the record says how many positions that was (`fallback`).
-#
-# Zero ablation also moves the stream's size, which the LayerNorms after the
-# head then divide by; the mean keeps the size and removes the information;
-# resampling keeps the kind of information and makes it wrong for this
-# sentence. A role the three agree on is a role.
-#
-# Two things are measured, per target token of each sentence (teacher
-# forcing), and averaged per token with a paired bootstrap interval over
-# sentences (`annotated/attention/bootstrap.py`, `paired_loss_change`: the
-# same ratio of sums, here of log-probabilities):
-#
-# 1. the change in **log-probability of the reference next token**: how much
-#    the model's translation needs the head;
-# 2. for a cross-attention head, the change in log-probability of the
-#    **aligner's translation of the source word the head attends to**: at each
-#    decoder position, the source word of the head's argmax (in the unchanged
-#    model), its best translation in eflomal's lexicon (`aligner.py`), and the
-#    probability of that word's first piece (the word-initial pieces whose
-#    word it is, cased or not). This is the head's role as its OV dictionary
-#    states it: "reading *Hund* it writes *dog*". Positions where the word is
-#    punctuation, or has no lexicon entry, or whose translation is no single
-#    word-initial piece are left out, and the record says what share was kept.
-#
-# Each is measured beside the same intervention on **another head of the same
-# layer**, chosen at random (seeded), and (2) is always the tested head's
-# behaviour: the word *it* attends to, whatever head is changed. A head that
-# carries the role moves these numbers far more than its neighbour does.
-# `test_ablating_the_planted_head_destroys_its_behaviour` checks the whole
-# measurement on a model built by hand: a head made to translate source token
-# `a` into output token `b`, and another that writes something no output reads.
+# Measured per target token, with a paired bootstrap interval over sentences
+# (`paired_loss_change`): the change in log-probability of **the reference
+# next token**, and for a cross head of **the aligner's translation of the
+# source word the head attends to** (positions whose translation no single
+# word-initial piece spells are left out, and counted), each beside the same
+# intervention on **another head of the layer**, drawn at random (seeded).
+# `test_ablating_the_planted_head_destroys_its_behaviour` checks it all on a
+# model built by hand; the shipped models' figures are in
+# docs/circuits.md#roles-tested-by-intervention.
 
 # %%
 from __future__ import annotations
@@ -64,25 +38,22 @@ import torch
 from torch import Tensor
 
 from annotated.attention.bootstrap import Change, paired_loss_change
-from annotated.circuits.aligner import normalize_word
-from annotated.circuits.circuits import HeadCircuit, circuit
+from annotated.circuits.circuits import HeadCircuit, attentions, circuit, teacher_forced
+from annotated.circuits.dictionary import word_starts
 from annotated.circuits.metrics import piece_words
-from annotated.sites import Site, attention_at
+from annotated.sites import Site
 from annotated.tokens import PAD
-from annotated.transformer import EncoderDecoder, head_mask, padding_mask, target_mask
+from annotated.transformer import EncoderDecoder, head_mask
 
 HOWS = ("zero", "mean", "resample")
 SEED = 0  # the random neighbour head and the resample donors
-WORD_START = "\u2581"  # sentencepiece's mark of a piece that starts a word
 
 # %% [markdown]
 # ## 1. One head's term, computed and replaced inside the model
 #
-# A forward hook on the attention at `site` recomputes head `i`'s term from
-# the attention's own inputs (its circuit's scores, the mask, the softmax,
-# `writes`) and returns the output with that term swapped for the
-# replacement. `replacement(term, batch)` gets the term (B, T_q, d_model) and
-# returns what to write instead.
+# A forward hook on the attention recomputes head `i`'s term from the
+# attention's own inputs (its circuit's scores, the mask, the softmax,
+# `writes`) and swaps it for `replacement(term)`.
 
 
 # %%
@@ -119,13 +90,9 @@ class _Swap:
 # %% [markdown]
 # ## 2. A pass over the validation sentences
 #
-# `run_pass` runs the model teacher-forced over `(src, BOS + tgt + EOS)`
-# batches, with hooks on one attention: the first circuit's term replaced (or
-# not), every circuit's term recorded. It returns, per sentence, the
-# log-probabilities of the reference next tokens at every real position, the
-# terms, and what `measure` makes of the first circuit's attention and the
-# log-probabilities. A decoder-side head changes nothing in the encoder, so
-# the encoder's output of each batch is kept (`memory`) and reused.
+# `run_pass` hooks one attention: the first circuit's term replaced (or
+# not), every circuit's term recorded. A decoder-side head changes nothing
+# in the encoder, so each batch's encoder output is kept (`memory`).
 
 
 # %%
@@ -157,21 +124,13 @@ def run_pass(
     for number, (src, tgt) in enumerate(batches):
         swaps = [_Swap(heads[0], None if replacement is None else _for_batch(replacement, number))]
         swaps += [_Swap(c, None) for c in heads[1:]]
-        handles = [attention_at(model, *site).register_forward_hook(w, with_kwargs=True) for w in swaps]
-        try:
-            tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T), (B, T)
-            src_mask = padding_mask(src, PAD)  # (B, 1, S)
-            if memory is not None and site[0] != "enc_self" and number in memory:
-                encoded = memory[number]  # (B, S, d_model) the encoder's output, unchanged by this head
-            else:
-                encoded = model.encode(src, src_mask)
-                if memory is not None:
-                    memory[number] = encoded
-            logits = model.generator(model.decode(encoded, src_mask, tgt_in, target_mask(tgt_in, PAD)))  # (B, T, V)
-        finally:
-            for handle in handles:
-                handle.remove()
-        logp = logits.log_softmax(-1)  # (B, T, V)
+        handles = [attentions(model)[site].register_forward_hook(w, with_kwargs=True) for w in swaps]
+        tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T), (B, T)
+        known = None if memory is None or site[0] == "enc_self" else memory.get(number)  # unchanged by this head
+        encoded, decoded = teacher_forced(model, src, tgt_in, PAD, handles, known)
+        if memory is not None:
+            memory[number] = encoded  # (B, S, d_model)
+        logp = model.generator(decoded).log_softmax(-1)  # (B, T, V)
         ref = logp.gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1).double()  # (B, T)
         for b in range(src.size(0)):
             T, S = int((tgt_out[b] != PAD).sum()), int((src[b] != PAD).sum())
@@ -188,10 +147,8 @@ def run_pass(
 # %% [markdown]
 # ## 3. The three replacements
 #
-# Each is built from the unchanged pass's terms. The mean is over every real
-# query position of every sentence. The donors are drawn once, seeded, and the
-# same donors serve every head, so the head and its neighbour are changed by
-# the same other sentences.
+# Each is built from the unchanged pass's terms; the donors are drawn once,
+# seeded, so the head and its neighbour are changed by the same sentences.
 
 
 # %%
@@ -242,10 +199,9 @@ def replacements(terms: list[Tensor], batches: Sequence[tuple[Tensor, Tensor]], 
 # %% [markdown]
 # ## 4. The translation of the attended word
 #
-# For the tested cross head, in the unchanged pass: at each decoder position,
-# the source word its attention's argmax falls in, that word's best
-# translation in the aligner's lexicon, and the ids of the word-initial pieces
-# spelling that translation (`▁dog` and `▁Dog` for *dog*).
+# At each decoder position of the unchanged pass: the source word the tested
+# head's argmax falls in, its best translation in the lexicon, and the
+# word-initial pieces spelling it (`▁dog` and `▁Dog` for *dog*).
 
 
 # %%
@@ -260,9 +216,8 @@ class Translation:
         vocab: int,
     ):
         self.spelled: dict[str, list[int]] = {}
-        for i, label in enumerate(pieces(list(range(vocab)))):
-            if label.startswith(WORD_START) and len(label) > 1:
-                self.spelled.setdefault(normalize_word(label[1:]), []).append(i)
+        for i, word in zip(*word_starts(pieces, vocab)):
+            self.spelled.setdefault(word, []).append(i)
         srcs = [s[b][s[b] != PAD].tolist() for s, _ in batches for b in range(s.size(0))]
         self.words = [piece_words(pieces(ids)) for ids in srcs]
         self.lexicon = lexicon
@@ -313,7 +268,7 @@ def _change(clean: np.ndarray, changed: np.ndarray, tokens: np.ndarray) -> list[
 
 def neighbour(model: EncoderDecoder, site: Site, head: int, seed: int = SEED) -> int:
     """Another head of the same attention, drawn at random (seeded by the site and head)."""
-    h = attention_at(model, *site).h
+    h = attentions(model)[site].h
     if h < 2:
         raise ValueError(f"{site[0]} layer {site[1]} has one head: there is no other head to compare with")
     rng = random.Random(f"{seed}:{site[0]}:{site[1]}:{head}")
@@ -334,7 +289,7 @@ def intervene(
     measures. The translation measure needs `pieces` and `lexicon`, and a cross-attention site."""
     model = model.eval()
     other = neighbour(model, site, head)
-    att = attention_at(model, *site)
+    att = attentions(model)[site]
     tested = {"head": circuit(att, head, site), "neighbour": circuit(att, other, site)}
     translate = site[0] == "cross" and pieces is not None and lexicon is not None
     measure = None
@@ -373,16 +328,9 @@ def intervene(
 # %% [markdown]
 # ## 6. The roles this part names
 #
-# `make circuits` tests the best cross head (the lowest alignment error rate:
-# the head said to align and translate), and for each position role of
-# `ROLES` (the previous position in the encoder, the query's own position in
-# the decoder) the head of that attention whose real argmax falls there most
-# often: the largest measured share of `score_terms.py`'s `roles`, not the
-# position label its weights give, which can name another head (on shipped
-# de -> en the weights call encoder layer 1 head 0 the previous-position head;
-# its argmax looks back for 45% of queries, head 2's for 59%:
-# `test_role_heads_are_chosen_by_the_measured_share`). Each with its
-# neighbour, the three ways, on the readout's validation sentences.
+# The best cross head (the lowest AER), and for each role of `ROLES` the head
+# of that attention whose real argmax takes it most often, not the one its
+# weights' label names (`test_role_heads_are_chosen_by_the_measured_share`).
 
 # %%
 ROLES = {"previous": "enc_self", "self": "dec_self"}  # position role -> the attention it is tested in
@@ -421,7 +369,7 @@ def role_interventions(
     return [
         {"role": role, **intervene(model, batches, site, head, pieces, lexicon)}
         for role, site, head in role_heads(report)
-        if attention_at(model, *site).h > 1
+        if attentions(model)[site].h > 1
     ]
 
 
@@ -437,27 +385,3 @@ def format_interventions(records: list[dict[str, Any]]) -> list[str]:
                     f"{h[0]:+.3f} [{h[1]:+.3f}, {h[2]:+.3f}]  head {r['neighbour']}: {n[0]:+.3f} [{n[1]:+.3f}, {n[2]:+.3f}]"
                 )
     return lines
-
-
-# %% [markdown]
-# ## 7. What it finds in the shipped models
-#
-# From `python -m annotated.circuits.command --checkpoint shipped:de-en`
-# (and `en-de`), on the 200 validation sentences: the best cross head is
-# layer 1, head 2 in both, its random neighbour head 1. Change per token in
-# log-probability, zero ablation, with 95% intervals (mean and resample
-# agree within 0.03 nats on the translation; `docs/circuits.md` has all
-# three and the controls):
-#
-# | measure | de -> en: head 2 | head 1 | en -> de: head 2 | head 1 |
-# | --- | --- | --- | --- | --- |
-# | translation of the attended word | -0.32 [-0.35, -0.29] | -0.04 | -0.45 [-0.49, -0.42] | -0.07 |
-# | reference next token | -0.026 [-0.039, -0.013] | -0.036 | -0.081 [-0.098, -0.066] | -0.074 |
-#
-# The head's role is its dictionary's: taking it out costs the translation
-# of the word it attends to six to eight times what its neighbour costs. The
-# reference translation barely notices, no more than it notices head 1: the
-# layer's four heads write much the same dictionary (their OV precision@1 is
-# 0.82 to 0.86 de -> en), so one head's loss is covered by the other three.
-# A role shown by intervention is what one head does; whether the model
-# *needs* that head is a different, and here negative, answer.

@@ -1,96 +1,61 @@
 # %% [markdown]
 # # Where each score comes from, and what the attention does
 #
-# The direct path (`annotated/circuits/direct.py`) reads a head from its
-# weights and the embeddings alone. This page asks the converse question of
-# the head's *real* scores on real sentences: how much of each score comes
-# from the tokens, how much from the positions, and how much from what the
-# sublayers before the head wrote. And it measures, on the same sentences,
-# what the head's attention does (where its argmax falls), so that every
-# role the book gives a head is a measured share, not a reading of the
-# weights.
+# The direct path reads a head from its weights alone; this page asks the
+# converse of its *real* scores on real sentences: how much comes from the
+# tokens, the positions, and what the sublayers before wrote; and where the
+# attention actually falls, so that every role the book gives a head is a
+# measured share.
 #
-# **The residual stream in four parts.** With dropout off, every vector a
-# head reads is, exactly, a sum of four parts:
-#
-# * **token**: the token's embedding (`E[t] sqrt(d_model)`);
-# * **position**: its sinusoid `PE[pos]`;
-# * **norm bias**: the LayerNorms' biases `beta`;
-# * **written**: everything the sublayers before wrote (attentions and
-#   feed-forward networks, their biases included).
-#
-# The parts start as token, position and zero; a sublayer adds its output to
-# *written*; a LayerNorm, `gamma (z - mean(z)) / sigma(z) + beta`, is affine
-# once its divisor `sigma(z) = sqrt(var(z) + eps)` is fixed, and we fix it
-# at the value of the real forward pass, one number per position. So each
-# part goes through the norm's centring, gain and that position's divisor,
-# and `beta` joins *norm bias*. The parts sum to the real input at every
-# sublayer (post-norm or pre-norm), and nothing is approximated.
-#
-# **The score in six terms.** Head `i`'s query is `q_a = x_a W_Q + b_Q` and
-# its key `k_b = x_b W_K + b_K`. Splitting `x_a` and `x_b` into their parts
-# (with the head's own biases `b_Q`, `b_K` counted with the norms' biases)
-# turns the score `q_a k_b^T / sqrt(d_k)` into a sum of products of parts,
-# grouped into six terms:
-#
-# | term | the products |
-# | --- | --- |
-# | token x token | the query's token part with the key's token part |
-# | position x position | position with position |
-# | token x position | the query's token with the key's position |
-# | position x token | the query's position with the key's token |
-# | bias | every product with a bias (the norms' or the head's) on one side and no written part |
-# | written | every product with a written part on either side |
-#
-# The six terms add up to the model's own pre-softmax scores, within
-# 1e-12 in float64, for every head of both forms
-# (`test_score_terms_sum_to_the_real_scores`). In the first layer's
-# self-attentions of a post-norm model nothing has been written yet, and the
-# first four terms are the four tables of the direct path.
-#
-# **A term's share of the score.** The softmax sees each query's scores up
-# to a constant, so what matters is how a term makes the scores of one
-# query *differ* across its keys. Centre every term over each query's
-# allowed keys; the centred total `s` is the sum of the centred terms `t_k`,
-# and its variance splits exactly:
+# With dropout off, every vector a head reads is exactly the sum of four
+# parts: **token** (`E[t] sqrt(d_model)`), **position** (`PE[pos]`), **norm
+# bias** (the LayerNorms' `beta`) and **written** (what the sublayers wrote);
+# a LayerNorm is affine once its divisor is fixed at the real pass's value,
+# so each part goes through it. Splitting query and key into the parts (the
+# head's biases counted with the norms') gives six terms of the score: token
+# x token, position x position, token x position, position x token, **bias**
+# (a bias on one side, nothing written) and **written**, adding up to the
+# model's own scores within 1e-12 in float64
+# (`test_score_terms_sum_to_the_real_scores`). Centred over each query's
+# allowed keys (the softmax sees the scores up to a constant), the total `s`
+# is the sum of the centred terms `t_k`, and its variance splits exactly:
 #
 # $$\sum s^2 = \sum_k \sum t_k\, s, \qquad \text{share}_k = \frac{\sum t_k s}{\sum s^2}$$
 #
-# (sums over a sentence's queries and allowed keys). The shares add up to 1;
-# a share can be negative, when a term pulls against the total; a term
-# that is the same for every key of a query (the query's bias with the
-# key's bias, say) has share 0. Each share is computed per sentence, then
-# averaged over sentences with a 95% bootstrap interval
-# (`mean_interval`'s, `test_the_record_has_every_term_and_its_interval`), as
-# the faithfulness figures are.
-#
-# **What the attention does.** For every query with a choice of keys,
-# where its argmax falls (read from the real scores, whose argmax is the
-# attention's): on the **first** key (the first source piece, or the
-# decoder's `<s>`), on the query's own position (**self**), on the one
-# before (**previous**), on the **last** key (a source sentence's final
-# piece, usually its full stop), and for a cross-attention head, on a piece
-# of the source word the aligner links to the target word being predicted
-# (**aligned**, on the test sentences, where the aligner's links are). A
-# head's measured **role** is the one that takes at least half its queries,
-# else `mixed` (`test_roles_are_read_from_the_real_attention`).
+# per sentence, averaged with a 95% bootstrap interval
+# (`test_the_record_has_every_term_and_its_interval`). And where each query's
+# real argmax falls: the **first** key, itself (**self**), the one before
+# (**previous**), the **last** key, and for cross-attention a piece of the
+# source word the aligner links to the word being predicted (**aligned**). A
+# head's **role** takes at least half its queries, else it is `mixed`
+# (`test_roles_are_read_from_the_real_attention`).
 
 # %%
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from annotated.attention.bootstrap import CONFIDENCE, RESAMPLES, SEED, resample_counts
-from annotated.circuits.circuits import HeadCircuit, circuits
+from annotated.circuits.circuits import (
+    HeadCircuit,
+    allowed_keys,
+    attention_inputs,
+    attentions,
+    circuits,
+    head_matrices,
+    teacher_forced,
+)
+from annotated.circuits.fold import STREAMS, sublayers
 from annotated.circuits.metrics import piece_words
-from annotated.sites import Site, attention_at, sites
-from annotated.transformer import EncoderDecoder, Residual, padding_mask, target_mask
+from annotated.sites import Site
+from annotated.transformer import EncoderDecoder, Residual, padding_mask
 
 PARTS = ("token", "position", "norm_bias", "written")  # the residual stream, exactly
 TERMS = ("token x token", "position x position", "token x position", "position x token", "bias", "written")
@@ -101,14 +66,10 @@ SENTENCES = 20  # sentences split at once: their parts at every sublayer, in flo
 # %% [markdown]
 # ## 1. The stream's parts at every attention
 #
-# `stream_parts` runs the model once (dropout off) with forward hooks on
-# every `Residual` sublayer and its LayerNorm: from the residual's input
-# `x`, its output, and the norm's input `z`, the sublayer's output is
-# `z - x` (post-norm, `LayerNorm(x + sublayer(x))`) or `output - x`
-# (pre-norm). The parts are then carried along each stream in the model's
-# own order, and the parts each attention reads are kept: the stream before
-# it (post-norm) or its norm's output (pre-norm) for its queries, and for
-# cross-attention keys the encoder's output.
+# `stream_parts` runs the model once with forward hooks on every `Residual`
+# sublayer and its LayerNorm, which give each sublayer's output (`z - x`
+# post-norm, `output - x` pre-norm); the parts are then carried along each
+# stream in the model's order, and those each attention reads are kept.
 
 # %%
 Parts = dict[str, Tensor]  # part name -> (B, T, d_model)
@@ -139,24 +100,12 @@ def stream_parts(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int) -> d
 
         return hook
 
-    residuals = [
-        (stack, l, name)
-        for stack, names in (("enc", ("res_attn", "res_ffn")), ("dec", ("res_self", "res_cross", "res_ffn")))
-        for l in range(model.config.N)
-        for name in names
-    ]
-    stacks: dict[str, Any] = {"enc": model.encoder, "dec": model.decoder}
-    modules: list[Residual] = [getattr(stacks[s].layers[l], n) for s, l, n in residuals]
+    residuals = [name for stack in STREAMS for name in sublayers(model, stack)]  # in the streams' order
+    modules = cast(list[Residual], [model.get_submodule(name) for name in residuals])
     handles = [m.register_forward_hook(watch(m, "x")) for m in modules]
     handles += [m.ln.register_forward_hook(watch(m, "z")) for m in modules]
-    finals: list[nn.Module] = [stacks[s].final_ln for s in ("enc", "dec")]
-    handles += [f.register_forward_hook(watch(f, "z")) for f in finals]
-    try:
-        src_mask = padding_mask(src, pad)
-        model.decode(model.encode(src, src_mask), src_mask, tgt, target_mask(tgt, pad))
-    finally:
-        for handle in handles:
-            handle.remove()
+    handles += [f.register_forward_hook(watch(f, "z")) for f in (model.encoder.final_ln, model.decoder.final_ln)]
+    teacher_forced(model, src, tgt, pad, handles)
 
     def start(embed: nn.Module, ids: Tensor) -> Parts:
         token = embed(ids)  # (B, T, d_model)
@@ -170,39 +119,39 @@ def stream_parts(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad: int) -> d
 
     reads = {"res_attn": "enc_self", "res_self": "dec_self", "res_cross": "cross"}
     queries: dict[Site, Parts] = {}
-    streams = {"enc": start(model.src_embed, src), "dec": start(model.tgt_embed, tgt)}
+    streams = {"encoder": start(model.src_embed, src), "decoder": start(model.tgt_embed, tgt)}
     memory: Parts = {}
-    for (stack, l, name), module in zip(residuals, modules):
-        if stack == "dec" and not memory:  # the encoder is done: its output is every cross-attention's keys
+    for residual, module in zip(residuals, modules):
+        stack, _, l, name = residual.split(".")
+        if stack == "decoder" and not memory:  # the encoder is done: its output is every cross-attention's keys
             final = seen.get(id(model.encoder.final_ln))
-            memory = _through_norm(streams["enc"], model.encoder.final_ln, final["z"]) if final else streams["enc"]
+            memory = (
+                _through_norm(streams["encoder"], model.encoder.final_ln, final["z"]) if final else streams["encoder"]
+            )
         parts, record = streams[stack], seen[id(module)]
         if name in reads:  # what this sublayer's attention reads
-            queries[(reads[name], l)] = _through_norm(parts, module.ln, record["z"]) if pre else parts
+            queries[(reads[name], int(l))] = _through_norm(parts, module.ln, record["z"]) if pre else parts
         if pre:  # x + sublayer(LayerNorm(x))
             parts = {**parts, "written": parts["written"] + (record["x_out"] - record["x"])}
         else:  # LayerNorm(x + sublayer(x))
             z = record["z"]
             parts = _through_norm({**parts, "written": parts["written"] + (z - record["x"])}, module.ln, z)
         streams[stack] = parts
-    return {site: (queries[site], memory if site[0] == "cross" else queries[site]) for site in sites(model)}
+    return {site: (queries[site], memory if site[0] == "cross" else queries[site]) for site in attentions(model)}
 
 
 # %% [markdown]
 # ## 2. One head's score in six terms
 #
-# Each part is projected once per side (`x W_Q`, `x W_K`, `(B, T, d_k)`);
-# the LayerNorms' bias part and the head's own bias (`b_Q`, `b_K`) are added
-# into one bias part per side. With `t`, `p`, `b`, `w` the token, position,
-# bias and written parts and `f = t + p + b + w` the whole, eight products
-# give the six terms:
+# Each part is projected once per side (`x W_Q`, `x W_K`), the head's own
+# bias joining the bias part. With `t`, `p`, `b`, `w` the token, position,
+# bias and written parts and `f` the whole, eight products give the six
+# terms, each of the 16 pairs of parts in exactly one:
 #
 # $$\text{written} = q_f k_w^{\top} + q_w (k_f - k_w)^{\top}, \qquad
 # \text{bias} = q_b (k_t + k_p + k_b)^{\top} + (q_t + q_p) k_b^{\top}$$
 #
-# and `q_t k_t^T`, `q_p k_p^T`, `q_t k_p^T`, `q_p k_t^T`, each scaled by
-# `1 / sqrt(d_k)`: every one of the 16 pairs of parts lands in exactly one
-# term.
+# and `q_t k_t^T`, `q_p k_p^T`, `q_t k_p^T`, `q_p k_t^T`, each over `sqrt(d_k)`.
 
 
 # %%
@@ -235,14 +184,6 @@ def score_terms(c: HeadCircuit, W: dict[str, Tensor | None], q_parts: Parts, k_p
 
 
 # %%
-def allowed_keys(kind: str, src: Tensor, tgt: Tensor, pad: int) -> Tensor:
-    """(B, T_q, T_k): True where a real query may see a key (padding and the decoder's future excluded)."""
-    q = src if kind == "enc_self" else tgt
-    mask = target_mask(tgt, pad) if kind == "dec_self" else padding_mask(src, pad)
-    T_k = tgt.size(1) if kind == "dec_self" else src.size(1)
-    return mask.expand(q.size(0), q.size(1), T_k) & (q != pad).unsqueeze(-1)
-
-
 def variance_shares(terms: dict[str, Tensor], allowed: Tensor) -> dict[str, Tensor]:
     """Per sentence (B,): each term's share sum(t_k s) / sum(s^2) of the scores centred over allowed keys."""
     n = allowed.sum(-1, keepdim=True).clamp(min=1)  # (B, T_q, 1)
@@ -292,11 +233,9 @@ def read_scores(
 
     Computed in float64 on a float64 copy of `model` (the split is then exact to rounding), `chunk` sentences of a
     batch at a time: every part of every sublayer is kept during a pass, and a smaller pass keeps less."""
-    model64 = _double(model)
-    heads = circuits(model64)
-    from annotated.circuits.circuits import head_matrices
-
-    matrices = {(s, c.head): head_matrices(attention_at(model64, *s), c.head) for s, cs in heads.items() for c in cs}
+    model64 = copy.deepcopy(model).double().eval()
+    heads, atts = circuits(model64), attentions(model64)
+    matrices = {(s, c.head): head_matrices(atts[s], c.head) for s, cs in heads.items() for c in cs}
     out: dict[tuple[Site, int], HeadReading] = {}
     pieces = ((s[i : i + chunk], t[i : i + chunk]) for s, t in batches for i in range(0, s.size(0), chunk))
     for src, tgt in pieces:
@@ -321,20 +260,12 @@ def sentences_with_queries(allowed: Tensor) -> Tensor:
     return (allowed.sum(-1) >= 2).any(-1)
 
 
-def _double(model: EncoderDecoder) -> EncoderDecoder:
-    import copy
-
-    return copy.deepcopy(model).double().eval()
-
-
 # %% [markdown]
 # ## 4. On the aligned word: cross-attention on the aligner's test pairs
 #
-# A target word is read at the step that *predicts* its first piece (whose
-# input is the piece before), as the alignment error rate reads it
-# (`annotated/circuits/metrics.py`); its aligned source words are the
-# aligner's links. A head's share is, per sentence, the fraction of the
-# linked target words whose row puts its argmax on a piece of one of them.
+# A head's share is, per sentence, the fraction of the aligner-linked target
+# words whose predicting row (as `metrics.py` reads alignments) puts its
+# argmax on a piece of a source word linked to them.
 
 
 # %%
@@ -370,8 +301,6 @@ def aligned_shares(
 ) -> dict[tuple[Site, int], list[float]]:
     """Per cross head, per test sentence with linked words: its `aligned_share`. `batches` hold (src, BOS +
     target + EOS), `links` the aligner's links of each pair, in batch order."""
-    from annotated.circuits.circuits import attention_inputs
-
     out: dict[tuple[Site, int], list[float]] = {}
     heads = [c for s, cs in circuits(model).items() if s[0] == "cross" for c in cs]
     n = 0

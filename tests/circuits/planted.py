@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from tiny import blank_model
 
-from annotated.circuits.dictionary import MIN_COUNT, WordMeans
+from annotated.circuits.dictionary import MIN_COUNT, WordMeans, written_words
 from annotated.tokens import BOS
 
 V = 40  # vocabulary, shared by the two sides
@@ -93,3 +93,11 @@ def planted_means(loud: bool = True) -> WordMeans:
     means.tgt_count = [MIN_COUNT] * len(means.tgt_words)
     means.tgt_sum[site] = MIN_COUNT * torch.stack(queries)
     return means
+
+
+@torch.no_grad()
+def ov_dictionary(model, c, means, sources, pieces, k: int = 5) -> dict[str, list[str]]:
+    """For each source word, the k words (word-starting pieces) whose logits its mean value raises most: the
+    readout's OV dictionary in context (`ov_controls`' "in context"), without the controls."""
+    x_kv = means.source(c.site, sources).to(c.OV.left.dtype)  # (n, d_model)
+    return written_words(model, c.site, c.OV.apply(x_kv), sources, pieces, k)  # x W_OV, through the generator

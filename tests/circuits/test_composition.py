@@ -15,7 +15,7 @@ from annotated.circuits.composition import (
     frobenius,
     norm_matrix,
     norms_between,
-    random_baseline,
+    random_baselines,
     random_overlaps,
     reading,
     standing_out,
@@ -23,6 +23,10 @@ from annotated.circuits.composition import (
 from annotated.circuits.score_terms import read_scores
 from annotated.tokens import PAD
 from annotated.transformer import make_model
+
+
+def dense(f: Factored) -> torch.Tensor:
+    return f.left @ f.right  # (m, n)
 
 
 def _factored(g, m, r, n):
@@ -34,7 +38,7 @@ def _factored(g, m, r, n):
 def test_composition_score_is_the_materialised_ratio():
     g = torch.Generator().manual_seed(0)
     a, b = _factored(g, 20, 4, 20), _factored(g, 20, 3, 20)
-    A, B = a.materialise(), b.materialise()
+    A, B = dense(a), dense(b)
     # float64 products of small matrices: agree to rounding, ~1e-15 relative; 1e-12 leaves room and catches any
     # wrong product (using B^T instead of B changes the score at the first digit)
     assert abs(frobenius(a) - A.norm()) < 1e-12 * A.norm()
@@ -43,15 +47,15 @@ def test_composition_score_is_the_materialised_ratio():
         abs(composition_score(a, a.__class__(b.right.T, b.left.T)) - (A @ B.T).norm() / (A.norm() * B.norm())) < 1e-12
     )
     c = circuits(make_model(src_vocab=9, tgt_vocab=9, N=1, d_model=12, d_ff=8, h=2).double())[("cross", 0)][0]
-    QK = c.QK.materialise()
-    assert torch.allclose(reading(c, "K").materialise(), QK.T) and torch.equal(reading(c, "Q").materialise(), QK)
+    QK = dense(c.QK)
+    assert torch.allclose(dense(reading(c, "K")), QK.T) and torch.equal(dense(reading(c, "Q")), QK)
 
 
 def test_the_baseline_is_that_of_random_matrices():
-    """random_baseline (overlaps of random frames) = the score of U S V^T with random singular vectors, drawn whole."""
+    """random_baselines (overlaps of random frames) = the score of U S V^T with random singular vectors, drawn whole."""
     g = torch.Generator().manual_seed(1)
     d, s_a, s_b = 16, torch.tensor([3.0, 1.0, 0.5], dtype=torch.float64), torch.tensor([2.0, 0.1], dtype=torch.float64)
-    mean, low, high = random_baseline(s_a, s_b, random_overlaps(d, 3, 2, samples=4000))
+    mean, low, high = random_baselines(s_a[None], s_b[None], random_overlaps(d, 3, 2, samples=4000))[0]
     frame = lambda r: torch.linalg.qr(torch.randn(d, r, generator=g, dtype=torch.float64))[0]
     direct = []
     for _ in range(4000):

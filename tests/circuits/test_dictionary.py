@@ -5,10 +5,10 @@ from, and a readout from too few pairs to read a QK dictionary."""
 from collections import Counter
 
 import torch
-from planted import PERM, B, lexicon, pieces, planted_batch, planted_means, planted_model
+from planted import PERM, B, lexicon, ov_dictionary, pieces, planted_batch, planted_means, planted_model
 
 from annotated.circuits.circuits import attention_inputs, circuit
-from annotated.circuits.dictionary import MIN_COUNT, attention_links, dictionary_precision, mean_inputs, ov_dictionary
+from annotated.circuits.dictionary import MIN_COUNT, attention_links, dictionary_precision, mean_inputs
 from annotated.circuits.readout import Inputs, read_model
 from annotated.recording import record_attention
 from annotated.sites import attention_at

@@ -2,7 +2,8 @@
 
 import torch
 
-from annotated.circuits.faithfulness import _allowed, argmax_agreement, faithfulness
+from annotated.circuits.circuits import allowed_keys
+from annotated.circuits.faithfulness import argmax_agreement, faithfulness
 from annotated.tokens import BOS, PAD
 from annotated.transformer import make_model
 
@@ -27,7 +28,7 @@ def test_the_keys_allowed_are_the_real_past_and_the_queries_the_real_ones():
         ("cross", real_tgt, real_src),
         ("dec_self", real_tgt, real_tgt),
     ):
-        allowed = _allowed(kind, src, tgt, PAD)  # (B, T_q, T_k)
+        allowed = allowed_keys(kind, src, tgt, PAD)  # (B, T_q, T_k)
         want = q.unsqueeze(-1) & k.unsqueeze(-2)
         if kind == "dec_self":
             want = want & torch.ones(4, 4, dtype=torch.bool).tril()

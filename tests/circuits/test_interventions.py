@@ -4,10 +4,10 @@ hand: what was planted is found, and is lost when the code reads the wrong circu
 import dataclasses
 
 import torch
-from planted import PERM, lexicon, pieces, planted_batch, planted_means, planted_model
+from planted import PERM, lexicon, ov_dictionary, pieces, planted_batch, planted_means, planted_model
 
 from annotated.circuits.circuits import circuit, circuits
-from annotated.circuits.dictionary import dictionary_precision, ov_controls, ov_dictionary, qk_dictionary
+from annotated.circuits.dictionary import dictionary_precision, ov_controls, qk_dictionary
 from annotated.circuits.interventions import HOWS, donors, intervene, replacements, run_pass
 from annotated.sites import attention_at, remove_heads
 from annotated.tokens import PAD

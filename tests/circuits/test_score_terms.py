@@ -7,13 +7,12 @@ import torch
 from tiny import padded_batch, random_biases, tiny_model
 
 from annotated.attention.bootstrap import mean_interval
-from annotated.circuits.circuits import attention_inputs, circuits, head_matrices
+from annotated.circuits.circuits import allowed_keys, attention_inputs, circuits, head_matrices
 from annotated.circuits.score_terms import (
     PARTS,
     TERMS,
     aligned_share,
     aligned_shares,
-    allowed_keys,
     argmax_roles,
     read_scores,
     reading_records,
