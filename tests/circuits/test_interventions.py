@@ -69,7 +69,8 @@ def test_the_qk_dictionary_normalises_over_the_source_words():
 
 def test_zero_ablation_is_removing_the_head():
     """The hook's term is the head's whole term: replaced by zero, the logits are those of the model without
-    the head (sites.remove_heads), on a random model with biases and padding, every attention kind.
+    the head (sites.remove_heads), on a random model with biases and padding, every attention kind, with the
+    encoder's output kept from the clean pass (`memory`, which only a decoder-side head may reuse).
     float64: the same sums in another order, ~1e-15 relative; 1e-10 on logits of size ~1 leaves room."""
     torch.manual_seed(0)
     model = make_model(src_vocab=23, tgt_vocab=19, N=2, d_model=24, d_ff=32, h=3, d_k=5, d_v=7).double().eval()
@@ -82,8 +83,9 @@ def test_zero_ablation_is_removing_the_head():
     src[0, 4:], tgt[1, 3:] = PAD, PAD
     zero = lambda term, number: torch.zeros_like(term)
     for site, heads in circuits(model).items():
-        c = heads[1]
-        changed = run_pass(model, [(src, tgt)], [c], zero)
+        c, memory = heads[1], {}
+        run_pass(model, [(src, tgt)], [c], memory=memory)  # the clean pass keeps the encoder's output
+        changed = run_pass(model, [(src, tgt)], [c], zero, memory=memory)
         removed = remove_heads(model, {site: [1]}).eval()
         tgt_in = tgt[:, :-1]
         logits = removed(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD)).log_softmax(-1)
