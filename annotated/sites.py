@@ -85,8 +85,9 @@ def keep_heads_per_head(att: PerHeadAttention, keep: Sequence[int]) -> PerHeadAt
 #
 # $$2\, d_{model} d_k + 2\, d_{model} d_v + 2 d_k + d_v \text{ parameters per head}$$
 #
-# (`W_Q`, `W_K`, `W_V`, `W_O` blocks and the three bias blocks), and faster,
-# because every product in the attention is narrower. Removing head `i` in
+# (`W_Q`, `W_K`, `W_V`, `W_O` blocks and the three bias blocks;
+# `test_removing_a_head_deletes_the_parameters_the_formula_counts`), and
+# faster, because every product in the attention is narrower. Removing head `i` in
 # the per-head form gives the same function as the fused model built without
 # block `i` (`test_removing_a_head_per_head_equals_fused_without_its_blocks`).
 
@@ -127,18 +128,6 @@ def keep_heads(att, keep: Sequence[int]):
     if isinstance(att, FusedAttention):
         return keep_heads_fused(att, keep)
     raise TypeError(f"expected a PerHeadAttention or FusedAttention, got {type(att).__name__}")
-
-
-def parameters_per_head(att) -> int:
-    """Parameters that removing one head of `att` deletes (the formula above).
-
-    >>> att = FusedAttention(d_model=128, h=4)
-    >>> parameters_per_head(att), sum(p.numel() for p in att.parameters()) - sum(
-    ...     p.numel() for p in keep_heads(att, [0, 1, 2]).parameters())
-    (16480, 16480)
-    """
-    d_model, d_k, d_v = att.d_model, att.d_k, att.d_v
-    return 2 * d_model * d_k + 2 * d_model * d_v + ((2 * d_k + d_v) if att.bias else 0)
 
 
 # %% [markdown]

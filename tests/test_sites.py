@@ -20,7 +20,7 @@ from annotated.sites import (
     sites,
 )
 from annotated.tokens import BOS, EOS, PAD
-from annotated.transformer import attention_explicit, convert_model, padding_mask, target_mask
+from annotated.transformer import FusedAttention, attention_explicit, convert_model, padding_mask, target_mask
 
 
 def tiny_model(attention="per_head", dtype=torch.float64, seed=0, N=2, h=3, d_model=12, vocab=17):
@@ -104,6 +104,17 @@ def test_removing_a_head_per_head_equals_fused_without_its_blocks():
                 )
             )
             assert not torch.allclose(logits(a, b), logits(per_head, b), atol=1e-3)  # the head did matter
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_removing_a_head_deletes_the_parameters_the_formula_counts(bias):
+    """The prose of annotated/sites.py, section 2: 2 d_model d_k + 2 d_model d_v + 2 d_k + d_v per head."""
+    d_model, d_k, d_v = 12, 5, 3
+    att = FusedAttention(d_model, 4, d_k=d_k, d_v=d_v, bias=bias)
+    formula = 2 * d_model * d_k + 2 * d_model * d_v + (2 * d_k + d_v if bias else 0)
+    count = lambda a: sum(p.numel() for p in a.parameters())
+    assert count(att) - count(keep_heads(att, [0, 1, 2])) == formula
+    assert count(keep_heads(att, [0, 2])) - count(keep_heads(att, [1])) == formula
 
 
 def test_remove_heads_leaves_the_model_alone_and_counts_heads():
