@@ -1,16 +1,13 @@
-"""The machinery behind `annotated/proof/equivalence.py`: generated cases, comparisons, and the check rows.
-
-The proof and the report live in `annotated/proof/equivalence.py`, which says what
-each check establishes; this module holds how the checks run: Hypothesis
-strategies and their runner, the comparison of two attentions on one case
-(outputs, probabilities, gradients), the cases against
-`torch.nn.MultiheadAttention` (with a dispatch mode that records whether its
-native fast-path kernel ran), and the SDPA-versus-explicit comparison.
+"""How the checks of `annotated/proof/equivalence.py` run (it says what each establishes): Hypothesis strategies
+and their runner, the comparison of two attentions on one case (outputs, probabilities, gradients), the cases
+against `torch.nn.MultiheadAttention` (with a dispatch mode that records whether its native fast-path kernel ran),
+and the SDPA-versus-explicit comparison.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -50,6 +47,11 @@ class CheckResult:
         """A result that passes iff there were cases and every difference was within tolerance."""
         ok = cases > 0 and max_diff <= tol  # NaN fails: NaN <= tol is False
         return CheckResult(check, cases, max_diff, tol, ok, list(notes))
+
+    @staticmethod
+    def holds(check: str, cases: int, ok: bool, notes=()) -> CheckResult:
+        """An exact check's result: difference 0 if `ok` held in all `cases`, else infinite."""
+        return CheckResult.of(check, cases, 0.0 if ok else math.inf, 0.0, notes)
 
 
 def max_scaled(a: Tensor, b: Tensor) -> float:
@@ -129,14 +131,10 @@ def random_biases(att: nn.Module, gen: torch.Generator) -> None:
 def case_pair(case: Case) -> tuple[PerHeadAttention, FusedAttention]:
     """Both forms for a case: one built at random, the other converted from it."""
     torch.manual_seed(case.seed)
-    gen = torch.Generator().manual_seed(case.seed)
-    if case.start == "per_head":
-        per_head = PerHeadAttention(case.d_model, case.h, case.d_k, case.d_v, bias=case.bias).to(case.dtype)
-        random_biases(per_head, gen)
-        return per_head, fuse(per_head)
-    fused = FusedAttention(case.d_model, case.h, case.d_k, case.d_v, bias=case.bias).to(case.dtype)
-    random_biases(fused, gen)
-    return split(fused), fused
+    form = PerHeadAttention if case.start == "per_head" else FusedAttention
+    first = form(case.d_model, case.h, case.d_k, case.d_v, bias=case.bias).to(case.dtype)
+    random_biases(first, torch.Generator().manual_seed(case.seed))
+    return (first, fuse(first)) if isinstance(first, PerHeadAttention) else (split(first), first)
 
 
 def case_inputs(case: Case) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
@@ -272,7 +270,7 @@ class OpsSeen(TorchDispatchMode):
         super().__init__()
         self.ops: set[str] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func, _types, args=(), kwargs=None):
         self.ops.add(str(func.overloadpacket))
         return func(*args, **(kwargs or {}))
 
@@ -315,19 +313,13 @@ class MhaCase:
 def mha_cases() -> list[MhaCase]:
     """Every combination, for d_model=8 with h = 2 and 4 (even: fast path possible) and d_model=6 with h = 3;
     the form converted to nn.MultiheadAttention alternates between fused and per-head."""
-    out: list[MhaCase] = []
-    for d_model, h in ((8, 2), (8, 4), (6, 3)):
-        for bias in (True, False):
-            for batch_first in (True, False):
-                for mode in MHA_MODES:
-                    for cross in (False, True):
-                        for masks in ("none", "padding", "causal", "both, merged", "both, separate"):
-                            for need_weights in (True, False):
-                                form = ("fused", "per_head")[len(out) % 2]  # both forms, alternately
-                                out.append(
-                                    MhaCase(d_model, h, bias, batch_first, mode, cross, masks, form, need_weights)
-                                )
-    return out
+    masks = ("none", "padding", "causal", "both, merged", "both, separate")
+    bools = (True, False)
+    combinations = itertools.product(((8, 2), (8, 4), (6, 3)), bools, bools, MHA_MODES, bools[::-1], masks, bools)
+    return [
+        MhaCase(d_model, h, bias, batch_first, mode, cross, mask, ("fused", "per_head")[k % 2], need_weights)
+        for k, ((d_model, h), bias, batch_first, mode, cross, mask, need_weights) in enumerate(combinations)
+    ]
 
 
 def mha_inputs(case: MhaCase, seed: int):
