@@ -69,19 +69,15 @@ def _shape_str(shape: dict) -> str:
     return "{" + ", ".join(f"{k}={v}" for k, v in shape.items()) + "}"
 
 
-def mha_shape(mha: nn.MultiheadAttention) -> dict:
-    """The shape dict (as `att.shape()`) of an nn.MultiheadAttention our forms can hold; ValueError otherwise."""
-    check_torch_mha(mha)
-    d = mha.embed_dim // mha.num_heads
-    return dict(d_model=mha.embed_dim, h=mha.num_heads, d_k=d, d_v=d, bias=mha.in_proj_bias is not None)
-
-
 def attention_shape(att: AttentionLike) -> dict:
-    """d_model, h, d_k, d_v, bias of any of the three kinds of attention."""
+    """d_model, h, d_k, d_v, bias of any of the three kinds of attention (as `att.shape()`); ValueError for an
+    nn.MultiheadAttention our forms cannot hold."""
     if isinstance(att, (PerHeadAttention, FusedAttention)):
         return att.shape()
     if isinstance(att, nn.MultiheadAttention):
-        return mha_shape(att)
+        check_torch_mha(att)
+        d = att.embed_dim // att.num_heads
+        return dict(d_model=att.embed_dim, h=att.num_heads, d_k=d, d_v=d, bias=att.in_proj_bias is not None)
     raise TypeError(f"expected PerHeadAttention, FusedAttention or nn.MultiheadAttention, got {type(att).__name__}")
 
 
@@ -160,13 +156,8 @@ def copy_attention(src: AttentionLike, dst: Dst) -> Dst:
 
 
 def to_torch_mha(att: PerHeadAttention | FusedAttention, batch_first: bool = True) -> nn.MultiheadAttention:
-    """An nn.MultiheadAttention computing the same function as `att` (same dtype, device, mode, dropout).
-
-    Its `in_proj_weight` is `[W_Q^T; W_K^T; W_V^T]` and `out_proj.weight` is
-    `W_O^T`; `batch_first` is passed on. Only attentions with
-    `d_k = d_v = d_model / h` fit it; any other raises a ValueError naming the
-    shape. Call it as `mha(x_q, x_kv, x_kv, ...)` with the masks of
-    `torch_mha_masks` (True = blocked there).
+    """An nn.MultiheadAttention computing the same function as `att` (same dtype, device, mode, dropout), laid out
+    as above; call it as `mha(x_q, x_kv, x_kv, ...)` with the masks of `torch_mha_masks`.
 
     >>> att = FusedAttention(8, 2)
     >>> mha = to_torch_mha(att)
@@ -194,15 +185,10 @@ def to_torch_mha(att: PerHeadAttention | FusedAttention, batch_first: bool = Tru
 
 
 def from_torch_mha(mha: nn.MultiheadAttention) -> FusedAttention:
-    """A FusedAttention computing the same function as `mha` (same dtype, device, mode, dropout).
-
-    `split(from_torch_mha(mha))` is the per-head form, whose `W_Q[i]` is head
-    `i`'s query projection (`d_model x d_k`). A module our attentions cannot
-    hold (`kdim`/`vdim` other than `embed_dim`, `add_bias_kv`,
-    `add_zero_attn`) raises a ValueError that says why.
-    """
-    check_torch_mha(mha)  # the door: before anything is built
-    s = mha_shape(mha)
+    """A FusedAttention computing the same function as `mha` (same dtype, device, mode, dropout); a module our
+    attentions cannot hold is refused by its door, `check_torch_mha`, before anything is built."""
+    check_torch_mha(mha)
+    s = attention_shape(mha)
     p = mha.in_proj_weight
     att = FusedAttention(s["d_model"], s["h"], s["d_k"], s["d_v"], bias=s["bias"], dropout=mha.dropout)
     return copy_attention(mha, att.to(device=p.device, dtype=p.dtype)).train(mha.training)
