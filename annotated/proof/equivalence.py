@@ -109,36 +109,27 @@ from annotated.transformer import (
 # %% [markdown]
 # ## 1. Symbolic, all sizes: the block algebra
 #
-# Steps 1 and 4 are statements about block matrices. sympy can state them
-# with matrices whose *sizes* are symbols: `X` is a `MatrixSymbol` of shape
-# `T x d_model`, each `W_Q^(i)` one of shape `d_model x d_k`, each bias
-# `1 x d_k`, broadcast over the `T` rows by the all-ones column `1` (`T x 1`),
-# and `T`, `d_model`, `d_k`, `d_v` are positive integer symbols.
-# `block_collapse` multiplies and adds block matrices by the block rules, and
-# we compare the result with the claimed right-hand side block by block: each
-# difference must come out as sympy's zero matrix. For every `h` from 1 to 8
-# we check
+# Steps 1 and 4 are statements about block matrices, and sympy states them
+# with *sizes* that are symbols: `X` is a `T x d_model` `MatrixSymbol`, each
+# `W_Q^(i)` is `d_model x d_k`, each bias `1 x d_k`, broadcast over the rows
+# by the all-ones column `1` (`T x 1`). `block_collapse` multiplies and adds
+# by the block rules, and every block of the difference from the claimed
+# right-hand side must come out as sympy's zero matrix. For every `h` from 1
+# to 8 we check step 1, `X [W^(0) | ... | W^(h-1)] = [X W^(0) | ... | X W^(h-1)]`
+# with and without the biases `1 [b^(0) | ... | b^(h-1)]`, for blocks of
+# width `d_k` and `d_v`, and step 4,
+# `[H^(0) | ... | H^(h-1)] [W_O^(0); ...; W_O^(h-1)] = sum_i H^(i) W_O^(i)`, with
+# and without `+ 1 b_O`. For the induction on `h`, the same two rules hold for
+# **two** blocks whose first has a symbolic width `m` (the heads so far):
+# that is exactly the proof's step from `h` to `h + 1`, so the identities
+# hold for every `h`.
 #
-# - `X [W^(0) | ... | W^(h-1)] = [X W^(0) | ... | X W^(h-1)]` and its bias version
-#   `X [W^(0) | ... | W^(h-1)] + 1 [b^(0) | ... | b^(h-1)] = [X W^(0) + 1 b^(0) | ...]`,
-#   for blocks of width `d_k` (queries, keys) and `d_v` (values);
-# - `[H^(0) | ... | H^(h-1)] [W_O^(0); ...; W_O^(h-1)] = sum_i H^(i) W_O^(i)`, with
-#   and without `+ 1 b_O`;
-#
-# and, for the proof's induction on `h`, the same two rules for **two**
-# blocks, where the first block has a symbolic width `m` (the `h` heads so
-# far, `m = h d`): `X [A | W] + 1 [a | b] = [X A + 1 a | X W + 1 b]` and
-# `[H_A | H] [W_A; W_O] = H_A W_A + H W_O`. With these, the step from `h` to
-# `h + 1` is exactly the proof's step, so the identities hold for every `h`.
-#
-# **What sympy establishes, and what not.** It applies the block rules to
-# symbols, so each identity holds for *all* sizes and all real (indeed all
-# ring-valued) entries: no sampled numbers. It does not look at our code at
-# all: whether `_heads`, `_attend`, `fuse` and `split` really lay the blocks
-# out this way is part 2's job; that both forms call the same `attention` is
-# read off the code (step 3); and floating-point rounding is part 4's. Nor
-# does it check sympy's own block rules; we trust them as we trust the
-# textbook.
+# **What sympy establishes, and what not.** The identities hold for all sizes
+# and all real (indeed ring-valued) entries: no sampled numbers. sympy does
+# not read our code (whether `_heads`, `_attend`, `fuse` and `split` lay the
+# blocks out this way is part 2's job; that both forms call the same
+# `attention` is read off the code, step 3), nor round (part 4); its own
+# block rules we trust as we trust the textbook.
 
 # %%
 D_MODEL, D_K, D_V, T_LEN, M = sympy.symbols("d_model d_k d_v T m", positive=True, integer=True)
@@ -154,22 +145,17 @@ def blocks_equal(lhs, rhs) -> bool:
     >>> blocks_equal(X * BlockMatrix([[W1, W2]]), BlockMatrix([[X * W2, X * W1]]))  # blocks swapped
     False
     """
-    got = block_collapse(lhs)
-    if isinstance(rhs, BlockMatrix) and rhs.blockshape == (1, 1):  # a 1 x 1 block matrix is its one block
-        rhs = rhs.blocks[0, 0]
+    got, rhs = _one_block(block_collapse(lhs)), _one_block(rhs)
+    if isinstance(got, BlockMatrix) != isinstance(rhs, BlockMatrix):
+        return False
     if isinstance(rhs, BlockMatrix):
-        if not isinstance(got, BlockMatrix) or got.blockshape != rhs.blockshape:
-            return False
-        return all(
-            _is_zero(got.blocks[r, c] - rhs.blocks[r, c])
-            for r in range(rhs.blockshape[0])
-            for c in range(rhs.blockshape[1])
-        )
-    if isinstance(got, BlockMatrix):  # a 1 x 1 block matrix is its one block
-        if got.blockshape != (1, 1):
-            return False
-        got = got.blocks[0, 0]
+        return got.blockshape == rhs.blockshape and all(_is_zero(g - r) for g, r in zip(got.blocks, rhs.blocks))
     return _is_zero(got - rhs)
+
+
+def _one_block(m):
+    """A 1 x 1 block matrix is its one block."""
+    return m.blocks[0, 0] if isinstance(m, BlockMatrix) and m.blockshape == (1, 1) else m
 
 
 def _is_zero(difference) -> bool:
@@ -226,43 +212,25 @@ def induction_step() -> tuple[bool, bool]:
 def symbolic_identities(h_max: int = H_MAX) -> list[tuple[str, str, bool]]:
     """(reach, identity, holds) for each identity of part 1."""
     hs = range(1, h_max + 1)
-    reach = f"h = 1..{h_max}, any T, d_model, d_k, d_v"
-    proj = {d: [projection_identities(h, d) for h in hs] for d in (D_K, D_V)}
-    out = [output_identities(h) for h in hs]
+    proj_plain, proj_bias = map(all, zip(*[projection_identities(h, d) for h in hs for d in (D_K, D_V)]))
+    out_plain, out_bias = map(all, zip(*[output_identities(h) for h in hs]))
     step_proj, step_out = induction_step()
+    every, step = f"h = 1..{h_max}, any T, d_model, d_k, d_v", "every h (induction step, first block of width m)"
+    blocks, concat = "X [W(0) | ... | W(h-1)]", "[H(0) | ... | H(h-1)] [W_O(0); ...; W_O(h-1)]"
     return [
-        (
-            reach,
-            "X [W(0) | ... | W(h-1)] = [X W(0) | ... | X W(h-1)], blocks of width d_k and d_v",
-            all(p[0] for d in proj for p in proj[d]),
-        ),
-        (
-            reach,
-            "X [W(0) | ... | W(h-1)] + 1 [b(0) | ... | b(h-1)] = [X W(0) + 1 b(0) | ... | X W(h-1) + 1 b(h-1)]",
-            all(p[1] for d in proj for p in proj[d]),
-        ),
-        (reach, "[H(0) | ... | H(h-1)] [W_O(0); ...; W_O(h-1)] = sum_i H(i) W_O(i)", all(o[0] for o in out)),
-        (
-            reach,
-            "[H(0) | ... | H(h-1)] [W_O(0); ...; W_O(h-1)] + 1 b_O = sum_i H(i) W_O(i) + 1 b_O",
-            all(o[1] for o in out),
-        ),
-        (
-            "every h (induction step, first block of width m)",
-            "X [A | W] + 1 [a | b] = [X A + 1 a | X W + 1 b]",
-            step_proj,
-        ),
-        ("every h (induction step, first block of width m)", "[H_A | H] [W_A; W_O] = H_A W_A + H W_O", step_out),
+        (every, f"{blocks} = [X W(0) | ... | X W(h-1)], blocks of width d_k and d_v", proj_plain),
+        (every, f"{blocks} + 1 [b(0) | ... | b(h-1)] = [X W(0) + 1 b(0) | ... | X W(h-1) + 1 b(h-1)]", proj_bias),
+        (every, f"{concat} = sum_i H(i) W_O(i)", out_plain),
+        (every, f"{concat} + 1 b_O = sum_i H(i) W_O(i) + 1 b_O", out_bias),
+        (step, "X [A | W] + 1 [a | b] = [X A + 1 a | X W + 1 b]", step_proj),
+        (step, "[H_A | H] [W_A; W_O] = H_A W_A + H W_O", step_out),
     ]
 
 
 def check_symbolic() -> tuple[CheckResult, list[tuple[str, str, bool]]]:
     identities = symbolic_identities()
     ok = all(holds for _, _, holds in identities)
-    row = CheckResult(
-        "block algebra of steps 1 and 4 (sympy, symbolic sizes)", len(identities), 0.0 if ok else math.inf, 0.0, ok
-    )
-    return row, identities
+    return CheckResult.holds("block algebra of steps 1 and 4 (sympy, symbolic sizes)", len(identities), ok), identities
 
 
 # %% [markdown]
@@ -270,45 +238,44 @@ def check_symbolic() -> tuple[CheckResult, list[tuple[str, str, bool]]]:
 #
 # Step 2 (and step 4 read backwards) is index bookkeeping: `view`,
 # `transpose`, `reshape`, `cat`, `split`. Symbolic matrices cannot reach it,
-# and it is where real bugs live: a `view(B, T, d, h)` instead of
-# `view(B, T, h, d)`, a forgotten `transpose` before the `reshape`. So we run
-# the project's own code on **tracers**: float64 tensors whose every entry is
-# an integer that names where it came from,
+# and it is where real bugs live (a `view(B, T, d, h)`, a forgotten
+# `transpose` before the `reshape`). So we run the project's own code on
+# **tracers**: float64 tensors whose every entry is an integer that names
+# where it came from,
 #
 # $$\mathrm{tag}(n, t, i, c) = 1000000\,n + 10000\,t + 100\,i + c$$
 #
-# (sentence `n`, position `t`, head or block `i`, column `c`; all below 100,
-# and every sum and product involved stays an integer far below `2^53`, so
-# float64 holds each one exactly). Each check builds the expected tensor from
-# the tag formula alone, independently of the code's layout, and requires
-# **exact equality**:
+# (sentence `n`, position `t`, head or block `i`, column `c`, all below 100;
+# every sum and product involved stays an integer far below `2^53`, exact in
+# float64). Each check builds the expected tensor from the tag formula alone,
+# not from the code's layout, and requires **exact equality**:
 #
-# - **`_heads`**: input `(B, T, h*d)` whose column `i*d + c` carries
-#   `tag(n, t, i, c)`, weights the identity (with a zero bias too, which takes
-#   `affine`'s `addmm` path): head `i` of the output must carry exactly the
-#   tags of block `i`.
-# - **the whole fused and per-head forward**: `d_model = h*d_v`, `W_V` and
-#   `W_O` the identity, `W_Q = W_K = 0`, and a mask that lets query `t` see
-#   only key `t`, so each softmax is exactly one-hot and each head's output is
-#   its value row, exactly. The output must equal the input: every tag went
-#   through `keys_values`, `_heads`, `attention`, the concatenation inside
-#   `_attend` and `W_O`, and came back to its own place. A concatenation
-#   without the transpose, or heads in the wrong order, moves tags.
+# - **`_heads`**, with identity weights (and a zero bias, `affine`'s `addmm`
+#   path): head `i` of the output carries exactly the tags of column block `i`.
+# - **the whole forward of both forms**: `W_V` and `W_O` the identity,
+#   `W_Q = W_K = 0`, and a mask that lets query `t` see only key `t`, so each
+#   softmax is exactly one-hot. The output must equal the input: every tag
+#   went through `keys_values`, `_heads`, `attention`, the concatenation in
+#   `_attend` and `W_O`, and came back to its own place.
 # - **`keys_values` of both forms**: with `W_K` the identity, head `i` of the
-#   keys `(B, h, T, d_k)` carries the tags of block `i`, in both forms.
-# - **`fuse` and `split`**: per-head parameters whose entries carry
-#   `tag(p, r, i, c)` (parameter `p`, row `r`, head `i`, column `c`) must land
-#   in the fused matrices at row `r`, column `i*d + c` (`W_O`: row `i*d_v + r`),
-#   and `split` must put every entry back.
+#   keys carries the tags of block `i`.
+# - **`fuse` and `split`**: per-head entries tagged `tag(p, r, i, c)`
+#   (parameter `p`, row `r`, head `i`, column `c`) land in the fused matrices
+#   at row `r`, column `i*d + c` (`W_O`: row `i*d_v + r`), and `split` puts
+#   every entry back.
 #
-# Sizes: every `h` from 1 to 8, every `d_k` and `d_v` from 1 to 5, and
-# `(B, T)` in `(1, 1)`, `(2, 3)`, `(3, 5)`. This is exact but not
-# symbolic: it covers these sizes only. The code's index formulas do not
-# depend on the sizes (step 2), and these sizes include the corner cases
-# (one head, one column, one position, `h*d_k != d_model`).
+# This is exact but not symbolic: it covers the sizes of `TRACER_SIZES` only
+# (every `h` from 1 to 8, `d_k` and `d_v` from 1 to 5, three `(B, T)`). The
+# code's index formulas do not depend on the sizes (step 2), and these
+# include the corner cases (one head, one column, one position,
+# `h*d_k != d_model`).
 
 # %%
 TRACER_SIZES: dict[str, Any] = dict(h=range(1, 9), d=range(1, 6), BT=((1, 1), (2, 3), (3, 5)))
+
+
+def sizes_text(sizes: dict) -> str:
+    return f"h = 1..{max(sizes['h'])}, d_k, d_v = 1..{max(sizes['d'])}, (B, T) in {', '.join(map(str, sizes['BT']))}"
 
 
 def tags(B: int, T: int, h: int, d: int) -> Tensor:
@@ -374,26 +341,21 @@ def _fuse_split_case(h: int, d_k: int, d_v: int) -> bool:
     d_model = 3
     per_head = PerHeadAttention(d_model, h, d_k=d_k, d_v=d_v).double()
     widths = {"W_Q": d_k, "W_K": d_k, "W_V": d_v, "W_O": d_model, "b_Q": d_k, "b_K": d_k, "b_V": d_v}
+    wants = {}
     with torch.no_grad():
         for p, (name, width) in enumerate(widths.items()):
+            matrix = name.startswith("W")
+            tg = tags(p + 1, (d_v if name == "W_O" else d_model) if matrix else 1, h, width)[p]  # (rows, h, width)
             for i, block in enumerate(getattr(per_head, name)):
-                rows = block.shape[0] if block.dim() == 2 else 1
-                tg = tags(p + 1, rows, h, width)[p, :, i]  # (rows, width): tag(p, r, i, c)
-                block.copy_(tg if block.dim() == 2 else tg[0])
+                block.copy_(tg[:, i] if matrix else tg[0, i])  # head i's block: tag(p, r, i, c)
+            # W_O: row i*d_v + r holds tag(p, r, i, c) (row blocks); the others: column i*d + c (column blocks)
+            want = torch.cat([tg[:, i] for i in range(h)], dim=0 if name == "W_O" else 1)
+            wants[name] = want if matrix else want[0]
         assert per_head.b_O is not None  # built with biases
         per_head.b_O.copy_(tags(8, 1, 1, d_model)[7, 0, 0])
     fused = fuse(per_head)
-    ok = True
-    for p, (name, width) in enumerate(widths.items()):
-        rows = getattr(per_head, name)[0].shape[0] if name.startswith("W") else 1
-        tg = tags(p + 1, rows, h, width)[p]  # (rows, h, width)
-        if name == "W_O":  # row blocks: row i*d_v + r holds tag(p, r, i, c)
-            want = torch.cat([tg[:, i] for i in range(h)], dim=0)  # (h*d_v, d_model)
-        else:  # column blocks: column i*d + c
-            want = torch.cat([tg[:, i] for i in range(h)], dim=1)  # (rows, h*d)
-        ok &= torch.equal(getattr(fused, name), want if name.startswith("W") else want[0])
-    assert fused.b_O is not None
-    ok &= torch.equal(fused.b_O, per_head.b_O)
+    ok = all(torch.equal(getattr(fused, name), want) for name, want in wants.items())
+    ok &= fused.b_O is not None and torch.equal(fused.b_O, per_head.b_O)
     back = split(fused)
     return ok and all(torch.equal(a, b) for a, b in zip(per_head.parameters(), back.parameters(), strict=True))
 
@@ -422,7 +384,6 @@ def tracer_checks(progress: bool = False, sizes: dict | None = None) -> list[Che
             (_fuse_split_case, (h, d_k, d_v)) for h in hs for d_k in ds for d_v in ds
         ],
     }
-    size = f"h = 1..{max(hs)}, d_k, d_v = 1..{max(ds)}, (B, T) in {', '.join(str(bt) for bt in BTs)}"
     rows = []
     bar = tqdm(total=sum(map(len, checks.values())), desc="tracers", leave=False, disable=not progress, file=sys.stderr)
     for what, cases in checks.items():
@@ -432,9 +393,9 @@ def tracer_checks(progress: bool = False, sizes: dict | None = None) -> list[Che
                 failed.append(args)
             bar.update(1)
         notes = [f"{what}: fails for {len(failed)} sizes, e.g. {failed[:3]}"] if failed else []
-        rows.append(CheckResult(what, len(cases), math.inf if failed else 0.0, 0.0, not failed, notes))
+        rows.append(CheckResult.holds(what, len(cases), not failed, notes))
     bar.close()
-    rows[0].notes.append(f"tracer sizes: {size}")
+    rows[0].notes.append(f"tracer sizes: {sizes_text(sizes)}")
     return rows
 
 
@@ -442,25 +403,16 @@ def tracer_checks(progress: bool = False, sizes: dict | None = None) -> list[Che
 # ## 3. Exact: the whole function, where floating point is exact
 #
 # Parts 1 and 2 check the pieces; here the whole function runs, masks, biases
-# and all, in both forms and in `torch.nn.MultiheadAttention`, on inputs
-# where floating-point arithmetic makes no rounding error at all, so that the
-# results must be **bit-identical**, not merely close:
-#
-# - inputs, weights and biases are small integers (`-3..3`), so every
-#   product and sum of the projections is an integer far below `2^53`, exact
-#   in float64;
-# - the mask leaves each query exactly one visible key (drawn at random,
-#   different per sentence and query), so each softmax is exactly one-hot:
-#   `exp(0) = 1` for the visible key, and `0` for the blocked ones;
-# - dropout is off (eval mode), as the theorem requires.
-#
-# Then each head's output is its visible key's value row, exactly, and every
-# remaining operation is an exact integer sum. The check compares the
-# per-head form, the fused form (each with the SDPA kernel and with the
-# explicit softmax) and `nn.MultiheadAttention` (via `to_torch_mha`,
-# `d_k = d_v = d_model / h`), and requires the probabilities to be exactly
-# the mask. What it does not cover is how the two forms round a softmax that
-# is not one-hot: that is part 4, with a tolerance.
+# and all, in both forms (each with the SDPA kernel and with the explicit
+# softmax) and in `nn.MultiheadAttention` (via `to_torch_mha`), on inputs
+# where floating point makes no rounding error at all, so the results must be
+# **bit-identical**: inputs, weights and biases are small integers (`-3..3`),
+# so every product and sum of the projections is an exact integer in float64;
+# the mask leaves each query exactly one visible key (drawn at random), so
+# each softmax is exactly one-hot (`exp(0) = 1`, and `0` for the blocked
+# keys), and the probabilities must be exactly the mask; dropout is off. Then
+# every remaining operation is an exact integer sum. How the forms round a
+# softmax that is not one-hot is part 4's, with a tolerance.
 
 
 # %%
@@ -470,20 +422,9 @@ def exact_cases(n: int = 200, seed: int = 0) -> list[dict]:
     pick = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))
     out = []
     for k in range(n):
-        h, d, cross = pick(1, 4), pick(1, 3), bool(k % 2)
-        T_q = pick(1, 5)
-        out.append(
-            dict(
-                h=h,
-                d=d,
-                B=pick(1, 3),
-                T_q=T_q,
-                T_k=pick(1, 5) if cross else T_q,
-                bias=bool(pick(0, 1)),
-                cross=cross,
-                seed=k,
-            )
-        )
+        h, d, cross, T_q, B = pick(1, 4), pick(1, 3), bool(k % 2), pick(1, 5), pick(1, 3)  # drawn in this order
+        T_k = pick(1, 5) if cross else T_q
+        out.append(dict(h=h, d=d, B=B, T_q=T_q, T_k=T_k, bias=bool(pick(0, 1)), cross=cross, seed=k))
     return out
 
 
@@ -526,12 +467,8 @@ def check_exact_whole(n: int = 200, progress: bool = False) -> list[CheckResult]
     for case in tqdm(cases, desc="exact whole function", leave=False, disable=not progress, file=sys.stderr):
         d, one_hot = compare_exactly(case)
         worst, all_one_hot = nanmax([worst, d]), all_one_hot and one_hot
-    row = CheckResult.of(
-        "per-head (SDPA, explicit) = fused (SDPA, explicit) = nn.MultiheadAttention, bit for bit",
-        len(cases),
-        worst,
-        0.0,
-    )
+    check = "per-head (SDPA, explicit) = fused (SDPA, explicit) = nn.MultiheadAttention, bit for bit"
+    row = CheckResult.of(check, len(cases), worst, 0.0)
     row.passed &= all_one_hot
     row.notes.append(
         f"exact whole function: {len(cases)} cases with integer inputs, weights and biases and one "
@@ -544,21 +481,19 @@ def check_exact_whole(n: int = 200, progress: bool = False) -> list[CheckResult]
 # %% [markdown]
 # ## 4. Numerical: generated cases, PyTorch's module, both kernels, whole models
 #
-# Everything so far was exact. The rest compares the forms on ordinary
-# floating-point inputs, where steps 1 and 4 are still identities of real
-# numbers but the two forms add the same products in different orders (one
-# matrix product over `h*d` columns, or `h` products and a sum), so results
-# may differ by rounding. The tolerances bound that, and are far below any
-# real difference: float64 `1e-12`, float32 `1e-5`. Rounding grows with the
-# size of a number (a float32 number of size `L` has an ulp of about
-# `L * 1.2e-7`), and a generated case's gradients are not always of order 1:
-# a 23,569-case run found one (`d_model` 2, `d_k` 5) whose key-projection
-# gradient reached 7.5 and differed by `1.3e-5` between the forms, `1.8e-6` of
-# its size. So the generated checks compare `max |a - b| / max(1, max |a|)`:
-# absolute for values up to 1, relative to the largest value above that
-# (`max_scaled` in `annotated/proof/harness.py`), the same rule as the float32
-# logits of the whole models below. The report gives, for each row, the
-# number of cases, the worst difference seen and the tolerance.
+# The rest compares the forms on ordinary floating-point inputs, where steps 1
+# and 4 are still identities of real numbers but the two forms add the same
+# products in different orders (one product over `h*d` columns, or `h`
+# products and a sum), so results may differ by rounding. The tolerances
+# bound that, far below any real difference: float64 `1e-12`, float32 `1e-5`.
+# Rounding grows with the size of a number (a float32 number of size `L` has
+# an ulp of about `L * 1.2e-7`), and a generated case's gradients can reach
+# well above 1 (`test_float32_differences_are_scaled_by_the_size_of_the_values`),
+# so the generated checks compare `max |a - b| / max(1, max |a|)`: absolute
+# for values up to 1, relative above (`max_scaled` in
+# `annotated/proof/harness.py`), the rule of the whole models' float32 logits
+# below too. The report gives, for each row, the number of cases, the worst
+# difference seen and the tolerance.
 #
 # ### Generated cases
 #
@@ -567,20 +502,15 @@ def check_exact_whole(n: int = 200, progress: bool = False) -> list[CheckResult]
 # `d_v` chosen freely (the forms do not need `h * d_k = d_model`), self- or
 # cross-attention, a random padding mask (which can block *every* key of a
 # sentence: both forms must then return zeros), a causal mask, bias on or
-# off, float64 or float32, and which form is built first (the other is made
-# by `fuse` or `split`). Biases are drawn non-zero so that they matter.
-#
-# For each case we compare the outputs (on the fast path), the probabilities
-# (from `attend_with_probabilities`), and the gradients
-# of `sum(out * G)` (a random `G`) with respect to the inputs and to every
-# parameter, the per-head gradients laid out in blocks by `fused_parameters`
-# (`annotated/proof/torch_mha.py`). The modules run in training mode with
-# dropout 0, so that gradients flow; dropout 0 is what the theorem needs.
-# Sizes stay small (at most 8 wide, 5 long) so hundreds of cases run in
-# seconds; the index arithmetic is covered exactly by parts 1 and 2.
-#
-# `derandomize=True` fixes Hypothesis' seed: CI runs the same cases every
-# time, and a failure is reproducible with the falsifying case it prints.
+# off (non-zero biases, so that they matter), float64 or float32, and which
+# form is built first (the other is made by `fuse` or `split`). For each case
+# we compare the outputs, the probabilities (`attend_with_probabilities`) and
+# the gradients of `sum(out * G)` (a random `G`) with respect to the inputs
+# and to every parameter, the per-head gradients laid out in blocks by
+# `fused_parameters` (`annotated/proof/torch_mha.py`); the modules run in
+# training mode with dropout 0, so that gradients flow. `derandomize=True`
+# fixes Hypothesis' seed: every run checks the same cases, and a failure is
+# reproducible with the falsifying case it prints.
 
 
 # %%
@@ -594,80 +524,58 @@ def check_forms(examples: int = 300, progress: bool = False) -> list[CheckResult
 # %% [markdown]
 # ### Against `torch.nn.MultiheadAttention`
 #
-# `annotated/proof/torch_mha.py` converts our attentions to PyTorch's module and
-# back (`to_torch_mha`, `from_torch_mha`; the masks by `torch_mha_masks`,
-# whose `True` means *blocked*). Every combination of `d_model = 8` with
-# `h = 2, 4` and `d_model = 6` with `h = 3`, bias or not, `batch_first` or
-# not, self- or cross-attention, five mask set-ups, weights asked or not, in
-# three modes: training with dropout 0 (gradients compared too), eval with
-# its fast path off, and eval with it on. Where a query may attend to *no*
-# key, `nn.MultiheadAttention` returns NaN and ours returns zeros, so these
-# cases keep at least one key visible for every query.
+# `annotated/proof/torch_mha.py` converts our attentions to PyTorch's module
+# and back. Every combination of `mha_cases` (`d_model = 8` with `h = 2, 4`
+# and `d_model = 6` with `h = 3`, bias or not, `batch_first` or not, self- or
+# cross-attention, five mask set-ups, weights asked or not) runs in three
+# modes: training with dropout 0 (gradients compared too), eval with its fast
+# path off, and eval with it on. Every query keeps a visible key: with none,
+# `nn.MultiheadAttention` returns NaN and ours zeros.
 #
-#
-# In eval mode `nn.MultiheadAttention` may skip its Python code and call one
-# fused C++ kernel, `torch._native_multi_head_attention`. It does so only
-# when *all* of these hold (read from its source in torch 2.13): the
-# fast path is enabled (`torch.backends.mha.set_fastpath_enabled(True)`, the
-# default); inputs are batched 3-D with `batch_first=True`; query, key and
-# value are *the same tensor object* (self-attention); eval mode; no autograd
-# (`torch.no_grad()`, or nothing requires grad); an even number of heads;
-# biases present (`bias=True`); no `add_bias_kv`/`add_zero_attn`; `kdim =
-# vdim = embed_dim`; no autocast. Otherwise it silently takes the slow path.
-#
-# So a test that merely sets the flag proves nothing. The "eval, fast path
-# on" cases below are built to meet every condition (self-attention with one
-# tensor, `batch_first=True`, `h = 2` or `4`, bias, under `no_grad`), and a
-# `TorchDispatchMode` records which aten operators ran: the check requires
-# `aten._native_multi_head_attention` in every such case, and never when the
-# fast path is switched off. The flag is restored afterwards.
+# In eval mode `nn.MultiheadAttention` may skip its Python code for one fused
+# C++ kernel, `torch._native_multi_head_attention`, but only when *all* of
+# these hold (read from its source in torch 2.13): the fast path enabled
+# (`torch.backends.mha.set_fastpath_enabled`, the default); batched 3-D inputs
+# with `batch_first=True`; query, key and value *the same tensor object*;
+# eval mode; no autograd; an even number of heads; biases; no
+# `add_bias_kv`/`add_zero_attn`; `kdim = vdim = embed_dim`; no autocast.
+# Otherwise it silently takes the slow path, so a test that merely sets the
+# flag proves nothing. The "eval, fast path on" cases that meet every
+# condition (`MhaCase.fast_path_expected`) run under a `TorchDispatchMode`
+# that records the aten operators: the check requires
+# `aten._native_multi_head_attention` in every such case, and in no case
+# with the fast path off. The flag is restored afterwards.
 
 
 # %%
 def check_torch_mha(progress: bool = False) -> list[CheckResult]:
     """Our attentions vs nn.MultiheadAttention, in each mode; conversions round-trip bit-identically."""
-    cases = mha_cases()
+    cases = tqdm(mha_cases(), desc="nn.MultiheadAttention", leave=False, disable=not progress, file=sys.stderr)
+    results = [(c, compare_with_torch_mha(c, seed=k)) for k, c in enumerate(cases)]
     rows = []
-    results = [
-        (c, compare_with_torch_mha(c, seed=k))
-        for k, c in enumerate(
-            tqdm(cases, desc="nn.MultiheadAttention", leave=False, disable=not progress, file=sys.stderr)
-        )
-    ]
-    tol = TOL[torch.float64]
     for mode in MHA_MODES:
         mine = [(c, r) for c, r in results if c.mode == mode]
-        diffs = [r["output"] for _, r in mine] + [r["weights"] for _, r in mine if "weights" in r]
-        diffs += [r["grad"] for _, r in mine if "grad" in r]
+        diffs = [r[q] for _, r in mine for q in ("output", "weights", "grad") if q in r]
         what = "outputs, per-head weights" + (", gradients" if mode.startswith("train") else "")
-        notes = []
-        ok_path = True
+        row = CheckResult.of(f"nn.MultiheadAttention, {mode}: {what}", len(mine), nanmax(diffs), TOL[torch.float64])
         if mode == "eval, fast path on":
-            eligible = [r["native kernel ran"] for c, r in mine if c.fast_path_expected]
-            notes.append(
-                f"nn.MultiheadAttention, fast path on: its native kernel ran in {sum(eligible)} of "
-                f"{len(eligible)} cases meeting all the fast path's conditions (self-attention, "
-                f"batch_first, even h, bias, eval, no grad)"
+            ran = [r["native kernel ran"] for c, r in mine if c.fast_path_expected]
+            row.notes.append(
+                f"nn.MultiheadAttention, fast path on: its native kernel ran in {sum(ran)} of {len(ran)} cases "
+                f"meeting all the fast path's conditions (self-attention, batch_first, even h, bias, eval, no grad)"
             )
-            ok_path = len(eligible) > 0 and all(eligible)
+            row.passed &= len(ran) > 0 and all(ran)
         elif mode == "eval, fast path off":
-            ran = sum(r["native kernel ran"] for _, r in mine)
-            notes.append(f"nn.MultiheadAttention, fast path off: its native kernel ran in {ran} of {len(mine)} cases")
-            ok_path = ran == 0
-        row = CheckResult.of(f"nn.MultiheadAttention, {mode}: {what}", len(mine), nanmax(diffs), tol, notes)
-        row.passed &= ok_path
+            ran = [r["native kernel ran"] for _, r in mine]
+            row.notes.append(
+                f"nn.MultiheadAttention, fast path off: its native kernel ran in {sum(ran)} of {len(ran)} cases"
+            )
+            row.passed &= not any(ran)
         rows.append(row)
     trips = [r["roundtrip"] for _, r in results]
-    rows.append(
-        CheckResult(
-            "ours -> nn.MultiheadAttention -> ours: bit-identical parameters",
-            len(trips),
-            0.0 if all(trips) else math.inf,
-            0.0,
-            all(trips),
-        )
-    )
-    return rows
+    return rows + [
+        CheckResult.holds("ours -> nn.MultiheadAttention -> ours: bit-identical parameters", len(trips), all(trips))
+    ]
 
 
 # %% [markdown]
@@ -675,29 +583,22 @@ def check_torch_mha(progress: bool = False) -> list[CheckResult]:
 #
 # **SDPA vs explicit softmax.** `attention()` runs PyTorch's fused
 # `scaled_dot_product_attention` when `transformer.FAST_PATH` is on, else the
-# explicit `softmax(Q K^T / sqrt(d_k)) V`. On
-# generated cases (fully masked queries included) both forms must give the
-# same outputs and input gradients either way. The flag is set inside the
-# check and restored afterwards.
+# explicit `softmax(Q K^T / sqrt(d_k)) V`. On generated cases (fully masked
+# queries included) both forms must give the same outputs and input
+# gradients either way; the flag is restored afterwards.
 #
 # **Whole models.** A model built with per-head attention and its
-# `convert_model(model, "fused")` copy must give the same logits under teacher
-# forcing and the same greedy decodes. We check a copy-task model trained for
-# a few steps (`train_copy_task(attention="per_head", steps=...)`): the
-# decodes need not be good, only equal; training makes the logits less
-# uniform than at initialisation, so near-ties in the argmax are rare. Logits
-# are compared in float32 (as trained) and float64; decodes in float32, the
-# dtype the model runs in. `--checkpoint PATH` runs the same comparison on a
-# trained translation checkpoint.
-#
-# *float32 logits: a relative tolerance.* Unlike the single attentions of
-# section 2 (values of order 1), a trained model's logits reach about 10, and
-# a float32 number of size `L` has an ulp of about `L * 1.2e-7`; rounding
-# differences from every attention in both stacks (two layers each, three
-# attentions per decoder layer) end up in the logits scaled by their size
-# (measured: up to about `1.5e-5` on logits up to 9, i.e. `1.7e-6` relative). So
-# float32 logits are compared with `1e-5 * max(1, max |logit|)`, `1e-5`
-# relative to the largest logit; float64 logits stay at `1e-12` absolute.
+# `convert_model(model, "fused")` copy must give the same logits under
+# teacher forcing and the same greedy decodes. We check a copy-task model
+# trained for a few steps (`train_copy_task(attention="per_head")`): the
+# decodes need not be good, only equal, and training makes the logits less
+# uniform than at initialisation, so near-ties in the argmax are rare.
+# Logits are compared in float32 (as trained) and float64, decodes in
+# float32. `--checkpoint PATH` runs the same comparison on a trained
+# translation checkpoint. A trained model's logits reach about 10, and the
+# rounding of every attention of both stacks ends up in them scaled by their
+# size; so float32 logits are compared with `1e-5 * max(1, max |logit|)`,
+# float64 logits at `1e-12` absolute.
 
 
 # %%
@@ -758,22 +659,13 @@ def check_copy_model(
     steps: int = 150, batch_size: int = 64, sentences: int = 500, seed: int = 0, progress: bool = False
 ) -> list[CheckResult]:
     """A per-head copy-task model (briefly trained) vs its fused conversion."""
-    with tqdm(
-        total=1,
-        desc=f"training the copy-task model ({steps} steps)",
-        leave=False,
-        disable=not progress,
-        file=sys.stderr,
-    ) as bar:
-        model = transformer.train_copy_task(attention="per_head", steps=steps, batch_size=batch_size, seed=seed)
-        bar.update(1)
+    if progress:
+        print(f"training the copy-task model ({steps} steps)", file=sys.stderr, flush=True)
+    model = transformer.train_copy_task(attention="per_head", steps=steps, batch_size=batch_size, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     src, tgt = transformer.copy_batch(sentences, 10, model.config.src_vocab, gen)
-    res = compare_model_forms(model, src, tgt[:, :-1], max_len=11)
-    rows = _model_rows(f"copy-task model ({steps} steps)", res)
-    want = tgt[:, 1:]  # (n, 11): symbols, eos, pad
-    got = torch.nn.functional.pad(res["decodes"], (0, max(0, want.size(1) - res["decodes"].size(1))), value=PAD)
-    exact = (got[:, : want.size(1)] == want).all(dim=1).float().mean().item()
+    rows = _model_rows(f"copy-task model ({steps} steps)", compare_model_forms(model, src, tgt[:, :-1], max_len=11))
+    exact = transformer.copy_accuracy(model, sentences, seed + 1)  # the same sentences, decoded the same way
     rows[-1].notes.append(
         f"copy-task model: it copies {exact:.0%} of the {sentences} sentences exactly, so the "
         f"decodes are not trivial; both forms produce the same ones"
@@ -791,7 +683,7 @@ def check_checkpoint(path: str, sentences: int = 64, seed: int = 0) -> list[Chec
     try:
         model, _tokenizer, _meta = load_checkpoint(path)
     except (OSError, ValueError) as e:
-        return [CheckResult(f"checkpoint {path}: loads", 0, math.inf, 0.0, False, [f"{type(e).__name__}: {e}"])]
+        return [CheckResult.holds(f"checkpoint {path}: loads", 0, False, [f"{type(e).__name__}: {e}"])]
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     S, T = min(20, cfg.max_len), min(20, cfg.max_len)
@@ -835,24 +727,15 @@ def bad_conversions() -> list[tuple[str, Callable[[], object]]]:
 
 def check_bad_conversions() -> list[CheckResult]:
     failures = []
-    cases = bad_conversions()
-    for what, thunk in cases:
+    for what, thunk in bad_conversions():
         try:
             thunk()
             failures.append(f"{what}: no error")
         except ValueError as e:
             if not any(s in str(e) for s in ("shape {", "kdim=")):
                 failures.append(f"{what}: message names no shape: {e}")
-    return [
-        CheckResult(
-            "incompatible conversions raise ValueError naming the shapes",
-            len(cases),
-            0.0 if not failures else math.inf,
-            0.0,
-            not failures,
-            failures,
-        )
-    ]
+    check = "incompatible conversions raise ValueError naming the shapes"
+    return [CheckResult.holds(check, len(bad_conversions()), not failures, failures)]
 
 
 # %% [markdown]
@@ -873,12 +756,6 @@ PARTS = {
 }
 
 
-def _tagged(part: str, rows: list[CheckResult]) -> list[CheckResult]:
-    for r in rows:
-        r.part = part
-    return rows
-
-
 def run_checks(
     examples: int = 300,
     sdpa_examples: int = 100,
@@ -887,18 +764,23 @@ def run_checks(
     exact_cases: int = 200,
     progress: bool = False,
 ):
-    """All checks. Returns (results, identities)."""
+    """All checks, each row tagged with its part. Returns (results, identities)."""
     sym, identities = check_symbolic()
-    results = _tagged("symbolic", [sym])
-    results += _tagged("tracers", tracer_checks(progress))
-    results += _tagged("exact", check_exact_whole(exact_cases, progress))
-    numerical = check_forms(examples, progress) + check_torch_mha(progress)
-    numerical += check_sdpa_paths(sdpa_examples, progress) + check_copy_model(steps=copy_steps, progress=progress)
-    if checkpoint is not None:
-        numerical += check_checkpoint(checkpoint)
-    results += _tagged("numerical", numerical)
-    results += _tagged("bad input", check_bad_conversions())
-    return results, identities
+    parts = {
+        "symbolic": [sym],
+        "tracers": tracer_checks(progress),
+        "exact": check_exact_whole(exact_cases, progress),
+        "numerical": check_forms(examples, progress)
+        + check_torch_mha(progress)
+        + check_sdpa_paths(sdpa_examples, progress)
+        + check_copy_model(steps=copy_steps, progress=progress)
+        + ([] if checkpoint is None else check_checkpoint(checkpoint)),
+        "bad input": check_bad_conversions(),
+    }
+    for part, rows in parts.items():
+        for r in rows:
+            r.part = part
+    return [r for rows in parts.values() for r in rows], identities
 
 
 def _fmt(x: float) -> str:
@@ -922,21 +804,10 @@ def format_report(results: list[CheckResult], identities: list[tuple[str, str, b
             last = reach
         lines.append(f"    {identity}: {'holds' if holds else 'FAILS'}")
     lines.append("")
-    sizes = (
-        f"h = 1..{max(TRACER_SIZES['h'])}, d_k, d_v = 1..{max(TRACER_SIZES['d'])}, "
-        f"(B, T) in {', '.join(str(bt) for bt in TRACER_SIZES['BT'])}"
-    )
+    sizes = sizes_text(TRACER_SIZES)
     header = ("check", "cases", "max diff", "tolerance", "result")
-    table = [
-        (
-            r.check,
-            str(r.cases),
-            _fmt(r.max_diff),
-            "exact" if r.tol == 0 else f"{r.tol:.0e}",
-            "pass" if r.passed else "FAIL",
-        )
-        for r in results
-    ]
+    tol = lambda r: "exact" if r.tol == 0 else f"{r.tol:.0e}"
+    table = [(r.check, str(r.cases), _fmt(r.max_diff), tol(r), "pass" if r.passed else "FAIL") for r in results]
     widths = [max(len(row[i]) for row in table + [header]) for i in range(5)]
     fmt = lambda row: " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
     lines += [fmt(header), "-+-".join("-" * w for w in widths)]
