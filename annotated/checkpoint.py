@@ -10,46 +10,26 @@
 # unless told otherwise). Training adds the optimizer, scheduler and
 # random-number states so `--resume` continues exactly where it stopped.
 #
-# **Atomic writes.** A crash or Ctrl-C in the middle of `torch.save` must not
-# destroy the previous checkpoint. We write to a temporary file in the same
-# directory, flush it to disk, and `os.replace` it over the old name: on POSIX
-# that rename is atomic, so a reader sees either the old file or the new one,
-# never half of one.
+# **Atomic writes.** A crash, Ctrl-C or `kill -9` in the middle of a save
+# must not destroy the previous checkpoint: every save goes through
+# `atomic_write` of `annotated/plumbing/files.py`, which says how (and how it
+# clears the leftovers of a killed write;
+# `test_sigkill_during_checkpoint_writes_keeps_the_previous_one`).
 #
-# **Leftovers of a killed write.** A Ctrl-C or an exception removes the
-# temporary file, but a process killed outright (`kill -9`, the out-of-memory
-# killer, a power cut) cannot: it leaves `.<name>.<random>.tmp` beside the
-# target. Nothing reads such files (loaders open the exact name, and hidden
-# names match no `epoch*.pt` pattern). The next successful save of the same
-# target deletes them, but only those that no live writer holds: each writer
-# keeps an exclusive `flock` on its temporary file until the rename, and the
-# kernel drops the lock when the process dies. (`test_faults.py`:
-# `test_sigkill_during_checkpoint_writes_keeps_the_previous_one`.)
-#
-# **Clear failures.** Loading a missing, truncated or foreign file, or one
-# whose parameters do not fit its own config, raises `CheckpointError` naming
-# the file and what is wrong. The file is read with `weights_only=True`, so
-# it can hold tensors and plain data but no code; one that holds anything
-# else is refused as such (we do not suggest loading it unsafely). A file that
-# is no checkpoint at all is called what it looks like (text, a zip archive of
-# other files, a pickle, other bytes) before torch reads it, and a
-# transformers folder is pointed to `make import`
-# (`test_a_file_that_is_no_checkpoint_is_said_to_be_what_it_looks_like`,
-# `test_a_marian_folder_given_as_a_checkpoint_points_to_make_import`).
-#
-# **A config is data too.** The stored config says how big a model to build,
-# so a crafted one (a vocabulary of ten million, forty layers, `max_len=NaN`)
-# could ask for gigabytes before anything fails. It is checked first: every
-# field has its type and range, and the parameter shapes it implies (worked
-# out on PyTorch's `meta` device, which allocates nothing) must be the stored
-# tensors' shapes. Only then is the model built.
-# (`test_a_crafted_config_is_refused_before_anything_is_built`.) A flipped bit is caught too: `torch.save` writes
-# a zip archive with a CRC-32 for every member, but `torch.load` does not
-# check them, so a changed byte in a tensor's data loads silently as a
-# different number (in a small checkpoint, a third of all single-byte changes
-# did). We verify every CRC (`zipfile.testzip`, a fraction of the load time)
-# before loading. (`test_faults.py`:
-# `test_a_flipped_byte_would_load_silently_without_the_crc_check`.)
+# **Clear failures, checked before anything is built.** Loading a missing,
+# truncated or foreign file, or one whose parameters do not fit its own
+# config, raises `CheckpointError` naming the file and what is wrong
+# (docs/faults.md#checkpoints-every-loader-training-translator-attention-heads-equivalence
+# lists each case and its test). The file is read with `weights_only=True`,
+# so it can hold tensors and plain data but no code. A file that is no
+# checkpoint at all is called what it looks like before torch reads it. The
+# stored config is data too: a crafted one could ask for gigabytes, so every
+# field's type and range, and the parameter shapes it implies (worked out on
+# PyTorch's `meta` device, which allocates nothing), are checked against the
+# stored tensors before the model is built. And since `torch.load` does not
+# check the CRC-32 that `torch.save`'s zip archive holds for every member, a
+# changed byte would load silently as a different number: we verify every
+# CRC (`zipfile.testzip`) first.
 
 # %%
 from __future__ import annotations
@@ -106,10 +86,9 @@ def read_case_table(path: os.PathLike | str) -> dict | None:
 
 
 def stored_case_table(table: dict) -> str:
-    """The case table as a checkpoint stores it: one JSON text. torch.load's safe unpickler builds a dict of
-    the 17,751 words of a shipped model's table one object at a time, most of the time of every load; one
-    string loads at once (`test_the_case_table_is_stored_as_one_text_and_read_back_whole`; the times:
-    benchmarks/README.md#levers-shared-memory-freed-memory-windows)."""
+    """The case table as a checkpoint stores it: one JSON text, which torch.load's safe unpickler reads at once
+    where a dict is built one object at a time (`test_the_case_table_is_stored_as_one_text_and_read_back_whole`;
+    the times: benchmarks/README.md#levers-shared-memory-freed-memory-windows)."""
     return json.dumps(table, ensure_ascii=False, separators=(",", ":"))
 
 

@@ -13,20 +13,15 @@ DOOR.checkpoint(args)                       # args.checkpoint: chosen, announced
 DOOR.outputs(args, OUTPUTS, args.checkpoint)    # args.out: --out, else beside it; no earlier output lost
 ```
 
-**The checkpoint.** `choose_checkpoint`'s rule (`annotated/shipped/`): `--checkpoint` when given (a
-`shipped:de-en` name checked against its card), else the latest run under the runs folder of the direction
-asked, else the shipped model; said in one line on stderr when the command chose it. What is given must be a
-file: a folder is refused (a transformers MarianMTModel folder with the command that imports it, `make import`),
-before anything is loaded (`checkpoint_file` of `annotated/checkpoint.py`).
+**The checkpoint** is chosen by `choose_checkpoint` (`annotated/shipped/`), said in one line on stderr when the
+command chose it, and must be a file (`checkpoint_file` of `annotated/checkpoint.py`), before anything is loaded.
 
 **The outputs.** A command declares the files it writes; they go into `--out`, else beside the checkpoint
 (`outputs_beside`: the box is read-only), and when one of them is already there the command stops before any
 work unless it was given `--force` (the export's flag is `--overwrite`).
 
-**One line, exit 2.** `fail` prints `<name>: error: <what is wrong and the fix>`; the fix is written as the user
-types it (`typed`): `add --force` at a shell, `make circuits ARGS=--force` under `make`. The Makefile's `RUN`
-sets `ANNOTATED_MAKE` to the target for every command it runs, and the variables given to make reach the
-command's environment, so the line repeats them. `tests/plumbing/test_door.py`.
+**One line, exit 2.** `fail` prints `<name>: error: <what is wrong and the fix>`, the fix written as the user
+types it (`typed`), at a shell or under `make`. `tests/plumbing/test_door.py`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """The run folder's names and the rule for the latest run: one place that training, the box and every command read.
 
-Training writes each run into `runs/<name>/` (`RUNS`): `last.pt` (`LAST`, every save; what `--resume` reads),
-`best.pt` (`BEST`, the best validation BLEU), `epoch{n}.pt` (`epoch_file`, kept for averaging) and, when the run
-averages its last epochs (the `cpu` and `gpu` presets do), `averaged.pt` (`AVERAGED`); it points `runs/latest`
-(`LATEST`) at the newest run (a symlink, or a text file holding the run directory's name). A run's **model**
-(`run_model`) is `averaged.pt` where there is one, else `best.pt`: the rule is fixed before any test score is seen,
-never chosen by it. The latest run (`latest_checkpoint`) is:
-
-1. the model of `runs/latest`, a symlink to a run directory or a text file naming one (relative to `runs/`, or as
-   a path);
-2. else the model of the run whose `best.pt` was written last.
-
-`latest_run` narrows that to a direction (`de-en`), read from the run's `config.json`. What a command does when
-there is no run at all (the model shipped in the box) is `choose_checkpoint` of `annotated/shipped/`.
+Training writes each run into `runs/<name>/` (the names are the constants below) and points `runs/latest` at the
+newest run. A run's **model** (`run_model`) is `averaged.pt` where the run averaged its last epochs (the `cpu` and
+`gpu` presets do), else `best.pt`: the rule is fixed before any test score is seen, never chosen by it. The latest
+run (`latest_checkpoint`) is the model of `runs/latest`, a symlink to a run directory or a text file naming one
+(relative to `runs/`, or as a path), else that of the run whose `best.pt` was written last; `latest_run` narrows
+it to a direction (`de-en`), read from the run's `config.json`. With no run at all, a command uses the model
+shipped in the box (`choose_checkpoint` of `annotated/shipped/`).
 
 >>> run_model(Path("no such run")) is None
 True
