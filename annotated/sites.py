@@ -67,29 +67,21 @@ def keep_heads_per_head(att: PerHeadAttention, keep: Sequence[int]) -> PerHeadAt
 # ## 2. In the fused form: delete one column block and one row block
 #
 # The fused form stores the same numbers side by side (main chapter,
-# section 4): `W_Q = [W_Q[0] | ... | W_Q[h-1]]` has `h` column blocks of width
-# `d_k` (likewise `W_K`, and `W_V` with width `d_v`), and `W_O` stacks its
-# row blocks `W_O[0], ..., W_O[h-1]` of height `d_v`. Write the output as a
-# block product, the row vector `[head_0 | ... | head_{h-1}]` times the
-# column of row blocks of `W_O`:
-#
-# $$\mathrm{Concat}(\mathrm{head}_0, \dots, \mathrm{head}_{h-1})\, W_O
-# = \sum_i \mathrm{head}_i\, W_O^{(i)}$$
-#
-# Leaving out term `i` is deleting block `i` of the row vector *and* row
-# block `i` of `W_O`: the product of what remains is the sum of the other
-# terms. And `head_i` is computed from column block `i` of `W_Q`, `W_K`, `W_V`
-# (and block `i` of each bias) alone; once its term is gone nothing reads
-# those columns, so they go too. What is left is an ordinary fused attention
-# with `h - 1` heads of the same `d_k` and `d_v`: the model gets smaller, by
+# section 4): column block `i` of `W_Q`, `W_K`, `W_V` (and of each bias) is
+# head `i`'s, and row block `i` of `W_O` reads head `i`, since
+# `Concat(head_0, ..., head_{h-1}) W_O = sum_i head_i W_O^(i)`. Leaving out
+# term `i` is deleting block `i` of the concatenation *and* row block `i` of
+# `W_O`; nothing else reads the columns `head_i` was computed from, so they
+# go too. What is left is an ordinary fused attention with `h - 1` heads of
+# the same `d_k` and `d_v`: the model gets smaller, by
 #
 # $$2\, d_{model} d_k + 2\, d_{model} d_v + 2 d_k + d_v \text{ parameters per head}$$
 #
 # (`W_Q`, `W_K`, `W_V`, `W_O` blocks and the three bias blocks;
 # `test_removing_a_head_deletes_the_parameters_the_formula_counts`), and
-# faster, because every product in the attention is narrower. Removing head `i` in
-# the per-head form gives the same function as the fused model built without
-# block `i` (`test_removing_a_head_per_head_equals_fused_without_its_blocks`).
+# faster, because every product in the attention is narrower. Removing head
+# `i` in the per-head form gives the same function as the fused model built
+# without block `i` (`test_removing_a_head_per_head_equals_fused_without_its_blocks`).
 
 
 # %%
