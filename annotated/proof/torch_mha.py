@@ -40,15 +40,10 @@
 # and are refused too, by `check_torch_mha` in `annotated/checks.py`,
 # the door `from_torch_mha` goes through first.
 #
-# **Masks.** Its boolean masks mean the opposite of ours: `True` = *blocked*.
-# `torch_mha_masks` maps ours: a padding-shaped mask `(B, 1, T_k)` becomes
-# `key_padding_mask = ~mask` of shape `(B, T_k)`; a mask shared by the batch
-# `(1, T_q, T_k)` becomes a 2-D `attn_mask (T_q, T_k)`; a general
-# `(B, T_q, T_k)` mask is repeated for each head into the 3-D
-# `attn_mask (B*h, T_q, T_k)`, whose row `b*h + i` is batch `b`, head `i`.
-# One difference remains: where a query may attend to *no* key,
-# `nn.MultiheadAttention` returns NaN and ours returns zeros, so the
-# comparisons keep at least one key visible for every query.
+# **Masks.** Its boolean masks mean the opposite of ours, `True` = *blocked*;
+# `torch_mha_masks` maps ours onto its `key_padding_mask` or `attn_mask`.
+# Where a query may attend to *no* key, `nn.MultiheadAttention` returns NaN
+# and ours returns zeros, so the comparisons keep a key visible for every query.
 
 # %%
 from __future__ import annotations
@@ -89,12 +84,7 @@ def fused_parameters(att: AttentionLike, *, grads: bool = False) -> dict[str, Te
     {'W_Q': (6, 2), 'W_K': (6, 2), 'W_V': (6, 8), 'W_O': (8, 6), 'b_Q': (2,), 'b_K': (2,), 'b_V': (8,), 'b_O': (6,)}
     """
     shape = attention_shape(att)
-
-    def get(p: Tensor) -> Tensor:
-        if not grads:
-            return p
-        return p.grad if p.grad is not None else torch.zeros_like(p)
-
+    get = lambda p: p if not grads else p.grad if p.grad is not None else torch.zeros_like(p)
     if isinstance(att, FusedAttention):
         return {n: get(p) for n, p in att.named_parameters()}
     if isinstance(att, PerHeadAttention):
