@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import math
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -203,11 +204,11 @@ def compare_forms(case: Case) -> dict[str, float]:
     }
 
 
-def run_property(name: str, strategy, compare, examples: int, tol_of, progress: bool) -> list[CheckResult]:
-    """Run `compare` on `examples` Hypothesis cases; one result row per (quantity, dtype)."""
+def run_property(name: str, strategy, compare, examples: int, progress: bool) -> list[CheckResult]:
+    """Run `compare` on `examples` Hypothesis cases; one result row per (quantity, dtype), against TOL[dtype]."""
     worst: dict[tuple[str, torch.dtype], float] = {}
-    counts: dict[torch.dtype, int] = {}
-    coverage: dict[str, int] = {}
+    counts: Counter[torch.dtype] = Counter()
+    coverage: Counter[str] = Counter()
     bar = tqdm(total=examples, desc=name, leave=False, disable=not progress, file=sys.stderr)
 
     @settings(
@@ -222,14 +223,12 @@ def run_property(name: str, strategy, compare, examples: int, tol_of, progress: 
     def prop(case):
         diffs = compare(case)
         bar.update(1)
-        counts[case.dtype] = counts.get(case.dtype, 0) + 1
-        for feature in case_features(case):
-            coverage[feature] = coverage.get(feature, 0) + 1
+        counts[case.dtype] += 1
+        coverage.update(case_features(case))
         for quantity, d in diffs.items():
-            key = (quantity, case.dtype)
-            worst[key] = max(worst.get(key, 0.0), d, key=lambda v: math.inf if math.isnan(v) else v)
-        bad = {q: d for q, d in diffs.items() if not d <= tol_of(case)}
-        assert not bad, f"differences above tolerance {tol_of(case):g}: {bad}"
+            worst[quantity, case.dtype] = nanmax([worst.get((quantity, case.dtype), 0.0), d])
+        bad = {q: d for q, d in diffs.items() if not d <= TOL[case.dtype]}
+        assert not bad, f"differences above tolerance {TOL[case.dtype]:g}: {bad}"
 
     failure = None
     try:
@@ -245,9 +244,9 @@ def run_property(name: str, strategy, compare, examples: int, tol_of, progress: 
     for (quantity, dtype), d in sorted(worst.items(), key=lambda kv: (TOL[kv[0][1]], order.index(kv[0][0]))):
         rows.append(CheckResult.of(f"{name}: {quantity}, {dtype_name(dtype)}", counts[dtype], d, TOL[dtype]))
     if failure is not None:
-        rows.append(CheckResult(f"{name}: Hypothesis run", sum(counts.values()), math.inf, 0.0, False, [failure]))
+        rows.append(CheckResult.holds(f"{name}: Hypothesis run", sum(counts.values()), False, [failure]))
     if rows:
-        rows[0].coverage = coverage
+        rows[0].coverage = dict(coverage)
         per_dtype = ", ".join(f"{n} {dtype_name(dt)}" for dt, n in sorted(counts.items(), key=lambda kv: TOL[kv[0]]))
         rows[0].notes.append(
             f"{name}: {sum(counts.values())} generated cases ({per_dtype}); corner cases among "
@@ -337,15 +336,13 @@ def mha_inputs(case: MhaCase, seed: int):
 
 def mha_call(mha: nn.MultiheadAttention, x_q: Tensor, x_kv: Tensor, attn_mask, kpm, need_weights: bool):
     """Call with batch-first tensors whatever mha.batch_first is; the same tensor object for q, k, v if x_q is x_kv."""
-    if not mha.batch_first:
-        q = x_q.transpose(0, 1)  # (T_q, B, d_model)
-        kv = q if x_kv is x_q else x_kv.transpose(0, 1)
-    else:
-        q, kv = x_q, x_kv
+    t = (lambda x: x) if mha.batch_first else (lambda x: x.transpose(0, 1))  # (B, T, d_model) <-> (T, B, d_model)
+    q = t(x_q)
+    kv = q if x_kv is x_q else t(x_kv)
     out, w = mha(
         q, kv, kv, key_padding_mask=kpm, need_weights=need_weights, attn_mask=attn_mask, average_attn_weights=False
     )
-    return (out if mha.batch_first else out.transpose(0, 1)), w  # (B, T_q, d_model), (B, h, T_q, T_k)
+    return t(out), w  # (B, T_q, d_model), (B, h, T_q, T_k)
 
 
 def compare_with_torch_mha(case: MhaCase, seed: int = 0) -> dict:

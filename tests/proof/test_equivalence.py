@@ -326,13 +326,6 @@ def test_checkpoint_that_does_not_load_fails_its_row(monkeypatch, tmp_path):
     assert err.value.code == 2
 
 
-# --- 5. bad input ---------------------------------------------------------------
-
-
-def test_bad_conversions_all_raise():
-    assert_all_pass(E.check_bad_conversions())
-
-
 # --- the report -------------------------------------------------------------------
 
 

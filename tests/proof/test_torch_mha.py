@@ -97,7 +97,10 @@ def test_copy_attention_between_all_kinds():
         (lambda: PerHeadAttention(8, 2), lambda: FusedAttention(8, 4), "h, d_k, d_v"),
         (lambda: FusedAttention(8, 2, 3, 4), lambda: PerHeadAttention(8, 2, 4, 4), "d_k"),
         (lambda: FusedAttention(8, 2, 4, 4), lambda: FusedAttention(6, 2, 4, 4), "d_model"),
+        (lambda: PerHeadAttention(8, 2, 4, 4), lambda: PerHeadAttention(8, 2, 4, 5), "d_v"),
         (lambda: PerHeadAttention(8, 2, bias=False), lambda: nn.MultiheadAttention(8, 2), "bias"),
+        (lambda: FusedAttention(8, 2), lambda: nn.MultiheadAttention(8, 4), "h, d_k, d_v"),
+        (lambda: nn.MultiheadAttention(8, 2, bias=False), lambda: PerHeadAttention(8, 2), "bias"),
     ],
 )
 def test_incompatible_copy_names_both_shapes_and_writes_nothing(src, dst, differ):
@@ -118,6 +121,8 @@ def test_torch_mha_shapes_it_cannot_hold():
         r"\{d_model=8, h=2, d_k=3, d_v=3, bias=True\}",
     ):
         to_torch_mha(FusedAttention(8, 2, 3, 3))
+    with pytest.raises(ValueError, match=r"got PerHeadAttention with shape \{d_model=8, h=2, d_k=4, d_v=2"):
+        to_torch_mha(PerHeadAttention(8, 2, 4, 2))  # d_k != d_v
     with pytest.raises(ValueError, match=r"kdim=4, vdim=4 != embed_dim=8"):
         from_torch_mha(nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
     with pytest.raises(ValueError, match="add_bias_kv"):
