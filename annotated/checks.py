@@ -3,25 +3,14 @@
 #
 # The chapter in `annotated/transformer.py` tells the story of the model and
 # assumes well-formed inputs (a one-line `assert` at most). The entry points
-# check what a user hands them *once*, here, before any model work, and fail
-# with one line that names what is wrong:
-#
-# | entry point | its door |
-# | --- | --- |
-# | `greedy`, `beam_search`, `sequence_logprob` (`annotated/decoding/search.py`) | `check_decoding`, `check_beam`, `check_decoder_output` |
-# | `translate_ids` (the same file) | `check_sources`, `check_beam` |
-# | the translator (`annotated/decoding/translate.py`) | `check_tokenizer`, then `translate_ids` |
-# | the attention dump (`annotated/attention/dump.py`) | `check_eval_mode`, `check_id_list`, `check_tokenizer` |
-# | the heads command (`annotated/attention/heads.py`) | `check_tokenizer` |
-# | the equivalence report's checkpoint check (`annotated/proof/equivalence.py`) | `check_source_and_target` |
-# | `from_torch_mha` (`annotated/proof/torch_mha.py`) | `check_torch_mha` |
-# | `to_marian`, `from_marian` (`annotated/interop/marian.py`) | `check_marian_exportable`, `check_marian_config` |
-#
-# Command-line options have their own door, `annotated/plumbing/options.py`.
-# Nothing in this file runs on the training hot path: a value check such as
-# the token-id range reads the tensor back to the host, which would stall a
-# GPU every step. The tests call the entry points, never these functions
-# (`tests/plumbing/test_faults.py`, `tests/decoding/test_search.py`).
+# (the decoders, the translator, the attention dump, the heads command, the
+# equivalence report and the conversions of `annotated/proof/torch_mha.py`
+# and `annotated/interop/marian.py`) check what a user hands them *once*,
+# here, before any model work, and fail with one line that names what is
+# wrong (what each refuses: docs/faults.md#model-inputs). Options have
+# their own door, `annotated/plumbing/options.py`. Nothing here runs on the
+# training hot path: a value check such as the token-id range reads the
+# tensor back to the host, which would stall a GPU every step.
 
 # %%
 from __future__ import annotations
@@ -253,12 +242,8 @@ def check_marian_config(config, activations: Collection[str]) -> None:
             f"d_model={config.d_model} must be even and divisible by the {config.encoder_attention_heads} heads"
         )
     vocab = min(config.vocab_size, config.decoder_vocab_size)
-    ids = {
-        "pad_token_id": config.pad_token_id,
-        "eos_token_id": config.eos_token_id,
-        "decoder_start_token_id": config.decoder_start_token_id,
-    }
-    for name, i in ids.items():
+    for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
+        i = getattr(config, name)
         if not isinstance(i, int) or not 0 <= i < vocab:
             raise ValueError(f"{name}={i!r} is not a token id of the vocabulary [0, {vocab})")
     if config.eos_token_id in (config.pad_token_id, config.decoder_start_token_id):
