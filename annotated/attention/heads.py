@@ -34,7 +34,7 @@ from annotated.attention.prune import (
     MAX_LOSS_INCREASE,
     alternating_speed,
     count_parameters,
-    finetune_on_held_out,
+    finetune,
     greedy_prune,
     save_pruned,
     speed_ratio,
@@ -467,7 +467,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     if args.finetune_steps:
         train = encode_pairs(load_multi30k("train", *languages_of(meta)), tokenizer)
         batches = _batches(train, range(len(train)), model.config.max_len, shuffle=True, seed=0)
-        tuning = finetune_on_held_out(pruned, batches, args.finetune_steps, held_out_loss, progress=True)
+        tuning = finetune(pruned, batches, args.finetune_steps, held_out_loss, progress=True)
         pruned, steps = tuning.model, tuning.steps
     total = sum(attention_at(model, *s).h for s in sites(model))
     alpha = model_length_penalty(meta) if args.length_penalty is None else args.length_penalty

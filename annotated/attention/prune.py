@@ -32,28 +32,16 @@ from annotated.transformer import EncoderDecoder, convert_model
 #
 # Michel et al. prune iteratively: score the heads, remove the least
 # important, score again on the smaller model, and so on. They divide each
-# layer's scores by their L2 norm before comparing heads of different layers;
-# we rank by the scores themselves, since with only `h = 4` heads per
-# attention the normalisation gives every attention scores of about `0.5`
-# whether its heads matter or not (`heads.json` has both).
+# layer's scores by their L2 norm first; we rank by the scores themselves,
+# since with only `h = 4` heads per attention the normalisation gives every
+# attention scores of about `0.5` whether its heads matter or not
+# (`heads.json` has both).
 #
 # A search that ranks heads and decides when to stop on the same sentences
-# fits those sentences: each removal it keeps is one that happened to cost
-# little *there*. So the validation sentences are split in two
-# (`split_sentences`): the importance is computed on the **ranking** half,
-# and each removal is judged by the loss of the **held-out** half, which
-# moves smoothly with the model and needs no decoding. **The stop rule**,
-# fixed before the search: remove the least important head, rescore, and
-# stop at the first removal that raises the held-out loss more than
-# `max_increase` above the unpruned model's, keeping the model from before
-# it; every attention keeps at least one head (the attention modules need
-# `h >= 1`). The honest figure is then the test BLEU of the final model, on
-# data the search never saw (docs/heads.md#pruning-and-its-stop-rule).
-#
-# The scores alone choose which head goes next, so the search can go on past
-# the stop (`beyond_stop=True`) to one head per attention without changing
-# what it keeps: those removals are recorded apart (`PruneResult.beyond`), and
-# `on_step` sees every model on the path, the curve the command draws
+# fits those sentences, so `split_sentences` ranks on one half of the
+# validation sentences and judges each removal by the loss of the other,
+# held-out half. The stop rule, and the path past it (`beyond_stop`) that
+# `on_step` follows for the curve, are in docs/heads.md#pruning-and-its-stop-rule
 # (`test_going_beyond_the_stop_keeps_the_same_model_and_follows_the_same_path`).
 
 # %%
@@ -186,13 +174,9 @@ def save_pruned(
 # steps of training let them take over (Michel et al. do not fine-tune;
 # Voita et al. prune while training). `finetune` runs training's own step,
 # `train_step` of `annotated/training/train.py`, at a constant learning rate
-# `FINETUNE_LR` (a run's warm-up would start near zero); zero steps return the
-# model untouched (`test_finetune_zero_steps_changes_nothing`). How long is
-# chosen on the held-out sentences, like the stop: `finetune_on_held_out`
-# keeps the model of lowest held-out loss, checked every
-# `FINETUNE_CHECK_EVERY` steps, and stops after `FINETUNE_PATIENCE` checks
-# without a new lowest, so a long budget costs time, not quality
-# (`test_finetune_on_held_out_keeps_the_lowest_held_out_loss_and_stops_after_its_patience`).
+# `FINETUNE_LR` (a run's warm-up would start near zero). Given the held-out
+# loss, it keeps the model of lowest held-out loss, like the stop never looking
+# at test (docs/heads.md#pruning-and-its-stop-rule).
 
 # %%
 FINETUNE_LR = 1e-4
@@ -200,22 +184,33 @@ FINETUNE_CHECK_EVERY = 100  # steps between two held-out losses
 FINETUNE_PATIENCE = 3  # checks in a row without a new lowest held-out loss end fine-tuning
 
 
+@dataclass
+class Finetuned:
+    model: EncoderDecoder  # the model kept (with `held_out_loss`, the lowest's; step 0: the input itself)
+    steps: int  # its training steps
+    checks: list[tuple[int, float]]  # (steps, held-out loss) at every check, step 0 first
+
+
 def finetune(
     model: EncoderDecoder,
     batches: list,
     steps: int,
+    held_out_loss: Callable[[EncoderDecoder], float] | None = None,
     lr: float = FINETUNE_LR,
-    progress: bool = False,
-    on_check: Callable[[int, EncoderDecoder], bool] | None = None,
     check_every: int = FINETUNE_CHECK_EVERY,
-) -> EncoderDecoder:
+    patience: int = FINETUNE_PATIENCE,
+    progress: bool = False,
+) -> Finetuned:
     """A copy of `model` after `steps` training steps on `batches` (cycled); `model` itself is not changed.
-    `on_check(steps done, model)` runs every `check_every` steps and after the last; True ends training there."""
+    With `held_out_loss`: the model whose held-out loss is lowest (checked every `check_every` steps and after
+    the last), stopping after `patience` checks in a row without a new lowest."""
     from annotated.training.config import TrainConfig
     from annotated.training.train import train_step
 
+    checks = [] if held_out_loss is None else [(0, held_out_loss(model))]
+    best = Finetuned(model, 0, checks)
     if steps == 0:
-        return model
+        return best
     if not batches:
         raise ValueError("fine-tuning needs at least one batch")
     tuned = copy.deepcopy(model).train()
@@ -232,59 +227,25 @@ def finetune(
     for done in tracked(range(1, steps + 1), steps, "fine-tuning", "step", progress):
         b = batches[(done - 1) % len(batches)]
         train_step(tuned, opt, sched, [b], b.ntokens, settings, device)
-        if on_check is not None and (done % check_every == 0 or done == steps):
-            stop = on_check(done, tuned)
-            tuned.train()  # the check may have evaluated it
-            if stop:
-                break
-    return tuned.eval()
-
-
-@dataclass
-class Finetuned:
-    model: EncoderDecoder  # the model with the lowest held-out loss (step 0: the input itself)
-    steps: int  # its training steps
-    checks: list[tuple[int, float]]  # (steps, held-out loss) at every check, step 0 first
-
-
-def finetune_on_held_out(
-    model: EncoderDecoder,
-    batches: list,
-    max_steps: int,
-    held_out_loss: Callable[[EncoderDecoder], float],
-    lr: float = FINETUNE_LR,
-    check_every: int = FINETUNE_CHECK_EVERY,
-    patience: int = FINETUNE_PATIENCE,
-    progress: bool = False,
-) -> Finetuned:
-    """Fine-tune for at most `max_steps`, keeping the model whose held-out loss is lowest (checked every
-    `check_every` steps); stop after `patience` checks in a row without a new lowest."""
-    checks = [(0, held_out_loss(model))]
-    best = Finetuned(model, 0, checks)
-
-    def on_check(done: int, tuned: EncoderDecoder) -> bool:
-        loss = held_out_loss(tuned)
-        checks.append((done, loss))
-        if loss < min(l for _, l in checks[:-1]):
+        if held_out_loss is None or (done % check_every and done != steps):
+            continue
+        checks.append((done, held_out_loss(tuned)))
+        tuned.train()  # the check evaluated it
+        if checks[-1][1] < min(l for _, l in checks[:-1]):
             best.model, best.steps = copy.deepcopy(tuned).eval(), done
-        return done - best.steps >= patience * check_every  # the last `patience` checks found no new lowest
-
-    finetune(model, batches, max_steps, lr, progress, on_check, check_every)
-    return best
+        if done - best.steps >= patience * check_every:  # the last `patience` checks found no new lowest
+            break
+    return best if held_out_loss is not None else Finetuned(tuned.eval(), steps, [])
 
 
 # %% [markdown]
 # ## 4. Speed
 #
 # Decoding speed is sentences per second over the test set, with the
-# project's one decoder (`translate_ids`). Other work on a machine slows a
-# timing down but never speeds it up, and two models timed alternately see the
-# same slow spells, so the ratio *within a round* is steadier than either
-# speed: `alternating_speed` translates the same sources with each model in
-# turn, `rounds` times, the order swapping every round, with nothing else
-# between the timings; the command keeps each model's fastest round and the
-# median of the per-round ratios
-# (`test_alternating_speed_times_each_model_in_every_round_in_turn`).
+# project's one decoder (`translate_ids`); `alternating_speed` times the
+# models in turn, round after round, so that both see the same slow spells
+# (docs/heads.md#pruning-and-its-stop-rule,
+# `test_alternating_speed_times_each_model_in_every_round_in_turn`).
 #
 # How much faster can a model with fewer heads decode? When decoding with the
 # key/value cache, each generated token passes through every decoder layer's

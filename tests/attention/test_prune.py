@@ -12,7 +12,6 @@ from tiny import write_tiny_checkpoint
 from annotated.attention.prune import (
     count_parameters,
     finetune,
-    finetune_on_held_out,
     greedy_prune,
     save_pruned,
     split_sentences,
@@ -192,7 +191,7 @@ def _copy_task_batches(vocab=12, n=6):
 def test_finetune_zero_steps_changes_nothing():
     model = tiny_model("fused", dtype=torch.float32, vocab=12)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    tuned = finetune(model, _copy_task_batches(), steps=0)
+    tuned = finetune(model, _copy_task_batches(), steps=0).model
     assert all(torch.equal(before[k], v) for k, v in tuned.state_dict().items())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -210,7 +209,7 @@ def test_finetune_lowers_the_training_loss_of_a_pruned_model():
         total, tokens = sentence_losses(m, batches)
         return total.sum() / tokens.sum()
 
-    tuned = finetune(pruned, batches, steps=40, lr=3e-3)
+    tuned = finetune(pruned, batches, steps=40, lr=3e-3).model
     assert head_counts(tuned) == head_counts(pruned)  # the same pruned shape, trained further
     assert all(torch.equal(before[k], v) for k, v in pruned.state_dict().items())  # the input is left alone
     # a random model's loss on a copy task with 8 words is several nats per token; 40 Adam steps on these same
@@ -228,20 +227,20 @@ def test_finetune_on_held_out_keeps_the_lowest_held_out_loss_and_stops_after_its
         seen.append({k: v.clone() for k, v in m.state_dict().items()})
         return next(losses)
 
-    got = finetune_on_held_out(model, batches, 100, held_out, lr=3e-3, check_every=2, patience=3)
+    got = finetune(model, batches, 100, held_out, lr=3e-3, check_every=2, patience=3)
     assert got.checks == [(0, 5.0), (2, 4.0), (4, 3.0), (6, 3.5), (8, 3.0), (10, 3.2)]  # a tie is no new low
     assert got.steps == 4
     kept = got.model.state_dict()
     assert all(torch.equal(seen[2][k], v) for k, v in kept.items())  # the very model measured at step 4
     assert not all(torch.equal(seen[5][k], kept[k]) for k in kept)  # not the last one trained
-    again = finetune(model, batches, 4, lr=3e-3)  # dropout 0, the same batches: the same 4 steps
+    again = finetune(model, batches, 4, lr=3e-3).model  # dropout 0, the same batches: the same 4 steps
     assert all(torch.equal(again.state_dict()[k], v) for k, v in kept.items())
 
 
 def test_finetune_on_held_out_keeps_the_input_when_nothing_beats_it_and_checks_the_last_step():
     model = tiny_model("fused", dtype=torch.float32, vocab=12)
     losses = iter([1.0, 2.0, 2.0])
-    got = finetune_on_held_out(model, _copy_task_batches(), 5, lambda m: next(losses), check_every=3, patience=9)
+    got = finetune(model, _copy_task_batches(), 5, lambda m: next(losses), check_every=3, patience=9)
     assert got.checks == [(0, 1.0), (3, 2.0), (5, 2.0)]  # every 3 steps and at the budget's end
     assert got.model is model and got.steps == 0
 
