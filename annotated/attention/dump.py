@@ -295,15 +295,12 @@ def read_index(out_dir: os.PathLike | str) -> dict:
 # %% [markdown]
 # ## 5. Writing a dump, all or nothing
 #
-# A dump is written into a temporary directory and renamed into place when
-# every file is complete (`staged_directory` of `annotated/plumbing/files.py`),
-# so a reader never finds half a dump. The target may be missing, empty, or
-# **one of our dumps**, which is replaced: its `index.json` carries our format
-# marker (or the previous one, v1, which `make attention` replaces), and every
-# entry of the directory is a plain file that the index names, with the name
-# of a dump's file. Anything else, a file, a link, a folder holding one file of
-# the user's, is refused with one line before anything is computed, and left untouched.
-# (`test_failed_dump_leaves_nothing`, `test_out_dir_that_is_not_our_dump_is_refused_untouched`.)
+# A dump is written in a temporary directory and renamed into place when
+# complete (`staged_directory`), so a reader never finds half a dump. The
+# target may be missing, empty, or **one of our dumps** (`not_a_dump`), which
+# is replaced; anything else is refused in one line before any work, and left
+# untouched (`test_failed_dump_leaves_nothing`,
+# `test_out_dir_that_is_not_our_dump_is_refused_untouched`).
 
 # %%
 DUMP_FILE = re.compile(
@@ -562,16 +559,9 @@ def log_alignment_image(
 # ## 7. The command line
 #
 # `python -m annotated.attention.dump [--checkpoint PATH] [--out DIR] [--n 3] [sentence ...]`
-# (also `make attention ARGS='...'`) chooses its checkpoint as every command
-# does (`annotated/door.py`); a shipped model's dump goes to
-# `runs/shipped-<src>-<tgt>/attention/`, any other's by default to `attention/`
-# next to the checkpoint. Without sentences it dumps the first `--n` of
-# Multi30k's `test_2016_flickr` in the checkpoint's source language, with their
-# references in the index. Bad input (a missing or incompatible checkpoint, a
-# sentence of section 3, an `--out` that is not one of our dumps, an option out
-# of range) prints one line on stderr and exits with status 2, writing
-# nothing. From Python: `dump(checkpoint)`; after a training run,
-# `dump(run_dir / "best.pt")` writes `run_dir/attention/`.
+# (`make attention ARGS='...'`) chooses its checkpoint and output folder as
+# every command does (`annotated/door.py`), and calls `dump`. Bad input
+# prints one line on stderr and exits with status 2, writing nothing.
 
 
 # %%

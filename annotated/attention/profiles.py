@@ -189,20 +189,12 @@ def profile_rows(measures: dict[str, np.ndarray]) -> np.ndarray:
 # %% [markdown]
 # ## 3. A label, only where a measure says so
 #
-# The average weight at the strongest offset is not enough to call a head
-# "positional": a head that spreads its weight evenly over a 14-token
-# sentence puts 0.07 on the previous token, and 0.07 on every other. So a
-# head gets a label only when a measure clears uniform attention's value by
-# a stated amount. `head_label` tries the rules in order (`diffuse`, the last
-# source token, the first key, `monotonic alignment` for cross-attention,
-# `positional (offset k)`, else `mixed`); docs/heads.md#labels tabulates them
-# with their constants.
-#
-# `positional (offset -1)` is Voita et al.'s (ACL 2019) positional head
-# looking at the previous token. `tests/attention/test_heads.py` builds heads
-# of each kind from probability tensors and checks their labels
-# (`test_labels_of_constructed_heads`), among them a flat head, which must
-# be `diffuse` and not `positional (offset -1)`.
+# A flat head over a 14-token sentence puts 0.07 on the previous token, and
+# on every other; so a head gets a label only when a measure clears uniform
+# attention's value by a stated amount. `head_label` tries the rules in order;
+# docs/heads.md#labels tabulates them with their constants. `positional
+# (offset -1)` is Voita et al.'s (ACL 2019) head looking at the previous
+# token (`test_labels_of_constructed_heads` builds heads of every label).
 
 # %%
 DIFFUSE_ENTROPY = 0.9

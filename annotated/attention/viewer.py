@@ -192,14 +192,10 @@ def viewer_html(
 # ## The view it opens on: the cross-attention head that aligns best
 #
 # Unless told otherwise (`start`), the page opens on the cross-attention
-# head that lines target words up with source words most clearly, rather
-# than on the encoder's first head. Its measure, `alignment`: the mean, over
-# the target positions (rows), of the row's largest weight, times the share
-# of the source positions that are the largest weight of some row. A head
-# whose every row sits on one source token (`▁Ein`, `</s>`) is peaked but
-# covers one column, and scores low; a head that walks the source word by
-# word scores near 1. The scores are averaged over the dump's sentences;
-# ties go to the later layer, then the lower head
+# head that lines target words up with source words most clearly (`alignment`,
+# averaged over the dump's sentences; ties go to the later layer, then the
+# lower head): a head whose every row sits on one source token is peaked but
+# covers one column, and scores low
 # (`test_the_viewer_opens_on_the_head_that_aligns`).
 
 
@@ -242,11 +238,9 @@ def content_security_policy(script: str) -> str:
 # %% [markdown]
 # ## Each head's importance
 #
-# `make heads` writes `heads.json` beside the checkpoint it scored, with
-# Michel et al.'s importance of every head. The viewer shows those scores
-# when the file names this checkpoint and holds one finite score per head of
-# this model (a pruned one's own heads); a file that does not fit (say the
-# scores of the model before pruning) is left out, with one line saying why.
+# The scores `make heads` writes to `heads.json` beside the checkpoint are
+# shown when the file names this checkpoint and fits this model's heads;
+# otherwise the dump says why in one line (`read_head_importance`).
 
 
 # %%
