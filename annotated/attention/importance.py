@@ -11,10 +11,8 @@
 # that many can go with little loss of BLEU; they ranked heads by a
 # gradient-based importance score. Voita et al. (ACL 2019) found a few
 # specialised heads doing most of the work. Here both experiments run on the
-# model you trained, on a CPU: this file scores and ablates each head,
-# `annotated/attention/prune.py` removes heads for real, and
-# `annotated/attention/profiles.py` inspects them; `make heads`
-# (`annotated/attention/heads.py`) runs them all. Tests: `tests/attention/test_heads.py`.
+# model you trained, on a CPU; `make heads` runs them
+# (docs/heads.md). Tests: `tests/attention/test_heads.py`.
 
 # %%
 from __future__ import annotations
@@ -64,11 +62,16 @@ from annotated.transformer import EncoderDecoder, convert_model, padding_mask, t
 
 
 # %%
-def mean_token_loss(model: EncoderDecoder, src: Tensor, tgt: Tensor) -> Tensor:
-    """Mean cross-entropy per predicted target token of one batch (teacher forcing)."""
+def teacher_forced_logits(model: EncoderDecoder, src: Tensor, tgt: Tensor) -> tuple[Tensor, Tensor]:
+    """(logits (B, T-1, V) in at least float32, the tokens they predict (B, T-1)) of one batch."""
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T-1), (B, T-1)
     logits = model(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD))  # (B, T-1, V)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (B, T-1, V) at least float32
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)), tgt_out
+
+
+def mean_token_loss(model: EncoderDecoder, src: Tensor, tgt: Tensor) -> Tensor:
+    """Mean cross-entropy per predicted target token of one batch (teacher forcing)."""
+    logits, tgt_out = teacher_forced_logits(model, src, tgt)  # (B, T-1, V), (B, T-1)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD)
 
 
@@ -153,13 +156,8 @@ def sentence_losses(model: EncoderDecoder, batches: Iterable) -> tuple[np.ndarra
     device = next(model.parameters()).device
     losses, tokens = [], []
     for b in batches:
-        src, tgt = b.src.to(device), b.tgt.to(device)  # (B, S), (B, T)
-        tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # (B, T-1), (B, T-1)
-        logits = model(src, tgt_in, padding_mask(src, PAD), target_mask(tgt_in, PAD))  # (B, T-1, V)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (B, T-1, V) at least float32
-        ce = torch.nn.functional.cross_entropy(
-            logits.transpose(1, 2), tgt_out, ignore_index=PAD, reduction="none"
-        )  # (B, T-1)
+        logits, tgt_out = teacher_forced_logits(model, b.src.to(device), b.tgt.to(device))  # (B, T-1, V), (B, T-1)
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tgt_out, ignore_index=PAD, reduction="none")
         losses.append(ce.sum(-1).double().cpu())
         tokens.append((tgt_out != PAD).sum(-1).double().cpu())
     return torch.cat(losses).numpy(), torch.cat(tokens).numpy()
