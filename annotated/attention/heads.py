@@ -463,12 +463,12 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     )
     path.insert(0, point(model, result.baseline_loss, True))  # the unpruned model starts the curve
     curve = [{"heads_removed": i, **p} for i, p in enumerate(path)]
-    pruned, stop, steps, tuning = result.model, len(result.removed), 0, None
+    batches = []
     if args.finetune_steps:
         train = encode_pairs(load_multi30k("train", *languages_of(meta)), tokenizer)
         batches = _batches(train, range(len(train)), model.config.max_len, shuffle=True, seed=0)
-        tuning = finetune(pruned, batches, args.finetune_steps, held_out_loss, progress=True)
-        pruned, steps = tuning.model, tuning.steps
+    tuning = finetune(result.model, batches, args.finetune_steps, held_out_loss, progress=True)
+    pruned, steps, final_loss = tuning.model, tuning.steps, min(loss for _, loss in tuning.checks)
     total = sum(attention_at(model, *s).h for s in sites(model))
     alpha = model_length_penalty(meta) if args.length_penalty is None else args.length_penalty
     hyps = [evaluate_bleu(m, tokenizer, test, args.beam, alpha, args.device)[1] for m in (model, pruned)]
@@ -495,14 +495,17 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     counts = head_counts(pruned)
     facts = dict(pruned_from=str(args.checkpoint), heads_removed=removed, head_counts=counts, finetune_steps=steps)
     save_pruned(args.out / "pruned.pt", pruned, tokenizer, dict(meta, **facts), read_case_table(args.checkpoint))
-    final_loss = min(loss for _, loss in tuning.checks) if tuning else held_out_loss(pruned)  # measured already
-    tuned = (
-        {"finetune_steps": steps, "held_out_loss": final_loss, "test_bleu": greedy_bleu(pruned, test)}
-        if tuning
-        else None
-    )
+    tuned = None
+    if args.finetune_steps:
+        tuned = {"finetune_steps": steps, "held_out_loss": final_loss, "test_bleu": greedy_bleu(pruned, test)}
     figure = curve_figure(
-        curve, result.baseline_loss, args.max_loss_increase, stop, len(test), tuned, title=typed_name(args.checkpoint)
+        curve,
+        result.baseline_loss,
+        args.max_loss_increase,
+        len(removed),
+        len(test),
+        tuned,
+        title=typed_name(args.checkpoint),
     )
     save_figure(figure, args.out / "heads_pruning.png")
     ratio = speed_ratio(a["speeds"], b["speeds"])
@@ -515,7 +518,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         + (
             f", {final_loss:.4f} after {steps} fine-tuning steps (the lowest of the checks every "
             f"{FINETUNE_CHECK_EVERY} steps; at most {args.finetune_steps})"
-            if tuning
+            if args.finetune_steps
             else ""
         )
     )
@@ -542,7 +545,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
         "curve": curve,
         "finetune_steps": steps,
         "finetune_max_steps": args.finetune_steps,
-        "finetune_checks": [list(c) for c in tuning.checks] if tuning else [],
+        "finetune_checks": [list(c) for c in tuning.checks] if args.finetune_steps else [],
         "held_out_loss_final": final_loss,
         "finetuned": tuned,
         "removed": removed,
