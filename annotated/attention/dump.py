@@ -189,8 +189,7 @@ def teacher_forced_attention(model: EncoderDecoder, src: Tensor, tgt_in: Tensor,
 # (`test_the_dump_translates_as_the_translator_does`). `translate_ids` returns
 # the ids before `eos`; a translation shorter than its limit stopped at `eos`,
 # which is put back: the position that produced it is a row of the pictures
-# too. (Training's tensorboard picture, section 6, decodes greedily: it is
-# drawn every epoch, and the cheapest search shows the alignment as well.)
+# too.
 #
 # A sentence is rejected, before anything is computed or written, when it is
 # empty (nothing to look at) or longer than the model's `max_len` subwords
@@ -241,12 +240,9 @@ def translate_sentence(
 # function (first chapter, section 4), a per-head model and its fused
 # conversion give the same dump (`test_per_head_and_fused_give_identical_dumps`).
 #
-# **A pruned model.** After `annotated/attention/prune.py` removed heads, an attention
-# keeps `h' < h` of them, numbered `0 ... h'-1` in their original order (the
-# removed heads leave no gap, as in the pruned checkpoint's parameters). The
-# arrays of such a layer are `(1, h', q, k)`, `head_counts` lists every
-# layer's `h'`, the pictures leave the missing heads' cells empty, and the
-# viewer offers each layer only its own heads
+# **A pruned model** keeps `h' < h` heads in some layers, numbered in their
+# original order (the index's `head_order`); its arrays are `(1, h', q, k)`
+# and `head_counts` lists every layer's `h'`
 # (`test_a_pruned_model_dumps_and_shows_each_layer_with_its_own_heads`).
 #
 # **bertviz.** `head_view` and `model_view` of bertviz take, per kind, one
@@ -474,15 +470,10 @@ def dump(
 ) -> Path:
     """Load a checkpoint and write the attention dump of `sentences` into `out_dir`; returns `out_dir`.
 
-    No `sentences`: the first `n` of Multi30k's test_2016_flickr in the checkpoint's
-    source language, with their references (`data_url`, `cache_dir` as in training).
-    No `out_dir`: `attention/` next to the checkpoint. With `dtype=np.float64` the
-    model runs in float64 too (exact comparisons). Each head's importance comes from
-    `heads.json` beside the checkpoint when there is one for this model (`say` gets a
-    line when one is there but does not fit). `name`: the checkpoint as the user typed it, which the index and
-    the viewer's caption show (default `typed_name`: never an absolute path of this machine); `options`:
-    `dump_model`'s `pictures`, `viewer`, `progress`. Raises CheckpointError for an unusable checkpoint,
-    ValueError for bad sentences, before writing anything.
+    No `sentences`: the first `n` of Multi30k's test_2016_flickr, with their references. No `out_dir`:
+    `attention/` next to the checkpoint. `dtype=np.float64` runs the model in float64 too (exact comparisons).
+    `say` gets the line of `read_head_importance`; `name`: the checkpoint as typed (default `typed_name`);
+    `options`: `dump_model`'s. CheckpointError or ValueError before anything is written.
     """
     checkpoint = Path(checkpoint_path).resolve()
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent / "attention"
@@ -522,12 +513,10 @@ def dump(
 # %% [markdown]
 # ## 6. During training: one alignment picture per epoch in tensorboard
 #
-# `log_alignment_image` translates one fixed sentence (say the first
-# validation sentence) with the model as it is, and logs the averaged
-# last-layer alignment as an image, so tensorboard's slider shows the
-# alignment sharpening from blur to a diagonal over the epochs. It switches
-# the model to eval mode for the picture and back afterwards, and draws no
-# random numbers.
+# `log_alignment_image` translates one fixed sentence greedily (the cheapest
+# search shows the alignment as well) with the model as it is, so
+# tensorboard's slider shows the alignment sharpening from blur to a diagonal
+# over the epochs. It draws no random numbers.
 
 
 # %%
