@@ -114,11 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def outputs(prune: bool) -> list[str]:
-    names = ["heads.json"] + [f"heads_{k}.png" for k in KINDS] + ["heads_inspect.png", "heads_examples.png"]
-    return names + (["heads_pruning.png", "pruned.pt"] if prune else [])
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked before any data or model work: one line and exit 2 (SystemExit) if wrong."""
     args = build_parser().parse_args(argv)
@@ -133,7 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             DOOR.fail(f"{flag} only applies with --prune ({DOOR.typed('--prune')}, or drop {flag})")
     args.max_loss_increase = MAX_LOSS_INCREASE if args.max_loss_increase is None else args.max_loss_increase
     args.finetune_steps = args.finetune_steps or 0
-    DOOR.outputs(args, outputs(args.prune), args.checkpoint)
+    names = ["heads.json", *(f"heads_{k}.png" for k in KINDS), "heads_inspect.png", "heads_examples.png"]
+    DOOR.outputs(args, names + (["heads_pruning.png", "pruned.pt"] if args.prune else []), args.checkpoint)
     args.device = torch.device(args.device)
     return args
 
