@@ -88,7 +88,6 @@ def greedy_prune(
     importance: Callable[[EncoderDecoder], dict],
     max_increase: float = MAX_LOSS_INCREASE,
     progress: bool = False,
-    baseline: float | None = None,
     beyond_stop: bool = False,
     on_step: Callable[[Removal, EncoderDecoder], None] | None = None,
 ) -> PruneResult:
@@ -97,9 +96,8 @@ def greedy_prune(
     `on_step(removal, model without it)` is called at every step of the path."""
     if not max_increase >= 0:
         raise ValueError(f"max_increase must be >= 0 (nats per token), got {max_increase}")
-    baseline = held_out_loss(model) if baseline is None else baseline
     original = {site: list(range(attention_at(model, *site).h)) for site in sites(model)}
-    result, current, stopped = PruneResult(model, baseline, max_increase), model, False
+    result, current, stopped = PruneResult(model, held_out_loss(model), max_increase), model, False
     bar = progress_bar(sum(len(v) - 1 for v in original.values()), "pruning", "head") if progress else None
     while True:
         scores = importance(current)
@@ -115,9 +113,8 @@ def greedy_prune(
         trial = remove_heads(current, {site: [i]})
         loss = held_out_loss(trial)
         # every removal is judged against the unpruned model's loss, never the previous step's
-        step = Removal(
-            site[0], site[1], original[site][i], score, loss, kept=not stopped and loss - baseline <= max_increase
-        )
+        kept = not stopped and loss - result.baseline_loss <= max_increase
+        step = Removal(*site, original[site][i], score, loss, kept)
         (result.beyond if stopped else result.steps).append(step)
         if on_step is not None:
             on_step(step, trial)
