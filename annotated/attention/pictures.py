@@ -22,11 +22,9 @@ from matplotlib.figure import Figure
 # (`annotated/sites.py`: `enc_self`, `dec_self`, `cross`); people read them
 # under the labels of `KIND_LABELS`. Every picture, the viewer's included,
 # uses one colour map, `CMAP`, on one fixed range, 0 to 1, with a colour bar
-# saying so, and labels its rows and columns by one rule, `READING`: a row is
-# a query and sums to 1; a decoder row is labelled by the token the decoder
-# **predicts** there, a key column by the token **fed in** there (why:
-# `annotated/attention/dump.py`, section 1); `▁` starts a word
-# (`test_pictures_follow_the_label_convention`).
+# saying so, and labels its rows and columns by one rule, `READING` (why:
+# `annotated/attention/dump.py`, section 1;
+# `test_pictures_follow_the_label_convention`).
 
 # %%
 CMAP = "viridis"  # every attention picture: grids, alignments, the viewer's colour table

@@ -37,10 +37,8 @@ CIRCUITS = (CIRCUITS_PAGE, f"../{CIRCUITS_PAGE}")  # the circuits page beside a 
 # Above the views: a view, a kind, a layer, a head (or the mean over heads)
 # and a sentence, wrapping on a narrow screen
 # (`test_the_controls_wrap_on_a_narrow_screen`); the **arrow keys** move
-# between heads and layers. The caption is `caption`'s reading of the kind
-# (`annotated/attention/pictures.py`; the model view gives the whole rule,
-# `READING`), the colour bar the pictures' `CMAP` from 0 to 1, the grey swatch
-# only where the causal mask blanks cells. Heads and layers count from 0.
+# between heads and layers. Captions, colours and labels are the pictures'
+# (`annotated/attention/pictures.py`). Heads and layers count from 0.
 #
 # * **Head view** (`view=head`): the chosen matrix as a heatmap as wide as
 #   the page, every row and column labelled; hovering a row or a column
@@ -50,9 +48,8 @@ CIRCUITS = (CIRCUITS_PAGE, f"../{CIRCUITS_PAGE}")  # the circuits page beside a 
 #   `LINE_MIN`, its opacity the weight, its colour its head's; a head's
 #   swatch shows or hides it, and hovering a token keeps only its lines.
 # * **Model view** (`view=model`), as bertviz's: the three kinds, each a layer
-#   x head grid of small heatmaps; a click opens that head in the head view.
-#   When `python -m annotated.attention.heads` has written `heads.json`
-#   beside the checkpoint, each head's importance is written under it.
+#   x head grid of small heatmaps, each head's importance under it (below);
+#   a click opens that head in the head view.
 #
 # The state is kept in the address
 # (`#s=0&kind=cross&layer=1&head=mean&view=head`) so a view can be
@@ -60,9 +57,7 @@ CIRCUITS = (CIRCUITS_PAGE, f"../{CIRCUITS_PAGE}")  # the circuits page beside a 
 # `test_lines_view_draws_one_path_per_weight_above_the_threshold`,
 # `test_model_view_in_headless_chromium`, `test_arrow_keys_move_between_heads_and_layers`.)
 #
-# A pruned model's layers (dump.py, section 4) each show their own heads, from
-# the index's `head_counts`: the head menu offers the chosen layer's heads, a
-# model-view row holds exactly its thumbnails.
+# A pruned model's layers each show their own heads (`head_counts`).
 #
 # **The circuits of a head.** When `make circuits` has written
 # `circuits.html` beside the dump or in the folder above it, the heading links
@@ -70,9 +65,8 @@ CIRCUITS = (CIRCUITS_PAGE, f"../{CIRCUITS_PAGE}")  # the circuits page beside a 
 # (`annotated/circuits/page.py`), so whichever page is written second finds
 # the other (`test_the_viewer_links_the_circuits_page_beside_it`).
 #
-# **Inside another page.** `viewer_html(..., embedded=True, start="kind=cross&view=lines")`
-# gives the page without heading and footer, opening on `start`, for an
-# `<iframe>`; it tells the page around it its height (`postMessage`).
+# **Inside another page** (`embedded`, for an `<iframe>`), it tells the page
+# around it its height (`postMessage`).
 #
 # The sentences are data, and data must not become markup. Inside a
 # `<script>` element the HTML parser looks only for `</script` and, after a
