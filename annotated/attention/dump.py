@@ -484,8 +484,6 @@ def dump(
     if sentences is None:
         from annotated.training.data import load_multi30k
 
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"the number of test sentences must be at least 1, got {n!r}")
         if not meta.get("src_lang") or not meta.get("tgt_lang"):
             raise ValueError("the checkpoint's metadata names no src_lang/tgt_lang; give the sentences explicitly")
         pairs = load_multi30k(

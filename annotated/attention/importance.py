@@ -85,18 +85,15 @@ def head_importance(model: EncoderDecoder, batches: Iterable, progress: bool = F
     device = next(per_head.parameters()).device
     W_O = [(site, list(attention_at(per_head, *site).W_O)) for site in sites(per_head)]
     flat = [W for _, Ws in W_O for W in Ws]
-    total, n = torch.zeros(len(flat), dtype=torch.float64), 0
-    batches = list(batches)
+    total, batches = torch.zeros(len(flat), dtype=torch.float64), list(batches)
+    n = sum(b.src.size(0) for b in batches)  # sentences
     rows = ((b.src[r : r + 1], b.tgt[r : r + 1]) for b in batches for r in range(b.src.size(0)))
-    for src, tgt in tracked(rows, sum(b.src.size(0) for b in batches), "importance", "sentence", progress):
+    for src, tgt in tracked(rows, n, "importance", "sentence", progress):
         src, tgt = src[:, : int((src != PAD).sum())], tgt[:, : int((tgt != PAD).sum())]  # (1, S), (1, T) no pad
         loss = mean_token_loss(per_head, src.to(device), tgt.to(device))
         grads = torch.autograd.grad(loss, flat)
         # dL/dxi_i = <dL/dW_O[i], W_O[i]>, then |.|, summed over sentences
         total += torch.stack([(g * W).sum() for g, W in zip(grads, flat)]).abs().double().cpu()
-        n += 1
-    if n == 0:
-        raise ValueError("head_importance needs at least one sentence")
     scores: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
     for ((kind, _), _), layer in zip(W_O, (total / n).split([len(Ws) for _, Ws in W_O])):
         scores[kind].append(layer.tolist())  # each site's heads, in the order of `sites`

@@ -57,8 +57,6 @@ def colour_table(n: int = 64, cmap: str = CMAP) -> list[str]:
     >>> t = colour_table(5); len(t), t[0], t[-1]
     (5, '#440154', '#fde725')
     """
-    if n < 2:
-        raise ValueError(f"a colour table needs at least 2 colours, got {n}")
     colours = matplotlib.colormaps[cmap].resampled(n)(np.arange(n))  # (n, 4) floats
     return [matplotlib.colors.to_hex(c) for c in colours]
 
