@@ -149,13 +149,9 @@ def attention_sums(p: Tensor, kind: str, src_len: Tensor, tgt_len: Tensor, windo
 
 def summarise(sums: dict[str, Tensor]) -> dict[str, np.ndarray]:
     """Means per real query (entropy: per query with more than one key) of `attention_sums`' sums."""
-    out = {}
-    for key, value in sums.items():
-        if key in ("queries", "entropy_queries"):
-            continue
-        count = sums["entropy_queries"] if key == "entropy" else sums["queries"]
-        out[key] = (value / max(float(count), 1.0)).cpu().numpy()
-    return out
+    means = [k for k in sums if k not in ("queries", "entropy_queries")]  # those two are the denominators
+    count = {k: float(sums["entropy_queries" if k == "entropy" else "queries"]) for k in means}
+    return {k: (sums[k] / max(count[k], 1.0)).cpu().numpy() for k in means}
 
 
 @torch.no_grad()
