@@ -35,9 +35,18 @@ import torch
 from annotated.decoding.search import padded, translate_ids
 from annotated.decoding.settings import Decoding
 from annotated.interop.folders import export_marian, has_ctranslate2
-from annotated.interop.marian import export_ids, to_marian
+from annotated.interop.marian import to_marian
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import padding_mask, subsequent_mask
+
+
+def export_ids(ids: torch.Tensor, pad: int, decoder_start: int | None = None) -> torch.Tensor:
+    """Our ids (B, T) as the export's (section 1 of annotated/interop/marian.py): our pad -> Marian's pad `pad`,
+    and a decoder input's bos at position 0 -> `decoder_start` where given; every other id is the same."""
+    out = ids.masked_fill(ids == PAD, pad)  # (B, T)
+    if decoder_start is not None:
+        out[:, 0] = decoder_start
+    return out
 
 
 @torch.no_grad()

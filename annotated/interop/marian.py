@@ -232,22 +232,6 @@ def first_decoder_input(model: EncoderDecoder) -> Tensor:
     return x0
 
 
-def export_ids(ids: Tensor, pad: int, decoder_start: int | None = None) -> Tensor:
-    """Our ids (B, T) as the export's: our pad -> Marian's pad (the appended row `pad`), and a decoder input's bos at
-    position 0 -> `decoder_start` where given (ours, bos, in the export; the `<pad>` row in CTranslate2's layout).
-    Every other id is the same in both.
-
-    >>> export_ids(torch.tensor([[1, 7, 0]]), pad=9, decoder_start=1).tolist()  # the export: bos starts
-    [[1, 7, 9]]
-    >>> export_ids(torch.tensor([[1, 7, 0]]), pad=9, decoder_start=9).tolist()  # CTranslate2's layout
-    [[9, 7, 9]]
-    """
-    out = ids.masked_fill(ids == PAD, pad)  # (B, T)
-    if decoder_start is not None:
-        out[:, 0] = decoder_start
-    return out
-
-
 @torch.no_grad()
 def to_marian(model: EncoderDecoder, heads: dict | None = None, for_ctranslate2: bool = False):
     """A transformers MarianMTModel computing the same function as `model` (same dtype, eval mode): our ids, then

@@ -15,7 +15,7 @@ from transformers import MarianConfig, MarianMTModel
 from annotated.decoding.search import beam_search
 from annotated.interop import layout
 from annotated.interop.layout import permute_residual, sinusoid_permutation
-from annotated.interop.marian import export_ids, from_marian, marian_vocab, to_marian
+from annotated.interop.marian import from_marian, marian_vocab, to_marian
 from annotated.tokens import BOS, EOS, PAD
 from annotated.transformer import (
     make_model,
@@ -23,6 +23,7 @@ from annotated.transformer import (
     sinusoidal_encoding,
     subsequent_mask,
 )
+from benchmarks.agreement import export_ids
 
 # Marian shapes: OPUS-MT's id layout (pad last, the decoder starts with it), separate vocabularies, no scaling
 MARIAN_SHAPES = {

@@ -14,9 +14,9 @@ from transformers import MarianMTModel, MarianTokenizer
 
 from annotated.checkpoint import load_checkpoint, save_checkpoint
 from annotated.interop.folders import main
-from annotated.interop.marian import export_ids
 from annotated.tokens import BOS, PAD
 from annotated.transformer import make_model, padding_mask, subsequent_mask
+from benchmarks.agreement import export_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 
