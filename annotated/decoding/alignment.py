@@ -54,12 +54,7 @@ def head_attention(model: EncoderDecoder, src: list[int], ys: list[int], layer: 
     """Cross-attention of decoder layer `layer`, head `head` when the decoder reads `bos y_1 ... y_(n-1)`, the
     inputs that predicted y_1 ... y_n (ys without eos), against the source `src`: (n, S), row p the input
     `bos` (p = 0) or y_p. (The row y_n would read predicts what follows the translation: not needed, and a
-    translation cut at max_len has no position for it.)"""
-    if not 0 <= layer < len(model.decoder.layers) or not 0 <= head < model.config.h:
-        raise ValueError(
-            f"no cross-attention head {layer},{head}: the model has layers 0 to {len(model.decoder.layers) - 1} "
-            f"and heads 0 to {model.config.h - 1}"
-        )
+    translation cut at max_len has no position for it.) The translator checks the head exists (`_load`)."""
     device = next(model.parameters()).device
     x = torch.tensor([src], dtype=torch.long, device=device)  # (1, S)
     y = torch.tensor([[BOS, *ys[:-1]]], dtype=torch.long, device=device)  # (1, n)

@@ -67,8 +67,3 @@ def test_a_word_of_several_subwords_takes_the_union_of_their_links():
     ys = [C + PERM[j] for j in range(1, 5)] + [C]
     links = alignment(m, Split, src, ys, (0, 1))
     assert links == {(PERM[0], 0), (PERM[1], 0), (PERM[2], 1), (PERM[3], 2), (PERM[4], 2)}
-
-
-def test_a_head_the_model_lacks_is_refused_by_name():
-    with pytest.raises(ValueError, match="no cross-attention head 1,0: the model has layers 0 to 0 and heads 0 to 1"):
-        head_attention(planted(), [A], [C], 1, 0)
