@@ -191,17 +191,6 @@ def has_ctranslate2() -> bool:
     return importlib.util.find_spec("ctranslate2") is not None
 
 
-def _check_target(out: Path, overwrite: bool, kind: str) -> None:
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite to replace it, or choose another {kind}")
-    if out.exists() and kind == "folder" and not (out.is_dir() and (out / "config.json").is_file()):
-        raise FileExistsError(
-            f"{out} exists and is not a model folder (no config.json in it); it is not replaced: choose another folder"
-        )
-    if out.exists() and kind == "file" and not out.is_file():
-        raise FileExistsError(f"{out} exists and is not a file; choose another output path")
-
-
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """The command's output is its own lines: transformers' progress bars (the shards written, the weights
@@ -220,9 +209,11 @@ def _quiet_transformers() -> Iterator[None]:
             transformers_logging.enable_progress_bar()
 
 
-def export_marian(checkpoint: Path, out: Path, overwrite: bool = False, as_typed: str | None = None) -> Path:
-    """Write checkpoint `checkpoint` (named `as_typed` on the command line) as a MarianMTModel folder `out`."""
-    _check_target(out, overwrite, "folder")
+def export_marian(checkpoint: Path, out: Path, as_typed: str | None = None) -> Path:
+    """Write checkpoint `checkpoint` (named `as_typed` on the command line) as a MarianMTModel folder `out`, which
+    replaces only a model folder (the command refuses any existing `out` without --overwrite, `door.keep`)."""
+    if out.exists() and not (out / "config.json").is_file():
+        raise FileExistsError(f"{out} exists and is not a model folder (no config.json in it): choose another folder")
     state = read_checkpoint(checkpoint)
     model, tokenizer, meta = loaded_from_state(state, checkpoint)
     hf = to_marian(model, state.get("heads"))
@@ -318,7 +309,6 @@ def import_marian(
     folder: Path,
     out: Path,
     attention: AttentionForm = "fused",
-    overwrite: bool = False,
     src: str | None = None,
     tgt: str | None = None,
 ) -> tuple[Path, bool]:
@@ -327,7 +317,8 @@ def import_marian(
     names it). An export of ours brings back its length penalty and recasing table (annotated.json)."""
     from transformers import MarianMTModel
 
-    _check_target(out, overwrite, "file")
+    if out.is_dir():
+        raise IsADirectoryError(f"{out} is a folder: name the checkpoint file to write, e.g. {out / 'model.pt'}")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} holds no config.json: give a folder written by save_pretrained")
     languages = _languages(folder, src, tgt)
@@ -387,7 +378,7 @@ def _export(args, door) -> None:
         door.fail(f"name the folder to write: {EXPORT_USAGE}")
     door.checkpoint(args)
     door.keep(args, [Path(args.out)], flag="--overwrite", elsewhere="name another folder")
-    out = export_marian(args.checkpoint, Path(args.out), args.overwrite, as_typed=args.typed_checkpoint)
+    out = export_marian(args.checkpoint, Path(args.out), as_typed=args.typed_checkpoint)
     print(f"wrote {out}: MarianMTModel.from_pretrained({str(out)!r}) loads it")
 
 
@@ -395,9 +386,7 @@ def _import(args, door) -> None:
     if not args.hf_dir or not args.out:
         door.fail(f"name the folder to read and the checkpoint to write: {IMPORT_USAGE}")
     door.keep(args, [Path(args.out)], flag="--overwrite", elsewhere="name another file")
-    out, has_tokenizer = import_marian(
-        Path(args.hf_dir), Path(args.out), args.attention, args.overwrite, args.src, args.tgt
-    )
+    out, has_tokenizer = import_marian(Path(args.hf_dir), Path(args.out), args.attention, args.src, args.tgt)
     print(
         f"wrote {out}"
         + (
