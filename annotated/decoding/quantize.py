@@ -5,17 +5,20 @@ layer (`torch.ao.nn.quantized.dynamic.Linear`): W stored in int8 with one scale 
 to int8 at each call from its own range, the product accumulated in int32 and scaled back to float32. The
 weights are packed for oneDNN, which runs these products on the CPU's int8 instructions (AVX-512 VNNI, AMX).
 
-Which products: those whose weight has at least `MIN_WEIGHTS` = 65,536 entries. Quantizing x costs a pass over
-it at every call, which a small product does not earn back: for the shipped models (d_model = 128) the
-feed-forward networks and the generator run in int8 and the 128 x 128 attention projections stay float32; from
-d_model = 256 on, the attention projections too (`python -m benchmarks.int8_products`,
-benchmarks/README.md#which-products-int8-pays-for). Embeddings, layer norms, softmax and the beam search stay
-float32. The fast beam loop (`search.py`, section 7) reads an int8 attention's circuits from `float_attention`.
+Which products: those whose weight has at least `MIN_WEIGHTS` = 65,536 entries, the ones that ran faster in int8
+than in float32 when timed alone at 256 rows (`python -m benchmarks.int8_products`,
+benchmarks/README.md#which-products-int8-pays-for): for the shipped models (d_model = 128) the feed-forward
+networks and the generator, from d_model = 256 on the attention projections too. Inside the beam search, most
+of whose steps run fewer rows, the same products measured no faster than float32 on the Xeon that page names,
+and the whole int8 search slower than the float32 one
+(benchmarks/README.md#each-engine-at-its-best-on-n-threads-and-where-ours-loses-on-the-xeon): quantizing x
+costs a pass over it at every call, which a product of few rows does not earn back. Embeddings, layer norms,
+softmax and the beam search stay float32. The fast beam loop (`search.py`, section 7) reads an int8 attention's circuits from `float_attention`.
 
-Why this API: `torch.ao.quantization`'s eager mode is deprecated in favour of torchao's `quantize_`, whose CPU
-speed comes from `torch.compile`, which a translator started per command would pay for at every start
-(benchmarks/README.md#levers-the-first-fast-loop-and-int8). So this uses the dynamic linear layer that ships in
-torch itself (no dependency), and silences its deprecation warnings only around the calls that build it.
+Why this API: torchao's `quantize_`, which replaces `torch.ao.quantization`'s deprecated eager mode, gets its CPU
+speed from `torch.compile`, which a translator started per command would pay for at every start
+(benchmarks/README.md#levers-the-first-fast-loop-and-int8); the dynamic linear layer ships in torch itself, and its
+deprecation warnings are silenced only around the calls that build it.
 """
 
 from __future__ import annotations
