@@ -31,9 +31,7 @@
 # search must *reorder* whenever a prefix changes hands.
 #
 # Every claim below is checked by a doctest here or by a test in
-# `tests/decoding/` (`test_search.py`; the fast loop of section 7 in
-# `test_fast_search.py`, int8 in `test_quantize.py`; test names in
-# parentheses).
+# `tests/decoding/` (test names in parentheses).
 
 # %%
 from __future__ import annotations
@@ -66,23 +64,14 @@ from annotated.transformer import (
 # %% [markdown]
 # ## 1. What every decoder checks first
 #
-# Decoding runs the model many times, so a bad argument should fail before the
+# Decoding runs the model many times, so a bad argument fails before the
 # first step, with a message that names it: `check_decoding` of
-# `annotated/checks.py`, the door every entry point of this file goes through
-# before any model work (`test_bad_arguments_are_named`). Three rules
-# deserve a word:
-#
-# - **eval mode.** In training mode dropout draws new noise at every decoder
-#   call: the output is random, and cached decoding no longer equals
-#   recomputation. Decoding in training mode is almost always a forgotten
-#   `model.eval()`, so it is an error, not a silent guess.
-# - **length.** The decoder input at the last step holds `bos` and
-#   `max_len - 1` generated tokens, at positions `0 ... max_len - 1`, so
-#   `max_len` may not exceed the model's positional table (`config.max_len`);
-#   nor may the source.
-# - **token ids.** Every source id must index the embedding table. The model
-#   itself does not check (a range check reads the ids back to the host, a
-#   stall on a GPU at every training step), so the decoders check once.
+# `annotated/checks.py`, which every entry point of this file calls
+# (`test_bad_arguments_are_named`). Training mode is an error, not a silent
+# guess: dropout would draw new noise at every decoder call, so the output
+# would be random and cached decoding would no longer equal recomputation.
+# Source ids are range-checked here, once, because the model does not check
+# them (reading the ids back to the host stalls a GPU at every step).
 
 
 # %%
@@ -188,20 +177,15 @@ def gnmt_lp(length: int, alpha: float) -> float:
 # %% [markdown]
 # ## 5. The key/value cache, and reordering it
 #
-# The main chapter's decoder runs *incrementally*: with `cache=model.new_cache()`
-# each call of `model.decode` feeds only the newest token and appends its
-# keys and values to the cache, one dict per layer, whose entries are pairs
-# (keys, values) of tensors `(B, h, T, d_k)` and `(B, h, T, d_v)`: **the
-# batch is dim 0 of every tensor**.
-#
-# Beam search runs `B * k` rows, one per hypothesis. After each step the new
-# `k` best prefixes of a sentence may descend from any of its old ones: row
-# `r` of the next step continues old row `index[r]`. Its cached keys and
-# values must follow it, so every tensor in the cache is re-indexed along
-# dim 0. The same call also *drops* rows (an index that omits them), which is
-# how a finished sentence leaves the batch. `reorder_cache` returns a new
-# cache; the old one is left unchanged (doctest of `reorder_cache`;
-# `test_reorder_cache_moves_and_drops_rows_of_a_real_cache`).
+# With `cache=model.new_cache()` each call of `model.decode` (the main
+# chapter) feeds only the newest token and appends its keys and values to
+# the cache, tensors `(B, h, T, d_k)` and `(B, h, T, d_v)`: **the batch is
+# dim 0 of every tensor**. Beam search runs one row per hypothesis, and
+# after each step row `r` continues old row `index[r]`, so every tensor of
+# the cache is re-indexed along dim 0; an index that omits rows drops them,
+# which is how a finished sentence leaves the batch. `reorder_cache` returns
+# a new cache and leaves the old one unchanged
+# (`test_reorder_cache_moves_and_drops_rows_of_a_real_cache`).
 
 
 # %%
@@ -247,11 +231,10 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 # `max_len` tokens, beside them (as greedy returns such a prefix too). The
 # answer is the finished translation with the best score. The rule is cheap
 # and works well on trained models, but it proves nothing: a live prefix
-# could still grow into a better translation (on random, untrained models a
-# beam often fills with `k` unlikely short ones). The stricter rule "stop
-# when no live prefix can beat the best finished one" needs, for
-# `alpha > 0`, the loose bound `log P(prefix) / lp(max_len)`, so it would run
-# to `max_len` almost every time. What the standard rule does make exact:
+# could still grow into a better translation. The stricter rule "stop when
+# no live prefix can beat the best finished one" would, for `alpha > 0`,
+# run to `max_len` almost every time. What the standard rule does make
+# exact:
 #
 # - **`k = 1` is greedy decoding, for every `alpha`.** With one prefix, step
 #   1 ranks `log P(y) + log p(w | y)`, a constant plus the log-softmax of
@@ -269,17 +252,14 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 # For `1 < k < V^max_len` nothing general holds: a wider beam usually scores
 # better, but it can also prune the prefix greedy follows, and end worse.
 #
-# **n-best.** With `nbest=n`, `beam_search` returns each sentence's list of
-# finished translations itself (with, at `max_len`, the prefixes it ranks
-# beside them), in score order, cut at `n <= k`, each with its `log P` and
-# its score `log P / lp`; the first entry is the answer. It is no list of the
-# model's `n` best translations: the beam drops a prefix as soon as `k`
-# others outrank it, so a translation that would rank second may never
-# finish, and the list holds `k` entries only because the search stops once
-# `k` have finished. Hence `n` at most `k`: a wider list needs a wider beam.
-# The fast loop of section 7 returns the same lists, scores within rounding
-# (`test_the_two_loops_return_the_same_nbest_lists_and_scores`,
-# `test_nbest_above_the_beam_is_refused`).
+# **n-best.** With `nbest=n` (`n <= k`), `beam_search` returns each
+# sentence's finished translations (at `max_len`, with the prefixes ranked
+# beside them) in score order, each with its `log P` and score; the first is
+# the answer. It is no list of the model's `n` best translations: a prefix
+# leaves the beam once `k` others outrank it, and the search stops once `k`
+# have finished, so a longer list needs a wider beam
+# (`test_nbest_above_the_beam_is_refused`; the fast loop of section 7 returns
+# the same lists, `test_the_two_loops_return_the_same_nbest_lists_and_scores`).
 #
 # **Batching.** `B` sentences run together as `B * k` rows, row `b*k + j`
 # being hypothesis `j` of sentence `b`. The memory is computed once per
@@ -293,16 +273,15 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 # is independent of the others in the batch
 # (`test_batched_beam_equals_one_sentence_at_a_time`).
 #
-# **The loop and its decoder.** `_search` holds these rules, once. What it
-# asks of the model is a decoder's: the logits after each prefix, the best
-# `2k` candidates, and its rows reordered along the beams. `_Decoder` does
-# it with `model.decode`: with `use_cache=True` each step feeds only the
-# newest token and the cache, the memory and the mask are reordered with the
-# beams (section 5; one index for every row keeps it simple); with
-# `use_cache=False` each step recomputes the decoder over the whole prefix
-# (`test_beam_search_without_the_cache_recomputes_the_whole_prefix`), with
-# the same tokens (`test_cached_beam_equals_recomputed_beam`). Section 7's
-# `_FastDecoder` does the same with less work.
+# **The loop and its decoder.** `_search` holds these rules, once. It asks
+# a decoder for the logits after each prefix, the best `2k` candidates, and
+# its rows reordered along the beams. `_Decoder` does it with `model.decode`:
+# with the cache, each step feeds the newest token and reorders the cache,
+# memory and mask with the beams (section 5); without
+# (`test_beam_search_without_the_cache_recomputes_the_whole_prefix`), each
+# step recomputes the whole prefix, with the same tokens
+# (`test_cached_beam_equals_recomputed_beam`). Section 7's `_FastDecoder`
+# does the same with less work.
 
 
 # %%
@@ -511,42 +490,30 @@ class _Decoder:
 #   product of `[y, 1]` with `[W_gen, b]^T`: one more column of ones instead
 #   of one more pass over the `A*k x V` logits (`_generator_with_bias_inside`).
 #
-# The two loops compute the same function with the sums in another order, so
-# they round differently: in float64 they return the same hypotheses with
-# scores within 1e-12, in float32 the same hypotheses with scores within 1e-4,
-# on the shipped model and on random ones in both attention forms, beam 1 to
-# 5, with and without length penalty, cut at the length limit or not
+# The two loops compute the same function with the sums in another order:
+# in float64 they return the same hypotheses with scores within 1e-12, in
+# float32 within 1e-4, on the shipped model and on random ones
 # (`test_fast_loop_equals_readable_loop_on_the_shipped_model`,
 # `test_fast_loop_equals_readable_loop_on_random_models`). `_search` chooses
-# it in one place: `fast=True` (the default of `beam_search` and
-# `translate_ids`), the cache in use, and a model of the main chapter (the
-# decoder runs its layers itself); `fast=False` runs the readable loop
-# (`test_the_fast_setting_chooses_the_decoder`). The translator keeps freed
-# memory on the CPU, so each step's logits reuse the pages of the step
-# before (`annotated/plumbing/allocator.py`;
-# benchmarks/README.md#levers-shared-memory-freed-memory-windows).
+# the fast loop in one place: `fast=True` (the default), the cache in use,
+# and a model of the main chapter; `fast=False` runs the readable loop
+# (`test_the_fast_setting_chooses_the_decoder`).
 #
 # **int8.** `--quantize int8` runs the larger products in int8
-# (`annotated/decoding/quantize.py` says which, and why). Each weight is then
-# off by at most half a step of its column's largest magnitude / 127, small
-# beside the gaps between the log-probabilities the search ranks: most
-# translations do not change, and BLEU stays within a margin of float32's
-# (`test_int8_bleu_stays_within_the_margin_of_float32`; the figures:
-# benchmarks/README.md#two-rounds-before). The activations' scale is taken
-# over the whole batch at each call, so an int8 translation can depend on
-# the sentences batched with it, which a float32 one does not
-# (`test_batched_beam_equals_one_sentence_at_a_time`). The fast loop reads
-# an int8 attention's circuits from `float_attention` (`quantize.py`), so
-# only the activations' rounding differs between the loops: in int8 they
-# may break a near-tie differently, and each loop's score of its translation
-# is the int8 model's log-probability of it within 0.1 nats per token
-# (`test_each_loop_scores_its_int8_translations_as_the_int8_model_does`).
-# Every option with every other (beam 1 and 4, both loops, float32 and int8,
-# both attention forms, d_model 128 to 512, an imported Marian model)
-# translates, and the loops agree exactly in float32
-# (`tests/decoding/test_option_matrix.py`: `test_every_cell_translates`,
-# `test_the_two_loops_translate_the_same_in_float32`,
-# `test_int8_logits_stay_near_float32s_on_its_translations`).
+# (`annotated/decoding/quantize.py` says which, and what that gains). Each
+# weight is then off by at most half a step of its column's largest
+# magnitude / 127, small beside the gaps between the log-probabilities the
+# search ranks: most translations do not change, and BLEU stays within a
+# margin of float32's (`test_int8_bleu_stays_within_the_margin_of_float32`).
+# The activations' scale is taken over the whole batch, so an int8
+# translation can depend on the sentences batched with it
+# (`test_batched_beam_equals_one_sentence_at_a_time`). The fast loop reads an
+# int8 attention's circuits from `float_attention`, so only the activations'
+# rounding differs between the loops: they may break a near-tie differently,
+# and each loop's score is the int8 model's log-probability within 0.1 nats
+# per token (`test_each_loop_scores_its_int8_translations_as_the_int8_model_does`).
+# Every option with every other translates, and the loops translate the same
+# in float32 (`tests/decoding/test_option_matrix.py`).
 
 
 # %%
@@ -711,24 +678,22 @@ def _block_size(V: int, n: int) -> int:
 # ## 8. Translating many sentences
 #
 # `translate_ids` is what the rest of the project calls: lists of subword ids
-# in, lists of subword ids out, with greedy (`beam_size=1`) or beam search.
-# It runs under `torch.inference_mode`, not only without gradients: PyTorch
-# then keeps no version counters or view records for the tensors of the
-# search (benchmarks/README.md#levers-one-beam-at-the-start-inference-mode).
-# No tensor leaves it, so nothing of inference mode reaches the caller, and
-# the model trains after it
+# in, lists of subword ids out, greedy (`beam_size=1`) or beam search. It
+# runs under `torch.inference_mode`, so PyTorch keeps no version counters or
+# view records for the search's tensors
+# (benchmarks/README.md#levers-one-beam-at-the-start-inference-mode); no
+# tensor leaves it, so the model trains after it
 # (`test_translate_ids_searches_in_inference_mode_and_the_model_trains_after_it`).
 #
-# **More than one thread.** A beam step is a few hundred operators, most of
-# them too small for PyTorch to share between threads. So on the CPU with
-# `n` threads `translate_ids` translates `n` batches at once, each on one
-# thread (Python threads: PyTorch lets go of the interpreter inside its
-# operators), with PyTorch's thread count 1 while they run
-# (benchmarks/README.md#levers-the-circuits-two-threads). Each batch is
-# searched as it would be alone, so the translations are those of one
-# thread, in input order
-# (`test_translate_ids_on_two_threads_runs_two_batches_at_once_and_translates_the_same`);
-# inference mode belongs to a thread, so each batch enters it
+# **More than one thread.** Most of a beam step's few hundred operators are
+# too small for PyTorch to share between threads, so on the CPU with `n`
+# threads `translate_ids` searches `n` batches at once, each on one thread
+# (PyTorch lets go of the interpreter inside its operators;
+# benchmarks/README.md#levers-the-circuits-two-threads). Each batch is
+# searched as it would be alone: the translations are those of one thread,
+# in input order
+# (`test_translate_ids_on_two_threads_runs_two_batches_at_once_and_translates_the_same`).
+# Inference mode belongs to a thread, so each batch enters it
 # (`_translate_batch`).
 
 
