@@ -127,7 +127,7 @@ TIMINGS = (
 )
 # Durations that are settings of the code, not measurements: (file, the words around them).
 SETTINGS = (
-    ("annotated/decoding/translate.py", "back in this code every 0.2 s"),  # next_item's timeout
+    ("annotated/decoding/translate.py", "back in this code every 0.2 s"),  # arrived_windows' timeout
     ("annotated/training/config.py", "within the goal of half an hour"),  # the cpu preset's budget
 )
 

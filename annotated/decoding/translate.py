@@ -27,21 +27,17 @@
 #
 # Everything the model needs comes from the checkpoint
 # (`annotated/checkpoint.py`): the config, the parameters, the sentencepiece
-# model the training data was cut with, so the translator splits words into
-# exactly the subwords the model knows, and the length penalty its run chose
-# on validation (`model_length_penalty`, `annotated/decoding/settings.py`;
-# the shipped models carry theirs,
-# `test_the_shipped_alpha_is_the_one_the_rule_picks_on_validation`), else the
-# paper's 0.6 (why it stays the default: `docs/training.md`).
-# `--length-penalty` overrides it.
-# (`tests/decoding/test_translate.py`:
-# `test_the_translator_decodes_at_the_models_length_penalty_unless_told`.)
+# model its training data was cut with, and the length penalty its run chose
+# on validation (`model_length_penalty`, `annotated/decoding/settings.py`),
+# else the paper's 0.6; `--length-penalty` overrides it
+# (`test_the_translator_decodes_at_the_models_length_penalty_unless_told`).
 
 # %%
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import operator
 import os
@@ -77,37 +73,33 @@ NAME = DOOR.name
 # %% [markdown]
 # ## 1. Which checkpoint
 #
-# `--checkpoint PATH`, or else the door's rule (`annotated/door.py`): the
-# latest training run's model, else the model shipped for the direction asked
-# (`--src`/`--tgt`, default de -> en), said in one line on stderr. The
-# shipped models learnt from Multi30k's image captions: they translate photo
-# captions, not everyday language.
+# `--checkpoint PATH`, or else the door's rule (`annotated/door.py`), said in
+# one line on stderr. The shipped models learnt from Multi30k's image
+# captions: they translate photo captions, not everyday language.
 
 # %% [markdown]
 # ## 2. From text to subword ids, and the input rules
 #
 # A line of text becomes the model's source by sentencepiece alone: no `bos`,
-# no `eos`, exactly as training and evaluation encode sources. Some input
-# cannot be used as it stands; each case has one rule, which `--help` prints
-# (`RULES`), and a note on stderr that names the line (`prepare`); a bad
-# line gets an empty answer, and the process goes on with the next line. A
-# sentence of more than `LONG_SENTENCE` characters is split at clause ends
-# even within `max_len` (`clauses_within`): a model that never saw a longer
-# sentence tends to end one after its first clauses, losing the rest.
+# no `eos`, as training encodes sources. Input that cannot be used as it
+# stands has one rule per case, which `--help` prints (`RULES`); `prepare`
+# applies them and names the line in a note on stderr; a bad line gets an
+# empty answer, and the next line is served. Two rules need a reason:
 #
-# **Unseen characters** (emoji, symbols, other scripts) are set aside. The
-# tokenizer could spell them in UTF-8 byte pieces, but the model never saw
-# those in a sentence, and one emoji could change the whole translation. Set
-# aside, a sentence with an emoji translates exactly as the sentence without
-# it, and the emoji is kept, each run in order at the end of its sentence's
-# translation: an untrained position in the source says nothing about where
-# it belongs in the target
-# (`test_unseen_characters_are_set_aside_and_put_back_at_the_end`).
+# - **A sentence longer than `LONG_SENTENCE` characters** is split at clause
+#   ends even within `max_len` (`clauses_within`): a model that never saw a
+#   longer sentence tends to end one after its first clauses.
+# - **Unseen characters** (emoji, symbols, other scripts) are set aside: the
+#   tokenizer could spell them in UTF-8 byte pieces, but the model never saw
+#   those, and one emoji could change the whole translation. Set aside, a
+#   sentence with an emoji translates as the sentence without it, and the
+#   emoji follows its sentence's translation: an untrained source position
+#   says nothing about where it belongs in the target
+#   (`test_unseen_characters_are_set_aside_and_put_back_at_the_end`).
 #
-# Standard input is read as bytes and decoded line by line (a bad byte
-# becomes U+FFFD, itself unseen): a text-mode `sys.stdin` would raise on the
-# first bad byte and lose every later line. It is read at most
-# `MAX_LINE_BYTES + 2` bytes at a time, so a line of 50 MB costs no more
+# Standard input is read as bytes, at most `MAX_LINE_BYTES + 2` at a time,
+# and decoded line by line: a text-mode `sys.stdin` would raise on the first
+# bad byte and lose every later line, and a line of 50 MB costs no more
 # memory than a short one (`test_a_huge_line_is_never_held_in_memory`).
 # Lines are counted from 1; a sentence on the command line is "argument N".
 
@@ -303,21 +295,17 @@ def prepare(
 # %% [markdown]
 # ## 3. Translating, many lines at once
 #
-# The sources go through `translate_ids` (`annotated/decoding/search.py`,
-# section 8), an output at most `min(max_len, S + max_extra)` subwords for a
-# source of `S`. The ids up to `eos` are turned back into text by
-# sentencepiece; the parts of a line are joined with spaces and its
-# set-aside characters follow. Byte pieces can spell a line break, and the
-# output must stay one line per sentence: each becomes a space.
+# The sources go through `translate_ids` (`search.py`, section 8). The ids up
+# to `eos` become text again by sentencepiece, the parts of a line joined
+# with spaces and its set-aside characters after them; a line break spelt by
+# byte pieces becomes a space, so the output stays one line per sentence.
 #
 # **n-best and scores.** With `nbest=n`, each source's `n` best hypotheses
 # come with `log P(Y | X)` and their score `log P / lp(|Y|)` (search.py,
-# sections 4 and 6). A line translated in parts has as many hypotheses as its
-# part with the fewest; hypothesis `i` joins the `i`-th of each part, and its
-# log-probability and score are the sums of the parts' (the parts are
-# searched independently). A line with nothing to search has one hypothesis,
-# its answer, with no scores. The first hypothesis is the one-best
-# translation, word for word
+# sections 4 and 6). A line in parts has as many hypotheses as its part with
+# the fewest; hypothesis `i` joins the parts' `i`-th, its log-probability and
+# score their sums (the parts are searched independently). The first
+# hypothesis is the one-best translation
 # (`test_the_first_of_the_nbest_is_the_translation_and_scores_are_the_searchs`).
 
 
@@ -402,16 +390,13 @@ def translate(
 # %% [markdown]
 # ## 4. Reading: windows of lines
 #
-# Command-line sentences and a file on standard input are read `WINDOW`
-# lines at a time. A pipe may deliver its lines slowly (a program sending one
-# and waiting for the answer), so a thread reads it into a queue, and each
-# window takes the first line that comes and then those already waiting. A
-# terminal gets windows of one line, after one line on stderr that says it
-# waits (`WAITING`); a progress bar on a terminal's stderr follows a file.
-# The more lines `translate_ids` sorts by length, the more alike the lengths
-# within a batch, and the fewer steps a batch runs for its longest sentence
-# (benchmarks/README.md#levers-shared-memory-freed-memory-windows); memory
-# stays bounded by a window's lines.
+# Sentences are read `WINDOW` lines at a time: the more lines `translate_ids`
+# sorts by length, the fewer steps a batch runs for its longest sentence
+# (benchmarks/README.md#levers-shared-memory-freed-memory-windows), and
+# memory stays bounded by a window. A pipe may deliver its lines slowly, so a
+# thread reads it into a queue, and a window is the first line to come and
+# those already waiting; a terminal gets windows of one line, after
+# `WAITING`; a file on a terminal's stderr gets a progress bar.
 
 
 # %%
@@ -441,85 +426,63 @@ def _is_pipe(stream) -> bool:
 
 def windows(items: Iterable, size: int) -> Iterator[list]:
     """Consecutive lists of at most `size` items."""
-    window = []
-    for item in items:
-        window.append(item)
-        if len(window) == size:
-            yield window
-            window = []
-    if window:
+    items = iter(items)
+    while window := list(itertools.islice(items, size)):
         yield window
 
 
 _END = object()
 
 
-def next_item(waiting: queue.Queue):
-    """The next item, waiting as long as it takes, but back in this code every 0.2 s: a Ctrl-C while it waits is
-    raised here (annotated/plumbing/interrupts.py raises only in the project's own code, which a bare
-    `waiting.get()` would never return to)."""
-    while True:
-        try:
-            return waiting.get(timeout=0.2)
-        except queue.Empty:
-            continue
-
-
 def arrived_windows(items: Iterable, size: int) -> Iterator[list]:
-    """Windows of at most `size` items: the next item to come, then those already read (by a thread)."""
+    """Windows of at most `size` items: the next item to come, then those already read (by a thread). It waits
+    back in this code every 0.2 s: a Ctrl-C while it waits is raised here (annotated/plumbing/interrupts.py
+    raises only in the project's own code, which a bare `waiting.get()` would never return to)."""
     waiting: queue.Queue = queue.Queue(maxsize=size)
 
     def read() -> None:
-        for item in items:
+        for item in itertools.chain(items, [_END]):
             waiting.put(item)
-        waiting.put(_END)
 
     threading.Thread(target=read, daemon=True).start()
     while True:
-        window = [next_item(waiting)]
-        while window[-1] is not _END and len(window) < size:
-            try:
+        window: list = []
+        while not window:
+            with contextlib.suppress(queue.Empty):
+                window.append(waiting.get(timeout=0.2))
+        with contextlib.suppress(queue.Empty):
+            while window[-1] is not _END and len(window) < size:
                 window.append(waiting.get_nowait())
-            except queue.Empty:
-                break
-        done = window[-1] is _END
-        if done:
-            window.pop()
-        if window:
+        if window[-1] is not _END:
             yield window
-        if done:
-            return
+            continue
+        if window[:-1]:
+            yield window[:-1]
+        return
 
 
 # %% [markdown]
 # ## 5. The command line
 #
 # Expected failures end the process with one line on stderr and exit code 2,
-# without a traceback: a missing, corrupt or incompatible checkpoint, one
-# without a tokenizer, or options that make no sense, alone
-# (`annotated/plumbing/options.py`) or together (`_refused`), refused before
-# the checkpoint is opened. Ctrl-C ends it with exit code 130, also while
-# torch is still loading (`annotated/plumbing/interrupts.py`); a closed
-# output pipe (`... | head -1`) ends it quietly with 0.
-#
-# The options the help describes: `--input`/`--output` files, an existing
-# `--output` kept unless `--force` is given, as the door keeps any output
-# (`test_input_and_output_files_and_no_output_overwritten_without_force`,
-# `test_input_with_sentences_or_onto_itself_is_refused`); n-best lists and
-# scores as `LINE ||| translation ||| log P ||| score` lines (LINE from 0,
-# as Moses and Marian number their n-best lists) or JSON lines (`formatted`,
+# before the checkpoint is opened where the options alone or together are
+# wrong (`annotated/plumbing/options.py`, `_refused`); Ctrl-C ends it with
+# 130 (`annotated/plumbing/interrupts.py`); a closed output pipe
+# (`... | head -1`) ends it quietly with 0. The options' help says what each
+# does: an existing `--output` is kept unless `--force`, as the door keeps
+# any output (`test_input_and_output_files_and_no_output_overwritten_without_force`,
+# `test_input_with_sentences_or_onto_itself_is_refused`); n-best lines are
+# numbered from 0, as Moses and Marian number theirs (`formatted`,
 # `test_nbest_and_scores_in_text_are_numbered_lines`,
-# `test_bad_new_options_exit_2_with_one_line_before_loading`); `--batch-size`
-# and `--threads`
-# (`test_batch_size_and_threads_reach_the_search_and_threads_are_restored`).
+# `test_bad_new_options_exit_2_with_one_line_before_loading`,
+# `test_batch_size_and_threads_reach_the_search_and_threads_are_restored`).
 #
-# **Word alignments.** `--alignment` adds to each hypothesis its word
-# alignment, read by `annotated/decoding/alignment.py` from the
-# cross-attention head Part V names best as a word aligner: the one
+# **Word alignments.** `--alignment` reads each hypothesis' word alignment
+# (`annotated/decoding/alignment.py`) from the cross-attention head
 # `--alignment-head` gives, else the checkpoint's (the shipped models carry
 # theirs, `test_each_shipped_model_carries_the_head_the_circuits_rule_picks`),
 # else the one `make circuits` wrote beside it (`_alignment_head`); without
-# one, `--alignment` is refused
+# one it is refused
 # (`test_alignment_reads_the_head_given_or_the_checkpoints_and_is_refused_without_one`,
 # `test_alignment_reads_the_head_make_circuits_wrote_beside_the_checkpoint`,
 # `test_alignment_in_text_with_every_option`). A line in parts numbers each
@@ -696,10 +659,6 @@ def _answer(model, tokenizer, table, window: list, args) -> tuple[list[Line], li
     return prepared, answers
 
 
-def _number(x: float | None) -> str:
-    return "-" if x is None else f"{x:.6f}"
-
-
 def formatted(index: int, source: str, answers: list[Answer], args) -> str:
     """The output of input line `index` (from 0) with text `source`, its line end(s) included.
 
@@ -719,7 +678,8 @@ def formatted(index: int, source: str, answers: list[Answer], args) -> str:
         return json.dumps({"line": index, "source": source, "hypotheses": hypotheses}, ensure_ascii=False) + "\n"
     if _plain(args):
         return answers[0].text + "\n"
-    scores = lambda a: f" ||| {_number(a.log_prob)} ||| {_number(a.score)}" if args.scores else ""
+    number = lambda x: "-" if x is None else f"{x:.6f}"
+    scores = lambda a: f" ||| {number(a.log_prob)} ||| {number(a.score)}" if args.scores else ""
     aligned = lambda a: f" ||| {a.alignment or ''}" if getattr(args, "alignment", False) else ""
     return "".join(f"{index} ||| {a.text}{scores(a)}{aligned(a)}\n" for a in answers)
 
@@ -825,11 +785,8 @@ def _serve(model, tokenizer, table, args, stdin, stdout, stderr: TextIO) -> int:
         for window in _input_windows(args, stdin, stderr):
             prepared, answers = _answer(model, tokenizer, table, window, args)
             for (_, text, _), line, answer in zip(window, prepared, answers):
-                for note in line.notes:
-                    if bar is not None:
-                        bar.write(f"{line.where}: {note}", file=stderr)
-                    else:
-                        print(f"{line.where}: {note}", file=stderr, flush=True)
+                for note in line.notes:  # above the bar, where there is one
+                    (bar.write if bar is not None else print)(f"{line.where}: {note}", file=stderr)
                 stdout.write(formatted(index, text or "", answer, args).encode("utf-8"))
                 index += 1
             stdout.flush()
