@@ -40,47 +40,40 @@ from annotated.transformer import AttentionForm
 #
 # An exported folder holds what `save_pretrained` writes (`config.json`,
 # `generation_config.json`, `model.safetensors`: Marian's own tensors,
-# section 1 of `marian.py`), the tokenizer files of `MarianTokenizer`, a
-# model card, `README.md` (`card.py`), `annotated.json` and, where
-# `ctranslate2` is installed, `ctranslate2/` (both below). The tokenizer is
-# our sentencepiece model as both `source.spm` and `target.spm`, and
-# `vocab.json` maps each piece to our id, the appended pad row named `<pad>`
-# as in OPUS-MT (so our own pad's piece, id 0, never produced from text,
-# becomes `<annotated-pad>`). `tokenizer_config.json` names the language pair
-# and the model's positions (`model_max_length`), so that `truncation=True`
-# cuts a long source to what the model can read
-# (`test_a_long_source_goes_through_generate`). `MarianTokenizer` appends
-# `</s>` to every source, and our models were trained without it: encode with
-# `tokenizer(text, add_special_tokens=False)`.
+# section 1 of `marian.py`), `MarianTokenizer`'s files, a model card
+# `README.md` (`card.py`), `annotated.json` and, where `ctranslate2` is
+# installed, `ctranslate2/`. The tokenizer is our sentencepiece model as both
+# `source.spm` and `target.spm`; `vocab.json` maps each piece to our id, the
+# appended pad row named `<pad>` as in OPUS-MT (so our own pad, id 0, becomes
+# `<annotated-pad>`). `tokenizer_config.json` names the language pair and
+# `model_max_length`, so that `truncation=True` cuts a long source to what the
+# model reads (`test_a_long_source_goes_through_generate`). `MarianTokenizer`
+# appends `</s>` to every source, and our models were trained without it:
+# encode with `tokenizer(text, add_special_tokens=False)`.
 #
-# The generation config asks for our translator's search where
-# `transformers` has it: the translator's beam, `early_stopping=True` (our
-# rule), and `transformers`' default `length_penalty=1.0`, since no setting
-# of `generate`'s `|Y|^length_penalty` ranks as GNMT's alpha does (section 6
-# of `marian.py`). It and `config.json` name the same special ids: the
-# decoder starts with our `bos` (id 1), `<pad>` pads, `</s>` ends
+# The generation config asks for our translator's beam and
+# `early_stopping=True` (our rule), with `transformers`' default
+# `length_penalty=1.0`: no setting of `generate`'s `|Y|^length_penalty` ranks
+# as GNMT's alpha does (section 6 of `marian.py`). It and `config.json` name
+# the same special ids
 # (`test_the_generation_config_starts_the_decoder_with_our_first_input`).
 #
 # **`annotated.json`** carries what our translator decodes with beyond the
-# model, which `transformers` ignores and `make import` reads back: the
-# length penalty the checkpoint chose (`model_length_penalty`,
-# `annotated/decoding/settings.py`) and its recasing table
-# (`annotated/decoding/casing.py`), so that an export imported back
-# translates as the checkpoint did, byte for byte, recasing included
-# (`test_export_then_import_translates_as_the_checkpoint`).
+# model, which `make import` reads back: the checkpoint's length penalty
+# (`model_length_penalty`) and recasing table (`annotated/decoding/casing.py`),
+# so that an export imported back translates as the checkpoint did, byte for
+# byte (`test_export_then_import_translates_as_the_checkpoint`).
 #
-# **`ctranslate2/`** is the model for CTranslate2: written in its layout
-# (section 1 of `marian.py`) to a scratch folder and converted there by
-# CTranslate2's own converter (`TransformersConverter`, the code of
-# `ct2-transformers-converter`); it loads with
-# `ctranslate2.Translator("<folder>/ctranslate2")`
-# (`test_the_exported_ctranslate2_model_gives_our_log_probabilities`). A
-# checkpoint without a tokenizer exports none (the converter needs it).
+# **`ctranslate2/`** is written in CTranslate2's layout (section 1 of
+# `marian.py`) to a scratch folder and converted there by CTranslate2's own
+# converter (`TransformersConverter`, the code of
+# `ct2-transformers-converter`); `ctranslate2.Translator("<folder>/ctranslate2")`
+# loads it (`test_the_exported_ctranslate2_model_gives_our_log_probabilities`).
+# A checkpoint without a tokenizer exports none (the converter needs it).
 #
-# Nothing is overwritten without `--overwrite`: the folder is written
-# beside its target under a temporary name and renamed into place at the end,
-# and an existing target is replaced only with `--overwrite` and only if it
-# holds a `config.json` (it looks like a model folder, not a home directory).
+# The folder is written beside its target under a temporary name and renamed
+# into place at the end; an existing one is replaced only with `--overwrite`
+# and only if it holds a `config.json` (a model folder, not a home directory).
 
 
 # %%
@@ -116,10 +109,7 @@ def _write_tokenizer(tokenizer, folder: Path, size: int, meta: dict, max_len: in
     ).save_pretrained(str(folder))
 
 
-GENERATE_LENGTH_PENALTY = 1.0  # transformers' default: generate's |Y|^length_penalty, not our GNMT alpha
-
-
-def generation_config(config, length_penalty: float = GENERATE_LENGTH_PENALTY):
+def generation_config(config):
     """The export's generation config: our translator's search where `generate` has it, and the special ids of the
     model's MarianConfig `config`."""
     from transformers import GenerationConfig
@@ -131,7 +121,7 @@ def generation_config(config, length_penalty: float = GENERATE_LENGTH_PENALTY):
         pad_token_id=config.pad_token_id,
         num_beams=Decoding.beam,  # the translator's
         early_stopping=True,
-        length_penalty=length_penalty,
+        length_penalty=1.0,  # transformers' default: generate's |Y|^length_penalty is not our GNMT alpha
         max_length=config.max_position_embeddings,
         forced_eos_token_id=None,
     )

@@ -69,39 +69,33 @@ FROM_MARIAN_ACTIVATION: dict[str, Activation] = {"relu": "relu", "gelu": "gelu",
 # Our decoder starts every translation with `bos` (id 1) and pads with `pad`
 # (id 0), which the masks hide. Marian starts its decoder with
 # `decoder_start_token_id`, which in every OPUS-MT model *is* the pad id, the
-# last row of the vocabulary, and its embedding row is zero: the decoder's
-# first input is the positional vector of position 0 alone. So:
+# last row of the vocabulary, with a zero embedding. So:
 #
-# - **Export** keeps our ids 0 ... V-1 as they are and starts Marian's
-#   decoder with our `bos` (`decoder_start_token_id` = 1): Marian's first
-#   decoder input is then `sqrt(d_model) E[bos] + P[0]`, where `P` is its own
-#   sinusoid table, which is ours renumbered (`layout.py`), so it is our first
-#   input `sqrt(d_model) E[bos] + PE[0]` bit for bit, and the folder holds
-#   nothing but Marian's own tensors. One row is appended, id V, named
-#   `<pad>`: Marian's pad, a zero embedding with the output bias `-inf` (never
-#   predicted), as in OPUS-MT. Our logits are the export's, id for id, plus one
-#   logit `-inf` that changes no softmax (`test_export_gives_our_logits`), and
-#   a model loaded from the folder and saved again by `transformers`'
-#   `save_pretrained` is the same model
+# - **Export** keeps our ids 0 ... V-1 and starts Marian's decoder with our
+#   `bos` (`decoder_start_token_id` = 1): its first decoder input,
+#   `sqrt(d_model) E[bos] + P[0]` with `P` our sinusoids renumbered
+#   (`layout.py`), is ours bit for bit, and the folder holds nothing but
+#   Marian's own tensors. One row is appended, id V, named `<pad>`: Marian's
+#   pad, a zero embedding with the output bias `-inf`, as in OPUS-MT. Our
+#   logits are the export's, id for id, plus one logit `-inf` that changes no
+#   softmax (`test_export_gives_our_logits`), also after `save_pretrained`
 #   (`test_the_export_survives_save_pretrained`). The config records the
 #   layout (`annotated_vocab_sizes`), so import gives our ids back.
 #
-#   **CTranslate2 needs another layout.** Its converter
-#   (`ct2-transformers-converter`) counts on OPUS-MT's zero start row: it
-#   starts every Marian decoder from a zero embedding plus the positional
-#   table's first row, and cuts a last `<pad>` entry off the vocabulary. So
-#   for CTranslate2 the start vector `sqrt(d_model) E[bos] + PE[0]` must be
-#   the decoder's first *positional* row, stored in the folder, with a zero
-#   start row (`to_marian(..., for_ctranslate2=True)`). No one folder serves
-#   both (`transformers` reads `E[start] + P[0]`, and `save_pretrained` does
-#   not write the positional tables), so the export is the `transformers`
-#   layout above and beside it, where `ctranslate2` is installed,
-#   `ctranslate2/`: the CTranslate2 layout converted by CTranslate2's own
-#   converter (`folders.py`). The stock converter run on the `transformers`
-#   folder itself would start from a zero vector, which this model never saw
+#   **CTranslate2 needs another layout.** Its converter starts every Marian
+#   decoder from a zero embedding plus the positional table's first row, and
+#   cuts a last `<pad>` entry off the vocabulary. So for CTranslate2 our start
+#   vector must be the decoder's first *positional* row, stored in the
+#   folder, with a zero start row (`to_marian(..., for_ctranslate2=True)`).
+#   No one folder serves both (`save_pretrained` does not write the
+#   positional tables), so beside the `transformers` layout the export holds,
+#   where `ctranslate2` is installed, `ctranslate2/`: the CTranslate2 layout
+#   converted by CTranslate2's own converter (`folders.py`). The stock
+#   converter run on the `transformers` folder would start from a zero vector
+#   this model never saw
 #   (`test_the_stock_converter_on_the_transformers_folder_starts_from_zero`).
-#   Exports written before this layout (start row `<pad>`, the start vector
-#   in the stored positional row) still import
+#   Exports in the older layout (start row `<pad>`, the start vector in the
+#   stored positional row) still import
 #   (`test_an_export_in_the_older_layout_still_imports`).
 # - **Import** of any other folder maps Marian's pad, decoder start, `eos` and
 #   `unk` to our ids 0, 1, 2, 3 and keeps the other ids in their order after
@@ -385,16 +379,15 @@ def from_marian(
 # ## 5. What the tests establish
 #
 # The tests cited above build every model from a config with random weights
-# (transformers' initialisation scaled up, so that logits spread over several
-# units and any slip shows), nothing downloaded: our logits are Marian's
-# within 1e-9 in float64 after import (within 1e-12 for every activation
-# spelling and table option,
-# `test_every_activation_spelling_and_table_option_imports_as_the_same_function`;
+# (scaled up, so that logits spread over several units and any slip shows),
+# nothing downloaded: our logits are Marian's within 1e-9 in float64 after
+# import, within 1e-12 for every activation spelling and table option
+# (`test_every_activation_spelling_and_table_option_imports_as_the_same_function`;
 # the others are refused, `test_an_activation_we_do_not_have_is_refused`),
-# within 1e-12 in float64 and 1e-4 in float32 after export; export then import
-# gives back every parameter bit for bit (`test_round_trip_is_exact`). The
-# export's `ctranslate2/` model gives our log-probabilities and translations
-# (`test_the_exported_ctranslate2_model_gives_our_log_probabilities`,
+# within 1e-12 in float64 and 1e-4 in float32 after export; export then
+# import gives back every parameter bit for bit (`test_round_trip_is_exact`),
+# and the export's `ctranslate2/` model our log-probabilities and
+# translations (`test_the_exported_ctranslate2_model_gives_our_log_probabilities`,
 # `test_the_exported_ctranslate2_model_translates_as_we_do`).
 #
 # Our `beam_search` and `generate` with `num_beams=4`, `early_stopping=True`
