@@ -1,12 +1,10 @@
 """Word alignments read from one cross-attention head: the translator's `--alignment`.
 
-Part V (`annotated/circuits/`, `docs/circuits.md`) scores every cross-attention head as a word aligner against
-eflomal and names the best one, the head the translator reads. This module only reads a given head, so that the
-translator, below circuits/, can use it: teacher-force the translation, record the head's attention
-(`annotated/recording.py`), and link each target word to the source word its first subword's row attends to most.
-The rule is Part V's (`attention_to_word_links`, after Garg et al., 2019): subword `y_p` is linked from the row that
-predicted it (the decoder input before it, `bos` for the first); subwords merge into words at `▁`, a word's links
-the union of its subwords'. Pairs are written `i-j` (source word i, target word j, from 0), as eflomal writes them.
+Part V (`annotated/circuits/`, `docs/circuits.md`) names the cross-attention head that aligns words best; this
+module reads a given head, so that the translator, below circuits/, can use it: teacher-force the translation,
+record the head's attention (`annotated/recording.py`), and link each subword `y_p` to the source subword most
+attended by the row that predicted it, Part V's rule (`attention_to_word_links`, after Garg et al., 2019); words
+start at `▁`. Pairs are written `i-j` (source word i, target word j, from 0), as eflomal writes them.
 
 >>> word_numbers(["▁Ein", "▁Spiel", "haus", "▁", "東", "</s>"])
 [0, 1, 1, None, 2, None]

@@ -83,12 +83,10 @@ def _score_dtype(dtype: torch.dtype) -> torch.dtype:
 # %% [markdown]
 # ## 2. Greedy decoding
 #
-# Greedy decoding is `greedy_decode` from the main chapter (section 7): at
-# each step append `argmax_w p(w | prefix, X)`, stop a sentence at `eos`. Here
-# it only gains the checks above and the project's token ids as defaults.
-# Greedy is fast and often good, but it can walk into a prefix whose
-# continuations are all poor: one good-looking word can rule out the best
-# sentence. (`test_beam_finds_what_greedy_misses` builds such a case.)
+# `greedy_decode` of the main chapter (section 7), with the checks above:
+# each step appends `argmax_w p(w | prefix, X)`. It is fast and often good,
+# but one good-looking word can rule out the best sentence
+# (`test_beam_finds_what_greedy_misses` builds such a case).
 
 
 # %%
@@ -110,13 +108,10 @@ def greedy(
 # %% [markdown]
 # ## 3. Scoring a given translation
 #
-# To compare decoders we need the log-probability of a sequence they
-# returned. Teacher forcing computes all its conditionals in one pass: feed
-# `bos y_1 ... y_{n-1}`, read `log p(y_t | y_{<t}, X)` at every position, and
-# sum up to and including the first `eos` (a sequence without `eos` was cut
-# at `max_len` and counts all its tokens). The decoder sees the same causal
-# mask as during decoding and no padding mask on the target, exactly as the
-# decoders see their own output.
+# Teacher forcing computes all the conditionals of a returned sequence in
+# one pass: feed `bos y_1 ... y_{n-1}` under the causal mask, read
+# `log p(y_t | y_{<t}, X)` at every position, and sum up to and including
+# the first `eos` (a sequence cut at `max_len` counts all its tokens).
 
 
 # %%
@@ -450,13 +445,11 @@ class _Decoder:
 # %% [markdown]
 # ## 7. The same search with less around it
 #
-# A beam step does two kinds of work: the **products** (the decoder layers,
-# the generator onto the vocabulary, attention) and **the rest** (a
-# log-softmax over the `A*k x V` logits, the topk over each sentence's
-# `k * V` candidates, the cache reordered row by row, the prefixes copied).
-# For a model as small as the shipped ones the rest takes longer than the
-# products, the topk and the reordering above all
-# (benchmarks/README.md#where-a-beam-search-spends-its-time).
+# A beam step does the **products** (the decoder layers, the generator,
+# attention) and **the rest** (a log-softmax over the `A*k x V` logits, the
+# topk over each sentence's `k * V` candidates, the cache reordered, the
+# prefixes copied). For models as small as the shipped ones the rest takes
+# longer (benchmarks/README.md#where-a-beam-search-spends-its-time).
 # `_FastDecoder` gives `_search` the same steps with less of the rest (the
 # *fast loop*; with `_Decoder`, the *readable loop*):
 #
@@ -713,11 +706,9 @@ def translate_ids(
     """Translate subword-id sequences; returns output ids (up to, not including, eos), in input order. With `nbest`
     n >= 1 (at most `beam_size`), each sentence's n best `Hypothesis` instead (`beam_search`'s lists), ids so cut.
 
-    Training's BLEU, the translator and the attention viewer all decode through it. Sentences go in batches of
-    similar length; a source longer than the model's `max_len` is cut to it, and an output is at most
-    `min(max_len, S + max_extra)` subwords for a source of `S` (the paper's "input length + 50", section 6.1).
-    `beam_size=1` is greedy, its one hypothesis scored by teacher forcing (`sequence_logprob`). `fast` as in
-    `beam_search`.
+    Sentences go in batches of similar length; a source longer than the model's `max_len` is cut to it, and an
+    output is at most `min(max_len, S + max_extra)` subwords for a source of `S`. `beam_size=1` is greedy, its one
+    hypothesis scored by teacher forcing (`sequence_logprob`). `fast` as in `beam_search`.
     """
     check_sources(model, sources, batch_size, max_extra)
     check_beam(beam_size, length_penalty)
