@@ -134,29 +134,19 @@ def permute_residual(state: dict[str, Tensor], perm: Tensor) -> dict[str, Tensor
 # Marian names are those of `MarianMTModel.state_dict()`; the output bias,
 # `final_logits_bias` of shape `(1, V)`, is handled beside them.
 
+
 # %%
-_ATTENTION = (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj"), ("O", "out_proj"))
+def _linear(ours: str, x: str, hf: str) -> list[tuple[str, str, bool]]:
+    """Our W_x (transposed in Marian) and b_x, and Marian's `hf` nn.Linear."""
+    return [(f"{ours}.W_{x}", f"{hf}.weight", True), (f"{ours}.b_{x}", f"{hf}.bias", False)]
 
 
 def _attention(ours: str, hf: str) -> list[tuple[str, str, bool]]:
-    return [
-        pair
-        for x, proj in _ATTENTION
-        for pair in ((f"{ours}.W_{x}", f"{hf}.{proj}.weight", True), (f"{ours}.b_{x}", f"{hf}.{proj}.bias", False))
-    ]
+    return [pair for x, proj in zip("QKVO", ("q", "k", "v", "out")) for pair in _linear(ours, x, f"{hf}.{proj}_proj")]
 
 
 def _norm(ours: str, hf: str) -> list[tuple[str, str, bool]]:
     return [(f"{ours}.ln.weight", f"{hf}.weight", False), (f"{ours}.ln.bias", f"{hf}.bias", False)]
-
-
-def _ffn(ours: str, hf: str) -> list[tuple[str, str, bool]]:
-    return [
-        (f"{ours}.ffn.W_1", f"{hf}.fc1.weight", True),
-        (f"{ours}.ffn.b_1", f"{hf}.fc1.bias", False),
-        (f"{ours}.ffn.W_2", f"{hf}.fc2.weight", True),
-        (f"{ours}.ffn.b_2", f"{hf}.fc2.bias", False),
-    ]
 
 
 def name_pairs(N: int) -> list[tuple[str, str, bool]]:
@@ -166,19 +156,19 @@ def name_pairs(N: int) -> list[tuple[str, str, bool]]:
         ("tgt_embed.weight", "model.decoder.embed_tokens.weight", False),
         ("generator.weight", "lm_head.weight", False),
     ]
+    attentions = {  # side: (our attention, our residual sublayer, Marian's attention), in the layer's order
+        "encoder": [("self_attn", "res_attn", "self_attn")],
+        "decoder": [("self_attn", "res_self", "self_attn"), ("cross_attn", "res_cross", "encoder_attn")],
+    }
     for i in range(N):
-        ours, hf = f"encoder.layers.{i}", f"model.encoder.layers.{i}"
-        pairs += _attention(f"{ours}.self_attn", f"{hf}.self_attn") + _norm(
-            f"{ours}.res_attn", f"{hf}.self_attn_layer_norm"
-        )
-        pairs += _ffn(ours, hf) + _norm(f"{ours}.res_ffn", f"{hf}.final_layer_norm")
-        ours, hf = f"decoder.layers.{i}", f"model.decoder.layers.{i}"
-        pairs += _attention(f"{ours}.self_attn", f"{hf}.self_attn") + _norm(
-            f"{ours}.res_self", f"{hf}.self_attn_layer_norm"
-        )
-        pairs += _attention(f"{ours}.cross_attn", f"{hf}.encoder_attn")
-        pairs += _norm(f"{ours}.res_cross", f"{hf}.encoder_attn_layer_norm")
-        pairs += _ffn(ours, hf) + _norm(f"{ours}.res_ffn", f"{hf}.final_layer_norm")
+        for side, sublayers in attentions.items():
+            ours, hf = f"{side}.layers.{i}", f"model.{side}.layers.{i}"
+            for attn, res, theirs in sublayers:
+                pairs += _attention(f"{ours}.{attn}", f"{hf}.{theirs}") + _norm(
+                    f"{ours}.{res}", f"{hf}.{theirs}_layer_norm"
+                )
+            pairs += _linear(f"{ours}.ffn", "1", f"{hf}.fc1") + _linear(f"{ours}.ffn", "2", f"{hf}.fc2")
+            pairs += _norm(f"{ours}.res_ffn", f"{hf}.final_layer_norm")
     return pairs
 
 

@@ -191,13 +191,8 @@ def _complete_state(model: EncoderDecoder) -> dict[str, Tensor]:
     state = {k: v.detach() for k, v in fused.state_dict().items()}
     for name, att in fused.named_modules():
         if hasattr(att, "W_O") and not att.bias:
-            for b, width in (
-                ("b_Q", att.h * att.d_k),
-                ("b_K", att.h * att.d_k),
-                ("b_V", att.h * att.d_v),
-                ("b_O", att.d_model),
-            ):
-                state[f"{name}.{b}"] = att.W_O.new_zeros(width)
+            for x in "QKVO":  # b_x as wide as W_x's output: h*d_k, h*d_k, h*d_v, d_model
+                state[f"{name}.b_{x}"] = att.W_O.new_zeros(getattr(att, f"W_{x}").size(1))
     return state
 
 
@@ -256,31 +251,26 @@ def to_marian(model: EncoderDecoder, heads: dict | None = None, for_ctranslate2:
 #
 # `from_marian` runs the export backwards: Marian's tensors under our names,
 # renumbered by `sinusoid_permutation`, their token rows picked by
-# `token_map`. Two Marian options have no field of their own here:
+# `token_map`. Where Marian and we differ:
 #
 # - **`scale_embedding=False`.** Our embeddings always multiply by
-#   `sqrt(d_model)`, so the imported tables are Marian's divided by it (the
-#   one place where a conversion computes: one rounding, about 1e-16 relative
-#   in float64), and the generator keeps Marian's undivided table as a copy
-#   of its own (`tie_generator=False`).
+#   `sqrt(d_model)`, so the imported tables are Marian's divided by it (one
+#   rounding, the one place a conversion computes), and the generator keeps
+#   Marian's undivided table (`tie_generator=False`).
 # - **Which tables are one.** In `transformers` 5 `tie_word_embeddings=False`
-#   unties the encoder's and decoder's tables too, whatever
-#   `share_encoder_decoder_embeddings` says, so the import looks at the
-#   numbers: our `share_embeddings` holds where the encoder's and decoder's
-#   tables are equal, our `tie_generator` where the decoder's table equals the
-#   output projection's.
-# - **Different encoder and decoder sizes** (layers, widths, heads) do not fit
-#   our one config and are refused by `check_marian_config`, as are
-#   activations we do not have (`FROM_MARIAN_ACTIVATION` lists the spellings
-#   read: `relu`, `gelu`, and `silu` or its other name `swish`). Marian has no
-#   pre-norm option, so every imported model is post-norm.
-# - **Positional tables.** Marian's are sinusoids, which ours are too; a folder
-#   whose tables are not (but for the first decoder row of an export of ours
-#   in CTranslate2's layout, section 1) is refused. An export of ours
-#   (`annotated_vocab_sizes` in its config) comes back with our ids, the
-#   `<pad>` row dropped, and its first decoder input must be ours exactly,
-#   which a folder of the CTranslate2 layout saved again by `save_pretrained`
-#   is not: it is refused with the reason.
+#   unties the encoder's and decoder's tables too, so the import looks at
+#   the numbers: `share_embeddings` where the two tables are equal,
+#   `tie_generator` where the decoder's equals the output projection's.
+# - **What our one config cannot hold is refused** (`check_marian_config`,
+#   `_check_positions`): different encoder and decoder sizes, activations we
+#   do not have (`FROM_MARIAN_ACTIVATION` lists the spellings read),
+#   positional tables that are not sinusoids (but for the first decoder row
+#   of an export of ours in CTranslate2's layout). Marian has no pre-norm, so
+#   every imported model is post-norm.
+# - **An export of ours** (`annotated_vocab_sizes` in its config) comes back
+#   with our ids, the `<pad>` row dropped; its first decoder input must be
+#   ours exactly, which a CTranslate2-layout folder saved again by
+#   `save_pretrained` is not: it is refused with the reason.
 
 
 # %%
