@@ -140,8 +140,4 @@ def restore(translation: str, kind: str | None) -> str:
     >>> restore("A man rides a bike.", "inverted"), restore("A man.", None)
     ('A man rides a bike.', 'A man.')
     """
-    if kind == "upper":
-        return translation.upper()
-    if kind == "lower":
-        return translation.lower()
-    return translation
+    return {"upper": str.upper, "lower": str.lower}.get(kind or "", str)(translation)

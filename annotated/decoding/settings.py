@@ -1,16 +1,9 @@
 """How a translation is searched for, written once: `Decoding`, the value every command, `translate_ids`' defaults,
 the shipped models' cards and the export's `generation_config.json` read.
 
-Three settings, and the only place their defaults are written:
-
-- `beam`, 4: the beam search's width (`annotated/decoding/search.py`); 1 is greedy decoding.
-- `length_penalty`, 0.6: GNMT's alpha, score = log P / ((5 + |Y|) / 6)^alpha, the paper's value (section 6.1); a
-  model whose run chose its own on validation data decodes with that one (`model_length_penalty`).
-- `max_extra`, 50: an output may run this many subwords past its source (the paper's "input length + 50", 6.1),
-  never past the model's positional table.
-
-A command adds the options it offers with `add_options` (`--beam`, `--length-penalty`, `--max-extra`); an
-unset `--length-penalty` is the model's own (`model_length_penalty`).
+The three settings' defaults are written here only. A command adds the options it offers with `add_options`
+(`--beam`, `--length-penalty`, `--max-extra`); an unset `--length-penalty` is the model's own
+(`model_length_penalty`).
 
 >>> Decoding(), model_length_penalty({})
 (Decoding(beam=4, length_penalty=0.6, max_extra=50), 0.6)
@@ -30,9 +23,9 @@ class Decoding:
     """The search's settings: beam width, GNMT length penalty (alpha), and how far an output may outrun its
     source."""
 
-    beam: int = 4
-    length_penalty: float = 0.6
-    max_extra: int = 50
+    beam: int = 4  # the beam search's width (annotated/decoding/search.py); 1 is greedy decoding
+    length_penalty: float = 0.6  # GNMT's alpha, score = log P / ((5 + |Y|) / 6)^alpha: the paper's (section 6.1)
+    max_extra: int = 50  # an output runs at most this many subwords past its source (the paper's 6.1), within max_len
 
     @staticmethod
     def add_options(p: argparse.ArgumentParser, *options: str, purpose: str = "", beam_help: str = "") -> None:
