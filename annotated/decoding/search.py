@@ -231,14 +231,12 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 # run to `max_len` almost every time. What the standard rule does make
 # exact:
 #
-# - **`k = 1` is greedy decoding, for every `alpha`.** With one prefix, step
-#   1 ranks `log P(y) + log p(w | y)`, a constant plus the log-softmax of
-#   the logits, so the best candidate is greedy's `argmax`. If it is `eos`,
-#   the translation finishes, which is the one finished translation the rule
-#   waits for, and the length penalty has nothing to compare it with. If
-#   not, it is the next beam. Both decoders so produce the same tokens, as
-#   long as floating-point rounding creates no tie between the two best
-#   tokens (`test_beam_of_one_is_greedy`).
+# - **`k = 1` is greedy decoding, for every `alpha`.** With one prefix, the
+#   best candidate is greedy's `argmax`; if it is `eos`, it is the one
+#   finished translation the rule waits for, with nothing for the length
+#   penalty to compare it with; if not, it is the next beam. So both give the
+#   same tokens, unless rounding ties the two best
+#   (`test_beam_of_one_is_greedy`).
 # - **With `k >= V^max_len`, beam search is exhaustive**: no candidate is ever
 #   pruned (at most `V^max_len` candidates exist at any step), every
 #   translation of at most `max_len` tokens is ranked, and the answer is the
@@ -257,15 +255,13 @@ def reorder_cache(cache: Cache, index: Tensor) -> Cache:
 # the same lists, `test_the_two_loops_return_the_same_nbest_lists_and_scores`).
 #
 # **Batching.** `B` sentences run together as `B * k` rows, row `b*k + j`
-# being hypothesis `j` of sentence `b`. The memory is computed once per
-# sentence. At the first step a sentence has one prefix, the lone `bos`, so
-# the search starts with one row per sentence and the first step's best
-# candidates make its `k` (with fewer than `2k` words in the vocabulary it
-# starts with `k` copies of `bos`, all but one at `log P = -inf`, so that
-# they do not fill the beam with duplicates). A done sentence leaves the
-# batch: its rows are dropped from the prefixes, the memory, the mask and the
-# cache with the same index that reorders the beams. Each sentence's search
-# is independent of the others in the batch
+# being hypothesis `j` of sentence `b`, the memory computed once per
+# sentence. The search starts with one row per sentence, the lone `bos`,
+# whose best candidates make its `k` (with fewer than `2k` words in the
+# vocabulary, `k` copies of `bos`, all but one at `log P = -inf`). A done
+# sentence's rows leave the prefixes, the memory, the mask and the cache by
+# the index that reorders the beams. Each sentence's search is independent
+# of the others in the batch
 # (`test_batched_beam_equals_one_sentence_at_a_time`).
 #
 # **The loop and its decoder.** `_search` holds these rules, once. It asks
