@@ -77,18 +77,6 @@ class Int8Affine(nn.Module):
         return self.linear.weight().dequantize().t(), self.linear.bias()  # (n, m), (m,)
 
 
-def _swap(module: nn.Module, weight: str, bias: str) -> None:
-    """Replace the parameters `weight` (n, m) and `bias` of `module` by one Int8Affine under the weight's name,
-    and the bias by None: the chapter's `affine(x, W, None)` is then `x @ W`, which the layer computes. A
-    weight with fewer than MIN_WEIGHTS entries is left as it is."""
-    W, b = getattr(module, weight), getattr(module, bias)
-    if W.numel() < MIN_WEIGHTS:
-        return
-    delattr(module, weight)
-    setattr(module, bias, None)
-    setattr(module, weight, Int8Affine(W.detach(), None if b is None else b.detach()))
-
-
 @torch.no_grad()
 def float_attention(attn: _Attention) -> _Attention:
     """`attn` itself when none of its projections is int8; else a FusedAttention (eval mode) with each int8
@@ -117,9 +105,13 @@ def quantize_int8(model: EncoderDecoder) -> EncoderDecoder:
     with _packing_for(ENGINE):
         for module in list(quantized.modules()):
             products = "QKVO" if isinstance(module, FusedAttention) else "12" if isinstance(module, FeedForward) else ""
-            for name in products:
-                _swap(module, f"W_{name}", f"b_{name}")
-        W_gen, b = quantized.generator.weight.detach(), quantized.generator.bias.detach()  # (vocab, d_model)
+            for name in products:  # W and b as one Int8Affine in W's place, b None: the chapter's affine(x, W, b)
+                W, b = getattr(module, f"W_{name}"), getattr(module, f"b_{name}")  # is then x @ W, the layer's call
+                if W.numel() >= MIN_WEIGHTS:
+                    delattr(module, f"W_{name}")
+                    setattr(module, f"b_{name}", None)
+                    setattr(module, f"W_{name}", Int8Affine(W, b))
+        W_gen, b_gen = quantized.generator.weight, quantized.generator.bias  # (vocab, d_model), (vocab,)
         if W_gen.numel() >= MIN_WEIGHTS:  # logits = y W_gen^T + b: an Int8Affine of W = W_gen^T (d_model, vocab)
-            setattr(quantized, "generator", Int8Affine(W_gen.t(), b))  # noqa: B010 the attribute is typed Generator
+            setattr(quantized, "generator", Int8Affine(W_gen.t(), b_gen))  # noqa: B010 the attribute is typed Generator
     return quantized
