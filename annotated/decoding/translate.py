@@ -348,26 +348,21 @@ def translate_prepared(
     outputs = translate_ids(
         model, sources, beam_size, length_penalty, batch_size=batch_size, max_extra=max_extra, nbest=nbest
     )
-    found = iter(outputs)
+    found = iter(outputs)  # each source's ids, or (nbest) its hypotheses, best first
     answers = []
     for line in lines:
-        parts = [next(found) for _ in line.sources]  # each part's ids, or (nbest) its hypotheses, best first
+        parts = [next(found) for _ in line.sources]
         if not (nbest and parts):
             answers.append([Answer(_text_of(tokenizer, line, iter(parts)))])
             continue
-        answers.append(
-            [
-                Answer(
-                    _text_of(tokenizer, line, iter([hyps[i].ids for hyps in parts])),
-                    sum(hyps[i].log_prob for hyps in parts),
-                    sum(hyps[i].score for hyps in parts),
-                    None
-                    if alignment_head is None
-                    else _aligned(model, tokenizer, line.sources, [hyps[i].ids for hyps in parts], alignment_head),
-                )
-                for i in range(min(len(hyps) for hyps in parts))
-            ]
-        )
+        hypotheses = []
+        for i in range(min(map(len, parts))):  # hypothesis i joins each part's i-th
+            chosen = [hyps[i] for hyps in parts]
+            ids = [h.ids for h in chosen]
+            aligned = None if alignment_head is None else _aligned(model, tokenizer, line.sources, ids, alignment_head)
+            log_p, score = sum(h.log_prob for h in chosen), sum(h.score for h in chosen)
+            hypotheses.append(Answer(_text_of(tokenizer, line, iter(ids)), log_p, score, aligned))
+        answers.append(hypotheses)
     return answers
 
 
