@@ -5,19 +5,13 @@ calls them itself: `annotated/plumbing/scripts.py` does, for every command (the 
 the console scripts), with the name it gives each command there
 (`test_every_command_follows_the_one_ctrl_c_protocol`; what each command does: `docs/faults.md`).
 
-A Ctrl-C prints one line on stderr, `<name>: interrupted`, and exits with code 130 (the shell's code for "stopped by
-Ctrl-C"), without a traceback. While a module is being imported (torch and its extensions load for a second or
-more), at the top of a command or inside `main()` (`importing`), it exits at once: a KeyboardInterrupt raised inside
-an extension's start-up ends in a traceback or an abort, and every write is atomic (a temporary file begun can remain
-beside its target). Anywhere else in `main()` it raises KeyboardInterrupt, so that `finally` blocks and atomic
-writes clean up, but only at a line of the project's own code from where the exception reaches `main()`'s caller in
-order (`can_be_caught_at`): inside a garbage-collector callback, a `__del__` or a weakref callback Python would
-print it and drop it, after code run by `exec` of a string `python -m` would end killed by SIGINT, and a library
-interrupted between a lock and the `try` that releases it can hang the exit. Elsewhere it is raised at the next
-such line (a trace function, this thread only, until then), and `sys.unraisablehook` does the same for one that a
-library dropped after all. A second Ctrl-C raises at once wherever it can pass on. A Ctrl-C that PyTorch's C++ code
-turns into another error still counts as one (`ctrl_c_requested()`). A `main()` that reports the interruption
-itself returns 130, and `run_command` adds no second line.
+A Ctrl-C prints one line on stderr, `<name>: interrupted`, and exits with code 130, without a traceback: at
+once while a module is imported (`importing`: interrupting an extension's start-up can abort the process), else
+as a KeyboardInterrupt raised only at a line of the project's own code from where it reaches `main()`'s caller in
+order (`can_be_caught_at`), so that `finally` blocks and atomic writes clean up; elsewhere it is raised at the next
+such line. Why, and where not: `docs/faults.md#the-other-commands`. A Ctrl-C that PyTorch's
+C++ code turns into another error still counts as one (`ctrl_c_requested()`). A `main()` that reports the
+interruption itself returns 130, and `run_command` adds no second line.
 
 Training is the one command that stops in order: the first Ctrl-C (or SIGTERM) asks it to stop after the
 current step and save (`StopFlag`), a second one stops at once.
@@ -67,11 +61,6 @@ def _own(code) -> bool:
     return code.co_filename.startswith(_PACKAGE + os.sep) or code.co_filename in _own_files
 
 
-def _cannot_pass_an_exception_on(code, callbacks) -> bool:
-    top_of_python_c = (code.co_filename, code.co_name) == ("<string>", "<module>")
-    return code in callbacks or code.co_name == "__del__" or top_of_python_c
-
-
 def can_be_caught_at(frame) -> bool:
     """Whether a KeyboardInterrupt raised now at `frame` reaches `run_command`'s caller in order: `frame` is the
     project's own code (whose `finally` blocks are written for it), and no frame between it and `run_command`
@@ -92,9 +81,13 @@ def can_be_caught_at(frame) -> bool:
 def _passes_on(frame) -> bool:
     """No frame between `frame` and `run_command` is code that cannot pass an exception on."""
     callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
-    while frame is not None and frame.f_code is not run_command.__code__:
-        if _cannot_pass_an_exception_on(frame.f_code, callbacks):
-            return False
+    while frame is not None and (code := frame.f_code) is not run_command.__code__:
+        if (
+            code in callbacks
+            or code.co_name == "__del__"
+            or (code.co_filename, code.co_name) == ("<string>", "<module>")
+        ):
+            return False  # a garbage-collector callback, a `__del__`, the top of `exec` of a string
         frame = frame.f_back
     return True
 
@@ -138,10 +131,6 @@ def _raise_where_the_dropped_one_would_have_gone(previous, unraisable) -> None:
     previous(unraisable)
 
 
-def _while_starting(name: str, signum, frame) -> None:
-    _exit_at_once(name)
-
-
 def _while_running(name: str, signum, frame) -> None:
     global _requested
     again, _requested = _requested, True
@@ -156,7 +145,7 @@ def _while_running(name: str, signum, frame) -> None:
 def quiet_ctrl_c_while_starting(name: str) -> None:
     """Call first, before the heavy imports: a Ctrl-C while torch loads prints "<name>: interrupted" and exits
     130 at once. `run_command` replaces this handler when the command's own work begins."""
-    signal.signal(signal.SIGINT, functools.partial(_while_starting, name))
+    signal.signal(signal.SIGINT, lambda signum, frame: _exit_at_once(name))
 
 
 def run_command(main: Callable[[], object], name: str) -> None:
