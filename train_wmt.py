@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     from annotated.plumbing.devices import default_device, default_threads
     from annotated.run_folder import LAST, RUNS
     from annotated.training.distributed import RankError
-    from annotated.training.train import TrainingError, train
+    from annotated.training.train import DataSource, TrainingError, train
 
     run_dir, threads_before = None, torch.get_num_threads()
     try:
@@ -219,15 +219,12 @@ def main(argv=None) -> int:
         result = train(
             cfg,
             run_dir,
-            data_url=args.data_url,
-            cache_dir=args.cache_dir,
+            source=DataSource(
+                args.data_url, args.cache_dir, args.train_files, args.val_files, args.test_files, args.empty_lines
+            ),
             device=str(where),
             resume=args.resume,
             progress=(not args.no_progress and sys.stderr.isatty()) or os.environ.get("FORCE_PROGRESS") == "1",
-            train_files=args.train_files,
-            val_files=args.val_files,
-            test_files=args.test_files,
-            empty_lines=args.empty_lines,
             alignment_image=log_alignment_image,
         )
         if args.dump_attention and not result.get("interrupted") and result.get("run_dir"):

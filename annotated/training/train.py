@@ -366,24 +366,19 @@ def train(
     cfg: TrainConfig,
     run_dir: Path,
     *,
-    data_url: str | None = None,
-    cache_dir: Path | None = None,
+    source: DataSource = DataSource(),
     device: str | None = None,
     resume: bool = False,
     progress: bool = True,
-    train_files=None,
-    val_files=None,
-    test_files=None,
-    empty_lines: str = "error",
     log: Callable[[str], None] | None = None,
     alignment_image: AlignmentImage | None = None,
 ) -> dict:
-    """Train (or resume) a run in `run_dir`; returns the final results (also in results.json).
+    """Train (or resume) a run in `run_dir` on the pairs of `source`; returns the final results (also in
+    results.json).
 
     `alignment_image(writer, model, tokenizer, sentence, step)`, when given, logs a picture of the model's
     attention on the first validation sentence at each epoch's end (train_wmt.py hands in
     annotated/attention/dump.py's `log_alignment_image`)."""
-    source = DataSource(data_url, cache_dir, train_files, val_files, test_files, empty_lines)
     precision, reason = resolve_precision(cfg.precision, default_device(device))  # before any work
     rank, world, dev, owns_group = distributed.join(default_device(device))
     if dev.type == "cpu":  # a CPU step's large tensors reuse freed memory instead of faulting pages in
@@ -423,7 +418,7 @@ def train(
             run.say,
             arithmetic,
             progress=progress,
-            test_files=test_files,
+            test_files=source.test_files,
             writer=run.writer,
             val_pairs=run.data.val_pairs,
             started_in=started_in,

@@ -463,7 +463,11 @@ def test_by_default_every_validation_sentence_and_the_label_smoothed_loss_is_the
     monkeypatch.setenv("ANNOTATED_CACHE", str(cache))
     lines = []
     train.train(
-        train.PRESETS["smoke"], tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False, log=lines.append
+        train.PRESETS["smoke"],
+        tmp_path / "run",
+        source=train.DataSource(data_url, cache),
+        progress=False,
+        log=lines.append,
     )
     best = tmp_path / "run" / "best.pt"
     model, tokenizer, meta = load_checkpoint(best)

@@ -67,7 +67,7 @@ GUARD = 240  # seconds: a guard against a hung child process, never a timing ass
 
 
 def quiet(data_url, cache):
-    return dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    return dict(source=train.DataSource(data_url, cache), progress=False, log=lambda s: None)
 
 
 SMOKE = dataclasses.replace(train.PRESETS["smoke"], test_sentences=2, val_bleu_sentences=2)

@@ -131,7 +131,9 @@ def torchrun(*args, data_url, cache, timeout=120) -> str:
 
 def single(run_dir: Path, data_url, cache, resume=False, **overrides) -> None:
     cfg = dataclasses.replace(train.PRESETS["smoke"], **{"log_every": 1, **overrides})  # a log row per step
-    train.train(cfg, run_dir, data_url=data_url, cache_dir=cache, resume=resume, progress=False, log=lambda s: None)
+    train.train(
+        cfg, run_dir, source=train.DataSource(data_url, cache), resume=resume, progress=False, log=lambda s: None
+    )
 
 
 def params(path: Path) -> dict:

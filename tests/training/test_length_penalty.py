@@ -83,7 +83,7 @@ def test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_
     monkeypatch.setattr(results, "choose_length_penalty", choose)
     cfg = dataclasses.replace(train.PRESETS["smoke"], length_penalty=None)
     run, lines = tmp_path / "run", []
-    train.train(cfg, run, data_url=data_url, cache_dir=cache, progress=False, log=lines.append)
+    train.train(cfg, run, source=train.DataSource(data_url, cache), progress=False, log=lines.append)
 
     val = load_multi30k("val", "de", "en", cache_dir=cache, base_url=data_url)
     [(weights, n_val, beam, _, table)] = calls

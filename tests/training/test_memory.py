@@ -26,7 +26,7 @@ precision = sys.argv[5]
 train.resolve_precision = lambda requested, device: (precision, "the test's")  # bf16 even where it is emulated
 cfg = dataclasses.replace(train.PRESETS["smoke"], max_steps=14 * int(sys.argv[4]), val_bleu_sentences=8,
                           test_sentences=8, precision=precision)
-train.train(cfg, Path(sys.argv[1]), data_url=sys.argv[2], cache_dir=Path(sys.argv[3]), progress=False,
+train.train(cfg, Path(sys.argv[1]), source=train.DataSource(sys.argv[2], Path(sys.argv[3])), progress=False,
             log=lambda line: None)
 """
 

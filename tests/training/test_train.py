@@ -141,7 +141,7 @@ def test_smoke_run_trains_evaluates_and_writes_everything(tmp_path, monkeypatch,
     run = tmp_path / "runs" / "run"
     lines = []
     results = train.train(
-        train.PRESETS["smoke"], run, data_url=data_url, cache_dir=cache, progress=False, log=lines.append
+        train.PRESETS["smoke"], run, source=train.DataSource(data_url, cache), progress=False, log=lines.append
     )
     on_disk = json.loads((run / "results.json").read_text())
     assert (on_disk["precision"], on_disk["precision_reason"]) == ("fp32", "fp32 as set (by --precision or the preset)")
@@ -192,7 +192,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, data_url, cache):
     cfg = dataclasses.replace(
         train.PRESETS["smoke"].with_model(dropout=0.1), test_sentences=2, val_bleu_sentences=2, log_every=1
     )
-    quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    quiet = dict(source=train.DataSource(data_url, cache), progress=False, log=lambda s: None)
     train.train(cfg, tmp_path / "whole", **quiet)
     train.train(dataclasses.replace(cfg, max_steps=7), tmp_path / "parts", **quiet)
     assert len(losses(tmp_path / "parts")) == 7
@@ -204,7 +204,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, data_url, cache):
 
 def test_resume_with_other_model_settings_is_refused(tmp_path, data_url, cache):
     cfg = dataclasses.replace(train.PRESETS["smoke"], max_steps=2, test_sentences=2)
-    quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    quiet = dict(source=train.DataSource(data_url, cache), progress=False, log=lambda s: None)
     train.train(cfg, tmp_path / "r", **quiet)
     with pytest.raises(train.CheckpointError, match="d_model: checkpoint 32 vs now 64"):
         train.train(cfg.with_model(d_model=64), tmp_path / "r", resume=True, **quiet)
@@ -278,7 +278,7 @@ def test_two_runs_on_one_install_give_bit_identical_figures(tmp_path, data_url, 
     cfg = dataclasses.replace(train.PRESETS["smoke"], max_steps=16, test_sentences=4, val_bleu_sentences=4)
     runs = [tmp_path / "a" / "run", tmp_path / "b" / "run"]
     for run in runs:
-        train.train(cfg, run, data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+        train.train(cfg, run, source=train.DataSource(data_url, cache), progress=False, log=lambda s: None)
     first, second = (figures(run) for run in runs)
     assert first["history"] and first["test"] and first["steps"] == 16
     assert first == second
@@ -403,7 +403,7 @@ def test_a_run_keeps_and_averages_exactly_its_last_average_last_epochs(tmp_path)
     )
     run = tmp_path / "run"
     results = train.train(
-        cfg, run, progress=False, log=lambda s: None, train_files=pair, val_files=pair, test_files=pair
+        cfg, run, source=train.DataSource(None, None, pair, pair, pair), progress=False, log=lambda s: None
     )
     assert [h["epoch"] for h in results["history"]] == [1, 2, 3, 4, 5] and results["steps"] == 5
     kept = [run / f"epoch{e}.pt" for e in (3, 4, 5)]

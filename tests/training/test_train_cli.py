@@ -20,7 +20,7 @@ SMOKE = dataclasses.replace(train.PRESETS["smoke"], test_sentences=2, val_bleu_s
 
 
 def quiet(data_url, cache):
-    return dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    return dict(source=train.DataSource(data_url, cache), progress=False, log=lambda s: None)
 
 
 BAD_OPTIONS = [
@@ -136,10 +136,9 @@ def test_latest_moves_only_once_the_run_has_a_checkpoint(tmp_path, monkeypatch, 
         train.train(
             SMOKE,
             Path("runs") / "bad",
-            train_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
-            val_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
-            test_files=(tmp_path / "no.src", tmp_path / "no.tgt"),
-            **quiet(data_url, cache),
+            source=train.DataSource(None, cache, *[(tmp_path / "no.src", tmp_path / "no.tgt")] * 3),
+            progress=False,
+            log=lambda s: None,
         )
     assert os.readlink(tmp_path / "runs" / "latest") == "good"
 
@@ -179,13 +178,9 @@ def test_a_users_test_set_is_named_by_its_files(tmp_path, data_url, cache):
     results = train.train(
         SMOKE,
         tmp_path / "run",
-        data_url=data_url,
-        cache_dir=cache,
+        source=train.DataSource(data_url, cache, (src, tgt), (src, tgt), (src, tgt)),
         progress=False,
         log=lines.append,
-        train_files=(src, tgt),
-        val_files=(src, tgt),
-        test_files=(src, tgt),
     )
     on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
     assert on_disk["test_set"] == results["test_set"] == f"{src} + {tgt}"

@@ -28,7 +28,7 @@ def test_compiled_training_matches_eager_with_few_recompiles(tmp_path, data_url,
     (`dynamic=True`: one for forward and backward, plus re-specialisations), not one per shape."""
     import torch._dynamo
 
-    quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    quiet = dict(source=train.DataSource(data_url, cache), progress=False, log=lambda s: None)
     train.train(SMOKE, tmp_path / "eager", **quiet)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -96,7 +96,7 @@ def test_the_counter_sees_a_sync_in_the_step():
 def test_log_rows_are_token_weighted_means_of_the_steps(tmp_path, data_url, cache):
     """Rows every 5 steps and at each epoch end; each is the token-weighted mean of the per-step rows of the same
     run logged every step (same arithmetic: the sums differ only in float64 rounding, relative 1e-12)."""
-    quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    quiet = dict(source=train.DataSource(data_url, cache), progress=False, log=lambda s: None)
     train.train(dataclasses.replace(SMOKE, log_every=1), tmp_path / "each", **quiet)
     train.train(dataclasses.replace(SMOKE, log_every=5), tmp_path / "five", **quiet)
     each, five = (rows(tmp_path / r) for r in ("each", "five"))
@@ -127,7 +127,7 @@ def rows(run):
 
 def test_resume_cuts_the_log_back_to_the_checkpoint(tmp_path, data_url, cache):
     """After a SIGKILL the log holds rows past last.pt's step; --resume drops them (else they would appear twice)."""
-    quiet = dict(data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None)
+    quiet = dict(source=train.DataSource(data_url, cache), progress=False, log=lambda s: None)
     cfg = dataclasses.replace(SMOKE, log_every=1)
     train.train(cfg, tmp_path / "whole", **quiet)
     train.train(dataclasses.replace(cfg, max_steps=7), tmp_path / "parts", **quiet)
@@ -163,8 +163,7 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run_at_the_nex
         train.train(
             dataclasses.replace(SMOKE, log_every=4),
             run,
-            data_url=data_url,
-            cache_dir=cache,
+            source=train.DataSource(data_url, cache),
             progress=False,
             log=lambda s: None,
         )
@@ -238,6 +237,6 @@ def test_results_name_the_commit_the_run_started_from(tmp_path, data_url, cache,
     commits = iter(["the commit at the start", "a commit made while it trained"])
     monkeypatch.setattr(provenance, "code_commit", lambda root=provenance.ROOT: next(commits))
     results = train.train(
-        SMOKE, tmp_path / "run", data_url=data_url, cache_dir=cache, progress=False, log=lambda s: None
+        SMOKE, tmp_path / "run", source=train.DataSource(data_url, cache), progress=False, log=lambda s: None
     )
     assert results["environment"]["commit"] == "the commit at the start"
