@@ -51,10 +51,10 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from annotated.decoding.settings import PAPER_LENGTH_PENALTY, Decoding
+from annotated.training.data import LANGS, check_languages
 from annotated.training.evaluate import LENGTH_PENALTIES
 from annotated.transformer import AttentionForm, Norm, TransformerConfig
 
-LANGUAGES = ("en", "de", "fr", "cs")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -102,11 +102,7 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.src_lang not in LANGUAGES or self.tgt_lang not in LANGUAGES or self.src_lang == self.tgt_lang:
-            raise ValueError(
-                f"src_lang and tgt_lang must be two different languages of {LANGUAGES}, "
-                f"got {self.src_lang!r} -> {self.tgt_lang!r}"
-            )
+        check_languages(self.src_lang, self.tgt_lang)
         if not isinstance(self.model, TransformerConfig):
             raise ValueError(f"model must be a TransformerConfig, got {type(self.model).__name__}")
         if self.model.src_vocab != self.model.tgt_vocab or not self.model.share_embeddings:
@@ -259,7 +255,7 @@ class Option:
 
 
 OPTIONS = {  # setting -> its command-line option, in the order --help lists them
-    "src_lang": Option(f"source language: {', '.join(LANGUAGES)}", flag="--src"),
+    "src_lang": Option(f"source language: {', '.join(LANGS)}", flag="--src"),
     "tgt_lang": Option("target language", flag="--tgt"),
     "attention": Option("multi-head attention form", choices=get_args(AttentionForm)),
     "norm": Option("layer norm placement", choices=get_args(Norm)),

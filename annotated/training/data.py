@@ -98,6 +98,14 @@ SHA256 = {
 }
 
 
+def check_languages(src_lang: str, tgt_lang: str) -> None:
+    """DataError (a ValueError) unless the two are different languages of `LANGS` (training's and Multi30k's)."""
+    if src_lang not in LANGS or tgt_lang not in LANGS or src_lang == tgt_lang:
+        raise DataError(
+            f"src_lang and tgt_lang must be two different languages of {LANGS}, got {src_lang!r} -> {tgt_lang!r}"
+        )
+
+
 def default_cache_dir() -> Path:
     """$ANNOTATED_CACHE, else ~/.cache/annotated (downloads and tokenizers live below it)."""
     return Path(os.environ.get(CACHE_ENV) or "~/.cache/annotated").expanduser()
@@ -357,10 +365,7 @@ def load_multi30k(
     """(source, target) pairs of one Multi30k split, downloaded and verified on first use."""
     if split not in SPLITS:
         raise DataError(f"unknown Multi30k split {split!r}; choose one of {SPLITS}")
-    if src_lang not in LANGS or tgt_lang not in LANGS or src_lang == tgt_lang:
-        raise DataError(
-            f"src_lang and tgt_lang must be two different languages of {LANGS}, got {src_lang!r} -> {tgt_lang!r}"
-        )
+    check_languages(src_lang, tgt_lang)
     root = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "multi30k"
     src = fetch(f"{split}.{src_lang}.gz", root, base_url)
     tgt = fetch(f"{split}.{tgt_lang}.gz", root, base_url)
