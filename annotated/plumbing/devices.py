@@ -71,12 +71,6 @@ def cpu_has_bf16(flags: frozenset[str] | None = None) -> bool:
     return any(f in flags for f in BF16_CPU_FLAGS) and capability.startswith(("AVX512", "AMX"))
 
 
-def cuda_has_bf16(device: torch.device) -> bool:
-    """True for a GPU that multiplies bf16 in hardware: compute capability 8.0 or later (A100, H100, RTX 30xx on).
-    A T4 (7.5) or V100 (7.0) has none: `torch.cuda.is_bf16_supported()` says True there too, counting emulation."""
-    return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
 def resolve_precision(requested: str, device: torch.device, flags: frozenset[str] | None = None) -> tuple[str, str]:
     """("fp32" or "bf16", the reason in words) for `requested` (auto, fp32, bf16) on `device`.
     Raises ValueError for bf16 on hardware without it. `flags`: the CPU's (default: read from /proc/cpuinfo)."""
@@ -85,7 +79,9 @@ def resolve_precision(requested: str, device: torch.device, flags: frozenset[str
     if requested == "fp32":
         return "fp32", "fp32 as set (by --precision or the preset)"
     if device.type == "cuda":
-        if cuda_has_bf16(device):
+        # bf16 in hardware from compute capability 8.0 (A100, H100, RTX 30xx); a T4 or V100 emulates it, and
+        # `torch.cuda.is_bf16_supported()` counts emulation
+        if torch.cuda.get_device_capability(device) >= (8, 0):
             return "bf16", f"{requested}: CUDA device with bf16"
         if requested == "bf16":
             raise ValueError(

@@ -70,7 +70,9 @@ def atomic_write(path: os.PathLike | str, content: Content) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            _lock(f)  # "being written": held until this file is closed
+            if fcntl is not None:  # "being written": held until this file is closed
+                with contextlib.suppress(OSError):  # a file system without locks: only cleaning relies on it
+                    fcntl.flock(f, fcntl.LOCK_EX)
             if callable(content):
                 content(f)
             else:
@@ -85,14 +87,6 @@ def atomic_write(path: os.PathLike | str, content: Content) -> Path:
         raise
     remove_stale_temporaries(path)
     return path
-
-
-def _lock(f) -> None:
-    if fcntl is not None:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:  # a file system without locks: write anyway (only cleaning relies on the lock)
-            pass
 
 
 def remove_stale_temporaries(path: os.PathLike | str) -> list[Path]:

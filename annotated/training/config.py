@@ -103,8 +103,6 @@ class TrainConfig:
 
     def __post_init__(self):
         check_languages(self.src_lang, self.tgt_lang)
-        if not isinstance(self.model, TransformerConfig):
-            raise ValueError(f"model must be a TransformerConfig, got {type(self.model).__name__}")
         if self.model.src_vocab != self.model.tgt_vocab or not self.model.share_embeddings:
             raise ValueError(
                 "training uses one joint vocabulary with shared embeddings: model needs "

@@ -164,10 +164,8 @@ def _download(url: str, out, name: str, timeout: float) -> str:
 
     try:
         response = urllib.request.urlopen(url, timeout=timeout)
-    except urllib.error.HTTPError as e:
-        raise DataError(f"cannot download {name} from {url}: HTTP {e.code} {e.reason}; {_how_to_fix()}") from None
-    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
-        reason = getattr(e, "reason", e)
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:  # HTTPError among them
+        reason = f"HTTP {e.code} {e.reason}" if isinstance(e, urllib.error.HTTPError) else getattr(e, "reason", e)
         raise DataError(f"cannot download {name} from {url}: {reason}; {_how_to_fix()}") from None
     h, received = hashlib.sha256(), 0
     with (

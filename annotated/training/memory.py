@@ -50,7 +50,3 @@ class MemoryLog:
             writer.add_scalar(f"memory/{phase}_resident_mb", row["resident_mb"], step)
             writer.add_scalar("memory/peak_resident_mb", row["peak_mb"], step)
         return row
-
-    def latest(self, phase: str) -> dict | None:
-        """The last row of `phase`, or None."""
-        return next((r for r in reversed(self.rows) if r["phase"] == phase), None)

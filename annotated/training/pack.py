@@ -125,14 +125,6 @@ def training_command(results: dict) -> str:
     return min(commands)[2]
 
 
-def scores_of(model, tokenizer, pairs, alpha: float, progress: bool) -> dict:
-    """The beam-4 scores of `model` at length penalty `alpha` on all `pairs`, with their signatures."""
-    from annotated.training.evaluate import evaluate_bleu
-
-    full, _ = evaluate_bleu(model, tokenizer, pairs, BEAM, alpha, progress=progress)
-    return {k: full[k] for k in ("bleu", "bleu_lowercase", "chrf", "sentences")} | {"signatures": full["signature"]}
-
-
 def generate_note(alpha: float) -> str:
     """What transformers' `generate` can do of GNMT's alpha (annotated/interop/folders.py)."""
     return (
@@ -222,6 +214,7 @@ def pack(
     """Pack the model of `run_dir` into `out`; returns (model file, card). `pairs`: the test pairs to score
     (default: test_2016_flickr in the run's languages)."""
     from annotated.training.data import load_multi30k
+    from annotated.training.evaluate import evaluate_bleu
 
     results_path = run_dir / "results.json"
     if not results_path.is_file():
@@ -251,7 +244,8 @@ def pack(
             f"{NAME}: scoring the packed {direction} model on {len(pairs)} test sentences, beam {BEAM}, length "
             f"penalty {alpha:g}"
         )
-        test = scores_of(model, tokenizer, pairs, alpha, progress)
+        full, _ = evaluate_bleu(model, tokenizer, pairs, BEAM, alpha, progress=progress)
+        test = {k: full[k] for k in ("bleu", "bleu_lowercase", "chrf", "sentences")} | {"signatures": full["signature"]}
         card = make_card(results, source, packed, state, test, command)
         atomic_write(targets[0], packed.read_bytes())
     atomic_write(targets[1], json.dumps(card, indent=2, ensure_ascii=False) + "\n")

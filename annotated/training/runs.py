@@ -92,7 +92,7 @@ def point_latest(run_dir: Path) -> None:
     if run_dir.parent.resolve() != RUNS.resolve():
         return
     link = run_dir.parent / LATEST
-    if (link.exists() or link.is_symlink()) and not link.is_symlink():
+    if link.exists() and not link.is_symlink():
         return
     tmp = run_dir.parent / f".latest.{os.getpid()}.tmp"
     try:
