@@ -29,7 +29,6 @@ import argparse
 import math
 import os
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -126,9 +125,3 @@ def writable_dir(text: str) -> Path:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: {probe} is not writable; choose another folder")
     return path
-
-
-def fail(prog: str, message: str) -> NoReturn:
-    """The same one line and exit code 2, for a check that needs more than one option."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
