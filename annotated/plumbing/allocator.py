@@ -13,10 +13,9 @@ tensors of changing shapes leave holes that no trim threshold reaches: `release_
 hands every free page back to the kernel, and training calls it where a phase ends, so what one phase left free
 never stays resident through the next (`benchmarks/README.md`, "Where the memory goes in a CPU run").
 
-A bf16 run on the CPU holds one more kind of memory: oneDNN compiles a kernel for each shape of each bf16
-product and keeps up to 1,024 of them, and PyTorch's ideep layer keeps 1,024 more of its own; batches of new
-lengths keep arriving for the whole run, so the two caches fill for hours. `bound_kernel_caches()` caps them
-(`KERNEL_CACHES`) before the first bf16 product (benchmarks/README.md, "bf16 autocast on the CPU").
+A bf16 run on the CPU holds one more kind of memory, oneDNN's and ideep's caches of compiled kernels, one per
+shape of each bf16 product, which batches of new lengths fill for hours; `bound_kernel_caches()` caps them
+(benchmarks/README.md, "bf16 autocast on the CPU").
 `resident_bytes()`, `peak_resident_bytes()` and `heap_bytes()` read what the process holds, for the training
 log. Elsewhere than glibc they do nothing and say so (`False`, or None).
 """

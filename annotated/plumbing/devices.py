@@ -3,11 +3,9 @@
 `default_device`: the device the user named, else CUDA where it is available, else the CPU. Training, the
 translator and the benchmark all ask it.
 
-`resolve_precision`: fp32 or bf16 autocast, and why. `auto` picks bf16 on CUDA (whose GPUs do bf16 matrix
-products in hardware) and on a CPU whose instruction set multiplies bf16 directly (AVX512-BF16 or AMX, read from
-the CPU's flags), fp32 everywhere else; `bf16` where the hardware lacks it is refused with one line saying so,
-never slowly emulated. Under autocast only matrix products and convolutions run in bf16; the parameters, their
-gradients and the optimizer's moments stay fp32.
+`resolve_precision`: fp32 or bf16 autocast, and why: bf16 where the hardware multiplies it (CUDA from compute
+capability 8.0, a CPU with AVX512-BF16 or AMX), never slowly emulated; under autocast only matrix products and
+convolutions run in bf16, and the parameters, their gradients and the optimizer's moments stay fp32.
 
 >>> resolve_precision("auto", torch.device("cpu"), flags=frozenset({"avx2"}))
 ('fp32', 'auto: this CPU has no bf16 instructions (avx512_bf16 or amx_bf16)')

@@ -7,13 +7,8 @@ directory, are flushed to disk, and `os.replace` renames it over the target. On 
 atomic, so a reader sees the old file or the new one, never half of one, and a crash or Ctrl-C in the
 middle leaves the old file as it was.
 
-**Permissions.** `tempfile.mkstemp` makes private files (0o600); before the rename the file gets the mode
-a plain `open(path, "w")` would have given it, 0o666 less the umask (`new_file_mode`).
-
-**Folders.** A folder published by `staged_directory` gets the modes `mkdir` and `open` would have given it:
-`tempfile.mkdtemp` makes it 0o700 and safetensors its files 0o600, which would leave an exported model or an
-attention dump unreadable to the user's group whatever the umask says
-(`test_a_published_folder_gets_the_mode_of_the_umask`, `test_an_exported_folder_gets_the_mode_of_the_umask`).
+Files and folders get the modes a plain `open` or `mkdir` would give them, the umask's, not `tempfile`'s private
+ones (`new_file_mode`; `test_a_published_folder_gets_the_mode_of_the_umask`).
 
 **Leftovers of a killed write.** A Ctrl-C or an exception removes the temporary file; a process killed
 outright (`kill -9`, the out-of-memory killer) cannot, and leaves `.<name>.<random>.tmp` beside the target.

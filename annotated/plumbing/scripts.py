@@ -16,13 +16,10 @@ from `name_of(__file__)`, and its options parser from `Parser(command=__file__)`
 errors start with the name, the usage line with `usage_of(__file__)`, how the command is typed).
 
 **Start-up.** The Ctrl-C handler of the protocol (`annotated/plumbing/interrupts.py`) must be in place before torch
-loads, so before the command's own imports. Python imports a module's packages before it runs the module, so the
-packages' `__init__.py` (`annotated/`, `benchmarks/`, `docs/`) call `starting()`, which installs the handler when
-this process is starting one of `COMMANDS` (`python -m annotated.decoding.translate`, `python train_wmt.py`) and
-does nothing otherwise: importing the package in a notebook or a test changes no handler. A console script
-(`annotated-translate`) runs `script()`, which does the same before it imports the command's module.
-This module imports nothing heavy (`tests/plumbing/test_interrupts.py` runs each console script as the installed one
-would, and a Ctrl-C while torch loads).
+loads. Python imports a module's packages before it runs the module, so the packages' `__init__.py` (`annotated/`,
+`benchmarks/`, `docs/`) call `starting()`, which installs it only when this process is starting one of `COMMANDS`
+(not in a notebook or a test); a console script runs `script()`, which does the same. This module imports nothing
+heavy (`tests/plumbing/test_interrupts.py`).
 """
 
 import importlib

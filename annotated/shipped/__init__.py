@@ -14,9 +14,7 @@ alpha 4 for both), and every command that decodes it uses it; its card records t
 **Checked on load.** A model file is used only if its sha256 is the one its card names (`shipped_model`); one
 that differs is refused, with how to get the right one back.
 
-**Which model a command uses** is `choose_checkpoint`'s rule, the one of every command that needs a model. The box
-is read-only: outputs that a command writes beside its checkpoint go to `runs/shipped-<direction>/` instead
-(`outputs_beside`).
+**Which model a command uses** is `choose_checkpoint`'s rule; the box is read-only (`outputs_beside`).
 """
 
 from __future__ import annotations
