@@ -13,34 +13,19 @@
 # wall time: the same command gives the same model on an idle and on a busy
 # machine, on a CPU or a GPU. `max_minutes` stays available as an optional cap.
 #
-# * `cpu`: a small model (2 + 2 layers, `d_model` 128), its steps as many as
-#   two CPU cores train within the goal of half an hour, testing included;
-#   over the last 30% of them the learning rate falls linearly towards zero
-#   (`train.learning_rate`). The run's model is the average of the last 5
-#   epoch checkpoints (`averaged.pt`); the beam search's length penalty is
-#   chosen at the end on the validation split (`choose_length_penalty`),
-#   never on test.
-# * `gpu`: the same model with 3.3 times the data per step (a model this
-#   small is bound by kernel launches on a GPU, so a bigger batch costs little
-#   per step), twice the paper's peak rate, the paper's length penalty and
-#   beam 5. `--compile` stays off: with the preset's 34 batch shapes it was
-#   slower.
-# * `smoke`: a few seconds, a few hundred sentences; for the tests. It
-#   computes in fp32 on every machine, so its numbers do not depend on
-#   whether the CPU has bf16 instructions.
+# * `cpu`: a small model, its steps as many as two CPU cores train
+#   within the goal of half an hour, testing included;
+# * `gpu`: the same model with more data per step (a model this small is
+#   bound by kernel launches on a GPU, so a bigger batch costs little);
+# * `smoke`: a few hundred sentences, for the tests, in fp32 on every machine.
 #
-# The presets' figures and their measured runs are in
-# `docs/training.md#presets`.
+# What each holds and why, and their measured runs: `docs/training.md#presets`.
 #
 # Every setting a user may change from `train_wmt.py`'s command line is in
 # `OPTIONS`: its option, what it means and the values it takes. The command
 # line is generated from that table, choices included (`PRESETS`,
 # `PRECISIONS`, the chapter's attention forms and norms), so a setting and its
 # option cannot drift apart (`test_every_option_sets_a_setting_and_every_choice_is_the_configs`).
-#
-# Checkpoints and `results.json` store the settings as `config_dict(cfg)`,
-# the model's settings under `"model"`; `config_from_dict` reads that form and
-# the flat one older runs wrote (`N`, `d_model`, ... beside `src_lang`).
 
 # %%
 from __future__ import annotations

@@ -2,18 +2,15 @@
 # # Data, subwords and batches, annotated
 #
 # The first chapter (`annotated/transformer.py`) built a model that maps
-# token ids to token ids. This chapter gets it real sentences to learn from,
-# in four steps: getting the files of the Multi30k corpus (Elliott et al.,
-# 2016: image captions in English, German, French and Czech, one a line, the
-# same line number in each language being a translation), reading parallel
-# text (Multi30k's, or any pair of files the user brings), a subword
-# vocabulary shared by both languages, and batches of about the same number
-# of tokens, shared between processes when training on several GPUs.
+# token ids to token ids. This chapter gets it real sentences to learn from:
+# the files of the Multi30k corpus (Elliott et al., 2016: image captions in
+# English, German, French and Czech, line `i` of each language translating
+# line `i` of the others), read as parallel text (or any pair of files the
+# user brings), a subword vocabulary shared by both languages, and batches
+# of about the same number of tokens.
 #
-# Every way this can go wrong that we can foresee (a damaged download, an
-# unreachable mirror, a file in the wrong encoding, two files of different
-# lengths, a sentence too long for the model) ends in a `DataError` that names
-# the file, the line or the setting to change, and leaves nothing
+# Every way this can go wrong that we can foresee ends in a `DataError` that
+# names the file, the line or the setting to change, and leaves nothing
 # half-written in the cache (`docs/faults.md` lists them). The claims are
 # checked in `tests/training/test_data.py` (test names given in brackets).
 
@@ -69,11 +66,8 @@ class DataWarning(UserWarning):
 #   code below and refuse anything else. The numbers you get then depend
 #   only on the code, never on the day you downloaded.
 # - **The location must be changeable without editing code**: a machine
-#   without internet (the CI, a GPU node) reads a local copy. The base URL is
-#   the argument `base_url`, else the environment variable `MULTI30K_URL`,
-#   else the GitHub address. It may be `https://...`, `file:///...`, or a
-#   plain directory path. The training script's `--data-url` flag sets
-#   `base_url`.
+#   without internet (the CI, a GPU node) reads a local copy
+#   (`resolve_base_url`, `--data-url`).
 
 # %%
 DEFAULT_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
@@ -465,10 +459,7 @@ def case_augmented(pairs: Sequence[tuple[str, str]], share: float, seed: int = 0
 # (`test_damaged_tokenizer_cache_is_retrained`).
 #
 # **A vocabulary size that does not fit the data** is a `DataError` that
-# gives the bound, instead of sentencepiece's internal message: too large
-# when the texts are too few to yield that many distinct merges, too small
-# when it cannot hold the reserved ids, the byte pieces and every character
-# (`test_vocab_size_that_does_not_fit_is_explained`).
+# gives the bound (`test_vocab_size_that_does_not_fit_is_explained`).
 
 # %%
 SPM_SETTINGS: dict[str, Any] = dict(
@@ -573,21 +564,12 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: PathLike |
 # the paper did (about 25,000 source and 25,000 target tokens per batch), and
 # let the number of sentences vary: many short ones or a few long ones.
 #
-# A `Batch` holds `src` `(B, S)` and `tgt` `(B, T)` = `bos y_1 ... y_n eos`,
-# padded with `pad=0`, and each row's `index` in the list given to
-# `make_batches` (to put translations back in order). The decoder reads
-# `tgt[:, :-1]` and predicts `tgt[:, 1:]`, whose non-pad entries `ntokens`
-# counts.
-#
-# **Few shapes.** `make_batches` pads every batch a little further, so that
-# `S` and the decoder's `T - 1` columns are multiples of `pad_to = 8` (never
-# past what a model of `max_len` positions reads, when `max_len` is given).
-# Padding is masked out of attention and loss, so it changes no result; it
-# costs a few columns and buys two things: a compiled model
-# (`torch.compile`, CUDA graphs) sees a few widths instead of one per
-# sentence length, and matrix shapes that are multiples of 8 suit the GPU's
-# tensor cores. `collate` alone pads to the longest row (`pad_to=1`), and so
-# does training on the CPU (`train.columns_multiple`), which gains neither.
+# **Few shapes.** `make_batches` pads each batch's `S` and the decoder's
+# `T - 1` columns to multiples of `pad_to` (`_columns`). Padding is masked
+# out of attention and loss, so it changes no result; on a GPU (`pad_to=8`)
+# it buys a compiled model few widths and the tensor cores shapes they suit.
+# On the CPU, which gains neither, training pads to the longest row
+# (`train.columns_multiple`).
 #
 # **The budget.** A batch obeys `B * max(S, T) <= max_tokens` before that
 # padding (the longest row's columns): neither rectangle holds more than
@@ -644,8 +626,7 @@ class Batch:
         return self.src.size(0)
 
     def pin_memory(self) -> Batch:
-        """The same batch in page-locked host memory (needs CUDA), so that `to(cuda, non_blocking=True)` is
-        queued on the GPU like a kernel instead of waiting for the GPU's queue to drain first."""
+        """The same batch in page-locked host memory (needs CUDA; train.py, "A step that never waits")."""
         return Batch(self.src.pin_memory(), self.tgt.pin_memory(), self.index, self.real.pin_memory())
 
 
@@ -826,10 +807,8 @@ def make_batches(
 #   reports how many with a warning in its log. Truncating it instead would
 #   teach the model a source and a target that no longer translate each
 #   other.
-# - **Evaluation**: every sentence is translated, since a missing line would
-#   shift the rest against the references. A source longer than `max_len` is
-#   truncated to its first `max_len` tokens, and the results report how many
-#   were.
+# - **Evaluation**: every sentence is translated (a missing line would shift
+#   the rest against the references), a long source truncated (evaluate.py).
 #
 # `split_long` is the helper for the first rule; it only sorts indices and
 # reports nothing itself (its doctest, `test_split_long`).

@@ -7,10 +7,8 @@
 # between GPUs, gloo between CPU processes; a process uses the GPU numbered by
 # its `LOCAL_RANK` on its machine) and train one model together:
 #
-# * **Same data.** Rank 0 reads the data and trains the tokenizer; the others
-#   receive both from it (`from_rank0`), so every rank batches the same
-#   examples with the same vocabulary (and no other machine needs the data),
-#   each keeping its share of the epoch's batches (`data.make_batches`).
+# * **Same data.** Rank 0 reads the data and trains the tokenizer; the
+#   others receive both from it (`from_rank0`).
 # * **One step.** Each rank runs forward and backward on its own `accum`
 #   batches; DistributedDataParallel (DDP) averages the gradients over the
 #   ranks, and every rank applies the same Adam update to its identical copy
@@ -33,14 +31,11 @@
 #   one of a long batch.
 #
 # Rank 0 alone logs, evaluates BLEU and writes the checkpoints, from the
-# unwrapped model (no DDP `module.` prefix), so a checkpoint of a `W`-process
-# run is an ordinary one. A collective operation waits until every rank has
-# entered it, so a rank that left the loop alone would leave the others
-# waiting forever: the ranks agree on stopping (Ctrl-C, SIGTERM, the time
-# limit) and on a non-finite step at the log points, in the one all-reduce
-# that also sums the losses for the log (`sum_over_ranks`). The effective
-# batch and learning rate, how the processes stay in step, and resuming with
-# another number of processes: `docs/distributed.md`.
+# unwrapped model, so a checkpoint of a `W`-process run is an ordinary one.
+# A rank that left the loop alone would leave the others waiting in their
+# next collective, so the ranks agree on stopping and on a non-finite step
+# in the one all-reduce of each log point (`sum_over_ranks`). The rest:
+# `docs/distributed.md`.
 
 # %%
 from __future__ import annotations

@@ -2,22 +2,17 @@
 # # Memory over a run
 #
 # A run on the CPU goes through phases that need different amounts of
-# memory: loading the data and the tokenizer, the training steps of each
-# epoch, the validation BLEU at each epoch's end, and at the end the
-# averaging of the last checkpoints, the length penalty's choice and the
-# test set's greedy and beam decodes. Where each phase ends, `phase_end`
-# writes down what the process holds (resident memory now, the peak so far,
-# and malloc's bytes in use and held free, `annotated/plumbing/allocator.py`),
-# then hands the freed memory back to the kernel (`release_freed_memory`),
-# so that what one phase freed is not carried through the next.
+# memory (the data, each epoch's steps, its validation, and the end's
+# averaging, length penalty and test decodes). Where each phase ends,
+# `phase_end` writes down what the process holds
+# (`annotated/plumbing/allocator.py`), then hands the freed memory back to
+# the kernel, so that what one phase freed is not carried through the next.
 #
-# The rows go to the run log (one memory note per epoch), to tensorboard
-# (`memory/<phase>_resident_mb` and `memory/peak_resident_mb`, by step) and
-# to `results.json` (`"memory"`); `benchmarks/README.md`, "Where the memory
-# goes", reads them. They are kept out of the epochs' `history`, whose
-# figures two runs of one install repeat bit for bit: memory does not.
-# `tests/training/test_memory.py` checks that a short run's resident memory
-# does not grow from its second epoch to its last
+# The rows go to the run log, tensorboard and `results.json` (`"memory"`;
+# `benchmarks/README.md`, "Where the memory goes", reads them), never into
+# the epochs' `history`, whose figures two runs of one install repeat bit for
+# bit: memory does not. A short run's resident memory does not grow from its
+# second epoch to its last
 # (`test_resident_memory_does_not_grow_from_the_second_epoch_to_the_last`).
 
 # %%

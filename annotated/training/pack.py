@@ -3,9 +3,8 @@
 From a finished run (its `results.json` and its model, `averaged.pt` where the run averaged its last epochs, else
 `best.pt`, the rule of `run_model`) it writes two files into the box (`annotated/shipped/`, or `--out`):
 
-* `<src>-<tgt>.pt`: the checkpoint with every weight stored as float16 (half the bytes; the loader copies them
-  into the float32 model), tied weights stored once, the tokenizer and the case table kept, no training state,
-  no paths of the machine it was trained on;
+* `<src>-<tgt>.pt`: the checkpoint for the box (`compact_state`: float16 weights loaded as float32, no training
+  state, no paths of the machine it was trained on);
 * `<src>-<tgt>.json`: its card: how it was made (the command that trains it again, the commit, seed, steps,
   precision, threads, machine and every package's version, from the run's `results.json`), what it was trained
   on, the sha256 of the `.pt` file (which loading checks), and what the packed model, scored again here, scores on

@@ -2,27 +2,17 @@
 # # The end of a run: test scores and results.json
 #
 # When training stops (out of steps or of time; not on Ctrl-C), rank 0
-# scores the test set with the best checkpoint (and with the average of the
-# last epochs' checkpoints, when `average_last` asks), greedy and with beam
-# search (`annotated/training/evaluate.py`), and writes `results.json`: the
-# settings, the arithmetic the run used (precision, threads) and why, the
-# per-epoch history, the test scores, a few sample translations and where the
-# run came from (`annotated/plumbing/provenance.py`: every installed package's
-# version, the interpreter, the CPU, the commit). The test
-# set is named `test_2016_flickr`, or, when the user brought their own, by its
-# two files.
+# scores the test set with the best checkpoint (and the averaged one),
+# greedy and with beam search (`annotated/training/evaluate.py`), and writes
+# `results.json`: the settings, the arithmetic, the history, the test scores,
+# samples and where the run came from (`annotated/plumbing/provenance.py`).
 #
-# **The length penalty.** The beam search's alpha
-# (`TrainConfig.length_penalty`) is a fixed number (the `gpu` preset's 0.6,
-# recorded as `"chosen_on": "the settings"`) or None (the `cpu` preset,
-# `--length-penalty validation`): then `choose_length_penalty`
-# (`annotated/training/evaluate.py`) picks it on the whole validation split
-# with the run's model (`averaged.pt` when there is one, else the best
-# checkpoint). Every tested checkpoint's beam test BLEU is computed at that
-# alpha, `results.json` says where it came from, and the alpha is written
-# into the tested checkpoints' meta, so that the other tools decode with it
-# (`model_length_penalty`, `annotated/checkpoint.py`;
-# `test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_with_it`).
+# **The length penalty.** The beam search's alpha is the settings' number,
+# or, with `TrainConfig.length_penalty` None, `choose_length_penalty`'s
+# pick on the whole validation split for the run's model
+# (`length_penalty_of_run`), written into the tested checkpoints' meta so
+# that the other tools decode with it
+# (`test_a_run_chooses_its_length_penalty_on_validation_and_scores_the_test_set_with_it`).
 #
 # Tensorboard gets the test scores and the settings (its HPARAMS
 # tab), so runs with different settings can be compared side by side.

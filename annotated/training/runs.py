@@ -7,15 +7,10 @@
 # (with `average_last`), `averaged.pt` and `results.json`. Checkpoints and
 # JSON files are written atomically (`annotated/plumbing/files.py`).
 #
-# **The folder is the user's.** A run starts in a new or empty folder, or,
-# with `--resume`, in one that holds `last.pt`; anything else (a folder with
-# other files, a file, the current directory) is refused before any work, so
-# nothing of the user's is overwritten (`check_run_dir`). `runs/latest` (in
-# the current directory, the translator's and the attention dump's default
-# place to look) becomes a link to the run once it has a checkpoint, for runs
-# in `runs/` only, and only where `latest` is absent or already such a link
-# (`point_latest`): a run in a folder the user chose elsewhere writes nothing
-# beside it.
+# **The folder is the user's.** `check_run_dir` refuses, before any work,
+# a folder that is neither new, empty, nor (with `--resume`) a run, and
+# `point_latest` links `runs/latest` to runs in `runs/` only
+# (`docs/faults.md#your-folders-and-files`).
 #
 # **Resuming** reads `last.pt` (model, optimizer, scheduler, random-number
 # states, position in the epoch), refuses a checkpoint trained with other

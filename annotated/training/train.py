@@ -61,29 +61,23 @@ from annotated.transformer import EncoderDecoder, cooled_rate, make_model, paddi
 # ## Settings
 #
 # Every setting of a run is one `TrainConfig` (`annotated/training/config.py`,
-# with the presets `cpu`, `gpu` and `smoke`); its `model` is the first
-# chapter's `TransformerConfig`. Its `precision` chooses fp32 or bf16
-# autocast by the rule of `annotated/plumbing/devices.py`; under autocast the
-# parameters, their gradients, Adam's moments and the loss stay fp32, and on
-# the CPU a bf16 step's loss lies within 2^-9 of the fp32 step's
-# (`test_a_bf16_step_on_the_cpu_gives_the_fp32_loss_to_bf16_rounding`). The
-# run log and `results.json` say which precision the run used and why.
+# with the presets); its `model` is the first chapter's `TransformerConfig`.
+# Its `precision` chooses fp32 or bf16 autocast (`annotated/plumbing/devices.py`);
+# on the CPU a bf16 step's loss lies within 2^-9 of the fp32 step's
+# (`test_a_bf16_step_on_the_cpu_gives_the_fp32_loss_to_bf16_rounding`).
 
 # %% [markdown]
 # ## One optimisation step
 #
-# A batch holds `src` (B, S) and `tgt` (B, T) = `bos y_1 ... y_n eos pad...`.
 # Teacher forcing feeds `tgt[:, :-1]` and predicts `tgt[:, 1:]`. The loss,
-# the paper's label-smoothed cross-entropy (section 5.4, in a chapter of its
-# own: `annotated/training/loss.py`), is summed over predicted tokens and divided by their number, so long and short
-# batches weigh each token equally. Only those tokens' positions are projected
-# onto the vocabulary (`Batch.real`, their flat indices, made on the host with
-# the batch), not the padding. The learning rate follows `rate()` from
-# the first chapter, warm-up then the inverse square root of the step; a
-# run may end with a cooldown (the last `cooldown` share of its steps, 30%
-# in the `cpu` and `gpu` presets), a straight line from that rate towards
-# zero, so that its last checkpoints are taken at small steps, not at the
-# rate that makes the validation score jump by two points between epochs.
+# the paper's label-smoothed cross-entropy (`annotated/training/loss.py`), is
+# summed over predicted tokens and divided by their number, so long and short
+# batches weigh each token equally; only those tokens' positions are projected
+# onto the vocabulary (`Batch.real`), not the padding. The learning rate
+# follows `rate()` from the first chapter; a run may end with a cooldown, a
+# straight line towards zero over its last steps, so that its last
+# checkpoints are taken at small steps, not at the rate that makes the
+# validation score jump by two points between epochs.
 
 
 # %%
@@ -260,8 +254,7 @@ def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.devi
 # running sums at each log point, and at each epoch's end validation loss and
 # BLEU, one plain log line, and checkpoints:
 #
-# * `last.pt`: everything needed to resume (model, optimizer, scheduler,
-#   random-number states, position in the epoch);
+# * `last.pt`: everything needed to resume;
 # * `best.pt`: the model with the best validation BLEU so far;
 # * `epoch{n}.pt`: kept only when `average_last` asks for checkpoint averaging,
 #   for exactly the last `average_last` epochs, which `averaged.pt` averages
