@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from annotated.plumbing.provenance import cpuinfo
+
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -49,16 +51,9 @@ def default_threads() -> int:
     return max(1, all_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+def cpu_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The instruction-set flags of the first CPU in /proc/cpuinfo (empty where there is no such file)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+    return frozenset((cpuinfo("flags", path) or "").split())
 
 
 def cpu_has_bf16(flags: frozenset[str] | None = None) -> bool:

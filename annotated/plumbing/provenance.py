@@ -48,15 +48,18 @@ def code_commit(root: Path = ROOT) -> str | None:
     return head.stdout.strip() + ("+changes" if dirty else "")
 
 
+def cpuinfo(key: str, path: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The value of the first CPU's `key` line in /proc/cpuinfo; None where there is no such file or line."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.partition(":")[2].strip() for line in lines if line.startswith(key)), None)
+
+
 def cpu_name() -> str:
     """The CPU's model name (from /proc/cpuinfo where there is one), else what `platform` says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def environment() -> dict:
