@@ -339,12 +339,9 @@ def read_parallel(src_path: PathLike, tgt_path: PathLike, *, empty: str = "error
 
 
 # %% [markdown]
-# Loading a Multi30k split is then: fetch both sides (section 1), read them
-# as a parallel corpus. Any two different languages of `en, de, fr, cs` make
-# a direction; the default is German to English. The files go into
-# `<cache_dir>/multi30k/`, `cache_dir` defaulting to `default_cache_dir()`.
-# (`test_load_multi30k_val_has_one_pair_per_line`.)
-
+# Loading a Multi30k split is then: fetch both sides (section 1) into
+# `<cache_dir>/multi30k/` and read them as a parallel corpus, in any two
+# different languages of `LANGS` (`test_load_multi30k_val_has_one_pair_per_line`).
 
 # %%
 def load_multi30k(
@@ -367,14 +364,11 @@ def load_multi30k(
 # %% [markdown]
 # ### Capitals in training (optional)
 #
-# Multi30k's sentences are cased as people write. `case_augmented` adds, for
-# a share of the training pairs chosen by a seeded generator, a second copy
-# with both sides in capitals (half of the chosen pairs) or in lower case
-# (the other half), so that a model can learn to answer a shouted sentence
-# in kind (`TrainConfig.case_augment`, `--case-augment`; 0 by default: the
-# translator recases such input instead, `annotated/decoding/casing.py`).
+# Multi30k's sentences are cased as people write. `case_augmented` adds a
+# capitals or lower-case copy of a seeded share of the training pairs, so that
+# a model can learn to answer a shouted sentence in kind (`--case-augment`; 0
+# by default: the translator recases such input, `annotated/decoding/casing.py`).
 # The copies join the training pairs before the vocabulary is trained.
-
 
 # %%
 def case_augmented(pairs: Sequence[tuple[str, str]], share: float, seed: int = 0) -> list[tuple[str, str]]:
@@ -484,18 +478,8 @@ def tokenizer_cache_key(texts: Sequence[str], vocab_size: int) -> str:
     """sha256 over the sentencepiece version, the settings, vocab_size and the texts."""
     import sentencepiece as spm
 
-    h = hashlib.sha256()
-    h.update(
-        json.dumps(
-            {
-                "sentencepiece": spm.__version__,
-                "settings": SPM_SETTINGS,
-                "seed": SPM_SEED,
-                "vocab_size": vocab_size,
-            },
-            sort_keys=True,
-        ).encode()
-    )
+    key = {"sentencepiece": spm.__version__, "settings": SPM_SETTINGS, "seed": SPM_SEED, "vocab_size": vocab_size}
+    h = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
     for text in texts:
         b = text.encode("utf-8")
         h.update(len(b).to_bytes(8, "little") + b)  # length-prefixed: ["ab", "c"] != ["a", "bc"]
