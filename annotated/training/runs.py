@@ -12,11 +12,9 @@
 # `point_latest` links `runs/latest` to runs in `runs/` only
 # (`docs/faults.md#your-folders-and-files`).
 #
-# **Resuming** reads `last.pt` (model, optimizer, scheduler, random-number
-# states, position in the epoch), refuses a checkpoint trained with other
-# model settings or another tokenizer (`resume_state`), and cuts
-# `train_loss.tsv` back to the checkpoint's step: rows written after the last
-# save by a killed run would otherwise appear twice (`truncate_log`).
+# **Resuming** reads `last.pt`, refuses a checkpoint of other settings or
+# another tokenizer (`resume_state`), and cuts `train_loss.tsv` back to its
+# step, where a killed run's later rows would appear twice (`truncate_log`).
 #
 # **Which checkpoint.** The folder's names, a run's model (`run_model`) and
 # the latest run are `annotated/run_folder.py`'s; which model a command uses
