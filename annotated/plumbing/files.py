@@ -10,11 +10,10 @@ middle leaves the old file as it was.
 Files and folders get the modes a plain `open` or `mkdir` would give them, the umask's, not `tempfile`'s private
 ones (`new_file_mode`; `test_a_published_folder_gets_the_mode_of_the_umask`).
 
-**Leftovers of a killed write.** A Ctrl-C or an exception removes the temporary file; a process killed
-outright (`kill -9`, the out-of-memory killer) cannot, and leaves `.<name>.<random>.tmp` beside the target.
-Nothing reads such names. Each writer holds an exclusive `flock` on its temporary file until the rename
-(the kernel drops it when the process dies), so the next successful write of the same target can delete
-exactly the leftovers that no living writer holds (`remove_stale_temporaries`).
+**Leftovers of a killed write.** A process killed outright (`kill -9`, the out-of-memory killer) leaves
+`.<name>.<random>.tmp` beside the target, which nothing reads. Each writer holds an exclusive `flock` on its
+temporary file until the rename, so the next successful write of the same target deletes exactly the leftovers
+that no living writer holds (`remove_stale_temporaries`).
 """
 
 from __future__ import annotations

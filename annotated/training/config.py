@@ -3,11 +3,9 @@
 #
 # One frozen dataclass, `TrainConfig`, holds every setting of a training run:
 # the language pair, the model (a `TransformerConfig` of the first chapter,
-# `annotated/transformer.py`, whose own checks apply: `d_model` divisible by
-# `h`, a known `norm` and `attention`), the optimisation budget and schedule,
-# evaluation and reproducibility. The model's vocabulary sizes are the joint
-# sentencepiece vocabulary asked for (`vocab_size`); the embeddings are tied
-# (one table for the encoder, the decoder and the generator, section 3.4).
+# whose own checks apply), the optimisation budget and schedule, evaluation
+# and reproducibility. The model has one joint sentencepiece vocabulary
+# (`vocab_size`) and tied embeddings (section 3.4).
 #
 # A preset is defined by its number of optimizer steps, `max_steps`, never by
 # wall time: the same command gives the same model on an idle and on a busy

@@ -343,6 +343,7 @@ def read_parallel(src_path: PathLike, tgt_path: PathLike, *, empty: str = "error
 # `<cache_dir>/multi30k/` and read them as a parallel corpus, in any two
 # different languages of `LANGS` (`test_load_multi30k_val_has_one_pair_per_line`).
 
+
 # %%
 def load_multi30k(
     split: str,
@@ -369,6 +370,7 @@ def load_multi30k(
 # a model can learn to answer a shouted sentence in kind (`--case-augment`; 0
 # by default: the translator recases such input, `annotated/decoding/casing.py`).
 # The copies join the training pairs before the vocabulary is trained.
+
 
 # %%
 def case_augmented(pairs: Sequence[tuple[str, str]], share: float, seed: int = 0) -> list[tuple[str, str]]:

@@ -55,15 +55,13 @@ def evaluate_bleu(
 # ## The length penalty, chosen on validation data
 #
 # Beam search ranks finished translations by `log P / ((5 + |Y|) / 6)^alpha`
-# (`annotated/decoding/search.py`). The paper's `alpha = 0.6` was tuned on
-# WMT for big models; our small Multi30k models translate too short with it
-# (length ratio 0.93 for the shipped de-en model on the validation split,
-# `docs/training.md`). `choose_length_penalty` translates the **validation**
-# pairs once per candidate in `LENGTH_PENALTIES` and keeps the alpha with the
-# highest cased BLEU; a tie goes to the smaller alpha. It never sees the
-# test set: a test score measured at an alpha chosen on the test set would
-# flatter the model. (`tests/training/test_length_penalty.py`:
-# `test_the_choice_is_the_highest_validation_bleu_and_a_tie_goes_to_the_smaller_alpha`.)
+# (`annotated/decoding/search.py`). The paper's `alpha = 0.6`, tuned on WMT
+# for big models, makes our small Multi30k models translate too short
+# (`docs/training.md`). `choose_length_penalty` keeps the alpha of
+# `LENGTH_PENALTIES` with the highest cased BLEU on the **validation** pairs,
+# the smaller on a tie; a test score at an alpha chosen on the test set would
+# flatter the model
+# (`test_the_choice_is_the_highest_validation_bleu_and_a_tie_goes_to_the_smaller_alpha`).
 
 # %%
 LENGTH_PENALTIES = (PAPER_LENGTH_PENALTY, 1.0, 2.0, 3.0, 4.0)

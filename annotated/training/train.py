@@ -138,9 +138,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
 #   the count of skipped steps and stops the run with an error, before any
 #   checkpoint is written, so the last good one is kept;
 # * on a GPU the epoch's batches are copied once into page-locked ("pinned")
-#   host memory, so that each batch's copy to the GPU (`non_blocking=True`)
-#   is queued like a kernel; from ordinary memory CUDA first waits for the
-#   GPU's queue to drain;
+#   host memory, so that each batch's copy to the GPU is queued like a kernel,
+#   not waited for;
 # * token-id checks live where ids are made (data, translator input), not in
 #   the model.
 #
@@ -261,14 +260,11 @@ def evaluate_loss(model: EncoderDecoder, batches, eps: float, device: torch.devi
 #   (`test_a_run_keeps_and_averages_exactly_its_last_average_last_epochs`).
 #
 # Ctrl-C finishes the current step, writes `last.pt` and stops (a second
-# Ctrl-C stops at once); `--resume` continues from there. The run folder, its
-# logs, resuming and the checkpoints' bookkeeping are the next chapter's
-# (`annotated/training/runs.py`); translating and scoring, `annotated/training/evaluate.py`;
-# the test scores and `results.json` at the end, `annotated/training/results.py`.
-#
-# With several processes (`torchrun`), each rank trains on its own share of
-# every epoch's batches and DistributedDataParallel averages the gradients;
-# only rank 0 evaluates, logs and writes files (`annotated/training/distributed.py`).
+# Ctrl-C stops at once). The run folder, its logs and resuming are
+# `annotated/training/runs.py`'s; scoring, `annotated/training/evaluate.py`'s;
+# the end, `annotated/training/results.py`'s. With several processes
+# (`torchrun`), each rank trains on its own share of every epoch's batches
+# and only rank 0 evaluates, logs and writes (`annotated/training/distributed.py`).
 
 # %%
 AlignmentImage = Callable[..., object]  # (writer, model, tokenizer, sentence, step): logs a picture
@@ -367,11 +363,8 @@ def train(
     alignment_image: AlignmentImage | None = None,
 ) -> dict:
     """Train (or resume) a run in `run_dir` on the pairs of `source`; returns the final results (also in
-    results.json).
-
-    `alignment_image(writer, model, tokenizer, sentence, step)`, when given, logs a picture of the model's
-    attention on the first validation sentence at each epoch's end (train_wmt.py hands in
-    annotated/attention/dump.py's `log_alignment_image`)."""
+    results.json). `alignment_image`: a picture of the attention on the first validation sentence at each
+    epoch's end (train_wmt.py hands in annotated/attention/dump.py's `log_alignment_image`)."""
     precision, reason = resolve_precision(cfg.precision, default_device(device))  # before any work
     rank, world, dev, owns_group = distributed.join(default_device(device))
     if dev.type == "cpu":  # a CPU step's large tensors reuse freed memory instead of faulting pages in
