@@ -199,9 +199,15 @@ def _quiet_transformers() -> Iterator[None]:
             transformers_logging.enable_progress_bar()
 
 
-def export_marian(checkpoint: Path, out: Path, as_typed: str | None = None) -> Path:
-    """Write checkpoint `checkpoint` (named `as_typed` on the command line) as a MarianMTModel folder `out`, which
-    replaces only a model folder (the command refuses any existing `out` without --overwrite, `door.keep`)."""
+def _refuse_existing(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it, or choose another")
+
+
+def export_marian(checkpoint: Path, out: Path, as_typed: str | None = None, overwrite: bool = False) -> Path:
+    """Write checkpoint `checkpoint` (named `as_typed` on the command line) as a MarianMTModel folder `out`; an
+    existing `out` is replaced only with `overwrite` and only if it is a model folder."""
+    _refuse_existing(out, overwrite)
     if out.exists() and not (out / "config.json").is_file():
         raise FileExistsError(f"{out} exists and is not a model folder (no config.json in it): choose another folder")
     state = read_checkpoint(checkpoint)
@@ -301,12 +307,15 @@ def import_marian(
     attention: AttentionForm = "fused",
     src: str | None = None,
     tgt: str | None = None,
+    overwrite: bool = False,
 ) -> tuple[Path, bool]:
     """Write the MarianMTModel folder `folder` as our checkpoint `out`; returns (out, whether it holds a tokenizer).
     The language pair: `src`/`tgt` where given, else the folder's tokenizer_config.json (ValueError where neither
-    names it). An export of ours brings back its length penalty and recasing table (annotated.json)."""
+    names it). An export of ours brings back its length penalty and recasing table (annotated.json). An existing
+    `out` is replaced only with `overwrite`."""
     from transformers import MarianMTModel
 
+    _refuse_existing(out, overwrite)
     if out.is_dir():
         raise IsADirectoryError(f"{out} is a folder: name the checkpoint file to write, e.g. {out / 'model.pt'}")
     if not (folder / "config.json").is_file():
@@ -368,7 +377,7 @@ def _export(args, door) -> None:
         door.fail(f"name the folder to write: {EXPORT_USAGE}")
     door.checkpoint(args)
     door.keep(args, [Path(args.out)], flag="--overwrite", elsewhere="name another folder")
-    out = export_marian(args.checkpoint, Path(args.out), as_typed=args.typed_checkpoint)
+    out = export_marian(args.checkpoint, Path(args.out), as_typed=args.typed_checkpoint, overwrite=args.overwrite)
     print(f"wrote {out}: MarianMTModel.from_pretrained({str(out)!r}) loads it")
 
 
@@ -376,7 +385,9 @@ def _import(args, door) -> None:
     if not args.hf_dir or not args.out:
         door.fail(f"name the folder to read and the checkpoint to write: {IMPORT_USAGE}")
     door.keep(args, [Path(args.out)], flag="--overwrite", elsewhere="name another file")
-    out, has_tokenizer = import_marian(Path(args.hf_dir), Path(args.out), args.attention, args.src, args.tgt)
+    out, has_tokenizer = import_marian(
+        Path(args.hf_dir), Path(args.out), args.attention, args.src, args.tgt, overwrite=args.overwrite
+    )
     print(
         f"wrote {out}"
         + (

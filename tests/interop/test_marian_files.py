@@ -71,6 +71,24 @@ def test_nothing_is_overwritten_without_the_flag(checkpoint, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out", "taken.pt"]  # no staging left behind
 
 
+def test_the_library_calls_overwrite_nothing_without_the_flag(checkpoint, tmp_path):
+    """`export_marian` and `import_marian` called from Python keep an existing output as the command does."""
+    from annotated.interop.folders import export_marian, import_marian
+
+    model = export_marian(checkpoint, tmp_path / "model")
+    before = (model / "config.json").read_bytes()
+    (model / "config.json").write_text("mine")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_marian(checkpoint, model)
+    assert (model / "config.json").read_text() == "mine"
+    (model / "config.json").write_bytes(before)
+    (tmp_path / "taken.pt").write_text("mine")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        import_marian(model, tmp_path / "taken.pt")
+    assert (tmp_path / "taken.pt").read_text() == "mine"
+    assert import_marian(model, tmp_path / "taken.pt", overwrite=True)[0].stat().st_size > 4
+
+
 def test_refusals_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         main(["import", str(tmp_path), str(tmp_path / "x.pt")])
