@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 from tiny import jiggle, tiny_model
 from transformers import MarianConfig, MarianMTModel
 
+from annotated.checks import check_marian_config
 from annotated.decoding.search import beam_search
 from annotated.interop import layout
 from annotated.interop.layout import permute_residual, sinusoid_permutation
@@ -359,6 +360,36 @@ def test_refusals_name_the_fix():
                 )
             )
         )
+
+
+@pytest.mark.parametrize(
+    "fields, refusal",
+    [
+        ({"d_model": 10, "encoder_attention_heads": 4, "decoder_attention_heads": 4}, "divisible by the 4 heads"),
+        ({"d_model": 9, "encoder_attention_heads": 3, "decoder_attention_heads": 3}, "d_model=9 must be even"),
+        ({"pad_token_id": 9}, "pad_token_id=9 is not a token id of the vocabulary \\[0, 9\\)"),
+        (
+            {"decoder_vocab_size": 8, "pad_token_id": 7},
+            "decoder_start_token_id=8 is not a token id of the vocabulary \\[0, 8\\)",
+        ),
+        ({"eos_token_id": -1}, "eos_token_id=-1 is not a token id"),
+        ({"eos_token_id": 8}, "eos_token_id=8 is also the pad or decoder start id"),
+    ],
+    ids=["heads", "odd", "pad", "start", "eos-negative", "eos-is-pad"],
+)
+def test_a_config_our_model_cannot_hold_is_refused_by_name(fields, refusal):
+    """Each refusal of `check_marian_config` past the stack sizes and the activation: the field is named."""
+    base = {
+        "vocab_size": 9,
+        "d_model": 8,
+        "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2,
+        "activation_function": "relu",
+    }
+    config = MarianConfig(**{**base, "pad_token_id": 8, "decoder_start_token_id": 8, "eos_token_id": 0, **fields})
+    check_marian_config(MarianConfig(**base, pad_token_id=8, decoder_start_token_id=8, eos_token_id=0), ("relu",))
+    with pytest.raises(ValueError, match=refusal):
+        check_marian_config(config, ("relu",))
 
 
 def small_marian(activation: str, scale: bool, tie: bool, seed: int = 4) -> MarianMTModel:
