@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=RESAMPLES,
         help=f"bootstrap resamples for every interval (default {RESAMPLES})",
     )
-    p.add_argument("--seed", type=at_least(0), default=SEED, help=f"seed of the bootstrap resamples (default {SEED})")
+    p.add_argument("--seed", type=at_least(0), default=SEED, help=f"bootstrap and fine-tuning seed (default {SEED})")
     p.add_argument("--prune", action="store_true", help="prune heads greedily and save pruned.pt")
     p.add_argument(
         "--max-loss-increase",
@@ -463,7 +463,7 @@ def prune_and_measure(model, tokenizer, meta, val, encoded, test, args, say) -> 
     if args.finetune_steps:
         train = encode_pairs(load_multi30k("train", *languages_of(meta)), tokenizer)
         batches = _batches(train, range(len(train)), model.config.max_len, shuffle=True, seed=0)
-    tuning = finetune(result.model, batches, args.finetune_steps, held_out_loss, progress=True)
+    tuning = finetune(result.model, batches, args.finetune_steps, held_out_loss, progress=True, seed=args.seed)
     pruned, steps, final_loss = tuning.model, tuning.steps, min(loss for _, loss in tuning.checks)
     total = sum(attention_at(model, *s).h for s in sites(model))
     alpha = model_length_penalty(meta) if args.length_penalty is None else args.length_penalty

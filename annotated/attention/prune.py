@@ -171,7 +171,9 @@ def save_pruned(
 # `train_step` of `annotated/training/train.py`, at a constant learning rate
 # `FINETUNE_LR` (a run's warm-up would start near zero). Given the held-out
 # loss, it keeps the model of lowest held-out loss, like the stop never looking
-# at test (docs/heads.md#pruning-and-its-stop-rule).
+# at test (docs/heads.md#pruning-and-its-stop-rule). Dropout draws from a seed,
+# so the same call gives the same model
+# (`test_finetune_with_dropout_repeats_by_its_seed_and_leaves_the_callers_random_state`).
 
 # %%
 FINETUNE_LR = 1e-4
@@ -195,10 +197,12 @@ def finetune(
     check_every: int = FINETUNE_CHECK_EVERY,
     patience: int = FINETUNE_PATIENCE,
     progress: bool = False,
+    seed: int = 0,
 ) -> Finetuned:
     """A copy of `model` after `steps` training steps on `batches` (cycled); `model` itself is not changed.
     With `held_out_loss`: the model whose held-out loss is lowest (checked every `check_every` steps and after
-    the last), stopping after `patience` checks in a row without a new lowest."""
+    the last), stopping after `patience` checks in a row without a new lowest. Dropout draws from `seed`: the
+    same call gives the same model, and the caller's random state is left as it was."""
     from annotated.training.config import TrainConfig
     from annotated.training.train import train_step
 
@@ -217,17 +221,19 @@ def finetune(
         fused=next(tuned.parameters()).dtype in (torch.float16, torch.bfloat16, torch.float32),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # constant
-    for done in tracked(range(1, steps + 1), steps, "fine-tuning", "step", progress):
-        b = batches[(done - 1) % len(batches)]
-        train_step(tuned, opt, sched, [b], b.ntokens, settings, device)
-        if held_out_loss is None or (done % check_every and done != steps):
-            continue
-        checks.append((done, held_out_loss(tuned)))
-        tuned.train()  # the check evaluated it
-        if checks[-1][1] < min(l for _, l in checks[:-1]):
-            best.model, best.steps = copy.deepcopy(tuned).eval(), done
-        if done - best.steps >= patience * check_every:  # the last `patience` checks found no new lowest
-            break
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for done in tracked(range(1, steps + 1), steps, "fine-tuning", "step", progress):
+            b = batches[(done - 1) % len(batches)]
+            train_step(tuned, opt, sched, [b], b.ntokens, settings, device)
+            if held_out_loss is None or (done % check_every and done != steps):
+                continue
+            checks.append((done, held_out_loss(tuned)))
+            tuned.train()  # the check evaluated it
+            if checks[-1][1] < min(l for _, l in checks[:-1]):
+                best.model, best.steps = copy.deepcopy(tuned).eval(), done
+            if done - best.steps >= patience * check_every:  # the last `patience` checks found no new lowest
+                break
     return best if held_out_loss is not None else Finetuned(tuned.eval(), steps, [])
 
 

@@ -245,6 +245,17 @@ def test_finetune_on_held_out_keeps_the_input_when_nothing_beats_it_and_checks_t
     assert got.model is model and got.steps == 0
 
 
+def test_finetune_with_dropout_repeats_by_its_seed_and_leaves_the_callers_random_state():
+    import tiny
+
+    model = tiny.tiny_model(12, dropout=0.3).float()  # dropout draws a new mask at every step
+    batches, before = _copy_task_batches(), torch.get_rng_state()
+    runs = [finetune(model, batches, 3, lr=3e-3, seed=s).model.state_dict() for s in (0, 0, 1)]
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])  # seed 0 twice: the same weights
+    assert not all(torch.equal(runs[0][k], runs[2][k]) for k in runs[0])  # seed 1: other masks, other steps
+
+
 # ---------------------------------------------------------------- the command, end to end
 
 
