@@ -147,7 +147,7 @@ def _how_to_fix() -> str:
     if os.environ.get(MAKE_TARGET):  # under make: the make line with the variable set
         return f"{Door.make_line((), **{URL_ENV: path})} (a reachable copy of the Multi30k raw files, or {DEFAULT_URL})"
     return (
-        f"set {URL_ENV} (or pass --data-url) to a reachable copy of the Multi30k raw files, "
+        f"set {URL_ENV} to a reachable copy of the Multi30k raw files, "
         f"e.g. {URL_ENV}={path} or the default {DEFAULT_URL}"
     )
 

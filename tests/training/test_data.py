@@ -197,7 +197,9 @@ def test_unreachable_or_missing_source_names_the_variable(where, tmp_path, monke
     }[where]
     (tmp_path / "empty").mkdir()
     monkeypatch.setenv(URL_ENV, "file:///nonexistent/from-env/")
-    with pytest.raises(DataError, match=r"cannot download val\.fr\.gz from .*MULTI30K_URL.*--data-url") as e:
+    with pytest.raises(
+        DataError, match=r"cannot download val\.fr\.gz from .*set MULTI30K_URL to a reachable copy"
+    ) as e:
         fetch("val.fr.gz", tmp_path / "cache", url)
     if where == "env var":
         assert "from-env" in str(e.value)
