@@ -120,6 +120,19 @@ def with_meta(path: os.PathLike | str, out: os.PathLike | str, **entries) -> Non
     atomic_torch_save(dict(state, meta=dict(state.get("meta") or {}, **entries)), out)
 
 
+def languages_of(meta: dict) -> tuple[str, str]:
+    """(src_lang, tgt_lang) of a checkpoint's metadata; CheckpointError naming the fix where it names none (a model
+    read in the wrong direction would look like a model that learnt nothing)."""
+    src, tgt = meta.get("src_lang"), meta.get("tgt_lang")
+    if not (isinstance(src, str) and isinstance(tgt, str) and src and tgt):
+        raise CheckpointError(
+            "the checkpoint's metadata names no language pair (src_lang/tgt_lang), so the direction to read it "
+            "in is unknown; for an imported model, import it again naming them: make import HF=folder "
+            "OUT=model.pt ARGS='--src de --tgt en'"
+        )
+    return src, tgt
+
+
 def checkpoint_file(path: os.PathLike | str) -> Path:
     """`path`, a file; CheckpointError saying what it is instead: a folder (a transformers one points to
     `make import`) or nothing. Every command's door checks this before anything is loaded."""

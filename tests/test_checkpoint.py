@@ -167,3 +167,20 @@ def test_a_folder_or_a_file_with_code_is_refused_without_the_unsafe_hint(tmp_pat
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
         assert "weights_only" not in err and "can still be loaded" not in err
+
+
+@pytest.mark.parametrize("command", ["add_case_table", "choose_length_penalty"])
+@pytest.mark.parametrize("meta", [{}, {"src_lang": "de"}, {"src_lang": "", "tgt_lang": "en"}])
+def test_a_command_refuses_a_model_without_a_language_pair_in_one_line(command, meta, tmp_path, capsys):
+    """`languages_of` is the one check of a checkpoint's pair: a command that reads Multi30k in it refuses a model
+    that names none in one line with the fix, and writes nothing."""
+    import importlib
+
+    main = importlib.import_module(f"annotated.training.{command}").main
+    save_checkpoint(tmp_path / "m.pt", make_model(src_vocab=8, tgt_vocab=8, N=1, d_model=8, d_ff=8, h=2), None, meta)
+    with pytest.raises(SystemExit) as stop:
+        main(["--checkpoint", str(tmp_path / "m.pt"), "--out", str(tmp_path / "new.pt")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "names no language pair" in err and "ARGS='--src de --tgt en'" in err
+    assert not (tmp_path / "new.pt").exists()

@@ -40,7 +40,7 @@ from annotated.attention.prune import (
     speed_ratio,
     split_sentences,
 )
-from annotated.checkpoint import CheckpointError, load_checkpoint, read_case_table
+from annotated.checkpoint import CheckpointError, languages_of, load_checkpoint, read_case_table
 from annotated.checks import check_tokenizer
 from annotated.decoding.settings import Decoding, model_length_penalty
 from annotated.door import Door
@@ -142,19 +142,6 @@ def _batches(encoded, indices, max_len: int, **order):
     chosen = [encoded[i] for i in indices]
     kept, _ = split_long(chosen, max_len)  # teacher-forced passes need pairs that fit the model
     return make_batches([chosen[i] for i in kept], max_tokens=4000, **order)
-
-
-def languages_of(meta: dict) -> tuple[str, str]:
-    """(src_lang, tgt_lang) of a checkpoint's metadata; CheckpointError naming the fix where it names none (a model
-    scored in the wrong direction would look like a model with useless heads)."""
-    src, tgt = meta.get("src_lang"), meta.get("tgt_lang")
-    if not (isinstance(src, str) and isinstance(tgt, str)):
-        raise CheckpointError(
-            "the checkpoint's metadata names no language pair (src_lang/tgt_lang), so the direction to score it "
-            "in is unknown; for an imported model, import it again naming them: make import HF=folder "
-            "OUT=model.pt ARGS='--src de --tgt en'"
-        )
-    return src, tgt
 
 
 def _data(meta: dict, tokenizer, n: int, max_len: int, prune: bool, n_test: int | None):

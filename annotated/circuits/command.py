@@ -95,17 +95,11 @@ def check_model(model, tokenizer, checkpoint: Path, head: tuple[str, int, int] |
 
 def gather_inputs(model, tokenizer, meta: dict, args, say):
     """Counts, batches and the aligner's output for `read_model` (annotated/circuits/readout.py)."""
+    from annotated.checkpoint import languages_of
     from annotated.circuits.readout import Inputs
     from annotated.training.data import collate, encode_pairs, load_multi30k, split_long
 
-    src, tgt = meta.get("src_lang"), meta.get("tgt_lang")
-    if not src or not tgt:
-        from annotated.checkpoint import CheckpointError
-
-        raise CheckpointError(
-            f"checkpoint {args.checkpoint}: its metadata names no src_lang/tgt_lang, so the "
-            "readout cannot tell which Multi30k sides to read"
-        )
+    src, tgt = languages_of(meta)
     max_len = model.config.max_len
 
     def batches(pairs, size: int = 100):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from annotated.checkpoint import CheckpointError, add_case_table, read_checkpoint
+from annotated.checkpoint import CheckpointError, add_case_table, languages_of, read_checkpoint
 from annotated.decoding.casing import case_table
 from annotated.door import Door
 from annotated.training.data import load_multi30k
@@ -29,14 +29,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     door.keep(args, [args.out], flag="", elsewhere="name a new file")
     try:
-        meta = read_checkpoint(door.checkpoint(args)).get("meta", {})
+        src, tgt = languages_of(read_checkpoint(door.checkpoint(args)).get("meta", {}))
     except CheckpointError as e:
         door.fail(str(e))
-    if "src_lang" not in meta or "tgt_lang" not in meta:
-        door.fail(f"{args.checkpoint} names no src_lang/tgt_lang; its training data is unknown")
-    pairs = load_multi30k("train", meta["src_lang"], meta["tgt_lang"])
+    pairs = load_multi30k("train", src, tgt)
     add_case_table(args.checkpoint, args.out, case_table(s for s, _ in pairs))
-    print(f"{args.out}: {args.checkpoint} with the case table of Multi30k train.{meta['src_lang']}")
+    print(f"{args.out}: {args.checkpoint} with the case table of Multi30k train.{src}")
     return 0
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from annotated.checkpoint import CheckpointError, load_checkpoint, with_meta
+from annotated.checkpoint import CheckpointError, languages_of, load_checkpoint, with_meta
 from annotated.decoding.settings import Decoding
 from annotated.door import Door
 from annotated.training.data import DataError, load_multi30k
@@ -45,13 +45,8 @@ def main(argv=None) -> int:
     DOOR.keep(args, [args.out], elsewhere="name a new file")
     try:
         model, tokenizer, meta = load_checkpoint(DOOR.checkpoint(args))
-    except CheckpointError as e:
-        DOOR.fail(str(e))
-    if "src_lang" not in meta or "tgt_lang" not in meta:
-        DOOR.fail(f"{args.checkpoint} names no src_lang/tgt_lang; its validation data is unknown")
-    try:
-        val = load_multi30k("val", meta["src_lang"], meta["tgt_lang"], base_url=args.data_url)
-    except DataError as e:
+        val = load_multi30k("val", *languages_of(meta), base_url=args.data_url)
+    except (CheckpointError, DataError) as e:
         DOOR.fail(str(e))
     alpha, bleu = choose_length_penalty(model, tokenizer, val, args.beam, progress=sys.stderr.isatty())
     with_meta(args.checkpoint, args.out, length_penalty=alpha)

@@ -257,7 +257,7 @@ def test_a_long_source_goes_through_generate(checkpoint, tmp_path):
 
 def test_the_language_pair_survives_export_and_import(checkpoint, tmp_path, capsys):
     """The folder's pair comes back; a folder that names none is refused unless --src and --tgt name it."""
-    from annotated.attention.heads import languages_of
+    from annotated.checkpoint import languages_of
 
     main(["export", str(checkpoint), str(tmp_path / "out")])
     assert main(["import", str(tmp_path / "out"), str(tmp_path / "back.pt")]) == 0
@@ -279,7 +279,7 @@ def test_the_language_pair_survives_export_and_import(checkpoint, tmp_path, caps
 
 def test_import_src_tgt_name_the_pair_even_where_the_folder_names_one(checkpoint, tmp_path):
     """The folder says de -> en; --src/--tgt say otherwise, and they win (one of them alone replaces its side)."""
-    from annotated.attention.heads import languages_of
+    from annotated.checkpoint import languages_of
 
     main(["export", str(checkpoint), str(tmp_path / "out")])
     assert main(["import", str(tmp_path / "out"), str(tmp_path / "both.pt"), "--src", "en", "--tgt", "de"]) == 0
