@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,9 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from annotated.checkpoint import save_checkpoint
+from annotated.decoding.search import translate_ids
 from annotated.plumbing.progress import progress as progress_bar
 from annotated.plumbing.progress import tracked
 from annotated.sites import attention_at, head_counts, remove_heads, sites
+from annotated.training.config import TrainConfig
+from annotated.training.train import train_step
 from annotated.transformer import EncoderDecoder, convert_model
 
 # %% [markdown]
@@ -203,9 +207,6 @@ def finetune(
     With `held_out_loss`: the model whose held-out loss is lowest (checked every `check_every` steps and after
     the last), stopping after `patience` checks in a row without a new lowest. Dropout draws from `seed`: the
     same call gives the same model, and the caller's random state is left as it was."""
-    from annotated.training.config import TrainConfig
-    from annotated.training.train import train_step
-
     checks = [] if held_out_loss is None else [(0, held_out_loss(model))]
     best = Finetuned(model, 0, checks)
     if steps == 0:
@@ -274,8 +275,6 @@ def timed_translation(
     model: EncoderDecoder, sources: list[list[int]], beam_size: int, length_penalty: float, progress: bool = False
 ) -> tuple[list[list[int]], float]:
     """(output ids, sentences per second) of translating `sources` with `translate_ids`."""
-    from annotated.decoding.search import translate_ids
-
     start = time.perf_counter()
     out = translate_ids(model, sources, beam_size, length_penalty, progress=progress)
     return out, len(sources) / (time.perf_counter() - start)
@@ -305,8 +304,6 @@ def speed_ratio(fast: list[float], base: list[float]) -> float:
     >>> speed_ratio([2.0, 3.0, 1.0], [1.0, 2.0, 1.0])
     1.5
     """
-    import statistics
-
     if len(fast) != len(base) or not fast:
         raise ValueError(f"need one speed per round for both models, got {len(fast)} and {len(base)}")
     return statistics.median(f / b for f, b in zip(fast, base))

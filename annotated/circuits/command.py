@@ -21,9 +21,21 @@ from typing import Any
 import torch
 
 from annotated.attention.viewer import CIRCUITS_PAGE
+from annotated.checkpoint import CheckpointError, languages_of, load_checkpoint
+from annotated.circuits.aligner import lexicon as make_lexicon
+from annotated.circuits.aligner import multi30k_alignments
+from annotated.circuits.circuits import attentions
+from annotated.circuits.composition import composition_figure, format_composition, reads_through
+from annotated.circuits.interventions import format_interventions, role_interventions
+from annotated.circuits.page import write_page
+from annotated.circuits.pictures import dictionary_figure, faithfulness_figure, positions_figure, spectra_figure
+from annotated.circuits.readout import Inputs, read_model
 from annotated.door import Door
+from annotated.plumbing.files import atomic_write, json_safe
 from annotated.plumbing.options import at_least
+from annotated.shipped import typed_name
 from annotated.sites import KINDS
+from annotated.training.data import DataError, collate, encode_pairs, load_multi30k, split_long
 
 DOOR = Door(__file__)
 REPORT = "circuits.json"
@@ -70,9 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_model(model, tokenizer, checkpoint: Path, head: tuple[str, int, int] | None) -> None:
     """The checks that need the loaded model: a tokenizer, and the head asked for."""
-    from annotated.checkpoint import CheckpointError
-    from annotated.circuits.circuits import attentions
-
     if tokenizer is None:
         raise CheckpointError(
             f"checkpoint {checkpoint} holds no tokenizer, so its circuits cannot be read in words; "
@@ -95,10 +104,6 @@ def check_model(model, tokenizer, checkpoint: Path, head: tuple[str, int, int] |
 
 def gather_inputs(model, tokenizer, meta: dict, args, say):
     """Counts, batches and the aligner's output for `read_model` (annotated/circuits/readout.py)."""
-    from annotated.checkpoint import languages_of
-    from annotated.circuits.readout import Inputs
-    from annotated.training.data import collate, encode_pairs, load_multi30k, split_long
-
     src, tgt = languages_of(meta)
     max_len = model.config.max_len
 
@@ -118,9 +123,6 @@ def gather_inputs(model, tokenizer, meta: dict, args, say):
     lexicon = test_links = None
     test_batches: list = []
     if not args.no_aligner:
-        from annotated.circuits.aligner import lexicon as make_lexicon
-        from annotated.circuits.aligner import multi30k_alignments
-
         say("word alignments of the training and test pairs (eflomal; cached after the first run)")
         aligned = multi30k_alignments(src, tgt)
         lexicon = make_lexicon(*aligned["train"])
@@ -176,16 +178,6 @@ def best_cross_head(report: dict[str, Any]) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from annotated.checkpoint import CheckpointError, load_checkpoint
-    from annotated.circuits.composition import composition_figure, format_composition, reads_through
-    from annotated.circuits.interventions import format_interventions, role_interventions
-    from annotated.circuits.page import write_page
-    from annotated.circuits.pictures import dictionary_figure, faithfulness_figure, positions_figure, spectra_figure
-    from annotated.circuits.readout import read_model
-    from annotated.plumbing.files import atomic_write, json_safe
-    from annotated.shipped import typed_name
-    from annotated.training.data import DataError
-
     try:
         args = parse_args(argv)
     except SystemExit as e:

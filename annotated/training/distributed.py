@@ -47,6 +47,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 class RankError(RuntimeError):
@@ -55,8 +57,6 @@ class RankError(RuntimeError):
 
 def join(dev: torch.device) -> tuple[int, int, torch.device, bool]:
     """(rank, world size, this rank's device, whether we joined the group here) from torchrun's environment."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():  # a caller set it up (and will tear it down)
         owned = False
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -79,15 +79,11 @@ def join(dev: torch.device) -> tuple[int, int, torch.device, bool]:
 
 
 def leave() -> None:
-    import torch.distributed as dist
-
     dist.destroy_process_group()
 
 
 def wrap(model: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
     """DDP around `model`: copies rank 0's parameters to every rank, then averages gradients in backward."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     # the one buffer, the positional table, is constant: no copy before each forward (newer torch's name for
     # that setting, else the older one)
     no_buffer_sync = (
@@ -101,8 +97,6 @@ def from_rank0(fn: Callable, rank: int, world: int):
     """fn() run on rank 0 and sent to every rank; if it fails there, every rank stops with an error."""
     if world == 1:
         return fn()
-    import torch.distributed as dist
-
     box: list[Any] = [None]
     if rank == 0:
         try:
@@ -120,7 +114,5 @@ def from_rank0(fn: Callable, rank: int, world: int):
 def sum_over_ranks(values: torch.Tensor, world: int) -> torch.Tensor:
     """Element-wise sum over all ranks of a float64 tensor (token counts stay exact); a synchronisation point."""
     if world > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(values)
     return values

@@ -42,6 +42,8 @@ from annotated.plumbing.scripts import name_of, usage_of
 from annotated.run_folder import AVERAGED, run_model
 from annotated.shipped import CARD_FORMAT, FOLDER
 from annotated.training.config import PRESETS, config_from_dict, options_between
+from annotated.training.data import load_multi30k
+from annotated.training.evaluate import evaluate_bleu
 
 NAME = name_of(__file__)
 MAX_BYTES = 4 << 20  # each shipped model at most 4 MiB
@@ -212,9 +214,6 @@ def pack(
 ) -> tuple[Path, Path]:
     """Pack the model of `run_dir` into `out`; returns (model file, card). `pairs`: the test pairs to score
     (default: test_2016_flickr in the run's languages)."""
-    from annotated.training.data import load_multi30k
-    from annotated.training.evaluate import evaluate_bleu
-
     results_path = run_dir / "results.json"
     if not results_path.is_file():
         raise PackError(f"{results_path} is missing: the run has not finished (its test scores are written last)")

@@ -145,16 +145,15 @@ def test_a_test_pair_too_long_for_the_model_is_dropped_with_its_links(monkeypatc
     its reference links, so the third sentence is scored against its own links, not the second's."""
     from types import SimpleNamespace
 
-    from annotated.circuits import aligner
+    from annotated.circuits import command
     from annotated.circuits.command import gather_inputs
-    from annotated.training import data
 
     train = [("a b", "c d")] * 3
     test = [("a b", "c d"), ("a " * 9, "c " * 9), ("b a", "d c")]  # 9 words: too long for max_len 6
     links = [{(0, 0)}, {(8, 8)}, {(0, 1), (1, 0)}]
-    monkeypatch.setattr(data, "load_multi30k", lambda split, src, tgt, *a, **k: train)
+    monkeypatch.setattr(command, "load_multi30k", lambda split, src, tgt, *a, **k: train)
     monkeypatch.setattr(
-        aligner,
+        command,
         "multi30k_alignments",
         lambda src, tgt, *a, **k: {"train": (train, [{(0, 0)}] * 3), "test_2016_flickr": (test, links)},
     )
