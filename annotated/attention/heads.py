@@ -204,12 +204,6 @@ def noisy_advice(widths: list[float], n: int, available: int) -> str | None:
 # ---------------------------------------------------------------- table, JSON, pictures
 
 
-def _grid(rows: list[list[float]]) -> np.ndarray:
-    """Ragged [layer][head] -> (N, max h) array, nan where a layer has fewer heads."""
-    width = max(len(r) for r in rows)
-    return np.array([list(r) + [math.nan] * (width - len(r)) for r in rows], dtype=float)
-
-
 def measure_ranges(report: dict) -> dict[str, tuple[float, float]]:
     """One colour range per measure over all three kinds: importance from 0, changes symmetric about 0."""
 
@@ -237,7 +231,9 @@ def heat_map(kind: str, report: dict, ranges: dict[str, tuple[float, float]]):
     fig = figure(figsize=(4.4 * len(PANELS), 1.6 + 0.7 * len(k["importance"])))
     for ax, (key, title, fmt, bar) in zip(fig.subplots(1, len(PANELS), squeeze=False)[0], PANELS):
         change = key != "importance"
-        data = _grid([[v["value"] for v in row] for row in k[key]] if change else k[key])
+        rows = [[v["value"] for v in row] for row in k[key]] if change else k[key]  # [layer][head]
+        width = max(len(r) for r in rows)
+        data = np.array([list(r) + [math.nan] * (width - len(r)) for r in rows], dtype=float)  # (N, max h): nan, pruned
         low, high = ranges[key]
         im = ax.imshow(data, cmap=CMAP, vmin=low, vmax=high, aspect="auto")
         for (l, i), v in np.ndenumerate(data):

@@ -263,11 +263,6 @@ def alignment_cache_key(pairs: Sequence[tuple[str, str]], settings: dict[str, An
     return h.hexdigest()
 
 
-def _encode(links: list[Links]) -> bytes:
-    lines = [" ".join(f"{i}-{j}" for i, j in sorted(sentence)) for sentence in links]
-    return gzip.compress(json.dumps({"links": lines}).encode(), mtime=0)
-
-
 def _decode(blob: bytes, n: int) -> list[Links] | None:
     try:
         lines = json.loads(gzip.decompress(blob))["links"]
@@ -297,7 +292,8 @@ def align(
             return cached
     forward, reverse = run_eflomal(pairs, settings, show_progress)
     links = [grow_diag_final_and(f, r) for f, r in zip(forward, reverse)]
-    atomic_write(path, _encode(links))
+    lines = [" ".join(f"{i}-{j}" for i, j in sorted(sentence)) for sentence in links]
+    atomic_write(path, gzip.compress(json.dumps({"links": lines}).encode(), mtime=0))
     return links
 
 

@@ -196,10 +196,6 @@ class Composition:
         """The score over the baseline's mean: 1 is chance."""
         return self.score / self.baseline[0]
 
-    @property
-    def stands_out(self) -> bool:
-        return self.score > self.baseline[2]
-
     def record(self) -> dict[str, Any]:
         return {
             "writer": list(self.writer),
@@ -249,7 +245,7 @@ def compositions(model: EncoderDecoder, samples: int = SAMPLES, seed: int = SEED
 
 def standing_out(pairs: list[Composition], n: int | None = None) -> list[Composition]:
     """The pairs above their baseline's interval, the highest score over baseline first (the first n)."""
-    found = sorted((p for p in pairs if p.stands_out), key=lambda p: -p.above)
+    found = sorted((p for p in pairs if p.score > p.baseline[2]), key=lambda p: -p.above)
     return found if n is None else found[:n]
 
 

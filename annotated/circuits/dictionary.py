@@ -159,11 +159,6 @@ def word_starts(pieces, vocab: int) -> tuple[list[int], list[str]]:
     return starts, [normalize_word(labels[i][1:]) for i in starts]
 
 
-def spelled_words(model: EncoderDecoder, pieces) -> set[str]:
-    """The words one word-starting piece spells: all an OV dictionary can propose."""
-    return set(word_starts(pieces, model.generator.weight.size(0))[1])
-
-
 @torch.no_grad()
 def written_words(
     model: EncoderDecoder, site: Site, written: Tensor, words: Sequence[str], pieces, k: int = 5

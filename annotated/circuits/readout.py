@@ -26,7 +26,7 @@ from annotated.circuits.dictionary import (
     mean_inputs,
     ov_controls,
     qk_dictionary,
-    spelled_words,
+    word_starts,
 )
 from annotated.circuits.direct import (
     SIDES,
@@ -165,7 +165,8 @@ def read_model(model: EncoderDecoder, inputs: Inputs) -> dict[str, Any]:
         means = mean_inputs(model, inputs.pieces, bar(inputs.train_batches, "dictionaries"), cross)
         top_words = list(inputs.lexicon)[: inputs.top]
         sources = [w for w in top_words if w in set(means.src_words)]  # only words that occur are scored
-        missing = unmatchable(inputs.lexicon, sources, spelled_words(model, inputs.pieces))
+        spelled = set(word_starts(inputs.pieces, model.generator.weight.size(0))[1])  # all an OV dictionary proposes
+        missing = unmatchable(inputs.lexicon, sources, spelled)
         score = lambda d: list(dictionary_precision(d, inputs.lexicon, inputs.top, sources))
         for site in cross:
             for c in heads[site]:

@@ -242,7 +242,7 @@ def read_scores(
         parts = stream_parts(model64, src, tgt, pad)
         for site, cs in heads.items():
             allowed = allowed_keys(site[0], src, tgt, pad)
-            real = sentences_with_queries(allowed)
+            real = (allowed.sum(-1) >= 2).any(-1)  # (B,): the sentences with a query that has a choice of keys
             for c in cs:
                 terms = score_terms(c, matrices[site, c.head], *parts[site])
                 shares = variance_shares(terms, allowed)
@@ -253,11 +253,6 @@ def read_scores(
                 for name, v in roles.items():
                     reading.roles[name] += v[real].tolist()
     return out
-
-
-def sentences_with_queries(allowed: Tensor) -> Tensor:
-    """(B,): the sentences with at least one query that has a choice of keys."""
-    return (allowed.sum(-1) >= 2).any(-1)
 
 
 # %% [markdown]

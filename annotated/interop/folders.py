@@ -279,11 +279,6 @@ def _renumbered_tokenizer(folder: Path, src_map: list[int], tgt_map: list[int]):
         return None
 
 
-def _unk_of(folder: Path) -> int | None:
-    vocab = folder / "vocab.json"
-    return json.loads(vocab.read_text(encoding="utf-8")).get("<unk>") if vocab.is_file() else None
-
-
 def _languages(folder: Path, src: str | None, tgt: str | None) -> dict:
     """src_lang/tgt_lang: as given (--src/--tgt name the pair even where the folder names one), else
     tokenizer_config.json's source_lang/target_lang; ValueError where neither names both."""
@@ -324,7 +319,9 @@ def import_marian(
     side_meta, table = read_side_file(folder)
     with _quiet_transformers():
         hf = MarianMTModel.from_pretrained(str(folder), local_files_only=True).float().eval()
-    model, src_map, tgt_map = from_marian(hf, attention, _unk_of(folder))
+    vocab = folder / "vocab.json"
+    unk = json.loads(vocab.read_text(encoding="utf-8")).get("<unk>") if vocab.is_file() else None
+    model, src_map, tgt_map = from_marian(hf, attention, unk)
     tokenizer = _tokenizer_of(folder, src_map, tgt_map) or _renumbered_tokenizer(folder, src_map, tgt_map)
     meta = {"imported_from": str(folder), "marian_source_ids": src_map, "marian_target_ids": tgt_map}
     meta.update(languages, **side_meta)

@@ -57,17 +57,12 @@ def cpuinfo(key: str, path: Path = Path("/proc/cpuinfo")) -> str | None:
     return next((line.partition(":")[2].strip() for line in lines if line.startswith(key)), None)
 
 
-def cpu_name() -> str:
-    """The CPU's model name (from /proc/cpuinfo where there is one), else what `platform` says."""
-    return cpuinfo("model name") or platform.processor() or platform.machine()
-
-
 def environment() -> dict:
     """The record a result carries: python, machine, cpu, packages (every one, with its version), commit."""
     return {
         "python": sys.version.split()[0],
         "machine": f"{platform.system()} {platform.machine()}",
-        "cpu": cpu_name(),
+        "cpu": cpuinfo("model name") or platform.processor() or platform.machine(),
         "packages": installed_packages(),
         "commit": code_commit(),
     }

@@ -591,11 +591,6 @@ def check_sdpa_paths(examples: int = 100, progress: bool = False) -> list[CheckR
     return run_property("SDPA path = explicit path", attention_cases(), compare_paths, examples, progress)
 
 
-def logits_tolerance(dtype: torch.dtype, logits: Tensor) -> float:
-    """float64: 1e-12 absolute; float32: 1e-5 relative to the largest logit (see the prose)."""
-    return TOL[dtype] * (1.0 if dtype == torch.float64 else max(1.0, logits.abs().max().item()))
-
-
 def compare_model_forms(model: transformer.EncoderDecoder, src: Tensor, tgt: Tensor, max_len: int) -> dict:
     """Convert `model` to the other attention form; compare logits (float32, float64) and greedy decodes."""
     check_source_and_target(model, src, tgt)  # the door, before any model work
@@ -608,7 +603,8 @@ def compare_model_forms(model: transformer.EncoderDecoder, src: Tensor, tgt: Ten
         for dtype in (torch.float32, torch.float64):
             ma, mb = a.to(dtype), b.to(dtype)
             la, lb = ma(src, tgt, src_mask, tgt_mask), mb(src, tgt, src_mask, tgt_mask)
-            res[dtype] = (max_abs(la, lb), logits_tolerance(dtype, la))
+            scale = 1.0 if dtype == torch.float64 else max(1.0, la.abs().max().item())  # float32: relative
+            res[dtype] = (max_abs(la, lb), TOL[dtype] * scale)
         a, b = a.float(), b.float()
     da, db = (greedy_decode(m, src, src_mask, max_len, BOS, EOS, PAD) for m in (a, b))
     width = max(da.size(1), db.size(1))
