@@ -30,6 +30,7 @@
 # %%
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +44,7 @@ from torch import Tensor, nn
 from annotated.attention.pictures import CMAP, LAYOUT, MASKED
 from annotated.circuits.circuits import Factored, HeadCircuit, circuits
 from annotated.circuits.direct import layer_norms, norms_on_the_way, point
-from annotated.sites import Site
+from annotated.sites import Site, sites
 from annotated.transformer import EncoderDecoder
 
 SAMPLES = 1000  # random draws of the baseline
@@ -80,13 +81,11 @@ def composition_score(left: Factored, right: Factored) -> float:
 
 def reading(c: HeadCircuit, kind: str) -> Factored:
     """What head c reads an earlier head's write through: its QK for Q, QK^T for K, its OV for V."""
-    if kind == "Q":
-        return c.QK  # W_Q W_K^T: the write enters on the query's side
-    if kind == "K":
-        return Factored(c.QK.right.T, c.QK.left.T)  # W_K W_Q^T: on the key's side
-    if kind == "V":
-        return c.OV
-    raise ValueError(f"composition kind must be one of {KINDS}, got {kind!r}")
+    return {
+        "Q": c.QK,  # W_Q W_K^T: the write enters on the query's side
+        "K": Factored(c.QK.right.T, c.QK.left.T),  # W_K W_Q^T: on the key's side
+        "V": c.OV,
+    }[kind]
 
 
 # %% [markdown]
@@ -157,15 +156,11 @@ def norm_matrix(lns: list[nn.LayerNorm], d_model: int, gains: bool = True) -> Te
 
 def composition_paths(model: EncoderDecoder) -> list[tuple[Site, Site, str]]:
     """Every (writer site, reader site, kind) that can compose, writers in the order of `sites`."""
-    from annotated.sites import sites
-
-    out = []
-    for writer in sites(model):
-        for reader in sites(model):
-            for kind in KINDS:
-                if norms_between(model, writer, reader, "q" if kind == "Q" else "kv") is not None:
-                    out.append((writer, reader, kind))
-    return out
+    return [
+        (writer, reader, kind)
+        for writer, reader, kind in itertools.product(sites(model), sites(model), KINDS)
+        if norms_between(model, writer, reader, "q" if kind == "Q" else "kv") is not None
+    ]
 
 
 # %% [markdown]

@@ -283,9 +283,8 @@ def intervene(
     head: int,
     pieces: Callable[[Sequence[int]], list[str]] | None = None,
     lexicon: dict[str, list[tuple[str, float]]] | None = None,
-    hows: Sequence[str] = HOWS,
 ) -> dict[str, Any]:
-    """Head `head` of `site` and a random neighbour, each replaced `hows` ways: the changes of section intro's
+    """Head `head` of `site` and a random neighbour, each replaced the `HOWS` ways: the changes of section intro's
     measures. The translation measure needs `pieces` and `lexicon`, and a cross-attention site."""
     model = model.eval()
     other = neighbour(model, site, head)
@@ -315,7 +314,7 @@ def intervene(
     for (name, c), terms in zip(tested.items(), clean.terms):
         swaps, fallback = replacements(terms, batches)
         record.setdefault("fallback", fallback)
-        for how in hows:
+        for how in HOWS:
             changed = run_pass(model, batches, [c], swaps[how], measure, memory)
             after = np.array([float(r.sum()) for r in changed.reference])
             record["reference"].setdefault(how, {})[name] = _change(base, after, tokens)

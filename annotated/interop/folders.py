@@ -385,15 +385,11 @@ def _import(args, door) -> None:
     out, has_tokenizer = import_marian(
         Path(args.hf_dir), Path(args.out), args.attention, args.src, args.tgt, overwrite=args.overwrite
     )
-    print(
-        f"wrote {out}"
-        + (
-            ""
-            if has_tokenizer
-            else ": without a tokenizer (its sentencepiece model does "
-            "not use this project's ids), so it translates token ids, not text"
-        )
+    note = (
+        ": without a tokenizer (its sentencepiece model does not use this project's ids), so it translates token ids, "
+        "not text"
     )
+    print(f"wrote {out}{'' if has_tokenizer else note}")
 
 
 def main(argv: list[str] | None = None) -> int:

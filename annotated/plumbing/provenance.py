@@ -23,11 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def installed_packages() -> dict[str, str]:
     """{distribution name (lower case): version} of every package this interpreter can import."""
-    found = {}
-    for dist in metadata.distributions():
-        name = dist.metadata["Name"]
-        if name:
-            found[name.lower()] = dist.version
+    found = {dist.metadata["Name"].lower(): dist.version for dist in metadata.distributions() if dist.metadata["Name"]}
     return dict(sorted(found.items()))
 
 
