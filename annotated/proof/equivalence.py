@@ -78,6 +78,7 @@ from tqdm import tqdm
 from annotated import transformer
 from annotated.checks import check_source_and_target
 from annotated.door import Door
+from annotated.plumbing.options import at_least
 from annotated.proof.harness import (
     MHA_MODES,
     TOL,
@@ -685,10 +686,8 @@ PARTS = {
 
 def run_checks(
     examples: int = 300,
-    sdpa_examples: int = 100,
     copy_steps: int = 150,
     checkpoint: str | None = None,
-    exact_cases: int = 200,
     progress: bool = False,
 ):
     """All checks, each row tagged with its part. Returns (results, identities)."""
@@ -696,10 +695,10 @@ def run_checks(
     parts = {
         "symbolic": [sym],
         "tracers": tracer_checks(progress),
-        "exact": check_exact_whole(exact_cases, progress),
+        "exact": check_exact_whole(progress=progress),
         "numerical": check_forms(examples, progress)
         + check_torch_mha(progress)
-        + check_sdpa_paths(sdpa_examples, progress)
+        + check_sdpa_paths(progress=progress)
         + check_copy_model(steps=copy_steps, progress=progress)
         + ([] if checkpoint is None else check_checkpoint(checkpoint)),
     }
@@ -758,11 +757,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also compare both forms of a trained checkpoint (a .pt file, or shipped:de-en / shipped:en-de for a "
         "model shipped in the package)",
     )
-    ap.add_argument("--examples", type=int, default=300, help="Hypothesis cases for per-head vs fused")
-    ap.add_argument("--copy-steps", type=int, default=150, help="training steps of the copy-task model")
+    ap.add_argument("--examples", type=at_least(1), default=300, help="Hypothesis cases for per-head vs fused")
+    ap.add_argument("--copy-steps", type=at_least(1), default=150, help="training steps of the copy-task model")
     args = ap.parse_args(argv)
-    if args.examples < 1 or args.copy_steps < 1:
-        ap.error("--examples and --copy-steps must be positive")
     checkpoint = door.given_checkpoint(args)  # a shipped model by name or path: found and its sha256 checked
     # Every tensor here is tiny: one thread is as fast, and is not slowed down by other busy processes.
     torch.set_num_threads(1)
