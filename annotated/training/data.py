@@ -379,8 +379,6 @@ def case_augmented(pairs: Sequence[tuple[str, str]], share: float, seed: int = 0
     >>> case_augmented([("Ein Hund.", "A dog."), ("Zwei Männer.", "Two men.")], 1.0, seed=0)[2:]
     [('ZWEI MÄNNER.', 'TWO MEN.'), ('ein hund.', 'a dog.')]
     """
-    if not 0 <= share <= 1:
-        raise ValueError(f"share must be in [0, 1], got {share}")
     chosen = random.Random(seed).sample(range(len(pairs)), round(share * len(pairs)))
     cased = (str.upper, str.lower)
     return list(pairs) + [(cased[n % 2](pairs[i][0]), cased[n % 2](pairs[i][1])) for n, i in enumerate(chosen)]
@@ -754,8 +752,6 @@ def make_batches(
     """
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if not isinstance(pad_to, int) or pad_to < 1:
-        raise ValueError(f"pad_to must be a positive int, got {pad_to!r}")
     if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
     if not encoded:

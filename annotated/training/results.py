@@ -149,8 +149,6 @@ def length_penalty_of_run(
     meta."""
     if cfg.length_penalty is not None:
         return {"chosen": cfg.length_penalty, "chosen_on": "the settings"}
-    if not val_pairs:
-        raise ValueError("length_penalty None is chosen on validation pairs, and the run has none")
     model, _, _ = load_checkpoint(tested.get("averaged", tested["best"]))
     alpha, bleu = choose_length_penalty(
         model.to(dev), tokenizer, val_pairs, cfg.beam_size, device=dev, progress=progress
