@@ -13,15 +13,9 @@ DOOR.checkpoint(args)                       # args.checkpoint: chosen, announced
 DOOR.outputs(args, OUTPUTS, args.checkpoint)    # args.out: --out, else beside it; no earlier output lost
 ```
 
-**The checkpoint** is chosen by `choose_checkpoint` (`annotated/shipped/`), said in one line on stderr when the
-command chose it, and must be a file (`checkpoint_file` of `annotated/checkpoint.py`), before anything is loaded.
-
-**The outputs.** A command declares the files it writes; they go into `--out`, else beside the checkpoint
-(`outputs_beside`: the box is read-only), and when one of them is already there the command stops before any
-work unless it was given `--force` (the export's flag is `--overwrite`).
-
-**One line, exit 2.** `fail` prints `<name>: error: <what is wrong and the fix>`, the fix written as the user
-types it (`typed`), at a shell or under `make`. `tests/plumbing/test_door.py`.
+The checkpoint is `choose_checkpoint`'s (`annotated/shipped/`); outputs go beside it (`outputs_beside`: the box is
+read-only); a refusal is one line, exit 2, its fix written as the user types it, at a shell or under `make`
+(`typed`; `tests/plumbing/test_door.py`).
 """
 
 from __future__ import annotations

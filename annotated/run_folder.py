@@ -2,11 +2,8 @@
 
 Training writes each run into `runs/<name>/` (the names are the constants below) and points `runs/latest` at the
 newest run. A run's **model** (`run_model`) is `averaged.pt` where the run averaged its last epochs (the `cpu` and
-`gpu` presets do), else `best.pt`: the rule is fixed before any test score is seen, never chosen by it. The latest
-run (`latest_checkpoint`) is the model of `runs/latest`, a symlink to a run directory or a text file naming one
-(relative to `runs/`, or as a path), else that of the run whose `best.pt` was written last; `latest_run` narrows
-it to a direction (`de-en`), read from the run's `config.json`. With no run at all, a command uses the model
-shipped in the box (`choose_checkpoint` of `annotated/shipped/`).
+`gpu` presets do), else `best.pt`: the rule is fixed before any test score is seen, never chosen by it. With no
+run at all, a command uses the model shipped in the box (`choose_checkpoint` of `annotated/shipped/`).
 
 >>> run_model(Path("no such run")) is None
 True
