@@ -141,10 +141,6 @@ def _linear(ours: str, x: str, hf: str) -> list[tuple[str, str, bool]]:
     return [(f"{ours}.W_{x}", f"{hf}.weight", True), (f"{ours}.b_{x}", f"{hf}.bias", False)]
 
 
-def _attention(ours: str, hf: str) -> list[tuple[str, str, bool]]:
-    return [pair for x, proj in zip("QKVO", ("q", "k", "v", "out")) for pair in _linear(ours, x, f"{hf}.{proj}_proj")]
-
-
 def _norm(ours: str, hf: str) -> list[tuple[str, str, bool]]:
     return [(f"{ours}.ln.weight", f"{hf}.weight", False), (f"{ours}.ln.bias", f"{hf}.bias", False)]
 
@@ -164,9 +160,9 @@ def name_pairs(N: int) -> list[tuple[str, str, bool]]:
         for side, sublayers in attentions.items():
             ours, hf = f"{side}.layers.{i}", f"model.{side}.layers.{i}"
             for attn, res, theirs in sublayers:
-                pairs += _attention(f"{ours}.{attn}", f"{hf}.{theirs}") + _norm(
-                    f"{ours}.{res}", f"{hf}.{theirs}_layer_norm"
-                )
+                for x, proj in zip("QKVO", ("q", "k", "v", "out")):  # the attention's four projections
+                    pairs += _linear(f"{ours}.{attn}", x, f"{hf}.{theirs}.{proj}_proj")
+                pairs += _norm(f"{ours}.{res}", f"{hf}.{theirs}_layer_norm")
             pairs += _linear(f"{ours}.ffn", "1", f"{hf}.fc1") + _linear(f"{ours}.ffn", "2", f"{hf}.fc2")
             pairs += _norm(f"{ours}.res_ffn", f"{hf}.final_layer_norm")
     return pairs
