@@ -11,9 +11,8 @@ if __name__ == "__main__":
     run_main(main)
 ```
 
-and `run_main` finds the name here, by the module's file; a command that prints its name in its own messages takes it
-from `name_of(__file__)`, and its options parser from `Parser(command=__file__)` (`annotated/plumbing/options.py`:
-errors start with the name, the usage line with `usage_of(__file__)`, how the command is typed).
+and `run_main` finds the name here, by the module's file; its own messages and its options parser take it through
+`Door(__file__)` (`annotated/door.py`) or `Parser(command=__file__)` (`annotated/plumbing/options.py`).
 
 **Start-up.** The Ctrl-C handler of the protocol (`annotated/plumbing/interrupts.py`) must be in place before torch
 loads. Python imports a module's packages before it runs the module, so the packages' `__init__.py` (`annotated/`,

@@ -11,10 +11,8 @@ Each checkpoint carries the length penalty that a run's own rule picks on valida
 alpha 4 for both), and every command that decodes it uses it; its card records the choice
 (`tests/shipped/test_shipped_length_penalty.py`: `test_the_shipped_alpha_is_the_one_the_rule_picks_on_validation`).
 
-**Checked on load.** A model file is used only if its sha256 is the one its card names (`shipped_model`); one
-that differs is refused, with how to get the right one back.
-
-**Which model a command uses** is `choose_checkpoint`'s rule; the box is read-only (`outputs_beside`).
+A model file is used only if its sha256 is its card's (`shipped_model`). Which model a command uses is
+`choose_checkpoint`'s rule; the box is read-only (`outputs_beside`).
 """
 
 from __future__ import annotations
