@@ -9,9 +9,9 @@ Which products: those whose weight has at least `MIN_WEIGHTS` = 65,536 entries, 
 than in float32 when timed alone at 256 rows (`python -m benchmarks.int8_products`,
 benchmarks/README.md#which-products-int8-pays-for): for the shipped models (d_model = 128) the feed-forward
 networks and the generator, from d_model = 256 on the attention projections too. Inside the beam search, most
-of whose steps run fewer rows, the same products measured no faster than float32 on the Xeon that page names,
-and the whole int8 search slower than the float32 one
-(benchmarks/README.md#each-engine-at-its-best-on-n-threads-and-where-ours-loses-on-the-xeon): quantizing x
+of whose steps run fewer rows, the generator gained less in int8 and the feed-forward products lost, so the int8
+search was no faster than the float32 one on the Xeon that page names
+(benchmarks/README.md#one-thread-on-the-idle-xeon-both-directions): quantizing x
 costs a pass over it at every call, which a product of few rows does not earn back. Embeddings, layer norms,
 softmax and the beam search stay float32. The fast beam loop (`search.py`, section 7) reads an int8 attention's circuits from `float_attention`.
 
