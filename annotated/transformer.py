@@ -750,7 +750,7 @@ class TransformerConfig:
 class Dropout(nn.Dropout):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training:
-            return x  # the identity, returned at once: decoding calls dropout a dozen times a step
+            return x  # the identity, returned at once: a search calls it at every sublayer of every step
         if not (FAST_PATH and self.p > 0 and x.device.type == "cpu"):
             return super().forward(x)
         c = min(round(self.p * 65536), 65535)  # P(drop) = c / 65536

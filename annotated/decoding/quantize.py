@@ -17,8 +17,8 @@ softmax and the beam search stay float32. The fast beam loop (`search.py`, secti
 
 Why this API: torchao's `quantize_`, which replaces `torch.ao.quantization`'s deprecated eager mode, gets its CPU
 speed from `torch.compile`, which a translator started per command would pay for at every start
-(benchmarks/README.md#levers-the-first-fast-loop-and-int8), and which made the fast loop's float32 step slower, not
-faster, on that Xeon (benchmarks/README.md#one-thread-on-the-idle-xeon-both-directions); the dynamic linear layer
+(benchmarks/README.md#levers-the-first-fast-loop-and-int8), and which on the idle Xeon made the fast loop's float32
+step slower, not faster (benchmarks/README.md#one-thread-on-the-idle-xeon-both-directions); the dynamic linear layer
 ships in torch itself, and its deprecation warnings are silenced only around the calls that build it.
 """
 
