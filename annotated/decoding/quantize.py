@@ -5,15 +5,17 @@ layer (`torch.ao.nn.quantized.dynamic.Linear`): W stored in int8 with one scale 
 to int8 at each call from its own range, the product accumulated in int32 and scaled back to float32. The
 weights are packed for oneDNN, which runs these products on the CPU's int8 instructions (AVX-512 VNNI, AMX).
 
-Which products: those whose weight has at least `MIN_WEIGHTS` = 65,536 entries, the ones that ran faster in int8
-than in float32 when timed alone at 256 rows (`python -m benchmarks.int8_products`,
-benchmarks/README.md#which-products-int8-pays-for): for the shipped models (d_model = 128) the feed-forward
-networks and the generator, from d_model = 256 on the attention projections too. Inside the beam search, most
-of whose steps run fewer rows, the generator gained less in int8 and the feed-forward products lost, so the int8
-search was no faster than the float32 one on the Xeon that page names
-(benchmarks/README.md#one-thread-on-the-idle-xeon-both-directions): quantizing x
-costs a pass over it at every call, which a product of few rows does not earn back. Embeddings, layer norms,
-softmax and the beam search stay float32. The fast beam loop (`search.py`, section 7) reads an int8 attention's circuits from `float_attention`.
+Which products: those whose weight has at least `MIN_WEIGHTS` = 524,288 (2^19) entries, the fewest from which int8
+ran faster than float32 at every row count a beam step runs, 4 to 256 rows, when each product was timed alone on the
+Xeon benchmarks/README.md names (`python -m benchmarks.int8_products`,
+benchmarks/README.md#which-products-int8-pays-for): quantizing x costs a pass over it at every call, which a product
+of 2^18 weights earned back from 32 rows on and a product of 2^16 only at 256. For the shipped models (d_model =
+128, d_ff = 512) that is the generator alone (128 x 5,000); with d_ff = 4 d_model the feed-forward networks reach it
+from d_model = 512 on (512 x 2,048), the fused attention projections from d_model = 1,024. 2^19 float32 weights fill
+2 MiB, that Xeon's L2 cache per core; whether the cache sets the threshold was not tested. On another CPU, run the
+benchmark and pass what it shows as `quantize_int8(model, min_weights=...)`. Embeddings, layer norms, softmax and
+the beam search stay float32. The fast beam loop (`search.py`, section 7) reads an int8 attention's circuits from
+`float_attention`.
 
 Why this API: torchao's `quantize_`, which replaces `torch.ao.quantization`'s deprecated eager mode, gets its CPU
 speed from `torch.compile`, which a translator started per command would pay for at every start
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 from annotated.transformer import EncoderDecoder, FeedForward, FusedAttention, _Attention
 
 QUANTIZATIONS = ("int8",)
-MIN_WEIGHTS = 1 << 16  # a product with fewer weights stays float32 (above)
+MIN_WEIGHTS = 1 << 19  # a product with fewer weights stays float32 (above)
 ENGINE = "onednn"  # packs the weights for oneDNN's int8 kernels (faster here than fbgemm's, the "x86" default)
 
 
@@ -98,21 +100,23 @@ def float_attention(attn: _Attention) -> _Attention:
     return view
 
 
-def quantize_int8(model: EncoderDecoder) -> EncoderDecoder:
-    """A copy of `model` (eval mode) whose products with at least MIN_WEIGHTS weights run in int8, among the
+def quantize_int8(model: EncoderDecoder, min_weights: int = MIN_WEIGHTS) -> EncoderDecoder:
+    """A copy of `model` (eval mode) whose products with at least `min_weights` weights run in int8, among the
     fused attention projections, the feed-forward networks and the generator (the per-head form's h products
     per projection, each h times smaller, stay float32)."""
+    if min_weights < 1:
+        raise ValueError(f"min_weights must be at least 1, got {min_weights}")
     quantized = copy.deepcopy(model).eval()
     with _packing_for(ENGINE):
         for module in list(quantized.modules()):
             products = "QKVO" if isinstance(module, FusedAttention) else "12" if isinstance(module, FeedForward) else ""
             for name in products:  # W and b as one Int8Affine in W's place, b None: the chapter's affine(x, W, b)
                 W, b = getattr(module, f"W_{name}"), getattr(module, f"b_{name}")  # is then x @ W, the layer's call
-                if W.numel() >= MIN_WEIGHTS:
+                if W.numel() >= min_weights:
                     delattr(module, f"W_{name}")
                     setattr(module, f"b_{name}", None)
                     setattr(module, f"W_{name}", Int8Affine(W, b))
         W_gen, b_gen = quantized.generator.weight, quantized.generator.bias  # (vocab, d_model), (vocab,)
-        if W_gen.numel() >= MIN_WEIGHTS:  # logits = y W_gen^T + b: an Int8Affine of W = W_gen^T (d_model, vocab)
+        if W_gen.numel() >= min_weights:  # logits = y W_gen^T + b: an Int8Affine of W = W_gen^T (d_model, vocab)
             setattr(quantized, "generator", Int8Affine(W_gen.t(), b_gen))  # noqa: B010 the attribute is typed Generator
     return quantized

@@ -69,6 +69,32 @@ def at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def comma_list(item: Callable[[str], object]) -> Callable[[str], list]:
+    """Values separated by commas, each checked by `item`; an error names the entry that is wrong.
+
+    >>> comma_list(at_least(1))("4,16, 256")
+    [4, 16, 256]
+    >>> comma_list(at_least(1))("4,0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: entry '0' of '4,0' must be a whole number >= 1, got '0'
+    """
+
+    def parse(text: str) -> list:
+        entries = [e.strip() for e in text.split(",")]
+        if not all(entries):
+            raise argparse.ArgumentTypeError(f"must be entries separated by commas, none empty, got {text!r}")
+        values = []
+        for e in entries:
+            try:
+                values.append(item(e))
+            except argparse.ArgumentTypeError as error:
+                raise argparse.ArgumentTypeError(f"entry {e!r} of {text!r} {error}") from None
+        return values
+
+    return parse
+
+
 def number(low: float | None, high: float | None, *, above: bool = False) -> Callable[[str], float]:
     """A finite number in [low, high] (either end may be None: open); `above=True` excludes `low` itself.
 

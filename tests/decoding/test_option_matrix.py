@@ -9,9 +9,11 @@ the int8 model.
 
 The models: random weights, each matrix entry moved by noise of standard deviation 1 / sqrt(d_model) (the size of
 Xavier's initialisation, so attention scores and logits spread over a few units, as a trained model's do), each
-vector (biases, layer norms' gains and shifts) by noise of 0.5, so that a bias lost by a loop shows. With 512 target
-subwords and d_ff = 4 d_model every feed-forward product and the generator reach quantize.py's MIN_WEIGHTS at every
-size; the attention projections from d_model 256 on, in the fused form.
+vector (biases, layer norms' gains and shifts) by noise of 0.5, so that a bias lost by a loop shows. The int8 cells
+quantize every product of at least INT8_FROM = 65,536 weights (below quantize.py's MIN_WEIGHTS, which at these sizes
+would leave most products float32), so that each kind of product runs in int8 at every size: with 512 target
+subwords and d_ff = 4 d_model every feed-forward product and the generator, and the attention projections from
+d_model 256 on, in the fused form.
 
 Tolerances (measured with this file's models on the 2-core Xeon, model 207):
 
@@ -51,6 +53,7 @@ MAX_EXTRA = 8
 LENGTHS = (3, 5, 8, 11)  # four sources, so sentences leave the beam search at different steps
 INT8_LOGITS = 0.10  # relative root-mean-square of the logits (above)
 INT8_SCORE = 0.1  # nats per token (above)
+INT8_FROM = 1 << 16  # the int8 cells' min_weights (above)
 
 
 def _noisy(model, d_model: int):
@@ -111,7 +114,7 @@ def float32_model(shape: str, form: str):
 @functools.cache
 def model(shape: str, form: str, quantization: str):
     m = float32_model(shape, form)
-    return quantize_int8(m) if quantization == "int8" else m
+    return quantize_int8(m, min_weights=INT8_FROM) if quantization == "int8" else m
 
 
 def sources(shape: str) -> list[list[int]]:
@@ -149,7 +152,7 @@ def test_every_cell_translates(shape, form, quantization, beam, loop):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("form", FORMS)
-def test_int8_quantizes_every_product_that_reaches_min_weights(shape, form):
+def test_int8_quantizes_every_product_that_reaches_its_min_weights(shape, form):
     """The feed-forward networks and the generator at every size; the fused attention projections from d_model 256
     (256 x 256 = 65,536 weights) on; the per-head form's h smaller products never."""
     quantized = model(shape, form, "int8")
@@ -217,12 +220,14 @@ TEXTS = ["Ein Hund rennt über die Wiese.", "Zwei Männer spielen Fußball im Pa
 
 @pytest.mark.parametrize("beam", BEAMS)
 def test_the_translator_quantizes_a_d_model_512_model_with_beam_search(tmp_path, beam):
-    """`--quantize int8` on the paper's d_model (every product int8): the translator answers what `translate_ids`
-    gives on the int8 model, at beam 1 and beam 4."""
+    """`--quantize int8` on the paper's d_model: the translator answers what `translate_ids` gives on the int8 model
+    (its 512 x 1,024 feed-forward products reach quantize.py's MIN_WEIGHTS), at beam 1 and beam 4."""
     shape = dict(d_model=512, d_ff=1024, h=8, tied=False, noise=1 / math.sqrt(512), vector_noise=0.5)
     m, tokenizer = tiny_translator(TEXTS * 20, 320, tmp_path, seed=7, **shape)
     save_checkpoint(tmp_path / "model.pt", m, tokenizer, DE_EN)
-    want = translate_ids(quantize_int8(m), [tokenizer.encode(TEXTS[0])], beam, ALPHA)[0]
+    quantized = quantize_int8(m)
+    assert all(isinstance(layer.ffn.W_1, Int8Affine) for layer in quantized.decoder.layers)
+    want = translate_ids(quantized, [tokenizer.encode(TEXTS[0])], beam, ALPHA)[0]
     out, err = io.BytesIO(), io.StringIO()
     argv = ["--checkpoint", str(tmp_path / "model.pt"), "--device", "cpu", "--quantize", "int8", "--case", "as-typed"]
     assert translator([*argv, "--beam", str(beam), TEXTS[0]], stdout=out, stderr=err) == 0, err.getvalue()

@@ -44,32 +44,45 @@ def test_int8_bleu_stays_within_the_margin_of_float32(shipped, data_url):
     assert abs(bleu["int8"] - bleu["float32"]) <= MARGIN, bleu
 
 
-def test_the_large_products_are_int8_the_small_ones_float32_and_the_original_is_untouched(shipped):
-    """Shipped model: the feed-forward networks (128 x 512, 512 x 128) and the generator (128 x 5,000) reach
-    MIN_WEIGHTS and run in int8; the 128 x 128 attention projections stay float32 Parameters."""
+def test_the_shipped_model_runs_its_generator_alone_in_int8_and_the_original_is_untouched(shipped):
+    """Shipped model: the generator (128 x 5,000 = 640,000 weights) reaches MIN_WEIGHTS and runs in int8; the
+    feed-forward networks (128 x 512, 512 x 128) and the 128 x 128 attention projections stay float32 Parameters."""
     model = shipped[0]
     quantized = quantize_int8(model)
     ffns = [m for m in quantized.modules() if isinstance(m, FeedForward)]
     attentions = [m for m in quantized.modules() if isinstance(m, FusedAttention)]
     assert len(ffns) == 2 * model.config.N and len(attentions) == 3 * model.config.N
     for ffn in ffns:
-        assert isinstance(ffn.W_1, Int8Affine) and isinstance(ffn.W_2, Int8Affine)
-        assert ffn.b_1 is None and ffn.b_2 is None  # inside the int8 layers now
+        assert isinstance(ffn.W_1, torch.nn.Parameter) and isinstance(ffn.W_2, torch.nn.Parameter)
+        assert ffn.W_1.numel() < MIN_WEIGHTS
     for attention in attentions:
         assert all(isinstance(getattr(attention, f"W_{n}"), torch.nn.Parameter) for n in "QKVO")
-        assert attention.W_Q.numel() < MIN_WEIGHTS
     assert isinstance(quantized.generator, Int8Affine)
     assert isinstance(quantized.tgt_embed.weight, torch.nn.Parameter)  # the tied table still embeds in float32
     assert isinstance(model.generator.weight, torch.nn.Parameter)  # the original keeps its own
-    assert isinstance(model.decoder.layers[0].ffn.W_1, torch.nn.Parameter)
+
+
+def test_min_weights_chooses_the_products(shipped):
+    """min_weights = 65,536: the feed-forward products join the generator in int8, with their biases inside the
+    int8 layers; the attention projections (16,384 weights) stay float32. Below 1 is refused."""
+    quantized = quantize_int8(shipped[0], min_weights=1 << 16)
+    for ffn in (m for m in quantized.modules() if isinstance(m, FeedForward)):
+        assert isinstance(ffn.W_1, Int8Affine) and isinstance(ffn.W_2, Int8Affine)
+        assert ffn.b_1 is None and ffn.b_2 is None
+    for attention in (m for m in quantized.modules() if isinstance(m, FusedAttention)):
+        assert all(isinstance(getattr(attention, f"W_{n}"), torch.nn.Parameter) for n in "QKVO")
+    assert isinstance(quantized.generator, Int8Affine)
+    assert isinstance(shipped[0].decoder.layers[0].ffn.W_1, torch.nn.Parameter)  # the original keeps its own
+    with pytest.raises(ValueError, match="min_weights must be at least 1, got 0"):
+        quantize_int8(shipped[0], min_weights=0)
 
 
 def test_large_attention_projections_are_int8_too():
-    """A d_model = 256 model: its 256 x 256 attention projections reach MIN_WEIGHTS and run in int8, and the
-    int8 model's logits stay near float32's."""
+    """A d_model = 256 model quantized from 65,536 weights on: its 256 x 256 attention projections run in int8,
+    and the int8 model's logits stay near float32's."""
     torch.manual_seed(0)
     model = make_model(src_vocab=300, tgt_vocab=300, N=1, d_model=256, d_ff=512, h=4, dropout=0.0).eval()
-    quantized = quantize_int8(model)
+    quantized = quantize_int8(model, min_weights=1 << 16)
     attention = quantized.decoder.layers[0].self_attn
     assert all(isinstance(getattr(attention, f"W_{n}"), Int8Affine) for n in "QKVO")
     src, tgt = torch.randint(3, 300, (2, 7)), torch.randint(3, 300, (2, 5))
@@ -95,7 +108,9 @@ def test_the_translator_quantizes_when_asked(shipped):
 
 
 def test_the_per_head_form_quantizes_its_feed_forward_networks_and_generator(shipped):
-    quantized = quantize_int8(convert_model(shipped[0], "per_head"))
+    per_head = convert_model(shipped[0], "per_head")
+    assert isinstance(quantize_int8(per_head).generator, Int8Affine)
+    quantized = quantize_int8(per_head, min_weights=1 << 16)
     assert isinstance(quantized.generator, Int8Affine)
     assert all(isinstance(m.W_1, Int8Affine) for m in quantized.modules() if isinstance(m, FeedForward))
 
@@ -107,7 +122,7 @@ def test_int8_weights_have_one_scale_per_output_column():
     model = make_model(src_vocab=600, tgt_vocab=600, N=1, d_model=128, d_ff=64, h=4, dropout=0.0).eval()
     with torch.no_grad():
         model.generator.weight.mul_(torch.logspace(-3, 0, 600).unsqueeze(1))  # row v of W_gen: token v's column
-    quantized = quantize_int8(model)
+    quantized = quantize_int8(model, min_weights=1 << 16)  # the generator's 76,800 weights in int8
     assert isinstance(quantized.generator, Int8Affine)
     y = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))  # (64, d_model)
     with torch.no_grad():
@@ -121,9 +136,9 @@ def test_int8_weights_have_one_scale_per_output_column():
 
 
 def test_an_int8_model_keeps_its_biases():
-    """A d_model = 256 model (attention projections, feed-forward networks and generator all in int8) whose
-    biases are drawn at unit size: its int8 logits stay near float32's only if every int8 product adds its
-    bias."""
+    """A d_model = 256 model quantized from 65,536 weights on (attention projections, feed-forward networks and
+    generator all in int8) whose biases are drawn at unit size: its int8 logits stay near float32's only if every
+    int8 product adds its bias."""
     torch.manual_seed(0)
     model = make_model(src_vocab=300, tgt_vocab=300, N=1, d_model=256, d_ff=512, h=4, dropout=0.0).eval()
     g = torch.Generator().manual_seed(1)
@@ -131,7 +146,7 @@ def test_an_int8_model_keeps_its_biases():
         for name, p in model.named_parameters():
             if ".b_" in name or name == "generator.bias":  # the products' biases (zero when made)
                 p.copy_(torch.randn(p.shape, generator=g))
-    quantized = quantize_int8(model)
+    quantized = quantize_int8(model, min_weights=1 << 16)
     layer = quantized.decoder.layers[0]
     assert isinstance(layer.self_attn.W_Q, Int8Affine) and isinstance(layer.ffn.W_1, Int8Affine)
     assert isinstance(quantized.generator, Int8Affine)
@@ -152,7 +167,7 @@ def test_quantize_int8_leaves_torchs_quantized_engine_as_it_found_it():
     other = next(e for e in torch.backends.quantized.supported_engines if e not in (ENGINE, "none"))
     try:
         torch.backends.quantized.engine = other
-        assert isinstance(quantize_int8(model).generator, Int8Affine)  # something was packed
+        assert isinstance(quantize_int8(model, min_weights=1 << 16).generator, Int8Affine)  # something was packed
         assert torch.backends.quantized.engine == other
     finally:
         torch.backends.quantized.engine = before
