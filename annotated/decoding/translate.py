@@ -561,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize",
         choices=QUANTIZATIONS,
         default=None,
-        help="int8: the matrix products in int8 on the CPU (annotated/decoding/quantize.py; default: float32)",
+        help="int8: the largest matrix products in int8 on the CPU (annotated/decoding/quantize.py says which; default: float32)",
     )
     return p
 
